@@ -1,0 +1,5 @@
+import sys
+
+from cukern.cli import main
+
+sys.exit(main())

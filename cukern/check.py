@@ -1,0 +1,89 @@
+"""The CPU-only compile check behind ``python -m cukern check --arch sm_XX``.
+
+For each arch: compile every family unit with NVRTC (no GPU, no driver), then
+for each declared kernel read its ``.entry`` from the PTX and check the
+calling convention: every parameter but the last is a device pointer
+(``.u64``), the last is the declared struct, of the dtype's size and
+alignment. Entries in the PTX that no FamilySpec declares are errors too
+(an undeclared kernel could never be launched through a Dispatch). Each
+params header is also compiled as a layout probe (``cukern.params``), whose
+``static_assert``\\ s pin every offset to the NumPy dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cukern import families as _families
+from cukern import params, runtime
+
+
+@dataclass
+class Row:
+    arch: int
+    unit: str
+    kernel: str
+    struct: str
+    struct_size: int  # bytes, from the NumPy dtype
+    ptx_size: int  # bytes, from the PTX (-1 when unknown)
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+
+def check_family(spec: runtime.FamilySpec, arch: int) -> list[Row]:
+    structs = params.load_header(spec.params_header)
+    names = tuple(k.name for k in spec.kernels)
+    try:
+        compiled = runtime.compile_ptx(spec.name, spec.unit_source(), names, arch, spec.defines)
+    except runtime.CukernError as e:
+        return [Row(arch, spec.name, "(unit)", "", 0, -1, str(e))]
+    rows = []
+    for k in spec.kernels:
+        struct = structs.get(k.params)
+        if struct is None:
+            rows.append(Row(arch, spec.name, k.name, k.params, 0, -1,
+                            f"{spec.params_header} declares no struct {k.params}"))
+            continue
+        size, align = struct.dtype.itemsize, struct.dtype.alignment
+        ps = compiled.params(k.name)
+        row = Row(arch, spec.name, k.name, k.params, size, ps[-1].size if ps else -1)
+        if not ps:
+            row.error = "takes no parameters (expected pointers, then the struct)"
+        elif ps[-1].kind != ".b8" or ps[-1].size != size or ps[-1].align != align:
+            row.error = (f"last parameter is {ps[-1].kind}[{ps[-1].size}] align {ps[-1].align}; "
+                         f"{k.params} is {size} bytes, align {align}")
+        else:
+            bad = [p for p in ps[:-1] if p.kind not in (".u64", ".b64")]
+            if bad:
+                row.error = (f"parameter {bad[0].index} is {bad[0].kind}: only device pointers may precede "
+                             f"the struct (no bare scalars in a launch)")
+        rows.append(row)
+    declared = set(compiled.lowered.values())
+    for entry in runtime.ptx_entries(compiled.ptx):
+        if entry not in declared:
+            rows.append(Row(arch, spec.name, entry, "", 0, -1, "kernel in the unit but not declared in its FamilySpec"))
+    return rows
+
+
+def check_header(header: str, arch: int) -> Row:
+    n = len(params.load_header(header))
+    try:
+        runtime.compile_ptx(f"probe:{header}", params.layout_probe_source(header), (), arch)
+    except runtime.CukernError as e:
+        return Row(arch, f"probe:{header}", f"layout of {n} structs", "", 0, -1, str(e))
+    return Row(arch, f"probe:{header}", f"layout of {n} structs", "", 0, 0)
+
+
+def run(archs, family_names=None) -> list[Row]:
+    import cukern
+    specs = _families() if not family_names else [cukern.family(n) for n in family_names]
+    rows = []
+    for arch in archs:
+        for spec in specs:
+            rows.extend(check_family(spec, arch))
+        headers = sorted({s.params_header for s in specs})
+        rows.extend(check_header(h, arch) for h in headers)
+    return rows

@@ -1,0 +1,108 @@
+"""``python -m cukern``: info, check.
+
+* ``info``  - GPU, compute capability, SMs, memory, driver/runtime/NVRTC/CuPy
+  versions and the kernel cache location; says plainly when there is no GPU.
+* ``check`` - compile every kernel with NVRTC for the given archs (no GPU
+  needed) and list each kernel with its parameter-struct size from the PTX;
+  exits 1 on any error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+
+
+def _version(fn) -> str:
+    try:
+        return fn()
+    except Exception as e:  # a missing driver or library is a fact to report, not a crash
+        return f"unavailable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+
+
+def _cuda_version(v: int) -> str:
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+def cmd_info(args) -> int:
+    import numpy as np
+
+    import cukern
+    print(f"cukern          {cukern.__version__}")
+    print(f"python          {platform.python_version()}")
+    print(f"numpy           {np.__version__}")
+    try:
+        import cupy
+    except ImportError:
+        print("cupy            not installed (pip install 'cukern[cuda12]' or 'cukern[cuda13]')")
+        return 0
+    from cupy.cuda import nvrtc, runtime as cudart
+
+    from cukern import runtime
+    print(f"cupy            {cupy.__version__}")
+    print(f"nvrtc           {_version(lambda: '.'.join(map(str, nvrtc.getVersion())))}")
+    print(f"cuda runtime    {_version(lambda: _cuda_version(cudart.runtimeGetVersion()))}")
+    print(f"cuda driver     {_version(lambda: _cuda_version(cudart.driverGetVersion()))}")
+    print(f"cuda headers    {_version(lambda: runtime.cuda_include_dir() or 'not found')}")
+    print(f"kernel cache    {os.environ.get('CUPY_CACHE_DIR', os.path.expanduser('~/.cupy/kernel_cache'))}")
+    print(f"sources         {_version(lambda: str(runtime.source_root()))}")
+    try:
+        count = cudart.getDeviceCount()
+    except Exception as e:
+        count, reason = 0, f"{type(e).__name__}: {e}"
+    else:
+        reason = "the driver reports 0 devices"
+    if count == 0:
+        print(f"gpu             none: no CUDA device is visible ({reason})")
+        return 0
+    for i in range(count):
+        p = cudart.getDeviceProperties(i)
+        name = p["name"].decode() if isinstance(p["name"], bytes) else p["name"]
+        free, total = cupy.cuda.Device(i).mem_info
+        print(f"gpu {i}           {name}, sm_{p['major']}{p['minor']}, {p['multiProcessorCount']} SMs, "
+              f"{total / 2**30:.1f} GiB ({free / 2**30:.1f} free), L2 {p['l2CacheSize'] / 2**20:.0f} MiB")
+    return 0
+
+
+def cmd_check(args) -> int:
+    from cukern import check, runtime
+    try:
+        archs = [runtime.parse_arch(a) for a in (args.arch or ["sm_90"])]
+        rows = check.run(archs, args.family)
+    except (runtime.CukernError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    width = max(len(r.kernel) for r in rows) if rows else 10
+    print(f"{'arch':<7} {'unit':<28} {'kernel':<{width}} {'params':<18} {'struct':>7} {'ptx':>7}  status")
+    for r in rows:
+        size = f"{r.struct_size} B" if r.struct_size else ""
+        ptx = f"{r.ptx_size} B" if r.ptx_size > 0 else ""
+        status = "ok" if r.ok else "ERROR"
+        print(f"sm_{r.arch:<4} {r.unit:<28} {r.kernel:<{width}} {r.struct:<18} {size:>7} {ptx:>7}  {status}")
+    errors = [r for r in rows if not r.ok]
+    for r in errors:
+        print(f"\nERROR sm_{r.arch} {r.unit} {r.kernel}:\n{r.error}", file=sys.stderr)
+    n_kernels = sum(1 for r in rows if not r.unit.startswith("probe:"))
+    print(f"\n{n_kernels} kernel rows, {len(rows) - n_kernels} layout probes, {len(errors)} errors "
+          f"({', '.join(f'sm_{a}' for a in archs)})")
+    return 1 if errors else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m cukern", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("info", help="GPU, versions and cache location")
+    p.set_defaults(fn=cmd_info)
+    p = sub.add_parser("check", help="compile every kernel with NVRTC (no GPU needed) and check struct sizes")
+    p.add_argument("--arch", action="append", metavar="sm_XX",
+                   help="target arch, repeatable (default sm_90); sm_80 or newer")
+    p.add_argument("--family", action="append", metavar="NAME", help="only this family (repeatable)")
+    p.set_defaults(fn=cmd_check)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.fn(args)

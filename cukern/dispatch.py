@@ -1,0 +1,172 @@
+"""The base of every family's Dispatch class, and the argument checks they share.
+
+The three tiers of a cukern operation:
+
+1. the ``__global__`` kernel in ``cuda_src/<family>/``;
+2. a launcher, :meth:`Dispatch._launch`: it checks that the kernel exists, that
+   the packed struct is the one the kernel takes, that every other argument is
+   a device pointer, and that the grid is legal, then launches on the given
+   stream inside an NVTX range (when profiling is on);
+3. the public method (``ElementwiseDispatch.rms_norm`` ...): it validates the
+   caller's arrays (``check_array``), packs the struct and picks the grid.
+
+Validation raises TypeError/ValueError before any launch; a launcher never
+synchronises, allocates or reads device memory, so dispatches can be captured
+into CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import cupy
+import numpy as np
+
+from cukern import runtime
+from cukern.params import ParamStruct, load_header
+from cukern.runtime import FamilySpec
+from cukern.streams import on_stream, resolve_stream
+
+__all__ = ["Dispatch", "check_array", "enable_nvtx", "nvtx_enabled"]
+
+_MAX_GRID = (2**31 - 1, 65535, 65535)
+
+# ----------------------------------------------------------------------------- NVTX
+
+_nvtx_on = os.environ.get("CUKERN_NVTX", "0") not in ("", "0", "false", "False")
+_nvtx_domain = None
+
+
+def enable_nvtx(on: bool = True) -> None:
+    """Wrap every dispatch in an NVTX range named after its kernel (also: CUKERN_NVTX=1)."""
+    global _nvtx_on
+    _nvtx_on = bool(on)
+
+
+def nvtx_enabled() -> bool:
+    return _nvtx_on
+
+
+def _domain():
+    global _nvtx_domain
+    if _nvtx_domain is None:
+        import nvtx
+        _nvtx_domain = nvtx.get_domain("cukern")
+    return _nvtx_domain
+
+
+# ----------------------------------------------------------------------------- argument checks
+
+def check_array(name: str, a, *, dtype=None, shape=None, ndim=None, contiguous: bool = True,
+                align: int = 0, device: int | None = None) -> cupy.ndarray:
+    """Validate a device array argument; raise TypeError/ValueError naming it.
+
+    ``dtype``: one dtype or a tuple of accepted ones. ``shape``: a tuple whose
+    entries are ints, or None for "any". ``align``: required byte alignment of
+    the data pointer (e.g. 16 for float4 loads)."""
+    if not isinstance(a, cupy.ndarray):
+        raise TypeError(f"{name} must be a cupy.ndarray on the GPU, got {type(a).__name__}")
+    if dtype is not None:
+        accepted = tuple(np.dtype(d) for d in (dtype if isinstance(dtype, (tuple, list)) else (dtype,)))
+        if a.dtype not in accepted:
+            raise TypeError(f"{name} must have dtype {' or '.join(str(d) for d in accepted)}, got {a.dtype}")
+    if ndim is not None and a.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {a.shape}")
+    if shape is not None:
+        if len(shape) != a.ndim or any(s is not None and s != n for s, n in zip(shape, a.shape)):
+            want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+            raise ValueError(f"{name} must have shape {want}, got {a.shape}")
+    if contiguous and not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous")
+    if align and a.data.ptr % align:
+        raise ValueError(f"{name} must be {align}-byte aligned (data pointer {a.data.ptr:#x})")
+    if device is not None and a.device.id != device:
+        raise ValueError(f"{name} is on device {a.device.id}, the dispatch runs on device {device}")
+    return a
+
+
+def _grid3(name: str, dims, limits) -> tuple[int, int, int]:
+    dims = (dims,) if isinstance(dims, (int, np.integer)) else tuple(dims)
+    if not 1 <= len(dims) <= 3:
+        raise ValueError(f"{name} must have 1 to 3 dimensions, got {dims}")
+    dims = dims + (1,) * (3 - len(dims))
+    for d, limit in zip(dims, limits):
+        if not isinstance(d, (int, np.integer)) or not 1 <= d <= limit:
+            raise ValueError(f"{name} {dims} is outside the CUDA limits {limits}")
+    return tuple(int(d) for d in dims)
+
+
+# ----------------------------------------------------------------------------- Dispatch
+
+class Dispatch:
+    """Base of the family dispatch classes. Subclasses set ``family``.
+
+    The family's module is compiled on first use for this dispatch's device
+    (lazily: constructing a Dispatch needs no GPU)."""
+
+    family: FamilySpec
+
+    def __init__(self, device: int | None = None):
+        self._device = device
+        self._module = None
+        self._functions: dict[str, object] = {}
+        self._structs: dict[str, ParamStruct] = load_header(self.family.params_header)
+        for k in self.family.kernels:
+            if k.params not in self._structs:
+                raise runtime.CukernError(f"family {self.family.name}: kernel {k.name} takes {k.params}, "
+                                          f"which {self.family.params_header} does not declare")
+
+    @property
+    def device_id(self) -> int:
+        return cupy.cuda.Device(self._device).id if self._device is not None else cupy.cuda.Device().id
+
+    def struct(self, name: str) -> ParamStruct:
+        return self._structs[name]
+
+    def load(self):
+        """Compile (or fetch from cache) this family's module for the device; returns it."""
+        if self._module is None:
+            with cupy.cuda.Device(self.device_id):
+                arch = runtime.device_arch()
+                names = tuple(k.name for k in self.family.kernels)
+                self._module = runtime.load_module(self.family.name, self.family.unit_source(), names, arch,
+                                                   self.family.defines)
+        return self._module
+
+    def _function(self, kernel: str, shared_mem: int = 0):
+        fn = self._functions.get(kernel)
+        if fn is None:
+            fn = self.load().get_function(kernel)
+            self._functions[kernel] = fn
+        if shared_mem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < shared_mem:
+            fn.max_dynamic_shared_size_bytes = shared_mem
+        return fn
+
+    def _launch(self, kernel: str, grid, block, pointers: tuple, params: np.void, *, stream=None,
+                shared_mem: int = 0) -> None:
+        """Launch ``kernel(*pointers, params)``; see the module docstring for what is checked."""
+        spec = self.family.kernel(kernel)
+        struct = self._structs[spec.params]
+        if not isinstance(params, np.void) or params.dtype != struct.dtype:
+            raise TypeError(f"{kernel} takes a packed {struct.name} (use struct('{struct.name}').pack(...)), "
+                            f"got {type(params).__name__}")
+        for i, p in enumerate(pointers):
+            if not isinstance(p, cupy.ndarray):
+                raise TypeError(f"{kernel}: argument {i} must be a cupy.ndarray (a device pointer), "
+                                f"got {type(p).__name__}")
+        grid = _grid3(f"{kernel}: grid", grid, _MAX_GRID)
+        block = _grid3(f"{kernel}: block", block, (1024, 1024, 64))
+        if block[0] * block[1] * block[2] > 1024:
+            raise ValueError(f"{kernel}: block {block} has more than 1024 threads")
+        stream = resolve_stream(stream)
+        fn = self._function(kernel, shared_mem)
+        with on_stream(stream):
+            if _nvtx_on:
+                dom = _domain()
+                dom.push_range(dom.get_event_attributes(message=kernel))
+                try:
+                    fn(grid, block, (*pointers, params), shared_mem=shared_mem)
+                finally:
+                    dom.pop_range()
+            else:
+                fn(grid, block, (*pointers, params), shared_mem=shared_mem)

@@ -1,0 +1,210 @@
+"""Kernel parameter structs: one source of truth, the C header.
+
+Every cukern kernel takes device pointers first and one parameter struct by
+value last (the CUDA counterpart of a Vulkan push-constant block). Each
+family declares its structs in ``cuda_src/<family>/params.cuh``; this module
+parses those declarations into NumPy structured dtypes (``align=True``
+mirrors the C layout rules), so Python never restates a layout by hand.
+
+Three checks keep the two sides honest:
+
+* :func:`layout_probe_source` generates ``static_assert``\\ s of every
+  ``sizeof``/``alignof``/``offsetof`` against the NumPy layout, compiled by
+  NVRTC on the CPU (``tests/test_params.py``);
+* ``python -m cukern check`` compares each kernel's last ``.param`` size and
+  alignment in the PTX with its struct's dtype;
+* on the GPU, an echo kernel receives a packed struct by value and writes its
+  layout and every field back (``tests/test_params.py::test_echo``).
+
+The header grammar is deliberately small: ``struct Name {`` then one field per
+line, ``type name;`` or ``type name[N];`` with an optional ``//`` comment, then
+``};``. Field types are the fixed-width integers, ``float`` and ``double``.
+Anything else is rejected with the file and line.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from cukern.runtime import source_root
+
+__all__ = ["Field", "ParamStruct", "parse_header", "load_header", "all_headers", "layout_probe_source"]
+
+C_TYPES: dict[str, np.dtype] = {
+    "int8_t": np.dtype(np.int8),
+    "uint8_t": np.dtype(np.uint8),
+    "int16_t": np.dtype(np.int16),
+    "uint16_t": np.dtype(np.uint16),
+    "int32_t": np.dtype(np.int32),
+    "uint32_t": np.dtype(np.uint32),
+    "int64_t": np.dtype(np.int64),
+    "uint64_t": np.dtype(np.uint64),
+    "float": np.dtype(np.float32),
+    "double": np.dtype(np.float64),
+}
+
+_STRUCT_OPEN = re.compile(r"^struct\s+([A-Za-z_]\w*)\s*\{\s*$")
+_FIELD = re.compile(r"^([A-Za-z_]\w*)\s+([A-Za-z_]\w*)\s*(?:\[\s*(\d+)\s*\])?\s*;\s*(?://\s*(.*))?$")
+_STRUCT_CLOSE = re.compile(r"^\}\s*;\s*$")
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    ctype: str  # C type name, a key of C_TYPES
+    count: int  # 1 for a scalar, N for ``type name[N]``
+    doc: str  # the trailing // comment: meaning, units, range
+
+    @property
+    def dtype(self) -> np.dtype:
+        base = C_TYPES[self.ctype]
+        return base if self.count == 1 else np.dtype((base, (self.count,)))
+
+
+class ParamStruct:
+    """A parameter struct parsed from a header: its dtype, and a validating packer."""
+
+    def __init__(self, name: str, fields: tuple[Field, ...], header: str):
+        self.name = name
+        self.fields = fields
+        self.header = header  # path relative to cuda_src/
+        self.dtype = np.dtype([(f.name, f.dtype) for f in fields], align=True)
+        self._by_name = {f.name: f for f in fields}
+
+    def __repr__(self) -> str:
+        return f"ParamStruct({self.name}, {self.dtype.itemsize} bytes, from {self.header})"
+
+    def pack(self, **values) -> np.void:
+        """Build the by-value kernel argument. Every field must be given, with a
+        value of the right kind that fits the C type; otherwise TypeError or
+        ValueError naming the struct and field."""
+        missing = [f.name for f in self.fields if f.name not in values]
+        extra = [k for k in values if k not in self._by_name]
+        if missing or extra:
+            parts = []
+            if missing:
+                parts.append(f"missing field(s) {', '.join(missing)}")
+            if extra:
+                parts.append(f"unknown field(s) {', '.join(extra)}")
+            raise TypeError(f"{self.name}: {'; '.join(parts)}")
+        packed = np.zeros((), dtype=self.dtype)
+        for f in self.fields:
+            packed[f.name] = self._convert(f, values[f.name])
+        return packed[()]
+
+    def unpack(self, raw: bytes | np.ndarray) -> dict:
+        """Decode bytes laid out as this struct into a dict of field values."""
+        arr = np.frombuffer(bytes(raw), dtype=self.dtype, count=1)[0]
+        return {f.name: arr[f.name] for f in self.fields}
+
+    def _convert(self, f: Field, value):
+        if f.count == 1:
+            return self._scalar(f"{self.name}.{f.name} ({f.ctype})", f.ctype, value)
+        seq = np.asarray(value) if not isinstance(value, (str, bytes)) else None
+        if seq is None or seq.shape != (f.count,):
+            raise ValueError(f"{self.name}.{f.name} ({f.ctype}[{f.count}]): expected {f.count} values, "
+                             f"got {value!r}")
+        return np.array([self._scalar(f"{self.name}.{f.name}[{i}] ({f.ctype})", f.ctype, v)
+                         for i, v in enumerate(seq.tolist())], dtype=C_TYPES[f.ctype])
+
+    @staticmethod
+    def _scalar(where: str, ctype: str, value):
+        dt = C_TYPES[ctype]
+        if dt.kind in "iu":
+            if isinstance(value, (bool, np.bool_)):
+                value = int(value)
+            if not isinstance(value, (int, np.integer)):
+                raise TypeError(f"{where}: expected an integer, got {type(value).__name__} {value!r}")
+            info = np.iinfo(dt)
+            if not info.min <= int(value) <= info.max:
+                raise ValueError(f"{where}: {value} is outside [{info.min}, {info.max}]")
+            return int(value)
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+            raise TypeError(f"{where}: expected a real number, got {type(value).__name__} {value!r}")
+        value = float(value)
+        if math.isnan(value):
+            raise ValueError(f"{where}: NaN is not a valid parameter")
+        if math.isfinite(value) and abs(value) > float(np.finfo(dt).max):
+            raise ValueError(f"{where}: {value} overflows {ctype}")
+        return value
+
+
+def parse_header(text: str, header: str = "<string>") -> dict[str, ParamStruct]:
+    """Parse every ``struct`` in a params header. ``header`` names it in errors."""
+    structs: dict[str, ParamStruct] = {}
+    current: str | None = None
+    fields: list[Field] = []
+    opened_at = 0
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if current is None:
+            m = _STRUCT_OPEN.match(line)
+            if m:
+                current, fields, opened_at = m.group(1), [], lineno
+                if current in structs:
+                    raise ValueError(f"{header}:{lineno}: struct {current} is declared twice")
+            elif line.startswith("struct"):
+                raise ValueError(f"{header}:{lineno}: write 'struct Name {{' on one line: {raw!r}")
+            continue
+        if not line or line.startswith("//"):
+            continue
+        if _STRUCT_CLOSE.match(line):
+            if not fields:
+                raise ValueError(f"{header}:{opened_at}: struct {current} has no fields")
+            structs[current] = ParamStruct(current, tuple(fields), header)
+            current = None
+            continue
+        m = _FIELD.match(line)
+        if not m:
+            raise ValueError(f"{header}:{lineno}: cannot parse field of struct {current}: {raw!r}")
+        ctype, name, count, doc = m.group(1), m.group(2), m.group(3), (m.group(4) or "").strip()
+        if ctype not in C_TYPES:
+            raise ValueError(f"{header}:{lineno}: {current}.{name} has unsupported type {ctype!r} "
+                             f"(use one of {', '.join(C_TYPES)})")
+        if count is not None and int(count) < 1:
+            raise ValueError(f"{header}:{lineno}: {current}.{name} has an empty array")
+        if any(f.name == name for f in fields):
+            raise ValueError(f"{header}:{lineno}: {current}.{name} is declared twice")
+        fields.append(Field(name, ctype, int(count) if count else 1, doc))
+    if current is not None:
+        raise ValueError(f"{header}:{opened_at}: struct {current} is never closed")
+    return structs
+
+
+@lru_cache(maxsize=None)
+def load_header(rel_path: str) -> dict[str, ParamStruct]:
+    """Parse ``cuda_src/<rel_path>`` (e.g. ``elementwise/params.cuh``)."""
+    path = source_root() / rel_path
+    if not path.is_file():
+        raise FileNotFoundError(f"params header {rel_path} not found under {source_root()}")
+    return parse_header(path.read_text(), rel_path)
+
+
+def all_headers() -> list[str]:
+    """Every family's params header, relative to cuda_src/."""
+    root = source_root()
+    return sorted(str(p.relative_to(root)) for p in root.glob("*/params.cuh"))
+
+
+def layout_probe_source(rel_path: str, structs: dict[str, ParamStruct] | None = None) -> str:
+    """A compilation unit that includes ``rel_path``, static_asserts each struct's
+    C layout against its NumPy dtype and defines one echo kernel per struct
+    (``echo_<Name>``). ``structs`` defaults to the header's own parse; tests pass
+    altered ones to prove that a drift fails to compile."""
+    lines = ['#include "common/echo.cuh"', f'#include "{rel_path}"', ""]
+    for s in (structs if structs is not None else load_header(rel_path)).values():
+        lines.append(f"CUKERN_ASSERT_SIZE({s.name}, {s.dtype.itemsize}, {s.dtype.alignment})")
+        for f in s.fields:
+            lines.append(f"CUKERN_ASSERT_FIELD({s.name}, {f.name}, {s.dtype.fields[f.name][1]}, "
+                         f"{f.dtype.itemsize})")
+        lines.append(f"CUKERN_ECHO_BEGIN({s.name})")
+        lines.extend(f"    CUKERN_ECHO_FIELD({f.name})" for f in s.fields)
+        lines.append("CUKERN_ECHO_END")
+        lines.append("")
+    return "\n".join(lines)

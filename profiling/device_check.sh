@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: versions, CPU compile check, GPU tests, the same
+# tests under compute-sanitizer memcheck, benchmarks; a one-screen summary last.
+#
+#   bash profiling/device_check.sh                 # everything
+#   CUKERN_TESTS="tests/test_params.py" CUKERN_BENCH="" bash profiling/device_check.sh
+#
+# Runs from the source tree (PYTHONPATH=.), as on the lent GPU machine, which has
+# CuPy but no package registry: wheels it lacks (gguf, nvtx) are carried in .whl/
+# and installed into /tmp/site. Kernel cache and logs go under /tmp, never into
+# carried folders. Logs are copied to $OUT when that is set.
+set -u
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+LOG=/tmp/cukern-check; rm -rf "$LOG"; mkdir -p "$LOG"
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cukern-kernel-cache}
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+TESTS=${CUKERN_TESTS:-tests}
+SANITIZE=${CUKERN_SANITIZE:-$TESTS}
+BENCH=${CUKERN_BENCH-$(ls profiling/bench_*.py 2>/dev/null)}
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+
+declare -A STATUS
+step() {  # step NAME CMD...: run, log to $LOG/NAME.log, remember the exit code
+    local name=$1; shift
+    echo "=== $name: $*"
+    local t0=$SECONDS
+    "$@" 2>&1 | tee "$LOG/$name.log"
+    STATUS[$name]="rc=${PIPESTATUS[0]} ($((SECONDS - t0)) s)"
+}
+
+step info $PY -m cukern info
+step check $PY -m cukern check --arch sm_90 --arch sm_80
+step gpu-tests $PY -m pytest -q -m gpu $TESTS
+# memcheck sees out-of-bounds accesses only at allocation granularity: CUKERN_NO_POOL makes
+# the tests allocate every array with its own cudaMalloc instead of carving CuPy's pool.
+CUKERN_NO_POOL=1 step sanitizer compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
+    $PY -m pytest -q -x -m "gpu and not slow" $SANITIZE
+for b in $BENCH; do
+    name=bench-$(basename "$b" .py | sed 's/^bench_//')
+    step "$name" $PY "$b" --json "$LOG/$name.json"
+done
+
+if [ -n "${OUT:-}" ]; then cp "$LOG"/*.log "$LOG"/*.json "$OUT"/ 2>/dev/null; fi
+
+echo
+echo "================================ summary ================================"
+$PY -m cukern info 2>/dev/null | grep -E '^(gpu|cupy|nvrtc|cuda driver)'
+for name in check gpu-tests sanitizer; do
+    line=$(grep -E '([0-9]+ (passed|failed|errors?))|kernel rows' "$LOG/$name.log" | tail -1)
+    printf '%-10s %-16s %s\n' "$name" "${STATUS[$name]}" "$line"
+done
+grep -E 'ERROR SUMMARY' "$LOG/sanitizer.log" | tail -1
+for b in $BENCH; do
+    name=bench-$(basename "$b" .py | sed 's/^bench_//')
+    echo "--- $name ${STATUS[$name]}"
+    sed -n '/^device:/,$p' "$LOG/$name.log"
+done
+fail=0
+for name in "${!STATUS[@]}"; do [[ ${STATUS[$name]} == rc=0* ]] || fail=1; done
+echo "overall: $([ $fail = 0 ] && echo PASS || echo FAIL)"
+exit $fail

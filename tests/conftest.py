@@ -1,0 +1,48 @@
+"""GPU tests carry ``@pytest.mark.gpu``; without a CUDA device they are skipped with the reason."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+import pytest
+
+
+@functools.lru_cache(maxsize=1)
+def no_gpu_reason() -> str | None:
+    try:
+        import cupy
+    except ImportError:
+        return "no CUDA device: CuPy is not installed"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:
+        first = str(e).splitlines()[0] if str(e) else ""
+        return f"no CUDA device ({type(e).__name__}: {first})"
+    return None if n > 0 else "no CUDA device (the driver reports 0)"
+
+
+def pytest_configure(config):
+    # Under compute-sanitizer (profiling/device_check.sh) every array gets its own cudaMalloc,
+    # so that memcheck catches an access just past an array instead of inside CuPy's pool.
+    if os.environ.get("CUKERN_NO_POOL") == "1" and no_gpu_reason() is None:
+        import cupy
+        cupy.cuda.set_allocator(None)
+        cupy.cuda.set_pinned_memory_allocator(None)
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = no_gpu_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=reason)
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def rng(request) -> np.random.Generator:
+    """A generator seeded from the test's id: fresh data per test, reproducible per run."""
+    return np.random.default_rng(abs(hash(request.node.nodeid)) % 2**32)
