@@ -11,13 +11,15 @@ cukern is faster).
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass, field
 
 import cupy
 
 from cukern.streams import benchmark as _time
+from cukern.streams import capture_graph
 
-__all__ = ["Row", "Ceilings", "measure_ceilings", "rotating", "time_us", "print_table", "rows_to_json"]
+__all__ = ["Row", "Ceilings", "measure_ceilings", "rotating", "time_us", "time_graph_us", "time_torch_graph_us", "host_us_per_call", "print_table", "rows_to_json"]
 
 
 @dataclass
@@ -70,7 +72,57 @@ def rotating(n_sets: int, make):
 
 
 def time_us(fn, *, n_warmup: int = 10, n_repeat: int = 100) -> float:
+    """Median device time of one ``fn()`` between two events. For kernels shorter than the
+    Python launch cost (~10 us) this measures the host, not the GPU: use :func:`time_graph_us`."""
     return _time(fn, n_warmup=n_warmup, n_repeat=n_repeat).median_us
+
+
+def time_graph_us(fn, *, n_inner: int = 50, n_repeat: int = 20) -> float:
+    """Device time per ``fn()`` when ``n_inner`` calls are captured into one CUDA graph and
+    replayed, as a decode loop runs them: the launch cost leaves the measurement."""
+    fn()  # compile and warm outside the capture
+    graph = capture_graph(lambda stream: [fn() for _ in range(n_inner)])
+    graph.replay()
+    return _time(graph.replay, n_warmup=2, n_repeat=n_repeat).median_us / n_inner
+
+
+def time_torch_graph_us(fn, *, n_inner: int = 50, n_repeat: int = 20) -> float:
+    """The peer's counterpart of :func:`time_graph_us`, captured with torch's own graph API (its
+    caching allocator must see the capture)."""
+    import torch
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n_inner):
+            fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(n_repeat + 2):
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times = sorted(times[2:])
+    return times[len(times) // 2] * 1e3 / n_inner
+
+
+def host_us_per_call(fn, n: int = 2000) -> float:
+    """Host time per ``fn()`` (validation, packing, launch), with the GPU kept busy enough
+    not to stall the queue only for short loops: a launch-overhead figure, not a kernel time."""
+    fn()
+    cupy.cuda.get_current_stream().synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    cupy.cuda.get_current_stream().synchronize()
+    return (t1 - t0) / n * 1e6
 
 
 def print_table(rows: list[Row], ceilings: Ceilings, title: str = "") -> None:
