@@ -82,8 +82,9 @@ def time_graph_us(fn, *, n_inner: int = 50, n_repeat: int = 20) -> float:
     replayed, as a decode loop runs them: the launch cost leaves the measurement."""
     fn()  # compile and warm outside the capture
     graph = capture_graph(lambda stream: [fn() for _ in range(n_inner)])
-    graph.replay()
-    return _time(graph.replay, n_warmup=2, n_repeat=n_repeat).median_us / n_inner
+    # replay on the current stream: cupyx.profiler.benchmark records its events there
+    replay = lambda: graph.replay(cupy.cuda.get_current_stream())  # noqa: E731
+    return _time(replay, n_warmup=2, n_repeat=n_repeat).median_us / n_inner
 
 
 def time_torch_graph_us(fn, *, n_inner: int = 50, n_repeat: int = 20) -> float:

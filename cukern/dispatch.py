@@ -25,7 +25,7 @@ import numpy as np
 from cukern import runtime
 from cukern.params import ParamStruct, load_header
 from cukern.runtime import FamilySpec
-from cukern.streams import on_stream, resolve_stream
+from cukern.streams import resolve_stream
 
 __all__ = ["Dispatch", "check_array", "enable_nvtx", "nvtx_enabled"]
 
@@ -57,26 +57,32 @@ def _domain():
 
 # ----------------------------------------------------------------------------- argument checks
 
+def _dtypes(dtype) -> tuple[np.dtype, ...]:
+    return tuple(np.dtype(d) for d in (dtype if isinstance(dtype, (tuple, list)) else (dtype,)))
+
+
 def check_array(name: str, a, *, dtype=None, shape=None, ndim=None, contiguous: bool = True,
                 align: int = 0, device: int | None = None) -> cupy.ndarray:
     """Validate a device array argument; raise TypeError/ValueError naming it.
 
     ``dtype``: one dtype or a tuple of accepted ones. ``shape``: a tuple whose
     entries are ints, or None for "any". ``align``: required byte alignment of
-    the data pointer (e.g. 16 for float4 loads)."""
-    if not isinstance(a, cupy.ndarray):
+    the data pointer (e.g. 16 for float4 loads). Runs on every dispatch, so the
+    common path is kept to a few attribute reads."""
+    if type(a) is not cupy.ndarray and not isinstance(a, cupy.ndarray):
         raise TypeError(f"{name} must be a cupy.ndarray on the GPU, got {type(a).__name__}")
-    if dtype is not None:
-        accepted = tuple(np.dtype(d) for d in (dtype if isinstance(dtype, (tuple, list)) else (dtype,)))
+    if dtype is not None and a.dtype != dtype and (not isinstance(dtype, tuple) or a.dtype not in dtype):
+        accepted = _dtypes(dtype)
         if a.dtype not in accepted:
             raise TypeError(f"{name} must have dtype {' or '.join(str(d) for d in accepted)}, got {a.dtype}")
     if ndim is not None and a.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {a.shape}")
     if shape is not None:
-        if len(shape) != a.ndim or any(s is not None and s != n for s, n in zip(shape, a.shape)):
+        got = a.shape
+        if len(shape) != len(got) or any(s is not None and s != n for s, n in zip(shape, got)):
             want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
-            raise ValueError(f"{name} must have shape {want}, got {a.shape}")
-    if contiguous and not a.flags.c_contiguous:
+            raise ValueError(f"{name} must have shape {want}, got {got}")
+    if contiguous and not a._c_contiguous:
         raise ValueError(f"{name} must be C-contiguous")
     if align and a.data.ptr % align:
         raise ValueError(f"{name} must be {align}-byte aligned (data pointer {a.data.ptr:#x})")
@@ -86,6 +92,10 @@ def check_array(name: str, a, *, dtype=None, shape=None, ndim=None, contiguous: 
 
 
 def _grid3(name: str, dims, limits) -> tuple[int, int, int]:
+    if type(dims) is int:
+        if not 1 <= dims <= limits[0]:
+            raise ValueError(f"{name} ({dims},) is outside the CUDA limits {limits}")
+        return (dims, 1, 1)
     dims = (dims,) if isinstance(dims, (int, np.integer)) else tuple(dims)
     if not 1 <= len(dims) <= 3:
         raise ValueError(f"{name} must have 1 to 3 dimensions, got {dims}")
@@ -151,22 +161,29 @@ class Dispatch:
             raise TypeError(f"{kernel} takes a packed {struct.name} (use struct('{struct.name}').pack(...)), "
                             f"got {type(params).__name__}")
         for i, p in enumerate(pointers):
-            if not isinstance(p, cupy.ndarray):
+            if type(p) is not cupy.ndarray and not isinstance(p, cupy.ndarray):
                 raise TypeError(f"{kernel}: argument {i} must be a cupy.ndarray (a device pointer), "
                                 f"got {type(p).__name__}")
         grid = _grid3(f"{kernel}: grid", grid, _MAX_GRID)
         block = _grid3(f"{kernel}: block", block, (1024, 1024, 64))
         if block[0] * block[1] * block[2] > 1024:
             raise ValueError(f"{kernel}: block {block} has more than 1024 threads")
-        stream = resolve_stream(stream)
         fn = self._function(kernel, shared_mem)
-        with on_stream(stream):
-            if _nvtx_on:
-                dom = _domain()
-                dom.push_range(dom.get_event_attributes(message=kernel))
-                try:
-                    fn(grid, block, (*pointers, params), shared_mem=shared_mem)
-                finally:
-                    dom.pop_range()
-            else:
-                fn(grid, block, (*pointers, params), shared_mem=shared_mem)
+        args = (*pointers, params)
+        if stream is None or stream is cupy.cuda.get_current_stream():
+            self._call(kernel, fn, grid, block, args, shared_mem)
+        else:
+            with resolve_stream(stream):
+                self._call(kernel, fn, grid, block, args, shared_mem)
+
+    @staticmethod
+    def _call(kernel, fn, grid, block, args, shared_mem):
+        if _nvtx_on:
+            dom = _domain()
+            dom.push_range(dom.get_event_attributes(message=kernel))
+            try:
+                fn(grid, block, args, shared_mem=shared_mem)
+            finally:
+                dom.pop_range()
+        else:
+            fn(grid, block, args, shared_mem=shared_mem)

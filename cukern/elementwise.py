@@ -8,12 +8,14 @@ All activations are f32, row-major, C-contiguous.
 from __future__ import annotations
 
 import cupy
+import numpy as np
 
 from cukern.dispatch import Dispatch, check_array
 from cukern.runtime import FamilySpec, KernelSpec
 
 __all__ = ["ElementwiseDispatch", "FAMILY"]
 
+_F32 = np.dtype(np.float32)
 _ROW_BLOCK = 256  # threads per row for the row-wise norms
 _FLAT_BLOCK = 256
 _MAX_FLAT = 2**31 - 1  # kernels index with uint32 and a grid stride: stay clear of wrap-around
@@ -40,9 +42,11 @@ def _vec4(n: int, *arrays: cupy.ndarray) -> str:
     return "true" if ok else "false"
 
 
+_FLAT_MAX_BLOCKS = 4096  # enough to fill any current GPU several times over; kernels grid-stride beyond
+
+
 def _flat_grid(n: int) -> int:
-    # enough blocks to fill the GPU several times over; the kernels grid-stride over the rest
-    return max(1, min(-(-n // _FLAT_BLOCK), 132 * 32))
+    return max(1, min(-(-n // _FLAT_BLOCK), _FLAT_MAX_BLOCKS))
 
 
 class ElementwiseDispatch(Dispatch):
@@ -52,12 +56,12 @@ class ElementwiseDispatch(Dispatch):
     family = FAMILY
 
     def _norm_args(self, x, w, out, eps: float, weight_offset: float, what: str):
-        check_array("x", x, dtype="float32", ndim=2)
+        check_array("x", x, dtype=_F32, ndim=2)
         n_rows, n_cols = x.shape
         if n_rows == 0 or n_cols == 0:
             raise ValueError(f"{what}: x must be non-empty, got shape {x.shape}")
-        check_array("w", w, dtype="float32", shape=(n_cols,))
-        check_array("out", out, dtype="float32", shape=(n_rows, n_cols))
+        check_array("w", w, dtype=_F32, shape=(n_cols,))
+        check_array("out", out, dtype=_F32, shape=(n_rows, n_cols))
         if not eps >= 0:
             raise ValueError(f"{what}: eps must be >= 0, got {eps}")
         params = self.struct("RmsNormParams").pack(n_rows=n_rows, n_cols=n_cols, eps=eps,
@@ -80,7 +84,7 @@ class ElementwiseDispatch(Dispatch):
 
         x, residual, out: [n_rows, n_cols] f32 (residual updated in place; out must not alias it)."""
         n_rows, n_cols, params = self._norm_args(x, w, out, eps, weight_offset, "residual_rms_norm")
-        check_array("residual", residual, dtype="float32", shape=(n_rows, n_cols))
+        check_array("residual", residual, dtype=_F32, shape=(n_rows, n_cols))
         if out.data.ptr == residual.data.ptr:
             raise ValueError("residual_rms_norm: out must not alias residual")
         v = _vec4(n_cols, x, residual, w, out)
@@ -89,12 +93,12 @@ class ElementwiseDispatch(Dispatch):
         return out
 
     def _flat_args(self, out, *arrays):
-        check_array("out", out, dtype="float32")
+        check_array("out", out, dtype=_F32)
         n = out.size
         if not 0 < n <= _MAX_FLAT:
             raise ValueError(f"out must have 1 to {_MAX_FLAT} elements, got {n}")
         for name, a in arrays:
-            check_array(name, a, dtype="float32", shape=out.shape)
+            check_array(name, a, dtype=_F32, shape=out.shape)
         return n
 
     def add_scaled(self, a: cupy.ndarray, b: cupy.ndarray, out: cupy.ndarray, *, alpha: float = 1.0,

@@ -14,13 +14,12 @@ synchronises unless its name says so.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import cupy
 import numpy as np
 
-__all__ = ["resolve_stream", "on_stream", "EventTimer", "Timing", "benchmark", "Graph", "capture_graph"]
+__all__ = ["resolve_stream", "EventTimer", "Timing", "benchmark", "Graph", "capture_graph"]
 
 
 def resolve_stream(stream=None):
@@ -31,16 +30,6 @@ def resolve_stream(stream=None):
         return stream
     raise TypeError(f"stream must be a cupy.cuda.Stream, cupy.cuda.ExternalStream or None, "
                     f"got {type(stream).__name__}")
-
-
-@contextlib.contextmanager
-def on_stream(stream):
-    """Make ``stream`` current for the launches inside (CuPy launches on the current stream)."""
-    if stream is cupy.cuda.get_current_stream():
-        yield stream
-    else:
-        with stream:
-            yield stream
 
 
 class EventTimer:
