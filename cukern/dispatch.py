@@ -6,7 +6,8 @@ The three tiers of a cukern operation:
 2. a launcher, :meth:`Dispatch._launch`: it checks that the kernel exists, that
    the packed struct is the one the kernel takes, that every other argument is
    a device pointer, and that the grid is legal, then launches on the given
-   stream inside an NVTX range (when profiling is on);
+   stream inside an NVTX range (when profiling is on) and between two CUDA
+   events (when a launch timer is set: :func:`set_launch_timer`);
 3. the public method (``ElementwiseDispatch.rms_norm`` ...): it validates the
    caller's arrays (``check_array``), packs the struct and picks the grid.
 
@@ -27,7 +28,7 @@ from cukern.params import ParamStruct, load_header
 from cukern.runtime import FamilySpec
 from cukern.streams import resolve_stream
 
-__all__ = ["Dispatch", "check_array", "enable_nvtx", "nvtx_enabled"]
+__all__ = ["Dispatch", "check_array", "enable_nvtx", "nvtx_enabled", "set_launch_timer"]
 
 _MAX_GRID = (2**31 - 1, 65535, 65535)
 
@@ -45,6 +46,18 @@ def enable_nvtx(on: bool = True) -> None:
 
 def nvtx_enabled() -> bool:
     return _nvtx_on
+
+
+# An object with begin(kernel) -> token and end(token), called around every launch on the
+# launch stream (cukern.profiler.KernelTimer); None, the default, costs nothing per launch.
+_launch_timer = None
+
+
+def set_launch_timer(timer) -> None:
+    """Bracket every dispatch with ``timer.begin(kernel)`` / ``timer.end(token)`` (None: off).
+    Both run on the host with the launch stream current; see :class:`cukern.profiler.KernelTimer`."""
+    global _launch_timer
+    _launch_timer = timer
 
 
 def _domain():
@@ -178,12 +191,21 @@ class Dispatch:
 
     @staticmethod
     def _call(kernel, fn, grid, block, args, shared_mem):
-        if _nvtx_on:
-            dom = _domain()
-            dom.push_range(dom.get_event_attributes(message=kernel))
-            try:
-                fn(grid, block, args, shared_mem=shared_mem)
-            finally:
-                dom.pop_range()
+        if _nvtx_on or _launch_timer is not None:
+            Dispatch._call_profiled(kernel, fn, grid, block, args, shared_mem)
         else:
             fn(grid, block, args, shared_mem=shared_mem)
+
+    @staticmethod
+    def _call_profiled(kernel, fn, grid, block, args, shared_mem):
+        timer, dom = _launch_timer, (_domain() if _nvtx_on else None)
+        if dom is not None:
+            dom.push_range(dom.get_event_attributes(message=kernel))
+        token = timer.begin(kernel) if timer is not None else None
+        try:
+            fn(grid, block, args, shared_mem=shared_mem)
+        finally:
+            if timer is not None:
+                timer.end(token)
+            if dom is not None:
+                dom.pop_range()

@@ -5,7 +5,9 @@
 * :func:`nmse` - normalised mean squared error, for quantized paths where
   element-wise bounds say little;
 * :func:`poison` - fill an output with NaN (or a sentinel) before a launch, so
-  an element the kernel never wrote cannot pass.
+  an element the kernel never wrote cannot pass;
+* :func:`set_recorder` - an opt-in hook that sees every :func:`assert_close`
+  and :func:`nmse` (``python -m cukern check --gpu`` builds its table from it).
 """
 
 from __future__ import annotations
@@ -19,6 +21,19 @@ TOLERANCES = {
     np.dtype(np.float16): (1e-3, 2e-3),
     "bfloat16": (1e-2, 1.6e-2),
 }
+
+
+# Opt-in observer of every comparison: None (the default) costs one global read per call.
+_recorder = None
+
+
+def set_recorder(fn) -> None:
+    """Call ``fn(name, kind, error, bound, passed)`` on every :func:`assert_close`
+    (kind ``"max_abs"``: ``|out - ref|`` and the bound ``atol + rtol*|ref|`` at the
+    element with the largest ``err / bound``) and every :func:`nmse`
+    (kind ``"nmse"``, bound None: the caller compares it). ``None`` turns it off."""
+    global _recorder
+    _recorder = fn
 
 
 def _to_numpy(a) -> np.ndarray:
@@ -45,6 +60,8 @@ def assert_close(out, ref, *, dtype=None, atol: float | None = None, rtol: float
     err = np.abs(out - ref)
     bound = atol + rtol * np.abs(ref)
     bad = ~(err <= bound)  # NaN compares False: counted as bad
+    if _recorder is not None:
+        _record_close(name, err, bound, bad)
     if bad.any():
         idx = np.argwhere(bad)
         lines = [f"{name}: {bad.sum()} of {bad.size} elements outside atol={atol:g} + rtol={rtol:g}*|ref|"
@@ -55,12 +72,25 @@ def assert_close(out, ref, *, dtype=None, atol: float | None = None, rtol: float
         raise AssertionError("\n".join(lines))
 
 
+def _record_close(name: str, err: np.ndarray, bound: np.ndarray, bad: np.ndarray) -> None:
+    if err.size == 0:
+        _recorder(name, "max_abs", 0.0, 0.0, True)
+        return
+    ratio = np.divide(err, bound, out=np.zeros_like(err), where=bound > 0)
+    ratio[((bound <= 0) & (err > 0)) | np.isnan(err)] = np.inf
+    i = np.unravel_index(int(np.argmax(ratio)), ratio.shape)
+    _recorder(name, "max_abs", float(err[i]), float(bound[i]), not bad.any())
+
+
 def nmse(out, ref) -> float:
     """sum((out - ref)^2) / sum(ref^2)."""
     out = _to_numpy(out).astype(np.float64)
     ref = np.asarray(ref, dtype=np.float64)
     denom = float(np.sum(ref * ref))
-    return float(np.sum((out - ref) ** 2)) / (denom if denom > 0 else 1.0)
+    value = float(np.sum((out - ref) ** 2)) / (denom if denom > 0 else 1.0)
+    if _recorder is not None:
+        _recorder("nmse", "nmse", value, None, value == value)
+    return value
 
 
 def poison(a):
