@@ -5,7 +5,12 @@ A row reports the median device time (CUDA events, after warm-up, through
 ``cupyx.profiler.benchmark``), the achieved GB/s or TFLOP/s from counted
 bytes or FLOPs, the fraction of the ceiling measured in this run, and the
 ratio to a peer measured in this run (peer time / cukern time: > 1 means
-cukern is faster).
+cukern is faster). A row compared with several peers names the first in
+``peer``/``peer_us`` and every other one in ``extra["peers"]`` (name -> us).
+
+``python -m cukern bench`` (:mod:`cukern.workbench`) runs every family's
+``bench(quick)`` in one process and prints them with :func:`format_table`; its
+ceilings also carry a cuBLAS GEMM rate (:func:`measure_gemm_tflops`).
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ import cupy
 from cukern.streams import benchmark as _time
 from cukern.streams import capture_graph
 
-__all__ = ["Row", "Ceilings", "measure_ceilings", "rotating", "time_us", "time_graph_us", "time_torch_graph_us", "host_us_per_call", "print_table", "rows_to_json"]
+__all__ = ["Row", "Ceilings", "measure_ceilings", "measure_gemm_tflops", "rotating", "time_us", "time_graph_us",
+           "time_torch_graph_us", "host_us_per_call", "print_table", "format_table", "rows_to_json"]
 
 
 @dataclass
@@ -39,11 +45,18 @@ class Row:
     def speedup(self) -> float | None:
         return self.peer_us / self.us if self.peer_us else None
 
+    def peers(self) -> dict[str, float]:
+        """Every peer's median time (us): ``peer`` first, then ``extra["peers"]``."""
+        out = {self.peer: self.peer_us} if self.peer and self.peer_us else {}
+        out.update((k, v) for k, v in self.extra.get("peers", {}).items() if v)
+        return out
+
 
 @dataclass(frozen=True)
 class Ceilings:
     copy_gbs: float  # device-to-device copy, bytes read + written
     device: str
+    gemm_tflops: float | None = None  # cuBLAS f16 GEMM (measure_gemm_tflops), when measured
 
 
 def measure_ceilings(nbytes: int = 1 << 30) -> Ceilings:
@@ -56,6 +69,19 @@ def measure_ceilings(nbytes: int = 1 << 30) -> Ceilings:
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
     del src, dst
     return Ceilings(copy_gbs=2 * nbytes / (t.median_ms * 1e-3) / 1e9, device=name)
+
+
+def measure_gemm_tflops(n: int = 8192, dtype=cupy.float16) -> float:
+    """The arithmetic ceiling on this GPU, now: ``cupy.matmul`` (cuBLAS, f32 accumulation) of
+    two random ``[n, n]`` matrices, 2 n^3 FLOPs per product, median of 20 after warm-up.
+    Random data, not zeros: cuBLAS runs measurably faster on zeros."""
+    rng = cupy.random.default_rng(1)
+    a = rng.standard_normal((n, n), dtype=cupy.float32).astype(dtype)
+    b = rng.standard_normal((n, n), dtype=cupy.float32).astype(dtype)
+    c = cupy.empty((n, n), dtype=dtype)
+    t = _time(lambda: cupy.matmul(a, b, out=c), name="gemm", n_warmup=5, n_repeat=20)
+    del a, b, c
+    return 2 * n**3 / (t.median_ms * 1e-3) / 1e12
 
 
 def rotating(n_sets: int, make):
@@ -140,6 +166,29 @@ def print_table(rows: list[Row], ceilings: Ceilings, title: str = "") -> None:
         pus = f"{r.peer_us:.2f}" if r.peer_us is not None else ""
         sp = f"{r.speedup:.2f}" if r.speedup is not None else ""
         print(f"{r.kernel:<28} {r.shape:<22} {r.us:>9.2f} {gbs:>8} {tf:>8} {pct:>6}  {r.peer:<26} {pus:>9} {sp:>7}")
+
+
+def format_table(rows: list[Row], ceilings: Ceilings) -> str:
+    """Every row of one or several families as one table: family, kernel, shape, median us,
+    GB/s or TFLOP/s, % of the ceiling measured in the same run, and the ratio to each peer
+    (peer us / cukern us: > 1 means cukern is faster; further peers on indented lines)."""
+    gemm = f", cuBLAS f16 GEMM {ceilings.gemm_tflops:,.0f} TFLOP/s" if ceilings.gemm_tflops else ""
+    out = [f"device: {ceilings.device}; ceilings measured in this run: copy {ceilings.copy_gbs:,.0f} GB/s{gemm}"]
+    kw = max([len(r.kernel) for r in rows] + [20])
+    sw = max([len(r.shape) for r in rows] + [12])
+    head = (f"{'family':<12} {'kernel':<{kw}} {'shape':<{sw}} {'us':>9} {'GB/s':>7} {'TFLOP/s':>7} {'%ceil':>6}"
+            f"  {'peer':<26} {'peer us':>9} {'x peer':>6}")
+    out += [head, "-" * len(head)]
+    for r in rows:
+        gbs = f"{r.gbs:,.0f}" if r.gbs is not None else ""
+        tf = f"{r.tflops:.1f}" if r.tflops is not None else ""
+        pct = f"{r.pct_ceiling:.0%}" if r.pct_ceiling is not None else ""
+        left = f"{r.family:<12} {r.kernel:<{kw}} {r.shape:<{sw}} {r.us:>9.2f} {gbs:>7} {tf:>7} {pct:>6}"
+        for name, us in list(r.peers().items()) or [("", None)]:
+            ratio, pus = (f"{us / r.us:.2f}", f"{us:.2f}") if us else ("", "")
+            out.append(f"{left}  {name[:26]:<26} {pus:>9} {ratio:>6}".rstrip())
+            left = " " * len(left)
+    return "\n".join(out)
 
 
 def rows_to_json(rows: list[Row], ceilings: Ceilings) -> str:

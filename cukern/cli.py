@@ -1,15 +1,23 @@
-"""``python -m cukern``: info, check.
+"""``python -m cukern``: info, check, bench, compare, notebooks.
 
 * ``info``  - GPU, compute capability, SMs, memory, driver/runtime/NVRTC/CuPy
   versions and the kernel cache location; says plainly when there is no GPU.
 * ``check`` - compile every kernel with NVRTC for the given archs (no GPU
   needed) and list each kernel with its parameter-struct size from the PTX;
-  exits 1 on any error.
+  exits 1 on any error. ``check --gpu`` instead runs every kernel against its
+  reference (the quick GPU tests) and prints the error against the tolerance
+  (:mod:`cukern.selfcheck`).
+* ``bench`` - every family's benchmark in one process, one table, ``--json``
+  and ``--plot`` (:mod:`cukern.workbench`, :mod:`cukern.roofline`).
+* ``compare`` - the change per row between two ``bench --json`` files.
+* ``notebooks`` - check (CPU) or run headless (GPU) the checkout's notebooks
+  (:mod:`cukern.notebooks`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import sys
@@ -67,6 +75,9 @@ def cmd_info(args) -> int:
 
 
 def cmd_check(args) -> int:
+    if args.gpu:
+        from cukern import selfcheck
+        return selfcheck.run(args.tests or None, keyword=args.keyword, by_function=not args.verbose)
     from cukern import check, runtime
     try:
         archs = [runtime.parse_arch(a) for a in (args.arch or ["sm_90"])]
@@ -90,6 +101,51 @@ def cmd_check(args) -> int:
     return 1 if errors else 0
 
 
+def cmd_bench(args) -> int:
+    from cukern import runtime, workbench
+    from cukern.benchmark import format_table
+    try:
+        result = workbench.run_bench(args.family or None, quick=args.quick, gemm=not args.no_gemm)
+    except runtime.CukernError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    rows, ceilings = workbench.rows_of(result)
+    print(format_table(rows, ceilings))
+    for family, tb in result["errors"].items():
+        print(f"\nERROR in bench_{family}.py:\n{tb}", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"\nwrote {args.json}")
+    if args.plot:
+        from cukern.roofline import plot_roofline
+        plot_roofline(result, args.plot)
+        print(f"wrote {args.plot}")
+    return 1 if result["errors"] else 0
+
+
+def cmd_compare(args) -> int:
+    from cukern import runtime, workbench
+    try:
+        a, b = workbench.load_result(args.a), workbench.load_result(args.b)
+    except runtime.CukernError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(workbench.format_compare(a, b, workbench.compare(a, b), args.threshold))
+    return 0
+
+
+def cmd_notebooks(args) -> int:
+    from cukern import notebooks, runtime
+    try:
+        if args.run:
+            return notebooks.main_run(args.paths, args.figures)
+        return notebooks.main_check(args.paths)
+    except runtime.CukernError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m cukern", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -99,7 +155,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", action="append", metavar="sm_XX",
                    help="target arch, repeatable (default sm_90); sm_80 or newer")
     p.add_argument("--family", action="append", metavar="NAME", help="only this family (repeatable)")
+    p.add_argument("--gpu", action="store_true",
+                   help="instead: run every kernel against its reference on this GPU (the quick GPU tests of "
+                        "the checkout's tests/, -m 'gpu and not slow') and print error vs tolerance per test")
+    p.add_argument("-k", dest="keyword", metavar="EXPR", help="with --gpu: only tests matching this pytest -k EXPR")
+    p.add_argument("--verbose", "-v", action="store_true", help="with --gpu: one row per parametrised case")
+    p.add_argument("tests", nargs="*", metavar="PATH", help="with --gpu: test files or folders (default: tests/)")
     p.set_defaults(fn=cmd_check)
+
+    p = sub.add_parser("bench", help="run the benchmarks of every family (or those named) and print one table",
+                       description="Run profiling/bench_<family>.py of the source checkout in one process "
+                                   "(found above the cukern package, in the current directory or at "
+                                   "$CUKERN_ROOT) and print one table: median CUDA-event time, GB/s or "
+                                   "TFLOP/s, %% of the ceiling measured in this run, ratio to each peer.")
+    p.add_argument("family", nargs="*", help="families to run (default: every profiling/bench_*.py)")
+    p.add_argument("--quick", action="store_true", help="small sizes only")
+    p.add_argument("--json", metavar="OUT.json", help="write every figure, with device, versions and date")
+    p.add_argument("--plot", metavar="OUT.png", help="save a roofline chart of the run (needs matplotlib)")
+    p.add_argument("--no-gemm", action="store_true", help="skip the cuBLAS GEMM ceiling (about a second)")
+    p.set_defaults(fn=cmd_bench)
+
+    p = sub.add_parser("compare", help="the change per row between two `bench --json` files",
+                       description="Match the rows of two `bench --json` results by family, kernel and shape "
+                                   "and print A time, B time and the change (B/A - 1: negative is faster).")
+    p.add_argument("a", metavar="A.json")
+    p.add_argument("b", metavar="B.json")
+    p.add_argument("--threshold", type=float, default=0.05,
+                   help="mark rows whose time moved by more than this fraction (default 0.05)")
+    p.set_defaults(fn=cmd_compare)
+
+    p = sub.add_parser("notebooks", help="check (CPU) or run headless (GPU) the notebooks",
+                       description="Without --run: parse every notebook and compile its code cells (no GPU). "
+                                   "With --run: execute the code cells in order, headless (Agg backend), "
+                                   "as Jupyter would; no Jupyter needed.")
+    p.add_argument("paths", nargs="*", metavar="NOTEBOOK", help="notebooks (default: the checkout's notebooks/)")
+    p.add_argument("--run", action="store_true", help="execute them (needs a GPU)")
+    p.add_argument("--figures", metavar="DIR", help="with --run: save the figures each cell draws here as PNG")
+    p.set_defaults(fn=cmd_notebooks)
     return parser
 
 

@@ -1,0 +1,254 @@
+"""``python -m cukern bench`` and ``compare``: every family's benchmark in one process, one
+table, one JSON file per run, and the change between two runs.
+
+The benchmark scripts live in the checkout's ``profiling/`` folder, not in the
+installed package (they import torch and other peers the package does not
+need). :func:`checkout_root` finds that folder: ``$CUKERN_ROOT`` first, then
+the folder above the imported ``cukern`` package (a source checkout or an
+editable install), then the current directory; it raises a
+:class:`~cukern.runtime.CukernError` saying where it looked when none holds
+one. Each ``profiling/bench_<family>.py`` exposes
+``bench(quick: bool) -> (list[Row], Ceilings)``.
+
+A result (what ``--json`` writes, what :func:`compare` and
+:func:`cukern.roofline.plot_roofline` read) is a dict::
+
+    {"schema": "cukern-bench/1",
+     "meta": {"date", "device", "cukern", "python", "numpy", "cupy", "cuda_runtime",
+              "cuda_driver", "nvrtc", "torch", "quick", "families", "argv"},
+     "ceilings": {"copy_gbs", "device", "gemm_tflops"},   # measured by the command, this run
+     "family_ceilings": {family: {"copy_gbs", ...}},        # measured by each script, this run
+     "errors": {family: traceback text},
+     "rows": [{"family", "kernel", "shape", "us", "gbs", "tflops", "pct_ceiling",
+               "peer", "peer_us", "extra", "speedup"}, ...]}
+
+A row that reports TFLOP/s but no % of a ceiling gets it from the command's
+GEMM ceiling (``extra["ceiling"] = "gemm"``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import sys
+import traceback
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from cukern.runtime import CukernError
+
+__all__ = ["checkout_root", "bench_scripts", "progress", "run_bench", "environment", "load_result",
+           "compare", "format_compare", "SCHEMA"]
+
+SCHEMA = "cukern-bench/1"
+
+
+# ----------------------------------------------------------------------------- the checkout
+
+def checkout_root(need: str = "profiling") -> Path:
+    """The cukern checkout that holds the folder ``need`` (profiling, tests or notebooks)."""
+    import cukern
+    candidates = []
+    if os.environ.get("CUKERN_ROOT"):
+        candidates.append(("$CUKERN_ROOT", Path(os.environ["CUKERN_ROOT"])))
+    candidates.append(("above the cukern package", Path(cukern.__file__).resolve().parents[1]))
+    candidates.append(("the current directory", Path.cwd()))
+    for _, root in candidates:
+        if (root / need).is_dir() and (root / "cukern").is_dir():
+            return root
+    looked = "; ".join(f"{what} ({root})" for what, root in candidates)
+    raise CukernError(f"no cukern checkout with a {need}/ folder found (looked at {looked}). "
+                      f"{need}/ is not part of the installed package: run from a source checkout "
+                      f"(PYTHONPATH=<checkout>) or set CUKERN_ROOT=<checkout>.")
+
+
+def bench_scripts(families=None) -> dict[str, Path]:
+    """``profiling/bench_<family>.py`` by family name, all of them or those named."""
+    folder = checkout_root("profiling") / "profiling"
+    found = {p.stem[len("bench_"):]: p for p in sorted(folder.glob("bench_*.py"))}
+    if not families:
+        if not found:
+            raise CukernError(f"no bench_*.py in {folder}")
+        return found
+    missing = [f for f in families if f not in found]
+    if missing:
+        raise CukernError(f"no benchmark for {', '.join(missing)} in {folder} "
+                          f"(there are: {', '.join(found) or 'none'})")
+    return {f: found[f] for f in families}
+
+
+def _import_script(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(f"cukern_profiling_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not callable(getattr(module, "bench", None)):
+        raise CukernError(f"{path} defines no bench(quick) -> (rows, ceilings)")
+    return module
+
+
+# ----------------------------------------------------------------------------- progress
+
+def progress(iterable, desc: str = "", total: int | None = None, unit: str = "it"):
+    """tqdm over ``iterable`` on stderr when tqdm is installed (``pip install tqdm``), else a
+    plain ``[i/n] item`` line per item: long runs always say where they are."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        items = list(iterable)
+        n = len(items)
+
+        def plain():
+            for i, item in enumerate(items):
+                print(f"{desc} [{i + 1}/{n}] {item if isinstance(item, (str, Path)) else ''}",
+                      file=sys.stderr, flush=True)
+                yield item
+        return plain()
+    return tqdm(iterable, desc=desc, total=total, unit=unit, file=sys.stderr, dynamic_ncols=True)
+
+
+# ----------------------------------------------------------------------------- running
+
+def environment() -> dict:
+    """Date, device and versions, for a result's ``meta``."""
+    import numpy as np
+
+    import cukern
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "cukern": cukern.__version__, "python": platform.python_version(), "numpy": np.__version__}
+    try:
+        import cupy
+        from cupy.cuda import nvrtc, runtime as cudart
+        meta["cupy"] = cupy.__version__
+        meta["nvrtc"] = ".".join(map(str, nvrtc.getVersion()))
+        meta["cuda_runtime"] = cudart.runtimeGetVersion()
+        meta["cuda_driver"] = cudart.driverGetVersion()
+        props = cudart.getDeviceProperties(cupy.cuda.Device().id)
+        name = props["name"]
+        meta["device"] = name.decode() if isinstance(name, bytes) else name
+        meta["sm"] = f"sm_{props['major']}{props['minor']}"
+    except Exception as e:  # no GPU: the meta says so rather than failing the run
+        meta.setdefault("device", f"unavailable ({type(e).__name__})")
+    try:
+        import torch
+        meta["torch"] = torch.__version__
+    except ImportError:
+        meta["torch"] = None
+    return meta
+
+
+def run_bench(families=None, *, quick: bool = False, show_progress: bool = True, gemm: bool = True) -> dict:
+    """Measure the ceilings, run each family's ``bench(quick)`` and return the result dict
+    (module docstring). A family whose script raises is recorded under ``errors``; the
+    others still run."""
+    from cukern.benchmark import measure_ceilings, measure_gemm_tflops
+
+    scripts = bench_scripts(families)
+    root = str(checkout_root("profiling"))
+    if root not in sys.path:  # the scripts import cukern from the checkout they sit in
+        sys.path.insert(0, root)
+    ceil = measure_ceilings()
+    if gemm:
+        ceil = replace(ceil, gemm_tflops=measure_gemm_tflops())
+    result = {"schema": SCHEMA, "meta": {**environment(), "quick": quick, "families": list(scripts),
+                                         "argv": sys.argv[1:]},
+              "ceilings": asdict(ceil), "family_ceilings": {}, "errors": {}, "rows": []}
+    for name in progress(list(scripts), desc="bench", unit="family"):
+        try:
+            rows, fam_ceil = _import_script(name, scripts[name]).bench(quick)
+        except Exception:
+            result["errors"][name] = traceback.format_exc()
+            continue
+        result["family_ceilings"][name] = asdict(fam_ceil)
+        for r in rows:
+            if r.pct_ceiling is None and r.tflops is not None and ceil.gemm_tflops:
+                r = replace(r, pct_ceiling=r.tflops / ceil.gemm_tflops, extra={**r.extra, "ceiling": "gemm"})
+            result["rows"].append({**asdict(r), "speedup": r.speedup})
+    return result
+
+
+def rows_of(result: dict):
+    """The result's rows as :class:`cukern.benchmark.Row` objects, and its :class:`Ceilings`."""
+    from cukern.benchmark import Ceilings, Row
+    fields = Row.__dataclass_fields__
+    rows = [Row(**{k: v for k, v in r.items() if k in fields}) for r in result["rows"]]
+    c = result["ceilings"]
+    return rows, Ceilings(copy_gbs=c["copy_gbs"], device=c["device"], gemm_tflops=c.get("gemm_tflops"))
+
+
+def load_result(path) -> dict:
+    """Read a ``bench --json`` file; a clear error when it is not one."""
+    try:
+        with open(path) as f:
+            result = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CukernError(f"{path}: not a readable JSON file ({e})") from None
+    if not isinstance(result, dict) or not isinstance(result.get("rows"), list) or "ceilings" not in result:
+        raise CukernError(f"{path}: not a `python -m cukern bench --json` result (no rows/ceilings)")
+    return result
+
+
+# ----------------------------------------------------------------------------- compare
+
+@dataclass(frozen=True)
+class Change:
+    family: str
+    kernel: str
+    shape: str
+    a_us: float | None  # None: the row is only in B
+    b_us: float | None  # None: the row is only in A
+    a_gbs: float | None = None
+    b_gbs: float | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        """B time over A time: < 1 means B is faster."""
+        return self.b_us / self.a_us if self.a_us and self.b_us else None
+
+
+def compare(a: dict, b: dict) -> list[Change]:
+    """Match rows of two results by (family, kernel, shape); A's order, then rows only in B."""
+    def key(r):
+        return r["family"], r["kernel"], r["shape"]
+    b_rows = {key(r): r for r in b["rows"]}
+    out, seen = [], set()
+    for r in a["rows"]:
+        k = key(r)
+        s = b_rows.get(k)
+        seen.add(k)
+        out.append(Change(*k, r["us"], s["us"] if s else None, r.get("gbs"), s.get("gbs") if s else None))
+    out += [Change(*key(r), None, r["us"], None, r.get("gbs")) for r in b["rows"] if key(r) not in seen]
+    return out
+
+
+def format_compare(a: dict, b: dict, changes: list[Change], threshold: float = 0.05) -> str:
+    """The comparison as a table; rows whose time moved by more than ``threshold`` are marked."""
+    def ident(r):
+        m, c = r.get("meta", {}), r["ceilings"]
+        gemm = f", GEMM {c['gemm_tflops']:,.0f} TFLOP/s" if c.get("gemm_tflops") else ""
+        return f"{m.get('device', c.get('device'))}, {m.get('date', '?')}; copy {c['copy_gbs']:,.0f} GB/s{gemm}"
+    lines = [f"A: {ident(a)}", f"B: {ident(b)}"]
+    if a.get("meta", {}).get("device") != b.get("meta", {}).get("device"):
+        lines.append("note: A and B ran on different devices; compare % of ceiling, not times")
+    kw = max([len(c.kernel) for c in changes] + [20])
+    sw = max([len(c.shape) for c in changes] + [12])
+    head = f"{'family':<12} {'kernel':<{kw}} {'shape':<{sw}} {'A us':>9} {'B us':>9} {'change':>14} {'A GB/s':>7} {'B GB/s':>7}"
+    lines += [head, "-" * len(head)]
+
+    def num(v, fmt):
+        return format(v, fmt) if v is not None else ""
+    for c in changes:
+        if c.ratio is None:
+            change = "only A" if c.b_us is None else "only B"
+        else:
+            change = f"{c.ratio - 1:+.1%}"
+            if abs(c.ratio - 1) > threshold:
+                change += " faster" if c.ratio < 1 else " slower"
+        lines.append(f"{c.family:<12} {c.kernel:<{kw}} {c.shape:<{sw}} {num(c.a_us, '9.2f'):>9} "
+                     f"{num(c.b_us, '9.2f'):>9} {change:>14} {num(c.a_gbs, ',.0f'):>7} {num(c.b_gbs, ',.0f'):>7}")
+    moved = [c for c in changes if c.ratio is not None and abs(c.ratio - 1) > threshold]
+    lines.append(f"\n{len(changes)} rows, {len(moved)} moved by more than {threshold:.0%} "
+                 f"(change = B time / A time - 1: negative is faster)")
+    return "\n".join(lines)
