@@ -155,7 +155,8 @@ def run_bench(families=None, *, quick: bool = False, show_progress: bool = True,
     result = {"schema": SCHEMA, "meta": {**environment(), "quick": quick, "families": list(scripts),
                                          "argv": sys.argv[1:]},
               "ceilings": asdict(ceil), "family_ceilings": {}, "errors": {}, "rows": []}
-    for name in progress(list(scripts), desc="bench", unit="family"):
+    names = list(scripts)
+    for name in progress(names, desc="bench", unit="family") if show_progress else names:
         try:
             rows, fam_ceil = _import_script(name, scripts[name]).bench(quick)
         except Exception:

@@ -1,0 +1,298 @@
+"""The workbench: command help, bench tables and JSON compare, roofline plot, check --gpu's
+recorder and table, the per-kernel event timer, and the notebooks (parsed and compiled on the
+CPU; run headless on a GPU by ``python -m cukern notebooks --run``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cukern import notebooks, profiler, selfcheck, testing, workbench
+from cukern.runtime import CukernError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(*args, cwd=REPO):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, timeout=300,
+                          env={**os.environ, "MPLBACKEND": "Agg"})
+
+
+# ----------------------------------------------------------------------------- --help
+
+@pytest.mark.parametrize("command,words", [
+    ("bench", ["--quick", "--json", "--plot", "family"]),
+    ("compare", ["A.json", "B.json", "--threshold"]),
+    ("check", ["--gpu", "--arch", "-k"]),
+    ("notebooks", ["--run", "--figures"]),
+])
+def test_command_help(command, words):
+    r = _run("-m", "cukern", command, "--help")
+    assert r.returncode == 0, r.stderr
+    for w in words:
+        assert w in r.stdout, (command, w)
+
+
+def test_top_level_help_lists_every_command():
+    r = _run("-m", "cukern", "--help")
+    assert r.returncode == 0
+    for c in ("info", "check", "bench", "compare", "notebooks"):
+        assert c in r.stdout
+
+
+def test_profile_decode_help():
+    r = _run(str(REPO / "profiling" / "profile_decode.py"), "--help")
+    assert r.returncode == 0, r.stderr
+    assert "--steps" in r.stdout and "nsys" in r.stdout
+
+
+# ----------------------------------------------------------------------------- bench results
+
+def _result(rows, device="NVIDIA H100 80GB HBM3", copy=2900.0, gemm=700.0, date="2026-11-22T19:00:00+00:00"):
+    full = []
+    for fam, kernel, shape, us, gbs, tflops, extra in rows:
+        full.append({"family": fam, "kernel": kernel, "shape": shape, "us": us, "gbs": gbs, "tflops": tflops,
+                     "pct_ceiling": gbs / copy if gbs else None, "peer": "", "peer_us": None, "extra": extra,
+                     "speedup": None})
+    return {"schema": workbench.SCHEMA, "meta": {"device": device, "date": date},
+            "ceilings": {"copy_gbs": copy, "device": device, "gemm_tflops": gemm}, "family_ceilings": {},
+            "errors": {}, "rows": full}
+
+
+A = _result([("elementwise", "rms_norm", "1x4096", 4.0, 10.0, None, {}),
+             ("elementwise", "add_scaled", "4194304", 20.0, 2500.0, None, {}),
+             ("attention", "decode", "B1 L32k", 40.0, 1800.0, None, {"flops": 6.7e7, "bytes": 6.7e7}),
+             ("attention", "prefill", "B4 L4096", 900.0, 300.0, 350.0, {})])
+B = _result([("elementwise", "rms_norm", "1x4096", 3.0, 13.3, None, {}),
+             ("elementwise", "add_scaled", "4194304", 20.4, 2450.0, None, {}),
+             ("attention", "prefill", "B4 L4096", 1000.0, 270.0, 315.0, {}),
+             ("dmmv", "q4_k", "4096x14336", 17.0, 1900.0, None, {})], date="2026-11-23T10:00:00+00:00")
+
+
+def test_compare_matches_rows_by_family_kernel_shape():
+    changes = {(c.family, c.kernel): c for c in workbench.compare(A, B)}
+    assert changes["elementwise", "rms_norm"].ratio == pytest.approx(0.75)
+    assert changes["attention", "prefill"].ratio == pytest.approx(1000 / 900)
+    assert changes["attention", "decode"].b_us is None and changes["attention", "decode"].ratio is None
+    assert changes["dmmv", "q4_k"].a_us is None
+    assert list(changes)[-1] == ("dmmv", "q4_k")  # A's order, then rows only in B
+
+
+def test_format_compare_marks_moves_beyond_threshold():
+    text = workbench.format_compare(A, B, workbench.compare(A, B), threshold=0.05)
+    lines = {ln.split()[1]: ln for ln in text.splitlines() if ln.startswith(("elementwise", "attention", "dmmv"))}
+    assert "-25.0% faster" in lines["rms_norm"]
+    assert "+2.0%" in lines["add_scaled"] and "slower" not in lines["add_scaled"]
+    assert "+11.1% slower" in lines["prefill"]
+    assert "only A" in lines["decode"] and "only B" in lines["q4_k"]
+    assert "4 rows" not in text and "5 rows, 2 moved" in text
+
+
+def test_compare_command(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(A))
+    b.write_text(json.dumps(B))
+    r = _run("-m", "cukern", "compare", str(a), str(b))
+    assert r.returncode == 0, r.stderr
+    assert "faster" in r.stdout and "2026-11-23" in r.stdout
+    (tmp_path / "bad.json").write_text('{"rows": 3}')
+    r = _run("-m", "cukern", "compare", str(a), str(tmp_path / "bad.json"))
+    assert r.returncode == 1 and "not a `python -m cukern bench --json` result" in r.stderr
+
+
+def test_format_table_prints_every_peer():
+    from cukern.benchmark import Ceilings, Row, format_table
+    rows = [Row("attention", "decode", "B1", 40.0, gbs=1800.0, pct_ceiling=0.62, peer="torch SDPA", peer_us=50.0,
+                extra={"peers": {"FlashInfer": 36.0}}),
+            Row("elementwise", "scale", "1024", 2.0)]
+    text = format_table(rows, Ceilings(2900.0, "H100", 700.0))
+    lines = text.splitlines()
+    assert "copy 2,900 GB/s" in lines[0] and "GEMM 700 TFLOP/s" in lines[0]
+    assert lines[3].startswith("attention") and lines[3].endswith("1.25")  # 50 / 40
+    assert lines[4].startswith(" ") and "FlashInfer" in lines[4] and lines[4].endswith("0.90")  # 36 / 40
+    assert lines[5].split() == ["elementwise", "scale", "1024", "2.00"]  # no peer: nothing after the time
+
+
+def test_bench_scripts_found_and_unknown_family_is_clear():
+    scripts = workbench.bench_scripts()
+    assert "elementwise" in scripts and scripts["elementwise"].name == "bench_elementwise.py"
+    with pytest.raises(CukernError, match="no benchmark for nope .*there are: .*elementwise"):
+        workbench.bench_scripts(["nope"])
+    with pytest.raises(CukernError, match="not part of the installed package.*CUKERN_ROOT"):
+        workbench.checkout_root("no_such_folder")
+
+
+def test_rows_of_round_trips_a_result():
+    rows, ceil = workbench.rows_of(A)
+    assert [r.kernel for r in rows] == ["rms_norm", "add_scaled", "decode", "prefill"]
+    assert ceil.gemm_tflops == 700.0 and ceil.copy_gbs == 2900.0
+
+
+# ----------------------------------------------------------------------------- roofline
+
+def test_roofline_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from cukern.roofline import intensity, plot_roofline
+    assert intensity(A["rows"][2]) == pytest.approx(1.0)
+    assert intensity(A["rows"][3]) == pytest.approx(350e12 / 300e9)
+    assert intensity(A["rows"][0]) is None
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps(A))
+    png = tmp_path / "roofline.png"
+    fig = plot_roofline(str(path), png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    roof, bars = fig.axes
+    assert len(roof.lines) == 1 + 1 + 2  # roof, ridge line, the two rows whose intensity is known
+    assert len(bars.patches) == 4  # every row with GB/s
+
+
+# ----------------------------------------------------------------------------- check --gpu
+
+def test_recorder_sees_assert_close_and_nmse():
+    seen = []
+    testing.set_recorder(lambda *a: seen.append(a))
+    try:
+        ref = np.array([0.0, 1.0, -2.0])
+        testing.assert_close(ref + [0.0, 1e-6, 0.0], ref, name="y")
+        with pytest.raises(AssertionError):
+            testing.assert_close(ref + [0.0, 0.0, 1e-3], ref, name="z")
+        testing.nmse(ref * 1.1, ref)
+    finally:
+        testing.set_recorder(None)
+    (n1, k1, e1, b1, ok1), (n2, k2, e2, b2, ok2), (n3, k3, e3, b3, ok3) = seen
+    assert (n1, k1, ok1) == ("y", "max_abs", True) and e1 == pytest.approx(1e-6) and b1 == pytest.approx(2e-5)
+    assert (n2, ok2) == ("z", False) and e2 == pytest.approx(1e-3) and b2 == pytest.approx(1e-5 + 2e-5)
+    assert k3 == "nmse" and e3 == pytest.approx(0.01) and b3 is None
+    testing.assert_close(ref, ref)  # recorder off again: nothing more is seen
+    assert len(seen) == 3
+
+
+def test_check_gpu_table_from_a_pytest_run(tmp_path):
+    (tmp_path / "test_fake.py").write_text(
+        "import numpy as np, pytest\n"
+        "from cukern.testing import assert_close, nmse\n"
+        "@pytest.mark.parametrize('e', [0.0, 5e-6, 1e-3])\n"
+        "def test_close(e):\n"
+        "    ref = np.linspace(-1, 1, 11)\n"
+        "    assert_close(ref + e, ref)\n"
+        "def test_quant():\n"
+        "    assert nmse(np.ones(4) * 1.01, np.ones(4)) < 1e-3\n"
+        "def test_plain():\n"
+        "    pass\n")
+    code, col = selfcheck.run_pytest(["-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+                                      str(tmp_path / "test_fake.py")])
+    assert code == 1  # one case fails
+    groups = {g.name.split("::")[1]: g for g in selfcheck.group(col.cases.values())}
+    close = groups["test_close"]
+    assert (close.count("passed"), close.count("failed")) == (2, 1) and not close.ok
+    assert close.worst.worst_ratio == pytest.approx(1e-3 / 1e-5) and close.worst.nodeid.endswith("[0.001]")
+    assert groups["test_quant"].max_nmse == pytest.approx(1e-4) and groups["test_quant"].ok
+    assert groups["test_plain"].worst is None and groups["test_plain"].ok
+    text = selfcheck.format_table(list(groups.values()))
+    assert "FAIL" in text and "3 tests, 5 cases, 1 failing" in text
+    assert len(selfcheck.group(col.cases.values(), by_function=False)) == 5
+
+
+def test_check_gpu_without_a_gpu_says_so():
+    from conftest import no_gpu_reason
+    if no_gpu_reason() is None:
+        pytest.skip("a GPU is visible: the GPU path runs instead")
+    r = _run("-m", "cukern", "check", "--gpu")
+    assert r.returncode == 1 and "no CUDA device" in r.stdout
+
+
+# ----------------------------------------------------------------------------- per-kernel timer
+
+def test_kernel_table_sums_by_name():
+    records = [("rms_norm<256, true>", 2.0), ("scale<true>", 1.0), ("rms_norm<256, true>", 4.0),
+               ("rms_norm<256, false>", 3.0)]
+    stats = profiler.summarize(records, step_us=20.0)
+    assert [(s.kernel, s.calls, s.total_us) for s in stats] == [
+        ("rms_norm<256, true>", 2, 6.0), ("rms_norm<256, false>", 1, 3.0), ("scale<true>", 1, 1.0)]
+    assert stats[0].pct_step == pytest.approx(0.3) and stats[0].mean_us == pytest.approx(3.0)
+    grouped = profiler.summarize(records, step_us=20.0, strip_templates=True)
+    assert [(s.kernel, s.calls, s.total_us) for s in grouped] == [("rms_norm", 3, 9.0), ("scale", 1, 1.0)]
+    text = profiler.format_table(grouped, 20.0, 2)
+    assert "all kernels" in text and "50.0%" in text  # 10 of 20 us
+    assert "between kernels (launch gaps)" in text and "10.0 us per step" in text
+
+
+@pytest.mark.gpu
+def test_kernel_timer_times_every_dispatch():
+    import cupy
+
+    from cukern import dispatch
+    from cukern.elementwise import ElementwiseDispatch
+    from cukern.streams import capture_graph
+    d = ElementwiseDispatch()
+    x = cupy.ones((8, 1024), cupy.float32)
+    w, out = cupy.ones(1024, cupy.float32), cupy.empty((8, 1024), cupy.float32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream, profiler.KernelTimer() as kt:
+        assert dispatch._launch_timer is kt
+        for _ in range(3):
+            with kt.step(stream):
+                d.rms_norm(x, w, out, stream=stream)
+                d.scale(x, out, alpha=2.0, stream=stream)
+        capture_graph(lambda s: d.scale(x, out, alpha=2.0, stream=s), stream)  # not timed
+    assert dispatch._launch_timer is None
+    names = [k for k, _ in kt.records()]
+    assert names == ["rms_norm<256, true>", "scale<true>"] * 3
+    assert all(us > 0 for _, us in kt.records()) and len(kt.step_us) == 3
+    stats = kt.table()
+    assert 0 < sum(s.pct_step for s in stats) <= 1.0
+
+
+# ----------------------------------------------------------------------------- notebooks
+
+NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
+
+
+def test_every_family_has_a_notebook():
+    import cukern
+    names = {p.stem for p in NOTEBOOKS}
+    assert "decode_step" in names
+    missing = [f for f in cukern.FAMILY_MODULES if f not in names]
+    assert not missing, f"families without notebooks/<family>.ipynb: {missing}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_parses_and_compiles(path):
+    assert notebooks.check_notebook(path) == []
+    assert len(notebooks.code_cells(path)) >= 3
+
+
+def test_notebook_check_catches_outputs_and_syntax(tmp_path):
+    nb = {"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": [
+        {"cell_type": "code", "metadata": {}, "source": ["x = 1\n"], "outputs": [{"output_type": "stream"}],
+         "execution_count": 3},
+        {"cell_type": "code", "metadata": {}, "source": "%matplotlib inline\n", "outputs": [],
+         "execution_count": None}]}
+    path = tmp_path / "bad.ipynb"
+    path.write_text(json.dumps(nb))
+    problems = notebooks.check_notebook(path)
+    assert any("cell 0: committed with outputs" in p for p in problems)
+    assert any("cell 1: does not compile" in p for p in problems)
+    (tmp_path / "junk.ipynb").write_text("{")
+    assert notebooks.check_notebook(tmp_path / "junk.ipynb")
+
+
+def test_notebook_runner_executes_cells_in_one_namespace(tmp_path):
+    pytest.importorskip("matplotlib")
+    cells = ["from matplotlib import pyplot as plt\nvalue = 41\n",
+             "value += 1\nfig, ax = plt.subplots()\nax.plot([1, 2], [value, value])\n",
+             "assert value == 42\nraise RuntimeError('boom')\n", "never = True\n"]
+    nb = {"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": [
+        {"cell_type": "code", "metadata": {}, "source": c, "outputs": [], "execution_count": None} for c in cells]}
+    path = tmp_path / "nb.ipynb"
+    path.write_text(json.dumps(nb))
+    run = notebooks.run_notebook(path, figures_dir=tmp_path, show_progress=False)
+    assert not run.ok and run.cells_run == 2 and run.cells == 4
+    assert "cell 2:" in run.error and "RuntimeError: boom" in run.error
+    assert [f.name for f in run.figures] == ["nb_cell1_1.png"] and (tmp_path / "nb_cell1_1.png").is_file()
