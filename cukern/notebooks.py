@@ -160,6 +160,11 @@ def main_check(paths) -> int:
 
 def main_run(paths, figures_dir=None) -> int:
     """Run each notebook headless; print a table; 1 when one fails."""
+    from cukern.workbench import no_gpu_reason
+    reason = no_gpu_reason()
+    if reason:
+        print(f"notebooks --run: {reason}; `python -m cukern notebooks` (no --run) checks them without a GPU")
+        return 1
     nbs = notebook_paths(paths)
     if figures_dir is not None:
         Path(figures_dir).mkdir(parents=True, exist_ok=True)

@@ -145,9 +145,9 @@ def format_table(groups: list[Group]) -> str:
 def run(tests=None, *, keyword: str | None = None, by_function: bool = True, extra_args=()) -> int:
     """Run the quick GPU tests with the recorder on; print pytest's own line per failure and
     the table. Returns pytest's exit code (0: every selected test passed)."""
-    from cukern.workbench import checkout_root
+    from cukern.workbench import checkout_root, no_gpu_reason
 
-    reason = _no_gpu_reason()
+    reason = no_gpu_reason()
     if reason:
         print(f"check --gpu: {reason}; nothing was run (the CPU compile check is `python -m cukern check`)")
         return 1
@@ -177,12 +177,3 @@ def run_pytest(args) -> tuple[int, Collector]:
     finally:
         testing.set_recorder(None)
     return int(code), collector
-
-
-def _no_gpu_reason() -> str | None:
-    try:
-        import cupy
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:
-        return f"no CUDA device ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-    return None if n > 0 else "no CUDA device (the driver reports 0)"

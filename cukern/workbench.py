@@ -40,7 +40,7 @@ from pathlib import Path
 
 from cukern.runtime import CukernError
 
-__all__ = ["checkout_root", "bench_scripts", "progress", "run_bench", "environment", "load_result",
+__all__ = ["checkout_root", "bench_scripts", "no_gpu_reason", "progress", "run_bench", "environment", "load_result",
            "compare", "format_compare", "SCHEMA"]
 
 SCHEMA = "cukern-bench/1"
@@ -87,6 +87,16 @@ def _import_script(name: str, path: Path):
     if not callable(getattr(module, "bench", None)):
         raise CukernError(f"{path} defines no bench(quick) -> (rows, ceilings)")
     return module
+
+
+def no_gpu_reason() -> str | None:
+    """Why nothing can run on a GPU here (no CuPy, no driver, no device), or None."""
+    try:
+        import cupy
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:
+        return f"no CUDA device ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    return None if n > 0 else "no CUDA device (the driver reports 0)"
 
 
 # ----------------------------------------------------------------------------- progress
@@ -146,6 +156,9 @@ def run_bench(families=None, *, quick: bool = False, show_progress: bool = True,
     from cukern.benchmark import measure_ceilings, measure_gemm_tflops
 
     scripts = bench_scripts(families)
+    reason = no_gpu_reason()
+    if reason:
+        raise CukernError(f"bench needs a GPU: {reason}")
     root = str(checkout_root("profiling"))
     if root not in sys.path:  # the scripts import cukern from the checkout they sit in
         sys.path.insert(0, root)

@@ -199,12 +199,13 @@ def test_check_gpu_table_from_a_pytest_run(tmp_path):
     assert len(selfcheck.group(col.cases.values(), by_function=False)) == 5
 
 
-def test_check_gpu_without_a_gpu_says_so():
-    from conftest import no_gpu_reason
-    if no_gpu_reason() is None:
+@pytest.mark.parametrize("command", [["check", "--gpu"], ["bench", "--quick"], ["notebooks", "--run"]])
+def test_gpu_commands_without_a_gpu_say_so(command):
+    if workbench.no_gpu_reason() is None:
         pytest.skip("a GPU is visible: the GPU path runs instead")
-    r = _run("-m", "cukern", "check", "--gpu")
-    assert r.returncode == 1 and "no CUDA device" in r.stdout
+    r = _run("-m", "cukern", *command)
+    assert r.returncode == 1 and "no CUDA device" in r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
 
 
 # ----------------------------------------------------------------------------- per-kernel timer
