@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -114,12 +113,15 @@ def cmd_bench(args) -> int:
     for family, tb in result["errors"].items():
         print(f"\nERROR in bench_{family}.py:\n{tb}", file=sys.stderr)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        workbench.write_result(result, args.json)
         print(f"\nwrote {args.json}")
     if args.plot:
         from cukern.roofline import plot_roofline
-        plot_roofline(result, args.plot)
+        try:
+            plot_roofline(result, args.plot)
+        except ImportError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         print(f"wrote {args.plot}")
     return 1 if result["errors"] else 0
 

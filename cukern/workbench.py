@@ -40,8 +40,8 @@ from pathlib import Path
 
 from cukern.runtime import CukernError
 
-__all__ = ["checkout_root", "bench_scripts", "no_gpu_reason", "progress", "run_bench", "environment", "load_result",
-           "compare", "format_compare", "SCHEMA"]
+__all__ = ["checkout_root", "bench_scripts", "no_gpu_reason", "progress", "run_bench", "environment", "rows_of",
+           "write_result", "load_result", "compare", "format_compare", "Change", "SCHEMA"]
 
 SCHEMA = "cukern-bench/1"
 
@@ -190,6 +190,19 @@ def rows_of(result: dict):
     rows = [Row(**{k: v for k, v in r.items() if k in fields}) for r in result["rows"]]
     c = result["ceilings"]
     return rows, Ceilings(copy_gbs=c["copy_gbs"], device=c["device"], gemm_tflops=c.get("gemm_tflops"))
+
+
+def _plain(value):
+    """JSON for the NumPy scalars and arrays a script may leave in a row's extra."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def write_result(result: dict, path) -> None:
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, default=_plain)
+        f.write("\n")
 
 
 def load_result(path) -> dict:
