@@ -145,7 +145,9 @@ def format_table(groups: list[Group]) -> str:
 def run(tests=None, *, keyword: str | None = None, by_function: bool = True, extra_args=()) -> int:
     """Run the quick GPU tests with the recorder on; print pytest's own line per failure and
     the table. Returns pytest's exit code (0: every selected test passed)."""
-    from cukern.workbench import checkout_root, no_gpu_reason
+    import pytest
+
+    from cukern.workbench import checkout_root, interruptible, no_gpu_reason
 
     reason = no_gpu_reason()
     if reason:
@@ -155,13 +157,16 @@ def run(tests=None, *, keyword: str | None = None, by_function: bool = True, ext
     paths = [str(p) for p in (tests or [root / "tests"])]
     args = ["-q", "-m", "gpu and not slow", "--tb=short", "-p", "no:cacheprovider", "--rootdir", str(root),
             *(["-k", keyword] if keyword else []), *extra_args, *paths]
-    code, collector = run_pytest(args)
+    with interruptible():  # a time limit's SIGTERM stops pytest cleanly: the table shows what ran
+        code, collector = run_pytest(args)
     print()
     cases = [c for c in collector.cases.values() if c.outcome != "not run"]
     if not cases:
         print(f"check --gpu: no GPU test was selected in {', '.join(paths)}")
         return int(code) or 1
     print(format_table(group(cases, by_function)))
+    if code == pytest.ExitCode.INTERRUPTED:
+        print("interrupted: the table holds the tests that ran before")
     return int(code)
 
 

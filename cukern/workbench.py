@@ -28,12 +28,15 @@ GEMM ceiling (``extra["ceiling"] = "gemm"``).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.util
 import json
 import os
 import platform
+import signal
 import sys
+import threading
 import traceback
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -97,6 +100,20 @@ def no_gpu_reason() -> str | None:
     except Exception as e:
         return f"no CUDA device ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
     return None if n > 0 else "no CUDA device (the driver reports 0)"
+
+
+@contextlib.contextmanager
+def interruptible():
+    """Turn SIGTERM (what ``timeout`` sends) into KeyboardInterrupt for the enclosed block, so
+    that a time-limited run still reports what it finished."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 # ----------------------------------------------------------------------------- progress
@@ -171,7 +188,11 @@ def run_bench(families=None, *, quick: bool = False, show_progress: bool = True,
     names = list(scripts)
     for name in progress(names, desc="bench", unit="family") if show_progress else names:
         try:
-            rows, fam_ceil = _import_script(name, scripts[name]).bench(quick)
+            with interruptible():
+                rows, fam_ceil = _import_script(name, scripts[name]).bench(quick)
+        except KeyboardInterrupt:  # Ctrl-C or a time limit's SIGTERM: keep what was measured
+            result["errors"][name] = "interrupted"
+            break
         except Exception:
             result["errors"][name] = traceback.format_exc()
             continue
