@@ -7,8 +7,9 @@
 #   CUKERN_WB_STEPS="bench check-gpu" bash profiling/workbench_check.sh
 #
 # Like device_check.sh it runs from the source tree (PYTHONPATH=.) and installs the wheels carried
-# in .whl/ into /tmp/site. Each step has its own time limit (seconds: CUKERN_WB_LIMIT, default 240)
-# so that one slow step cannot eat the others. Written to the destination: bench.json,
+# in .whl/ into /tmp/site. Each step has its own time limit so that one slow step cannot eat the
+# others: CUKERN_WB_LIMIT seconds (default 240), or CUKERN_WB_LIMIT_<step> (e.g.
+# CUKERN_WB_LIMIT_check_gpu=150); bench and check --gpu print what finished when stopped. Written to the destination: bench.json,
 # roofline.png, workbench.log (every step's full output) and notebook-figures.tar.
 set -u
 cd "$(dirname "$0")/.."
@@ -34,8 +35,8 @@ step() {  # step NAME CMD...: run under the time limit, append to the log, remem
     local name=$1; shift
     [[ " $STEPS " == *" $name "* ]] || return 0
     echo "=== $name: $*" | tee -a "$LOG"
-    local t0=$SECONDS
-    timeout "$LIMIT" "$@" 2>&1 | tee -a "$LOG"
+    local t0=$SECONDS limit_var=CUKERN_WB_LIMIT_${name//-/_}
+    timeout "${!limit_var:-$LIMIT}" "$@" 2>&1 | tee -a "$LOG"
     STATUS[$name]="rc=${PIPESTATUS[0]} ($((SECONDS - t0)) s)"
 }
 
