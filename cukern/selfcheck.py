@@ -176,9 +176,9 @@ def run_pytest(args) -> tuple[int, Collector]:
 
     from cukern import testing
     collector = Collector()
-    testing.set_recorder(collector.record)
+    previous = testing.set_recorder(collector.record)
     try:
         code = pytest.main(list(args), plugins=[collector])
     finally:
-        testing.set_recorder(None)
+        testing.set_recorder(previous)
     return int(code), collector

@@ -27,13 +27,15 @@ TOLERANCES = {
 _recorder = None
 
 
-def set_recorder(fn) -> None:
+def set_recorder(fn):
     """Call ``fn(name, kind, error, bound, passed)`` on every :func:`assert_close`
     (kind ``"max_abs"``: ``|out - ref|`` and the bound ``atol + rtol*|ref|`` at the
     element with the largest ``err / bound``) and every :func:`nmse`
-    (kind ``"nmse"``, bound None: the caller compares it). ``None`` turns it off."""
+    (kind ``"nmse"``, bound None: the caller compares it). ``None`` turns it off.
+    Returns the recorder it replaces, so that nested users can put it back."""
     global _recorder
-    _recorder = fn
+    previous, _recorder = _recorder, fn
+    return previous
 
 
 def _to_numpy(a) -> np.ndarray:
