@@ -1,8 +1,11 @@
-"""Elementwise family benchmark: GB/s against the copy ceiling measured in the same run, and the
-ratio to the torch op a user would otherwise call (also measured here).
+"""Elementwise family benchmark: one row per kernel at decode size (CUDA-graph timed) and at a large
+size (>= 64 MB moved, event timed), with GB/s from the counted bytes, % of the copy ceiling measured in
+this run, and the ratio to a peer measured in this run: the torch op a user would call instead, or,
+for a fusion, the chain of unfused cukern kernels it replaces ("x peer" > 1: cukern / the fusion is
+faster).
 
-Bytes counted: every input read once, every output written once.
-Run: PYTHONPATH=. python profiling/bench_elementwise.py [--json out.json]
+Bytes counted: every input read once, every output written once (weights and tables included).
+Run: PYTHONPATH=. python profiling/bench_elementwise.py [--quick] [--json out.json]
 """
 
 from __future__ import annotations
@@ -14,75 +17,333 @@ import cupy
 
 from cukern.benchmark import (Row, host_us_per_call, measure_ceilings, print_table, rotating, rows_to_json,
                               time_graph_us, time_torch_graph_us, time_us)
-from cukern.elementwise import ElementwiseDispatch
+from cukern.elementwise import ElementwiseDispatch, contiguous_page_table  # noqa: F401
 
 try:
     import torch
     import torch.nn.functional as F
-except ImportError:  # the peer is optional; rows then show no ratio
+except ImportError:  # the torch peer is optional; its rows then show no ratio
     torch = None
+
+_L2_ROTATE_BYTES = 200 << 20  # rotate input sets until they span 4x the 50 MB L2
 
 
 def _t(a):
-    return torch.from_dlpack(a) if torch is not None else None
+    return torch.from_dlpack(a)
+
+
+class Bench:
+    def __init__(self, quick: bool):
+        self.d = ElementwiseDispatch()
+        self.ceil = measure_ceilings()
+        self.rows: list[Row] = []
+        self.rng = cupy.random.default_rng(0)
+        self.quick = quick
+
+    def randn(self, *shape, scale=1.0):
+        return self.rng.standard_normal(shape, dtype=cupy.float32) * scale
+
+    def sets(self, nbytes, make):
+        """Input sets to rotate through: enough to span _L2_ROTATE_BYTES (at most 16)."""
+        return rotating(max(1, min(16, _L2_ROTATE_BYTES // max(nbytes, 1))), make)
+
+    def row(self, kernel, shape, fn, *, nbytes=None, flops=None, decode=False, peer="", peer_fn=None,
+            peer_is_torch=True):
+        timer = time_graph_us if decode else time_us
+        us = timer(fn)
+        peer_us = None
+        if peer_fn is not None and (torch is not None or not peer_is_torch):
+            peer_timer = (time_torch_graph_us if decode else time_us) if peer_is_torch else timer
+            peer_us = peer_timer(peer_fn)
+        gbs = nbytes / (us * 1e-6) / 1e9 if nbytes else None
+        self.rows.append(Row("elementwise", kernel + (" (graph)" if decode else ""), shape, us, gbs=gbs,
+                             tflops=flops / (us * 1e-6) / 1e12 if flops else None,
+                             pct_ceiling=gbs / self.ceil.copy_gbs if gbs else None, peer=peer, peer_us=peer_us))
+
+
+def _sizes(b: Bench):
+    """(label, n_tokens, decode?) pairs: one decode token, and a large prefill batch."""
+    return [("decode", 1, True), ("large", 2048 if b.quick else 8192, False)]
+
+
+def bench_norms(b: Bench):
+    d = b.d
+    H = 4096
+    for _, n, decode in _sizes(b):
+        nb = n * H * 4
+        shape = f"{n}x{H}"
+        sets, nxt = b.sets(3 * nb, lambda i: (b.randn(n, H), b.randn(n, H), b.randn(H), b.randn(H),
+                                               cupy.empty((n, H), cupy.float32),
+                                               cupy.empty((n, H * 36 // 32), cupy.uint8)))
+        tsets = [tuple(_t(a) for a in s[:5]) for s in sets] if torch is not None else None
+        cur = {"i": 0}
+
+        def tnext():
+            s = tsets[cur["i"] % len(tsets)]
+            cur["i"] += 1
+            return s
+
+        def chain_res(x, r, w, out):  # residual += x; out = rms_norm(residual)
+            d.add(r, x, r)
+            d.rms_norm(r, w, out)
+
+        b.row("rms_norm", shape, lambda: (lambda s: d.rms_norm(s[0], s[2], s[4]))(nxt()), nbytes=2 * nb + H * 4,
+              decode=decode, peer="torch F.rms_norm",
+              peer_fn=lambda: (lambda s: F.rms_norm(s[0], (H,), s[2], eps=1e-6))(tnext()))
+        b.row("residual_rms_norm", shape, lambda: (lambda s: d.residual_rms_norm(s[0], s[1], s[2], s[4]))(nxt()),
+              nbytes=4 * nb + H * 4, decode=decode, peer="chain add+rms_norm",
+              peer_fn=lambda: (lambda s: chain_res(s[0], s[1], s[2], s[4]))(nxt()), peer_is_torch=False)
+        b.row("post_norm_residual_rms_norm", shape,
+              lambda: (lambda s: d.post_norm_residual_rms_norm(s[0], s[1], s[2], s[3], s[4]))(nxt()),
+              nbytes=4 * nb + 2 * H * 4, decode=decode, peer="chain rms_norm+add+rms_norm",
+              peer_fn=lambda: (lambda s: (d.rms_norm(s[0], s[2], s[4]), d.add(s[1], s[4], s[1]),
+                                          d.rms_norm(s[1], s[3], s[4])))(nxt()), peer_is_torch=False)
+        b.row("rms_norm_accumulate", shape, lambda: (lambda s: d.rms_norm_accumulate(s[0], s[2], s[1]))(nxt()),
+              nbytes=3 * nb + H * 4, decode=decode, peer="chain rms_norm+add",
+              peer_fn=lambda: (lambda s: (d.rms_norm(s[0], s[2], s[4]), d.add(s[1], s[4], s[1])))(nxt()),
+              peer_is_torch=False)
+        b.row("residual_rms_norm_q8_1", shape, lambda: (lambda s: d.residual_rms_norm_q8_1(s[0], s[1], s[2], s[5]))(nxt()),
+              nbytes=3 * nb + nb * 36 // 128 + H * 4, decode=decode, peer="residual_rms_norm (f32 out)",
+              peer_fn=lambda: (lambda s: d.residual_rms_norm(s[0], s[1], s[2], s[4]))(nxt()), peer_is_torch=False)
+
+
+def bench_heads(b: Bench):
+    """Per-head norms, RoPE and their fusions with the KV write: 32 query heads, 8 KV heads, head_dim 128."""
+    d = b.d
+    nq, nkv, hd = 32, 8, 128
+    for _, n, decode in _sizes(b):
+        shape = f"{n}x{nq}x{hd}"
+        nb = n * nq * hd * 4
+        pos = cupy.zeros(1, cupy.int32)
+        pos_tok = cupy.arange(n, dtype=cupy.int32)
+        seq = cupy.zeros(1, cupy.int32)
+        page_size = 16
+        max_pages = -(-(n + 1) // page_size)
+        page_table = cupy.arange(max_pages, dtype=cupy.int32).reshape(1, max_pages)
+        kc = cupy.zeros((max_pages, page_size, nkv, hd), cupy.float16)
+        vc = cupy.zeros_like(kc)
+        sets, nxt = b.sets(2 * nb, lambda i: (b.randn(n, nq, hd), cupy.empty((n, nq, hd), cupy.float32),
+                                               b.randn(n, nkv, hd), b.randn(n, nkv, hd),
+                                               cupy.empty((n, nkv, hd), cupy.float32), b.randn(hd), b.randn(hd),
+                                               b.randn(n, nq, 2 * hd), b.randn(n, nq, hd)))
+        inv = 1e6 ** (-torch.arange(0, hd, 2, dtype=torch.float64, device="cuda") / hd) if torch else None
+        if torch is not None:
+            ang = torch.arange(n, dtype=torch.float64, device="cuda")[:, None] * inv[None, :]
+            cos = torch.cat([ang.cos(), ang.cos()], -1).float()[:, None, :]
+            sin = torch.cat([ang.sin(), ang.sin()], -1).float()[:, None, :]
+        tsets = [tuple(_t(a) for a in s) for s in sets] if torch is not None else None
+        cur = {"i": 0}
+
+        def tnext():
+            s = tsets[cur["i"] % len(tsets)]
+            cur["i"] += 1
+            return s
+
+        def torch_rope(x, out):
+            x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
+            torch.add(x * cos, torch.cat([-x2, x1], -1) * sin, out=out)
+
+        b.row("head_rms_norm", shape, lambda: (lambda s: d.head_rms_norm(s[0], s[5], s[1]))(nxt()),
+              nbytes=2 * nb, decode=decode, peer="torch F.rms_norm",
+              peer_fn=lambda: (lambda s: F.rms_norm(s[0], (hd,), s[5], eps=1e-6))(tnext()))
+        b.row("rope neox", shape, lambda: (lambda s: d.rope(s[0], pos, s[1], freq_base=1e6))(nxt()),
+              nbytes=2 * nb, decode=decode, peer="torch rope (eager)",
+              peer_fn=lambda: (lambda s: torch_rope(s[0], s[1]))(tnext()))
+        b.row("rms_norm_rope", shape, lambda: (lambda s: d.rms_norm_rope(s[0], s[5], pos, s[1], freq_base=1e6))(nxt()),
+              nbytes=2 * nb, decode=decode, peer="chain head_rms_norm+rope",
+              peer_fn=lambda: (lambda s: (d.head_rms_norm(s[0], s[5], s[1]),
+                                          d.rope(s[1], pos, s[1], freq_base=1e6)))(nxt()), peer_is_torch=False)
+        kvb = n * nkv * hd
+        qkv_bytes = 2 * nb + 2 * kvb * 4 + 2 * kvb * 2
+
+        def qkv_chain(s):
+            d.head_rms_norm(s[0], s[5], s[1])
+            d.rope(s[1], pos, s[1], freq_base=1e6)
+            d.head_rms_norm(s[2], s[6], s[4])
+            d.rope(s[4], pos, s[4], freq_base=1e6)
+            d.kv_write(s[4], kc, page_table, pos, seq)
+            d.kv_write(s[3], vc, page_table, pos, seq)
+
+        b.row("qk_norm_rope_kv_write", f"{n}x({nq}+2x{nkv})x{hd}",
+              lambda: (lambda s: d.qk_norm_rope_kv_write(s[0], s[2], s[3], s[5], s[6], s[1], kc, vc, page_table, pos,
+                                                         seq, freq_base=1e6))(nxt()),
+              nbytes=qkv_bytes, decode=decode, peer="chain 2x(norm+rope)+2 kv_write",
+              peer_fn=lambda: qkv_chain(nxt()), peer_is_torch=False)
+        b.row("k_norm_rope_kv_write", f"{n}x{nkv}x{hd}",
+              lambda: (lambda s: d.k_norm_rope_kv_write(s[2], s[6], kc, page_table, pos, seq, freq_base=1e6))(nxt()),
+              nbytes=kvb * 6, decode=decode, peer="chain norm+rope+kv_write",
+              peer_fn=lambda: (lambda s: (d.head_rms_norm(s[2], s[6], s[4]), d.rope(s[4], pos, s[4], freq_base=1e6),
+                                          d.kv_write(s[4], kc, page_table, pos, seq)))(nxt()), peer_is_torch=False)
+        kc_t = _t(kc) if torch is not None else None
+        b.row("kv_write (f16 cache)", f"{n}x{nkv}x{hd}",
+              lambda: (lambda s: d.kv_write(s[3], kc, page_table, pos, seq))(nxt()), nbytes=kvb * 6, decode=decode,
+              peer="torch cache[idx] = k.half()",
+              peer_fn=lambda: (lambda s: kc_t.view(-1, nkv, hd).__setitem__(slice(0, n), s[3].half()))(tnext()))
+        b.row("rope per_token positions", shape,
+              lambda: (lambda s: d.rope(s[0], pos_tok, s[1], freq_base=1e6, pos_mode="per_token"))(nxt()),
+              nbytes=2 * nb + n * 4, decode=decode)
+        b.row("deinterleave", f"{n}x{nq}x(2x{hd})", lambda: (lambda s: d.deinterleave(s[7], s[0], s[1]))(nxt()),
+              nbytes=4 * nb, decode=decode, peer="torch split+copy",
+              peer_fn=lambda: (lambda s: (s[0].copy_(s[7][..., :hd]), s[1].copy_(s[7][..., hd:])))(tnext()))
+        b.row("gated_rms_norm", shape, lambda: (lambda s: d.gated_rms_norm(s[0], s[8], s[5], s[1], group_size=hd))(nxt()),
+              nbytes=3 * nb, decode=decode, peer="chain head_rms_norm+swiglu",
+              peer_fn=lambda: (lambda s: (d.head_rms_norm(s[0], s[5], s[1]),
+                                          d.swiglu(s[8].reshape(n, -1), s[1].reshape(n, -1),
+                                                   s[1].reshape(n, -1))))(nxt()), peer_is_torch=False)
+        b.row("group_norm (l2)", shape, lambda: (lambda s: d.group_norm(s[0], s[1], group_size=hd, l2=True))(nxt()),
+              nbytes=2 * nb, decode=decode, peer="torch F.normalize",
+              peer_fn=lambda: (lambda s: F.normalize(s[0], dim=-1))(tnext()))
+
+
+def bench_activations(b: Bench):
+    d = b.d
+    ff = 14336
+    for _, n, decode in _sizes(b):
+        n = n if decode else n // 2
+        shape = f"{n}x{ff}"
+        nb = n * ff * 4
+        sets, nxt = b.sets(3 * nb, lambda i: (b.randn(n, ff), b.randn(n, ff), cupy.empty((n, ff), cupy.float32),
+                                               b.randn(ff + 64)))
+        tsets = [tuple(_t(a) for a in s) for s in sets] if torch is not None else None
+        cur = {"i": 0}
+
+        def tnext():
+            s = tsets[cur["i"] % len(tsets)]
+            cur["i"] += 1
+            return s
+
+        def oai(g, u):
+            gg = g.clamp(max=7.0)
+            return gg * torch.sigmoid(1.702 * gg) * (u.clamp(-7.0, 7.0) + 1)
+
+        for name, fn, pfn, peer in [
+            ("swiglu", lambda s: d.swiglu(s[0], s[1], s[2]), lambda s: F.silu(s[0]) * s[1], "torch silu*mul"),
+            ("swiglu_oai", lambda s: d.swiglu_oai(s[0], s[1], s[2]), lambda s: oai(s[0], s[1]), "torch eager"),
+            ("geglu", lambda s: d.geglu(s[0], s[1], s[2]), lambda s: F.gelu(s[0], approximate="tanh") * s[1],
+             "torch gelu*mul"),
+            ("sigmoid_mul", lambda s: d.sigmoid_mul(s[0], s[1], s[2]), lambda s: s[0] * torch.sigmoid(s[1]),
+             "torch x*sigmoid(g)"),
+            ("add", lambda s: d.add(s[0], s[1], s[2]), lambda s: torch.add(s[0], s[1], out=s[2]), "torch.add"),
+            ("add_scaled", lambda s: d.add_scaled(s[0], s[1], s[2], alpha=0.5),
+             lambda s: torch.add(s[0], s[1], alpha=0.5, out=s[2]), "torch.add(alpha)"),
+        ]:
+            b.row(name, shape, lambda fn=fn: fn(nxt()), nbytes=3 * nb, decode=decode, peer=peer,
+                  peer_fn=lambda pfn=pfn: pfn(tnext()))
+        b.row("scale_accumulate", shape, lambda: (lambda s: d.scale_accumulate(s[2], s[1], 0.5))(nxt()),
+              nbytes=3 * nb, decode=decode, peer="torch.add_(alpha)",
+              peer_fn=lambda: (lambda s: s[2].add_(s[1], alpha=0.5))(tnext()))
+        b.row("scale", shape, lambda: (lambda s: d.scale(s[0], s[2], alpha=0.5))(nxt()), nbytes=2 * nb, decode=decode,
+              peer="torch.mul", peer_fn=lambda: (lambda s: torch.mul(s[0], 0.5, out=s[2]))(tnext()))
+        b.row("bias_add", shape, lambda: (lambda s: d.bias_add(s[0], s[3], s[2], offset=64))(nxt()),
+              nbytes=2 * nb + ff * 4, decode=decode, peer="torch x + b",
+              peer_fn=lambda: (lambda s: torch.add(s[0], s[3][64:], out=s[2]))(tnext()))
+
+
+def bench_moe(b: Bench):
+    d = b.d
+    E, k, H = 128, 8, 2048
+    for _, n, decode in _sizes(b):
+        n_tok_topk = n if decode else n * 32
+        logits_sets, lnxt = b.sets(n_tok_topk * E * 4, lambda i: (b.randn(n_tok_topk, E),
+                                                                  cupy.empty((n_tok_topk, k), cupy.int32),
+                                                                  cupy.empty((n_tok_topk, k), cupy.float32)))
+
+        def torch_topk(lg):
+            p = torch.softmax(lg, -1)
+            w, i = torch.topk(p, k, -1)
+            return w / w.sum(-1, keepdim=True), i
+        tl = [tuple(_t(a) for a in s) for s in logits_sets] if torch is not None else None
+        cur = {"i": 0}
+
+        def tl_next():
+            s = tl[cur["i"] % len(tl)]
+            cur["i"] += 1
+            return s
+        b.row("softmax_topk", f"{n_tok_topk}x{E} k={k}",
+              lambda: (lambda s: d.softmax_topk(s[0], s[1], s[2], k=k))(lnxt()),
+              nbytes=n_tok_topk * (E + 2 * k) * 4, decode=decode, peer="torch softmax+topk+renorm",
+              peer_fn=lambda: torch_topk(tl_next()[0]))
+
+        n_sum = n if decode else n // 2
+        es, enxt = b.sets(n_sum * k * H * 4 * 2, lambda i: (b.randn(n_sum, k, 2 * H), b.randn(n_sum, k),
+                                                             cupy.empty((n_sum, 2 * H), cupy.float32)))
+        te = [tuple(_t(a) for a in s) for s in es] if torch is not None else None
+        ce = {"i": 0}
+
+        def te_next():
+            s = te[ce["i"] % len(te)]
+            ce["i"] += 1
+            return s
+        b.row("moe_weighted_sum", f"{n_sum}x{k}x{2 * H}", lambda: (lambda s: d.moe_weighted_sum(s[0], s[1], s[2]))(enxt()),
+              nbytes=n_sum * (k + 1) * 2 * H * 4, decode=decode, peer="torch (e*w).sum(1)",
+              peer_fn=lambda: (lambda s: torch.sum(s[0] * s[1][..., None], 1, out=s[2]))(te_next()))
+
+        # router: x [n, H] f32, W [E, H] f32 (1 MiB); the fused version adds the RMS norm
+        xs, xnxt = b.sets(n * H * 4, lambda i: (b.randn(n, H), cupy.empty((n, H), cupy.float32)))
+        W, wn, lg = b.randn(E, H, scale=0.02), b.randn(H), cupy.empty((n, E), cupy.float32)
+        flops = 2 * n * E * H
+        b.row("router_matvec", f"{n}x{H} @ {E}x{H}", lambda: d.router_matvec(xnxt()[0], W, lg),
+              nbytes=(n * H + E * H + n * E) * 4, flops=flops, decode=decode, peer="torch x @ W.T (cuBLAS)",
+              peer_fn=(lambda: torch.matmul(_t(xs[0][0]), _t(W).T)) if torch is not None else None)
+        b.row("router_rms_norm_matvec", f"{n}x{H} @ {E}x{H}", lambda: d.router_rms_norm_matvec(xnxt()[0], wn, W, lg),
+              nbytes=(n * H + E * H + n * E + H) * 4, flops=flops, decode=decode, peer="chain rms_norm+router_matvec",
+              peer_fn=lambda: (lambda s: (d.rms_norm(s[0], wn, s[1]), d.router_matvec(s[1], W, lg)))(xnxt()),
+              peer_is_torch=False)
+
+
+def bench_shared_expert(b: Bench):
+    d = b.d
+    H = 4096
+    for _, n, decode in _sizes(b):
+        nb = n * H * 4
+        sets, nxt = b.sets(3 * nb, lambda i: (b.randn(n, H), b.randn(n, H), b.randn(n)))
+        b.row("shared_expert_accumulate", f"{n}x{H}", lambda: (lambda s: d.shared_expert_accumulate(s[0], s[1], s[2]))(nxt()),
+              nbytes=3 * nb + n * 4, decode=decode, peer="torch h += sigmoid(g)*s",
+              peer_fn=(lambda: (lambda s: _t(s[0]).add_(torch.sigmoid(_t(s[2]))[:, None] * _t(s[1])))(nxt()))
+              if torch is not None else None)
+
+
+def bench_ssm(b: Bench):
+    d = b.d
+    C, K = 8192, 4
+    n_qk, n_v, dk, dv = 16, 32, 128, 128
+    for _, n, decode in _sizes(b):
+        nb = n * C * 4
+        sets, nxt = b.sets(2 * nb, lambda i: (b.randn(n, C), cupy.empty((n, C), cupy.float32)))
+        state, w = b.randn(K - 1, C), b.randn(C, K)
+        b.row("conv1d_silu (K=4)", f"{n}x{C}", lambda: (lambda s: d.conv1d_silu(s[0], state, w, s[1]))(nxt()),
+              nbytes=2 * nb + 2 * state.nbytes + w.nbytes, decode=decode)
+        n_tok = n if decode else (256 if b.quick else 1024)
+        q = b.randn(n_tok, n_qk, dk) * (dk ** -0.5)
+        kk = b.randn(n_tok, n_qk, dk) * (dk ** -0.5)
+        v = b.randn(n_tok, n_v, dv)
+        g = -cupy.abs(b.randn(n_tok, n_v)) * 0.1
+        beta = cupy.abs(b.randn(n_tok, n_v)) * 0.3
+        S = b.randn(n_v, dk, dv) * 0.1
+        o = cupy.empty((n_tok, n_v, dv), cupy.float32)
+        nbytes = 2 * S.nbytes + q.nbytes + kk.nbytes + v.nbytes + o.nbytes
+        b.row("deltanet_tiled", f"{n_tok} tok {n_v}x{dk}x{dv}", lambda: d.deltanet(q, kk, v, g, beta, S, o, tiled=True),
+              nbytes=nbytes, decode=decode, peer="deltanet (baseline)",
+              peer_fn=lambda: d.deltanet(q, kk, v, g, beta, S, o, tiled=False), peer_is_torch=False)
 
 
 def bench(quick: bool = False) -> tuple[list, object]:
-    d = ElementwiseDispatch()
-    ceil = measure_ceilings()
-    rows = []
-    rng = cupy.random.default_rng(0)
-    norm_shapes = [(1, 4096), (16, 4096)] + ([] if quick else [(8192, 4096)])
-    for n_rows, n_cols in norm_shapes:
-        nbytes_io = n_rows * n_cols * 4
-        n_sets = max(1, min(16, (200 << 20) // (3 * nbytes_io)))  # rotate through > 4x L2
-        sets, nxt = rotating(n_sets, lambda i: (rng.standard_normal((n_rows, n_cols), dtype=cupy.float32),
-                                                rng.standard_normal(n_cols, dtype=cupy.float32),
-                                                cupy.empty((n_rows, n_cols), cupy.float32)))
-        # decode-sized launches are timed as a decode loop runs them: replayed from a CUDA graph
-        small = nbytes_io < (1 << 20)
-        timer = time_graph_us if small else time_us
-        us = timer(lambda: d.rms_norm(*nxt(), eps=1e-6))
-        peer_us = None
-        if torch is not None:
-            tsets = [(_t(x), _t(w)) for x, w, _ in sets]
-            k = {"i": 0}
-
-            def peer():
-                x, w = tsets[k["i"] % n_sets]
-                k["i"] += 1
-                F.rms_norm(x, (n_cols,), w, eps=1e-6)
-            peer_us = (time_torch_graph_us if small else time_us)(peer)
-        gbs = (2 * nbytes_io + n_cols * 4) / (us * 1e-6) / 1e9
-        rows.append(Row("elementwise", "rms_norm" + (" (graph)" if small else ""), f"{n_rows}x{n_cols}", us, gbs=gbs, pct_ceiling=gbs / ceil.copy_gbs,
-                        peer="torch F.rms_norm", peer_us=peer_us))
-
-    n = (1 << 22) if quick else (1 << 25)  # 16 MB or 128 MB per operand
-    a, b, out = (rng.standard_normal(n, dtype=cupy.float32) for _ in range(3))
-    us = time_us(lambda: d.add_scaled(a, b, out, alpha=0.5))
-    peer_us = time_us(lambda: torch.add(_t(a), _t(b), alpha=0.5, out=_t(out))) if torch is not None else None
-    gbs = 3 * n * 4 / (us * 1e-6) / 1e9
-    rows.append(Row("elementwise", "add_scaled", f"{n}", us, gbs=gbs, pct_ceiling=gbs / ceil.copy_gbs,
-                    peer="torch.add(alpha)", peer_us=peer_us))
-    us = time_us(lambda: d.scale(a, out, alpha=0.5))
-    peer_us = time_us(lambda: torch.mul(_t(a), 0.5, out=_t(out))) if torch is not None else None
-    gbs = 2 * n * 4 / (us * 1e-6) / 1e9
-    rows.append(Row("elementwise", "scale", f"{n}", us, gbs=gbs, pct_ceiling=gbs / ceil.copy_gbs,
-                    peer="torch.mul", peer_us=peer_us))
-
+    b = Bench(quick)
+    for part in (bench_norms, bench_heads, bench_activations, bench_moe, bench_shared_expert, bench_ssm):
+        part(b)
     # host cost of one dispatch (validate, pack, launch) against a bare CuPy elementwise call
-    a, out = a[:1024], out[:1024]
-    host = host_us_per_call(lambda: d.scale(a, out, alpha=0.5))
+    a, out = b.randn(1024), cupy.empty(1024, cupy.float32)
+    host = host_us_per_call(lambda: b.d.scale(a, out, alpha=0.5))
     peer_host = host_us_per_call(lambda: cupy.multiply(a, 0.5, out=out))
-    rows.append(Row("elementwise", "scale: host us per call", "1024", host, peer="cupy.multiply(out=)",
-                    peer_us=peer_host))
-    return rows, ceil
+    b.rows.append(Row("elementwise", "scale: host us per call", "1024", host, peer="cupy.multiply(out=)",
+                      peer_us=peer_host))
+    return b.rows, b.ceil
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the rows here")
-    ap.add_argument("--quick", action="store_true", help="small sizes only")
+    ap.add_argument("--quick", action="store_true", help="smaller large sizes")
     args = ap.parse_args(argv)
     rows, ceil = bench(args.quick)
     print_table(rows, ceil, "elementwise")

@@ -1,0 +1,31 @@
+// Q8_1 activations: the int8 input of the quantized matmul path.
+//
+// Layout (GGUF's block_q8_1, 36 bytes, 4-byte aligned): a row of n elements
+// (n % 32 == 0) is n / 32 consecutive blocks
+//     struct { __half d; __half s; int8_t qs[32]; }
+//   d  = max(|x_i|) / 127 over the block's 32 values (0 for an all-zero block)
+//   qs = round(x_i / d), rounded half away from zero, in [-127, 127]
+//   s  = d * sum(qs)   (the block's quantized sum, used by the Q4_0/Q4_1/Q5_* dot products
+//                       to fold the weight offset in without touching every element)
+// Row r starts at byte r * (n / 32) * 36. The quantized-matmul kernels read this layout.
+#pragma once
+
+#include "common/types.cuh"
+
+namespace cukern {
+
+constexpr int Q8_1_BLOCK = 32;        // values per block
+constexpr int Q8_1_BLOCK_BYTES = 36;  // sizeof(BlockQ8_1)
+
+struct BlockQ8_1 {
+    __half2 ds;      // (d, s): scale and d * sum(qs)
+    int8_t qs[32];   // quantized values
+};
+static_assert(sizeof(BlockQ8_1) == Q8_1_BLOCK_BYTES, "BlockQ8_1 must match GGUF's block_q8_1");
+
+// Quantize one value with the block's reciprocal scale (0 when d == 0).
+CUKERN_DEVICE int q8_1_quantize(float x, float inv_d) {
+    return __float2int_rn(copysignf(floorf(fabsf(x * inv_d) + 0.5f), x));
+}
+
+}  // namespace cukern

@@ -1,0 +1,156 @@
+// SSM / gated DeltaNet pieces of hybrid models (Qwen3.5/3.6-style linear attention layers).
+#pragma once
+
+#include "common/types.cuh"
+#include "common/reduce.cuh"
+#include "elementwise/params.cuh"
+
+namespace cukern {
+namespace ew {
+constexpr int CONV_CHUNK = 16;  // tokens per thread in conv1d_silu (>= kernel_size - 1)
+}  // namespace ew
+}  // namespace cukern
+
+// Depthwise causal conv1d + SiLU over n_tokens tokens, with a state of the K - 1 previous inputs:
+//   in_tau = x[tau] for tau >= 0, state[K - 1 + tau] for -(K - 1) <= tau < 0
+//   y[t, c] = silu(sum_{j < K} w[c, j] * in_{t - K + 1 + j}[c])
+// and afterwards state = the last K - 1 inputs (oldest first): the window rotates by n_tokens.
+// Thread (chunk, c) computes tokens [chunk * CONV_CHUNK, +CONV_CHUNK) of channel c; chunk 0 is the only
+// reader of the old state and the only writer of the new one, so the update is race-free.
+// grid: (ceil(n_channels / 128), ceil(n_tokens / CONV_CHUNK)), block: 128.
+template <int K>
+__global__ void __launch_bounds__(128) conv1d_silu(
+    float* __restrict__ y,        // [n_tokens, n_channels]
+    float* __restrict__ state,    // [K - 1, n_channels] in/out, oldest input first
+    const float* __restrict__ x,  // [n_tokens, n_channels]
+    const float* __restrict__ w,  // [n_channels, K] taps, oldest first
+    const ConvParams p) {
+    static_assert(K >= 2 && K <= 8, "kernel_size 2..8");
+    const uint32_t c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= p.n_channels) return;
+    const int t0 = blockIdx.y * cukern::ew::CONV_CHUNK;
+    const int t1 = min(t0 + cukern::ew::CONV_CHUNK, (int)p.n_tokens);
+    const uint64_t C = p.n_channels;
+    float taps[K], win[K - 1];
+#pragma unroll
+    for (int j = 0; j < K; ++j) taps[j] = w[c * K + j];
+#pragma unroll
+    for (int j = 0; j < K - 1; ++j) {
+        const int tau = t0 - (K - 1) + j;
+        win[j] = tau < 0 ? state[(uint64_t)(K - 1 + tau) * C + c] : x[(uint64_t)tau * C + c];
+    }
+    for (int t = t0; t < t1; ++t) {
+        const float xin = x[(uint64_t)t * C + c];
+        float acc = taps[K - 1] * xin;
+#pragma unroll
+        for (int j = 0; j < K - 1; ++j) acc += taps[j] * win[j];
+#pragma unroll
+        for (int j = 0; j < K - 2; ++j) win[j] = win[j + 1];
+        win[K - 2] = xin;
+        y[(uint64_t)t * C + c] = acc / (1.0f + expf(-acc));
+    }
+    if (t0 == 0) {
+        // new state[j] = input tau = n_tokens - (K - 1) + j; when n_tokens < K - 1 the oldest entries come
+        // from the old state, which this thread alone reads: gather first, then write.
+        float next[K - 1];
+#pragma unroll
+        for (int j = 0; j < K - 1; ++j) {
+            const int tau = (int)p.n_tokens - (K - 1) + j;
+            next[j] = tau < 0 ? state[(uint64_t)(K - 1 + tau) * C + c] : x[(uint64_t)tau * C + c];
+        }
+#pragma unroll
+        for (int j = 0; j < K - 1; ++j) state[(uint64_t)j * C + c] = next[j];
+    }
+}
+
+// Gated delta rule, one sequence, tokens in order. Per value head h (q/k head hq = h / (n_v / n_qk)),
+// state S_h [dk, dv], per token t:
+//   S = exp(g[t, h]) * S
+//   delta = beta[t, h] * (v[t, h] - S^T k[t, hq])
+//   S = S + k[t, hq] delta^T
+//   o[t, h] = S^T (q_scale * q[t, hq])
+// Column j of S only ever needs column j, so columns are independent.
+// Baseline: one thread per (head, column), S streamed from memory at each token (L1/L2 hits).
+// grid: (ceil(dv / 64), n_v_heads), block: 64.
+__global__ void __launch_bounds__(64) deltanet(
+    float* __restrict__ o,           // [n_tokens, n_v_heads, dv]
+    float* __restrict__ S,           // [n_v_heads, dk, dv] in/out state
+    const float* __restrict__ q,     // [n_tokens, n_qk_heads, dk]
+    const float* __restrict__ k,     // [n_tokens, n_qk_heads, dk]
+    const float* __restrict__ v,     // [n_tokens, n_v_heads, dv]
+    const float* __restrict__ g,     // [n_tokens, n_v_heads] log of the decay (<= 0)
+    const float* __restrict__ beta,  // [n_tokens, n_v_heads] write strength in [0, 1]
+    const DeltaNetParams p) {
+    const uint32_t h = blockIdx.y, j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= p.dv) return;
+    const uint32_t hq = h / (p.n_v_heads / p.n_qk_heads);
+    float* Sh = S + (uint64_t)h * p.dk * p.dv + j;  // column j, row stride dv
+    for (uint32_t t = 0; t < p.n_tokens; ++t) {
+        const float* kt = k + ((uint64_t)t * p.n_qk_heads + hq) * p.dk;
+        const float* qt = q + ((uint64_t)t * p.n_qk_heads + hq) * p.dk;
+        const float decay = expf(g[(uint64_t)t * p.n_v_heads + h]);
+        float kv = 0.f;
+        for (uint32_t i = 0; i < p.dk; ++i) kv += Sh[(uint64_t)i * p.dv] * kt[i];
+        const uint64_t vo = ((uint64_t)t * p.n_v_heads + h) * p.dv + j;
+        const float delta = beta[(uint64_t)t * p.n_v_heads + h] * (v[vo] - decay * kv);
+        float out = 0.f;
+        for (uint32_t i = 0; i < p.dk; ++i) {
+            const float s = decay * Sh[(uint64_t)i * p.dv] + kt[i] * delta;
+            Sh[(uint64_t)i * p.dv] = s;
+            out += s * qt[i];
+        }
+        o[vo] = p.q_scale * out;
+    }
+}
+
+// Tiled variant: the state stays in registers for all tokens. 4 adjacent lanes share a column, each
+// holding DK / 4 consecutive rows; k and q of the token are staged in shared memory.
+// Must agree with deltanet (the tests compare both against the reference).
+// grid: (ceil(dv / 32), n_v_heads), block: 128 = 32 columns x 4 row slices.
+template <int DK>
+__global__ void __launch_bounds__(128) deltanet_tiled(
+    float* __restrict__ o, float* __restrict__ S, const float* __restrict__ q,  // as deltanet
+    const float* __restrict__ k, const float* __restrict__ v, const float* __restrict__ g,
+    const float* __restrict__ beta, const DeltaNetParams p) {
+    constexpr int R = 4, M = DK / R;  // row slices per column, rows per thread
+    __shared__ float ks[DK], qs[DK];
+    const uint32_t h = blockIdx.y;
+    const uint32_t r = threadIdx.x % R;                            // 0..3: rows r*M .. r*M+M-1
+    const uint32_t j = blockIdx.x * 32 + threadIdx.x / R;          // column
+    const bool active = j < p.dv;
+    const uint32_t hq = h / (p.n_v_heads / p.n_qk_heads);
+    float* Sh = S + (uint64_t)h * DK * p.dv + j;
+    float s[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) s[m] = active ? Sh[(uint64_t)(r * M + m) * p.dv] : 0.f;
+    for (uint32_t t = 0; t < p.n_tokens; ++t) {
+        __syncthreads();  // the previous token's ks/qs are no longer read
+        for (uint32_t i = threadIdx.x; i < DK; i += blockDim.x) {
+            ks[i] = k[((uint64_t)t * p.n_qk_heads + hq) * DK + i];
+            qs[i] = q[((uint64_t)t * p.n_qk_heads + hq) * DK + i];
+        }
+        __syncthreads();
+        const float decay = expf(g[(uint64_t)t * p.n_v_heads + h]);
+        float kv = 0.f;
+#pragma unroll
+        for (int m = 0; m < M; ++m) kv += s[m] * ks[r * M + m];
+        kv += __shfl_xor_sync(0xffffffffu, kv, 1);
+        kv += __shfl_xor_sync(0xffffffffu, kv, 2);
+        const uint64_t vo = ((uint64_t)t * p.n_v_heads + h) * p.dv + j;
+        const float vj = active ? v[vo] : 0.f;
+        const float delta = beta[(uint64_t)t * p.n_v_heads + h] * (vj - decay * kv);
+        float out = 0.f;
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            s[m] = decay * s[m] + ks[r * M + m] * delta;
+            out += s[m] * qs[r * M + m];
+        }
+        out += __shfl_xor_sync(0xffffffffu, out, 1);
+        out += __shfl_xor_sync(0xffffffffu, out, 2);
+        if (active && r == 0) o[vo] = p.q_scale * out;
+    }
+    if (active) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) Sh[(uint64_t)(r * M + m) * p.dv] = s[m];
+    }
+}
