@@ -17,23 +17,33 @@ __version__ = "0.1.0"
 # family name -> module that defines FAMILY (a runtime.FamilySpec) and its Dispatch class
 FAMILY_MODULES = {
     "elementwise": "cukern.elementwise",
+    # the attention family is five units (FamilySpecs) of one module, listed in its FAMILIES
+    **{name: "cukern.attention" for name in ("attention", "attention_bf16", "attention_f32",
+                                             "attention_prefill_f16", "attention_prefill_bf16")},
 }
 
 _LAZY = {
     "ElementwiseDispatch": "cukern.elementwise",
+    "AttentionDispatch": "cukern.attention", "PagedKVCache": "cukern.attention",
 }
 
 
 def families():
     """Every family's FamilySpec, in a stable order (imports the family modules)."""
-    return [importlib.import_module(mod).FAMILY for mod in FAMILY_MODULES.values()]
+    return [_spec(name, mod) for name, mod in FAMILY_MODULES.items()]
+
+
+def _spec(name: str, mod: str):
+    """The FamilySpec ``name`` of module ``mod``: its FAMILIES[name] when it has several units, else FAMILY."""
+    m = importlib.import_module(mod)
+    return getattr(m, "FAMILIES", {}).get(name, m.FAMILY)
 
 
 def family(name: str):
     from cukern.runtime import UnknownKernelError
     if name not in FAMILY_MODULES:
         raise UnknownKernelError(f"unknown family {name!r} (known: {', '.join(FAMILY_MODULES)})")
-    return importlib.import_module(FAMILY_MODULES[name]).FAMILY
+    return _spec(name, FAMILY_MODULES[name])
 
 
 def __getattr__(name):

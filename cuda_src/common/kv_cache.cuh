@@ -24,6 +24,16 @@ CUKERN_DEVICE uint64_t kv_row_offset(const int32_t* __restrict__ page_table_row,
     return ((uint64_t)page * page_size + pos % page_size) * row_elems;
 }
 
+// Row index (page * page_size + pos % page_size) of token `pos`: multiply by the row stride
+// (n_kv_heads * head_dim elements) to get kv_row_offset.
+CUKERN_DEVICE uint64_t kv_row_index(const int32_t* __restrict__ page_table_row,  // [max_pages_per_seq]
+                                    uint32_t pos,        // token position in its sequence
+                                    uint32_t page_size)  // tokens per page
+{
+    const uint32_t page = (uint32_t)page_table_row[pos / page_size];
+    return (uint64_t)page * page_size + pos % page_size;
+}
+
 // Store one f32 value into a cache of element type T.
 template <typename T>
 CUKERN_DEVICE void kv_store(T* __restrict__ pool, uint64_t index, float v) {

@@ -1,0 +1,71 @@
+// Small helpers shared by the attention kernels: constants of the base-2
+// softmax, 16-byte loads of K/V rows converted to f32, and the logit transform
+// (scale, optional softcap) every kernel applies in the same way.
+//
+// Every kernel works in base 2 internally (scores are multiplied by log2(e)
+// so that exp2 is one instruction) and converts LSE values to natural
+// logarithms at the boundary.
+#pragma once
+
+#include "common/types.cuh"
+
+#ifndef INFINITY  // NVRTC has no <math.h>
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+namespace cukern {
+namespace attn {
+
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+
+// Elements of T in one 16-byte vector.
+template <typename T>
+__host__ __device__ constexpr int vec_elems() { return 16 / (int)sizeof(T); }
+
+// A 16-byte vector of T, widened to f32.
+CUKERN_DEVICE void widen(const uint4& r, const __half*, float* f /* [8] */) {
+    const __half2* h = reinterpret_cast<const __half2*>(&r);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 v = __half22float2(h[i]);
+        f[2 * i] = v.x;
+        f[2 * i + 1] = v.y;
+    }
+}
+
+CUKERN_DEVICE void widen(const uint4& r, const __nv_bfloat16*, float* f /* [8] */) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&r);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 v = __bfloat1622float2(h[i]);
+        f[2 * i] = v.x;
+        f[2 * i + 1] = v.y;
+    }
+}
+
+CUKERN_DEVICE void widen(const uint4& r, const float*, float* f /* [4] */) {
+    f[0] = __uint_as_float(r.x);
+    f[1] = __uint_as_float(r.y);
+    f[2] = __uint_as_float(r.z);
+    f[3] = __uint_as_float(r.w);
+}
+
+// 16-byte read-only load (ld.global.nc).
+template <typename T>
+CUKERN_DEVICE uint4 load16(const T* p) {
+    return __ldg(reinterpret_cast<const uint4*>(p));
+}
+
+// Base-2 logit of a raw dot product q.k: scale (and softcap) applied, times log2(e).
+//   scale_log2 = scale * log2(e); softcap > 0: softcap * tanh(scale * x / softcap) * log2(e).
+CUKERN_DEVICE float logit2(float dot, float scale_log2, float softcap, float inv_softcap) {
+    if (softcap > 0.0f) return softcap * LOG2E * tanhf(dot * scale_log2 * LN2 * inv_softcap);
+    return dot * scale_log2;
+}
+
+// exp2 of x - m where m may be -inf (no key seen yet): then every weight is 0, never NaN.
+CUKERN_DEVICE float safe_max(float m) { return m == -INFINITY ? 0.0f : m; }
+
+}  // namespace attn
+}  // namespace cukern

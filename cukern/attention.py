@@ -1,0 +1,780 @@
+"""AttentionDispatch and PagedKVCache: paged KV cache, split-KV decode, tensor-core prefill, varlen.
+
+Kernels: ``cuda_src/attention/``; float64 references: ``cukern/reference/attention.py``;
+tests: ``tests/test_attention.py``; benchmark: ``profiling/bench_attention.py``.
+
+Conventions (every method):
+
+* a query at position ``i`` sees key ``j`` when ``max(0, i - window_left) <= j <= i``
+  (``window_left < 0``: no window); the last query of a sequence sits at its last cached
+  token, so queries are aligned to the end of the cache (``seq_start = kv_len - q_len``);
+* logits are ``scale * q.k`` (``scale = 0`` means ``1 / sqrt(head_dim)``), then
+  ``softcap * tanh(logit / softcap)`` when ``softcap > 0``;
+* ``sinks`` ([n_heads] f32) are one logit per query head that joins the softmax denominator
+  exactly once (gpt-oss), never scaled or capped;
+* every log-sum-exp (LSE) is a **natural** logarithm, laid out ``[tokens, heads]`` f32;
+* bfloat16 arrays are passed as ``uint16`` bit patterns (NumPy and CuPy have no bfloat16
+  dtype; an ``ml_dtypes`` bfloat16 array is accepted too).
+
+Host work (validating sequence ids against the allocator, choosing the split count,
+uploading index arrays, allocating workspaces) happens in :class:`PagedKVCache` and in the
+``plan_*`` methods; the dispatch methods then only pack a struct and launch, so they can be
+captured in CUDA graphs (FlashInfer's plan/run split).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cupy
+import numpy as np
+
+from cukern.dispatch import Dispatch, check_array
+from cukern.runtime import FamilySpec, KernelSpec
+
+__all__ = ["AttentionDispatch", "PagedKVCache", "PageAllocator", "DecodePlan", "BatchedPlan", "FAMILY", "FAMILIES",
+           "HEAD_DIMS", "BF16"]
+
+BF16 = "bfloat16"
+HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256, 512)  # decode and the cache
+PREFILL_HEAD_DIMS = HEAD_DIMS[:-1]  # tensor-core prefill / varlen (512: use f32 queries, SIMT path)
+_GROUPS = (1, 4, 8)  # query heads per decode block (GQA heads beyond 8 take several blocks)
+_CTYPE = {"float16": "__half", BF16: "__nv_bfloat16", "float32": "float"}
+_SHORT = {"float16": "f16", BF16: "bf16", "float32": "f32"}
+_ITEMSIZE = {"float16": 2, BF16: 2, "float32": 4}
+_F32 = np.dtype(np.float32)
+_I32 = np.dtype(np.int32)
+_DECODE_THREADS = 128
+_MERGE_THREADS = 128
+_KV_WRITE_THREADS = 128
+_MIN_CHUNK = 256  # smallest KV chunk of a split (tokens)
+
+
+def _groups(d: int) -> tuple[int, ...]:
+    """Query heads per decode block available at head_dim d (8 heads of 512 would spill registers)."""
+    return _GROUPS if d <= 256 else _GROUPS[:-1]
+
+
+def _prefill_shape(d: int) -> tuple[int, int, int]:
+    """(threads, query rows per block, dynamic shared bytes) of prefill<T, d> (PrefillShape)."""
+    warps = 8 if d <= 128 else 4
+    bn = 64 if d <= 128 else 32
+    return warps * 32, warps * 16, (warps * 16 + 4 * bn) * (d + 8) * 2
+
+
+def _decode_unit(kv: str) -> FamilySpec:
+    t = _CTYPE[kv]
+    kernels = [KernelSpec(f"decode<{t}, {d}, {g}>", "DecodeParams") for d in HEAD_DIMS for g in _groups(d)]
+    kernels.append(KernelSpec("merge_states", "MergeParams"))
+    srcs = [t] if kv == "float32" else [t, "float"]
+    kernels += [KernelSpec(f"kv_write<{t}, {s}>", "KvWriteParams") for s in srcs]
+    name = "attention" if kv == "float16" else f"attention_{_SHORT[kv]}"
+    return FamilySpec(name, tuple(kernels), source="attention/attention.cu", params_header="attention/params.cuh")
+
+
+def _prefill_unit(kv: str) -> FamilySpec:
+    t = _CTYPE[kv]
+    kernels = [KernelSpec(f"prefill<{t}, {d}, {paged}>", "PrefillParams")
+               for d in PREFILL_HEAD_DIMS for paged in ("true", "false")]
+    return FamilySpec(f"attention_prefill_{_SHORT[kv]}", tuple(kernels), source="attention/prefill.cu",
+                      params_header="attention/params.cuh")
+
+
+# One RawModule per unit: decode + cache writes + merge per KV dtype, prefill per dtype.
+FAMILIES = {spec.name: spec for spec in (
+    [_decode_unit(kv) for kv in ("float16", BF16, "float32")] + [_prefill_unit(kv) for kv in ("float16", BF16)])}
+FAMILY = FAMILIES["attention"]
+
+
+def _kind(a) -> str:
+    """'float16', 'bfloat16' (uint16 bits or ml_dtypes) or 'float32'; anything else 'other'."""
+    dt = a.dtype
+    if dt == np.float16:
+        return "float16"
+    if dt == np.float32:
+        return "float32"
+    if dt == np.uint16 or str(dt) == BF16:
+        return BF16
+    return "other"
+
+
+def _norm_kv_dtype(dtype) -> str:
+    if isinstance(dtype, str) and dtype.lower() in (BF16, "bf16"):
+        return BF16
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"KV dtype must be float16, bfloat16 or float32, got {dtype!r}") from None
+    if dt == np.float16:
+        return "float16"
+    if dt == np.float32:
+        return "float32"
+    if str(dt) == BF16:
+        return BF16
+    raise TypeError(f"KV dtype must be float16, bfloat16 or float32, got {dt}")
+
+
+def _storage(kind: str) -> np.dtype:
+    return np.dtype(np.uint16) if kind == BF16 else np.dtype(kind)
+
+
+def _check_kind(name: str, a, kinds: tuple[str, ...]) -> str:
+    check_array(name, a)
+    k = _kind(a)
+    if k not in kinds:
+        raise TypeError(f"{name} must be {' or '.join(kinds)} (bfloat16 as uint16 bits), got {a.dtype}")
+    return k
+
+
+def _int_list(name: str, values) -> np.ndarray:
+    if isinstance(values, cupy.ndarray):
+        raise TypeError(f"{name} must be host integers (a list or NumPy array): plans validate them on the host")
+    arr = np.asarray(values)
+    if arr.ndim != 1 or arr.size == 0 or arr.dtype.kind not in "iu":
+        raise ValueError(f"{name} must be a non-empty 1-D sequence of integers, got {values!r}")
+    return arr.astype(np.int64)
+
+
+# ============================================================================= paged cache
+
+class PageAllocator:
+    """The host side of a paged KV cache: page table, lengths, free list and page reference counts.
+
+    Pure NumPy (no GPU): :class:`PagedKVCache` wraps one and mirrors its rows on the device. Every
+    mutation checks first and changes nothing when it raises ValueError (bad slot, full pool,
+    sequence longer than its page-table row)."""
+
+    def __init__(self, n_pages: int, page_size: int, max_seqs: int, max_pages_per_seq: int | None = None):
+        for name, v in (("n_pages", n_pages), ("max_seqs", max_seqs)):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if not isinstance(page_size, (int, np.integer)) or not 1 <= page_size <= 256:
+            raise ValueError(f"page_size must be 1 ... 256 tokens, got {page_size!r}")
+        max_pages_per_seq = n_pages if max_pages_per_seq is None else max_pages_per_seq
+        if not isinstance(max_pages_per_seq, (int, np.integer)) or max_pages_per_seq < 1:
+            raise ValueError(f"max_pages_per_seq must be >= 1, got {max_pages_per_seq!r}")
+        if n_pages * page_size >= 2**31 or max_pages_per_seq * page_size >= 2**31:
+            raise ValueError("positions and page rows must fit in int32")
+        self.n_pages, self.page_size = int(n_pages), int(page_size)
+        self.max_seqs, self.max_pages_per_seq = int(max_seqs), int(max_pages_per_seq)
+        self.page_table = np.full((self.max_seqs, self.max_pages_per_seq), -1, np.int32)  # -1: no page
+        self.lengths = np.zeros(self.max_seqs, np.int32)
+        self.active = np.zeros(self.max_seqs, bool)
+        self.refs = np.zeros(self.n_pages, np.int32)  # sequences holding each page
+        self._free = list(range(self.n_pages - 1, -1, -1))  # pop() hands out low page ids first
+
+    @property
+    def n_free_pages(self) -> int:
+        return len(self._free)
+
+    def capacity_tokens(self) -> int:
+        return self.max_pages_per_seq * self.page_size
+
+    def n_pages_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.page_size)
+
+    def active_slots(self) -> list[int]:
+        return [int(s) for s in np.flatnonzero(self.active)]
+
+    def check_slot(self, slot) -> int:
+        if not isinstance(slot, (int, np.integer)) or isinstance(slot, bool):
+            raise TypeError(f"sequence id must be an int, got {type(slot).__name__}")
+        if not 0 <= slot < self.max_seqs or not self.active[slot]:
+            raise ValueError(f"sequence {slot} does not exist (active: {self.active_slots()})")
+        return int(slot)
+
+    def pages(self, slot: int) -> list[int]:
+        slot = self.check_slot(slot)
+        return [int(p) for p in self.page_table[slot, :self.n_pages_for(int(self.lengths[slot]))]]
+
+    def _free_slot(self) -> int:
+        free_slots = np.flatnonzero(~self.active)
+        if free_slots.size == 0:
+            raise ValueError(f"no free sequence slot (max_seqs = {self.max_seqs})")
+        return int(free_slots[0])
+
+    def _check_pages(self, n: int, what: str) -> None:
+        if n > len(self._free):
+            raise ValueError(f"{what}: the page pool is full ({n} pages needed, {len(self._free)} free "
+                             f"of {self.n_pages})")
+
+    def _take(self, n: int) -> list[int]:
+        pages = [self._free.pop() for _ in range(n)]
+        self.refs[pages] = 1
+        return pages
+
+    def add(self, length: int = 0) -> int:
+        """A new sequence with room for ``length`` tokens; returns its slot."""
+        if not isinstance(length, (int, np.integer)) or isinstance(length, bool) or length < 0:
+            raise ValueError(f"length must be an int >= 0, got {length!r}")
+        if length > self.capacity_tokens():
+            raise ValueError(f"length {length} exceeds max_pages_per_seq * page_size = {self.capacity_tokens()}")
+        slot = self._free_slot()
+        n = self.n_pages_for(length)
+        self._check_pages(n, "add")
+        self.active[slot] = True
+        self.page_table[slot] = -1
+        self.page_table[slot, :n] = self._take(n)
+        self.lengths[slot] = length
+        return slot
+
+    def extend(self, slot: int, n: int = 1) -> int:
+        """Grow a sequence by ``n`` tokens; returns the first new position."""
+        slot = self.check_slot(slot)
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"n must be an int >= 0, got {n!r}")
+        old = int(self.lengths[slot])
+        if old + n > self.capacity_tokens():
+            raise ValueError(f"sequence {slot}: {old} + {n} tokens exceed max_pages_per_seq * page_size = "
+                             f"{self.capacity_tokens()}")
+        have, need = self.n_pages_for(old), self.n_pages_for(old + n)
+        self._check_pages(need - have, f"extend sequence {slot}")
+        self.page_table[slot, have:need] = self._take(need - have)
+        self.lengths[slot] = old + n
+        return old
+
+    def fork(self, slot: int) -> tuple[int, tuple[int, int] | None]:
+        """A new sequence with the same tokens: full pages shared, a partly filled last page copied.
+        Returns (child slot, (src page, dst page) to copy on the device, or None)."""
+        slot = self.check_slot(slot)
+        child = self._free_slot()
+        n = int(self.lengths[slot])
+        n_full, n_all = n // self.page_size, self.n_pages_for(n)
+        self._check_pages(n_all - n_full, f"fork sequence {slot}")
+        self.active[child] = True
+        self.page_table[child] = -1
+        self.page_table[child, :n_full] = self.page_table[slot, :n_full]
+        self.refs[self.page_table[slot, :n_full]] += 1
+        copy = None
+        if n_all > n_full:
+            dst = self._take(1)[0]
+            self.page_table[child, n_full] = dst
+            copy = (int(self.page_table[slot, n_full]), dst)
+        self.lengths[child] = n
+        return child, copy
+
+    def free(self, slot: int) -> None:
+        """Release a sequence and every page no other sequence holds."""
+        slot = self.check_slot(slot)
+        for page in self.page_table[slot, :self.n_pages_for(int(self.lengths[slot]))]:
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                self._free.append(int(page))
+        self.active[slot] = False
+        self.page_table[slot] = -1
+        self.lengths[slot] = 0
+
+
+class PagedKVCache:
+    """Per-layer K and V page pools, a page table and sequence lengths on the device, planned by a
+    host :class:`PageAllocator` (``.alloc``).
+
+    Device arrays (point other kernels at them, e.g. the elementwise family's fused
+    norm + RoPE + KV write):
+
+    * ``k_pools[layer]``, ``v_pools[layer]``: ``[n_pages, page_size, n_kv_heads, head_dim]``
+      (float16, float32, or bfloat16 stored as uint16);
+    * ``page_table``: ``[max_seqs, max_pages_per_seq]`` int32, the page ids of each slot's
+      sequence in order, -1 where no page is assigned;
+    * ``lengths``: ``[max_seqs]`` int32, tokens cached per slot (0 for free slots).
+
+    Sequences live in slots ``0 .. max_seqs-1``. :meth:`add`, :meth:`extend`, :meth:`fork`
+    and :meth:`free` update the allocator and upload the changed page-table row and length
+    (small host-to-device copies on ``stream``); they are host work, not meant for a captured
+    graph. A full pool or a bad slot raises ValueError and changes nothing.
+
+    Token ``pos`` of a slot lives in page ``page_table[slot, pos // page_size]``, row
+    ``pos % page_size`` (``cuda_src/common/kv_cache.cuh``). :meth:`fork` shares the full
+    pages of the parent (reference-counted) and copies the partly filled last page, so both
+    sequences can be extended independently; rewriting a shared position changes both.
+    """
+
+    def __init__(self, n_layers: int, n_pages: int, page_size: int, n_kv_heads: int, head_dim: int, *,
+                 max_seqs: int, max_pages_per_seq: int | None = None, dtype="float16", device: int | None = None):
+        for name, v in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads)):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim!r}")
+        self.kind = _norm_kv_dtype(dtype)
+        self.alloc = PageAllocator(n_pages, page_size, max_seqs, max_pages_per_seq)
+        self.n_layers, self.n_kv_heads, self.head_dim = int(n_layers), int(n_kv_heads), int(head_dim)
+        self.n_pages, self.page_size = self.alloc.n_pages, self.alloc.page_size
+        self.max_seqs, self.max_pages_per_seq = self.alloc.max_seqs, self.alloc.max_pages_per_seq
+        shape = (self.n_pages, self.page_size, self.n_kv_heads, self.head_dim)
+        st = _storage(self.kind)
+        with cupy.cuda.Device(device) if device is not None else _nullctx():
+            self.k_pools = [cupy.zeros(shape, st) for _ in range(self.n_layers)]
+            self.v_pools = [cupy.zeros(shape, st) for _ in range(self.n_layers)]
+            self.page_table = cupy.asarray(self.alloc.page_table)
+            self.lengths = cupy.asarray(self.alloc.lengths)
+
+    @property
+    def dtype(self) -> str:
+        """'float16', 'bfloat16' or 'float32'."""
+        return self.kind
+
+    @property
+    def n_free_pages(self) -> int:
+        return self.alloc.n_free_pages
+
+    def length(self, slot: int) -> int:
+        return int(self.alloc.lengths[self.alloc.check_slot(slot)])
+
+    def pages(self, slot: int) -> list[int]:
+        return self.alloc.pages(slot)
+
+    def capacity_tokens(self) -> int:
+        return self.alloc.capacity_tokens()
+
+    def _upload(self, slot: int, stream=None) -> None:
+        st = stream if stream is not None else cupy.cuda.get_current_stream()
+        self.page_table[slot].set(self.alloc.page_table[slot], stream=st)
+        self.lengths[slot:slot + 1].set(self.alloc.lengths[slot:slot + 1], stream=st)
+
+    def add(self, length: int = 0, *, stream=None) -> int:
+        """A new sequence with room for ``length`` tokens (their K/V still to be written); returns its slot."""
+        slot = self.alloc.add(length)
+        self._upload(slot, stream)
+        return slot
+
+    def extend(self, slot: int, n: int = 1, *, stream=None) -> int:
+        """Grow a sequence by ``n`` tokens (pages assigned as needed); returns the first new position."""
+        old = self.alloc.extend(slot, n)
+        self._upload(slot, stream)
+        return old
+
+    def fork(self, slot: int, *, stream=None) -> int:
+        """A copy of a sequence (shared full pages, copied last page); returns the new slot."""
+        child, copy = self.alloc.fork(slot)
+        if copy is not None:
+            st = stream if stream is not None else cupy.cuda.get_current_stream()
+            with st:
+                for pool in (*self.k_pools, *self.v_pools):
+                    pool[copy[1]] = pool[copy[0]]
+        self._upload(child, stream)
+        return child
+
+    def free(self, slot: int, *, stream=None) -> None:
+        """Release a sequence and the pages no other sequence shares."""
+        self.alloc.free(slot)
+        self._upload(int(slot), stream)
+
+
+class _nullctx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ============================================================================= plans
+
+@dataclass
+class DecodePlan:
+    """Host-side schedule and device buffers of one decode batch (see AttentionDispatch.plan_decode)."""
+
+    cache: PagedKVCache
+    seq_ids: cupy.ndarray  # [batch] int32 slots
+    n_heads: int
+    max_kv_len: int  # grid bound: chunks are sized from it, the last chunk runs to the real length
+    n_splits: int
+    head_block: int  # query heads per block (template G)
+    o_part: cupy.ndarray | None  # [batch, n_splits, n_heads, head_dim] f32 (n_splits > 1)
+    lse_part: cupy.ndarray  # [batch, n_splits, n_heads] f32
+
+    @property
+    def batch(self) -> int:
+        return int(self.seq_ids.shape[0])
+
+
+@dataclass
+class BatchedPlan:
+    """Sequences and query counts of one batched prefill (see AttentionDispatch.plan_batched)."""
+
+    cache: PagedKVCache
+    seq_ids: cupy.ndarray  # [n_seqs] int32 slots
+    q_indptr: cupy.ndarray  # [n_seqs + 1] int32 first query row of each sequence
+    n_q: int  # total query rows
+    max_q_len: int
+
+
+# ============================================================================= dispatch
+
+class _Unit(Dispatch):
+    """One compilation unit of the family (a FamilySpec with its own RawModule)."""
+
+    def __init__(self, spec: FamilySpec, device=None):
+        self.family = spec
+        super().__init__(device)
+
+
+def _sm_count(device: int | None) -> int:
+    dev = cupy.cuda.Device(device) if device is not None else cupy.cuda.Device()
+    return int(dev.attributes["MultiProcessorCount"])
+
+
+def _head_block(group: int, d: int) -> int:
+    for g in _groups(d):
+        if group <= g:
+            return g
+    return _groups(d)[-1]
+
+
+def _scale_fields(scale: float, head_dim: int, softcap: float, window_left: int) -> dict:
+    if not math.isfinite(scale) or scale < 0:
+        raise ValueError(f"scale must be finite and >= 0 (0: 1/sqrt(head_dim)), got {scale}")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be finite and >= 0 (0: off), got {softcap}")
+    if not isinstance(window_left, (int, np.integer)):
+        raise TypeError(f"window_left must be an int (< 0: no window), got {type(window_left).__name__}")
+    s = scale if scale > 0 else 1.0 / math.sqrt(head_dim)
+    return dict(scale_log2=s * math.log2(math.e), softcap=softcap, inv_softcap=1.0 / softcap if softcap else 0.0,
+                window_left=max(int(window_left), -1))
+
+
+class AttentionDispatch:
+    """Records attention kernels into a stream. Every method takes ``stream=`` (None: CuPy's
+    current stream) and validates its arguments before launching; none synchronises,
+    allocates or reads device memory (``plan_*`` and the cache do the host work)."""
+
+    families = FAMILIES
+
+    def __init__(self, device: int | None = None):
+        self._device = device
+        self._units = {name: _Unit(spec, device) for name, spec in FAMILIES.items()}
+        self._sms: int | None = None
+
+    def _unit(self, kind: str, prefill: bool = False) -> _Unit:
+        return self._units[f"attention_prefill_{_SHORT[kind]}" if prefill else
+                           ("attention" if kind == "float16" else f"attention_{_SHORT[kind]}")]
+
+    def struct(self, name: str):
+        return self._units["attention"].struct(name)
+
+    def sm_count(self) -> int:
+        if self._sms is None:
+            self._sms = _sm_count(self._device)
+        return self._sms
+
+    # ------------------------------------------------------------------ cache writes
+    def _kv_src(self, cache: PagedKVCache, k, v, n: int | None):
+        kinds = (cache.kind,) if cache.kind == "float32" else (cache.kind, "float32")
+        ks = _check_kind("k", k, kinds)
+        vs = _check_kind("v", v, kinds)
+        if ks != vs:
+            raise TypeError(f"k and v must have the same dtype, got {k.dtype} and {v.dtype}")
+        shape = (n, cache.n_kv_heads, cache.head_dim)
+        check_array("k", k, shape=shape)
+        check_array("v", v, shape=shape)
+        if k.shape[0] == 0:
+            raise ValueError("k and v must hold at least one token")
+        return ks
+
+    def _check_layer(self, cache: PagedKVCache, layer: int) -> int:
+        if not isinstance(cache, PagedKVCache):
+            raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < cache.n_layers:
+            raise ValueError(f"layer must be 0 ... {cache.n_layers - 1}, got {layer!r}")
+        return int(layer)
+
+    def write_kv(self, cache: PagedKVCache, layer: int, k: cupy.ndarray, v: cupy.ndarray, slot_ids: cupy.ndarray,
+                 positions: cupy.ndarray, *, stream=None) -> None:
+        """Write one K/V row per token: row i to slot ``slot_ids[i]`` at ``positions[i]`` (a decode step).
+
+        k, v: [n, n_kv_heads, head_dim], the cache dtype or float32; slot_ids, positions: [n] int32
+        (device values, not read on the host: positions outside the slot's allocated pages are skipped,
+        so call :meth:`PagedKVCache.extend` first)."""
+        layer = self._check_layer(cache, layer)
+        src = self._kv_src(cache, k, v, None)
+        n = k.shape[0]
+        check_array("slot_ids", slot_ids, dtype=_I32, shape=(n,))
+        check_array("positions", positions, dtype=_I32, shape=(n,))
+        self._kv_launch(cache, layer, k, v, src, slot_ids, positions, n, 1, 0, 0, stream)
+
+    def write_kv_run(self, cache: PagedKVCache, layer: int, k: cupy.ndarray, v: cupy.ndarray, slot: int, pos0: int,
+                     *, stream=None) -> None:
+        """Write n consecutive tokens of one sequence at positions ``pos0 ... pos0 + n - 1`` (a prefill chunk).
+
+        The positions must already be part of the sequence (``cache.extend``), checked on the host."""
+        layer = self._check_layer(cache, layer)
+        src = self._kv_src(cache, k, v, None)
+        n = k.shape[0]
+        slot = cache.alloc.check_slot(slot)
+        if not isinstance(pos0, (int, np.integer)) or pos0 < 0 or pos0 + n > cache.length(slot):
+            raise ValueError(f"positions {pos0} ... {pos0 + n - 1} are outside sequence {slot} "
+                             f"(length {cache.length(slot)}; extend it first)")
+        self._kv_launch(cache, layer, k, v, src, cache.page_table, cache.page_table, n, 0, slot, int(pos0), stream)
+
+    def _kv_launch(self, cache, layer, k, v, src, slot_ids, positions, n, per_token, slot, pos0, stream):
+        unit = self._unit(cache.kind)
+        params = unit.struct("KvWriteParams").pack(
+            n_tokens=n, row_elems=cache.n_kv_heads * cache.head_dim, page_size=cache.page_size,
+            max_pages=cache.max_pages_per_seq, per_token=per_token, slot=slot, pos0=pos0, pad0=0)
+        name = f"kv_write<{_CTYPE[cache.kind]}, {_CTYPE[src]}>"
+        unit._launch(name, n, _KV_WRITE_THREADS,
+                     (cache.k_pools[layer], cache.v_pools[layer], k, v, cache.page_table, slot_ids, positions),
+                     params, stream=stream)
+
+    # ------------------------------------------------------------------ decode
+    def plan_decode(self, cache: PagedKVCache, seq_ids, n_heads: int, *, max_kv_len: int | None = None,
+                    n_splits: int | None = None, window_left: int = -1) -> DecodePlan:
+        """Schedule a decode batch: one query token for each sequence of ``seq_ids`` (host ints).
+
+        Validates the slots, uploads them, picks the split count (default: enough blocks for a few
+        per SM, chunks of at least 256 tokens; ``n_splits`` overrides it) and allocates the partial
+        buffers. ``max_kv_len`` (default: the longest of these sequences now) sizes the chunks; a
+        sequence that later grows past it is still computed right (its last chunk runs to its end),
+        only less parallel. Reuse the plan across steps (and graph replays) while the batch holds."""
+        if not isinstance(cache, PagedKVCache):
+            raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+        ids = _int_list("seq_ids", seq_ids)
+        for s in ids:
+            cache.alloc.check_slot(int(s))
+        if not isinstance(n_heads, (int, np.integer)) or n_heads < 1 or n_heads % cache.n_kv_heads:
+            raise ValueError(f"n_heads ({n_heads}) must be a positive multiple of n_kv_heads ({cache.n_kv_heads})")
+        longest = int(max(cache.alloc.lengths[ids]))
+        max_kv_len = max(longest, 1) if max_kv_len is None else int(max_kv_len)
+        if max_kv_len < 1:
+            raise ValueError(f"max_kv_len must be >= 1, got {max_kv_len}")
+        group = n_heads // cache.n_kv_heads
+        hb = _head_block(group, cache.head_dim)
+        blocks = len(ids) * cache.n_kv_heads * -(-group // hb)
+        visible = max_kv_len if window_left < 0 else min(max_kv_len, window_left + 1)
+        if n_splits is None:
+            want = -(-4 * self.sm_count() // blocks)
+            n_splits = max(1, min(want, visible // _MIN_CHUNK, 256))
+        if not isinstance(n_splits, (int, np.integer)) or not 1 <= n_splits <= 65535:
+            raise ValueError(f"n_splits must be 1 ... 65535, got {n_splits!r}")
+        b, d = len(ids), cache.head_dim
+        o_part = cupy.empty((b, n_splits, n_heads, d), cupy.float32) if n_splits > 1 else None
+        lse_part = cupy.empty((b, n_splits, n_heads), cupy.float32)
+        return DecodePlan(cache, cupy.asarray(ids.astype(np.int32)), int(n_heads), max_kv_len, int(n_splits), hb,
+                          o_part, lse_part)
+
+    def flash_attn_decode(self, plan: DecodePlan, layer: int, q: cupy.ndarray, out: cupy.ndarray, *,
+                          scale: float = 0.0, window_left: int = -1, softcap: float = 0.0,
+                          sinks: cupy.ndarray | None = None, lse: cupy.ndarray | None = None,
+                          stream=None) -> cupy.ndarray:
+        """Single-query attention of a batch of sequences over the paged cache (split-KV + merge).
+
+        q: [batch, n_heads, head_dim] f32 (16-byte aligned); out: the same (written); lse: optional
+        [batch, n_heads] f32, natural log (sinks included). K/V of a tile are read once for all the
+        query heads of their group. With ``plan.n_splits > 1`` the chunks write normalised partial
+        (O, LSE) into the plan's buffers and :meth:`merge_states` combines them, adding the sinks once."""
+        if not isinstance(plan, DecodePlan):
+            raise TypeError(f"plan must be a DecodePlan (AttentionDispatch.plan_decode), got {type(plan).__name__}")
+        cache = plan.cache
+        layer = self._check_layer(cache, layer)
+        b, h, d = plan.batch, plan.n_heads, cache.head_dim
+        check_array("q", q, dtype=_F32, shape=(b, h, d), align=16)
+        check_array("out", out, dtype=_F32, shape=(b, h, d))
+        if lse is not None:
+            check_array("lse", lse, dtype=_F32, shape=(b, h))
+        if sinks is not None:
+            check_array("sinks", sinks, dtype=_F32, shape=(h,))
+        fields = _scale_fields(scale, d, softcap, window_left)
+        group = h // cache.n_kv_heads
+        hb = plan.head_block
+        nhb = -(-group // hb)
+        visible = plan.max_kv_len if fields["window_left"] < 0 else min(plan.max_kv_len, fields["window_left"] + 1)
+        chunk = -(-visible // plan.n_splits)
+        split = plan.n_splits > 1
+        unit = self._unit(cache.kind)
+        params = unit.struct("DecodeParams").pack(
+            n_queries=b, n_seqs=b, batched=0, n_heads=h, n_kv_heads=cache.n_kv_heads, group=group, n_head_blocks=nhb,
+            page_size=cache.page_size, max_pages=cache.max_pages_per_seq, n_splits=plan.n_splits, chunk=chunk,
+            has_sinks=int(sinks is not None and not split), causal=1, write_lse=int(split or lse is not None),
+            **fields)
+        sink_arg = sinks if sinks is not None else plan.lse_part
+        o_dst = plan.o_part if split else out
+        lse_dst = plan.lse_part if (split or lse is None) else lse
+        unit._launch(f"decode<{_CTYPE[cache.kind]}, {d}, {hb}>", (plan.n_splits, cache.n_kv_heads * nhb, b),
+                     _DECODE_THREADS,
+                     (o_dst, lse_dst, q, cache.k_pools[layer], cache.v_pools[layer], cache.page_table, cache.lengths,
+                      plan.seq_ids, plan.seq_ids, sink_arg), params, stream=stream)
+        if split:
+            self._merge(unit, plan.o_part, plan.lse_part, out, lse, sinks, b, plan.n_splits, h, d, stream)
+        return out
+
+    # ------------------------------------------------------------------ merge
+    def merge_states(self, v: cupy.ndarray, s: cupy.ndarray, out: cupy.ndarray, *, lse: cupy.ndarray | None = None,
+                     sinks: cupy.ndarray | None = None, stream=None) -> cupy.ndarray:
+        """Merge partial attention states of the same queries.
+
+        v: [n_tokens, n_states, n_heads, head_dim] f32, each state's output normalised over its own keys;
+        s: [n_tokens, n_states, n_heads] f32, each state's **natural-log** LSE (-inf: empty state);
+        out: [n_tokens, n_heads, head_dim] f32; lse: optional [n_tokens, n_heads] f32 merged LSE;
+        sinks: optional [n_heads] f32 natural-log logits added to the denominator once.
+        A row whose states are all empty (and no sink) gets 0 and LSE -inf."""
+        check_array("v", v, dtype=_F32, ndim=4)
+        n, ns, h, d = v.shape
+        if min(v.shape) == 0:
+            raise ValueError(f"v must be non-empty, got shape {v.shape}")
+        check_array("s", s, dtype=_F32, shape=(n, ns, h))
+        check_array("out", out, dtype=_F32, shape=(n, h, d))
+        if lse is not None:
+            check_array("lse", lse, dtype=_F32, shape=(n, h))
+        if sinks is not None:
+            check_array("sinks", sinks, dtype=_F32, shape=(h,))
+        if n > 65535:
+            raise ValueError(f"merge_states takes at most 65535 tokens per call, got {n}")
+        self._merge(self._units["attention"], v, s, out, lse, sinks, n, ns, h, d, stream)
+        return out
+
+    def _merge(self, unit, v, s, out, lse, sinks, n, ns, h, d, stream):
+        params = unit.struct("MergeParams").pack(n_tokens=n, n_states=ns, n_heads=h, head_dim=d,
+                                                 has_sinks=int(sinks is not None), write_lse=int(lse is not None))
+        unit._launch("merge_states", (h, n), _MERGE_THREADS,
+                     (out, lse if lse is not None else out, v, s, sinks if sinks is not None else s), params,
+                     stream=stream)
+
+    # ------------------------------------------------------------------ batched prefill
+    def plan_batched(self, cache: PagedKVCache, seq_ids, q_lens) -> BatchedPlan:
+        """Schedule queries of several sequences against the cache: sequence ``seq_ids[i]`` (host ints)
+        has ``q_lens[i]`` query rows, its last ``q_lens[i]`` cached tokens (write their K/V first), so
+        ``seq_start = length - q_len`` (0 on a fresh prefill, > 0 when extending)."""
+        if not isinstance(cache, PagedKVCache):
+            raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+        ids = _int_list("seq_ids", seq_ids)
+        ql = _int_list("q_lens", q_lens)
+        if len(ids) != len(ql):
+            raise ValueError(f"seq_ids and q_lens differ in length ({len(ids)} vs {len(ql)})")
+        if len(ids) > 65535:
+            raise ValueError(f"at most 65535 sequences per call, got {len(ids)}")
+        for s, n in zip(ids, ql):
+            cache.alloc.check_slot(int(s))
+            if not 1 <= n <= cache.alloc.lengths[s]:
+                raise ValueError(f"sequence {s}: q_len {n} must be 1 ... its cached length {cache.alloc.lengths[s]}")
+        indptr = np.concatenate([[0], np.cumsum(ql)]).astype(np.int32)
+        return BatchedPlan(cache, cupy.asarray(ids.astype(np.int32)), cupy.asarray(indptr), int(indptr[-1]),
+                           int(ql.max()))
+
+    def flash_attn_batched(self, plan: BatchedPlan, layer: int, q: cupy.ndarray, out: cupy.ndarray, *,
+                           causal: bool = True, scale: float = 0.0, window_left: int = -1, softcap: float = 0.0,
+                           sinks: cupy.ndarray | None = None, lse: cupy.ndarray | None = None,
+                           stream=None) -> cupy.ndarray:
+        """Many queries per sequence against the paged cache (prefill, or a chunk that extends one).
+
+        q, out: [n_q, n_heads, head_dim] with the rows of sequence i at ``q_indptr[i] ...``. Q in the cache
+        dtype (float16 / bfloat16) runs on tensor cores (mma.sync m16n8k16, f32 accumulation; head_dim up
+        to 256); float32 Q runs the SIMT decode kernel over every query row (any cache dtype, head_dim up
+        to 512). lse: optional [n_q, n_heads] f32, natural log."""
+        if not isinstance(plan, BatchedPlan):
+            raise TypeError(f"plan must be a BatchedPlan (AttentionDispatch.plan_batched), got {type(plan).__name__}")
+        cache = plan.cache
+        layer = self._check_layer(cache, layer)
+        d = cache.head_dim
+        qk = _check_kind("q", q, ("float16", BF16, "float32"))
+        check_array("q", q, ndim=3)
+        n_q, h = q.shape[0], q.shape[1]
+        if n_q != plan.n_q or q.shape[2] != d:
+            raise ValueError(f"q must have shape ({plan.n_q}, n_heads, {d}), got {q.shape}")
+        if h % cache.n_kv_heads:
+            raise ValueError(f"n_heads ({h}) must be a multiple of n_kv_heads ({cache.n_kv_heads})")
+        if _check_kind("out", out, (qk,)) != qk:
+            raise TypeError("out must have q's dtype")
+        check_array("out", out, shape=q.shape)
+        if lse is not None:
+            check_array("lse", lse, dtype=_F32, shape=(n_q, h))
+        if sinks is not None:
+            check_array("sinks", sinks, dtype=_F32, shape=(h,))
+        fields = _scale_fields(scale, d, softcap, window_left)
+        if qk == "float32":
+            return self._batched_simt(plan, layer, q, out, bool(causal), fields, sinks, lse, stream)
+        if qk != cache.kind:
+            raise TypeError(f"q is {qk} but the cache holds {cache.kind}: tensor-core prefill needs Q in the "
+                            f"cache dtype (or float32 Q for the SIMT path)")
+        if d not in PREFILL_HEAD_DIMS:
+            raise ValueError(f"tensor-core prefill supports head_dim {PREFILL_HEAD_DIMS}; use float32 Q for {d}")
+        check_array("q", q, align=16)
+        check_array("out", out, align=4)
+        self._prefill(qk, d, True, out, lse, q, cache.k_pools[layer], cache.v_pools[layer], plan.q_indptr,
+                      cache.lengths, cache.page_table, plan.seq_ids, sinks, len(plan.seq_ids), h, cache.n_kv_heads,
+                      plan.max_q_len, cache.page_size, cache.max_pages_per_seq, bool(causal), fields, stream)
+        return out
+
+    def _batched_simt(self, plan, layer, q, out, causal, fields, sinks, lse, stream):
+        cache = plan.cache
+        n_q, h, d = q.shape
+        check_array("q", q, align=16)
+        if n_q > 65535:
+            raise ValueError(f"the float32 (SIMT) path takes at most 65535 query rows per call, got {n_q}")
+        group = h // cache.n_kv_heads
+        hb = _head_block(group, cache.head_dim)
+        nhb = -(-group // hb)
+        unit = self._unit(cache.kind)
+        params = unit.struct("DecodeParams").pack(
+            n_queries=n_q, n_seqs=len(plan.seq_ids), batched=1, n_heads=h, n_kv_heads=cache.n_kv_heads, group=group,
+            n_head_blocks=nhb, page_size=cache.page_size, max_pages=cache.max_pages_per_seq, n_splits=1,
+            chunk=cache.capacity_tokens(), has_sinks=int(sinks is not None), causal=int(causal),
+            write_lse=int(lse is not None), **fields)
+        unit._launch(f"decode<{_CTYPE[cache.kind]}, {d}, {hb}>", (1, cache.n_kv_heads * nhb, n_q), _DECODE_THREADS,
+                     (out, lse if lse is not None else out, q, cache.k_pools[layer], cache.v_pools[layer],
+                      cache.page_table, cache.lengths, plan.seq_ids, plan.q_indptr,
+                      sinks if sinks is not None else out), params, stream=stream)
+        return out
+
+    def _prefill(self, kind, d, paged, out, lse, q, k, v, q_indptr, kv_info, page_table, seq_ids, sinks, n_seqs, h,
+                 n_kv_heads, max_q_len, page_size, max_pages, causal, fields, stream):
+        threads, bm, smem = _prefill_shape(d)
+        n_tiles = -(-max_q_len // bm)
+        unit = self._unit(kind, prefill=True)
+        params = unit.struct("PrefillParams").pack(
+            n_seqs=n_seqs, n_heads=h, n_kv_heads=n_kv_heads, group=h // n_kv_heads, n_q_tiles=n_tiles,
+            page_size=page_size, max_pages=max_pages, causal=int(causal), has_sinks=int(sinks is not None),
+            write_lse=int(lse is not None), **fields)
+        name = f"prefill<{_CTYPE[kind]}, {d}, {'true' if paged else 'false'}>"
+        unit._launch(name, (n_tiles, h, n_seqs), threads,
+                     (out, lse if lse is not None else q_indptr, q, k, v, q_indptr, kv_info, page_table, seq_ids,
+                      sinks if sinks is not None else q_indptr), params, stream=stream, shared_mem=smem)
+
+    # ------------------------------------------------------------------ varlen
+    def flash_attn_varlen(self, q: cupy.ndarray, k: cupy.ndarray, v: cupy.ndarray, cu_seqlens_q: cupy.ndarray,
+                          cu_seqlens_k: cupy.ndarray, out: cupy.ndarray, *, max_seqlen_q: int, causal: bool = False,
+                          scale: float = 0.0, window_left: int = -1, softcap: float = 0.0,
+                          sinks: cupy.ndarray | None = None, lse: cupy.ndarray | None = None,
+                          stream=None) -> tuple[cupy.ndarray, cupy.ndarray | None]:
+        """Packed variable-length attention (FlashAttention's varlen forward) on tensor cores.
+
+        q, out: [total_q, n_heads, head_dim]; k, v: [total_k, n_kv_heads, head_dim], float16 or bfloat16
+        (uint16 bits), head_dim a multiple of 32 up to 256; cu_seqlens_q / cu_seqlens_k: [batch + 1] int32
+        prefix sums (device values, not read here); max_seqlen_q: host bound on any sequence's q length
+        (sizes the grid; rows past it are not computed). Causal masking aligns the last query with the last
+        key (query r of a sequence sees keys j <= k_len - q_len + r). lse: optional [total_q, n_heads] f32,
+        natural log. Returns (out, lse)."""
+        kind = _check_kind("q", q, ("float16", BF16))
+        for name, a in (("k", k), ("v", v), ("out", out)):
+            if _check_kind(name, a, (kind,)) != kind:
+                raise TypeError(f"{name} must have q's dtype")
+        check_array("q", q, ndim=3, align=16)
+        check_array("k", k, ndim=3, align=16)
+        check_array("v", v, shape=k.shape, align=16)
+        check_array("out", out, shape=q.shape, align=4)
+        total_q, h, d = q.shape
+        total_k, hk = k.shape[0], k.shape[1]
+        if k.shape[2] != d:
+            raise ValueError(f"k has head_dim {k.shape[2]}, q has {d}")
+        if d not in PREFILL_HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {PREFILL_HEAD_DIMS}, got {d}")
+        if hk < 1 or h % hk:
+            raise ValueError(f"n_heads ({h}) must be a multiple of n_kv_heads ({hk})")
+        check_array("cu_seqlens_q", cu_seqlens_q, dtype=_I32, ndim=1)
+        b = cu_seqlens_q.shape[0] - 1
+        if b < 1 or b > 65535:
+            raise ValueError(f"cu_seqlens_q must hold batch + 1 entries, 1 <= batch <= 65535, got {b + 1}")
+        check_array("cu_seqlens_k", cu_seqlens_k, dtype=_I32, shape=(b + 1,))
+        if not isinstance(max_seqlen_q, (int, np.integer)) or max_seqlen_q < 1:
+            raise ValueError(f"max_seqlen_q must be an int >= 1, got {max_seqlen_q!r}")
+        if total_q == 0 or total_k == 0:
+            raise ValueError("q and k must hold at least one token")
+        if lse is not None:
+            check_array("lse", lse, dtype=_F32, shape=(total_q, h))
+        if sinks is not None:
+            check_array("sinks", sinks, dtype=_F32, shape=(h,))
+        fields = _scale_fields(scale, d, softcap, window_left)
+        self._prefill(kind, d, False, out, lse, q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k, cu_seqlens_k, sinks,
+                      b, h, hk, int(max_seqlen_q), 1, 1, bool(causal), fields, stream)
+        return out, lse

@@ -1,0 +1,126 @@
+"""Float64 references for the attention family (cukern/attention.py).
+
+Everything is computed on a gathered, contiguous K/V (FlashInfer's way of testing a paged
+kernel): :func:`gather` turns a slot's pages back into ``[length, n_kv_heads, head_dim]``.
+Conventions are the dispatch's: query at position ``i`` sees key ``j`` when
+``i - window_left <= j <= i`` (causal) and ``j >= i - window_left`` (window), logits are
+``scale * q.k`` then ``softcap * tanh(logit / softcap)``, sinks join the denominator only,
+LSE is a natural logarithm.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def bf16_bits(x) -> np.ndarray:
+    """float array -> bfloat16 bit patterns (uint16), round to nearest even."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return u.astype(np.uint16)
+
+
+def bf16_to_float(bits) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) -> float32."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def as_float64(a, kind: str) -> np.ndarray:
+    """Host values of an array stored as ``kind`` ('float16', 'bfloat16' as uint16 bits, 'float32')."""
+    a = a.get() if hasattr(a, "get") else np.asarray(a)
+    return (bf16_to_float(a) if kind == "bfloat16" else a).astype(np.float64)
+
+
+def gather(pool, page_table_row, length: int, page_size: int) -> np.ndarray:
+    """Rows 0 .. length-1 of one sequence from a pool [n_pages, page_size, n_kv_heads, head_dim]."""
+    pos = np.arange(length)
+    pages = np.asarray(page_table_row)[pos // page_size]
+    return np.asarray(pool)[pages, pos % page_size]
+
+
+def attention(q, k, v, q_pos, *, causal: bool = True, scale: float = 0.0, window_left: int = -1,
+              softcap: float = 0.0, sinks=None) -> tuple[np.ndarray, np.ndarray]:
+    """One sequence. q: [n_q, n_heads, D]; k, v: [n_k, n_kv_heads, D]; q_pos: [n_q] positions of the
+    queries. Returns (out [n_q, n_heads, D], lse [n_q, n_heads]); a query with no visible key (and no
+    sink) gets 0 and -inf."""
+    q = np.asarray(q, np.float64)
+    k = np.asarray(k, np.float64)
+    v = np.asarray(v, np.float64)
+    n_q, h, d = q.shape
+    n_k, hk, _ = k.shape
+    group = h // hk
+    scale = scale if scale > 0 else 1.0 / np.sqrt(d)
+    kh = np.repeat(k, group, axis=1)  # [n_k, h, d]
+    vh = np.repeat(v, group, axis=1)
+    logits = np.einsum("qhd,khd->hqk", q, kh) * scale
+    if softcap > 0:
+        logits = softcap * np.tanh(logits / softcap)
+    pos = np.asarray(q_pos)[:, None]
+    j = np.arange(n_k)[None, :]
+    visible = np.ones((n_q, n_k), bool)
+    if causal:
+        visible &= j <= pos
+    if window_left >= 0:
+        visible &= j >= pos - window_left
+    logits = np.where(visible[None], logits, -np.inf)
+    m = logits.max(axis=-1, keepdims=True)  # [h, n_q, 1]
+    if sinks is not None:
+        m = np.maximum(m, np.asarray(sinks, np.float64)[:, None, None])
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(logits - m_safe)
+    den = p.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        den = den + np.exp(np.asarray(sinks, np.float64)[:, None, None] - m_safe)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = np.einsum("hqk,khd->qhd", np.where(den > 0, p / den, 0.0), vh)
+        lse = np.where(den[..., 0] > 0, (m_safe + np.log(den))[..., 0], -np.inf).T
+    return out, lse
+
+
+def paged_attention(q_rows, k_pool, v_pool, page_table, lengths, seq_ids, q_lens, page_size: int, *,
+                    causal: bool = True, **kw) -> tuple[np.ndarray, np.ndarray]:
+    """Queries of several sequences over a paged cache: sequence seq_ids[i] owns the next q_lens[i] rows of
+    q_rows [n_q, n_heads, D], aligned to the end of its cache (positions length - q_len ... length - 1)."""
+    outs, lses, r = [], [], 0
+    for s, n in zip(seq_ids, q_lens):
+        length = int(lengths[s])
+        k = gather(k_pool, page_table[s], length, page_size)
+        v = gather(v_pool, page_table[s], length, page_size)
+        o, lse = attention(q_rows[r:r + n], k, v, np.arange(length - n, length), causal=causal, **kw)
+        outs.append(o)
+        lses.append(lse)
+        r += n
+    return np.concatenate(outs), np.concatenate(lses)
+
+
+def varlen(q, k, v, cu_q, cu_k, *, causal: bool = False, **kw) -> tuple[np.ndarray, np.ndarray]:
+    """Packed sequences: rows cu_q[i] .. cu_q[i+1] of q against rows cu_k[i] .. cu_k[i+1] of k/v,
+    query r at position k_len - q_len + r."""
+    outs, lses = [], []
+    for i in range(len(cu_q) - 1):
+        qs, ks = q[cu_q[i]:cu_q[i + 1]], k[cu_k[i]:cu_k[i + 1]]
+        n_q, n_k = len(qs), len(ks)
+        o, lse = attention(qs, ks, v[cu_k[i]:cu_k[i + 1]], np.arange(n_k - n_q, n_k), causal=causal, **kw)
+        outs.append(o)
+        lses.append(lse)
+    return np.concatenate(outs), np.concatenate(lses)
+
+
+def merge_states(v, s, sinks=None) -> tuple[np.ndarray, np.ndarray]:
+    """v: [n, n_states, h, d] normalised partial outputs; s: [n, n_states, h] natural-log LSE.
+    Returns (out [n, h, d], lse [n, h])."""
+    v = np.asarray(v, np.float64)
+    s = np.asarray(s, np.float64)
+    m = s.max(axis=1)  # [n, h]
+    if sinks is not None:
+        m = np.maximum(m, np.asarray(sinks, np.float64)[None])
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    w = np.exp(s - m_safe[:, None])  # [n, S, h]
+    den = w.sum(axis=1)
+    if sinks is not None:
+        den = den + np.exp(np.asarray(sinks, np.float64)[None] - m_safe)
+    num = np.einsum("nsh,nshd->nhd", w, np.where(w[..., None] > 0, v, 0.0))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = np.where(den[..., None] > 0, num / den[..., None], 0.0)
+        lse = np.where(den > 0, m_safe + np.log(den), -np.inf)
+    return out, lse

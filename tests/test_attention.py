@@ -1,0 +1,411 @@
+"""Attention family against its float64 references (cukern/reference/attention.py).
+
+Every paged kernel is checked against the reference computed on K/V gathered back from the
+pages (FlashInfer's way). Tolerances, |out - ref| <= atol + rtol * |ref|:
+
+* decode and the float32 (SIMT) batched path write f32 computed in f32 from the stored K/V:
+  atol 1e-4, rtol 1e-4 (the reference uses the same stored K/V values, so only f32 rounding
+  and exp2 approximation remain); LSE atol 1e-4;
+* tensor-core prefill / varlen round P and O to the element type: f16 atol 1e-3 + rtol 2e-3,
+  bf16 atol 1e-2 + rtol 1.6e-2 (cukern.testing defaults); LSE atol 2e-3 (f16) / 1e-2 (bf16).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+
+from cukern.attention import AttentionDispatch, PageAllocator, PagedKVCache  # noqa: E402
+from cukern.reference import attention as ref  # noqa: E402
+from cukern.testing import assert_close, poison  # noqa: E402
+
+DECODE_TOL = dict(atol=1e-4, rtol=1e-4)
+LSE_TOL = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-4}
+TC_TOL = {"float16": dict(atol=1e-3, rtol=2e-3), "bfloat16": dict(atol=1e-2, rtol=1.6e-2)}
+
+
+@pytest.fixture(scope="module")
+def attn():
+    return AttentionDispatch()
+
+
+def _store(x: np.ndarray, kind: str):
+    """Host float array -> device array of `kind` (bf16 as uint16 bits)."""
+    if kind == "bfloat16":
+        return cupy.asarray(ref.bf16_bits(x))
+    return cupy.asarray(x.astype(kind))
+
+
+def _make_cache(rng, lengths, *, n_kv_heads=2, head_dim=64, page_size=16, kind="float16", n_layers=1,
+                extra_pages=3, src_f32=True, attn=None):
+    """A cache holding random K/V for sequences of the given lengths, written through write_kv_run."""
+    n_pages = sum(-(-n // page_size) for n in lengths) + extra_pages
+    cache = PagedKVCache(n_layers, n_pages, page_size, n_kv_heads, head_dim, max_seqs=len(lengths) + 2,
+                         dtype=kind)
+    attn = attn or AttentionDispatch()
+    slots = []
+    for n in lengths:
+        s = cache.add(0)
+        cache.extend(s, n)
+        for layer in range(n_layers):
+            k = rng.standard_normal((n, n_kv_heads, head_dim)).astype(np.float32)
+            v = rng.standard_normal((n, n_kv_heads, head_dim)).astype(np.float32)
+            if src_f32:
+                kd, vd = cupy.asarray(k), cupy.asarray(v)
+            else:
+                kd, vd = _store(k, kind), _store(v, kind)
+            attn.write_kv_run(cache, layer, kd, vd, s, 0)
+        slots.append(s)
+    return cache, slots
+
+
+def _host(cache, layer=0):
+    k = ref.as_float64(cache.k_pools[layer], cache.kind)
+    v = ref.as_float64(cache.v_pools[layer], cache.kind)
+    return k, v, cache.page_table.get(), cache.lengths.get()
+
+
+def _q(rng, shape, kind="float32", scale=1.0):
+    x = (rng.standard_normal(shape) * scale).astype(np.float32)
+    return x, _store(x, kind)
+
+
+# ----------------------------------------------------------------------------- allocator (CPU)
+
+def test_allocator_add_extend_fork_free():
+    a = PageAllocator(n_pages=8, page_size=4, max_seqs=3)
+    s0 = a.add(5)  # 2 pages
+    assert a.pages(s0) == [0, 1] and a.n_free_pages == 6
+    assert a.extend(s0, 3) == 5 and a.pages(s0) == [0, 1]  # 8 tokens: still 2 pages
+    assert a.extend(s0, 1) == 8 and a.pages(s0) == [0, 1, 2]
+    child, copy = a.fork(s0)  # 9 tokens: 2 full pages shared, the third copied
+    assert a.pages(child)[:2] == [0, 1] and copy == (2, a.pages(child)[2])
+    assert list(a.refs[[0, 1, 2]]) == [2, 2, 1]
+    a.free(s0)
+    assert list(a.refs[[0, 1, 2]]) == [1, 1, 0] and 2 in a._free
+    a.free(child)
+    assert a.n_free_pages == 8 and a.active_slots() == []
+
+
+def test_allocator_full_pool_and_bad_ids_change_nothing():
+    a = PageAllocator(n_pages=4, page_size=2, max_seqs=2, max_pages_per_seq=3)
+    s = a.add(3)
+    before = (a.page_table.copy(), a.lengths.copy(), a.n_free_pages, a.refs.copy())
+
+    def same():
+        return (np.array_equal(a.page_table, before[0]) and np.array_equal(a.lengths, before[1])
+                and a.n_free_pages == before[2] and np.array_equal(a.refs, before[3]))
+    with pytest.raises(ValueError, match="exceed"):
+        a.extend(s, 4)  # 7 tokens > 3 pages * 2
+    assert same()
+    with pytest.raises(ValueError, match="pool is full"):
+        a.add(6)  # 3 pages, 2 free
+    assert same()
+    for bad in (1, 2, -1):
+        with pytest.raises(ValueError, match="does not exist"):
+            a.extend(bad, 1)
+    with pytest.raises(TypeError):
+        a.free("0")
+    assert same()
+    a.add(4)
+    with pytest.raises(ValueError, match="no free sequence slot"):
+        a.add(0)
+    with pytest.raises(ValueError):
+        PageAllocator(4, 0, 1)
+    with pytest.raises(ValueError):
+        PageAllocator(4, 257, 1)
+
+
+def test_rejects_host_arrays_before_launch():
+    attn = AttentionDispatch()  # no GPU needed to construct or to validate types
+    q = np.zeros((2, 4, 64), np.float32)
+    with pytest.raises(TypeError, match="v must be a cupy.ndarray"):
+        attn.merge_states(q[:, None], np.zeros((2, 1, 4), np.float32), q)
+    with pytest.raises(TypeError, match="q must be a cupy.ndarray"):
+        attn.flash_attn_varlen(q.astype(np.float16), q, q, np.zeros(3, np.int32), np.zeros(3, np.int32), q,
+                               max_seqlen_q=1)
+    with pytest.raises(TypeError, match="plan must be a DecodePlan"):
+        attn.flash_attn_decode(None, 0, q, q)
+
+
+# ----------------------------------------------------------------------------- cache writes
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_write_kv_run_and_per_token(attn, rng, kind, page_size):
+    cache = PagedKVCache(2, 40, page_size, 2, 96, max_seqs=4, dtype=kind)
+    s0, s1 = cache.add(0), cache.add(0)
+    cache.extend(s0, 17)
+    cache.extend(s1, 5)
+    k0 = rng.standard_normal((17, 2, 96)).astype(np.float32)
+    v0 = rng.standard_normal((17, 2, 96)).astype(np.float32)
+    attn.write_kv_run(cache, 1, cupy.asarray(k0), cupy.asarray(v0), s0, 0)
+    # one token for each of the two sequences, the native dtype as source
+    pos = [cache.extend(s0, 1), cache.extend(s1, 1)]
+    k1 = rng.standard_normal((2, 2, 96)).astype(np.float32)
+    v1 = rng.standard_normal((2, 2, 96)).astype(np.float32)
+    attn.write_kv(cache, 1, _store(k1, kind), _store(v1, kind), cupy.asarray(np.array([s0, s1], np.int32)),
+                  cupy.asarray(np.array(pos, np.int32)))
+    kp, vp, pt, lens = _host(cache, 1)
+    rtol = {"float16": 1e-3, "bfloat16": 8e-3, "float32": 0}[kind]
+    got_k = ref.gather(kp, pt[s0], 18, page_size)
+    np.testing.assert_allclose(got_k[:17], k0, rtol=rtol, atol=1e-6)
+    np.testing.assert_allclose(got_k[17], k1[0], rtol=rtol, atol=1e-6)
+    np.testing.assert_allclose(ref.gather(vp, pt[s1], 6, page_size)[5], v1[1], rtol=rtol, atol=1e-6)
+    assert list(lens[[s0, s1]]) == [18, 6]
+    assert not np.any(ref.as_float64(cache.k_pools[0], kind))  # layer 0 untouched
+
+
+@pytest.mark.gpu
+def test_write_kv_rejects_bad_input_before_launch(attn):
+    cache = PagedKVCache(1, 4, 16, 2, 64, max_seqs=2)
+    s = cache.add(8)
+    k = cupy.zeros((8, 2, 64), cupy.float16)
+    with pytest.raises(ValueError, match="outside sequence"):
+        attn.write_kv_run(cache, 0, k, k, s, 1)  # 1 ... 8 > length 8
+    with pytest.raises(ValueError, match="does not exist"):
+        attn.write_kv_run(cache, 0, k, k, s + 1, 0)
+    with pytest.raises(TypeError, match="k must be"):
+        attn.write_kv_run(cache, 0, k.astype(cupy.float64), k, s, 0)
+    with pytest.raises(ValueError, match="shape"):
+        attn.write_kv_run(cache, 0, k[:, :1], k, s, 0)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        attn.write_kv_run(cache, 0, cupy.zeros((8, 2, 128), cupy.float16)[:, :, ::2], k, s, 0)
+    with pytest.raises(ValueError, match="layer"):
+        attn.write_kv_run(cache, 1, k, k, s, 0)
+    with pytest.raises(ValueError, match="head_dim"):
+        PagedKVCache(1, 4, 16, 2, 48, max_seqs=2)
+
+
+@pytest.mark.gpu
+def test_fork_copies_partial_page(attn, rng):
+    cache, (s,) = _make_cache(rng, [21], page_size=8, attn=attn)
+    child = cache.fork(s)
+    assert cache.pages(child)[:2] == cache.pages(s)[:2] and cache.pages(child)[2] != cache.pages(s)[2]
+    kp, vp, pt, lens = _host(cache)
+    np.testing.assert_array_equal(ref.gather(kp, pt[child], 21, 8), ref.gather(kp, pt[s], 21, 8))
+    np.testing.assert_array_equal(ref.gather(vp, pt[child], 21, 8), ref.gather(vp, pt[s], 21, 8))
+
+
+# ----------------------------------------------------------------------------- decode
+
+# (kind, head_dim, n_heads, n_kv_heads, page_size, lengths)
+DECODE_CASES = [
+    ("float16", 128, 8, 2, 16, [1, 15, 16, 17, 300]),   # length 1, page boundary - 1 / exact / + 1, ragged
+    ("float16", 64, 4, 4, 1, [1, 2, 129]),              # MHA (G = 1), page size 1
+    ("float16", 256, 8, 1, 32, [32, 700]),              # GQA 8, exactly one page
+    ("bfloat16", 128, 16, 2, 16, [5, 260]),             # GQA 8
+    ("float32", 96, 6, 2, 7, [13, 50]),                 # odd head_dim / page size, GQA 3 (masked heads)
+    ("float16", 512, 4, 1, 16, [3, 90]),                # head_dim 512
+    ("bfloat16", 160, 32, 2, 256, [600, 1]),            # GQA 16 (two head blocks), page size 256
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"{c[0]}-d{c[1]}-h{c[2]}/{c[3]}-p{c[4]}")
+@pytest.mark.parametrize("variant", ["plain", "window+sinks", "softcap+split7", "unsplit+window_big"])
+def test_decode(attn, rng, case, variant):
+    kind, d, h, hk, ps, lengths = case
+    cache, slots = _make_cache(rng, lengths, n_kv_heads=hk, head_dim=d, page_size=ps, kind=kind, attn=attn)
+    kw, n_splits = {}, None
+    if variant == "window+sinks":
+        kw = dict(window_left=9, sinks=rng.standard_normal(h).astype(np.float32) * 2)
+    elif variant == "softcap+split7":
+        kw, n_splits = dict(softcap=5.0, scale=0.3), 7
+    elif variant == "unsplit+window_big":
+        kw, n_splits = dict(window_left=10_000), 1
+    qh, q = _q(rng, (len(slots), h, d), scale=2.0)
+    order = slots[::-1]  # batch order differs from slot order
+    qh, q = qh[::-1].copy(), q[::-1].copy()
+    plan = attn.plan_decode(cache, order, h, n_splits=n_splits, window_left=kw.get("window_left", -1))
+    out = poison(cupy.empty((len(slots), h, d), cupy.float32))
+    lse = poison(cupy.empty((len(slots), h), cupy.float32))
+    dev_kw = dict(kw)
+    if "sinks" in kw:
+        dev_kw["sinks"] = cupy.asarray(kw["sinks"])
+    attn.flash_attn_decode(plan, 0, q, out, lse=lse, **dev_kw)
+    kp, vp, pt, lens = _host(cache)
+    want_o, want_lse = ref.paged_attention(qh, kp, vp, pt, lens, order, [1] * len(order), ps, **kw)
+    assert_close(out, want_o, **DECODE_TOL)
+    assert_close(lse, want_lse, atol=1e-4, rtol=0, name="lse")
+
+
+@pytest.mark.gpu
+def test_decode_split_matches_unsplit_and_graph(attn, rng):
+    from cukern.streams import capture_graph
+    cache, slots = _make_cache(rng, [4000, 1, 777], n_kv_heads=2, head_dim=128, page_size=16, attn=attn)
+    qh, q = _q(rng, (3, 8, 128))
+    sinks = cupy.asarray(rng.standard_normal(8).astype(np.float32))
+    outs = []
+    for n_splits in (1, 3, 16, None):
+        plan = attn.plan_decode(cache, slots, 8, n_splits=n_splits)
+        out = poison(cupy.empty((3, 8, 128), cupy.float32))
+        attn.flash_attn_decode(plan, 0, q, out, sinks=sinks)
+        outs.append(out.get())
+    for o in outs[1:]:
+        assert_close(o, outs[0], atol=2e-5, rtol=2e-5, name="split vs unsplit")
+    # the same step captured in a CUDA graph and replayed after the cache grew by one token
+    plan = attn.plan_decode(cache, slots, 8, max_kv_len=4096)
+    out = poison(cupy.empty((3, 8, 128), cupy.float32))
+    graph = capture_graph(lambda st: attn.flash_attn_decode(plan, 0, q, out, sinks=sinks, stream=st))
+    for s in slots:
+        pos = cache.extend(s, 1)
+        kv = cupy.asarray(rng.standard_normal((1, 2, 128)).astype(np.float32))
+        attn.write_kv_run(cache, 0, kv, kv, s, pos)
+    graph.replay()
+    graph.stream.synchronize()
+    kp, vp, pt, lens = _host(cache)
+    want, _ = ref.paged_attention(qh, kp, vp, pt, lens, slots, [1, 1, 1], 16, sinks=sinks.get())
+    assert_close(out, want, **DECODE_TOL)
+
+
+@pytest.mark.gpu
+def test_decode_rejects_bad_input(attn, rng):
+    cache, slots = _make_cache(rng, [10], n_kv_heads=2, head_dim=64, attn=attn)
+    with pytest.raises(ValueError, match="does not exist"):
+        attn.plan_decode(cache, [slots[0] + 1], 4)
+    with pytest.raises(ValueError, match="multiple of n_kv_heads"):
+        attn.plan_decode(cache, slots, 3)
+    plan = attn.plan_decode(cache, slots, 4)
+    q = cupy.zeros((1, 4, 64), cupy.float32)
+    with pytest.raises(ValueError, match="shape"):
+        attn.flash_attn_decode(plan, 0, cupy.zeros((1, 4, 32), cupy.float32), q)
+    with pytest.raises(TypeError, match="dtype"):
+        attn.flash_attn_decode(plan, 0, q.astype(cupy.float16), q)
+    with pytest.raises(ValueError, match="softcap"):
+        attn.flash_attn_decode(plan, 0, q, q, softcap=-1.0)
+
+
+# ----------------------------------------------------------------------------- merge
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,n_states,h,d", [(1, 1, 1, 32), (3, 5, 4, 128), (2, 17, 3, 96)])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_merge_states(attn, rng, n, n_states, h, d, sinks):
+    v = rng.standard_normal((n, n_states, h, d)).astype(np.float32)
+    s = (rng.standard_normal((n, n_states, h)) * 3).astype(np.float32)
+    s[0, 0, 0] = -np.inf  # an empty state
+    sk = rng.standard_normal(h).astype(np.float32) if sinks else None
+    out = poison(cupy.empty((n, h, d), cupy.float32))
+    lse = poison(cupy.empty((n, h), cupy.float32))
+    attn.merge_states(cupy.asarray(v), cupy.asarray(s), out, lse=lse, sinks=None if sk is None else cupy.asarray(sk))
+    want_o, want_lse = ref.merge_states(v, s, sk)
+    assert_close(out, want_o, atol=1e-5, rtol=1e-5)
+    mask = np.isfinite(want_lse)
+    assert_close(lse.get()[mask], want_lse[mask], atol=1e-5, rtol=1e-5, name="lse")
+    assert np.all(np.isneginf(lse.get()[~mask]))
+
+
+# ----------------------------------------------------------------------------- batched prefill
+
+# (kind, head_dim, n_heads, n_kv_heads, page_size, lengths, q_lens)
+BATCHED_CASES = [
+    ("float16", 128, 4, 1, 16, [200, 17, 1], [200, 5, 1]),      # fresh prefill, extend (seq_start 12), length 1
+    ("bfloat16", 64, 4, 2, 1, [130, 64], [70, 64]),              # page size 1, exactly one tile
+    ("float16", 256, 2, 2, 32, [97, 32], [97, 31]),              # head_dim 256 (4 warps, Q from shared memory)
+    ("float16", 96, 3, 1, 8, [33, 150], [33, 129]),              # odd head_dim, GQA 3
+    ("bfloat16", 224, 2, 1, 16, [65], [65]),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", BATCHED_CASES, ids=lambda c: f"{c[0]}-d{c[1]}-h{c[2]}/{c[3]}-p{c[4]}")
+@pytest.mark.parametrize("variant", ["causal", "window+sinks", "softcap", "noncausal"])
+def test_batched_tensor_cores(attn, rng, case, variant):
+    kind, d, h, hk, ps, lengths, q_lens = case
+    cache, slots = _make_cache(rng, lengths, n_kv_heads=hk, head_dim=d, page_size=ps, kind=kind, attn=attn)
+    kw, causal = {}, True
+    if variant == "window+sinks":
+        kw = dict(window_left=20, sinks=rng.standard_normal(h).astype(np.float32))
+    elif variant == "softcap":
+        kw = dict(softcap=4.0, scale=0.25)
+    elif variant == "noncausal":
+        causal = False
+    n_q = sum(q_lens)
+    qf = rng.standard_normal((n_q, h, d)).astype(np.float32)
+    q = _store(qf, kind)
+    qh = ref.as_float64(q, kind)
+    plan = attn.plan_batched(cache, slots, q_lens)
+    out = poison(cupy.empty(q.shape, q.dtype))  # NaN in f16; 0xFFFF, a NaN, in bf16 bits
+    lse = poison(cupy.empty((n_q, h), cupy.float32))
+    dev_kw = dict(kw)
+    if "sinks" in kw:
+        dev_kw["sinks"] = cupy.asarray(kw["sinks"])
+    attn.flash_attn_batched(plan, 0, q, out, causal=causal, lse=lse, **dev_kw)
+    kp, vp, pt, lens = _host(cache)
+    want_o, want_lse = ref.paged_attention(qh, kp, vp, pt, lens, slots, q_lens, ps, causal=causal, **kw)
+    assert_close(ref.as_float64(out, kind), want_o, **TC_TOL[kind])
+    assert_close(lse, want_lse, atol=LSE_TOL[kind], rtol=0, name="lse")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,d", [("float32", 64), ("float16", 512), ("bfloat16", 128)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_batched_f32_queries_simt(attn, rng, kind, d, causal):
+    cache, slots = _make_cache(rng, [40, 3], n_kv_heads=1, head_dim=d, page_size=16, kind=kind, attn=attn)
+    q_lens = [7, 3]
+    qh, q = _q(rng, (10, 4, d))
+    plan = attn.plan_batched(cache, slots, q_lens)
+    out = poison(cupy.empty((10, 4, d), cupy.float32))
+    lse = poison(cupy.empty((10, 4), cupy.float32))
+    attn.flash_attn_batched(plan, 0, q, out, causal=causal, window_left=30, lse=lse)
+    kp, vp, pt, lens = _host(cache)
+    want_o, want_lse = ref.paged_attention(qh, kp, vp, pt, lens, slots, q_lens, 16, causal=causal, window_left=30)
+    assert_close(out, want_o, **DECODE_TOL)
+    assert_close(lse, want_lse, atol=1e-4, rtol=0, name="lse")
+
+
+@pytest.mark.gpu
+def test_batched_rejects_bad_input(attn, rng):
+    cache, slots = _make_cache(rng, [10], n_kv_heads=1, head_dim=64, attn=attn)
+    with pytest.raises(ValueError, match="q_len"):
+        attn.plan_batched(cache, slots, [11])
+    plan = attn.plan_batched(cache, slots, [10])
+    q = cupy.zeros((10, 2, 64), cupy.uint16)  # bfloat16 queries against a float16 cache
+    with pytest.raises(TypeError, match="cache dtype"):
+        attn.flash_attn_batched(plan, 0, q, q)
+
+
+# ----------------------------------------------------------------------------- varlen
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("d,h,hk", [(128, 4, 2), (64, 2, 2), (192, 2, 1)])
+def test_varlen(attn, rng, kind, causal, d, h, hk):
+    q_lens, k_lens = [1, 130, 64, 7], [1, 130, 200, 3]
+    if causal:
+        k_lens[3] = 9  # causal needs k_len >= q_len for every query to see a key
+    cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int32)
+    qf = rng.standard_normal((cu_q[-1], h, d)).astype(np.float32)
+    kf = rng.standard_normal((cu_k[-1], hk, d)).astype(np.float32)
+    vf = rng.standard_normal((cu_k[-1], hk, d)).astype(np.float32)
+    q, k, v = _store(qf, kind), _store(kf, kind), _store(vf, kind)
+    out = poison(cupy.empty(q.shape, q.dtype))
+    lse = poison(cupy.empty((cu_q[-1], h), cupy.float32))
+    attn.flash_attn_varlen(q, k, v, cupy.asarray(cu_q), cupy.asarray(cu_k), out, max_seqlen_q=max(q_lens),
+                           causal=causal, lse=lse)
+    want_o, want_lse = ref.varlen(ref.as_float64(q, kind), ref.as_float64(k, kind), ref.as_float64(v, kind),
+                                  cu_q, cu_k, causal=causal)
+    assert_close(ref.as_float64(out, kind), want_o, **TC_TOL[kind])
+    assert_close(lse, want_lse, atol=LSE_TOL[kind], rtol=0, name="lse")
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_prefill_long_causal(attn, rng):
+    """A 2k-token causal prefill through many K/V tiles (online-softmax rescaling across tiles)."""
+    n, h, d = 2048, 2, 128
+    cache, slots = _make_cache(rng, [n], n_kv_heads=1, head_dim=d, page_size=64, attn=attn)
+    qf = rng.standard_normal((n, h, d)).astype(np.float32)
+    q = _store(qf, "float16")
+    plan = attn.plan_batched(cache, slots, [n])
+    out = poison(cupy.empty(q.shape, q.dtype))
+    attn.flash_attn_batched(plan, 0, q, out)
+    kp, vp, pt, lens = _host(cache)
+    want, _ = ref.paged_attention(ref.as_float64(q, "float16"), kp, vp, pt, lens, slots, [n], 64)
+    assert_close(out, want, **TC_TOL["float16"])
