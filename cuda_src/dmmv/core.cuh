@@ -1,0 +1,113 @@
+// The loop every dmmv kernel shares: a block of NW warps computes NR weight rows against NC
+// activation columns. Warp w takes steps w, w + NW, w + 2NW, ... of every row (U steps at a
+// time, all their loads issued before any is decoded), lanes accumulate in f32, and
+// block_reduce() sums over lanes (shuffles) and warps (shared memory).
+//
+// Bytes per step and row: Step<QT>::kStepBytes of weights (read once, from HBM), plus
+// NC * 1 KiB of x (L1/L2 resident: shared by all NR rows of a warp and by every block).
+#pragma once
+
+#include "common/reduce.cuh"
+#include "dmmv/step.cuh"
+
+namespace cukern {
+namespace qmv {
+
+constexpr int kMaxWarps = 8;  // threads per block: 32 ... 256
+
+template <int NC>
+CUKERN_DEVICE void load_x(const float* const (&xs)[NC], size_t e0, size_t e1, bool ok0, bool ok1,
+                          float4 (&xa)[NC], float4 (&xb)[NC]) {
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+        xa[c] = ok0 ? __ldg(reinterpret_cast<const float4*>(xs[c] + e0)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        xb[c] = ok1 ? __ldg(reinterpret_cast<const float4*>(xs[c] + e1)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+}
+
+CUKERN_DEVICE float dot4(const float (&q)[4], float4 x) { return q[0] * x.x + q[1] * x.y + q[2] * x.z + q[3] * x.w; }
+CUKERN_DEVICE float sum4(float4 x) { return (x.x + x.y) + (x.z + x.w); }
+
+// acc[r][c] += this lane's share of rows[r] . xs[c], over the steps of warp `warp` of `nw`.
+// rows[r]: first byte of weight row r; xs[c]: column c of x (k floats, 16-byte aligned).
+template <int QT, int NR, int NC, int U>
+CUKERN_DEVICE void warp_dots(const uint8_t* const (&rows)[NR], const float* const (&xs)[NC], int n_full,
+                             int tail, int warp, int nw, int lane, float (&acc)[NR][NC]) {
+    using S = Step<QT>;
+    using Raw = typename S::Raw;
+    const int o0 = S::x0(lane), o1 = S::x1(lane);
+    for (int s0 = warp; s0 < n_full; s0 += nw * U) {
+        Raw raw[U][NR];
+        float4 xa[U][NC], xb[U][NC];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int s = s0 + u * nw;
+            const bool live = U == 1 || s < n_full;
+#pragma unroll
+            for (int r = 0; r < NR; ++r)
+                raw[u][r] = live ? S::template load<false>(rows[r] + (size_t)s * S::kStepBytes, lane, kStep) : Raw{};
+            load_x<NC>(xs, (size_t)s * kStep + o0, (size_t)s * kStep + o1, live, live, xa[u], xb[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            float sa[NC], sb[NC];
+#pragma unroll
+            for (int c = 0; c < NC; ++c) { sa[c] = sum4(xa[u][c]); sb[c] = sum4(xb[u][c]); }
+#pragma unroll
+            for (int r = 0; r < NR; ++r) {
+                Group g0, g1;
+                S::decode(raw[u][r], lane, g0, g1);
+#pragma unroll
+                for (int c = 0; c < NC; ++c)
+                    acc[r][c] += g0.a * dot4(g0.q, xa[u][c]) + g0.b * sa[c] + g1.a * dot4(g1.q, xb[u][c]) + g1.b * sb[c];
+            }
+        }
+    }
+    if (tail > 0 && warp == n_full % nw) {  // the partial last step (block-32 and float types only)
+        const size_t s = n_full;
+        float4 xa[NC], xb[NC];
+        load_x<NC>(xs, s * kStep + o0, s * kStep + o1, o0 < tail, o1 < tail, xa, xb);
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+            Group g0, g1;
+            S::decode(S::template load<true>(rows[r] + s * S::kStepBytes, lane, tail), lane, g0, g1);
+#pragma unroll
+            for (int c = 0; c < NC; ++c)
+                acc[r][c] += g0.a * dot4(g0.q, xa[c]) + g0.b * sum4(xa[c]) + g1.a * dot4(g1.q, xb[c]) + g1.b * sum4(xb[c]);
+        }
+    }
+}
+
+// Sum acc over the block: on return, red[i] (i = r * NC + c) holds the total for every thread.
+// red: shared, [kMaxWarps][NR * NC] floats.
+template <int NR, int NC>
+CUKERN_DEVICE void block_reduce(float (&acc)[NR][NC], float* red, int warp, int nw, int lane) {
+#pragma unroll
+    for (int r = 0; r < NR; ++r)
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            const float v = warp_sum(acc[r][c]);
+            if (lane == 0) red[warp * NR * NC + r * NC + c] = v;
+        }
+    __syncthreads();
+    if (threadIdx.x < NR * NC) {
+        float v = 0.0f;
+        for (int w = 0; w < nw; ++w) v += red[w * NR * NC + threadIdx.x];
+        red[threadIdx.x] = v;  // warp 0's slot: read before written by this same thread only
+    }
+    __syncthreads();
+}
+
+CUKERN_DEVICE float silu(float g) { return g / (1.0f + expf(-g)); }
+CUKERN_DEVICE float gelu_tanh(float g) {
+    return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+}
+CUKERN_DEVICE float glu_act(uint32_t act, float g) { return act == 0 ? silu(g) : gelu_tanh(g); }
+CUKERN_DEVICE float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
+
+// Number of steps in flight per warp: fewer when NC columns of x already fill the registers.
+template <int NR, int NC>
+__host__ __device__ constexpr int unroll_for() { return NR * NC <= 4 ? 2 : 1; }
+
+}  // namespace qmv
+}  // namespace cukern

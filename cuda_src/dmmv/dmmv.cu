@@ -1,0 +1,108 @@
+// Quantized matrix-vector products over raw GGUF weights (the decode side of the dmmv family):
+//   dmmv      y[c] = epilogue(W x[c]) for NC = 1, 2, 4, 8 columns (weights read once for all);
+//             also the pair form (two matrices sharing x: blocks past blocks1 work on W2)
+//   dmmv_glu  y[c] = epilogue(act(Wg x[c]) * (Wu x[c])): fused gate + up + SwiGLU / GEGLU
+// Epilogues (DmmvParams.mode): store alpha*v, accumulate y += alpha*v, and the sigmoid-gated
+// accumulate y += alpha*sigmoid(gate[c])*v of the shared-expert path.
+//
+// Grid: one block per kRows rows (plus the blocks of W2); block: NW warps (host-chosen) that
+// split the 256-element steps of those rows. Traffic: every weight byte once; x from L1/L2.
+#include "dmmv/core.cuh"
+#include "dmmv/params.cuh"
+
+using namespace cukern;
+using namespace cukern::qmv;
+
+namespace {
+constexpr int kRows = 2;  // weight rows per block (each warp works on all of them)
+
+CUKERN_DEVICE void store(float* y, float v, int c, const float* gate, const DmmvParams& p) {
+    v *= p.alpha;
+    if (p.mode == 0) *y = v;
+    else if (p.mode == 1) *y += v;
+    else *y += sigmoid(gate[c]) * v;
+}
+}  // namespace
+
+template <int QT, int NC>
+__global__ void __launch_bounds__(kMaxWarps * 32) dmmv(
+    float* __restrict__ y,             // [NC, y_stride] out: y[c * y_stride + i], i < m
+    float* __restrict__ y2,            // [NC, y2_stride] out of matrix 2 (pair); unused otherwise
+    const uint8_t* __restrict__ w,     // raw GGUF bytes; matrix 1 = m rows from w + w_offset
+    const uint8_t* __restrict__ w2,    // matrix 2 = m2 rows from w2 + w2_offset (pair)
+    const float* __restrict__ x,       // [NC, x_stride] f32 columns, 16-byte aligned, k used
+    const float* __restrict__ gate,    // [NC] gate logits for mode 2; unused otherwise
+    const DmmvParams p) {
+    __shared__ float red[kMaxWarps * kRows * NC];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+    const bool second = blockIdx.x >= p.blocks1;  // working on matrix 2 (pair)
+    const uint32_t m = second ? p.m2 : p.m;
+    const uint32_t row0 = (second ? blockIdx.x - p.blocks1 : blockIdx.x) * kRows;
+    const uint8_t* base = second ? w2 + p.w2_offset : w + p.w_offset;
+    const uint8_t* rows[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) rows[r] = base + (size_t)min(row0 + r, m - 1) * p.row_bytes;  // past m: recompute row m-1, never stored
+    const float* xs[NC];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) xs[c] = x + (size_t)c * p.x_stride;
+    float acc[kRows][NC] = {};
+    warp_dots<QT, kRows, NC, unroll_for<kRows, NC>()>(rows, xs, p.n_full, p.tail, warp, nw, lane, acc);
+    block_reduce<kRows, NC>(acc, red, warp, nw, lane);
+    if (threadIdx.x < kRows * NC) {
+        const int r = threadIdx.x / NC, c = threadIdx.x % NC;
+        if (row0 + r < m) {
+            float* out = second ? y2 + (size_t)c * p.y2_stride : y + (size_t)c * p.y_stride;
+            store(out + row0 + r, red[threadIdx.x], c, gate, p);
+        }
+    }
+}
+
+template <int QT, int NC>
+__global__ void __launch_bounds__(kMaxWarps * 32) dmmv_glu(
+    float* __restrict__ y,             // [NC, y_stride] out: act(gate . x) * (up . x)
+    const uint8_t* __restrict__ w,     // gate matrix: m rows from w + w_offset
+    const uint8_t* __restrict__ w2,    // up matrix: m rows from w2 + w2_offset, same type and k
+    const float* __restrict__ x,       // [NC, x_stride] f32 columns, 16-byte aligned
+    const float* __restrict__ gate,    // [NC] gate logits for mode 2; unused otherwise
+    const DmmvParams p) {
+    __shared__ float red[kMaxWarps * 2 * kRows * NC];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+    const uint32_t row0 = blockIdx.x * kRows;
+    const uint8_t* rows[2 * kRows];  // gate rows, then up rows
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+        const size_t row = min(row0 + r, p.m - 1);
+        rows[r] = w + p.w_offset + row * p.row_bytes;
+        rows[kRows + r] = w2 + p.w2_offset + row * p.row_bytes;
+    }
+    const float* xs[NC];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) xs[c] = x + (size_t)c * p.x_stride;
+    float acc[2 * kRows][NC] = {};
+    warp_dots<QT, 2 * kRows, NC, unroll_for<2 * kRows, NC>()>(rows, xs, p.n_full, p.tail, warp, nw, lane, acc);
+    block_reduce<2 * kRows, NC>(acc, red, warp, nw, lane);
+    if (threadIdx.x < kRows * NC) {
+        const int r = threadIdx.x / NC, c = threadIdx.x % NC;
+        if (row0 + r < p.m) {
+            const float v = glu_act(p.act, red[threadIdx.x]) * red[kRows * NC + threadIdx.x];
+            store(y + (size_t)c * p.y_stride + row0 + r, v, c, gate, p);
+        }
+    }
+}
+
+// out = W in f32, one element per thread (grid-stride): the per-element dequantization of
+// common/quants.cuh, for tests and for the odd caller that needs a dense copy.
+template <int QT>
+__global__ void dequantize(
+    float* __restrict__ out,          // [m, k] out
+    const uint8_t* __restrict__ w,    // m rows from w + w_offset
+    const DequantParams p) {
+    using T = QTraits<QT>;
+    const size_t n = (size_t)p.m * p.k;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const size_t row = i / p.k;
+        const uint32_t col = i % p.k;
+        const uint8_t* blk = w + p.w_offset + row * p.row_bytes + (size_t)(col / T::kElems) * T::kBytes;
+        out[i] = dequant(reinterpret_cast<const typename T::Block*>(blk), col % T::kElems);
+    }
+}

@@ -1,0 +1,268 @@
+// Mixture-of-experts matvecs over raw GGUF expert tensors ([n_experts, m, k], expert e at
+// w_offset + e * expert_bytes), with the experts picked on the device from a routing buffer
+// ids[n_tokens, top_k] (int32): nothing is read back to the host, so a decode step that routes
+// and runs its experts can be captured in one CUDA graph.
+//
+//   moe_dmmv          every (token, slot) in one launch: y[slot] = W[ids[slot]] x[token or slot]
+//                     (optionally gate + up + activation fused, as dmmv_glu)
+//   moe_route_pack    groups the slots by expert: counts, offsets, packed slot ids and a list of
+//                     work items (expert, first packed slot, n <= kPackCols); count on the device
+//   moe_count_experts per-expert slot counts only
+//   moe_dmmv_packed   one block per (row block, work item): an expert's weights are read once for
+//                     up to kPackCols slots; the grid is sized for the worst case and the blocks
+//                     past the device-side item count exit at once
+//   moe_down          y[t] (+)= sum_k weight[t, k] * W[ids[t, k]] h[t, k]: the down projection
+//                     and the weighted sum over the token's experts in one pass, no atomics
+//
+// An expert id outside [0, n_experts) is never dereferenced: its outputs are written as zeros
+// (moe_down: its term is dropped) and bit 0 of err[0] is set; DmmvDispatch.check_errors()
+// reports it outside the hot path.
+#include "dmmv/core.cuh"
+#include "dmmv/params.cuh"
+
+using namespace cukern;
+using namespace cukern::qmv;
+
+namespace {
+constexpr int kRows = 2;      // weight rows per block
+constexpr int kPackCols = 8;  // slots per work item of moe_dmmv_packed
+constexpr int kErrExpertId = 1;
+
+CUKERN_DEVICE bool expert_ok(int e, const MoeParams& p) { return e >= 0 && (uint32_t)e < p.n_experts; }
+}  // namespace
+
+// grid: (ceil(m / kRows), n_slots); block: NW warps
+template <int QT, bool GLU>
+__global__ void __launch_bounds__(kMaxWarps * 32) moe_dmmv(
+    float* __restrict__ y,            // [n_slots, m] out
+    int* __restrict__ err,            // [1] error bits, or-ed in
+    const uint8_t* __restrict__ w,    // expert weights (gate weights with GLU)
+    const uint8_t* __restrict__ w2,   // up weights (GLU); unused otherwise
+    const float* __restrict__ x,      // [n_slots or n_tokens, k] f32 (x_per_slot)
+    const int* __restrict__ ids,      // [n_slots] expert of each slot (token-major)
+    const MoeParams p) {
+    constexpr int NR = GLU ? 2 * kRows : kRows;
+    __shared__ float red[kMaxWarps * NR];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+    const uint32_t slot = blockIdx.y, row0 = blockIdx.x * kRows;
+    const int e = ids[slot];
+    float* out = y + (size_t)slot * p.m;
+    if (!expert_ok(e, p)) {
+        if (threadIdx.x < kRows && row0 + threadIdx.x < p.m) out[row0 + threadIdx.x] = 0.0f;
+        if (threadIdx.x == 0 && blockIdx.x == 0) atomicOr(err, kErrExpertId);
+        return;
+    }
+    const uint8_t* rows[NR];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+        const size_t off = (size_t)e * p.expert_bytes + (size_t)min(row0 + r, p.m - 1) * p.row_bytes;
+        rows[r] = w + p.w_offset + off;
+        if (GLU) rows[NR - kRows + r] = w2 + p.w2_offset + off;
+    }
+    const float* xs[1] = {x + (size_t)(p.x_per_slot ? slot : slot / p.top_k) * p.k};
+    float acc[NR][1] = {};
+    warp_dots<QT, NR, 1, 2>(rows, xs, p.n_full, p.tail, warp, nw, lane, acc);
+    block_reduce<NR, 1>(acc, red, warp, nw, lane);
+    if (threadIdx.x < kRows && row0 + threadIdx.x < p.m) {
+        const float v = GLU ? glu_act(p.act, red[threadIdx.x]) * red[kRows + threadIdx.x] : red[threadIdx.x];
+        out[row0 + threadIdx.x] = p.alpha * v;
+    }
+}
+
+// grid: (ceil(m / kRows), max_items); block: NW warps. items[i] = (expert or -1, first packed
+// slot, count): written by moe_route_pack, as is n_items[0].
+template <int QT, bool GLU>
+__global__ void __launch_bounds__(kMaxWarps * 32) moe_dmmv_packed(
+    float* __restrict__ y,             // [n_slots, m] out
+    const uint8_t* __restrict__ w,     // expert weights (gate weights with GLU)
+    const uint8_t* __restrict__ w2,    // up weights (GLU); unused otherwise
+    const float* __restrict__ x,       // [n_slots or n_tokens, k] f32 (x_per_slot)
+    const int* __restrict__ packed,    // [n_slots] slot ids grouped by expert
+    const int* __restrict__ items,     // [max_items, 3] work items
+    const int* __restrict__ n_items,   // [1] live work items
+    const MoeParams p) {
+    constexpr int NR = GLU ? 2 * kRows : kRows;
+    __shared__ float red[kMaxWarps * NR * kPackCols];
+    if (blockIdx.y >= (uint32_t)*n_items) return;  // the grid is sized for the worst case
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+    const int* item = items + 3 * blockIdx.y;
+    const int e = item[0], first = item[1], count = item[2];
+    const uint32_t row0 = blockIdx.x * kRows;
+    if (e < 0) {  // the slots whose expert id was out of range (already flagged by the packer)
+        for (int i = threadIdx.x; i < count * kRows; i += blockDim.x) {
+            const uint32_t row = row0 + i % kRows;
+            if (row < p.m) y[(size_t)packed[first + i / kRows] * p.m + row] = 0.0f;
+        }
+        return;
+    }
+    const uint8_t* rows[NR];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+        const size_t off = (size_t)e * p.expert_bytes + (size_t)min(row0 + r, p.m - 1) * p.row_bytes;
+        rows[r] = w + p.w_offset + off;
+        if (GLU) rows[NR - kRows + r] = w2 + p.w2_offset + off;
+    }
+    const float* xs[kPackCols];
+#pragma unroll
+    for (int c = 0; c < kPackCols; ++c) {  // columns past count repeat the last one, never stored
+        const int slot = packed[first + min(c, count - 1)];
+        xs[c] = x + (size_t)(p.x_per_slot ? slot : slot / p.top_k) * p.k;
+    }
+    float acc[NR][kPackCols] = {};
+    warp_dots<QT, NR, kPackCols, 1>(rows, xs, p.n_full, p.tail, warp, nw, lane, acc);
+    block_reduce<NR, kPackCols>(acc, red, warp, nw, lane);
+    if (threadIdx.x < kRows * kPackCols) {
+        const int r = threadIdx.x / kPackCols, c = threadIdx.x % kPackCols;
+        if (c < count && row0 + r < p.m) {
+            const float v = GLU ? glu_act(p.act, red[threadIdx.x]) * red[kRows * kPackCols + threadIdx.x]
+                                : red[threadIdx.x];
+            y[(size_t)packed[first + c] * p.m + row0 + r] = p.alpha * v;
+        }
+    }
+}
+
+// grid: (ceil(m / kRows), n_tokens); block: NW warps
+template <int QT>
+__global__ void __launch_bounds__(kMaxWarps * 32) moe_down(
+    float* __restrict__ y,               // [n_tokens, m] out (mode 0) or accumulated into (mode 1)
+    int* __restrict__ err,               // [1] error bits, or-ed in
+    const uint8_t* __restrict__ w,       // down-projection experts
+    const float* __restrict__ h,         // [n_slots, k] f32: the activated expert outputs
+    const int* __restrict__ ids,         // [n_tokens, top_k] expert ids
+    const float* __restrict__ weights,   // [n_tokens, top_k] routing weights
+    const MoeParams p) {
+    __shared__ float red[kMaxWarps * kRows];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+    const uint32_t t = blockIdx.y, row0 = blockIdx.x * kRows;
+    float acc[kRows][1] = {};
+    for (uint32_t j = 0; j < p.top_k; ++j) {
+        const uint32_t slot = t * p.top_k + j;
+        const int e = ids[slot];
+        if (!expert_ok(e, p)) {
+            if (threadIdx.x == 0 && blockIdx.x == 0) atomicOr(err, kErrExpertId);
+            continue;
+        }
+        const uint8_t* rows[kRows];
+#pragma unroll
+        for (int r = 0; r < kRows; ++r)
+            rows[r] = w + p.w_offset + (size_t)e * p.expert_bytes + (size_t)min(row0 + r, p.m - 1) * p.row_bytes;
+        const float* xs[1] = {h + (size_t)slot * p.k};
+        float part[kRows][1] = {};
+        warp_dots<QT, kRows, 1, 2>(rows, xs, p.n_full, p.tail, warp, nw, lane, part);
+        const float wt = weights[slot];
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) acc[r][0] += wt * part[r][0];
+    }
+    block_reduce<kRows, 1>(acc, red, warp, nw, lane);
+    if (threadIdx.x < kRows && row0 + threadIdx.x < p.m) {
+        float* out = y + (size_t)t * p.m + row0 + threadIdx.x;
+        const float v = p.alpha * red[threadIdx.x];
+        *out = p.mode == 0 ? v : *out + v;
+    }
+}
+
+// ------------------------------------------------------------------------------- routing
+namespace {
+constexpr int kRouteThreads = 1024;  // one thread per bucket: n_experts + 1 <= 1024
+
+// Exclusive prefix sum over the block (one value per thread); *total gets the sum.
+CUKERN_DEVICE int block_exclusive_scan(int v, int* scratch /* [32] */, int* total) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    int incl = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int n = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += n;
+    }
+    __syncthreads();
+    if (lane == 31) scratch[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+        int s = lane < (int)(blockDim.x / 32) ? scratch[lane] : 0;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int n = __shfl_up_sync(0xffffffffu, s, o);
+            if (lane >= o) s += n;
+        }
+        scratch[lane] = s;  // inclusive sums of the warps
+    }
+    __syncthreads();
+    const int base = warp > 0 ? scratch[warp - 1] : 0;
+    *total = scratch[blockDim.x / 32 - 1];
+    return base + incl - v;
+}
+}  // namespace
+
+// One block of kRouteThreads. Bucket b < n_experts holds the slots routed to expert b; bucket
+// n_experts the slots with an invalid id (flagged). Outputs:
+//   counts[e]   slots routed to expert e                     [n_experts]
+//   offsets[b]  first packed position of bucket b; offsets[n_experts] = valid slots  [n_experts + 1]
+//   packed[i]   slot ids, grouped by bucket (order within a bucket unspecified)     [n_slots]
+//   items[i]    (expert or -1, first packed position, count <= cols)                 [max_items, 3]
+//   n_items[0]  live items
+__global__ void __launch_bounds__(kRouteThreads) moe_route_pack(
+    int* __restrict__ counts,        // [n_experts] out
+    int* __restrict__ offsets,       // [n_experts + 1] out
+    int* __restrict__ packed,        // [n_slots] out
+    int* __restrict__ items,         // [max_items, 3] out
+    int* __restrict__ n_items,       // [1] out
+    int* __restrict__ err,           // [1] error bits, or-ed in
+    const int* __restrict__ ids,     // [n_slots] expert id of each slot
+    const RouteParams p) {
+    __shared__ int cnt[kRouteThreads], fill[kRouteThreads], scratch[32];
+    const int b = threadIdx.x;
+    const int n_buckets = p.n_experts + 1;
+    cnt[b] = 0;
+    fill[b] = 0;
+    __syncthreads();
+    bool bad = false;
+    for (uint32_t i = threadIdx.x; i < p.n_slots; i += blockDim.x) {
+        const int e = ids[i];
+        const bool ok = e >= 0 && (uint32_t)e < p.n_experts;
+        bad |= !ok;
+        atomicAdd(&cnt[ok ? e : p.n_experts], 1);
+    }
+    if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(err, kErrExpertId);
+    const int c = b < n_buckets ? cnt[b] : 0;
+    int n_valid_total;
+    const int off = block_exclusive_scan(c, scratch, &n_valid_total);
+    const int my_items = (c + p.cols - 1) / p.cols;
+    int items_total;
+    const int item0 = block_exclusive_scan(my_items, scratch, &items_total);
+    __shared__ int offs[kRouteThreads];
+    offs[b] = off;
+    if (b < (int)p.n_experts) counts[b] = c;
+    if (b < n_buckets) offsets[b] = off;  // offsets[n_experts]: first invalid slot = valid slots
+    for (int j = 0; j < my_items && item0 + j < (int)p.max_items; ++j) {
+        int* it = items + 3 * (item0 + j);
+        it[0] = b < (int)p.n_experts ? b : -1;
+        it[1] = off + j * p.cols;
+        it[2] = min((int)p.cols, c - j * (int)p.cols);
+    }
+    if (b == 0) *n_items = min(items_total, (int)p.max_items);
+    __syncthreads();
+    for (uint32_t i = threadIdx.x; i < p.n_slots; i += blockDim.x) {
+        const int e = ids[i];
+        const int bucket = e >= 0 && (uint32_t)e < p.n_experts ? e : p.n_experts;
+        packed[offs[bucket] + atomicAdd(&fill[bucket], 1)] = (int)i;
+    }
+}
+
+// One block of kRouteThreads: counts[e] = slots routed to expert e; invalid ids are flagged.
+__global__ void __launch_bounds__(kRouteThreads) moe_count_experts(
+    int* __restrict__ counts,        // [n_experts] out
+    int* __restrict__ err,           // [1] error bits, or-ed in
+    const int* __restrict__ ids,     // [n_slots] expert id of each slot
+    const RouteParams p) {
+    __shared__ int cnt[kRouteThreads];
+    cnt[threadIdx.x] = 0;
+    __syncthreads();
+    bool bad = false;
+    for (uint32_t i = threadIdx.x; i < p.n_slots; i += blockDim.x) {
+        const int e = ids[i];
+        if (e >= 0 && (uint32_t)e < p.n_experts) atomicAdd(&cnt[e], 1);
+        else bad = true;
+    }
+    if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(err, kErrExpertId);
+    if (threadIdx.x < p.n_experts) counts[threadIdx.x] = cnt[threadIdx.x];
+}

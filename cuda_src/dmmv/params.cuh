@@ -1,0 +1,61 @@
+// Parameter structs of the dmmv family (quantized matrix-vector products), passed by value
+// as the last kernel argument. cukern/params.py parses this file: one field per line,
+// fixed-width types, a trailing comment with meaning and units.
+#pragma once
+
+#include "common/types.cuh"
+
+// dmmv, dmmv_glu: y[c, i] = epilogue(W[i, :] . x[c, :]) for the NCOLS columns c of x
+struct DmmvParams {
+    uint64_t w_offset;   // bytes: where matrix 1 (or the gate matrix) starts in w
+    uint64_t w2_offset;  // bytes: where matrix 2 (pair) or the up matrix (glu) starts in w2
+    uint64_t row_bytes;  // bytes per weight row: k / block_elems * block_bytes
+    uint32_t m;          // rows of matrix 1 (outputs per column)
+    uint32_t m2;         // rows of matrix 2 (pair); 0 otherwise
+    uint32_t k;          // elements per row
+    uint32_t n_full;     // full 256-element steps per row: k / 256
+    uint32_t tail;       // elements of the last, partial step: k % 256
+    uint32_t blocks1;    // thread blocks working on matrix 1; later blocks work on matrix 2
+    uint32_t x_stride;   // elements between consecutive columns of x
+    uint32_t y_stride;   // elements between consecutive columns of y
+    uint32_t y2_stride;  // elements between consecutive columns of y2 (pair)
+    uint32_t mode;       // 0: y = alpha*v; 1: y += alpha*v; 2: y += alpha*sigmoid(gate[c])*v
+    uint32_t act;        // glu: v = act(gate row . x) * (up row . x); 0 SiLU (SwiGLU), 1 GELU-tanh (GEGLU)
+    float alpha;         // output scale
+};
+
+// moe_dmmv, moe_dmmv_packed, moe_down: experts picked per slot from a device routing buffer
+struct MoeParams {
+    uint64_t w_offset;      // bytes: where expert 0 of the (gate) weights starts in w
+    uint64_t w2_offset;     // bytes: where expert 0 of the up weights starts in w2 (glu)
+    uint64_t row_bytes;     // bytes per weight row
+    uint64_t expert_bytes;  // bytes between consecutive experts: m * row_bytes or more
+    uint32_t m;             // rows per expert (outputs per slot)
+    uint32_t k;             // elements per row
+    uint32_t n_full;        // k / 256
+    uint32_t tail;          // k % 256
+    uint32_t n_experts;     // valid expert ids are 0 ... n_experts-1
+    uint32_t top_k;         // slots per token
+    uint32_t n_slots;       // tokens * top_k
+    uint32_t x_per_slot;    // 1: x is [n_slots, k] (one input per slot); 0: [n_tokens, k]
+    uint32_t max_items;     // moe_dmmv_packed: capacity of the work-item list
+    uint32_t act;           // glu activation: 0 SiLU, 1 GELU-tanh
+    uint32_t mode;          // moe_down: 0 y = sum; 1 y += sum
+    float alpha;            // output scale
+};
+
+// moe_route_pack, moe_count_experts: group the slots of a routing buffer by expert
+struct RouteParams {
+    uint32_t n_slots;    // tokens * top_k entries in the routing buffer
+    uint32_t n_experts;  // valid ids are 0 ... n_experts-1 (at most 1023)
+    uint32_t cols;       // slots per work item (the packed kernel's NCOLS)
+    uint32_t max_items;  // capacity of the work-item list
+};
+
+// dequantize: out[i, j] = W[i, j] in f32 (the per-element path of common/quants.cuh)
+struct DequantParams {
+    uint64_t w_offset;   // bytes: where the matrix starts in w
+    uint64_t row_bytes;  // bytes per weight row
+    uint32_t m;          // rows
+    uint32_t k;          // elements per row
+};

@@ -1,0 +1,501 @@
+"""DmmvDispatch: matrix-vector products over raw GGUF-quantized weights, their fusions, and the
+mixture-of-experts matvecs driven by a device-side routing buffer.
+
+Kernels: ``cuda_src/dmmv/`` (block formats in ``cuda_src/common/quants.cuh``); float64
+references: ``cukern/reference/dmmv.py``; tests: ``tests/test_dmmv.py``; benchmark:
+``profiling/bench_dmmv.py``.
+
+A weight is described once by a :class:`QWeight` (buffer of raw GGUF bytes, type, rows, columns,
+byte offset, and for MoE the expert count and stride); everything about it is validated there,
+so the per-call checks are on the activations only. Activations are f32, C-contiguous, 16-byte
+aligned. Three compilation units (each stays under ~10 s of NVRTC): ``dmmv`` (plain, batched,
+pair and the epilogues), ``dmmv_glu`` (gate + up + activation) and ``dmmv_moe``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cupy
+import numpy as np
+
+from cukern.dispatch import Dispatch, check_array
+from cukern.runtime import FamilySpec, KernelSpec
+
+__all__ = ["DmmvDispatch", "QWeight", "MoeRoute", "QTYPES", "FAMILY", "GLU_FAMILY", "MOE_FAMILY",
+           "DeviceError"]
+
+# GGML type id -> (name, elements per block, bytes per block, byte alignment the kernels need)
+QTYPES = {
+    0: ("F32", 1, 4, 16),
+    1: ("F16", 1, 2, 8),
+    30: ("BF16", 1, 2, 8),
+    2: ("Q4_0", 32, 18, 2),
+    6: ("Q5_0", 32, 22, 2),
+    8: ("Q8_0", 32, 34, 2),
+    39: ("MXFP4", 32, 17, 1),
+    12: ("Q4_K", 256, 144, 4),
+    13: ("Q5_K", 256, 176, 4),
+    14: ("Q6_K", 256, 210, 2),
+}
+_BY_NAME = {v[0]: k for k, v in QTYPES.items()}
+_COLS = (1, 2, 4, 8)  # columns per dmmv launch (wider batches are split)
+_STEP = 256  # elements per warp step (cuda_src/dmmv/step.cuh)
+_ROWS = 2  # weight rows per block (kRows in the .cu files)
+_PACK_COLS = 8  # slots per work item of moe_dmmv_packed (kPackCols)
+_MAX_EXPERTS = 1023  # moe_route_pack: one thread per bucket, 1024 threads
+_ACTS = {"swiglu": 0, "silu": 0, "geglu": 1, "gelu": 1}
+_F32 = np.dtype(np.float32)
+_I32 = np.dtype(np.int32)
+
+FAMILY = FamilySpec(
+    name="dmmv",
+    kernels=tuple([KernelSpec(f"dmmv<{q}, {n}>", "DmmvParams") for q in QTYPES for n in _COLS]
+                  + [KernelSpec(f"dequantize<{q}>", "DequantParams") for q in QTYPES]),
+)
+GLU_FAMILY = FamilySpec(
+    name="dmmv_glu", source="dmmv/dmmv.cu", params_header="dmmv/params.cuh",
+    kernels=tuple(KernelSpec(f"dmmv_glu<{q}, {n}>", "DmmvParams") for q in QTYPES for n in _COLS),
+)
+MOE_FAMILY = FamilySpec(
+    name="dmmv_moe", source="dmmv/moe.cu", params_header="dmmv/params.cuh",
+    kernels=tuple(
+        [KernelSpec(f"moe_dmmv<{q}, {g}>", "MoeParams") for q in QTYPES for g in ("false", "true")]
+        + [KernelSpec(f"moe_dmmv_packed<{q}, {g}>", "MoeParams") for q in QTYPES for g in ("false", "true")]
+        + [KernelSpec(f"moe_down<{q}>", "MoeParams") for q in QTYPES]
+        + [KernelSpec("moe_route_pack", "RouteParams"), KernelSpec("moe_count_experts", "RouteParams")]
+    ),
+)
+FAMILIES = {f.name: f for f in (FAMILY, GLU_FAMILY, MOE_FAMILY)}  # cukern.families() lists each unit
+
+
+class DeviceError(RuntimeError):
+    """A condition a kernel detected on the device (e.g. an expert id out of range)."""
+
+
+def qtype_id(qtype) -> int:
+    """GGML type id from an int, a ``gguf.GGMLQuantizationType`` or a name ("Q4_K")."""
+    if isinstance(qtype, str):
+        if qtype.upper() not in _BY_NAME:
+            raise ValueError(f"unsupported weight type {qtype!r} (supported: {', '.join(_BY_NAME)})")
+        return _BY_NAME[qtype.upper()]
+    try:
+        t = int(qtype)
+    except (TypeError, ValueError):
+        raise TypeError(f"weight type must be a GGML type id, enum or name, got {qtype!r}") from None
+    if t not in QTYPES:
+        name = getattr(qtype, "name", str(t))
+        raise ValueError(f"unsupported weight type {name} (supported: {', '.join(_BY_NAME)})")
+    return t
+
+
+def row_bytes(qtype, k: int) -> int:
+    """Bytes of one row of k elements of a GGML type."""
+    _, be, bb, _ = QTYPES[qtype_id(qtype)]
+    return k // be * bb
+
+
+@dataclass(frozen=True, eq=False)
+class QWeight:
+    """A GGUF weight on the device: ``m`` rows of ``k`` elements of type ``qtype``, stored as raw
+    GGUF bytes in ``buf`` (a C-contiguous cupy uint8 array) from byte ``offset`` on. With
+    ``n_experts``, an expert tensor [n_experts, m, k]: expert e starts ``expert_stride`` bytes
+    (default m * row_bytes) after expert e - 1. Validated on construction (no launch)."""
+
+    buf: cupy.ndarray
+    qtype: int
+    m: int
+    k: int
+    offset: int = 0
+    n_experts: int = 0
+    expert_stride: int = 0
+
+    def __post_init__(self):
+        t = qtype_id(self.qtype)
+        object.__setattr__(self, "qtype", t)
+        name, be, bb, align = QTYPES[t]
+        check_array("buf", self.buf, dtype=np.uint8)
+        for f in ("m", "k", "offset", "n_experts", "expert_stride"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
+                raise TypeError(f"QWeight.{f} must be a non-negative int, got {v!r}")
+        if self.m < 1 or self.k < 1:
+            raise ValueError(f"QWeight: m and k must be >= 1, got m={self.m}, k={self.k}")
+        if self.m >= 2**31 or self.k >= 2**31:
+            raise ValueError(f"QWeight: m and k must be < 2**31, got m={self.m}, k={self.k}")
+        if self.k % be:
+            raise ValueError(f"QWeight: k={self.k} is not a multiple of the {name} block size {be}")
+        if be == 1 and self.k % 4:
+            raise ValueError(f"QWeight: {name} rows are read 4 elements at a time: k={self.k} must be a multiple of 4")
+        if (self.buf.data.ptr + self.offset) % align:
+            raise ValueError(f"QWeight: {name} data must start {align}-byte aligned; offset {self.offset} "
+                             f"into a buffer at {self.buf.data.ptr:#x} is not")
+        rb = self.k // be * bb
+        object.__setattr__(self, "row_bytes", rb)
+        nbytes = self.m * rb
+        if self.n_experts:
+            stride = self.expert_stride or nbytes
+            if stride < nbytes or stride % align:
+                raise ValueError(f"QWeight: expert_stride {stride} must be >= {nbytes} (m * row bytes) and "
+                                 f"a multiple of {align}")
+            object.__setattr__(self, "expert_stride", stride)
+            nbytes = stride * (self.n_experts - 1) + nbytes
+        elif self.expert_stride:
+            raise ValueError("QWeight: expert_stride needs n_experts")
+        if self.offset + nbytes > self.buf.nbytes:
+            raise ValueError(f"QWeight: {self.m}x{self.k} {name}"
+                             + (f" x {self.n_experts} experts" if self.n_experts else "")
+                             + f" needs {nbytes} bytes from offset {self.offset}, the buffer has {self.buf.nbytes}")
+
+    @property
+    def name(self) -> str:
+        return QTYPES[self.qtype][0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one matrix (one expert)."""
+        return self.m * self.row_bytes
+
+
+@dataclass(frozen=True, eq=False)
+class MoeRoute:
+    """Device buffers of a packed routing (see :meth:`DmmvDispatch.plan_moe_route`)."""
+
+    n_slots: int
+    n_experts: int
+    max_items: int
+    counts: cupy.ndarray   # [n_experts] int32: slots per expert
+    offsets: cupy.ndarray  # [n_experts + 1] int32: first packed position per expert; last = valid slots
+    packed: cupy.ndarray   # [n_slots] int32: slot ids grouped by expert
+    items: cupy.ndarray    # [max_items, 3] int32: (expert or -1, first packed position, count)
+    n_items: cupy.ndarray  # [1] int32
+
+
+class _Unit(Dispatch):
+    """One more compilation unit of the family, launched through the same checks."""
+
+    def __init__(self, family: FamilySpec, device=None):
+        self.family = family
+        super().__init__(device)
+
+
+def _warps(k: int) -> int:
+    """Warps per block: enough steps per warp to keep several loads in flight."""
+    steps = -(-k // _STEP)
+    return max(1, min(8, steps // 4))
+
+
+class DmmvDispatch(Dispatch):
+    """Records quantized matvec kernels into a stream. Every method takes ``stream=`` (None:
+    CuPy's current stream), validates its arguments before launching, and never synchronises,
+    allocates or reads device memory (the MoE error flag is allocated on first use: make one MoE
+    call before capturing a graph)."""
+
+    family = FAMILY
+
+    def __init__(self, device: int | None = None):
+        super().__init__(device)
+        self._glu = _Unit(GLU_FAMILY, device)
+        self._moe = _Unit(MOE_FAMILY, device)
+        self._err = None
+
+    # ------------------------------------------------------------------ errors
+    @property
+    def error_flag(self) -> cupy.ndarray:
+        """[1] int32 on the device: bit 0 set by a MoE kernel that met an expert id out of range."""
+        if self._err is None:
+            with cupy.cuda.Device(self.device_id):
+                self._err = cupy.zeros(1, cupy.int32)
+        return self._err
+
+    def check_errors(self, *, reset: bool = True) -> None:
+        """Read the error flag (synchronises: call it outside the hot path); raise DeviceError
+        if a kernel flagged bad input since the last check."""
+        if self._err is None:
+            return
+        v = int(self._err.get()[0])
+        if reset and v:
+            self._err.fill(0)
+        if v & 1:
+            raise DeviceError("a MoE kernel met an expert id outside [0, n_experts): its outputs were "
+                              "written as zeros (moe_down: its term was dropped)")
+
+    # ------------------------------------------------------------------ validation helpers
+    @staticmethod
+    def _check_weight(name: str, w, experts: bool = False) -> QWeight:
+        if not isinstance(w, QWeight):
+            raise TypeError(f"{name} must be a QWeight (raw GGUF bytes + type + shape), got {type(w).__name__}")
+        if experts and not w.n_experts:
+            raise ValueError(f"{name} must be an expert tensor (QWeight with n_experts)")
+        if not experts and w.n_experts:
+            raise ValueError(f"{name} is an expert tensor: use the moe_* methods")
+        return w
+
+    @staticmethod
+    def _cols(name: str, a, k: int) -> tuple[cupy.ndarray, int]:
+        """x or y as [n, k] (a 1-D array is one column); f32, contiguous, 16-byte aligned."""
+        check_array(name, a, dtype=_F32)
+        if a.ndim == 1:
+            n = 1
+        elif a.ndim == 2:
+            n = a.shape[0]
+        else:
+            raise ValueError(f"{name} must be [{k}] or [n, {k}], got shape {a.shape}")
+        if a.shape[-1] != k or n < 1:
+            raise ValueError(f"{name} must be [{k}] or [n, {k}] with n >= 1, got shape {a.shape}")
+        if a.data.ptr % 16:
+            raise ValueError(f"{name} must be 16-byte aligned (data pointer {a.data.ptr:#x})")
+        return a, n
+
+    def _params(self, w: QWeight, *, w2: QWeight | None = None, m2: int = 0, blocks1: int = 0,
+                mode: int = 0, act: int = 0, alpha: float = 1.0, y_stride: int = 0, y2_stride: int = 0):
+        return self.struct("DmmvParams").pack(
+            w_offset=w.offset, w2_offset=w2.offset if w2 is not None else 0, row_bytes=w.row_bytes,
+            m=w.m, m2=m2, k=w.k, n_full=w.k // _STEP, tail=w.k % _STEP, blocks1=blocks1,
+            x_stride=w.k, y_stride=y_stride, y2_stride=y2_stride, mode=mode, act=act, alpha=float(alpha))
+
+    @staticmethod
+    def _mode(accumulate: bool, gate) -> int:
+        if gate is not None:
+            return 2
+        return 1 if accumulate else 0
+
+    def _check_gate(self, gate, n: int):
+        if gate is not None:
+            check_array("gate", gate, dtype=_F32, shape=(n,))
+
+    @staticmethod
+    def _chunks(n: int):
+        """Split n columns into launches of 8, 4, 2, 1: (first column, width)."""
+        c = 0
+        for width in (8, 4, 2, 1):
+            while n - c >= width:
+                yield c, width
+                c += width
+
+    # ------------------------------------------------------------------ dense matvecs
+    def dequantize(self, w: QWeight, out: cupy.ndarray, *, stream=None) -> cupy.ndarray:
+        """``out = W`` as f32 [m, k] (per-element path; for tests and dense fallbacks)."""
+        w = self._check_weight("w", w)
+        check_array("out", out, dtype=_F32, shape=(w.m, w.k))
+        params = self.struct("DequantParams").pack(w_offset=w.offset, row_bytes=w.row_bytes, m=w.m, k=w.k)
+        blocks = max(1, min(-(-(w.m * w.k) // 256), 4096))
+        self._launch(f"dequantize<{w.qtype}>", blocks, 256, (out, w.buf), params, stream=stream)
+        return out
+
+    def dmmv(self, w: QWeight, x: cupy.ndarray, y: cupy.ndarray, *, accumulate: bool = False,
+             alpha: float = 1.0, gate: cupy.ndarray | None = None, stream=None) -> cupy.ndarray:
+        """``y = alpha * W x``; with ``accumulate``, ``y += alpha * W x``; with ``gate``,
+        ``y += alpha * sigmoid(gate[c]) * W x[c]`` (the shared-expert path).
+
+        w: QWeight [m, k]; x: [k] or [n, k] f32 (n columns: weights are read once per 8);
+        y: [m] or [n, m] f32 (same leading shape as x); gate: [n] f32 logits on the device."""
+        w = self._check_weight("w", w)
+        x, n = self._cols("x", x, w.k)
+        check_array("y", y, dtype=_F32, shape=x.shape[:-1] + (w.m,))
+        self._check_gate(gate, n)
+        mode = self._mode(accumulate, gate)
+        nw = _warps(w.k)
+        blocks = -(-w.m // _ROWS)
+        for c0, width in self._chunks(n):
+            params = self._params(w, blocks1=blocks, mode=mode, alpha=alpha, y_stride=w.m)
+            xs, ys = (x, y) if n == 1 else (x[c0:], y[c0:])
+            g = ys if gate is None else gate[c0:]
+            self._launch(f"dmmv<{w.qtype}, {width}>", blocks, nw * 32, (ys, ys, w.buf, w.buf, xs, g), params,
+                         stream=stream)
+        return y
+
+    dmmv_batch = dmmv  # the engine's name for the multi-column form
+
+    def dmmv_scale_acc(self, w: QWeight, x, y, scale: float, *, stream=None) -> cupy.ndarray:
+        """``y += scale * W x`` (fused scale-accumulate)."""
+        return self.dmmv(w, x, y, accumulate=True, alpha=scale, stream=stream)
+
+    def dmmv_gated_acc(self, w: QWeight, x, y, gate: cupy.ndarray, *, alpha: float = 1.0, stream=None):
+        """``y[c] += alpha * sigmoid(gate[c]) * W x[c]`` (sigmoid-gated accumulate; gate on the device)."""
+        return self.dmmv(w, x, y, gate=gate, alpha=alpha, stream=stream)
+
+    def dmmv_pair(self, w1: QWeight, w2: QWeight, x, y1, y2, *, stream=None) -> tuple[cupy.ndarray, cupy.ndarray]:
+        """``y1 = W1 x; y2 = W2 x`` in one launch (two matrices of one type sharing the input).
+
+        w1: [m1, k], w2: [m2, k] of the same type; x: [k] or [n, k]; y1: [.., m1]; y2: [.., m2]."""
+        w1 = self._check_weight("w1", w1)
+        w2 = self._check_weight("w2", w2)
+        if w1.qtype != w2.qtype or w1.k != w2.k:
+            raise ValueError(f"dmmv_pair: w1 ({w1.name}, k={w1.k}) and w2 ({w2.name}, k={w2.k}) must have "
+                             "the same type and k")
+        x, n = self._cols("x", x, w1.k)
+        check_array("y1", y1, dtype=_F32, shape=x.shape[:-1] + (w1.m,))
+        check_array("y2", y2, dtype=_F32, shape=x.shape[:-1] + (w2.m,))
+        nw = _warps(w1.k)
+        b1, b2 = -(-w1.m // _ROWS), -(-w2.m // _ROWS)
+        for c0, width in self._chunks(n):
+            params = self._params(w1, w2=w2, m2=w2.m, blocks1=b1, y_stride=w1.m, y2_stride=w2.m)
+            xs, ya, yb = (x, y1, y2) if n == 1 else (x[c0:], y1[c0:], y2[c0:])
+            self._launch(f"dmmv<{w1.qtype}, {width}>", b1 + b2, nw * 32, (ya, yb, w1.buf, w2.buf, xs, ya), params,
+                         stream=stream)
+        return y1, y2
+
+    def dmmv_glu(self, w_gate: QWeight, w_up: QWeight, x, y, *, act: str = "swiglu", accumulate: bool = False,
+                 alpha: float = 1.0, stream=None) -> cupy.ndarray:
+        """``y = act(W_gate x) * (W_up x)``: act "swiglu" (SiLU) or "geglu" (GELU, tanh form).
+
+        w_gate, w_up: [m, k] of one type; x: [k] or [n, k]; y: [m] or [n, m]."""
+        wg = self._check_weight("w_gate", w_gate)
+        wu = self._check_weight("w_up", w_up)
+        if (wg.qtype, wg.m, wg.k) != (wu.qtype, wu.m, wu.k):
+            raise ValueError(f"dmmv_glu: w_gate ({wg.name} {wg.m}x{wg.k}) and w_up ({wu.name} {wu.m}x{wu.k}) "
+                             "must have the same type and shape")
+        if act not in _ACTS:
+            raise ValueError(f"dmmv_glu: act must be one of {', '.join(_ACTS)}, got {act!r}")
+        x, n = self._cols("x", x, wg.k)
+        check_array("y", y, dtype=_F32, shape=x.shape[:-1] + (wg.m,))
+        nw = _warps(wg.k)
+        blocks = -(-wg.m // _ROWS)
+        for c0, width in self._chunks(n):
+            params = self._params(wg, w2=wu, mode=1 if accumulate else 0, act=_ACTS[act], alpha=alpha,
+                                  y_stride=wg.m, blocks1=blocks)
+            xs, ys = (x, y) if n == 1 else (x[c0:], y[c0:])
+            self._glu._launch(f"dmmv_glu<{wg.qtype}, {width}>", blocks, nw * 32, (ys, wg.buf, wu.buf, xs, ys),
+                              params, stream=stream)
+        return y
+
+    # ------------------------------------------------------------------ mixture of experts
+    def _moe_params(self, w: QWeight, *, w2: QWeight | None = None, top_k: int, n_slots: int, x_per_slot: bool,
+                    act: int = 0, mode: int = 0, alpha: float = 1.0, max_items: int = 0):
+        return self.struct("MoeParams").pack(
+            w_offset=w.offset, w2_offset=w2.offset if w2 is not None else 0, row_bytes=w.row_bytes,
+            expert_bytes=w.expert_stride, m=w.m, k=w.k, n_full=w.k // _STEP, tail=w.k % _STEP,
+            n_experts=w.n_experts, top_k=top_k, n_slots=n_slots, x_per_slot=int(x_per_slot),
+            max_items=max_items, act=act, mode=mode, alpha=float(alpha))
+
+    def _moe_inputs(self, w: QWeight, w_up, x, ids, act: str):
+        w = self._check_weight("w", w, experts=True)
+        if w_up is not None:
+            wu = self._check_weight("w_up", w_up, experts=True)
+            if (wu.qtype, wu.m, wu.k, wu.n_experts, wu.expert_stride) != (w.qtype, w.m, w.k, w.n_experts,
+                                                                         w.expert_stride):
+                raise ValueError("w_up must match w (type, shape, experts, stride)")
+        if act not in _ACTS:
+            raise ValueError(f"act must be one of {', '.join(_ACTS)}, got {act!r}")
+        check_array("ids", ids, dtype=_I32, ndim=2)
+        n_tokens, top_k = ids.shape
+        if n_tokens < 1 or top_k < 1:
+            raise ValueError(f"ids must be [n_tokens, top_k] with both >= 1, got {ids.shape}")
+        check_array("x", x, dtype=_F32)
+        if x.shape == (n_tokens, w.k):
+            per_slot = False
+        elif x.shape == (n_tokens, top_k, w.k):
+            per_slot = True
+        else:
+            raise ValueError(f"x must be [{n_tokens}, {w.k}] (one input per token) or [{n_tokens}, {top_k}, {w.k}] "
+                             f"(one per slot), got {x.shape}")
+        if x.data.ptr % 16:
+            raise ValueError(f"x must be 16-byte aligned (data pointer {x.data.ptr:#x})")
+        return w, n_tokens, top_k, per_slot
+
+    def moe_dmmv(self, w: QWeight, x: cupy.ndarray, ids: cupy.ndarray, y: cupy.ndarray, *,
+                 w_up: QWeight | None = None, act: str = "swiglu", alpha: float = 1.0, stream=None) -> cupy.ndarray:
+        """For every token t and slot j: ``y[t, j] = alpha * W[ids[t, j]] x[t]`` (x [n_tokens, k]) or
+        ``... x[t, j]`` (x [n_tokens, top_k, k]); with ``w_up``, ``act(Wg x) * (Wu x)``. All slots in one
+        launch; expert ids are read on the device (out of range: zeros and the error flag).
+
+        w (, w_up): expert QWeight [n_experts, m, k]; ids: [n_tokens, top_k] int32; y: [n_tokens, top_k, m]."""
+        w, n_tokens, top_k, per_slot = self._moe_inputs(w, w_up, x, ids, act)
+        check_array("y", y, dtype=_F32, shape=(n_tokens, top_k, w.m))
+        n_slots = n_tokens * top_k
+        if n_slots > 65535:
+            raise ValueError(f"moe_dmmv: at most 65535 slots per launch, got {n_slots} (use moe_dmmv_packed)")
+        params = self._moe_params(w, w2=w_up, top_k=top_k, n_slots=n_slots, x_per_slot=per_slot,
+                                  act=_ACTS[act], alpha=alpha)
+        glu = "true" if w_up is not None else "false"
+        self._moe._launch(f"moe_dmmv<{w.qtype}, {glu}>", (-(-w.m // _ROWS), n_slots), _warps(w.k) * 32,
+                          (y, self.error_flag, w.buf, (w_up or w).buf, x, ids), params, stream=stream)
+        return y
+
+    @staticmethod
+    def _max_items(n_slots: int, n_experts: int) -> int:
+        # sum over buckets of ceil(count / cols) <= n_slots / cols + (non-empty buckets)
+        return n_slots // _PACK_COLS + min(n_slots, n_experts + 1)
+
+    def plan_moe_route(self, n_tokens: int, top_k: int, n_experts: int) -> MoeRoute:
+        """Allocate the buffers moe_route_pack fills (host work, outside any graph)."""
+        for name, v in (("n_tokens", n_tokens), ("top_k", top_k), ("n_experts", n_experts)):
+            if not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"plan_moe_route: {name} must be an int >= 1, got {v!r}")
+        if n_experts > _MAX_EXPERTS:
+            raise ValueError(f"plan_moe_route: at most {_MAX_EXPERTS} experts, got {n_experts}")
+        n_slots = n_tokens * top_k
+        max_items = self._max_items(n_slots, n_experts)
+        if max_items > 65535:
+            raise ValueError(f"plan_moe_route: {n_slots} slots need up to {max_items} work items (limit 65535)")
+        with cupy.cuda.Device(self.device_id):
+            z = lambda *s: cupy.zeros(s, cupy.int32)  # noqa: E731
+            return MoeRoute(n_slots, n_experts, max_items, z(n_experts), z(n_experts + 1), z(n_slots),
+                            z(max_items, 3), z(1))
+
+    def moe_route_pack(self, ids: cupy.ndarray, route: MoeRoute, *, stream=None) -> MoeRoute:
+        """Group the slots of ``ids`` [n_tokens, top_k] int32 by expert into ``route`` (device only)."""
+        if not isinstance(route, MoeRoute):
+            raise TypeError(f"route must be a MoeRoute from plan_moe_route, got {type(route).__name__}")
+        check_array("ids", ids, dtype=_I32, ndim=2)
+        if ids.size != route.n_slots:
+            raise ValueError(f"ids has {ids.size} slots, the route was planned for {route.n_slots}")
+        params = self.struct("RouteParams").pack(n_slots=route.n_slots, n_experts=route.n_experts,
+                                                 cols=_PACK_COLS, max_items=route.max_items)
+        self._moe._launch("moe_route_pack", 1, 1024, (route.counts, route.offsets, route.packed, route.items,
+                                                     route.n_items, self.error_flag, ids), params, stream=stream)
+        return route
+
+    def moe_count_experts(self, ids: cupy.ndarray, counts: cupy.ndarray, *, stream=None) -> cupy.ndarray:
+        """``counts[e]`` = slots of ``ids`` [n_tokens, top_k] int32 routed to expert e; counts: [n_experts] int32."""
+        check_array("ids", ids, dtype=_I32, ndim=2)
+        check_array("counts", counts, dtype=_I32, ndim=1)
+        if not 1 <= counts.size <= _MAX_EXPERTS:
+            raise ValueError(f"counts must have 1 to {_MAX_EXPERTS} entries, got {counts.size}")
+        if ids.size < 1:
+            raise ValueError("ids must not be empty")
+        params = self.struct("RouteParams").pack(n_slots=ids.size, n_experts=counts.size, cols=_PACK_COLS,
+                                                 max_items=0)
+        self._moe._launch("moe_count_experts", 1, 1024, (counts, self.error_flag, ids), params, stream=stream)
+        return counts
+
+    def moe_dmmv_packed(self, w: QWeight, x: cupy.ndarray, ids: cupy.ndarray, route: MoeRoute, y: cupy.ndarray, *,
+                        w_up: QWeight | None = None, act: str = "swiglu", alpha: float = 1.0,
+                        stream=None) -> cupy.ndarray:
+        """As :meth:`moe_dmmv`, token-batched: each expert's weights are read once per 8 of its slots,
+        using a ``route`` filled by :meth:`moe_route_pack` from the same ``ids``. The grid is sized for
+        the worst case; blocks past the device-side item count exit."""
+        w, n_tokens, top_k, per_slot = self._moe_inputs(w, w_up, x, ids, act)
+        if not isinstance(route, MoeRoute) or route.n_slots != n_tokens * top_k or route.n_experts != w.n_experts:
+            raise ValueError("route must be a MoeRoute planned for these ids and w.n_experts")
+        check_array("y", y, dtype=_F32, shape=(n_tokens, top_k, w.m))
+        params = self._moe_params(w, w2=w_up, top_k=top_k, n_slots=route.n_slots, x_per_slot=per_slot,
+                                  act=_ACTS[act], alpha=alpha, max_items=route.max_items)
+        glu = "true" if w_up is not None else "false"
+        self._moe._launch(f"moe_dmmv_packed<{w.qtype}, {glu}>", (-(-w.m // _ROWS), route.max_items),
+                          _warps(w.k) * 32, (y, w.buf, (w_up or w).buf, x, route.packed, route.items, route.n_items),
+                          params, stream=stream)
+        return y
+
+    def moe_down(self, w: QWeight, h: cupy.ndarray, ids: cupy.ndarray, weights: cupy.ndarray, y: cupy.ndarray, *,
+                 accumulate: bool = False, alpha: float = 1.0, stream=None) -> cupy.ndarray:
+        """``y[t] (+)= alpha * sum_j weights[t, j] * W[ids[t, j]] h[t, j]``: the MoE down projection and the
+        weighted sum over each token's experts in one launch (no atomics; an out-of-range id drops its term
+        and sets the error flag).
+
+        w: expert QWeight [n_experts, m, k]; h: [n_tokens, top_k, k]; ids: [n_tokens, top_k] int32;
+        weights: [n_tokens, top_k] f32; y: [n_tokens, m]."""
+        w = self._check_weight("w", w, experts=True)
+        check_array("ids", ids, dtype=_I32, ndim=2)
+        n_tokens, top_k = ids.shape
+        if n_tokens < 1 or top_k < 1 or n_tokens > 65535:
+            raise ValueError(f"ids must be [n_tokens, top_k], 1 <= n_tokens <= 65535, top_k >= 1; got {ids.shape}")
+        check_array("h", h, dtype=_F32, shape=(n_tokens, top_k, w.k), align=16)
+        check_array("weights", weights, dtype=_F32, shape=(n_tokens, top_k))
+        check_array("y", y, dtype=_F32, shape=(n_tokens, w.m))
+        params = self._moe_params(w, top_k=top_k, n_slots=n_tokens * top_k, x_per_slot=True,
+                                  mode=1 if accumulate else 0, alpha=alpha)
+        self._moe._launch(f"moe_down<{w.qtype}>", (-(-w.m // _ROWS), n_tokens), _warps(w.k) * 32,
+                          (y, self.error_flag, w.buf, h, ids, weights), params, stream=stream)
+        return y

@@ -1,0 +1,124 @@
+"""Float64 references for the dmmv family (cukern/dmmv.py), and random valid GGUF weights.
+
+The ``gguf`` package's NumPy dequantization is the reference of record for every block format:
+:func:`dequantize` calls it and widens to float64. :func:`random_weight` builds random *valid*
+blocks byte by byte (random quant bits, scales of a sensible magnitude), which covers the types
+gguf cannot quantize (the K-quants) and exercises every bit pattern of the others.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# GGML type id -> (name, elements per block, bytes per block); mirrors cukern.dmmv.QTYPES
+TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2), 2: ("Q4_0", 32, 18), 6: ("Q5_0", 32, 22),
+         8: ("Q8_0", 32, 34), 39: ("MXFP4", 32, 17), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176),
+         14: ("Q6_K", 256, 210)}
+
+
+def _f16_bytes(v: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(v.astype(np.float16)).view(np.uint8).reshape(v.shape + (2,))
+
+
+def random_weight(qtype: int, m: int, k: int, rng: np.random.Generator, scale: float = 1.0) -> np.ndarray:
+    """Raw GGUF bytes [m, row_bytes] (uint8) of a random valid m x k weight of ``qtype`` whose
+    dequantized entries are of order ``scale`` / sqrt(k) ... ``scale`` (roughly unit rows)."""
+    name, be, bb = TYPES[qtype]
+    if be == 1:
+        w = (rng.standard_normal((m, k)) * scale).astype(np.float32)
+        if name == "F32":
+            return w.view(np.uint8).reshape(m, 4 * k)
+        if name == "F16":
+            return w.astype(np.float16).view(np.uint8).reshape(m, 2 * k)
+        bits = w.view(np.uint32)
+        bf = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even
+        return bf.view(np.uint8).reshape(m, 2 * k)
+    nb = k // be
+    raw = rng.integers(0, 256, size=(m, nb, bb), dtype=np.uint8)
+    d = lambda shape, mag: _f16_bytes(rng.uniform(0.5, 1.5, size=shape) * mag * rng.choice([-1, 1], size=shape))  # noqa: E731
+    s = (m, nb)
+    if name == "Q4_0":
+        raw[..., 0:2] = d(s, scale / 8)
+    elif name == "Q5_0":
+        raw[..., 0:2] = d(s, scale / 16)
+    elif name == "Q8_0":
+        raw[..., 0:2] = d(s, scale / 127)
+    elif name == "MXFP4":
+        raw[..., 0] = rng.integers(122, 130, size=s)  # 2^-5 ... 2^2
+    elif name in ("Q4_K", "Q5_K"):
+        raw[..., 0:2] = _f16_bytes(rng.uniform(0.5, 1.5, size=s) * scale / 63 / 16)
+        raw[..., 2:4] = _f16_bytes(rng.uniform(0.0, 1.0, size=s) * scale / 63)
+    elif name == "Q6_K":
+        raw[..., 208:210] = d(s, scale / 32 / 128)
+    return raw.reshape(m, nb * bb)
+
+
+def dequantize(raw: np.ndarray, qtype: int, m: int, k: int) -> np.ndarray:
+    """float64 [m, k] from raw GGUF bytes, through gguf.quants.dequantize."""
+    import gguf
+    from gguf.quants import dequantize as gguf_dequantize
+    raw = np.ascontiguousarray(np.asarray(raw, dtype=np.uint8)).reshape(m, -1)
+    out = gguf_dequantize(raw, gguf.GGMLQuantizationType(qtype))
+    return np.asarray(out, dtype=np.float64).reshape(m, k)
+
+
+def matvec(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """y[..., i] = sum_j w[i, j] x[..., j] in float64 (x: [k] or [n, k])."""
+    return np.asarray(x, dtype=np.float64) @ np.asarray(w, dtype=np.float64).T
+
+
+def silu(g):
+    return g / (1.0 + np.exp(-g))
+
+
+def gelu_tanh(g):
+    return 0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * g ** 3)))
+
+
+def sigmoid(g):
+    return 1.0 / (1.0 + np.exp(-g))
+
+
+def glu(w_gate, w_up, x, act: str = "swiglu") -> np.ndarray:
+    g, u = matvec(w_gate, x), matvec(w_up, x)
+    return (silu(g) if act in ("swiglu", "silu") else gelu_tanh(g)) * u
+
+
+def moe(w_experts, x, ids, *, w_up=None, act: str = "swiglu") -> np.ndarray:
+    """y[t, j] = W[ids[t, j]] x[t] (x [T, k]) or x[t, j] (x [T, top_k, k]); float64 [T, top_k, m].
+    Invalid ids give zeros (as the kernels write)."""
+    w_experts = np.asarray(w_experts, dtype=np.float64)
+    n_e, m, _ = w_experts.shape
+    T, top_k = ids.shape
+    y = np.zeros((T, top_k, m))
+    for t in range(T):
+        for j in range(top_k):
+            e = int(ids[t, j])
+            if not 0 <= e < n_e:
+                continue
+            xv = x[t, j] if x.ndim == 3 else x[t]
+            if w_up is None:
+                y[t, j] = matvec(w_experts[e], xv)
+            else:
+                y[t, j] = glu(w_experts[e], np.asarray(w_up, dtype=np.float64)[e], xv, act)
+    return y
+
+
+def moe_down(w_experts, h, ids, weights) -> np.ndarray:
+    """y[t] = sum_j weights[t, j] * W[ids[t, j]] h[t, j]; invalid ids contribute nothing."""
+    w_experts = np.asarray(w_experts, dtype=np.float64)
+    n_e, m, _ = w_experts.shape
+    T, top_k = ids.shape
+    y = np.zeros((T, m))
+    for t in range(T):
+        for j in range(top_k):
+            e = int(ids[t, j])
+            if 0 <= e < n_e:
+                y[t] += float(weights[t, j]) * matvec(w_experts[e], h[t, j])
+    return y
+
+
+def route_counts(ids, n_experts: int) -> np.ndarray:
+    ids = np.asarray(ids).ravel()
+    ok = (ids >= 0) & (ids < n_experts)
+    return np.bincount(ids[ok], minlength=n_experts).astype(np.int32)

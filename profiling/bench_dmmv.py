@@ -1,0 +1,177 @@
+"""dmmv family benchmark: quantized matvec GB/s (bytes actually read: the quantized weights, x and
+y) against the copy ceiling measured in the same run, and the ratio to cuBLAS f16 GEMV on the
+dequantized matrix (torch.mv, also measured here).
+
+Every kernel is timed as a decode loop runs it: 50 calls captured into one CUDA graph and replayed,
+each call on the next of several weight copies (> 200 MB together) so that the weights come from
+HBM, not from the 50 MB L2. The peer rotates two f16 copies the same way.
+
+Run: PYTHONPATH=. python profiling/bench_dmmv.py [--quick] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import cupy
+
+from cukern.benchmark import (Row, measure_ceilings, print_table, rotating, rows_to_json, time_graph_us,
+                              time_torch_graph_us)
+from cukern.dmmv import QTYPES, DmmvDispatch, QWeight, qtype_id, row_bytes
+
+try:
+    import torch
+except ImportError:  # the peer is optional; rows then show no ratio
+    torch = None
+
+ROTATE_BYTES = 200 << 20  # > 4x L2
+SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (262144, 640), (151936, 2048)]
+TYPES = ["Q4_0", "Q5_0", "Q8_0", "MXFP4", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32"]
+QUICK_TYPES = ["Q4_0", "Q5_0", "Q8_0", "MXFP4", "Q4_K", "Q5_K", "Q6_K"]
+
+
+def _weights(qt: int, m: int, k: int, n_experts: int = 0):
+    """Rotating sets of random raw weights (bit patterns only matter for speed, not validity)."""
+    nbytes = row_bytes(qt, k) * m * max(1, n_experts)
+    n_sets = max(1, min(8, -(-ROTATE_BYTES // nbytes)))
+    rng = cupy.random.default_rng(qt)
+
+    def make(i):
+        buf = rng.integers(0, 256, nbytes, dtype=cupy.uint8)
+        return QWeight(buf, qt, m, k, n_experts=n_experts)
+    return rotating(n_sets, make), nbytes
+
+
+def _peer_gemv_us(m: int, k: int) -> float | None:
+    """cuBLAS f16 GEMV (torch.mv) on an m x k matrix, rotating copies."""
+    if torch is None:
+        return None
+    n_sets = max(1, min(4, -(-ROTATE_BYTES // (2 * m * k))))
+    if 2 * m * k * n_sets > (8 << 30):
+        return None
+    ws = [torch.randn(m, k, device="cuda", dtype=torch.float16) for _ in range(n_sets)]
+    x = torch.randn(k, device="cuda", dtype=torch.float16)
+    y = torch.empty(m, device="cuda", dtype=torch.float16)
+    state = {"i": 0}
+
+    def run():
+        torch.mv(ws[state["i"] % n_sets], x, out=y)
+        state["i"] += 1
+    us = time_torch_graph_us(run)
+    del ws
+    torch.cuda.empty_cache()
+    return us
+
+
+def bench(quick: bool = False) -> tuple[list, object]:
+    d = DmmvDispatch()
+    ceil = measure_ceilings()
+    rows: list[Row] = []
+    shapes = [(14336, 4096), (4096, 14336)] if quick else SHAPES
+    types = QUICK_TYPES if quick else TYPES
+
+    def row(kernel, shape, us, nbytes, peer_us=None, peer="cuBLAS f16 GEMV (torch.mv)"):
+        gbs = nbytes / (us * 1e-6) / 1e9
+        rows.append(Row("dmmv", kernel, shape, us, gbs=gbs, pct_ceiling=gbs / ceil.copy_gbs,
+                        peer=peer if peer_us else "", peer_us=peer_us))
+
+    for m, k in shapes:
+        peer_us = _peer_gemv_us(m, k)
+        for name in types:
+            qt = qtype_id(name)
+            if k % QTYPES[qt][1]:
+                continue  # k = 640 is not a whole number of K-quant super-blocks
+            (sets, nxt), wbytes = _weights(qt, m, k)
+            x = cupy.random.standard_normal(k, dtype=cupy.float32)
+            y = cupy.empty(m, cupy.float32)
+            us = time_graph_us(lambda: d.dmmv(nxt(), x, y))
+            row(f"dmmv {name}", f"{m}x{k}", us, wbytes + 4 * (k + m), peer_us)
+            del sets
+            cupy.get_default_memory_pool().free_all_blocks()
+
+    # batched columns: weights read once for all of them
+    m, k = 4096, 14336
+    for name in (["Q4_K"] if quick else ["Q4_K", "Q8_0", "Q6_K"]):
+        qt = qtype_id(name)
+        (sets, nxt), wbytes = _weights(qt, m, k)
+        for n in (2, 4, 8):
+            x = cupy.random.standard_normal((n, k), dtype=cupy.float32)
+            y = cupy.empty((n, m), cupy.float32)
+            us = time_graph_us(lambda: d.dmmv_batch(nxt(), x, y))
+            row(f"dmmv_batch {name} n={n}", f"{m}x{k}", us, wbytes + 4 * n * (k + m))
+        del sets
+        cupy.get_default_memory_pool().free_all_blocks()
+
+    # fused gate + up + SwiGLU (two matrices, one input)
+    m, k = 14336, 4096
+    for name in (["Q4_K"] if quick else ["Q4_K", "Q8_0"]):
+        qt = qtype_id(name)
+        (sets, nxt), wbytes = _weights(qt, m, k)
+        x = cupy.random.standard_normal(k, dtype=cupy.float32)
+        y = cupy.empty(m, cupy.float32)
+        us = time_graph_us(lambda: d.dmmv_glu(nxt(), nxt(), x, y, act="swiglu"))
+        row(f"dmmv_glu {name}", f"2x{m}x{k}", us, 2 * wbytes + 4 * (k + m))
+        del sets
+        cupy.get_default_memory_pool().free_all_blocks()
+
+    # MoE: 128 experts of 2048 x 7168 (Q4_K: 8.3 MB each), top-8, one token; expert ids rotate
+    n_e, top_k, m, k = 128, 8, 2048, 7168
+    for name in (["Q4_K", "MXFP4"] if quick else ["Q4_K", "Q8_0", "MXFP4", "Q6_K"]):
+        qt = qtype_id(name)
+        ebytes = row_bytes(qt, k) * m
+        buf = cupy.random.default_rng(1).integers(0, 256, ebytes * n_e, dtype=cupy.uint8)
+        w = QWeight(buf, qt, m, k, n_experts=n_e)
+        rs = cupy.random.default_rng(2)
+        id_sets = [rs.permutation(n_e)[:top_k].astype(cupy.int32).reshape(1, top_k) for _ in range(16)]
+        it = {"i": 0}
+
+        def ids():
+            it["i"] += 1
+            return id_sets[it["i"] % len(id_sets)]
+        x = cupy.random.standard_normal((1, k), dtype=cupy.float32)
+        y = cupy.empty((1, top_k, m), cupy.float32)
+        us = time_graph_us(lambda: d.moe_dmmv(w, x, ids(), y))
+        row(f"moe_dmmv {name} top{top_k}/{n_e}", f"{m}x{k}", us, top_k * ebytes + 4 * (k + top_k * m))
+        h = cupy.random.standard_normal((1, top_k, k), dtype=cupy.float32)
+        wts = cupy.full((1, top_k), 0.125, cupy.float32)
+        yd = cupy.empty((1, m), cupy.float32)
+        us = time_graph_us(lambda: d.moe_down(w, h, ids(), wts, yd))
+        row(f"moe_down {name} top{top_k}/{n_e}", f"{m}x{k}", us, top_k * ebytes + 4 * top_k * (k + 1) + 4 * m)
+        # token-batched: 16 tokens (128 slots) through route packing, weights once per expert chunk
+        T = 16
+        tid_sets = [cupy.stack([rs.permutation(n_e)[:top_k] for _ in range(T)]).astype(cupy.int32) for _ in range(4)]
+        xt = cupy.random.standard_normal((T, k), dtype=cupy.float32)
+        yt = cupy.empty((T, top_k, m), cupy.float32)
+        route = d.plan_moe_route(T, top_k, n_e)
+        jt = {"i": 0}
+
+        def packed_step():
+            jt["i"] += 1
+            tids = tid_sets[jt["i"] % len(tid_sets)]
+            d.moe_route_pack(tids, route)
+            d.moe_dmmv_packed(w, xt, tids, route, yt)
+        us = time_graph_us(packed_step)
+        n_active = sum(len(set(s.get().ravel().tolist())) for s in tid_sets) / len(tid_sets)  # experts read per call
+        row(f"moe pack+packed {name} T={T}", f"{m}x{k}", us, n_active * ebytes + 4 * T * (k + top_k * m))
+        del buf, w
+        cupy.get_default_memory_pool().free_all_blocks()
+    d.check_errors()
+    return rows, ceil
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--quick", action="store_true", help="the two 14336/4096 shapes and the required types only")
+    args = ap.parse_args(argv)
+    rows, ceil = bench(args.quick)
+    print_table(rows, ceil, "dmmv")
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(rows_to_json(rows, ceil))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,364 @@
+"""dmmv family against float64 references (cukern/reference/dmmv.py) built on gguf's own
+dequantization.
+
+Weights are random *valid* GGUF blocks (cukern.reference.dmmv.random_weight), so the kernel and
+the reference see exactly the same blocks: the comparison is kernel(W_blocks, x) against
+dequantize(W_blocks) @ x in float64. Tolerance: the issue's relative error 2e-3, plus an absolute
+floor of 1e-4 * rms(reference) for outputs that cancel to near zero (f32 accumulation over k
+terms is ~1e-6 relative; one wrong nibble is ~1e-2).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+
+from cukern import dmmv as D  # noqa: E402
+from cukern.dmmv import DeviceError, DmmvDispatch, QWeight  # noqa: E402
+from cukern.reference import dmmv as ref  # noqa: E402
+from cukern.testing import assert_close, poison  # noqa: E402
+
+TYPES = list(ref.TYPES)  # every GGML type id the family supports
+NAMES = {q: ref.TYPES[q][0] for q in TYPES}
+RTOL = 2e-3
+
+
+def _ks(q):
+    """Valid k for a type: one block, a tail (k % 256 != 0) where the block allows, several steps."""
+    be = ref.TYPES[q][1]
+    if be == 1:
+        return [4, 132, 1028]
+    if be == 32:
+        return [32, 224, 1312]
+    return [256, 1280]
+
+
+def _check(out, want, name="out"):
+    want = np.asarray(want, dtype=np.float64)
+    rms = float(np.sqrt(np.mean(want * want))) if want.size else 0.0
+    assert_close(out, want, atol=1e-4 * rms + 1e-30, rtol=RTOL, name=name)
+
+
+def _weight(q, m, k, rng, *, pad_front=0, n_experts=0):
+    """(QWeight on the device, float64 dequantized [m, k] or [n_e, m, k])."""
+    rows = m * max(n_experts, 1)
+    raw = ref.random_weight(q, rows, k, rng)
+    dense = ref.dequantize(raw, q, rows, k)
+    buf = np.concatenate([rng.integers(0, 256, pad_front, dtype=np.uint8), raw.ravel(),
+                          rng.integers(0, 256, 7, dtype=np.uint8)])  # trailing bytes: never read as weights
+    w = QWeight(cupy.asarray(buf), q, m, k, offset=pad_front, n_experts=n_experts)
+    if n_experts:
+        dense = dense.reshape(n_experts, m, k)
+    return w, dense
+
+
+def _x(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def d():
+    return DmmvDispatch()
+
+
+# ---------------------------------------------------------------------------- CPU
+def test_families_declared():
+    assert set(D.FAMILIES) == {"dmmv", "dmmv_glu", "dmmv_moe"}
+    names = {k.name for f in D.FAMILIES.values() for k in f.kernels}
+    for q in TYPES:
+        for n in (1, 2, 4, 8):
+            assert f"dmmv<{q}, {n}>" in names and f"dmmv_glu<{q}, {n}>" in names
+        assert f"moe_down<{q}>" in names and f"dequantize<{q}>" in names
+
+
+def test_rejects_host_buffers_and_unknown_types():
+    with pytest.raises(TypeError, match="buf must be a cupy.ndarray"):
+        QWeight(np.zeros(144, np.uint8), "Q4_K", 1, 256)
+    with pytest.raises(ValueError, match="unsupported weight type"):
+        QWeight(np.zeros(144, np.uint8), 3, 1, 256)  # Q4_1: not supported
+    with pytest.raises(ValueError, match="unsupported weight type"):
+        D.qtype_id("IQ2_XS")
+    with pytest.raises(TypeError, match="must be a QWeight"):
+        DmmvDispatch().dmmv(np.zeros(4), np.zeros(4, np.float32), np.zeros(1, np.float32))
+
+
+@pytest.mark.parametrize("q", TYPES, ids=NAMES.get)
+def test_reference_layouts_match_gguf(q):
+    import gguf
+    be, bb = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(q)]
+    assert (be, bb) == ref.TYPES[q][1:] == D.QTYPES[q][1:3]
+    rng = np.random.default_rng(q)
+    raw = ref.random_weight(q, 3, 512, rng)
+    assert raw.shape == (3, 512 // be * bb) and D.row_bytes(q, 512) == raw.shape[1]
+    w = ref.dequantize(raw, q, 3, 512)
+    assert np.isfinite(w).all() and np.abs(w).max() > 0
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q5_0", "Q8_0", "MXFP4", "BF16"])
+def test_gguf_quantizers_round_trip(name):
+    """Where gguf can quantize, its blocks dequantize back close to the input (the reference's own
+    sanity: the kernels are then tested on such blocks as well as on random ones)."""
+    import gguf
+    from gguf.quants import quantize
+    q = D.qtype_id(name)
+    x = np.random.default_rng(1).standard_normal((4, 256)).astype(np.float32)
+    raw = quantize(x, gguf.GGMLQuantizationType(q))
+    back = ref.dequantize(raw, q, 4, 256)
+    tol = {"Q4_0": 0.2, "Q5_0": 0.1, "Q8_0": 0.02, "MXFP4": 0.35, "BF16": 0.01}[name]
+    assert np.max(np.abs(back - x)) / np.max(np.abs(x)) < tol
+
+
+# ---------------------------------------------------------------------------- GPU: per element
+@pytest.mark.gpu
+@pytest.mark.parametrize("q", TYPES, ids=NAMES.get)
+def test_dequantize_matches_gguf(d, rng, q):
+    k = _ks(q)[-1]
+    w, dense = _weight(q, 5, k, rng, pad_front=ref.TYPES[q][2] * 3 if ref.TYPES[q][1] > 1 else 16)
+    out = poison(cupy.empty((5, k), cupy.float32))
+    d.dequantize(w, out)
+    assert_close(out, dense, atol=0, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------- GPU: dmmv
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 5, 67])
+@pytest.mark.parametrize("q", TYPES, ids=NAMES.get)
+def test_dmmv(d, rng, q, m):
+    for k in _ks(q):
+        w, dense = _weight(q, m, k, rng)
+        x = _x(rng, k)
+        y = poison(cupy.empty(m, cupy.float32))
+        d.dmmv(w, cupy.asarray(x), y)
+        _check(y, ref.matvec(dense, x), name=f"{NAMES[q]} {m}x{k}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q", TYPES, ids=NAMES.get)
+def test_gguf_quantized_blocks(d, rng, q):
+    """Blocks from gguf's own quantizer where it has one (not only random bit patterns)."""
+    import gguf
+    from gguf.quants import quantize
+    if NAMES[q] not in ("Q4_0", "Q5_0", "Q8_0", "MXFP4", "BF16", "F16", "F32"):
+        pytest.skip("gguf has no quantizer for this type (random valid blocks cover it)")
+    m, k = 33, 512
+    raw = quantize(rng.standard_normal((m, k)).astype(np.float32), gguf.GGMLQuantizationType(q))
+    raw = np.ascontiguousarray(raw).view(np.uint8).reshape(m, -1)
+    dense = ref.dequantize(raw, q, m, k)
+    x = _x(rng, k)
+    y = poison(cupy.empty(m, cupy.float32))
+    d.dmmv(QWeight(cupy.asarray(raw.ravel()), q, m, k), cupy.asarray(x), y)
+    _check(y, ref.matvec(dense, x))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q", TYPES, ids=NAMES.get)
+def test_dmmv_offset_accumulate_scale_gate(d, rng, q):
+    m, k = 19, _ks(q)[1]
+    align = D.QTYPES[q][3]
+    w, dense = _weight(q, m, k, rng, pad_front=align * 37)  # inside a larger buffer
+    x = _x(rng, k)
+    y0 = _x(rng, m)
+    want = ref.matvec(dense, x)
+    y = cupy.asarray(y0)
+    d.dmmv(w, cupy.asarray(x), y, accumulate=True)
+    _check(y, y0 + want, "accumulate")
+    y = cupy.asarray(y0)
+    d.dmmv_scale_acc(w, cupy.asarray(x), y, -0.375)
+    _check(y, y0 - 0.375 * want, "scale-accumulate")
+    y = poison(cupy.empty(m, cupy.float32))
+    d.dmmv(w, cupy.asarray(x), y, alpha=2.5)
+    _check(y, 2.5 * want, "alpha")
+    x2 = _x(rng, 3, k)
+    y0 = _x(rng, 3, m)
+    g = np.array([0.3, -2.0, 4.0], np.float32)
+    y = cupy.asarray(y0)
+    d.dmmv_gated_acc(w, cupy.asarray(x2), y, cupy.asarray(g))
+    _check(y, y0 + ref.sigmoid(g.astype(np.float64))[:, None] * ref.matvec(dense, x2), "sigmoid-gated")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [2, 3, 4, 8, 11])
+@pytest.mark.parametrize("q", TYPES, ids=NAMES.get)
+def test_dmmv_batched(d, rng, q, n):
+    m, k = 13, _ks(q)[1]
+    w, dense = _weight(q, m, k, rng)
+    x = _x(rng, n, k)
+    y = poison(cupy.empty((n, m), cupy.float32))
+    d.dmmv_batch(w, cupy.asarray(x), y)
+    _check(y, ref.matvec(dense, x))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q", TYPES, ids=NAMES.get)
+def test_dmmv_pair(d, rng, q):
+    k = _ks(q)[-1]
+    w1, d1 = _weight(q, 9, k, rng)
+    w2, d2 = _weight(q, 4, k, rng)
+    for n in (1, 2):
+        x = _x(rng, n, k) if n > 1 else _x(rng, k)
+        y1 = poison(cupy.empty(x.shape[:-1] + (9,), cupy.float32))
+        y2 = poison(cupy.empty(x.shape[:-1] + (4,), cupy.float32))
+        d.dmmv_pair(w1, w2, cupy.asarray(x), y1, y2)
+        _check(y1, ref.matvec(d1, x), "y1")
+        _check(y2, ref.matvec(d2, x), "y2")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", ["swiglu", "geglu"])
+@pytest.mark.parametrize("q", TYPES, ids=NAMES.get)
+def test_dmmv_glu(d, rng, q, act):
+    m, k = 11, _ks(q)[1]
+    wg, dg = _weight(q, m, k, rng)
+    wu, du = _weight(q, m, k, rng)
+    for n in (1, 3):
+        x = _x(rng, n, k) if n > 1 else _x(rng, k)
+        y = poison(cupy.empty(x.shape[:-1] + (m,), cupy.float32))
+        d.dmmv_glu(wg, wu, cupy.asarray(x), y, act=act)
+        _check(y, ref.glu(dg, du, x, act))
+
+
+# ---------------------------------------------------------------------------- GPU: MoE
+def _ids(rng, T, top_k, n_e):
+    return np.stack([rng.permutation(n_e)[:top_k] for _ in range(T)]).astype(np.int32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q", TYPES, ids=NAMES.get)
+def test_moe_dmmv(d, rng, q):
+    n_e, m, k, T, top_k = 6, 7, _ks(q)[1], 3, 2
+    w, dense = _weight(q, m, k, rng, n_experts=n_e)
+    wu, dense_u = _weight(q, m, k, rng, n_experts=n_e)
+    ids = _ids(rng, T, top_k, n_e)
+    for x in (_x(rng, T, k), _x(rng, T, top_k, k)):
+        y = poison(cupy.empty((T, top_k, m), cupy.float32))
+        d.moe_dmmv(w, cupy.asarray(x), cupy.asarray(ids), y)
+        _check(y, ref.moe(dense, x, ids))
+        y = poison(cupy.empty((T, top_k, m), cupy.float32))
+        d.moe_dmmv(w, cupy.asarray(x), cupy.asarray(ids), y, w_up=wu, act="swiglu")
+        _check(y, ref.moe(dense, x, ids, w_up=dense_u, act="swiglu"))
+    d.check_errors()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q", TYPES, ids=NAMES.get)
+def test_moe_packed_and_route(d, rng, q):
+    n_e, m, k, T, top_k = 5, 9, _ks(q)[0], 13, 3  # 39 slots over 5 experts: items of 8 and ragged ends
+    w, dense = _weight(q, m, k, rng, n_experts=n_e)
+    wu, dense_u = _weight(q, m, k, rng, n_experts=n_e)
+    ids = _ids(rng, T, top_k, n_e)
+    ids_d = cupy.asarray(ids)
+    route = d.plan_moe_route(T, top_k, n_e)
+    d.moe_route_pack(ids_d, route)
+    counts = route.counts.get()
+    np.testing.assert_array_equal(counts, ref.route_counts(ids, n_e))
+    offsets, packed = route.offsets.get(), route.packed.get()
+    np.testing.assert_array_equal(offsets[:-1], np.concatenate([[0], np.cumsum(counts)[:-1]]))
+    for e in range(n_e):
+        got = np.sort(packed[offsets[e]:offsets[e] + counts[e]])
+        np.testing.assert_array_equal(got, np.flatnonzero(ids.ravel() == e))
+    x = _x(rng, T, k)
+    y = poison(cupy.empty((T, top_k, m), cupy.float32))
+    d.moe_dmmv_packed(w, cupy.asarray(x), ids_d, route, y)
+    _check(y, ref.moe(dense, x, ids))
+    y = poison(cupy.empty((T, top_k, m), cupy.float32))
+    d.moe_dmmv_packed(w, cupy.asarray(x), ids_d, route, y, w_up=wu, act="geglu")
+    _check(y, ref.moe(dense, x, ids, w_up=dense_u, act="geglu"))
+    c2 = poison(cupy.empty(n_e, cupy.int32))
+    d.moe_count_experts(ids_d, c2)
+    np.testing.assert_array_equal(c2.get(), counts)
+    d.check_errors()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q", TYPES, ids=NAMES.get)
+def test_moe_down(d, rng, q):
+    n_e, m, k, T, top_k = 6, 10, _ks(q)[1], 2, 4
+    w, dense = _weight(q, m, k, rng, n_experts=n_e)
+    ids = _ids(rng, T, top_k, n_e)
+    h = _x(rng, T, top_k, k)
+    wts = rng.uniform(0, 1, (T, top_k)).astype(np.float32)
+    y = poison(cupy.empty((T, m), cupy.float32))
+    d.moe_down(w, cupy.asarray(h), cupy.asarray(ids), cupy.asarray(wts), y)
+    want = ref.moe_down(dense, h, ids, wts)
+    _check(y, want)
+    y0 = _x(rng, T, m)
+    y = cupy.asarray(y0)
+    d.moe_down(w, cupy.asarray(h), cupy.asarray(ids), cupy.asarray(wts), y, accumulate=True)
+    _check(y, y0 + want)
+    d.check_errors()
+
+
+@pytest.mark.gpu
+def test_moe_bad_expert_ids_are_flagged_and_zeroed(d, rng):
+    q, n_e, m, k, T, top_k = 12, 4, 6, 256, 3, 2
+    w, dense = _weight(q, m, k, rng, n_experts=n_e)
+    ids = np.array([[0, 4], [-1, 2], [3, 1 << 30]], np.int32)  # 4, -1, 2^30: out of range
+    x = _x(rng, T, k)
+    d.check_errors()  # clean start
+    y = poison(cupy.empty((T, top_k, m), cupy.float32))
+    d.moe_dmmv(w, cupy.asarray(x), cupy.asarray(ids), y)
+    _check(y, ref.moe(dense, x, ids))  # bad slots: zeros
+    with pytest.raises(DeviceError, match="expert id"):
+        d.check_errors()
+    d.check_errors()  # reset by the previous check
+    route = d.plan_moe_route(T, top_k, n_e)
+    d.moe_route_pack(cupy.asarray(ids), route)
+    y = poison(cupy.empty((T, top_k, m), cupy.float32))
+    d.moe_dmmv_packed(w, cupy.asarray(x), cupy.asarray(ids), route, y)
+    _check(y, ref.moe(dense, x, ids))
+    assert int(route.offsets.get()[-1]) == 3  # valid slots
+    with pytest.raises(DeviceError):
+        d.check_errors()
+    h = _x(rng, T, top_k, k)
+    wts = np.ones((T, top_k), np.float32)
+    y = poison(cupy.empty((T, m), cupy.float32))
+    d.moe_down(w, cupy.asarray(h), cupy.asarray(ids), cupy.asarray(wts), y)
+    _check(y, ref.moe_down(dense, h, ids, wts))
+    with pytest.raises(DeviceError):
+        d.check_errors()
+
+
+# ---------------------------------------------------------------------------- GPU: validation
+@pytest.mark.gpu
+def test_bad_input_raises_before_launch(d, rng):
+    buf = cupy.zeros(10 * 144 + 64, cupy.uint8)
+    with pytest.raises(ValueError, match="not a multiple of the Q4_K block size"):
+        QWeight(buf, "Q4_K", 2, 300)
+    with pytest.raises(ValueError, match="aligned"):
+        QWeight(buf, "Q4_K", 2, 256, offset=2)
+    with pytest.raises(ValueError, match="needs .* bytes"):
+        QWeight(buf, "Q4_K", 11, 256)
+    with pytest.raises(ValueError, match="needs .* bytes"):
+        QWeight(buf, "Q4_K", 4, 256, n_experts=3)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        QWeight(cupy.zeros(64, cupy.uint8), "F32", 1, 6)
+    w = QWeight(buf, "Q4_K", 2, 256)
+    x = cupy.zeros(256, cupy.float32)
+    y = cupy.full(2, 7.0, cupy.float32)
+    with pytest.raises(TypeError, match="dtype"):
+        d.dmmv(w, x.astype(cupy.float16), y)
+    with pytest.raises(ValueError, match="shape"):
+        d.dmmv(w, cupy.zeros(255, cupy.float32), y)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        d.dmmv(w, cupy.zeros(257, cupy.float32)[1:], y)
+    with pytest.raises(ValueError, match="shape"):
+        d.dmmv(w, x, cupy.zeros(3, cupy.float32))
+    w6 = QWeight(cupy.zeros(2 * 210, cupy.uint8), "Q6_K", 2, 256)
+    with pytest.raises(ValueError, match="same type"):
+        d.dmmv_pair(w, w6, x, y, cupy.zeros(2, cupy.float32))
+    with pytest.raises(ValueError, match="act"):
+        d.dmmv_glu(w, w, x, y, act="relu")
+    with pytest.raises(ValueError, match="moe_"):
+        d.dmmv(QWeight(buf, "Q4_K", 2, 256, n_experts=2), x, y)
+    we = QWeight(buf, "Q4_K", 2, 256, n_experts=4)
+    with pytest.raises(TypeError, match="ids"):
+        d.moe_dmmv(we, x[None], cupy.zeros((1, 2), cupy.int64), cupy.zeros((1, 2, 2), cupy.float32))
+    with pytest.raises(ValueError, match="x must be"):
+        d.moe_dmmv(we, cupy.zeros((2, 256), cupy.float32), cupy.zeros((1, 2), cupy.int32),
+                   cupy.zeros((1, 2, 2), cupy.float32))
+    with pytest.raises(ValueError, match="experts"):
+        d.plan_moe_route(1, 2, 5000)
+    cupy.cuda.get_current_stream().synchronize()
+    assert (y.get() == 7.0).all()  # nothing was launched
