@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 # family name -> module that defines FAMILY (a runtime.FamilySpec) and its Dispatch class
 FAMILY_MODULES = {
     "elementwise": "cukern.elementwise",
+    "dmmv": "cukern.dmmv", "dmmv_glu": "cukern.dmmv", "dmmv_moe": "cukern.dmmv",  # three units: dmmv.FAMILIES
     # the attention family is five units (FamilySpecs) of one module, listed in its FAMILIES
     **{name: "cukern.attention" for name in ("attention", "attention_bf16", "attention_f32",
                                              "attention_prefill_f16", "attention_prefill_bf16")},
@@ -24,6 +25,7 @@ FAMILY_MODULES = {
 
 _LAZY = {
     "ElementwiseDispatch": "cukern.elementwise",
+    "DmmvDispatch": "cukern.dmmv",
     "AttentionDispatch": "cukern.attention", "PagedKVCache": "cukern.attention",
 }
 
