@@ -207,7 +207,8 @@ class GGUFModel:
     metadata: dict
     tensors: dict[str, Tensor]
     reader: object = field(repr=False)
-    device: dict = field(default_factory=dict, repr=False)   # name -> cupy array over the arena
+    device: dict = field(default_factory=dict, repr=False)   # name -> typed cupy view over the arena
+    raw: dict = field(default_factory=dict, repr=False)      # name -> uint8 [rows, row_bytes] view (raw blocks)
     arena: object = field(default=None, repr=False)
 
     def __getitem__(self, name: str) -> Tensor:
@@ -223,8 +224,9 @@ class GGUFModel:
     def upload(self, *, progress: bool | None = None, stream=None) -> dict:
         """Copy every needed tensor's raw bytes into one device arena (256-byte aligned slices).
 
-        Float tensors become typed arrays of their shape (F32 -> float32, F16 -> float16, BF16 ->
-        uint16 bits); quantized ones uint8 ``[rows, bytes_per_row]``. Synchronises once at the end
+        ``device[name]``: float tensors as typed arrays of their shape (F32 -> float32, F16 -> float16,
+        BF16 -> uint16 bits), quantized ones uint8 ``[rows, bytes_per_row]``; ``raw[name]``: every
+        tensor as uint8 ``[rows, bytes_per_row]`` (what the matvec and embedding kernels read). Synchronises once at the end
         (loading is not part of a captured step). ``progress``: tqdm bar (default: files over 64 MiB)."""
         import cupy
         names = list(required_tensors(self.config))
@@ -240,7 +242,7 @@ class GGUFModel:
                 bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"upload {os.path.basename(self.path)}")
             except ImportError:
                 bar = None
-        device = {}
+        device, raw = {}, {}
         for n, off in zip(names, offsets):
             t = self.tensors[n]
             host = np.ascontiguousarray(t.data).view(np.uint8).reshape(-1)
@@ -255,12 +257,13 @@ class GGUFModel:
             else:
                 arr = dst.reshape(t.shape[0], -1)
             device[n] = arr
+            raw[n] = dst.reshape(t.shape[0] if len(t.shape) > 1 else 1, -1)
             if bar is not None:
                 bar.update(-(-host.size // _ARENA_ALIGN) * _ARENA_ALIGN)
         if bar is not None:
             bar.close()
         (stream or cupy.cuda.get_current_stream()).synchronize()
-        self.arena, self.device = arena, device
+        self.arena, self.device, self.raw = arena, device, raw
         return device
 
 

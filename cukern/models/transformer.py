@@ -1,0 +1,372 @@
+"""The GPU forward pass of the decoder-only models cukern runs, from cukern dispatches only.
+
+:class:`Transformer` holds a model's weights (raw GGUF blocks in one device arena), a
+:class:`cukern.attention.PagedKVCache`, and the dispatches of four families:
+
+* ``tokens``: embedding gather by device-side ids, sampling, position advance;
+* ``dmmv``: every projection (quantized matvec; a prompt's rows go 8 at a time);
+* ``elementwise``: RMS norms and their residual fusions, per-head Q/K norm + RoPE + KV-cache
+  write in one launch, GEGLU / SwiGLU, biases;
+* ``attention``: batched causal attention over the paged cache (prefill) and split-KV decode.
+
+One layer, in launch order (Gemma 3; Llama-family differences in brackets)::
+
+    q, k, v   = Wq h, Wk h, Wv h                       dmmv (pair)       [+ bias: Qwen2]
+    q', cache = rope(norm(q)), rope(norm(k)), v         qk_norm_rope_kv_write   [no norm: Llama, Qwen2]
+    o         = attention(q', cache)                    flash_attn_batched / flash_attn_decode
+    x, h      = x + norm(Wo o), norm(x)                 dmmv, post_norm_residual_rms_norm  [residual_rms_norm]
+    a         = gelu(Wg h) * (Wu h)                     dmmv_glu          [silu]
+    x, h      = x + norm(Wd a), norm_next(x)            dmmv, post_norm_residual_rms_norm  [residual_rms_norm]
+
+A decode step (embed, every layer, LM head, sample, advance) reads its token ids, positions and
+sequence lengths from device buffers and writes the next ids back, so it is captured once as a
+CUDA graph (:func:`cukern.streams.capture_graph`) and replayed per token with no host round trip.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import cupy
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from cukern.attention import AttentionDispatch, PagedKVCache
+from cukern.dmmv import DmmvDispatch, QWeight
+from cukern.elementwise import ElementwiseDispatch
+from cukern.models.gguf_loader import GGUFModel, ModelConfig, load_gguf
+from cukern.streams import capture_graph, resolve_stream
+from cukern.tokens import MAX_TOP_K, SamplePlan, TokensDispatch
+
+__all__ = ["Transformer", "GenerationStats"]
+
+
+@dataclass
+class _Layer:
+    attn_norm: cupy.ndarray
+    wq: QWeight
+    wk: QWeight
+    wv: QWeight
+    wo: QWeight
+    ffn_norm: cupy.ndarray
+    wg: QWeight
+    wu: QWeight
+    wd: QWeight
+    q_norm: cupy.ndarray | None = None
+    k_norm: cupy.ndarray | None = None
+    bq: cupy.ndarray | None = None
+    bk: cupy.ndarray | None = None
+    bv: cupy.ndarray | None = None
+    post_attn_norm: cupy.ndarray | None = None
+    post_ffn_norm: cupy.ndarray | None = None
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    graph: bool = False
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+
+class _Buffers:
+    """Activations of n rows (a prompt chunk, or one token per sequence of a decode batch)."""
+
+    def __init__(self, cfg: ModelConfig, n: int):
+        f = cupy.float32
+        self.n = n
+        self.x = cupy.empty((n, cfg.d_model), f)         # residual stream
+        self.h = cupy.empty((n, cfg.d_model), f)         # normed input of the next projection
+        self.q = cupy.empty((n, cfg.q_dim), f)
+        self.k = cupy.empty((n, cfg.kv_dim), f)
+        self.v = cupy.empty((n, cfg.kv_dim), f)
+        self.q_rot = cupy.empty((n, cfg.n_heads, cfg.head_dim), f)
+        self.o = cupy.empty((n, cfg.n_heads, cfg.head_dim), f)
+        self.proj = cupy.empty((n, cfg.d_model), f)      # attention / FFN output before its norm
+        self.gate = cupy.empty((n, cfg.d_ff), f)
+        self.up = cupy.empty((n, cfg.d_ff), f)
+
+
+class Transformer:
+    """A GGUF model on the GPU. ``Transformer.load(path)`` parses, validates and uploads it.
+
+    ``max_seqs`` sequences of up to ``max_tokens`` tokens each share a page pool of
+    ``max_seqs * max_tokens`` positions (``page_size`` tokens per page, ``kv_dtype`` float16 or
+    float32). Prompts run in chunks of at most ``prefill_chunk`` tokens."""
+
+    def __init__(self, model: GGUFModel, *, max_seqs: int = 1, max_tokens: int = 4096, page_size: int = 16,
+                 kv_dtype: str = "float16", prefill_chunk: int = 1024, device: int | None = None):
+        self.model, self.cfg = model, model.config
+        c = self.cfg
+        if not model.device:
+            model.upload()
+        for name, v in (("max_seqs", max_seqs), ("max_tokens", max_tokens), ("prefill_chunk", prefill_chunk)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if kv_dtype not in ("float16", "float32"):
+            raise ValueError(f"kv_dtype must be 'float16' or 'float32' (the fused RoPE + KV write), got {kv_dtype!r}")
+        self.max_seqs, self.max_tokens, self.prefill_chunk = max_seqs, max_tokens, prefill_chunk
+        self.ew, self.attn, self.mm, self.tok = (ElementwiseDispatch(device), AttentionDispatch(device),
+                                                 DmmvDispatch(device), TokensDispatch(device))
+        pages_per_seq = -(-max_tokens // page_size)
+        self.cache = PagedKVCache(c.n_layers, max_seqs * pages_per_seq, page_size, c.n_kv_heads, c.head_dim,
+                                  max_seqs=max_seqs, max_pages_per_seq=pages_per_seq, dtype=kv_dtype, device=device)
+        dev, raw = model.device, model.raw
+
+        def qw(name) -> QWeight:
+            t = model[name]
+            return QWeight(raw[name].reshape(-1), int(t.qtype), t.shape[0], t.shape[1])
+
+        self.layers = []
+        for i in range(c.n_layers):
+            b = f"blk.{i}."
+            opt = lambda n: dev.get(b + n)  # noqa: E731
+            self.layers.append(_Layer(
+                attn_norm=dev[b + "attn_norm.weight"], wq=qw(b + "attn_q.weight"), wk=qw(b + "attn_k.weight"),
+                wv=qw(b + "attn_v.weight"), wo=qw(b + "attn_output.weight"), ffn_norm=dev[b + "ffn_norm.weight"],
+                wg=qw(b + "ffn_gate.weight"), wu=qw(b + "ffn_up.weight"), wd=qw(b + "ffn_down.weight"),
+                q_norm=opt("attn_q_norm.weight"), k_norm=opt("attn_k_norm.weight"), bq=opt("attn_q.bias"),
+                bk=opt("attn_k.bias"), bv=opt("attn_v.bias"), post_attn_norm=opt("post_attention_norm.weight"),
+                post_ffn_norm=opt("post_ffw_norm.weight")))
+        self.output_norm = dev["output_norm.weight"]
+        emb = model["token_embd.weight"]
+        self.embed_table, self.embed_qtype = raw["token_embd.weight"], int(emb.qtype)
+        self.head = qw("token_embd.weight" if c.tied_output else "output.weight")
+        self._dec = None  # decode state of the current batch (see _setup_decode)
+
+    @classmethod
+    def load(cls, path, *, progress: bool | None = None, **kwargs) -> "Transformer":
+        m = load_gguf(path)
+        m.upload(progress=progress)
+        return cls(m, **kwargs)
+
+    # ------------------------------------------------------------------ one layer
+    def _window(self, i: int) -> int:
+        c = self.cfg
+        return c.sliding_window - 1 if c.local_layers[i] and c.sliding_window else -1
+
+    def _project(self, L: _Layer, buf: _Buffers, rows: slice, stream):
+        h, q, k, v = buf.h[rows], buf.q[rows], buf.k[rows], buf.v[rows]
+        if L.wq.qtype == L.wk.qtype:
+            self.mm.dmmv_pair(L.wq, L.wk, h, q, k, stream=stream)
+        else:
+            self.mm.dmmv(L.wq, h, q, stream=stream)
+            self.mm.dmmv(L.wk, h, k, stream=stream)
+        self.mm.dmmv(L.wv, h, v, stream=stream)
+        if L.bq is not None:
+            for y, bias in ((q, L.bq), (k, L.bk), (v, L.bv)):
+                self.ew.bias_add(y, bias, y, stream=stream)
+
+    def _mlp(self, L: _Layer, buf: _Buffers, rows: slice, stream):
+        c = self.cfg
+        h, gate, up = buf.h[rows], buf.gate[rows], buf.up[rows]
+        act = "geglu" if c.activation == "gelu_tanh" else "swiglu"
+        if (L.wg.qtype, L.wg.m, L.wg.k) == (L.wu.qtype, L.wu.m, L.wu.k):
+            self.mm.dmmv_glu(L.wg, L.wu, h, gate, act=act, stream=stream)
+        else:
+            self.mm.dmmv(L.wg, h, gate, stream=stream)
+            self.mm.dmmv(L.wu, h, up, stream=stream)
+            (self.ew.geglu if act == "geglu" else self.ew.swiglu)(gate, up, gate, stream=stream)
+        self.mm.dmmv(L.wd, gate, buf.proj[rows], stream=stream)
+
+    def _residual(self, buf: _Buffers, rows: slice, post_norm, next_norm, stream):
+        """x += [post_norm](proj); h = next_norm(x)."""
+        eps = self.cfg.rms_eps
+        if post_norm is not None:
+            self.ew.post_norm_residual_rms_norm(buf.proj[rows], buf.x[rows], post_norm, next_norm, buf.h[rows],
+                                                eps=eps, stream=stream)
+        else:
+            self.ew.residual_rms_norm(buf.proj[rows], buf.x[rows], next_norm, buf.h[rows], eps=eps, stream=stream)
+
+    def _layers(self, buf: _Buffers, rows: slice, attend, positions, seq_ids, pos_mode: str, stream):
+        """Every layer over buf rows ``rows``; ``attend(i, q_rot, o)`` runs attention of layer i.
+        Leaves the final-normed hidden state in buf.h."""
+        c = self.cfg
+        n = rows.stop - rows.start
+        for i, L in enumerate(self.layers):
+            self._project(L, buf, rows, stream)
+            base = c.rope_base_local if c.local_layers[i] else c.rope_base
+            self.ew.qk_norm_rope_kv_write(
+                buf.q[rows].reshape(n, c.n_heads, c.head_dim), buf.k[rows].reshape(n, c.n_kv_heads, c.head_dim),
+                buf.v[rows].reshape(n, c.n_kv_heads, c.head_dim), L.q_norm, L.k_norm, buf.q_rot[rows],
+                self.cache.k_pools[i], self.cache.v_pools[i], self.cache.page_table, positions, seq_ids,
+                eps=c.rms_eps, neox=c.rope_neox, freq_base=base, pos_mode=pos_mode, stream=stream)
+            attend(i, buf.q_rot[rows], buf.o[rows])
+            self.mm.dmmv(L.wo, buf.o[rows].reshape(n, c.q_dim), buf.proj[rows], stream=stream)
+            self._residual(buf, rows, L.post_attn_norm, L.ffn_norm, stream)
+            self._mlp(L, buf, rows, stream)
+            nxt = self.layers[i + 1].attn_norm if i + 1 < c.n_layers else self.output_norm
+            self._residual(buf, rows, L.post_ffn_norm, nxt, stream)
+
+    def _embed(self, ids: cupy.ndarray, buf: _Buffers, rows: slice, stream):
+        c = self.cfg
+        self.tok.embed(self.embed_table, self.embed_qtype, c.d_model, ids, buf.x[rows], scale=c.embed_scale,
+                       stream=stream)
+        self.ew.rms_norm(buf.x[rows], self.layers[0].attn_norm, buf.h[rows], eps=c.rms_eps, stream=stream)
+
+    # ------------------------------------------------------------------ prefill
+    def prefill(self, tokens, slot: int, logits_out: cupy.ndarray, *, stream=None) -> cupy.ndarray:
+        """Append ``tokens`` (host ints) to sequence ``slot`` of the cache and write the logits of the
+        last one into ``logits_out [vocab]`` f32. The prompt runs in chunks of ``prefill_chunk`` rows:
+        each chunk extends the sequence, writes its K/V and attends to everything cached before it."""
+        c = self.cfg
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if tokens.size == 0:
+            raise ValueError("prefill needs at least one token")
+        if tokens.min() < 0 or tokens.max() >= c.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {c.vocab_size})")
+        start = self.cache.length(slot)
+        if start + tokens.size > self.cache.capacity_tokens():
+            raise ValueError(f"sequence {slot}: {start} + {tokens.size} tokens exceed max_tokens "
+                             f"({self.cache.capacity_tokens()})")
+        stream = resolve_stream(stream)
+        chunk = min(self.prefill_chunk, tokens.size)
+        buf = _Buffers(c, chunk)
+        seq = cupy.asarray(np.array([slot], np.int32))
+        with stream:
+            for c0 in range(0, tokens.size, chunk):
+                part = tokens[c0:c0 + chunk]
+                n = part.size
+                rows = slice(0, n)
+                pos0 = self.cache.extend(slot, n, stream=stream)
+                ids = cupy.asarray(part.astype(np.int32))
+                pos = cupy.asarray(np.array([pos0], np.int32))
+                bplan = self.attn.plan_batched(self.cache, [slot], [n])
+
+                def attend(i, q_rot, o, bplan=bplan):
+                    self.attn.flash_attn_batched(bplan, i, q_rot, o, causal=True, scale=c.attn_scale,
+                                                 window_left=self._window(i), stream=stream)
+
+                self._embed(ids, buf, rows, stream)
+                self._layers(buf, rows, attend, pos, seq, "consecutive", stream)
+            self.mm.dmmv(self.head, buf.h[n - 1:n], logits_out.reshape(1, -1), stream=stream)
+        return logits_out
+
+    # ------------------------------------------------------------------ decode
+    def _setup_decode(self, slots: list[int], positions: list[int], max_kv_len: int, sampling: bool,
+                      history_len: int):
+        c = self.cfg
+        b = len(slots)
+        d = {"slots": list(slots), "buf": _Buffers(c, b)}
+        d["plan"] = self.attn.plan_decode(self.cache, slots, c.n_heads, max_kv_len=max_kv_len)
+        d["positions"] = cupy.asarray(np.array(positions, np.int32))
+        d["sample"] = SamplePlan(b, c.vocab_size, sampling=sampling, history_len=history_len)
+        d["logits"] = cupy.empty((b, c.vocab_size), cupy.float32)
+        d["graph"] = None
+        self._dec = d
+        return d
+
+    def _decode_step(self, d, temperature: float, top_k: int, top_p: float, seed: int, stream):
+        """One token for every sequence of the batch: reads d['sample'].next_ids and d['positions'],
+        writes the next ids and advances positions and cache lengths. Graph-capturable."""
+        c = self.cfg
+        buf, plan, sp = d["buf"], d["plan"], d["sample"]
+        rows = slice(0, buf.n)
+
+        def attend(i, q_rot, o):
+            self.attn.flash_attn_decode(plan, i, q_rot, o, scale=c.attn_scale, window_left=self._window(i),
+                                        stream=stream)
+
+        self._embed(sp.next_ids, buf, rows, stream)
+        self._layers(buf, rows, attend, d["positions"], plan.seq_ids, "per_token", stream)
+        self.mm.dmmv(self.head, buf.h, d["logits"], stream=stream)
+        self.tok.sample(sp, d["logits"], temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                        stream=stream)
+        self.tok.advance_positions(d["positions"], self.cache.lengths, plan.seq_ids, stream=stream)
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = MAX_TOP_K,
+                 top_p: float = 1.0, seed: int = 0, use_graph: bool = True, stop_ids=(), on_token=None,
+                 stream=None):
+        """Continue every prompt (lists of token ids) by ``max_new_tokens`` tokens (fewer once every
+        sequence has produced a stop id). Returns (list of generated id lists, GenerationStats).
+
+        Each prompt is prefilled on its own, then the sequences decode together, one token per step;
+        with ``use_graph`` the first step runs eagerly (compiling and warming up every kernel) and is
+        then captured as a CUDA graph that later steps replay. ``on_token(step, ids)`` (host ints of
+        this step, one per sequence) makes every step synchronise to stream text; without it the
+        steps run back to back and the tokens are read once at the end."""
+        c = self.cfg
+        if isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (int, np.integer)):
+            prompts = [prompts]
+        prompts = [list(map(int, p)) for p in prompts]
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if len(prompts) > self.max_seqs:
+            raise ValueError(f"{len(prompts)} prompts, the model was made for max_seqs={self.max_seqs}")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        longest = max(len(p) for p in prompts) + max_new_tokens
+        if longest > self.cache.capacity_tokens():
+            raise ValueError(f"prompt + {max_new_tokens} new tokens = {longest} exceeds max_tokens "
+                             f"({self.cache.capacity_tokens()})")
+        if temperature > 0 and not 1 <= top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be 1 ... {MAX_TOP_K}, got {top_k}")
+        stream = resolve_stream(stream) if stream is not None else cupy.cuda.Stream(non_blocking=True)
+        stats = GenerationStats(prompt_tokens=sum(map(len, prompts)), graph=use_graph)
+        for s in self.cache.active_slots():
+            self.cache.free(s, stream=stream)
+        slots = [self.cache.add(0, stream=stream) for _ in prompts]
+        d = self._setup_decode(slots, [len(p) for p in prompts], longest, temperature > 0, max_new_tokens)
+        sample = lambda: self.tok.sample(d["sample"], d["logits"], temperature=temperature, top_k=top_k,  # noqa
+                                         top_p=top_p, seed=seed, stream=stream)
+        stream.synchronize()
+        t0 = time.perf_counter()
+        for b, (p, s) in enumerate(zip(prompts, slots)):
+            self.prefill(p, s, d["logits"][b], stream=stream)
+        sample()                                     # the first new token of every sequence
+        stream.synchronize()
+        stats.prefill_s = time.perf_counter() - t0
+        # pages for the whole generation now; the device lengths then grow one per step (advance_positions)
+        for p, s in zip(prompts, slots):
+            self.cache.extend(s, max_new_tokens, stream=stream)
+            self.cache.lengths[s:s + 1].set(np.array([len(p) + 1], np.int32), stream=stream)
+        out = [[] for _ in prompts]
+        stops = set(int(i) for i in stop_ids)
+        done = np.zeros(len(prompts), bool)
+
+        def emit(step, ids):
+            for b, t in enumerate(ids):
+                if not done[b]:
+                    out[b].append(int(t))
+                    done[b] = int(t) in stops
+            if on_token is not None:
+                on_token(step, ids)
+
+        step_fn = lambda s: self._decode_step(d, temperature, top_k, top_p, seed, s)  # noqa: E731
+        emit(0, d["sample"].next_ids.get(stream=stream))
+        steps, timed, t0 = 1, 0, None
+        while steps < max_new_tokens and not done.all():
+            if use_graph and steps >= 2:             # step 1 ran eagerly: every kernel is compiled and warm
+                if d["graph"] is None:
+                    d["graph"] = capture_graph(step_fn, stream=stream)
+                if t0 is None:
+                    stream.synchronize()
+                    t0 = time.perf_counter()
+                d["graph"].replay(stream)
+            else:
+                if not use_graph and t0 is None:
+                    t0 = time.perf_counter()
+                step_fn(stream)
+            timed += t0 is not None
+            if on_token is not None or not use_graph:
+                emit(steps, d["sample"].next_ids.get(stream=stream))
+            steps += 1
+        stream.synchronize()
+        stats.decode_s = time.perf_counter() - t0 if t0 is not None else 0.0
+        stats.decode_tokens = timed * len(prompts)   # steady state: graph replays (or eager steps)
+        if on_token is None and use_graph:         # steps 1... were not read yet: the history has them
+            hist = d["sample"].history.get(stream=stream)
+            for step in range(1, steps):
+                emit(step, hist[:, step])
+        return out, stats
