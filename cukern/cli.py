@@ -194,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", action="store_true", help="execute them (needs a GPU)")
     p.add_argument("--figures", metavar="DIR", help="with --run: save the figures each cell draws here as PNG")
     p.set_defaults(fn=cmd_notebooks)
+    from cukern.models.cli import add_generate_parser  # light import: the model code loads when it runs
+    add_generate_parser(sub)
     return parser
 
 

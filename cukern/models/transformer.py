@@ -304,6 +304,9 @@ class Transformer:
             raise ValueError("every prompt needs at least one token")
         if len(prompts) > self.max_seqs:
             raise ValueError(f"{len(prompts)} prompts, the model was made for max_seqs={self.max_seqs}")
+        for p in prompts:
+            if min(p) < 0 or max(p) >= c.vocab_size:
+                raise ValueError(f"token ids must lie in [0, {c.vocab_size})")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         longest = max(len(p) for p in prompts) + max_new_tokens
