@@ -4,7 +4,10 @@
 :class:`cukern.attention.PagedKVCache`, and the dispatches of four families:
 
 * ``tokens``: embedding gather by device-side ids, sampling, position advance;
-* ``dmmv``: every projection (quantized matvec; a prompt's rows go 8 at a time);
+* ``dmmv``: every projection of a decode step (quantized matvec, 1 to 8 columns);
+* ``matmul``: the projections of a prompt chunk (tiled GEMM on tensor cores: weights dequantized
+  to f16 in shared memory, activations rounded to f16, f32 accumulation), for chunks of more than
+  8 rows and the block types it has (F32/F16/BF16 weights fall back to the batched matvec);
 * ``elementwise``: RMS norms and their residual fusions, per-head Q/K norm + RoPE + KV-cache
   write in one launch, GEGLU / SwiGLU, biases;
 * ``attention``: batched causal attention over the paged cache (prefill) and split-KV decode.
@@ -35,6 +38,7 @@ from gguf import GGMLQuantizationType as QT
 from cukern.attention import AttentionDispatch, PagedKVCache
 from cukern.dmmv import DmmvDispatch, QWeight
 from cukern.elementwise import ElementwiseDispatch
+from cukern.matmul import GEMM_QTYPES, MatmulDispatch
 from cukern.models.gguf_loader import GGUFModel, ModelConfig, load_gguf
 from cukern.streams import capture_graph, resolve_stream
 from cukern.tokens import MAX_TOP_K, SamplePlan, TokensDispatch
@@ -118,6 +122,7 @@ class Transformer:
         self.max_seqs, self.max_tokens, self.prefill_chunk = max_seqs, max_tokens, prefill_chunk
         self.ew, self.attn, self.mm, self.tok = (ElementwiseDispatch(device), AttentionDispatch(device),
                                                  DmmvDispatch(device), TokensDispatch(device))
+        self.gemm = MatmulDispatch(device)
         pages_per_seq = -(-max_tokens // page_size)
         self.cache = PagedKVCache(c.n_layers, max_seqs * pages_per_seq, page_size, c.n_kv_heads, c.head_dim,
                                   max_seqs=max_seqs, max_pages_per_seq=pages_per_seq, dtype=kv_dtype, device=device)
@@ -151,18 +156,29 @@ class Transformer:
         return cls(m, **kwargs)
 
     # ------------------------------------------------------------------ one layer
+    def _gemm_ok(self, w: QWeight, n: int) -> bool:
+        return n > MatmulDispatch.MATVEC_MAX_N and w.qtype in GEMM_QTYPES
+
+    def _matmul(self, w: QWeight, x, y, stream):
+        """y = x W^T for n = x.shape[0] rows: the tiled GEMM for a prompt chunk, the matvec otherwise."""
+        if self._gemm_ok(w, x.shape[0]):
+            self.gemm.gemm(w, x, y, stream=stream)
+        else:
+            self.mm.dmmv(w, x, y, stream=stream)
+
     def _window(self, i: int) -> int:
         c = self.cfg
         return c.sliding_window - 1 if c.local_layers[i] and c.sliding_window else -1
 
     def _project(self, L: _Layer, buf: _Buffers, rows: slice, stream):
         h, q, k, v = buf.h[rows], buf.q[rows], buf.k[rows], buf.v[rows]
-        if L.wq.qtype == L.wk.qtype:
+        n = h.shape[0]
+        if L.wq.qtype == L.wk.qtype and not self._gemm_ok(L.wq, n):
             self.mm.dmmv_pair(L.wq, L.wk, h, q, k, stream=stream)
         else:
-            self.mm.dmmv(L.wq, h, q, stream=stream)
-            self.mm.dmmv(L.wk, h, k, stream=stream)
-        self.mm.dmmv(L.wv, h, v, stream=stream)
+            self._matmul(L.wq, h, q, stream)
+            self._matmul(L.wk, h, k, stream)
+        self._matmul(L.wv, h, v, stream)
         if L.bq is not None:
             for y, bias in ((q, L.bq), (k, L.bk), (v, L.bv)):
                 self.ew.bias_add(y, bias, y, stream=stream)
@@ -171,13 +187,17 @@ class Transformer:
         c = self.cfg
         h, gate, up = buf.h[rows], buf.gate[rows], buf.up[rows]
         act = "geglu" if c.activation == "gelu_tanh" else "swiglu"
+        n = h.shape[0]
         if (L.wg.qtype, L.wg.m, L.wg.k) == (L.wu.qtype, L.wu.m, L.wu.k):
-            self.mm.dmmv_glu(L.wg, L.wu, h, gate, act=act, stream=stream)
+            if self._gemm_ok(L.wg, n):
+                self.gemm.gemm_glu(L.wg, L.wu, h, gate, act=act, stream=stream)
+            else:
+                self.mm.dmmv_glu(L.wg, L.wu, h, gate, act=act, stream=stream)
         else:
-            self.mm.dmmv(L.wg, h, gate, stream=stream)
-            self.mm.dmmv(L.wu, h, up, stream=stream)
+            self._matmul(L.wg, h, gate, stream)
+            self._matmul(L.wu, h, up, stream)
             (self.ew.geglu if act == "geglu" else self.ew.swiglu)(gate, up, gate, stream=stream)
-        self.mm.dmmv(L.wd, gate, buf.proj[rows], stream=stream)
+        self._matmul(L.wd, gate, buf.proj[rows], stream)
 
     def _residual(self, buf: _Buffers, rows: slice, post_norm, next_norm, stream):
         """x += [post_norm](proj); h = next_norm(x)."""
@@ -202,7 +222,7 @@ class Transformer:
                 self.cache.k_pools[i], self.cache.v_pools[i], self.cache.page_table, positions, seq_ids,
                 eps=c.rms_eps, neox=c.rope_neox, freq_base=base, pos_mode=pos_mode, stream=stream)
             attend(i, buf.q_rot[rows], buf.o[rows])
-            self.mm.dmmv(L.wo, buf.o[rows].reshape(n, c.q_dim), buf.proj[rows], stream=stream)
+            self._matmul(L.wo, buf.o[rows].reshape(n, c.q_dim), buf.proj[rows], stream)
             self._residual(buf, rows, L.post_attn_norm, L.ffn_norm, stream)
             self._mlp(L, buf, rows, stream)
             nxt = self.layers[i + 1].attn_norm if i + 1 < c.n_layers else self.output_norm
