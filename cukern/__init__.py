@@ -17,6 +17,8 @@ __version__ = "0.1.0"
 # family name -> module that defines FAMILY (a runtime.FamilySpec) and its Dispatch class
 FAMILY_MODULES = {
     "elementwise": "cukern.elementwise",
+    **{name: "cukern.matmul" for name in ("matmul", "matmul_f16_q4_0", "matmul_f16_q5_0", "matmul_f16_q8_0",
+                                          "matmul_f16_q4_k", "matmul_f16_q5_k", "matmul_f16_q6_k")},  # matmul.FAMILIES
     "dmmv": "cukern.dmmv", "dmmv_glu": "cukern.dmmv", "dmmv_moe": "cukern.dmmv",  # three units: dmmv.FAMILIES
     # the attention family is five units (FamilySpecs) of one module, listed in its FAMILIES
     **{name: "cukern.attention" for name in ("attention", "attention_bf16", "attention_f32",
@@ -25,6 +27,7 @@ FAMILY_MODULES = {
 
 _LAZY = {
     "ElementwiseDispatch": "cukern.elementwise",
+    "MatmulDispatch": "cukern.matmul",
     "DmmvDispatch": "cukern.dmmv",
     "AttentionDispatch": "cukern.attention", "PagedKVCache": "cukern.attention",
 }

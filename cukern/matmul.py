@@ -1,0 +1,303 @@
+"""MatmulDispatch: quantized GEMMs for prefill (N token columns against raw GGUF weights), the fused
+gate+up+activation GEMMs, one-pass activation quantizers and the whole-matrix dequantizer.
+
+Kernels: ``cuda_src/matmul/`` (block formats in ``cuda_src/common/quants.cuh``, Q8_1 in
+``cuda_src/common/q8_1.cuh``); float64 references: ``cukern/reference/matmul.py``; tests:
+``tests/test_matmul.py``; benchmark: ``profiling/bench_matmul.py``.
+
+Layouts (the dmmv family's): a weight is a :class:`cukern.dmmv.QWeight` (raw GGUF bytes, type,
+``m`` rows of ``k`` elements, byte offset). Activations ``b`` are ``[n, k]`` (one row per token,
+i.e. a column-major K x N matrix), outputs ``d`` are ``[n, m]``; both may be row-strided views
+(unit stride along the row). ``b`` is f32 or f16; ``d`` is f32.
+
+Paths (:meth:`MatmulDispatch.plan_path` says which one ``gemm`` takes; ``path=`` overrides):
+
+* ``"f16"``: the tiled GEMM (``gemm_f16``): W tiles dequantized to f16 in shared memory, B tiles
+  converted to f16, ``mma.sync.m16n8k16`` with f32 accumulation. Token tiles of 16/32/64/128
+  (the smallest that holds N, 128 beyond); when the tile grid is too small to fill the GPU
+  (small N), K is split across CTAs whose partial sums are added with atomics into ``d``
+  (zeroed first by a fill on the same stream). The fused gate+up GEMMs never split K.
+* ``"matvec"``: the dmmv family's batched matvec reads the weights once per 8 columns; this
+  dispatch does not launch it (call ``DmmvDispatch.dmmv``), :meth:`plan_path` only recommends it.
+
+Every method validates its arguments and raises TypeError/ValueError before any launch; nothing
+here synchronises, allocates device memory or reads device values (graph-capturable).
+"""
+
+from __future__ import annotations
+
+import cupy
+import numpy as np
+
+from cukern.dispatch import Dispatch, check_array
+from cukern.dmmv import QTYPES, QWeight
+from cukern.runtime import FamilySpec, KernelSpec
+from cukern.streams import resolve_stream
+
+__all__ = ["MatmulDispatch", "FAMILY", "FAMILIES", "GEMM_QTYPES", "q8_1_row_bytes", "q8_0_row_bytes"]
+
+# weight types of the tiled GEMMs: GGML id -> short name (unit suffix)
+GEMM_QTYPES = {2: "q4_0", 6: "q5_0", 8: "q8_0", 12: "q4_k", 13: "q5_k", 14: "q6_k"}
+_TOKEN_TILES = (16, 32, 64, 128)  # BT of gemm_f16 (cuda_src/matmul/gemm.cuh, Cfg<BT>)
+_THREADS = {16: 128, 32: 128, 64: 128, 128: 256}
+_ROW_TILE = 128  # BR of the plain GEMM; the GLU GEMM uses 64 rows of each matrix
+_ROW_TILE_GLU = 64
+_BK = 32  # K elements per stage
+_W_ALIGN = {2: 2, 6: 2, 8: 2, 12: 16, 13: 16, 14: 2}  # bytes: the K4/K5 quants are read as uint4
+_B_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half"}
+_ACTS = {"swiglu": 2, "silu": 2, "geglu": 3, "gelu": 3}
+_F32 = np.dtype(np.float32)
+_U8 = np.dtype(np.uint8)
+_Q_THREADS = 256  # quantize_q8 / dequantize_f16 block size
+_MAX_BLOCKS = 8192  # the flat kernels grid-stride beyond
+Q8_1_BYTES, Q8_0_BYTES = 36, 34  # bytes per 32-value block
+
+
+def q8_1_row_bytes(n_cols: int) -> int:
+    """Bytes of one row of n_cols values quantized to Q8_1 (n_cols % 32 == 0)."""
+    return n_cols // 32 * Q8_1_BYTES
+
+
+def q8_0_row_bytes(n_cols: int) -> int:
+    """Bytes of one row of n_cols values quantized to Q8_0 (n_cols % 32 == 0)."""
+    return n_cols // 32 * Q8_0_BYTES
+
+
+def _gemm_unit(qt: int) -> FamilySpec:
+    kernels = [KernelSpec(f"gemm_f16<{qt}, {bt}, {glu}, {tb}>", "GemmParams")
+               for bt in _TOKEN_TILES for glu in ("false", "true") for tb in _B_TYPES.values()]
+    return FamilySpec(f"matmul_f16_{GEMM_QTYPES[qt]}", tuple(kernels), source="matmul/gemm.cu",
+                      params_header="matmul/params.cuh")
+
+
+FAMILY = FamilySpec(
+    name="matmul",
+    kernels=tuple([KernelSpec(f"quantize_q8<{f}>", "QuantizeParams") for f in (0, 1)]
+                  + [KernelSpec(f"dequantize_f16<{q}>", "DequantParams") for q in GEMM_QTYPES]),
+)
+# One RawModule per unit: the quantizers, and the tiled GEMM per weight type (each ~ a few s of NVRTC).
+FAMILIES = {f.name: f for f in [FAMILY] + [_gemm_unit(q) for q in GEMM_QTYPES]}
+
+
+class _Unit(Dispatch):
+    """One more compilation unit of the family, launched through the same checks."""
+
+    def __init__(self, family: FamilySpec, device=None):
+        self.family = family
+        super().__init__(device)
+
+
+def _cols(name: str, a, dtypes, k: int) -> int:
+    """Validate a [n, k] row-strided view (unit stride along rows); returns its row stride in elements."""
+    check_array(name, a, dtype=dtypes, ndim=2, contiguous=False)
+    n, kk = a.shape
+    if kk != k:
+        raise ValueError(f"{name} must be [n, {k}], got shape {a.shape}")
+    if n < 1:
+        raise ValueError(f"{name} must have at least one column (token), got shape {a.shape}")
+    isz = a.itemsize
+    if a.strides[1] != isz or a.strides[0] % isz or (n > 1 and a.strides[0] < k * isz):
+        raise ValueError(f"{name} must have unit stride along its rows and non-overlapping rows, "
+                         f"got strides {a.strides}")
+    return a.strides[0] // isz if n > 1 else k
+
+
+def _extent(a) -> tuple[int, int]:
+    """[first, last + 1) bytes that a 2-D row-strided view spans."""
+    return a.data.ptr, a.data.ptr + (a.shape[0] - 1) * a.strides[0] + a.shape[1] * a.itemsize
+
+
+def _overlap(a, b) -> bool:
+    (lo1, hi1), (lo2, hi2) = _extent(a), _extent(b)
+    return lo1 < hi2 and lo2 < hi1
+
+
+class MatmulDispatch(Dispatch):
+    """Records quantized GEMMs and quantizers into a stream. Every method takes ``stream=`` (None:
+    CuPy's current stream), validates before launching, and returns its output."""
+
+    family = FAMILY
+
+    def __init__(self, device: int | None = None):
+        super().__init__(device)
+        self._units = {q: _Unit(FAMILIES[f"matmul_f16_{s}"], device) for q, s in GEMM_QTYPES.items()}
+        self._sms: int | None = None
+
+    def sm_count(self) -> int:
+        if self._sms is None:
+            dev = cupy.cuda.Device(self._device) if self._device is not None else cupy.cuda.Device()
+            self._sms = int(dev.attributes["MultiProcessorCount"])
+        return self._sms
+
+    # ------------------------------------------------------------------ validation
+    @staticmethod
+    def _weight(name: str, w) -> QWeight:
+        if not isinstance(w, QWeight):
+            raise TypeError(f"{name} must be a cukern.dmmv.QWeight (raw GGUF bytes + type + shape), "
+                            f"got {type(w).__name__}")
+        if w.n_experts:
+            raise ValueError(f"{name} is an expert tensor; the tiled GEMM takes one matrix")
+        if w.qtype not in GEMM_QTYPES:
+            raise ValueError(f"{name}: weight type {QTYPES[w.qtype][0]} has no tiled GEMM "
+                             f"(supported: {', '.join(s.upper() for s in GEMM_QTYPES.values())})")
+        align = _W_ALIGN[w.qtype]
+        if (w.buf.data.ptr + w.offset) % align:
+            raise ValueError(f"{name}: {QTYPES[w.qtype][0]} data must start {align}-byte aligned for the "
+                             f"tiled GEMM (offset {w.offset} into a buffer at {w.buf.data.ptr:#x})")
+        return w
+
+    @staticmethod
+    def _aligned16(name: str, a, stride: int) -> None:
+        if a.data.ptr % 16 or (stride * a.itemsize) % 16:
+            raise ValueError(f"{name} rows must start 16-byte aligned (pointer {a.data.ptr:#x}, "
+                             f"row stride {stride * a.itemsize} bytes)")
+
+    # ------------------------------------------------------------------ path choice
+    @staticmethod
+    def plan_path(qtype: int, n: int) -> str:
+        """The path :meth:`gemm` takes by default for N = ``n`` token columns: ``"matvec"`` below
+        ``MATVEC_MAX_N`` (the dmmv family's batched matvec, called by the user), else ``"f16"``.
+        Measured on an H100 by ``profiling/bench_matmul.py``; see the benchmark table in its
+        docstring. ``qtype`` is kept in the signature for type-dependent thresholds."""
+        return "matvec" if n <= MatmulDispatch.MATVEC_MAX_N else "f16"
+
+    MATVEC_MAX_N = 8  # at or below: recommend DmmvDispatch.dmmv (one launch of 1..8 columns)
+
+    def _tile(self, n: int) -> int:
+        for bt in _TOKEN_TILES:
+            if n <= bt:
+                return bt
+        return _TOKEN_TILES[-1]
+
+    def _split(self, ctas: int, k: int) -> int:
+        """K slices so that about two waves of CTAs run: 1 when the tile grid already fills the GPU."""
+        target = 2 * self.sm_count()
+        if ctas >= target:
+            return 1
+        return max(1, min(-(-target // ctas), k // 256, 16))
+
+    # ------------------------------------------------------------------ GEMMs
+    def gemm(self, w: QWeight, b: cupy.ndarray, d: cupy.ndarray, *, accumulate: bool = False,
+             split_k: int | None = None, stream=None) -> cupy.ndarray:
+        """``d = b W^T`` (each token column: ``d[c] = W b[c]``); ``accumulate``: ``d += b W^T``.
+
+        w: QWeight [m, k] of Q4_0, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K; b: [n, k] f32 or f16, rows
+        16-byte aligned; d: [n, m] f32 (row-strided views allowed, must not overlap b).
+        ``split_k``: K slices (None: chosen from the grid size; 1: no split). A split adds partial
+        sums with atomics (float addition order then varies from run to run)."""
+        w = self._weight("w", w)
+        b_stride = _cols("b", b, tuple(_B_TYPES), w.k)
+        n = b.shape[0]
+        d_stride = _cols("d", d, _F32, w.m)
+        if d.shape[0] != n:
+            raise ValueError(f"d must be [{n}, {w.m}] (one row per column of b), got shape {d.shape}")
+        self._aligned16("b", b, b_stride)
+        if _overlap(b, d):
+            raise ValueError("b and d must not overlap")
+        bt = self._tile(n)
+        grid_t, grid_r = -(-n // bt), -(-w.m // _ROW_TILE)
+        if grid_t > 2**31 - 1 or grid_r > 65535:
+            raise ValueError(f"gemm: {n} columns x {w.m} rows exceed the grid limits")
+        if split_k is None:
+            split = self._split(grid_t * grid_r, w.k)
+        else:
+            if not isinstance(split_k, (int, np.integer)) or split_k < 1:
+                raise ValueError(f"split_k must be an int >= 1, got {split_k!r}")
+            split = int(split_k)
+        k_split = -(-(-(-w.k // split)) // _BK) * _BK  # ceil(k / split), rounded up to 32
+        split = -(-w.k // k_split)
+        params = self.struct_of(w.qtype).pack(
+            w_offset=w.offset, w2_offset=0, row_bytes=w.row_bytes, b_stride=b_stride, d_stride=d_stride,
+            m=w.m, n=n, k=w.k, k_split=k_split, mode=1 if accumulate else 0, atomic=int(split > 1))
+        name = f"gemm_f16<{w.qtype}, {bt}, false, {_B_TYPES[b.dtype]}>"
+        if split > 1 and not accumulate:
+            with resolve_stream(stream):
+                d.fill(0)  # an elementwise kernel on the launch stream: no allocation, capturable
+        self._units[w.qtype]._launch(name, (grid_t, grid_r, split), _THREADS[bt], (d, w.buf, w.buf, b), params,
+                                     stream=stream)
+        return d
+
+    def gemm_glu(self, w_gate: QWeight, w_up: QWeight, b: cupy.ndarray, d: cupy.ndarray, *,
+                 act: str = "swiglu", stream=None) -> cupy.ndarray:
+        """``d[c] = act(W_gate b[c]) * (W_up b[c])``: the fused gate+up GEMM of a gated MLP; the
+        two products never leave registers. act: ``"swiglu"`` (SiLU gate) or ``"geglu"`` (GELU-tanh).
+
+        w_gate, w_up: QWeight [m, k] of the same type; b: [n, k] f32 or f16; d: [n, m] f32."""
+        w_gate = self._weight("w_gate", w_gate)
+        w_up = self._weight("w_up", w_up)
+        if (w_up.qtype, w_up.m, w_up.k) != (w_gate.qtype, w_gate.m, w_gate.k):
+            raise ValueError(f"w_gate and w_up must have the same type and shape, got "
+                             f"{w_gate.name} {w_gate.m}x{w_gate.k} and {w_up.name} {w_up.m}x{w_up.k}")
+        if act not in _ACTS:
+            raise ValueError(f"act must be one of {', '.join(_ACTS)}, got {act!r}")
+        b_stride = _cols("b", b, tuple(_B_TYPES), w_gate.k)
+        n = b.shape[0]
+        d_stride = _cols("d", d, _F32, w_gate.m)
+        if d.shape[0] != n:
+            raise ValueError(f"d must be [{n}, {w_gate.m}], got shape {d.shape}")
+        self._aligned16("b", b, b_stride)
+        if _overlap(b, d):
+            raise ValueError("b and d must not overlap")
+        bt = self._tile(n)
+        grid_t, grid_r = -(-n // bt), -(-w_gate.m // _ROW_TILE_GLU)
+        if grid_t > 2**31 - 1 or grid_r > 65535:
+            raise ValueError(f"gemm_glu: {n} columns x {w_gate.m} rows exceed the grid limits")
+        params = self.struct_of(w_gate.qtype).pack(
+            w_offset=w_gate.offset, w2_offset=w_up.offset, row_bytes=w_gate.row_bytes, b_stride=b_stride,
+            d_stride=d_stride, m=w_gate.m, n=n, k=w_gate.k, k_split=w_gate.k, mode=_ACTS[act], atomic=0)
+        name = f"gemm_f16<{w_gate.qtype}, {bt}, true, {_B_TYPES[b.dtype]}>"
+        self._units[w_gate.qtype]._launch(name, (grid_t, grid_r, 1), _THREADS[bt], (d, w_gate.buf, w_up.buf, b),
+                                          params, stream=stream)
+        return d
+
+    def struct_of(self, qtype: int):
+        return self._units[qtype].struct("GemmParams")
+
+    # ------------------------------------------------------------------ quantizers
+    def _quantize(self, fmt: int, x, q, stream):
+        what = "quantize_q8_1" if fmt == 0 else "quantize_q8_0"
+        check_array("x", x, dtype=_F32, ndim=2, contiguous=False)
+        n_rows, n_cols = x.shape
+        if n_rows < 1 or n_cols < 1 or n_cols % 32:
+            raise ValueError(f"{what}: x must be [n_rows >= 1, n_cols] with n_cols a positive multiple of 32, "
+                             f"got shape {x.shape}")
+        if x.strides[1] != 4 or x.strides[0] % 16 or x.data.ptr % 16 or (n_rows > 1 and x.strides[0] < 4 * n_cols):
+            raise ValueError(f"{what}: x rows must be contiguous and 16-byte aligned, got strides {x.strides}")
+        nb = (Q8_1_BYTES if fmt == 0 else Q8_0_BYTES) * (n_cols // 32)
+        check_array("q", q, dtype=_U8, ndim=2, contiguous=False)
+        if q.shape != (n_rows, nb) or q.strides[1] != 1 or (n_rows > 1 and q.strides[0] < nb):
+            raise ValueError(f"{what}: q must be uint8 [{n_rows}, {nb}] with contiguous rows, got shape "
+                             f"{q.shape} strides {q.strides}")
+        align = 4 if fmt == 0 else 2
+        if q.data.ptr % align or q.strides[0] % align:
+            raise ValueError(f"{what}: q rows must start {align}-byte aligned")
+        if _overlap(x, q):
+            raise ValueError(f"{what}: x and q must not overlap")
+        params = self.struct("QuantizeParams").pack(
+            x_stride=x.strides[0] // 4 if n_rows > 1 else n_cols, q_stride=q.strides[0] if n_rows > 1 else nb,
+            n_rows=n_rows, n_cols=n_cols)
+        blocks = max(1, min(-(-(n_rows * n_cols // 4) // _Q_THREADS), _MAX_BLOCKS))
+        self._launch(f"quantize_q8<{fmt}>", blocks, _Q_THREADS, (q, x), params, stream=stream)
+        return q
+
+    def quantize_q8_1(self, x: cupy.ndarray, q: cupy.ndarray, *, stream=None) -> cupy.ndarray:
+        """Quantize the rows of x (f32 [n_rows, n_cols], n_cols % 32 == 0) to Q8_1 blocks
+        (``cuda_src/common/q8_1.cuh``) in q: uint8 [n_rows, n_cols / 32 * 36]. One pass."""
+        return self._quantize(0, x, q, stream)
+
+    def quantize_q8_0(self, x: cupy.ndarray, q: cupy.ndarray, *, stream=None) -> cupy.ndarray:
+        """Quantize the rows of x to GGUF Q8_0 blocks (half d = absmax / 127, 32 int8 rounded half
+        away from zero) in q: uint8 [n_rows, n_cols / 32 * 34]. One pass."""
+        return self._quantize(1, x, q, stream)
+
+    def dequantize(self, w: QWeight, out: cupy.ndarray, *, stream=None) -> cupy.ndarray:
+        """``out = W`` as f16 [m, k] (C-contiguous, 16-byte aligned): what a dequantize + cuBLAS
+        pipeline runs first."""
+        w = self._weight("w", w)
+        check_array("out", out, dtype=np.float16, shape=(w.m, w.k), align=16)
+        params = self.struct("DequantParams").pack(w_offset=w.offset, row_bytes=w.row_bytes, m=w.m, k=w.k)
+        units = w.m * (w.k // 32) * 2
+        blocks = max(1, min(-(-units // _Q_THREADS), 4 * _MAX_BLOCKS))
+        self._launch(f"dequantize_f16<{w.qtype}>", blocks, _Q_THREADS, (out, w.buf), params, stream=stream)
+        return out
+

@@ -1,0 +1,76 @@
+"""Float64 references for the matmul family (cukern/matmul.py).
+
+Weights: random valid GGUF blocks and gguf's own dequantization, shared with the dmmv family
+(:func:`random_weight`, :func:`dequantize` are ``cukern.reference.dmmv``'s). A GEMM reference is
+the float64 product of the dequantized matrix with the activations; :func:`gemm_f16_inputs` is the
+same product on the f16-rounded operands the tensor-core path multiplies, which separates the
+f16 input rounding (bounded by the issue's 2e-3) from kernel error (f32 accumulation only).
+
+Activation quantizers: :func:`quantize_q8_f32` repeats the kernel's f32 arithmetic (absmax / 127,
+reciprocal, multiply, round half away from zero) so that the int8 values must agree exactly;
+``cukern.reference.elementwise.quantize_q8_1`` is the float64 version of the same rule.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cukern.reference.dmmv import TYPES, dequantize, gelu_tanh, random_weight, silu  # noqa: F401
+
+Q8_1_BYTES, Q8_0_BYTES = 36, 34
+
+
+def gemm(w: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """d[c, i] = sum_j w[i, j] b[c, j] in float64: w [m, k] dense, b [n, k] -> [n, m]."""
+    return np.asarray(b, dtype=np.float64) @ np.asarray(w, dtype=np.float64).T
+
+
+def f16(a) -> np.ndarray:
+    """a rounded to f16 (round to nearest even), back in float64."""
+    return np.asarray(a).astype(np.float16).astype(np.float64)
+
+
+def gemm_f16_inputs(w: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The product of the f16-rounded operands in float64: what the f16 tensor-core path computes
+    up to its f32 accumulation."""
+    return gemm(f16(w), f16(b))
+
+
+def glu(w_gate, w_up, b, act: str = "swiglu", *, inputs=gemm) -> np.ndarray:
+    """d[c] = act(W_gate b[c]) * (W_up b[c]); act "swiglu" (SiLU) or "geglu" (GELU-tanh)."""
+    g, u = inputs(w_gate, b), inputs(w_up, b)
+    return (silu(g) if act in ("swiglu", "silu") else gelu_tanh(g)) * u
+
+
+def quantize_q8_f32(x: np.ndarray):
+    """(d, qs) of 32-value blocks computed as the kernels do, in f32: d = absmax / 127 (f32),
+    qs = round_half_away(x * (1 / d)) (0 when d == 0). x: [n_rows, n_cols] f32; returns
+    d [n_rows, n_cols / 32] float32 (before its f16 rounding) and qs [n_rows, n_cols] int64."""
+    x = np.asarray(x, dtype=np.float32)
+    n_rows, n_cols = x.shape
+    blk = x.reshape(n_rows, n_cols // 32, 32)
+    d = (np.abs(blk).max(axis=-1) / np.float32(127.0)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d > 0, np.float32(1.0) / d, np.float32(0.0)).astype(np.float32)
+    v = (blk * inv[..., None]).astype(np.float32)
+    qs = (np.sign(v) * np.floor(np.abs(v) + np.float32(0.5))).astype(np.int64)
+    return d, qs.reshape(n_rows, n_cols)
+
+
+def unpack_q8(raw: np.ndarray, n_cols: int, fmt: str):
+    """Split rows of Q8_1 ("q8_1": half d, half s, int8 qs[32]) or Q8_0 ("q8_0": half d, int8
+    qs[32]) blocks into (d, s or None, qs) as float64, float64, int64."""
+    raw = np.asarray(raw, dtype=np.uint8)
+    n_rows = raw.shape[0]
+    bb = Q8_1_BYTES if fmt == "q8_1" else Q8_0_BYTES
+    blocks = raw[:, : n_cols // 32 * bb].reshape(n_rows, n_cols // 32, bb)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
+    s = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64) if fmt == "q8_1" else None
+    qs = blocks[..., bb - 32:].copy().view(np.int8).astype(np.int64).reshape(n_rows, n_cols)
+    return d, s, qs
+
+
+def dequantize_q8(d: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """The values a Q8 block row stands for: d[block] * qs, float64 [n_rows, n_cols]."""
+    n_rows, n_cols = qs.shape
+    return (np.asarray(d, np.float64)[..., None] * qs.reshape(n_rows, n_cols // 32, 32)).reshape(n_rows, n_cols)

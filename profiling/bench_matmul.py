@@ -1,0 +1,127 @@
+"""Matmul family benchmark: quantized GEMM D = W B (W: M x K GGUF blocks, B: N token columns, f16)
+against the pipelines a user would otherwise run, all measured in this run:
+
+* ``deq+cuBLAS``: this family's dequantize-to-f16 kernel, then ``cupy.matmul`` (cuBLAS, f16 in,
+  f32 accumulate) — the first peer, the one the "x peer" column of the first line compares with;
+* ``cuBLAS f16 (pre-deq)``: ``cupy.matmul`` on an already-dequantized f16 matrix (a lower bound no
+  quantized kernel is expected to beat at large N: it reads 2-4x the weight bytes but runs wgmma);
+* ``dmmv batched`` (N <= 64): the dmmv family's matvec, 8 columns per launch.
+
+FLOPs counted: 2 M N K per product. %ceil: of the cuBLAS f16 GEMM rate (8192^3) measured in this
+run. Weights are rotated over enough copies to exceed the 50 MB L2; times below ~50 us are
+replayed from a CUDA graph (launch cost excluded), both for cukern and for the dmmv peer.
+Run: PYTHONPATH=. python profiling/bench_matmul.py [--quick] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import cupy
+
+from cukern.benchmark import (Ceilings, Row, format_table, measure_ceilings, measure_gemm_tflops, rotating,
+                              rows_to_json, time_graph_us, time_us)
+from cukern.dmmv import QTYPES, DmmvDispatch, QWeight
+from cukern.matmul import MatmulDispatch
+
+SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]  # (M, K)
+TYPES = ["Q4_K", "Q6_K", "Q8_0", "Q5_0"]
+NS = [16, 64, 128, 512, 2048]
+_BY_NAME = {v[0]: q for q, v in QTYPES.items()}
+_L2_ROTATE = 160 << 20  # bytes of weights rotated through: > 3x the 50 MB L2
+
+
+def random_weight_device(name: str, m: int, k: int, rng: cupy.random.Generator) -> QWeight:
+    """Random valid blocks built on the device (random quant bits, f16 scales of a sensible size)."""
+    q = _BY_NAME[name]
+    _, be, bb, _ = QTYPES[q]
+    nb = k // be
+    raw = rng.integers(0, 256, size=(m, nb, bb), dtype=cupy.uint8)
+
+    def f16(lo, hi):
+        return (lo + (hi - lo) * rng.random((m, nb), dtype=cupy.float32)).astype(cupy.float16).view(cupy.uint8) \
+            .reshape(m, nb, 2)
+    if name in ("Q4_0", "Q5_0", "Q8_0"):
+        raw[..., 0:2] = f16(0.001, 0.01)
+    elif name in ("Q4_K", "Q5_K"):
+        raw[..., 0:2] = f16(0.0001, 0.001)
+        raw[..., 2:4] = f16(0.0, 0.001)
+    elif name == "Q6_K":
+        raw[..., 208:210] = f16(0.00001, 0.0001)
+    return QWeight(raw.reshape(-1), q, m, k)
+
+
+def _timer(us_hint: float):
+    return time_graph_us if us_hint < 50 else time_us
+
+
+def bench(quick: bool = False) -> tuple[list, Ceilings]:
+    mm, dm = MatmulDispatch(), DmmvDispatch()
+    base = measure_ceilings()
+    ceil = Ceilings(copy_gbs=base.copy_gbs, device=base.device, gemm_tflops=measure_gemm_tflops())
+    rng = cupy.random.default_rng(0)
+    rows = []
+    shapes = [(14336, 4096)] if quick else SHAPES
+    types = ["Q4_K", "Q8_0"] if quick else TYPES
+    ns = [16, 512, 2048] if quick else NS
+    for (m, k) in shapes:
+        for name in types:
+            w0 = random_weight_device(name, m, k, rng)
+            n_sets = max(2, min(4, -(-_L2_ROTATE // w0.buf.nbytes)))
+            weights = [w0] + [random_weight_device(name, m, k, rng) for _ in range(n_sets - 1)]
+            dense = cupy.empty((m, k), cupy.float16)  # the peers' dequantized matrix
+            mm.dequantize(weights[0], dense)
+            for n in ns:
+                b16 = rng.standard_normal((n, k), dtype=cupy.float32).astype(cupy.float16)
+                b32 = b16.astype(cupy.float32)
+                d = cupy.empty((n, m), cupy.float32)
+                d16 = cupy.empty((n, m), cupy.float16)
+                _, nxt = rotating(n_sets, lambda i: weights[i])
+                flops = 2.0 * m * n * k
+                guess = flops / 150e12 * 1e6 + 5  # us, to choose event or graph timing
+                timer = _timer(guess)
+                us = timer(lambda: mm.gemm(nxt(), b16, d))
+                # peers
+                peer_deq = time_us(lambda: (mm.dequantize(nxt(), dense), cupy.matmul(b16, dense.T, out=d16)))
+                peer_blas = time_us(lambda: cupy.matmul(b16, dense.T, out=d16))
+                peers = {"cuBLAS f16 (pre-deq)": peer_blas}
+                if n <= 64:
+                    peers["dmmv batched (f32 x)"] = time_graph_us(lambda: dm.dmmv(nxt(), b32, d))
+                tf = flops / (us * 1e-6) / 1e12
+                rows.append(Row("matmul", f"gemm_f16 {name}", f"{m}x{k} N={n}", us, tflops=tf,
+                                pct_ceiling=tf / ceil.gemm_tflops, peer="deq+cuBLAS f16", peer_us=peer_deq,
+                                extra={"peers": peers}))
+                del b16, b32, d, d16
+            del weights, dense, w0
+            cupy.get_default_memory_pool().free_all_blocks()
+    # fused gate+up+SwiGLU against two separate GEMMs + the elementwise product in cuBLAS terms
+    m, k = (14336, 4096)
+    for name in (["Q4_K"] if quick else ["Q4_K", "Q8_0"]):
+        wg, wu = random_weight_device(name, m, k, rng), random_weight_device(name, m, k, rng)
+        for n in [64, 512]:
+            b16 = rng.standard_normal((n, k), dtype=cupy.float32).astype(cupy.float16)
+            d = cupy.empty((n, m), cupy.float32)
+            us = _timer(4 * m * n * k / 150e12 * 1e6)(lambda: mm.gemm_glu(wg, wu, b16, d))
+            two = _timer(4 * m * n * k / 150e12 * 1e6)(lambda: (mm.gemm(wg, b16, d), mm.gemm(wu, b16, d)))
+            tf = 4.0 * m * n * k / (us * 1e-6) / 1e12
+            rows.append(Row("matmul", f"gemm_glu {name}", f"2x{m}x{k} N={n}", us, tflops=tf,
+                            pct_ceiling=tf / ceil.gemm_tflops, peer="2 x gemm_f16 (no act)", peer_us=two))
+    return rows, ceil
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--quick", action="store_true", help="one shape, two types, three N")
+    args = ap.parse_args(argv)
+    rows, ceil = bench(args.quick)
+    print(format_table(rows, ceil))
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(rows_to_json(rows, ceil))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

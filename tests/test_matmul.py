@@ -1,0 +1,227 @@
+"""matmul family against float64 references (cukern/reference/matmul.py) built on gguf's own
+dequantization of random valid GGUF blocks.
+
+Tolerances (f16 tensor-core path; W and B are rounded to f16, products accumulate in f32):
+* against the exact float64 product: |out - ref| <= 2e-3 * rms(ref) + 2e-3 * |ref| (the issue's
+  2e-3 relative; the rms floor covers outputs that cancel to near zero, where f16 input rounding,
+  ~2.4e-4 * rms per output, dominates any element-wise relative bound);
+* against the float64 product of the f16-rounded operands (kernel error alone):
+  |out - ref| <= 1e-4 * rms(ref) + 1e-4 * |ref|. One wrong nibble or scale is ~1e-2 * rms.
+Quantizers: int8 values agree exactly with the f32 re-computation of the kernel's arithmetic; d
+and s to their f16 rounding.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+
+from cukern import matmul as M  # noqa: E402
+from cukern.dmmv import QWeight  # noqa: E402
+from cukern.matmul import MatmulDispatch  # noqa: E402
+from cukern.reference import matmul as ref  # noqa: E402
+from cukern.testing import assert_close, poison  # noqa: E402
+
+TYPES = list(M.GEMM_QTYPES)
+NAMES = {q: ref.TYPES[q][0] for q in TYPES}
+
+
+def _k(q, mult=3):
+    """A valid k with several stages and, for the 32-blocks, not a multiple of 256."""
+    return 256 * mult if ref.TYPES[q][1] == 256 else 32 * (8 * mult + 3)
+
+
+def _rms(a):
+    return float(np.sqrt(np.mean(np.square(a)))) + 1e-30
+
+
+def _check(out, want, tight, name="d"):
+    assert_close(out, want, atol=2e-3 * _rms(want), rtol=2e-3, name=name)
+    assert_close(out, tight, atol=1e-4 * _rms(tight), rtol=1e-4, name=name + " (f16 inputs)")
+
+
+def _weight(q, m, k, rng, *, pad_front=0):
+    raw = ref.random_weight(q, m, k, rng)
+    dense = ref.dequantize(raw, q, m, k)
+    buf = np.concatenate([rng.integers(0, 256, pad_front, dtype=np.uint8), raw.ravel(),
+                          rng.integers(0, 256, 5, dtype=np.uint8)])
+    return QWeight(cupy.asarray(buf), q, m, k, offset=pad_front), dense
+
+
+def _b(rng, n, k, dtype):
+    return rng.standard_normal((n, k)).astype(dtype)
+
+
+@pytest.fixture(scope="module")
+def mm():
+    return MatmulDispatch()
+
+
+# ---------------------------------------------------------------------------- CPU
+
+def test_families_declared():
+    import cukern
+    names = {f.name for f in cukern.families()}
+    assert set(M.FAMILIES) <= names
+    for q, s in M.GEMM_QTYPES.items():
+        unit = M.FAMILIES[f"matmul_f16_{s}"]
+        assert all(k.name.startswith(f"gemm_f16<{q}, ") for k in unit.kernels)
+
+
+def test_reference_quantizer_rule():
+    x = np.array([[0.5, -0.25] + [0.0] * 29 + [127.0]], np.float32)
+    d, qs = ref.quantize_q8_f32(x)
+    assert d[0, 0] == np.float32(1.0)
+    assert qs[0, 0] == 1 and qs[0, 1] == 0 and qs[0, -1] == 127  # half away from zero; 0.25 -> 0
+    d, qs = ref.quantize_q8_f32(np.zeros((1, 32), np.float32))
+    assert d[0, 0] == 0 and not qs.any()
+
+
+def test_plan_path_rule():
+    assert MatmulDispatch.plan_path(12, 1) == "matvec"
+    assert MatmulDispatch.plan_path(12, 512) == "f16"
+
+
+# ---------------------------------------------------------------------------- GPU: tiled f16 GEMM
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q", TYPES, ids=lambda q: NAMES[q])
+@pytest.mark.parametrize("m,n", [(77, 1), (203, 37), (130, 129), (64, 16)])
+@pytest.mark.parametrize("bdt", [np.float32, np.float16], ids=["b32", "b16"])
+def test_gemm(mm, rng, q, m, n, bdt):
+    k = _k(q)
+    w, dense = _weight(q, m, k, rng, pad_front=32)
+    b = _b(rng, n, k, bdt)
+    d = poison(cupy.empty((n, m), cupy.float32))
+    mm.gemm(w, cupy.asarray(b), d)
+    _check(d.get(), ref.gemm(dense, b), ref.gemm_f16_inputs(dense, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q", TYPES, ids=lambda q: NAMES[q])
+def test_gemm_split_accumulate_strided(mm, rng, q):
+    """Forced K splits (atomics into a zeroed d), accumulate mode, row-strided b and d views."""
+    m, n, k = 150, 45, _k(q, 4)
+    w, dense = _weight(q, m, k, rng)
+    b_full = _b(rng, n, k + 40, np.float32)  # row stride k + 40 (a multiple of 4 floats)
+    b = cupy.asarray(b_full)[:, :k]
+    d_full = cupy.asarray(rng.standard_normal((n, m + 3)).astype(np.float32))
+    d = d_full[:, :m]
+    want = ref.gemm(dense, b_full[:, :k])
+    tight = ref.gemm_f16_inputs(dense, b_full[:, :k])
+    mm.gemm(w, b, d, split_k=3)
+    _check(d.get(), want, tight, "split")
+    base = d_full.get()
+    mm.gemm(w, b, d, accumulate=True, split_k=1)
+    _check(d.get(), base[:, :m] + want, base[:, :m] + tight, "accumulate")
+    mm.gemm(w, b, d, accumulate=True, split_k=2)
+    _check(d.get(), base[:, :m] + 2 * want, base[:, :m] + 2 * tight, "accumulate split")
+    assert np.array_equal(d_full.get()[:, m:], base[:, m:]), "columns past m were written"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q", TYPES, ids=lambda q: NAMES[q])
+@pytest.mark.parametrize("act", ["swiglu", "geglu"])
+@pytest.mark.parametrize("n", [3, 100])
+def test_gemm_glu(mm, rng, q, act, n):
+    m, k = 90, _k(q)
+    wg, dg = _weight(q, m, k, rng)
+    wu, du = _weight(q, m, k, rng)
+    b = _b(rng, n, k, np.float16 if n == 100 else np.float32)
+    d = poison(cupy.empty((n, m), cupy.float32))
+    mm.gemm_glu(wg, wu, cupy.asarray(b), d, act=act)
+    _check(d.get(), ref.glu(dg, du, b, act), ref.glu(dg, du, b, act, inputs=ref.gemm_f16_inputs))
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("q", [12, 14, 8])
+def test_gemm_large(mm, rng, q):
+    """A prefill-sized product (several 128 x 128 tiles, ragged both ways, long K)."""
+    m, n, k = 1000, 300, 4096
+    w, dense = _weight(q, m, k, rng)
+    b = _b(rng, n, k, np.float16)
+    d = poison(cupy.empty((n, m), cupy.float32))
+    mm.gemm(w, cupy.asarray(b), d)
+    _check(d.get(), ref.gemm(dense, b), ref.gemm_f16_inputs(dense, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q", TYPES, ids=lambda q: NAMES[q])
+def test_dequantize_f16(mm, rng, q):
+    m, k = 33, _k(q)
+    w, dense = _weight(q, m, k, rng, pad_front=16)
+    out = poison(cupy.empty((m, k), cupy.float16))
+    mm.dequantize(w, out)
+    assert np.array_equal(out.get(), dense.astype(np.float16)), "f16 dequantization must round once, exactly"
+
+
+# ---------------------------------------------------------------------------- GPU: quantizers
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["q8_1", "q8_0"])
+@pytest.mark.parametrize("rows,cols", [(1, 32), (7, 4096), (33, 96)])
+def test_quantize(mm, rng, fmt, rows, cols):
+    x = (rng.standard_normal((rows, cols)) * rng.uniform(0.01, 10, (rows, 1))).astype(np.float32)
+    x[0, :32] = 0.0  # an all-zero block: d = 0, qs = 0
+    nb = (ref.Q8_1_BYTES if fmt == "q8_1" else ref.Q8_0_BYTES) * (cols // 32)
+    q = cupy.full((rows, nb + 6), 0xA5, cupy.uint8)[:, :nb]  # strided rows; the pad must stay untouched
+    (mm.quantize_q8_1 if fmt == "q8_1" else mm.quantize_q8_0)(cupy.asarray(x), q)
+    d, s, qs = ref.unpack_q8(q.get(), cols, fmt)
+    want_d, want_qs = ref.quantize_q8_f32(x)
+    np.testing.assert_array_equal(qs, want_qs)
+    np.testing.assert_array_equal(d, want_d.astype(np.float16).astype(np.float64))
+    if s is not None:
+        want_s = (want_d.astype(np.float64) * want_qs.reshape(rows, cols // 32, 32).sum(-1)).astype(np.float32)
+        np.testing.assert_array_equal(s, want_s.astype(np.float16).astype(np.float64))
+    assert (q.base.get()[:, nb:] == 0xA5).all()
+    # and the float64 rule of the elementwise reference: dequantized values within half a step
+    back = ref.dequantize_q8(want_d, want_qs)
+    assert np.all(np.abs(back - x) <= 0.5 * np.repeat(want_d, 32, axis=1) * (1 + 1e-6) + 1e-30)
+
+
+# ---------------------------------------------------------------------------- GPU: bad input
+
+@pytest.mark.gpu
+def test_bad_input_raises_before_launch(mm, rng):
+    w, _ = _weight(12, 64, 256, rng)
+    b = cupy.zeros((4, 256), cupy.float32)
+    d = cupy.zeros((4, 64), cupy.float32)
+    with pytest.raises(TypeError):
+        mm.gemm("not a weight", b, d)
+    with pytest.raises(ValueError, match="no tiled GEMM"):
+        mm.gemm(QWeight(cupy.zeros(64 * 256 * 2, cupy.uint8), "F16", 64, 256), b, d)
+    with pytest.raises(ValueError, match="at least one column"):
+        mm.gemm(w, cupy.zeros((0, 256), cupy.float32), cupy.zeros((0, 64), cupy.float32))
+    with pytest.raises(ValueError, match=r"\[n, 256\]"):
+        mm.gemm(w, cupy.zeros((4, 255), cupy.float32), d)
+    with pytest.raises(ValueError):
+        mm.gemm(w, b, cupy.zeros((5, 64), cupy.float32))
+    with pytest.raises(TypeError):
+        mm.gemm(w, b.astype(cupy.float64), d)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        mm.gemm(w, cupy.zeros(4 * 256 + 1, cupy.float32)[1:].reshape(4, 256), d)
+    with pytest.raises(ValueError, match="overlap"):
+        buf = cupy.zeros((4, 320), cupy.float32)
+        mm.gemm(w, buf[:, :256], buf[:, 256:])
+    with pytest.raises(ValueError, match="aligned"):  # Q4_K rows are read as uint4: 16-byte start
+        mm.gemm(QWeight(cupy.zeros(64 * 144 + 4, cupy.uint8), "Q4_K", 64, 256, offset=4), b, d)
+    with pytest.raises(ValueError):
+        QWeight(cupy.zeros(64 * 144 - 1, cupy.uint8), "Q4_K", 64, 256)  # buffer too small
+    with pytest.raises(ValueError):
+        QWeight(cupy.zeros(64 * 144, cupy.uint8), "Q4_K", 64, 200)  # k not a multiple of 256
+    with pytest.raises(ValueError, match="act"):
+        mm.gemm_glu(w, w, b, d, act="relu")
+    w8, _ = _weight(8, 64, 256, rng)
+    with pytest.raises(ValueError, match="same type"):
+        mm.gemm_glu(w, w8, b, d)
+    with pytest.raises(ValueError, match="split_k"):
+        mm.gemm(w, b, d, split_k=0)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        mm.quantize_q8_1(cupy.zeros((2, 48), cupy.float32), cupy.zeros((2, 54), cupy.uint8))
+    with pytest.raises(ValueError, match=r"q must be uint8 \[2, 72\]"):
+        mm.quantize_q8_1(cupy.zeros((2, 64), cupy.float32), cupy.zeros((2, 68), cupy.uint8))
+    with pytest.raises(ValueError):
+        mm.dequantize(w, cupy.zeros((64, 256), cupy.float16)[:, :128])
