@@ -80,7 +80,6 @@ def measure_gemm_tflops(n: int = 8192, dtype=cupy.float16) -> float:
     b = rng.standard_normal((n, n), dtype=cupy.float32).astype(dtype)
     c = cupy.empty((n, n), dtype=dtype)
     t = _time(lambda: cupy.matmul(a, b, out=c), name="gemm", n_warmup=5, n_repeat=20)
-    del a, b, c
     return 2 * n**3 / (t.median_ms * 1e-3) / 1e12
 
 

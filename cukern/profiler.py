@@ -95,6 +95,7 @@ class KernelTimer:
         self._pending_steps: list = []  # (start, end)
         self._records: list[tuple[str, float]] = []  # (kernel, us)
         self._step_us: list[float] = []
+        self._open_step = None  # (start event, stream) between begin_step and end_step
         self._previous = None
 
     # -- the launch-timer protocol (cukern.dispatch.set_launch_timer)
@@ -127,18 +128,33 @@ class KernelTimer:
     @contextlib.contextmanager
     def step(self, stream=None):
         """Time the enclosed work on ``stream`` (None: the current stream) as one step."""
-        from cukern.streams import resolve_stream
-        stream = resolve_stream(stream)
-        start, end = self._event(), self._event()
-        start.record(stream)
+        self.begin_step(stream)
         try:
             yield
         finally:
-            end.record(stream)
-            self._pending_steps.append((start, end))
+            self.end_step()
+
+    def begin_step(self, stream=None) -> None:
+        """Start a step on ``stream`` (for code whose steps are delimited by callbacks, not blocks)."""
+        from cukern.streams import resolve_stream
+        if self._open_step is not None:
+            raise RuntimeError("begin_step: the previous step was not ended")
+        stream = resolve_stream(stream)
+        start = self._event()
+        start.record(stream)
+        self._open_step = (start, stream)
+
+    def end_step(self) -> None:
+        """End the step :meth:`begin_step` started."""
+        if self._open_step is None:
+            raise RuntimeError("end_step: no step was begun")
+        (start, stream), self._open_step = self._open_step, None
+        end = self._event()
+        end.record(stream)
+        self._pending_steps.append((start, end))
 
     def reset(self) -> None:
-        """Forget what was recorded (e.g. after warm-up steps)."""
+        """Forget what was recorded (e.g. after warm-up steps); a step begun stays open."""
         self._collect()
         self._records.clear()
         self._step_us.clear()

@@ -1,8 +1,15 @@
 """Profile prefill + N decode steps: an NVTX range per step and per layer (for nsys), and a
 per-kernel table of CUDA-event times summed by kernel name (for machines without nsys).
 
-What runs: a synthetic decoder built only from cukern dispatches, shaped like a Llama-style
-layer: RMS norm -> Q, K, V matvecs over GGUF-quantized weights -> KV-cache write -> paged
+With ``--model PATH`` (a GGUF file) or ``--tiny ARCH`` (a small random-weight model of that
+architecture, written to a temporary file by ``cukern.models.tiny``), what runs is the models
+package's :class:`~cukern.models.transformer.Transformer`: its prefill, then its ``generate``
+loop eagerly (each step timed and NVTX-ranged between the ``on_token`` callbacks) and replayed
+from a CUDA graph. Its layers carry no NVTX ranges of their own: nsys shows the step ranges and
+the per-kernel ranges.
+
+Without either, a synthetic decoder built only from cukern dispatches runs, shaped like a
+Llama-style layer: RMS norm -> Q, K, V matvecs over GGUF-quantized weights -> KV-cache write -> paged
 attention -> output matvec -> residual + RMS norm -> gate/up GLU matvec -> down matvec; after the
 last layer a final norm and the LM-head matvec. Weights are random valid GGUF blocks; default
 sizes are Llama 3.2 1B's (16 layers, width 2048, 32/8 heads of 64, FFN 8192, vocab 128256),
@@ -22,6 +29,7 @@ graph).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 
@@ -150,6 +158,55 @@ class SyntheticDecoder:
                 self.dm.dmmv(self.w_head, self.h[0], self.logits[0], stream=stream)
 
 
+def profile_model(path: str, args) -> int:
+    """The models package's Transformer on ``path``: per-kernel tables of a prefill and of eager
+    decode steps, then the graph-replayed decode rate."""
+    import cupy
+    import numpy as np
+
+    from cukern.models.transformer import Transformer
+    from cukern.profiler import KernelTimer, nvtx_range
+    model = Transformer.load(path, max_tokens=args.prefill + 2 * args.steps + 8)
+    c = model.cfg
+    print(f"model {path}: {c.n_layers} layers, d_model {c.d_model}, {c.n_heads}/{c.n_kv_heads} heads of "
+          f"{c.head_dim}, vocab {c.vocab_size}; prefill {args.prefill} tokens, then {args.steps} decode steps")
+    prompt = np.random.default_rng(0).integers(0, c.vocab_size, args.prefill).tolist()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    logits = cupy.empty(c.vocab_size, cupy.float32)
+    table = dict(strip_templates=args.group_templates)
+    for rep in range(2):  # the first run compiles every kernel it meets
+        slot = model.cache.add(0, stream=stream)
+        with KernelTimer() as kt:
+            with nvtx_range("prefill"), kt.step(stream):
+                model.prefill(prompt, slot, logits, stream=stream)
+        model.cache.free(slot, stream=stream)
+    print(f"\nprefill ({args.prefill} tokens)")
+    print(kt.report(**table))
+
+    model.generate(prompt, 2, use_graph=False, stream=stream)  # compile the decode kernels
+    ranges = contextlib.ExitStack()
+    with KernelTimer() as kt:
+        def on_token(step, ids):  # called after the prefill (step 0), then after every decode step
+            ranges.close()
+            if step == 0:
+                kt.reset()  # drop the prefill's launches
+            else:
+                kt.end_step()
+            ranges.enter_context(nvtx_range(f"decode step {step}"))
+            kt.begin_step(stream)
+        model.generate(prompt, args.steps + 1, use_graph=False, on_token=on_token, stream=stream)
+        ranges.close()
+        kt.end_step()  # the open step after the last token holds no launch
+    print(f"\ndecode ({args.steps} steps, eager launches; each step ends with a host read of its token)")
+    print(kt.report(**table))
+    eager_us = sum(kt.step_us) / max(len(kt.step_us), 1)
+    _, stats = model.generate(prompt, args.steps + 2, use_graph=True, stream=stream)
+    rate = stats.decode_tok_s
+    graph = f"{rate:,.0f} tokens/s, {1e6 / rate:.1f} us per step" if rate else "not timed"
+    print(f"\ndecode step: eager {eager_us:.1f} us (event-timed, host read included); CUDA graph replay: {graph}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -167,6 +224,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps (default 32)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed decode steps first (default 3)")
     ap.add_argument("--elementwise-only", action="store_true", help="norms and residual arithmetic only")
+    ap.add_argument("--model", metavar="PATH", help="profile this GGUF model with cukern.models instead")
+    ap.add_argument("--tiny", metavar="ARCH", help="profile a tiny random-weight ARCH model (gemma3, llama, "
+                                                   "qwen2, qwen3) with cukern.models instead")
     ap.add_argument("--nvtx", action="store_true", help="NVTX ranges on (same as CUKERN_NVTX=1)")
     ap.add_argument("--group-templates", action="store_true",
                     help="sum kernel variants together (rms_norm<256, true> and <256, false>)")
@@ -180,6 +240,14 @@ def main(argv=None) -> int:
     from cukern.workbench import progress
     if args.nvtx:
         enable_nvtx(True)
+    if args.model:
+        return profile_model(args.model, args)
+    if args.tiny:
+        import tempfile
+
+        from cukern.models.tiny import TinySpec, write_tiny_gguf
+        with tempfile.TemporaryDirectory() as tmp:
+            return profile_model(write_tiny_gguf(f"{tmp}/tiny-{args.tiny}.gguf", TinySpec(args.tiny)), args)
 
     full = not args.elementwise_only
     model = SyntheticDecoder(args.layers, args.hidden, max(args.prefill, 1), full=full, n_heads=args.heads,

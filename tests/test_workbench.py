@@ -242,10 +242,15 @@ def test_kernel_timer_times_every_dispatch():
                 d.rms_norm(x, w, out, stream=stream)
                 d.scale(x, out, alpha=2.0, stream=stream)
         capture_graph(lambda s: d.scale(x, out, alpha=2.0, stream=s), stream)  # not timed
+        kt.begin_step(stream)  # steps delimited by callbacks
+        d.rms_norm(x, w, out, stream=stream)
+        with pytest.raises(RuntimeError, match="not ended"):
+            kt.begin_step(stream)
+        kt.end_step()
     assert dispatch._launch_timer is None
     names = [k for k, _ in kt.records()]
-    assert names == ["rms_norm<256, true>", "scale<true>"] * 3
-    assert all(us > 0 for _, us in kt.records()) and len(kt.step_us) == 3
+    assert names == ["rms_norm<256, true>", "scale<true>"] * 3 + ["rms_norm<256, true>"]
+    assert all(us > 0 for _, us in kt.records()) and len(kt.step_us) == 4
     stats = kt.table()
     assert 0 < sum(s.pct_step for s in stats) <= 1.0
 
