@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The workbench on a GPU machine, in one call: `bench --quick` (table, JSON, roofline PNG),
-# `check --gpu` (every kernel against its reference), profile_decode.py (per-kernel table) and
-# every notebook run headless; a one-screen summary last.
+# `check --gpu` (every kernel against its reference), profile_decode.py (per-kernel tables of the
+# synthetic decoder and of the models package's forward) and every notebook run headless; a
+# one-screen summary last.
 #
 #   bash profiling/workbench_check.sh                         # results under $OUT or /tmp/cukern-workbench
 #   CUKERN_WB_STEPS="bench check-gpu" bash profiling/workbench_check.sh
@@ -18,7 +19,7 @@ export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cukern-kernel-cache}
 export PYTHONUNBUFFERED=1 MPLBACKEND=Agg
 PY=${PYTHON:-python3}
 DEST=${OUT:-/tmp/cukern-workbench}
-STEPS=${CUKERN_WB_STEPS:-bench check-gpu profile-decode notebooks}
+STEPS=${CUKERN_WB_STEPS:-bench check-gpu profile-decode profile-model notebooks}
 LIMIT=${CUKERN_WB_LIMIT:-240}
 mkdir -p "$DEST"
 FIG=$(mktemp -d)
@@ -43,17 +44,20 @@ step() {  # step NAME CMD...: run under the time limit, append to the log, remem
 step bench $PY -m cukern bench --quick --json "$DEST/bench.json" --plot "$DEST/roofline.png"
 step check-gpu $PY -m cukern check --gpu
 step profile-decode $PY profiling/profile_decode.py --steps 32
+# the models package's forward: the GGUF named by CUKERN_WB_MODEL, else a tiny random Gemma 3
+step profile-model $PY profiling/profile_decode.py --steps 16 --prefill 128 \
+    ${CUKERN_WB_MODEL:+--model "$CUKERN_WB_MODEL"} ${CUKERN_WB_MODEL:---tiny gemma3}
 step notebooks $PY -m cukern notebooks --run --figures "$FIG"
 tar -C "$FIG" -cf "$DEST/notebook-figures.tar" . 2>/dev/null
 
 {
     echo
     echo "============================ workbench summary ============================"
-    for name in bench check-gpu profile-decode notebooks; do
+    for name in bench check-gpu profile-decode profile-model notebooks; do
         [ -n "${STATUS[$name]:-}" ] && printf '%-16s %s\n' "$name" "${STATUS[$name]}"
     done
     grep -E '^[0-9]+ tests, [0-9]+ cases' "$LOG" | tail -1
-    grep -E '^decode step: eager' "$LOG" | tail -1
+    grep -E '^decode step: ' "$LOG"
     sed -n '/^notebook  /,/^$/p' "$LOG"
 } | tee -a "$LOG"
 fail=0
