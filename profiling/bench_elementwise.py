@@ -50,11 +50,18 @@ class Bench:
     def row(self, kernel, shape, fn, *, nbytes=None, flops=None, decode=False, peer="", peer_fn=None,
             peer_is_torch=True):
         timer = time_graph_us if decode else time_us
-        us = timer(fn)
+        try:
+            us = timer(fn)
+        except Exception as e:  # report and go on: one broken row must not hide the others
+            print(f"row {kernel} {shape} failed: {type(e).__name__}: {e}", file=sys.stderr)
+            return
         peer_us = None
         if peer_fn is not None and (torch is not None or not peer_is_torch):
             peer_timer = (time_torch_graph_us if decode else time_us) if peer_is_torch else timer
-            peer_us = peer_timer(peer_fn)
+            try:
+                peer_us = peer_timer(peer_fn)
+            except Exception as e:
+                print(f"peer of {kernel} {shape} failed: {type(e).__name__}: {e}", file=sys.stderr)
         gbs = nbytes / (us * 1e-6) / 1e9 if nbytes else None
         self.rows.append(Row("elementwise", kernel + (" (graph)" if decode else ""), shape, us, gbs=gbs,
                              tflops=flops / (us * 1e-6) / 1e12 if flops else None,
@@ -284,7 +291,7 @@ def bench_moe(b: Bench):
         flops = 2 * n * E * H
         b.row("router_matvec", f"{n}x{H} @ {E}x{H}", lambda: d.router_matvec(xnxt()[0], W, lg),
               nbytes=(n * H + E * H + n * E) * 4, flops=flops, decode=decode, peer="torch x @ W.T (cuBLAS)",
-              peer_fn=(lambda: torch.matmul(_t(xs[0][0]), _t(W).T)) if torch is not None else None)
+              peer_fn=(lambda xt=_t(xs[0][0]), Wt=_t(W): torch.matmul(xt, Wt.T)) if torch is not None else None)
         b.row("router_rms_norm_matvec", f"{n}x{H} @ {E}x{H}", lambda: d.router_rms_norm_matvec(xnxt()[0], wn, W, lg),
               nbytes=(n * H + E * H + n * E + H) * 4, flops=flops, decode=decode, peer="chain rms_norm+router_matvec",
               peer_fn=lambda: (lambda s: (d.rms_norm(s[0], wn, s[1]), d.router_matvec(s[1], W, lg)))(xnxt()),
@@ -297,10 +304,16 @@ def bench_shared_expert(b: Bench):
     for _, n, decode in _sizes(b):
         nb = n * H * 4
         sets, nxt = b.sets(3 * nb, lambda i: (b.randn(n, H), b.randn(n, H), b.randn(n)))
+        tsets = [tuple(_t(a) for a in s) for s in sets] if torch is not None else None
+        cur = {"i": 0}
+
+        def tnext():
+            s = tsets[cur["i"] % len(tsets)]
+            cur["i"] += 1
+            return s
         b.row("shared_expert_accumulate", f"{n}x{H}", lambda: (lambda s: d.shared_expert_accumulate(s[0], s[1], s[2]))(nxt()),
               nbytes=3 * nb + n * 4, decode=decode, peer="torch h += sigmoid(g)*s",
-              peer_fn=(lambda: (lambda s: _t(s[0]).add_(torch.sigmoid(_t(s[2]))[:, None] * _t(s[1])))(nxt()))
-              if torch is not None else None)
+              peer_fn=lambda: (lambda s: s[0].add_(torch.sigmoid(s[2])[:, None] * s[1]))(tnext()))
 
 
 def bench_ssm(b: Bench):
