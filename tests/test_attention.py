@@ -409,3 +409,23 @@ def test_prefill_long_causal(attn, rng):
     kp, vp, pt, lens = _host(cache)
     want, _ = ref.paged_attention(ref.as_float64(q, "float16"), kp, vp, pt, lens, slots, [n], 64)
     assert_close(out, want, **TC_TOL["float16"])
+
+
+def test_reference_split_merge_equals_whole(rng):
+    """The reference's LSE is a natural log: merging the two halves of the keys gives the whole."""
+    q = rng.standard_normal((3, 4, 32))
+    k = rng.standard_normal((20, 2, 32))
+    v = rng.standard_normal((20, 2, 32))
+    pos = np.array([19, 19, 19])
+    whole, lse = ref.attention(q, k, v, pos, softcap=3.0)
+    a = ref.attention(q, k[:7], v[:7], pos, causal=False, softcap=3.0)
+    b = ref.attention(q, k[7:], v[7:], pos - 7, causal=False, softcap=3.0)
+    merged, mlse = ref.merge_states(np.stack([a[0], b[0]], 1), np.stack([a[1], b[1]], 1))
+    np.testing.assert_allclose(merged, whole, atol=1e-12)
+    np.testing.assert_allclose(mlse, lse, atol=1e-12)
+    # a sink adds exp(sink) to the denominator only
+    sinks = np.array([0.5, -1.0, 2.0, 0.0])
+    o_s, lse_s = ref.attention(q, k, v, pos, sinks=sinks)
+    o, lse0 = ref.attention(q, k, v, pos)
+    np.testing.assert_allclose(lse_s, np.logaddexp(lse0, sinks[None]), atol=1e-12)
+    np.testing.assert_allclose(o_s, o * np.exp(lse0 - lse_s)[..., None], atol=1e-12)

@@ -39,15 +39,15 @@ struct PrefillShape {
 };
 
 // Copy `rows` rows of D b16 elements into shared memory (row stride LD); row i's source is
-// src(i), or zeros when src(i) is null.
+// src(i), or zeros when src(i) is null (then the valid global address `any` is named, not read).
 template <int D, int NTHREADS, typename T, typename Src>
-CUKERN_DEVICE void load_tile(T* dst, int rows, Src src) {
+CUKERN_DEVICE void load_tile(T* dst, int rows, Src src, const T* any) {
     constexpr int CPR = D / 8;  // 16-byte chunks per row
     constexpr int LD = D + 8;
     for (int c = threadIdx.x; c < rows * CPR; c += NTHREADS) {
         const int row = c / CPR, ch = c % CPR;
         const T* s = src(row);
-        cp_async16(dst + row * LD + ch * 8, s ? s + ch * 8 : dst, s ? 16u : 0u);
+        cp_async16(dst + row * LD + ch * 8, s ? s + ch * 8 : any, s ? 16u : 0u);
     }
 }
 
@@ -127,10 +127,10 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::WARPS * 32) pre
     load_tile<D, NT>(Qs, BM, [&](int row) -> const T* {
         const int32_t r = r0 + row;
         return r < q_len ? q + ((uint64_t)(q_start + r) * p.n_heads + h) * D : nullptr;
-    });
+    }, q);
     if (t_begin < t_end) {
-        load_tile<D, NT>(Ks, BN, kv_src(k, t_begin));
-        load_tile<D, NT>(Vs, BN, kv_src(v, t_begin));
+        load_tile<D, NT>(Ks, BN, kv_src(k, t_begin), k);
+        load_tile<D, NT>(Vs, BN, kv_src(v, t_begin), v);
     }
     cp_async_commit();
 
@@ -147,8 +147,8 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::WARPS * 32) pre
     for (int32_t t = t_begin; t < t_end; ++t) {
         const int st = (t - t_begin) & 1;
         if (t + 1 < t_end) {
-            load_tile<D, NT>(Ks + (st ^ 1) * BN * LD, BN, kv_src(k, t + 1));
-            load_tile<D, NT>(Vs + (st ^ 1) * BN * LD, BN, kv_src(v, t + 1));
+            load_tile<D, NT>(Ks + (st ^ 1) * BN * LD, BN, kv_src(k, t + 1), k);
+            load_tile<D, NT>(Vs + (st ^ 1) * BN * LD, BN, kv_src(v, t + 1), v);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
@@ -248,6 +248,7 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::WARPS * 32) pre
         }
         __syncthreads();  // every warp is done with stage st before the next iteration refills it
     }
+    cp_async_wait<0>();  // no copy outlives the block (the Q tile when no K/V tile is visible)
 
     // normalise (the sink joins the denominator here, once) and store rows g and g + 8
 #pragma unroll

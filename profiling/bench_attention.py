@@ -1,0 +1,199 @@
+"""Attention family benchmark: decode GB/s against the copy ceiling, prefill / varlen TFLOP/s against
+torch SDPA's flash and cuDNN backends, all measured in the same run.
+
+Counted work:
+* decode: bytes of K and V read (every cached token of every KV head once) + Q read + O written;
+  % is of the device-to-device copy bandwidth measured in this run; the peer is
+  ``torch.nn.functional.scaled_dot_product_attention`` (its default backend choice, contiguous
+  f16 K/V, ``enable_gqa``), both timed through CUDA graphs; K/V rotate over enough layers to
+  exceed the 50 MB L2 several times;
+* prefill / varlen: causal FLOPs 2 * B * H * L^2 * D (QK^T and PV over the lower triangle), or
+  4 * B * H * L^2 * D non-causal; % is of the fastest torch SDPA backend in this run (flash =
+  FlashAttention-2, cuDNN), "x peer" is the ratio to the flash backend.
+
+Run: PYTHONPATH=. python profiling/bench_attention.py [--quick] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import cupy
+import numpy as np
+
+from cukern.attention import AttentionDispatch, PagedKVCache
+from cukern.benchmark import Row, measure_ceilings, print_table, rows_to_json, time_graph_us, time_us
+
+try:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+except ImportError:  # the peer is optional; rows then show no ratio
+    torch = None
+
+_L2_BYTES = 50 << 20
+
+
+def _fill_pools(cache: PagedKVCache, rng) -> None:
+    for pool in (*cache.k_pools, *cache.v_pools):
+        pool[...] = rng.standard_normal(pool.shape, dtype=cupy.float32).astype(pool.dtype)
+
+
+def _decode_rows(attn, ceil, rng, b, kv_len, h, hk, d, n_splits=None, label=""):
+    kv_bytes = b * kv_len * hk * d * 2 * 2
+    n_layers = max(1, min(16, math.ceil(4 * _L2_BYTES / kv_bytes)))
+    page = 16
+    pages = b * -(-kv_len // page)
+    cache = PagedKVCache(n_layers, pages, page, hk, d, max_seqs=b)
+    _fill_pools(cache, rng)
+    slots = [cache.add(kv_len) for _ in range(b)]
+    plan = attn.plan_decode(cache, slots, h, n_splits=n_splits)
+    q = rng.standard_normal((b, h, d), dtype=cupy.float32)
+    out = cupy.empty_like(q)
+    k = {"i": 0}
+
+    def step():
+        layer = k["i"] % n_layers
+        k["i"] += 1
+        attn.flash_attn_decode(plan, layer, q, out)
+    us = time_graph_us(step, n_inner=max(8, 2 * n_layers))
+    nbytes = kv_bytes + 2 * b * h * d * 4
+    gbs = nbytes / (us * 1e-6) / 1e9
+    peer_us = None
+    if torch is not None and not label:
+        tq = torch.randn(b, h, 1, d, device="cuda", dtype=torch.float16)
+        tkv = [(torch.randn(b, hk, kv_len, d, device="cuda", dtype=torch.float16),
+                torch.randn(b, hk, kv_len, d, device="cuda", dtype=torch.float16)) for _ in range(n_layers)]
+        j = {"i": 0}
+
+        def peer():
+            kk, vv = tkv[j["i"] % n_layers]
+            j["i"] += 1
+            F.scaled_dot_product_attention(tq, kk, vv, enable_gqa=hk != h)
+        peer_us = _torch_graph_us(peer, max(8, 2 * n_layers))
+        del tkv
+    del cache
+    name = "decode" + (f" {label}" if label else "") + " (graph)"
+    return Row("attention", name, f"B{b} KV{kv_len} {h}/{hk} D{d} s{plan.n_splits}", us, gbs=gbs,
+               pct_ceiling=gbs / ceil.copy_gbs, peer="torch SDPA (default)" if peer_us else "", peer_us=peer_us)
+
+
+def _torch_graph_us(fn, n_inner):
+    from cukern.benchmark import time_torch_graph_us
+    try:
+        return time_torch_graph_us(fn, n_inner=n_inner)
+    except Exception as e:  # a backend that cannot be captured: time eagerly
+        print(f"note: torch graph capture failed ({type(e).__name__}); peer timed eagerly")
+        return time_us(fn)
+
+
+def _sdpa_us(b, h, hk, L, d, causal):
+    """(flash us, cudnn us) of torch SDPA at this shape; None where a backend is unavailable."""
+    if torch is None:
+        return None, None
+    q = torch.randn(b, h, L, d, device="cuda", dtype=torch.float16)
+    k = torch.randn(b, hk, L, d, device="cuda", dtype=torch.float16)
+    v = torch.randn(b, hk, L, d, device="cuda", dtype=torch.float16)
+    res = []
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+        try:
+            with sdpa_kernel(backend):
+                fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hk != h)  # noqa: E731
+                fn()
+                torch.cuda.synchronize()
+                res.append(time_us(fn, n_warmup=3, n_repeat=10))
+        except Exception as e:
+            print(f"note: torch SDPA backend {backend} unavailable at B{b} H{h} L{L} D{d}: {type(e).__name__}")
+            res.append(None)
+    del q, k, v
+    return res[0], res[1]
+
+
+def _flops(b, h, L, d, causal):
+    return (2.0 if causal else 4.0) * b * h * L * L * d
+
+
+def _prefill_row(attn, rng, b, L, h, hk, d, causal=True):
+    page = 64
+    cache = PagedKVCache(1, b * -(-L // page), page, hk, d, max_seqs=b)
+    _fill_pools(cache, rng)
+    slots = [cache.add(L) for _ in range(b)]
+    plan = attn.plan_batched(cache, slots, [L] * b)
+    q = rng.standard_normal((b * L, h, d), dtype=cupy.float32).astype(cupy.float16)
+    out = cupy.empty_like(q)
+    us = time_us(lambda: attn.flash_attn_batched(plan, 0, q, out, causal=causal), n_warmup=3, n_repeat=10)
+    del cache, q, out
+    return us
+
+
+def _varlen_us(attn, rng, b, L, h, hk, d, causal=True):
+    q = rng.standard_normal((b * L, h, d), dtype=cupy.float32).astype(cupy.float16)
+    k = rng.standard_normal((b * L, hk, d), dtype=cupy.float32).astype(cupy.float16)
+    v = rng.standard_normal((b * L, hk, d), dtype=cupy.float32).astype(cupy.float16)
+    cu = cupy.asarray(np.arange(b + 1, dtype=np.int32) * L)
+    out = cupy.empty_like(q)
+    lse = cupy.empty((b * L, h), cupy.float32)
+    return time_us(lambda: attn.flash_attn_varlen(q, k, v, cu, cu, out, max_seqlen_q=L, causal=causal, lse=lse),
+                   n_warmup=3, n_repeat=10)
+
+
+def _tc_row(kernel, b, L, h, hk, d, causal, us, peers):
+    flash, cudnn = peers
+    best = min([t for t in (flash, cudnn) if t is not None], default=None)
+    tf = _flops(b, h, L, d, causal) / (us * 1e-6) / 1e12
+    extra = {"cudnn_us": cudnn, "flash_us": flash}
+    pct = best / us if best else None  # = our TFLOP/s / the fastest SDPA backend's
+    return Row("attention", kernel, f"B{b} L{L} {h}/{hk} D{d}{' causal' if causal else ''}", us, tflops=tf,
+               pct_ceiling=pct, peer="SDPA flash" + (f" (cuDNN {cudnn:.0f}us)" if cudnn else ""), peer_us=flash,
+               extra=extra)
+
+
+def bench(quick: bool = False) -> tuple[list, object]:
+    attn = AttentionDispatch()
+    ceil = measure_ceilings()
+    rng = cupy.random.default_rng(0)
+    rows = []
+    # ---------------------------------------------------------------- decode
+    decode = [(1, 8192, 32, 8, 128), (1, 32768, 32, 8, 128), (32, 4096, 32, 8, 128), (1, 8192, 8, 1, 256),
+              (1, 8192, 4, 1, 256)]
+    if not quick:
+        decode = [(1, 1024, 32, 8, 128)] + decode[:2] + [(1, 131072, 32, 8, 128), (8, 4096, 32, 8, 128)] + \
+            decode[2:3] + [(64, 4096, 32, 8, 128), (1, 32768, 8, 1, 256)] + decode[3:] + [(32, 4096, 4, 1, 256)]
+    for b, L, h, hk, d in decode:
+        rows.append(_decode_rows(attn, ceil, rng, b, L, h, hk, d))
+    for s in (16, 32, 64):  # split-count sweep at the headline shape (the default is the row above)
+        rows.append(_decode_rows(attn, ceil, rng, 1, 8192, 32, 8, 128, n_splits=s, label=f"splits={s}"))
+    # ---------------------------------------------------------------- prefill (paged cache) and varlen
+    prefill = [(4, 4096, 32, 32, 128), (1, 1024, 32, 32, 128), (4, 4096, 16, 16, 256)]
+    if not quick:
+        prefill = [(16, 512, 32, 32, 128), (8, 1024, 32, 32, 128), (4, 2048, 32, 32, 128), (4, 4096, 32, 32, 128),
+                   (2, 8192, 32, 32, 128), (1, 16384, 32, 32, 128), (8, 1024, 16, 16, 256), (4, 4096, 16, 16, 256),
+                   (1, 16384, 16, 16, 256)]
+    for b, L, h, hk, d in prefill:
+        us = _prefill_row(attn, rng, b, L, h, hk, d)
+        rows.append(_tc_row("prefill paged f16", b, L, h, hk, d, True, us, _sdpa_us(b, h, hk, L, d, True)))
+    for b, L, h, hk, d, causal in [(4, 4096, 32, 32, 128, True)] + ([] if quick else [(4, 4096, 32, 8, 128, False)]):
+        us = _varlen_us(attn, rng, b, L, h, hk, d, causal)
+        rows.append(_tc_row("varlen f16 (+lse)", b, L, h, hk, d, causal, us, _sdpa_us(b, h, hk, L, d, causal)))
+    if torch is None:
+        print("note: torch is not installed here: the peer columns are empty")
+    return rows, ceil
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--quick", action="store_true", help="a few shapes only")
+    args = ap.parse_args(argv)
+    rows, ceil = bench(args.quick)
+    print_table(rows, ceil, "attention (decode: % of copy bandwidth; prefill/varlen: % of the fastest torch SDPA)")
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(rows_to_json(rows, ceil))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
