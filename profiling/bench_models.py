@@ -1,0 +1,184 @@
+"""Models benchmark: Gemma 3 270M Q4_K_M end to end on cukern, against Hugging Face transformers
+loading the same GGUF on the same GPU in the same run.
+
+Rows (``us``: wall time per prompt, or per decode step of the whole batch; every row synchronises
+before and after, so host launch overhead counts, as it does for a user):
+
+* ``prefill N``: one prompt of N = 128 / 1024 tokens (chunked prefill: tiled GEMM projections,
+  fused norm + RoPE + KV write, batched attention over the paged cache) to the last logits;
+  peer: transformers' forward over the same ids (bfloat16, and float32 in ``extra``);
+* ``decode bB graph``: greedy decode of B = 1 / 8 sequences, steady state of the CUDA graph
+  replays (embed, 18 layers, LM head, on-device sampling, position advance per replay);
+  GB/s counts the weights read once per step (the matvecs' bytes) against the copy ceiling;
+  peer: transformers' eager greedy ``generate`` (float32, the faster of its two dtypes here);
+* ``decode b1 eager``: the same step launched from Python kernel by kernel (no graph).
+
+Run: PYTHONPATH=. python profiling/bench_models.py [--quick] [--json out.json] [--no-peer]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+from cukern.benchmark import Row, measure_ceilings, print_table, rows_to_json
+
+_TEXT = ("The history of computing is a story of machines that grew faster, smaller and cheaper. "
+         "Early computers filled rooms; today a phone holds more power than the machines that sent people "
+         "to the moon. Graphics processors began as chips that drew triangles, and became the engines of "
+         "modern machine learning, because the same arithmetic that shades pixels multiplies matrices. ")
+
+
+def _prompt_ids(tok, n: int) -> list[int]:
+    ids = tok.encode(_TEXT * (n // 40 + 2))
+    return ids[:n]
+
+
+def _wall(fn, sync, repeat: int) -> float:
+    """Median wall time of fn() in us, synchronising before and after each call."""
+    times = []
+    for _ in range(repeat):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return float(np.median(times))
+
+
+class _HF:
+    """transformers' Gemma 3 loaded from the same GGUF (dequantized by transformers), on the GPU."""
+
+    def __init__(self, path: str, dtype: str):
+        import torch
+        from transformers import AutoModelForCausalLM
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                          dtype=getattr(torch, dtype)).to("cuda").eval()
+
+    def sync(self):
+        self.torch.cuda.synchronize()
+
+    def prefill_us(self, ids: list[int], repeat: int) -> float:
+        x = self.torch.tensor([ids], device="cuda")
+        with self.torch.no_grad():
+            self.model(x)
+            return _wall(lambda: self.model(x, use_cache=False), self.sync, repeat)
+
+    def decode_us(self, ids: list[int], batch: int, n_new: int) -> float:
+        """Per generate step (all sequences), greedy, from the time of n_new tokens minus a 1-token run."""
+        x = self.torch.tensor([ids] * batch, device="cuda")
+        kw = dict(do_sample=False, pad_token_id=0)
+        with self.torch.no_grad():
+            self.model.generate(x, max_new_tokens=4, min_new_tokens=4, **kw)
+            one = _wall(lambda: self.model.generate(x, max_new_tokens=1, min_new_tokens=1, **kw), self.sync, 2)
+            full = _wall(lambda: self.model.generate(x, max_new_tokens=n_new, min_new_tokens=n_new, **kw),
+                         self.sync, 1)
+        return (full - one) / (n_new - 1)
+
+    def close(self):
+        del self.model
+        self.torch.cuda.empty_cache()
+
+
+def bench(quick: bool = False, *, peer: bool = True) -> tuple[list, object]:
+    import cupy
+
+    from cukern.models import default_model_path
+    from cukern.models.gguf_loader import load_gguf
+    from cukern.models.tokenizer import Tokenizer
+    from cukern.models.transformer import Transformer
+
+    ceil = measure_ceilings()
+    rows: list[Row] = []
+    try:
+        path = default_model_path()
+    except FileNotFoundError as e:
+        print(f"bench_models: {e}", file=sys.stderr)
+        return rows, ceil
+    m = load_gguf(path)
+    tok = Tokenizer.from_gguf(m)
+    m.upload(progress=False)
+    n_new = 64 if quick else 256
+    lm = Transformer(m, max_seqs=8, max_tokens=1024 + n_new + 8, prefill_chunk=1024)
+    name = "gemma3-270m Q4_K_M"
+    sync = cupy.cuda.Device().synchronize
+    weight_bytes = sum(w.nbytes for L in lm.layers for w in (L.wq, L.wk, L.wv, L.wo, L.wg, L.wu, L.wd))
+    weight_bytes += lm.head.nbytes
+
+    hf = {}
+    if peer:
+        for dtype in ("bfloat16", "float32"):
+            try:
+                hf[dtype] = _HF(path, dtype)
+            except Exception as e:  # a missing transformers/accelerate is reported, the cukern rows still run
+                print(f"bench_models: transformers peer ({dtype}) unavailable: {type(e).__name__}: {e}",
+                      file=sys.stderr)
+
+    # ---- prefill
+    for n in (128, 1024):
+        ids = _prompt_ids(tok, n)
+        logits = cupy.empty(m.config.vocab_size, cupy.float32)
+
+        def run():
+            for s in lm.cache.active_slots():
+                lm.cache.free(s)
+            lm.prefill(ids, lm.cache.add(0), logits)
+
+        run()
+        us = _wall(run, sync, 3 if quick else 7)
+        peers = {}
+        for dtype, h in hf.items():
+            peers[f"transformers {dtype}"] = h.prefill_us(ids, 3 if quick else 5)
+        bf = peers.pop("transformers bfloat16", None)
+        rows.append(Row("models", f"prefill {n}: {n / us * 1e6:,.0f} tok/s", name, us,
+                        peer="transformers bf16" if bf else "", peer_us=bf,
+                        extra={"tok_s": n / us * 1e6, "peers": peers}))
+
+    # ---- decode
+    prompt = _prompt_ids(tok, 128)
+    for batch, graph in ((1, True), (1, False), (8, True)):
+        steps = n_new if graph else min(n_new, 64)
+        prompts = [prompt] * batch
+        lm.generate(prompts, 8, use_graph=graph)                 # warm-up: compile, first capture
+        _, stats = lm.generate(prompts, steps, use_graph=graph)
+        us = stats.decode_s / (stats.decode_tokens / batch) * 1e6   # per step of the batch
+        tok_s = stats.decode_tok_s
+        peers = {}
+        if graph:
+            for dtype, h in hf.items():
+                peers[f"transformers {dtype} eager"] = h.decode_us(prompt, batch, 32 if quick else 64)
+        f32 = peers.pop("transformers float32 eager", None)
+        gbs = weight_bytes / us / 1e3
+        rows.append(Row("models", f"decode b{batch} {'graph' if graph else 'eager'}: {tok_s:,.0f} tok/s", name, us,
+                        gbs=gbs, pct_ceiling=gbs / ceil.copy_gbs, peer="transformers f32 eager" if f32 else "",
+                        peer_us=f32, extra={"tok_s": tok_s, "peers": peers}))
+    for h in hf.values():
+        h.close()
+    return rows, ceil
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--quick", action="store_true", help="fewer decode steps and repeats")
+    ap.add_argument("--no-peer", action="store_true", help="skip transformers")
+    args = ap.parse_args(argv)
+    rows, ceil = bench(args.quick, peer=not args.no_peer)
+    print_table(rows, ceil, "models (us: per prompt, or per decode step of the batch; x peer > 1: cukern faster)")
+    for r in rows:
+        extra = ", ".join(f"{k} {v:,.0f} us" for k, v in r.extra.get("peers", {}).items())
+        if extra:
+            print(f"  {r.kernel.split(':')[0]}: also {extra}")
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(rows_to_json(rows, ceil))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
