@@ -113,7 +113,14 @@ def required_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 class _Reader(gguf.GGUFReader):
-    """GGUFReader that names the tensor when the file ends before that tensor's data does."""
+    """GGUFReader that names the tensor when the file ends before that tensor's data does, and
+    parses through a plain ndarray view of its memory map: np.memmap's per-slice bookkeeping is
+    most of the time of reading a 262k-token vocabulary (about 2x faster this way)."""
+
+    def _build_fields(self, offs, count):
+        if isinstance(self.data, np.memmap):
+            self.data = self.data.view(np.ndarray)   # same mapping (kept alive as the view's base)
+        return super()._build_fields(offs, count)
 
     def _build_tensors(self, start_offs, fields):
         size = len(self.data)
