@@ -449,7 +449,7 @@ def test_cli_generate_help_and_no_gpu_message():
     r = subprocess.run([sys.executable, "-m", "cukern", "generate", "--help"], capture_output=True, text=True,
                        cwd=os.path.dirname(os.path.dirname(__file__)))
     assert r.returncode == 0 and "--max-tokens" in r.stdout and "--temperature" in r.stdout
-    from tests.conftest import no_gpu_reason
+    from conftest import no_gpu_reason     # tests/conftest.py: pytest puts tests/ on sys.path
     if no_gpu_reason() is not None:
         r = subprocess.run([sys.executable, "-m", "cukern", "generate", "--prompt", "hi"], capture_output=True,
                            text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
