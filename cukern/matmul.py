@@ -39,10 +39,16 @@ __all__ = ["MatmulDispatch", "FAMILY", "FAMILIES", "GEMM_QTYPES", "q8_1_row_byte
 # weight types of the tiled GEMMs: GGML id -> short name (unit suffix)
 GEMM_QTYPES = {2: "q4_0", 6: "q5_0", 8: "q8_0", 12: "q4_k", 13: "q5_k", 14: "q6_k"}
 _TOKEN_TILES = (16, 32, 64, 128)  # BT of gemm_f16 (cuda_src/matmul/gemm.cuh, Cfg<BT>)
-_THREADS = {16: 128, 32: 128, 64: 128, 128: 256}
-_ROW_TILE = 128  # BR of the plain GEMM; the GLU GEMM uses 64 rows of each matrix
+_THREADS = 256
+_ROW_TILE = 128  # weight rows per CTA (kRows); the GLU GEMM takes 64 rows of each matrix
 _ROW_TILE_GLU = 64
-_BK = 32  # K elements per stage
+_BK = 64  # K elements per stage; K splits are multiples of it
+
+
+def _smem(bt: int, b_itemsize: int) -> int:
+    """Dynamic shared memory of gemm_f16 (gemm_smem_bytes in gemm.cuh; the kernel traps if short)."""
+    lds = _BK + 8
+    return 2 * (_ROW_TILE + bt) * lds * 2 + (bt * _BK * 4 if b_itemsize == 4 else 0)
 _W_ALIGN = {2: 2, 6: 2, 8: 2, 12: 16, 13: 16, 14: 2}  # bytes: the K4/K5 quants are read as uint4
 _B_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half"}
 _ACTS = {"swiglu": 2, "silu": 2, "geglu": 3, "gelu": 3}
@@ -174,7 +180,7 @@ class MatmulDispatch(Dispatch):
         target = 2 * self.sm_count()
         if ctas >= target:
             return 1
-        return max(1, min(-(-target // ctas), k // 256, 16))
+        return max(1, min(-(-target // ctas), k // 512, 16))
 
     # ------------------------------------------------------------------ GEMMs
     def gemm(self, w: QWeight, b: cupy.ndarray, d: cupy.ndarray, *, accumulate: bool = False,
@@ -204,7 +210,7 @@ class MatmulDispatch(Dispatch):
             if not isinstance(split_k, (int, np.integer)) or split_k < 1:
                 raise ValueError(f"split_k must be an int >= 1, got {split_k!r}")
             split = int(split_k)
-        k_split = -(-(-(-w.k // split)) // _BK) * _BK  # ceil(k / split), rounded up to 32
+        k_split = -(-(-(-w.k // split)) // _BK) * _BK  # ceil(k / split), rounded up to a stage
         split = -(-w.k // k_split)
         params = self.struct_of(w.qtype).pack(
             w_offset=w.offset, w2_offset=0, row_bytes=w.row_bytes, b_stride=b_stride, d_stride=d_stride,
@@ -213,8 +219,8 @@ class MatmulDispatch(Dispatch):
         if split > 1 and not accumulate:
             with resolve_stream(stream):
                 d.fill(0)  # an elementwise kernel on the launch stream: no allocation, capturable
-        self._units[w.qtype]._launch(name, (grid_t, grid_r, split), _THREADS[bt], (d, w.buf, w.buf, b), params,
-                                     stream=stream)
+        self._units[w.qtype]._launch(name, (grid_t, grid_r, split), _THREADS, (d, w.buf, w.buf, b), params,
+                                     stream=stream, shared_mem=_smem(bt, b.itemsize))
         return d
 
     def gemm_glu(self, w_gate: QWeight, w_up: QWeight, b: cupy.ndarray, d: cupy.ndarray, *,
@@ -246,8 +252,8 @@ class MatmulDispatch(Dispatch):
             w_offset=w_gate.offset, w2_offset=w_up.offset, row_bytes=w_gate.row_bytes, b_stride=b_stride,
             d_stride=d_stride, m=w_gate.m, n=n, k=w_gate.k, k_split=w_gate.k, mode=_ACTS[act], atomic=0)
         name = f"gemm_f16<{w_gate.qtype}, {bt}, true, {_B_TYPES[b.dtype]}>"
-        self._units[w_gate.qtype]._launch(name, (grid_t, grid_r, 1), _THREADS[bt], (d, w_gate.buf, w_up.buf, b),
-                                          params, stream=stream)
+        self._units[w_gate.qtype]._launch(name, (grid_t, grid_r, 1), _THREADS, (d, w_gate.buf, w_up.buf, b),
+                                          params, stream=stream, shared_mem=_smem(bt, b.itemsize))
         return d
 
     def struct_of(self, qtype: int):

@@ -92,6 +92,11 @@ def bench(quick: bool = False) -> tuple[list, Ceilings]:
                 rows.append(Row("matmul", f"gemm_f16 {name}", f"{m}x{k} N={n}", us, tflops=tf,
                                 pct_ceiling=tf / ceil.gemm_tflops, peer="deq+cuBLAS f16", peer_us=peer_deq,
                                 extra={"peers": peers}))
+                if n == 512:  # the same product from f32 activations (converted to f16 in the kernel)
+                    us32 = timer(lambda: mm.gemm(nxt(), b32, d))
+                    tf32 = flops / (us32 * 1e-6) / 1e12
+                    rows.append(Row("matmul", f"gemm_f16 {name} (f32 b)", f"{m}x{k} N={n}", us32, tflops=tf32,
+                                    pct_ceiling=tf32 / ceil.gemm_tflops, peer="deq+cuBLAS f16", peer_us=peer_deq))
                 del b16, b32, d, d16
             del weights, dense, w0
             cupy.get_default_memory_pool().free_all_blocks()

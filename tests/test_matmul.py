@@ -4,7 +4,8 @@ dequantization of random valid GGUF blocks.
 Tolerances (f16 tensor-core path; W and B are rounded to f16, products accumulate in f32):
 * against the exact float64 product: |out - ref| <= 2e-3 * rms(ref) + 2e-3 * |ref| (the issue's
   2e-3 relative; the rms floor covers outputs that cancel to near zero, where f16 input rounding,
-  ~2.4e-4 * rms per output, dominates any element-wise relative bound);
+  ~2.4e-4 * rms per output, dominates any element-wise relative bound); 4e-3 * rms for the fused
+  act(gate) * up, where the rounding noise of both products adds up;
 * against the float64 product of the f16-rounded operands (kernel error alone):
   |out - ref| <= 1e-4 * rms(ref) + 1e-4 * |ref|. One wrong nibble or scale is ~1e-2 * rms.
 Quantizers: int8 values agree exactly with the f32 re-computation of the kernel's arithmetic; d
@@ -37,8 +38,8 @@ def _rms(a):
     return float(np.sqrt(np.mean(np.square(a)))) + 1e-30
 
 
-def _check(out, want, tight, name="d"):
-    assert_close(out, want, atol=2e-3 * _rms(want), rtol=2e-3, name=name)
+def _check(out, want, tight, name="d", loose=2e-3):
+    assert_close(out, want, atol=loose * _rms(want), rtol=2e-3, name=name)
     assert_close(out, tight, atol=1e-4 * _rms(tight), rtol=1e-4, name=name + " (f16 inputs)")
 
 
@@ -132,7 +133,8 @@ def test_gemm_glu(mm, rng, q, act, n):
     b = _b(rng, n, k, np.float16 if n == 100 else np.float32)
     d = poison(cupy.empty((n, m), cupy.float32))
     mm.gemm_glu(wg, wu, cupy.asarray(b), d, act=act)
-    _check(d.get(), ref.glu(dg, du, b, act), ref.glu(dg, du, b, act, inputs=ref.gemm_f16_inputs))
+    # act(g) * u: the f16 input rounding of both products adds up (~2x the single-product floor)
+    _check(d.get(), ref.glu(dg, du, b, act), ref.glu(dg, du, b, act, inputs=ref.gemm_f16_inputs), loose=4e-3)
 
 
 @pytest.mark.gpu

@@ -4,15 +4,19 @@
 // layout), its B operand the weight tile (weight rows x k, "col"), so a thread's accumulator
 // pairs are two adjacent weight rows of one token: adjacent floats of a D column.
 //
-// CTA tile: BT tokens x BR weight rows (x 2 matrices for the fused gate+up GLU), K in 32-element
-// stages, double-buffered in shared memory with a register prefetch: while the warps multiply
-// stage s, each thread holds the raw GGUF bytes (and the B values) of stage s+1 in registers, then
-// dequantizes/converts them into the other buffer; one barrier per stage. Ragged M: rows past m
-// are read as row m-1 and never stored; ragged N: tokens past n are zeros and never stored.
+// CTA: 256 threads, BT tokens x 128 weight rows (the fused gate+up GLU: 64 rows of each matrix),
+// K in stages of 64 elements (two 32-element segments), double-buffered in shared memory:
+//   * W: each thread owns one (row, half segment) and prefetches the raw GGUF bytes of its two
+//     segments of stage s+1 into registers while the warps multiply stage s, then dequantizes
+//     them into the other buffer (blocks are only 2-byte aligned: cp.async cannot fetch them);
+//   * B: cp.async brings stage s+1 straight into the other buffer (f16), or into an f32 staging
+//     tile that the same thread converts to f16 after its copies land;
+// one barrier per stage. Ragged M: rows past m are read as row m-1 and never stored; ragged N:
+// tokens past n are zero-filled and never stored; a K tail of one segment is zero-filled.
 // Split K (blockIdx.z) adds partial sums with atomics into a D the host zeroed (or accumulates).
 //
-// Traffic per CTA and stage: BR (x2) rows x 32 weights (raw bytes), BT x 32 activations; W is
-// re-read once per token tile, B once per row tile (both mostly from L2).
+// Traffic per CTA and stage: 128 rows x 64 weights (raw bytes), BT x 64 activations; W is re-read
+// once per token tile, B once per row tile (both mostly from L2).
 #pragma once
 
 #include "common/mma.cuh"
@@ -22,16 +26,35 @@
 namespace cukern {
 namespace mm {
 
-constexpr int BK = 32;        // K elements per stage (one quant block / K-quant sub-block)
-constexpr int LDS = BK + 8;   // halves per shared row: 80 bytes, ldmatrix rows hit distinct banks
+constexpr int SEG = 32;        // K elements per segment (one quant block / K-quant sub-block)
+constexpr int BK = 2 * SEG;    // K elements per stage
+constexpr int LDS = BK + 8;    // halves per shared row: 144 bytes, ldmatrix rows hit distinct banks
+constexpr int kThreads = 256;
+constexpr int kRows = 128;     // weight rows per CTA (both matrices together for the GLU)
 
-// Threads and warp grid per token tile: WT warps along tokens x WR warps along weight rows.
-template <int BT> struct Cfg;
-// kMinBlocks: CTAs per SM the register allocation must allow (2 x 40 KB of shared memory at BT 128).
-template <> struct Cfg<128> { static constexpr int kThreads = 256, kWT = 2, kWR = 4, kMinBlocks = 2; };
-template <> struct Cfg<64> { static constexpr int kThreads = 128, kWT = 1, kWR = 4, kMinBlocks = 3; };
-template <> struct Cfg<32> { static constexpr int kThreads = 128, kWT = 1, kWR = 4, kMinBlocks = 4; };
-template <> struct Cfg<16> { static constexpr int kThreads = 128, kWT = 1, kWR = 4, kMinBlocks = 4; };
+// Warp grid per token tile: WT warps along tokens x WR along weight rows (WT * WR = 8).
+template <int BT> struct Cfg {
+    static constexpr int kWT = BT >= 64 ? 2 : 1, kWR = 8 / kWT;
+    static constexpr int kMinBlocks = BT >= 64 ? 2 : 3;  // CTAs per SM the registers must allow
+};
+
+// Dynamic shared memory of gemm_f16<., BT, ., TB>: W and B double buffers (+ the f32 staging tile).
+__host__ __device__ constexpr uint32_t gemm_smem_bytes(int bt, int b_bytes) {
+    return 2u * (kRows + bt) * LDS * 2 + (b_bytes == 4 ? (uint32_t)bt * BK * 4 : 0u);
+}
+
+// Two 8x8 b16 matrices (lanes 0-15 give the row addresses; the others must be valid too).
+CUKERN_DEVICE void ldmatrix_x2(uint32_t& r0, uint32_t& r1, const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(r0), "=r"(r1)
+                 : "r"(smem_addr(row)));
+}
+
+CUKERN_DEVICE uint32_t dynamic_smem_size() {
+    uint32_t r;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+    return r;
+}
 
 CUKERN_DEVICE float silu(float x) { return x / (1.0f + __expf(-x)); }
 CUKERN_DEVICE float gelu_tanh(float x) {
@@ -39,13 +62,11 @@ CUKERN_DEVICE float gelu_tanh(float x) {
     return 0.5f * x * (1.0f + tanhf(k0 * (x + 0.044715f * x * x * x)));
 }
 
-// Activations: 16-byte vectors of B (4 f32 or 8 f16), converted to f16 in shared memory.
-CUKERN_DEVICE uint4 zero4() { return make_uint4(0, 0, 0, 0); }
-CUKERN_DEVICE void store_b(__half* dst, uint4 v, const float*) {  // 4 f32 -> 4 halves
-    *reinterpret_cast<uint2*>(dst) = make_uint2(pack2<__half>(__uint_as_float(v.x), __uint_as_float(v.y)),
-                                                pack2<__half>(__uint_as_float(v.z), __uint_as_float(v.w)));
+// f32 staging -> f16 tile: 4 floats -> 4 halves (8 bytes)
+CUKERN_DEVICE void cvt4(__half* dst, const float* src) {
+    const float4 v = *reinterpret_cast<const float4*>(src);
+    *reinterpret_cast<uint2*>(dst) = make_uint2(pack2<__half>(v.x, v.y), pack2<__half>(v.z, v.w));
 }
-CUKERN_DEVICE void store_b(__half* dst, uint4 v, const __half*) { *reinterpret_cast<uint4*>(dst) = v; }
 
 // Write two adjacent outputs (rows row, row+1 of token column `col`) under the epilogue.
 CUKERN_DEVICE void put2(float* col, uint32_t row, float v0, float v1, const GemmParams& p, bool vec) {
@@ -71,101 +92,143 @@ CUKERN_DEVICE void put2(float* col, uint32_t row, float v0, float v1, const Gemm
 }  // namespace cukern
 
 template <int QT, int BT, bool GLU, typename TB>
-__global__ void __launch_bounds__(cukern::mm::Cfg<BT>::kThreads, cukern::mm::Cfg<BT>::kMinBlocks) gemm_f16(
+__global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::Cfg<BT>::kMinBlocks) gemm_f16(
     float* __restrict__ d,             // [n, d_stride] f32 out: d[c * d_stride + r], r < m
     const uint8_t* __restrict__ w,     // raw GGUF bytes: W (glu: gate) = m rows from w + w_offset
     const uint8_t* __restrict__ w2,    // glu: the up matrix, m rows from w2 + w2_offset; else unused
     const TB* __restrict__ b,          // [n, b_stride] f32 or f16 columns, 16-byte aligned rows, k used
-    const GemmParams p) {
+    const GemmParams p) {              // dynamic shared memory: gemm_smem_bytes(BT, sizeof(TB))
     using namespace cukern;
     using namespace cukern::mm;
     using C = Cfg<BT>;
-    constexpr int NMAT = GLU ? 2 : 1, BR = GLU ? 64 : 128, ROWS = NMAT * BR;
-    constexpr int WTT = BT / C::kWT, WRR = BR / C::kWR;  // tokens, rows (per matrix) of one warp
-    constexpr int MT = WTT / 16, NR = WRR / 8;           // m16 tiles (tokens), n8 tiles (rows)
-    static_assert(MT >= 1 && NR % 2 == 0, "warp tile");
-    constexpr int WU = ROWS * 2 / C::kThreads;           // weight units (half segments) per thread
-    static_assert(WU * C::kThreads == ROWS * 2, "weight units");
-    constexpr int VEC = 16 / sizeof(TB), PER_TOK = BK / VEC, BU = BT * PER_TOK;
-    constexpr int BUT = (BU + C::kThreads - 1) / C::kThreads;  // B vectors per thread (some idle at BT 16)
+    constexpr int NMAT = GLU ? 2 : 1, BR = kRows / NMAT;  // rows of each matrix per CTA
+    constexpr int WTT = BT / C::kWT, WRR = BR / C::kWR;   // tokens, rows (per matrix) of one warp
+    constexpr int MT = WTT / 16, NR = WRR / 8;            // m16 tiles (tokens), n8 tiles (rows)
+    static_assert(MT >= 1 && NR >= 1 && (NR % 2 == 0 || NR == 1), "warp tile");
+    static_assert(kRows * 2 == kThreads, "one (row, half segment) per thread");
+    constexpr bool F32 = sizeof(TB) == 4;
+    constexpr int VEC = 16 / sizeof(TB), PER_TOK = BK / VEC, CH = BT * PER_TOK;  // 16-byte chunks of a B stage
+    constexpr int CPT = (CH + kThreads - 1) / kThreads;                          // per thread (BT 16: some idle)
 
-    __shared__ __align__(16) __half sw[2][ROWS][LDS];
-    __shared__ __align__(16) __half sb[2][BT][LDS];
+    extern __shared__ __align__(16) uint8_t smem[];
+    auto sw = reinterpret_cast<__half(*)[kRows][LDS]>(smem);                    // [2][kRows][LDS]
+    auto sb = reinterpret_cast<__half(*)[BT][LDS]>(smem + 2 * kRows * LDS * 2);  // [2][BT][LDS]
+    float* stage32 = reinterpret_cast<float*>(smem + 2 * (kRows + BT) * LDS * 2);  // [BT][BK] (f32 B only)
+    if (threadIdx.x == 0 && dynamic_smem_size() < gemm_smem_bytes(BT, sizeof(TB))) __trap();
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int wt = warp / C::kWR, wr = warp % C::kWR;
     const uint32_t t0 = blockIdx.x * BT, r0 = blockIdx.y * BR;
     const uint32_t kbeg = blockIdx.z * p.k_split;
-    const int n_stages = (int)((min(p.k, kbeg + p.k_split) - kbeg) / BK);
-    const uint32_t kb0 = kbeg / BK;
+    const uint32_t n_segs = (min(p.k, kbeg + p.k_split) - kbeg) / SEG;
+    const int n_stages = (int)((n_segs + 1) / 2);
+    const uint32_t seg0 = kbeg / SEG;
 
-    // this thread's weight units: (row of the tile, part)
-    const uint8_t* wrow[WU];
-    int wpart[WU], wdst[WU];
-#pragma unroll
-    for (int i = 0; i < WU; ++i) {
-        const int u = tid + i * C::kThreads, row = u / 2, mat = row / BR;
-        const uint32_t grow = min(r0 + row % BR, p.m - 1);  // past m: a valid row, never stored
-        wrow[i] = (mat ? w2 + p.w2_offset : w + p.w_offset) + (size_t)grow * p.row_bytes;
-        wpart[i] = u % 2;
-        wdst[i] = row;
+    // this thread's weight unit: (row of the tile, part), both segments of every stage
+    const int wrow_tile = tid / 2, wpart = tid % 2;
+    const uint8_t* wrow;
+    {
+        const int mat = wrow_tile / BR;
+        const uint32_t grow = min(r0 + wrow_tile % BR, p.m - 1);  // past m: a valid row, never stored
+        wrow = (mat ? w2 + p.w2_offset : w + p.w_offset) + (size_t)grow * p.row_bytes;
     }
-    typename Deq<QT>::Raw wraw[WU];
-    uint4 braw[BUT];
+    typename Deq<QT>::Raw wraw[2];
 
-    auto load_stage = [&](int s) {
+    auto load_w = [&](int s) {
 #pragma unroll
-        for (int i = 0; i < WU; ++i) Deq<QT>::load(wraw[i], wrow[i], kb0 + s, wpart[i]);
+        for (int i = 0; i < 2; ++i)
+            if (2 * s + i < (int)n_segs) Deq<QT>::load(wraw[i], wrow, seg0 + 2 * s + i, wpart);
+    };
+    auto store_w = [&](int s, int buf) {
 #pragma unroll
-        for (int i = 0; i < BUT; ++i) {
-            const int u = tid + i * C::kThreads;
-            const uint32_t tok = t0 + u / PER_TOK;
-            braw[i] = zero4();
-            if (u < BU && tok < p.n)
-                braw[i] = *reinterpret_cast<const uint4*>(b + (size_t)tok * p.b_stride + kbeg + s * BK + (u % PER_TOK) * VEC);
+        for (int i = 0; i < 2; ++i) {
+            __half* seg = &sw[buf][wrow_tile][i * SEG];
+            if (2 * s + i < (int)n_segs) {
+                Deq<QT>::store(wraw[i], seg, wpart);
+            } else {  // K tail: the two parts zero the whole segment
+                st16(seg + 16 * wpart, make_uint4(0, 0, 0, 0));
+                st16(seg + 16 * wpart + 8, make_uint4(0, 0, 0, 0));
+            }
         }
     };
-    auto store_stage = [&](int buf) {
+    // B chunk c of a stage: token c / PER_TOK, element (c % PER_TOK) * VEC; zero-filled past n / K
+    auto issue_b = [&](int s, int buf) {
 #pragma unroll
-        for (int i = 0; i < WU; ++i) Deq<QT>::store(wraw[i], &sw[buf][wdst[i]][0], wpart[i]);
+        for (int i = 0; i < CPT; ++i) {
+            const int c = tid + i * kThreads;
+            if (CH % kThreads == 0 || c < CH) {
+                const int tk = c / PER_TOK, e = (c % PER_TOK) * VEC;
+                const uint32_t tok = t0 + tk, kel = 2 * s * SEG + e;  // element within the split
+                const bool ok = tok < p.n && kel < n_segs * SEG;
+                const TB* src = ok ? b + (size_t)tok * p.b_stride + kbeg + kel : b;
+                void* dst = F32 ? (void*)(stage32 + tk * BK + e) : (void*)&sb[buf][tk][e];
+                cp_async16(dst, src, ok ? 16u : 0u);
+            }
+        }
+        cp_async_commit();
+    };
+    auto finish_b = [&](int buf) {  // after cp_async_wait: f32 staging -> f16 (own chunks only)
+        if (F32) {
 #pragma unroll
-        for (int i = 0; i < BUT; ++i) {
-            const int u = tid + i * C::kThreads;
-            if (u < BU) store_b(&sb[buf][u / PER_TOK][(u % PER_TOK) * VEC], braw[i], b);
+            for (int i = 0; i < CPT; ++i) {
+                const int c = tid + i * kThreads;
+                if (CH % kThreads == 0 || c < CH) {
+                    const int tk = c / PER_TOK, e = (c % PER_TOK) * VEC;
+                    cvt4(&sb[buf][tk][e], stage32 + tk * BK + e);
+                }
+            }
         }
     };
 
     float acc[NMAT][MT][NR][4] = {};
     if (n_stages > 0) {
-        load_stage(0);
-        store_stage(0);
+        issue_b(0, 0);
+        load_w(0);
+        store_w(0, 0);
+        cp_async_wait<0>();
+        finish_b(0);
     }
     __syncthreads();
     for (int s = 0; s < n_stages; ++s) {
         const int buf = s & 1;
-        if (s + 1 < n_stages) load_stage(s + 1);
+        const bool more = s + 1 < n_stages;
+        if (more) {
+            issue_b(s + 1, buf ^ 1);  // that buffer was last read in stage s-1, before the barrier
+            load_w(s + 1);
+        }
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) {
-            uint32_t af[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-                ldmatrix_x4(af[mt], &sb[buf][wt * WTT + mt * 16 + (lane & 15)][kk * 16 + (lane >> 4) * 8]);
+            // the warp's weight fragments first (n8 tile j: bw[mat][j / 2][2 (j % 2)], [.. + 1]),
+            // then one activation fragment at a time: fewer live registers than the other order
+            uint32_t bw[NMAT][(NR + 1) / 2][4];
 #pragma unroll
             for (int mat = 0; mat < NMAT; ++mat) {
+                const int rbase = mat * BR + wr * WRR;
+                if (NR == 1) {
+                    ldmatrix_x2(bw[mat][0][0], bw[mat][0][1], &sw[buf][rbase + (lane & 7)][kk * 16 + ((lane >> 3) & 1) * 8]);
+                } else {
 #pragma unroll
-                for (int np = 0; np < NR / 2; ++np) {
-                    uint32_t bf[4];  // n8 tiles 2np (bf[0], bf[1]) and 2np+1 (bf[2], bf[3])
-                    ldmatrix_x4(bf, &sw[buf][mat * BR + wr * WRR + np * 16 + (lane & 7) + ((lane >> 4) << 3)]
-                                       [kk * 16 + ((lane >> 3) & 1) * 8]);
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        mma16816<__half>(acc[mat][mt][2 * np], af[mt], bf[0], bf[1]);
-                        mma16816<__half>(acc[mat][mt][2 * np + 1], af[mt], bf[2], bf[3]);
-                    }
+                    for (int np = 0; np < NR / 2; ++np)
+                        ldmatrix_x4(bw[mat][np], &sw[buf][rbase + np * 16 + (lane & 7) + ((lane >> 4) << 3)]
+                                                    [kk * 16 + ((lane >> 3) & 1) * 8]);
                 }
             }
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                uint32_t af[4];
+                ldmatrix_x4(af, &sb[buf][wt * WTT + mt * 16 + (lane & 15)][kk * 16 + (lane >> 4) * 8]);
+#pragma unroll
+                for (int mat = 0; mat < NMAT; ++mat)
+#pragma unroll
+                    for (int nr = 0; nr < NR; ++nr)
+                        mma16816<__half>(acc[mat][mt][nr], af, bw[mat][nr / 2][2 * (nr % 2)], bw[mat][nr / 2][2 * (nr % 2) + 1]);
+            }
         }
-        if (s + 1 < n_stages) store_stage(buf ^ 1);
+        if (more) {
+            store_w(s + 1, buf ^ 1);
+            cp_async_wait<0>();
+            finish_b(buf ^ 1);
+        }
         __syncthreads();
     }
 
