@@ -454,3 +454,29 @@ def test_cli_generate_help_and_no_gpu_message():
         r = subprocess.run([sys.executable, "-m", "cukern", "generate", "--prompt", "hi"], capture_output=True,
                            text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
         assert r.returncode == 1 and "needs a CUDA GPU" in r.stderr
+
+
+# ----------------------------------------------------------------------------- orchestration on the CPU
+
+@pytest.mark.parametrize("arch,chunk", [("gemma3", 5), ("gemma3", 16), ("qwen2", 16), ("llama", 5)])
+def test_transformer_orchestration_on_numpy_fakes(tiny, arch, chunk, rng, monkeypatch):
+    """The GPU forward's control flow with every dispatch replaced by a NumPy fake (tests/model_fakes.py):
+    three prompts of 29, 3 and 11 tokens (pages of 4: ragged last pages; 29 > the Gemma window of 8;
+    chunks of 5 rows use the matvec, of 16 the GEMM) decode together through a replayed "graph", and
+    every sequence's 9 greedy tokens equal the float64 reference's; eager decode and a single sequence
+    give the same tokens; a stop id ends a sequence after it."""
+    from model_fakes import fake_transformer
+    m = load_gguf(tiny[arch])
+    t = fake_transformer(m, monkeypatch, max_seqs=3, max_tokens=48, page_size=4, prefill_chunk=chunk)
+    prompts = [rng.integers(0, m.config.vocab_size, size=n).tolist() for n in (29, 3, 11)]
+    out, stats = t.generate(prompts, 9)
+    assert stats.decode_tokens == 7 * 3 and t._dec["graph"].replays == 7
+    assert (t.gemm.launches > 0) == (chunk > 8)
+    ref = ReferenceModel(m.config, m.tensors)
+    for p, o in zip(prompts, out):
+        assert o == ref.generate(p, 9)
+    assert t.generate([prompts[0]], 9, use_graph=False)[0][0] == out[0]
+    stop = out[1][3]
+    cut = t.generate([prompts[1]], 9, stop_ids=[stop], on_token=lambda step, ids: None)[0][0]
+    assert cut == out[1][:out[1].index(stop) + 1]
+    assert t.cache.active_slots() == [0]
