@@ -18,7 +18,9 @@ __version__ = "0.1.0"
 FAMILY_MODULES = {
     "elementwise": "cukern.elementwise",
     **{name: "cukern.matmul" for name in ("matmul", "matmul_f16_q4_0", "matmul_f16_q5_0", "matmul_f16_q8_0",
-                                          "matmul_f16_q4_k", "matmul_f16_q5_k", "matmul_f16_q6_k")},  # matmul.FAMILIES
+                                          "matmul_f16_q4_k", "matmul_f16_q5_k", "matmul_f16_q6_k",
+                                          "matmul_i8_q4_0", "matmul_i8_q5_0", "matmul_i8_q8_0",
+                                          "matmul_i8_q4_k", "matmul_i8_q5_k", "matmul_i8_q6_k")},  # matmul.FAMILIES
     "dmmv": "cukern.dmmv", "dmmv_glu": "cukern.dmmv", "dmmv_moe": "cukern.dmmv",  # three units: dmmv.FAMILIES
     # the attention family is five units (FamilySpecs) of one module, listed in its FAMILIES
     **{name: "cukern.attention" for name in ("attention", "attention_bf16", "attention_f32",

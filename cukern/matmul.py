@@ -40,6 +40,7 @@ __all__ = ["MatmulDispatch", "FAMILY", "FAMILIES", "GEMM_QTYPES", "q8_1_row_byte
 GEMM_QTYPES = {2: "q4_0", 6: "q5_0", 8: "q8_0", 12: "q4_k", 13: "q5_k", 14: "q6_k"}
 _TOKEN_TILES = (16, 32, 64, 128)  # BT of gemm_f16 (cuda_src/matmul/gemm.cuh, Cfg<BT>)
 _THREADS = 256
+_I8_MAX_TILE = 64  # gemm_q8 at 128 tokens spills its 128 registers (ptxas): 64-token tiles beyond
 _ROW_TILE = 128  # weight rows per CTA (kRows); the GLU GEMM takes 64 rows of each matrix
 _ROW_TILE_GLU = 64
 _BK = 64  # K elements per stage; K splits are multiples of it
@@ -76,13 +77,24 @@ def _gemm_unit(qt: int) -> FamilySpec:
                       params_header="matmul/params.cuh")
 
 
+def _i8_unit(qt: int) -> FamilySpec:
+    kernels = [KernelSpec(f"gemm_q8<{qt}, {bt}>", "GemmParams") for bt in _TOKEN_TILES if bt <= _I8_MAX_TILE]
+    return FamilySpec(f"matmul_i8_{GEMM_QTYPES[qt]}", tuple(kernels), source="matmul/gemm_i8.cu",
+                      params_header="matmul/params.cuh")
+
+
+def _smem_q8(bt: int) -> int:
+    """Dynamic shared memory of gemm_q8 (gemm_q8_smem_bytes in gemm_i8.cuh; the kernel traps if short)."""
+    return 2 * (_ROW_TILE + bt) * (_BK + 16) + 2 * _ROW_TILE * 6 * 4 + 2 * bt * 2 * 4
+
+
 FAMILY = FamilySpec(
     name="matmul",
     kernels=tuple([KernelSpec(f"quantize_q8<{f}>", "QuantizeParams") for f in (0, 1)]
                   + [KernelSpec(f"dequantize_f16<{q}>", "DequantParams") for q in GEMM_QTYPES]),
 )
 # One RawModule per unit: the quantizers, and the tiled GEMM per weight type (each ~ a few s of NVRTC).
-FAMILIES = {f.name: f for f in [FAMILY] + [_gemm_unit(q) for q in GEMM_QTYPES]}
+FAMILIES = {f.name: f for f in [FAMILY] + [_gemm_unit(q) for q in GEMM_QTYPES] + [_i8_unit(q) for q in GEMM_QTYPES]}
 
 
 class _Unit(Dispatch):
@@ -127,6 +139,7 @@ class MatmulDispatch(Dispatch):
     def __init__(self, device: int | None = None):
         super().__init__(device)
         self._units = {q: _Unit(FAMILIES[f"matmul_f16_{s}"], device) for q, s in GEMM_QTYPES.items()}
+        self._units_i8 = {q: _Unit(FAMILIES[f"matmul_i8_{s}"], device) for q, s in GEMM_QTYPES.items()}
         self._sms: int | None = None
 
     def sm_count(self) -> int:
@@ -200,27 +213,69 @@ class MatmulDispatch(Dispatch):
         self._aligned16("b", b, b_stride)
         if _overlap(b, d):
             raise ValueError("b and d must not overlap")
-        bt = self._tile(n)
+        bt, grid, k_split = self._grid(n, w, split_k, "gemm")
+        params = self.struct_of(w.qtype).pack(
+            w_offset=w.offset, w2_offset=0, row_bytes=w.row_bytes, b_stride=b_stride, d_stride=d_stride,
+            m=w.m, n=n, k=w.k, k_split=k_split, mode=1 if accumulate else 0, atomic=int(grid[2] > 1))
+        name = f"gemm_f16<{w.qtype}, {bt}, false, {_B_TYPES[b.dtype]}>"
+        self._zero_for_split(d, grid, accumulate, stream)
+        self._units[w.qtype]._launch(name, grid, _THREADS, (d, w.buf, w.buf, b), params,
+                                     stream=stream, shared_mem=_smem(bt, b.itemsize))
+        return d
+
+    def _grid(self, n: int, w: QWeight, split_k, what: str, max_tile: int = _TOKEN_TILES[-1]):
+        """(token tile, grid (token tiles, row tiles, K slices), K elements per slice)."""
+        bt = min(self._tile(n), max_tile)
         grid_t, grid_r = -(-n // bt), -(-w.m // _ROW_TILE)
         if grid_t > 2**31 - 1 or grid_r > 65535:
-            raise ValueError(f"gemm: {n} columns x {w.m} rows exceed the grid limits")
+            raise ValueError(f"{what}: {n} columns x {w.m} rows exceed the grid limits")
         if split_k is None:
             split = self._split(grid_t * grid_r, w.k)
         else:
-            if not isinstance(split_k, (int, np.integer)) or split_k < 1:
+            if not isinstance(split_k, (int, np.integer)) or isinstance(split_k, bool) or split_k < 1:
                 raise ValueError(f"split_k must be an int >= 1, got {split_k!r}")
             split = int(split_k)
         k_split = -(-(-(-w.k // split)) // _BK) * _BK  # ceil(k / split), rounded up to a stage
-        split = -(-w.k // k_split)
-        params = self.struct_of(w.qtype).pack(
-            w_offset=w.offset, w2_offset=0, row_bytes=w.row_bytes, b_stride=b_stride, d_stride=d_stride,
-            m=w.m, n=n, k=w.k, k_split=k_split, mode=1 if accumulate else 0, atomic=int(split > 1))
-        name = f"gemm_f16<{w.qtype}, {bt}, false, {_B_TYPES[b.dtype]}>"
-        if split > 1 and not accumulate:
+        return bt, (grid_t, grid_r, -(-w.k // k_split)), k_split
+
+    @staticmethod
+    def _zero_for_split(d, grid, accumulate: bool, stream) -> None:
+        if grid[2] > 1 and not accumulate:  # K slices add into d with atomics
             with resolve_stream(stream):
                 d.fill(0)  # an elementwise kernel on the launch stream: no allocation, capturable
-        self._units[w.qtype]._launch(name, (grid_t, grid_r, split), _THREADS, (d, w.buf, w.buf, b), params,
-                                     stream=stream, shared_mem=_smem(bt, b.itemsize))
+
+    def gemm_q8(self, w: QWeight, a: cupy.ndarray, d: cupy.ndarray, *, accumulate: bool = False,
+                split_k: int | None = None, stream=None) -> cupy.ndarray:
+        """``d = W a`` on int8 tensor cores, a holding Q8_1 activations (:meth:`quantize_q8_1`, or
+        ``ElementwiseDispatch.residual_rms_norm_q8_1``); ``accumulate``: ``d += W a``.
+
+        w: QWeight [m, k] (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K); a: uint8 [n, k / 32 * 36] Q8_1
+        rows (a row-strided view is fine; rows 4-byte aligned); d: [n, m] f32. Per 32-element
+        block the integer dot product is exact; scales apply in f32. ``split_k`` as :meth:`gemm`."""
+        w = self._weight("w", w)
+        nb = w.k // 32 * Q8_1_BYTES
+        check_array("a", a, dtype=_U8, ndim=2, contiguous=False)
+        n = a.shape[0]
+        if n < 1:
+            raise ValueError(f"a must have at least one column (token), got shape {a.shape}")
+        if a.shape[1] != nb or a.strides[1] != 1 or (n > 1 and a.strides[0] < nb):
+            raise ValueError(f"a must be uint8 [n, {nb}] (Q8_1 rows of k = {w.k}) with contiguous rows, "
+                             f"got shape {a.shape} strides {a.strides}")
+        a_stride = a.strides[0] if n > 1 else nb
+        if a.data.ptr % 4 or a_stride % 4:
+            raise ValueError("a rows must start 4-byte aligned")
+        d_stride = _cols("d", d, _F32, w.m)
+        if d.shape[0] != n:
+            raise ValueError(f"d must be [{n}, {w.m}] (one row per row of a), got shape {d.shape}")
+        if _overlap(a, d):
+            raise ValueError("a and d must not overlap")
+        bt, grid, k_split = self._grid(n, w, split_k, "gemm_q8", _I8_MAX_TILE)
+        params = self.struct_of(w.qtype).pack(
+            w_offset=w.offset, w2_offset=0, row_bytes=w.row_bytes, b_stride=a_stride, d_stride=d_stride,
+            m=w.m, n=n, k=w.k, k_split=k_split, mode=1 if accumulate else 0, atomic=int(grid[2] > 1))
+        self._zero_for_split(d, grid, accumulate, stream)
+        self._units_i8[w.qtype]._launch(f"gemm_q8<{w.qtype}, {bt}>", grid, _THREADS, (d, w.buf, a), params,
+                                        stream=stream, shared_mem=_smem_q8(bt))
         return d
 
     def gemm_glu(self, w_gate: QWeight, w_up: QWeight, b: cupy.ndarray, d: cupy.ndarray, *,

@@ -7,6 +7,10 @@ against the pipelines a user would otherwise run, all measured in this run:
   quantized kernel is expected to beat at large N: it reads 2-4x the weight bytes but runs wgmma);
 * ``dmmv batched`` (N <= 64): the dmmv family's matvec, 8 columns per launch.
 
+Rows: ``gemm_f16`` (f16 activations, f16 tensor cores), ``quantize+gemm_q8`` (f32 activations
+quantized to Q8_1, then the int8 tensor-core GEMM; both launches timed), and at N = 512 the f16
+path from f32 activations.
+
 FLOPs counted: 2 M N K per product. %ceil: of the cuBLAS f16 GEMM rate (8192^3) measured in this
 run. Weights are rotated over enough copies to exceed the 50 MB L2; times below ~50 us are
 replayed from a CUDA graph (launch cost excluded), both for cukern and for the dmmv peer.
@@ -92,6 +96,13 @@ def bench(quick: bool = False) -> tuple[list, Ceilings]:
                 rows.append(Row("matmul", f"gemm_f16 {name}", f"{m}x{k} N={n}", us, tflops=tf,
                                 pct_ceiling=tf / ceil.gemm_tflops, peer="deq+cuBLAS f16", peer_us=peer_deq,
                                 extra={"peers": peers}))
+                # int8 path: f32 activations quantized to Q8_1 (one pass), then the int8 GEMM
+                qa = cupy.empty((n, k // 32 * 36), cupy.uint8)
+                us8 = timer(lambda: (mm.quantize_q8_1(b32, qa), mm.gemm_q8(nxt(), qa, d)))
+                tf8 = flops / (us8 * 1e-6) / 1e12
+                rows.append(Row("matmul", f"quantize+gemm_q8 {name}", f"{m}x{k} N={n}", us8, tflops=tf8,
+                                pct_ceiling=tf8 / ceil.gemm_tflops, peer="deq+cuBLAS f16", peer_us=peer_deq,
+                                extra={"peers": dict(peers)}))
                 if n == 512:  # the same product from f32 activations (converted to f16 in the kernel)
                     us32 = timer(lambda: mm.gemm(nxt(), b32, d))
                     tf32 = flops / (us32 * 1e-6) / 1e12

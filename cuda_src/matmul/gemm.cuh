@@ -35,7 +35,7 @@ constexpr int kRows = 128;     // weight rows per CTA (both matrices together fo
 // Warp grid per token tile: WT warps along tokens x WR along weight rows (WT * WR = 8).
 template <int BT> struct Cfg {
     static constexpr int kWT = BT >= 64 ? 2 : 1, kWR = 8 / kWT;
-    static constexpr int kMinBlocks = BT >= 64 ? 2 : 3;  // CTAs per SM the registers must allow
+    static constexpr int kMinBlocks = BT >= 32 ? 2 : 3;  // CTAs per SM the registers must allow
 };
 
 // Dynamic shared memory of gemm_f16<., BT, ., TB>: W and B double buffers (+ the f32 staging tile).

@@ -74,3 +74,29 @@ def dequantize_q8(d: np.ndarray, qs: np.ndarray) -> np.ndarray:
     """The values a Q8 block row stands for: d[block] * qs, float64 [n_rows, n_cols]."""
     n_rows, n_cols = qs.shape
     return (np.asarray(d, np.float64)[..., None] * qs.reshape(n_rows, n_cols // 32, 32)).reshape(n_rows, n_cols)
+
+
+def k_mins(raw: np.ndarray, qtype: int, m: int, k: int) -> np.ndarray:
+    """c[i, seg] = dmin * m_seg of each 32-element sub-block of a Q4_K / Q5_K matrix (the offset
+    the int8 path folds in through the activations' s), float64 [m, k / 32]; zeros for other types."""
+    name, _, bb = TYPES[qtype]
+    if name not in ("Q4_K", "Q5_K"):
+        return np.zeros((m, k // 32))
+    blk = np.asarray(raw, np.uint8).reshape(m, k // 256, bb).astype(np.int64)
+    dmin = blk[..., 2:4].astype(np.uint8).copy().view(np.float16)[..., 0].astype(np.float64)
+    s = blk[..., 4:16]
+    mins = np.empty((m, k // 256, 8), np.int64)
+    for j in range(8):
+        mins[..., j] = (s[..., j + 4] & 63) if j < 4 else ((s[..., j + 4] >> 4) | ((s[..., j] >> 6) << 4))
+    return (dmin[..., None] * mins).reshape(m, k // 32)
+
+
+def gemm_q8_1(w_dense: np.ndarray, mins: np.ndarray, d: np.ndarray, s: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """The int8 path's exact math in float64: W against the Q8_1 activations (d, s, qs as stored,
+    [n, k / 32], [n, k / 32], [n, k]), the Q4_K/Q5_K offset applied through the stored s:
+    sum_seg (W_seg . qa_seg) da_seg + c_seg (da_seg sum(qa_seg) - s_seg)."""
+    n, k = qs.shape
+    x = dequantize_q8(d, qs)
+    out = gemm(w_dense, x)
+    drift = d * qs.reshape(n, k // 32, 32).sum(-1) - s  # [n, k / 32]: what using s instead changes
+    return out + drift @ np.asarray(mins, np.float64).T

@@ -1,0 +1,215 @@
+// gemm_q8: D = W A for N token columns of Q8_1 activations on int8 tensor cores
+// (mma.sync m16n8k32 s8 -> s32; m16n8k16 for Q6_K, whose scales cover 16 elements).
+//
+// Same CTA shape as gemm_f16 (256 threads, BT tokens x 128 weight rows, 64-element stages of two
+// 32-element segments, double-buffered, one barrier per stage), int8 tiles instead of f16:
+//   * W: raw GGUF bytes of stage s+1 prefetched into registers (Deq<QT>::load), converted to int8
+//     quants + per-segment f32 scales (i8_tile.cuh) after the warps multiply stage s;
+//   * A: the Q8_1 blocks of stage s+1 arrive by cp.async (4-byte words: blocks are 36 bytes):
+//     quants into the int8 tile, (d, s) into a per-token table.
+// Each segment's integer dot products are exact (s32); the f32 accumulator then takes
+//   acc += da * a * dot (- c * s for Q4_K/Q5_K), per (token, row) pair a thread holds.
+// Ragged M/N and split K as gemm_f16 (zero-filled activations contribute nothing: d = s = 0).
+#pragma once
+
+#include "common/mma.cuh"
+#include "common/q8_1.cuh"
+#include "matmul/gemm.cuh"
+#include "matmul/i8_tile.cuh"
+
+namespace cukern {
+namespace mm {
+
+constexpr int LDQ = BK + 16;  // bytes per int8 shared row: 80, ldmatrix rows hit distinct banks
+
+// Dynamic shared memory of gemm_q8<., BT>: int8 W and A tiles, W scales (a[4], c[2]), A (d, s).
+__host__ __device__ constexpr uint32_t gemm_q8_smem_bytes(int bt) {
+    return 2u * (kRows + bt) * LDQ + 2u * kRows * (4 + 2) * 4 + 2u * bt * 2 * 4;
+}
+
+// 4-byte global -> shared copy through L1; src_bytes = 0 writes zeros (src not read).
+CUKERN_DEVICE void cp_async4(void* smem, const void* gmem, uint32_t src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem), "r"(src_bytes));
+}
+
+CUKERN_DEVICE void mma_s8_k32(int (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+CUKERN_DEVICE void mma_s8_k16(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t b0) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};\n"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(b0));
+}
+
+}  // namespace mm
+}  // namespace cukern
+
+template <int QT, int BT>
+__global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::Cfg<BT>::kMinBlocks) gemm_q8(
+    float* __restrict__ d,             // [n, d_stride] f32 out: d[c * d_stride + r], r < m
+    const uint8_t* __restrict__ w,     // raw GGUF bytes: m rows from w + w_offset
+    const uint8_t* __restrict__ a,     // [n, b_stride] bytes: Q8_1 rows (k / 32 blocks of 36), 4-byte aligned
+    const GemmParams p) {              // dynamic shared memory: gemm_q8_smem_bytes(BT); b_stride in bytes
+    using namespace cukern;
+    using namespace cukern::mm;
+    using C = Cfg<BT>;
+    constexpr int WTT = BT / C::kWT, WRR = kRows / C::kWR;  // tokens, rows of one warp
+    constexpr int MT = WTT / 16, NR = WRR / 8;
+    static_assert(MT >= 1 && NR % 2 == 0, "warp tile");
+    constexpr int SUBS = I8<QT>::kSubs;
+    constexpr bool MIN = I8<QT>::kMin;
+    constexpr int WORDS = BT * 2 * 9;  // 4-byte words of a stage's Q8_1 blocks (2 segments x 9 words per token)
+    constexpr int WPT = (WORDS + kThreads - 1) / kThreads;
+
+    extern __shared__ __align__(16) uint8_t smem[];
+    auto sw = reinterpret_cast<int8_t(*)[kRows][LDQ]>(smem);                          // [2][kRows][LDQ]
+    auto sa = reinterpret_cast<int8_t(*)[BT][LDQ]>(smem + 2 * kRows * LDQ);           // [2][BT][LDQ]
+    auto swa = reinterpret_cast<float(*)[4][kRows]>(smem + 2 * (kRows + BT) * LDQ);   // [2][seg * SUBS + h][row]
+    auto swc = reinterpret_cast<float(*)[2][kRows]>(&swa[2][0][0]);                   // [2][seg][row]
+    auto sds = reinterpret_cast<__half2(*)[BT][2]>(&swc[2][0][0]);                    // [2][token][seg]: (d, s)
+    if (threadIdx.x == 0 && dynamic_smem_size() < gemm_q8_smem_bytes(BT)) __trap();
+
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int wt = warp / C::kWR, wr = warp % C::kWR;
+    const uint32_t t0 = blockIdx.x * BT, r0 = blockIdx.y * kRows;
+    const uint32_t kbeg = blockIdx.z * p.k_split;
+    const uint32_t n_segs = (min(p.k, kbeg + p.k_split) - kbeg) / SEG;
+    const int n_stages = (int)((n_segs + 1) / 2);
+    const uint32_t seg0 = kbeg / SEG;
+
+    const int wrow_tile = tid / 2, wpart = tid % 2;
+    const uint8_t* wrow = w + p.w_offset + (size_t)min(r0 + wrow_tile, p.m - 1) * p.row_bytes;
+    typename Deq<QT>::Raw wraw[2];
+
+    auto load_w = [&](int s) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+            if (2 * s + i < (int)n_segs) Deq<QT>::load(wraw[i], wrow, seg0 + 2 * s + i, wpart);
+    };
+    auto store_w = [&](int s, int buf) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            int8_t* seg = &sw[buf][wrow_tile][i * SEG];
+            float sa_[2], sc_[1];
+            if (2 * s + i < (int)n_segs) {
+                store_i8(wraw[i], seg, sa_, sc_, wpart);
+            } else {  // K tail: zero quants, zero scales
+                st16i(seg + 16 * wpart, 0, 0, 0, 0);
+                sa_[0] = sa_[1] = sc_[0] = 0.f;
+            }
+            if (SUBS == 2) swa[buf][i * 2 + wpart][wrow_tile] = wpart ? sa_[1] : sa_[0];
+            else if (wpart == 0) swa[buf][i][wrow_tile] = sa_[0];
+            if (MIN && wpart == 0) swc[buf][i][wrow_tile] = sc_[0];
+        }
+    };
+    auto issue_a = [&](int s, int buf) {
+#pragma unroll
+        for (int i = 0; i < WPT; ++i) {
+            const int c = tid + i * kThreads;
+            if (WORDS % kThreads == 0 || c < WORDS) {
+                const int tk = c / 18, r = c % 18, sg = r / 9, j = r % 9;
+                const uint32_t tok = t0 + tk, gseg = 2 * s + sg;  // segment within the split
+                const bool ok = tok < p.n && gseg < n_segs;
+                const uint8_t* src = ok ? a + (size_t)tok * p.b_stride + (size_t)(seg0 + gseg) * Q8_1_BLOCK_BYTES + 4 * j : a;
+                void* dst = j == 0 ? (void*)&sds[buf][tk][sg] : (void*)&sa[buf][tk][sg * SEG + 4 * (j - 1)];
+                cp_async4(dst, src, ok ? 4u : 0u);
+            }
+        }
+        cp_async_commit();
+    };
+
+    float acc[MT][NR][4] = {};
+    if (n_stages > 0) {
+        issue_a(0, 0);
+        load_w(0);
+        store_w(0, 0);
+        cp_async_wait<0>();
+    }
+    __syncthreads();
+    const int g = lane >> 2, tq = lane & 3;
+    for (int s = 0; s < n_stages; ++s) {
+        const int buf = s & 1;
+        const bool more = s + 1 < n_stages;
+        if (more) {
+            issue_a(s + 1, buf ^ 1);
+            load_w(s + 1);
+        }
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk) {  // segment kk of the stage: one k32 step
+            uint32_t bw[NR / 2][4];      // n8 tile j: bw[j / 2][2 (j % 2)] (bytes 0-15), [.. + 1] (bytes 16-31)
+#pragma unroll
+            for (int np = 0; np < NR / 2; ++np)
+                ldmatrix_x4(bw[np], &sw[buf][wr * WRR + np * 16 + (lane & 7) + ((lane >> 4) << 3)]
+                                       [kk * SEG + ((lane >> 3) & 1) * 16]);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                uint32_t af[4];  // rows 0-7 / 8-15 x bytes 0-15 / 16-31
+                const int trow = wt * WTT + mt * 16;
+                ldmatrix_x4(af, &sa[buf][trow + (lane & 15)][kk * SEG + (lane >> 4) * 16]);
+                const float2 ds_lo = __half22float2(sds[buf][trow + g][kk]);      // token g: (d, s)
+                const float2 ds_hi = __half22float2(sds[buf][trow + g + 8][kk]);  // token g + 8
+#pragma unroll
+                for (int nr = 0; nr < NR; ++nr) {
+                    const int row = wr * WRR + nr * 8 + 2 * tq;  // rows row, row + 1 of the tile
+                    const uint32_t b0 = bw[nr / 2][2 * (nr % 2)], b1 = bw[nr / 2][2 * (nr % 2) + 1];
+                    float v[4];
+                    if (SUBS == 1) {
+                        int c[4] = {0, 0, 0, 0};
+                        mma_s8_k32(c, af, b0, b1);
+                        const float2 aw = *reinterpret_cast<const float2*>(&swa[buf][kk][row]);
+                        v[0] = aw.x * (float)c[0], v[1] = aw.y * (float)c[1];
+                        v[2] = aw.x * (float)c[2], v[3] = aw.y * (float)c[3];
+                    } else {
+                        int c0[4] = {0, 0, 0, 0}, c1[4] = {0, 0, 0, 0};
+                        mma_s8_k16(c0, af[0], af[1], b0);
+                        mma_s8_k16(c1, af[2], af[3], b1);
+                        const float2 a0 = *reinterpret_cast<const float2*>(&swa[buf][2 * kk][row]);
+                        const float2 a1 = *reinterpret_cast<const float2*>(&swa[buf][2 * kk + 1][row]);
+                        v[0] = a0.x * (float)c0[0] + a1.x * (float)c1[0];
+                        v[1] = a0.y * (float)c0[1] + a1.y * (float)c1[1];
+                        v[2] = a0.x * (float)c0[2] + a1.x * (float)c1[2];
+                        v[3] = a0.y * (float)c0[3] + a1.y * (float)c1[3];
+                    }
+                    acc[mt][nr][0] = fmaf(ds_lo.x, v[0], acc[mt][nr][0]);
+                    acc[mt][nr][1] = fmaf(ds_lo.x, v[1], acc[mt][nr][1]);
+                    acc[mt][nr][2] = fmaf(ds_hi.x, v[2], acc[mt][nr][2]);
+                    acc[mt][nr][3] = fmaf(ds_hi.x, v[3], acc[mt][nr][3]);
+                    if (MIN) {
+                        const float2 cw = *reinterpret_cast<const float2*>(&swc[buf][kk][row]);
+                        acc[mt][nr][0] = fmaf(-cw.x, ds_lo.y, acc[mt][nr][0]);
+                        acc[mt][nr][1] = fmaf(-cw.y, ds_lo.y, acc[mt][nr][1]);
+                        acc[mt][nr][2] = fmaf(-cw.x, ds_hi.y, acc[mt][nr][2]);
+                        acc[mt][nr][3] = fmaf(-cw.y, ds_hi.y, acc[mt][nr][3]);
+                    }
+                }
+            }
+        }
+        if (more) {
+            store_w(s + 1, buf ^ 1);
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+    }
+
+    const bool vec = ((p.d_stride | reinterpret_cast<unsigned long long>(d) / 4) & 1) == 0;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const uint32_t tok = t0 + wt * WTT + mt * 16 + g + 8 * half;
+            if (tok >= p.n) continue;
+            float* col = d + (size_t)tok * p.d_stride;
+#pragma unroll
+            for (int nr = 0; nr < NR; ++nr) {
+                const uint32_t row = r0 + wr * WRR + nr * 8 + 2 * tq;
+                if (row < p.m) put2(col, row, acc[mt][nr][2 * half], acc[mt][nr][2 * half + 1], p, vec);
+            }
+        }
+    }
+}
