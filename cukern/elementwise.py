@@ -20,7 +20,7 @@ import numpy as np
 from cukern.dispatch import Dispatch, check_array
 from cukern.runtime import FamilySpec, KernelSpec
 
-__all__ = ["ElementwiseDispatch", "FAMILY", "Q8_1_BLOCK", "Q8_1_BLOCK_BYTES", "contiguous_page_table"]
+__all__ = ["ElementwiseDispatch", "FAMILY", "ROPE_FAMILY", "FAMILIES", "Q8_1_BLOCK", "Q8_1_BLOCK_BYTES", "contiguous_page_table"]
 
 _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)
@@ -31,6 +31,9 @@ Q8_1_BLOCK_BYTES = 36   # bytes per block: half d, half s, int8 qs[32]
 # Row-norm register kernels: (threads, float4s per thread); a row of n_cols fits when
 # n_cols <= 4 * threads * items. The host takes the first that fits (fewest idle threads).
 _REG_CONFIGS = ((64, 4), (128, 4), (256, 4), (512, 4), (1024, 4), (1024, 8))
+# Few rows (decode): one float4 per thread and more threads, for a shorter dependent chain per thread.
+_REG_CONFIGS_FEW_ROWS = ((64, 1), (128, 1), (256, 1), (512, 1), (1024, 1))
+_FEW_ROWS = 132  # fewer rows than this: the GPU is far from full anyway
 _LOOP_BLOCK = 256
 _REG_KERNELS = ("rms_norm", "residual_rms_norm", "post_norm_residual_rms_norm", "rms_norm_accumulate",
                 "residual_rms_norm_q8_1")
@@ -40,17 +43,24 @@ _LOOP_KERNELS = ("rms_norm", "residual_rms_norm", "post_norm_residual_rms_norm",
 _OP_AXPY, _OP_SCALE, _OP_SIGMOID_MUL, _OP_SWIGLU, _OP_SWIGLU_OAI, _OP_GEGLU = range(6)
 _FLAT_BLOCK = 256
 _FLAT_MAX_BLOCKS = 4096  # kernels grid-stride beyond
+_BINARY_UNROLL = 4  # units per thread and step in binary_rows (BINARY_UNROLL in activations.cuh)
+_BINARY_BIG = 1 << 20  # units: from here a thread takes _BINARY_UNROLL units per step
 _MAX_GRID_Y = 65535
 _MAX_U32 = 2**32 - 1
 _MAX_FLAT = 2**31 - 1  # flat kernels index with uint32 plus a grid stride
 
 _ROPE_BLOCK = 256
-_ROPE_MAX_HEAD_DIM = 1024  # rope_dim / 2 <= 512 entries of the shared cos/sin table
+_ROPE_MAX_HEAD_DIM = 1024
+_ROPE_PPL = (4, 16)  # pairs per lane of the rope kernels: head_dim <= 64 * PPL
+_ROPE_TASKS = 64  # aim for this many heads per block (tokens_per_block = ceil(64 / heads per token), <= 8)
+_ROPE_MAX_TOKENS = 8
 _POS_MODES = {"consecutive": 0, "per_token": 1, "mrope": 2, "imrope": 3}
 _TOPK_WARPS = 4
 _TOPK_MAX_K = 32
 _TOPK_MAX_EXPERTS = 2048  # 4 warps x 2048 x 4 B = 32 KiB of shared memory
 _CONV_CHUNK = 16
+_GROUP_VPL = (1, 2, 8)  # float4s per lane of group_norm_reg: group_size <= 128 * VPL
+_GROUPS_PER_BLOCK = 8  # 4 warps x GROUPS_PER_WARP (norms.cuh)
 _CONV_K = (2, 3, 4)
 _DELTANET_TILED_DK = (64, 128)
 _ROUTER_SMALL = (1, 1)  # (experts, tokens) per block below _ROUTER_BATCH tokens
@@ -59,17 +69,15 @@ _ROUTER_BATCH = 16
 
 
 def _kernels() -> list[KernelSpec]:
+    """Kernels of the first unit, elementwise.cu: norms, activations, MoE routing, SSM/DeltaNet."""
     ks = []
     for name in _REG_KERNELS:
-        ks += [KernelSpec(f"{name}_reg<{b}, {i}>", "RmsNormParams") for b, i in _REG_CONFIGS]
+        ks += [KernelSpec(f"{name}_reg<{b}, {i}>", "RmsNormParams") for b, i in _REG_CONFIGS + _REG_CONFIGS_FEW_ROWS]
+    ks.append(KernelSpec("quantize_q8_1", "QuantizeParams"))
     ks += [KernelSpec(f"{name}_loop<{_LOOP_BLOCK}>", "RmsNormParams") for name in _LOOP_KERNELS]
     ks += [KernelSpec(f"group_norm<{g}>", "GroupNormParams") for g in ("false", "true")]
+    ks += [KernelSpec(f"group_norm_reg<{g}, {v}>", "GroupNormParams") for g in ("false", "true") for v in _GROUP_VPL]
     ks += [KernelSpec(f"binary_rows<{op}, {v}>", "BinaryParams") for op in range(6) for v in ("true", "false")]
-    ks += [KernelSpec(f"rope<{n}>", "RopeParams") for n in ("false", "true")]
-    for kv in _KV_TYPES.values():
-        ks += [KernelSpec(f"qk_norm_rope_kv<{kv}, {hq}>", "QkvRopeParams") for hq in ("true, true", "false, false")]
-        ks.append(KernelSpec(f"kv_write<{kv}>", "KvWriteParams"))
-    ks += [KernelSpec(f"deinterleave<{v}>", "DeinterleaveParams") for v in ("float", "float4")]
     ks.append(KernelSpec("softmax_topk", "TopkParams"))
     ks += [KernelSpec(f"moe_weighted_sum<{v}>", "MoeSumParams") for v in ("true", "false")]
     ks += [KernelSpec(f"shared_expert_accumulate<{v}>", "SharedGateParams") for v in ("true", "false")]
@@ -80,13 +88,43 @@ def _kernels() -> list[KernelSpec]:
     return ks
 
 
+def _rope_kernels() -> list[KernelSpec]:
+    """Kernels of the second unit, rope_kv.cu: RoPE and its fusions, KV writes, deinterleave."""
+    ks = [KernelSpec(f"rope<{n}, {ppl}>", "RopeParams") for n in ("false", "true") for ppl in _ROPE_PPL]
+    for kv in _KV_TYPES.values():
+        ks += [KernelSpec(f"qk_norm_rope_kv<{kv}, {hq}, {ppl}>", "QkvRopeParams")
+               for hq in ("true, true", "false, false") for ppl in _ROPE_PPL]
+        ks += [KernelSpec(f"kv_write<{kv}, {v}>", "KvWriteParams") for v in ("true", "false")]
+    ks += [KernelSpec(f"deinterleave<{v}>", "DeinterleaveParams") for v in ("float", "float4")]
+    return ks
+
+
 FAMILY = FamilySpec(name="elementwise", kernels=tuple(_kernels()))
+ROPE_FAMILY = FamilySpec(name="elementwise_rope", kernels=tuple(_rope_kernels()), source="elementwise/rope_kv.cu",
+                         params_header="elementwise/params.cuh")
+FAMILIES = {f.name: f for f in (FAMILY, ROPE_FAMILY)}  # cukern.families() lists each unit
+
+
+class _Unit(Dispatch):
+    """The second compilation unit, launched through the same checks."""
+
+    def __init__(self, family: FamilySpec, device: int | None = None):
+        self.family = family
+        super().__init__(device)
 
 
 def contiguous_page_table(n_seqs: int) -> cupy.ndarray:
     """The page table that makes a contiguous cache ``[n_seqs, capacity, n_kv_heads, head_dim]`` a
     paged one (page_size = capacity, page_table[s] = [s]). Allocates: build it once, at plan time."""
     return cupy.arange(n_seqs, dtype=cupy.int32).reshape(n_seqs, 1)
+
+
+def _rope_launch(n_tokens: int, heads_per_token: int, head_dim: int, rope_dim: int):
+    """(tokens_per_block, grid, dynamic shared bytes, pairs per lane) of the rope kernels."""
+    tpb = max(1, min(_ROPE_MAX_TOKENS, -(-_ROPE_TASKS // heads_per_token), n_tokens))
+    half = rope_dim // 2
+    ppl = next(p for p in _ROPE_PPL if head_dim <= 64 * p)
+    return tpb, -(-n_tokens // tpb), 8 * half + 8 * tpb * half, ppl
 
 
 def _aligned(*arrays) -> bool:
@@ -132,6 +170,15 @@ class ElementwiseDispatch(Dispatch):
     current stream), validates its arguments before launching, and returns its main output."""
 
     family = FAMILY
+    _ROPE_KERNELS = frozenset(k.name for k in ROPE_FAMILY.kernels)
+
+    def __init__(self, device: int | None = None):
+        super().__init__(device)
+        self._rope_unit = _Unit(ROPE_FAMILY, device)
+
+    def _launch(self, kernel, grid, block, pointers, params, *, stream=None, shared_mem=0):
+        unit = self._rope_unit if kernel in self._ROPE_KERNELS else super()
+        unit._launch(kernel, grid, block, pointers, params, stream=stream, shared_mem=shared_mem)
 
     # ------------------------------------------------------------------------------------------ norms
 
@@ -149,18 +196,19 @@ class ElementwiseDispatch(Dispatch):
         return self.struct("RmsNormParams").pack(n_rows=n_rows, n_cols=n_cols, eps=eps, weight_offset=weight_offset)
 
     @staticmethod
-    def _reg_config(n_cols: int, arrays) -> tuple[int, int] | None:
+    def _reg_config(n_rows: int, n_cols: int, arrays) -> tuple[int, int] | None:
         """(threads, items) of the register kernel for this row width, or None for the loop fallback."""
         if n_cols % 4 or not _aligned(*arrays):
             return None
         n4 = n_cols // 4
-        for block, items in _REG_CONFIGS:
+        configs = (_REG_CONFIGS_FEW_ROWS + _REG_CONFIGS) if n_rows < _FEW_ROWS else _REG_CONFIGS
+        for block, items in configs:
             if n4 <= block * items:
                 return block, items
         return None
 
     def _row_norm(self, name, n_rows, n_cols, arrays, params, stream, q8=False):
-        cfg = self._reg_config(n_cols, arrays)
+        cfg = self._reg_config(n_rows, n_cols, arrays)
         if cfg is None:
             if q8:
                 raise ValueError(f"{name}: needs n_cols % 4 == 0, 16-byte aligned arrays and n_cols <= "
@@ -243,6 +291,22 @@ class ElementwiseDispatch(Dispatch):
         self._row_norm("residual_rms_norm_q8_1", n_rows, n_cols, (q, residual, x, w), params, stream, q8=True)
         return q
 
+    def quantize_q8_1(self, x: cupy.ndarray, q: cupy.ndarray, *, stream=None) -> cupy.ndarray:
+        """``q = Q8_1(x)`` row by row: x [n_rows, n_cols] f32 (n_cols % 32 == 0, 16-byte aligned);
+        q [n_rows, n_cols // 32 * 36] uint8 as :meth:`residual_rms_norm_q8_1` writes it."""
+        n_rows, n_cols = self._rows(x)
+        if n_cols % Q8_1_BLOCK:
+            raise ValueError(f"quantize_q8_1: n_cols must be a multiple of {Q8_1_BLOCK}, got {n_cols}")
+        check_array("x", x, align=16)
+        check_array("q", q, dtype=np.uint8, shape=(n_rows, n_cols // Q8_1_BLOCK * Q8_1_BLOCK_BYTES), align=4)
+        _check_disjoint("quantize_q8_1", dict(q=q), dict(x=x))
+        units = x.size // 4
+        if -(-units // 256) > 2**31 - 1:
+            raise ValueError("quantize_q8_1: too many values")
+        params = self.struct("QuantizeParams").pack(n_values=x.size)
+        self._launch("quantize_q8_1", -(-units // 256), 256, (q, x), params, stream=stream)
+        return q
+
     def _group_norm(self, what, x, out, w, z, group_size, l2, eps, weight_offset, stream):
         check_array("x", x, dtype=_F32)
         if x.size == 0:
@@ -262,8 +326,13 @@ class ElementwiseDispatch(Dispatch):
         params = self.struct("GroupNormParams").pack(n_groups=n_groups, group_size=int(group_size),
                                                      has_weight=int(w is not None), l2=int(l2), eps=eps,
                                                      weight_offset=weight_offset)
-        self._launch(f"group_norm<{_vec(z is not None)}>", -(-n_groups // 4), 128,
-                     (out, x, w if w is not None else x, z if z is not None else x), params, stream=stream)
+        ptrs = (out, x, w if w is not None else x, z if z is not None else x)
+        vpl = next((v for v in _GROUP_VPL if group_size <= 128 * v), None)
+        if vpl is not None and group_size % 4 == 0 and _aligned(*ptrs):
+            self._launch(f"group_norm_reg<{_vec(z is not None)}, {vpl}>", -(-n_groups // _GROUPS_PER_BLOCK), 128,
+                         ptrs, params, stream=stream)
+        else:
+            self._launch(f"group_norm<{_vec(z is not None)}>", -(-n_groups // 4), 128, ptrs, params, stream=stream)
         return out
 
     def head_rms_norm(self, x: cupy.ndarray, w: cupy.ndarray, out: cupy.ndarray, *, eps: float = 1e-6,
@@ -301,7 +370,8 @@ class ElementwiseDispatch(Dispatch):
         params = self.struct("BinaryParams").pack(n_rows=n_rows, n_cols=n_cols, a_stride=a_stride,
                                                   b_stride=b_stride, out_stride=n_cols, b_offset=b_offset,
                                                   alpha=alpha, limit=limit)
-        grid = (_flat_grid(units), min(n_rows, _MAX_GRID_Y))
+        per_thread = _BINARY_UNROLL if n_rows * units >= _BINARY_BIG else 1
+        grid = (_flat_grid(-(-units // per_thread)), min(n_rows, _MAX_GRID_Y))
         self._launch(f"binary_rows<{op}, {_vec(vec)}>", grid, _FLAT_BLOCK, (out, a, b), params, stream=stream)
         return out
 
@@ -395,7 +465,7 @@ class ElementwiseDispatch(Dispatch):
     def _rope_common(self, what, head_dim, rope_dim, freqs, freq_base):
         if head_dim % 2 or head_dim > _ROPE_MAX_HEAD_DIM:
             raise ValueError(f"{what}: head_dim must be even and <= {_ROPE_MAX_HEAD_DIM}, got {head_dim}")
-        rope_dim = head_dim if rope_dim is None else rope_dim
+        rope_dim = head_dim if rope_dim is None else rope_dim  # head_dim <= 64 * max(_ROPE_PPL) holds here
         if not isinstance(rope_dim, (int, np.integer)) or rope_dim < 2 or rope_dim % 2 or rope_dim > head_dim:
             raise ValueError(f"{what}: rope_dim must be even, >= 2 and <= head_dim ({head_dim}), got {rope_dim}")
         if freqs is not None:
@@ -456,13 +526,14 @@ class ElementwiseDispatch(Dispatch):
             _check_eps(eps, what)
         rope_dim = self._rope_common(what, head_dim, rope_dim, freqs, freq_base)
         mode, sections = self._positions(what, positions, pos_mode, n_tokens, sections)
+        tpb, grid, smem, ppl = _rope_launch(n_tokens, n_heads, head_dim, rope_dim)
         params = self.struct("RopeParams").pack(
             n_tokens=n_tokens, n_heads=n_heads, head_dim=head_dim, rope_dim=rope_dim, neox=int(bool(neox)),
             pos_mode=mode, sections=sections, use_freqs=int(freqs is not None), freq_base=freq_base, eps=eps,
-            weight_offset=weight_offset)
-        self._launch(f"rope<{_vec(w is not None)}>", n_tokens, _ROPE_BLOCK,
+            weight_offset=weight_offset, tokens_per_block=tpb)
+        self._launch(f"rope<{_vec(w is not None)}, {ppl}>", grid, _ROPE_BLOCK,
                      (out, x, w if w is not None else x, freqs if freqs is not None else x, positions), params,
-                     stream=stream)
+                     stream=stream, shared_mem=smem)
         return out
 
     # ----------------------------------------------------------------------------------- KV writes
@@ -502,10 +573,15 @@ class ElementwiseDispatch(Dispatch):
             raise ValueError("kv_write: src must be non-empty")
         page_size, max_pages = self._kv_target("kv_write", cache, page_table, n_kv, head_dim)
         mode = self._seq_positions("kv_write", positions, seq_ids, pos_mode, n_tokens)
-        params = self.struct("KvWriteParams").pack(n_tokens=n_tokens, row_elems=n_kv * head_dim, page_size=page_size,
+        row_elems = n_kv * head_dim
+        vec = row_elems % 4 == 0 and _aligned(cache, src)
+        units = n_tokens * row_elems // (4 if vec else 1)
+        if units > _MAX_U32:
+            raise ValueError(f"kv_write: at most 2**32 - 1 {'float4s' if vec else 'elements'} per call, got {units}")
+        params = self.struct("KvWriteParams").pack(n_tokens=n_tokens, row_elems=row_elems, page_size=page_size,
                                                    max_pages=max_pages, pos_mode=mode)
-        self._launch(f"kv_write<{_KV_TYPES[cache.dtype]}>", n_tokens, 128, (cache, src, positions, seq_ids, page_table),
-                     params, stream=stream)
+        self._launch(f"kv_write<{_KV_TYPES[cache.dtype]}, {_vec(vec)}>", -(-units // 256), 256,
+                     (cache, src, positions, seq_ids, page_table), params, stream=stream)
         return cache
 
     def kv_write_contiguous(self, src: cupy.ndarray, cache: cupy.ndarray, page_table: cupy.ndarray,
@@ -581,18 +657,20 @@ class ElementwiseDispatch(Dispatch):
             self._kv_target(what, v_cache, page_table, n_kv, head_dim, "v_cache")
             _check_distinct(what, q_out=q_out, q=q)
         mode = self._seq_positions(what, positions, seq_ids, pos_mode, n_tokens)
+        heads = (q.shape[1] + 2 * n_kv) if has_q else n_kv
+        tpb, grid, smem, ppl = _rope_launch(n_tokens, heads, head_dim, rope_dim)
         params = self.struct("QkvRopeParams").pack(
             n_tokens=n_tokens, n_q_heads=q.shape[1] if has_q else 0, n_kv_heads=n_kv, head_dim=head_dim,
             rope_dim=rope_dim, neox=int(bool(neox)), pos_mode=mode, use_freqs=int(freqs is not None),
             freq_base=freq_base, eps=eps, weight_offset=weight_offset, page_size=page_size, max_pages=max_pages,
-            norm=int(norm))
+            norm=int(norm), tokens_per_block=tpb)
         kv = _KV_TYPES[k_cache.dtype]
-        flags = "true, true" if has_q else "false, false"
+        flags = ("true, true" if has_q else "false, false") + f", {ppl}"
         unread = k  # any device pointer for arguments the instance never reads
         ptrs = (q_out if has_q else unread, k_cache, v_cache if has_q else k_cache, q if has_q else unread, k,
                 v if has_q else unread, wq if (has_q and norm) else unread, wk if norm else unread,
                 freqs if freqs is not None else unread, positions, seq_ids, page_table)
-        self._launch(f"qk_norm_rope_kv<{kv}, {flags}>", n_tokens, _ROPE_BLOCK, ptrs, params, stream=stream)
+        self._launch(f"qk_norm_rope_kv<{kv}, {flags}>", grid, _ROPE_BLOCK, ptrs, params, stream=stream, shared_mem=smem)
         return q_out
 
     def deinterleave(self, x: cupy.ndarray, q: cupy.ndarray, gate: cupy.ndarray, *, stream=None):

@@ -110,8 +110,11 @@ def bench_norms(b: Bench):
               peer_fn=lambda: (lambda s: (d.rms_norm(s[0], s[2], s[4]), d.add(s[1], s[4], s[1])))(nxt()),
               peer_is_torch=False)
         b.row("residual_rms_norm_q8_1", shape, lambda: (lambda s: d.residual_rms_norm_q8_1(s[0], s[1], s[2], s[5]))(nxt()),
-              nbytes=3 * nb + nb * 36 // 128 + H * 4, decode=decode, peer="residual_rms_norm (f32 out)",
-              peer_fn=lambda: (lambda s: d.residual_rms_norm(s[0], s[1], s[2], s[4]))(nxt()), peer_is_torch=False)
+              nbytes=3 * nb + nb * 36 // 128 + H * 4, decode=decode, peer="chain residual_rms_norm+quantize",
+              peer_fn=lambda: (lambda s: (d.residual_rms_norm(s[0], s[1], s[2], s[4]),
+                                          d.quantize_q8_1(s[4], s[5])))(nxt()), peer_is_torch=False)
+        b.row("quantize_q8_1", shape, lambda: (lambda s: d.quantize_q8_1(s[0], s[5]))(nxt()),
+              nbytes=nb + nb * 36 // 128, decode=decode)
 
 
 def bench_heads(b: Bench):

@@ -21,7 +21,7 @@ from cukern.testing import assert_close, poison  # noqa: E402
 # (rows, cols): single element, odd widths (scalar loop path), multiples of 4 (register path) of
 # every block size, the widest register row (32768), wider (loop path), a batch of 257 rows
 NORM_SHAPES = [(1, 1), (3, 7), (1, 640), (5, 1030), (2, 4096), (4, 6001), (257, 256), (3, 5120), (1, 16384),
-               (2, 32768), (1, 32772)]
+               (2, 32768), (1, 32772), (140, 4096), (133, 5120)]  # >= 132 rows: the many-rows configs
 
 gpu = pytest.mark.gpu
 
@@ -57,7 +57,8 @@ def test_rejects_host_arrays_before_launch():
 
 
 def test_family_declares_every_group():
-    names = {k.name.split("<")[0] for k in ElementwiseDispatch.family.kernels}
+    from cukern.elementwise import FAMILIES
+    names = {k.name.split("<")[0] for f in FAMILIES.values() for k in f.kernels}
     for n in ("rms_norm_reg", "residual_rms_norm_q8_1_reg", "group_norm", "binary_rows", "rope", "qk_norm_rope_kv",
               "kv_write", "deinterleave", "softmax_topk", "moe_weighted_sum", "shared_expert_accumulate",
               "router_matvec", "conv1d_silu", "deltanet", "deltanet_tiled"):
@@ -140,6 +141,27 @@ def test_residual_rms_norm_q8_1(d, rng, rows, cols):
     d.residual_rms_norm_q8_1(_dev(x), r_dev, _dev(w), q, eps=1e-6)
     y, want_r = ref.residual_rms_norm(x, r, w, eps=1e-6)
     assert_close(r_dev, want_r, name="residual")
+    _check_q8_1(q, y)
+    # the unfused path (residual_rms_norm, then quantize_q8_1) on the same input
+    q2 = poison(cupy.empty_like(q))
+    y_dev = _empty(rows, cols)
+    d.residual_rms_norm(_dev(x), _dev(r), _dev(w), y_dev, eps=1e-6)
+    d.quantize_q8_1(y_dev, q2)
+    _check_q8_1(q2, y)
+
+
+@gpu
+@pytest.mark.parametrize("rows,cols", [(1, 32), (7, 64), (3, 4096), (1000, 96)])
+def test_quantize_q8_1(d, rng, rows, cols):
+    x = _randn(rng, rows, cols, scale=3)
+    x[-1, -32:] = 0.0
+    q = poison(cupy.empty((rows, cols // 32 * 36), cupy.uint8))
+    d.quantize_q8_1(_dev(x), q)
+    _check_q8_1(q, x)
+
+
+def _check_q8_1(q, y):
+    rows, cols = y.shape
     dd, ss, qs = ref.unpack_q8_1(q.get(), cols)
     want_d, _, want_qs = ref.quantize_q8_1(y)
     assert_close(dd, want_d.astype(np.float16), atol=1e-7, rtol=1e-3, name="d")
@@ -153,11 +175,13 @@ def test_residual_rms_norm_q8_1(d, rng, rows, cols):
     # of at most 2**-11 relative error each on top of half a step
     bound = np.repeat(dd, 32, axis=1) * (0.5 + 127 * 2.0 ** -11) + 1e-6
     assert np.all(np.abs(deq - y) <= bound), "dequantized error above half a step"
-    assert np.all(dd[0, 0] == 0) and np.all(qs[0, :32] == 0), "zero block"
+    zero = np.all(y.reshape(rows, -1, 32) == 0, axis=-1)
+    assert zero.any() and np.all(dd[zero] == 0) and np.all(qs.reshape(rows, -1, 32)[zero] == 0), "zero block"
 
 
 @gpu
-@pytest.mark.parametrize("shape", [(1, 1, 64), (3, 8, 128), (5, 2, 96), (2, 3, 7), (1, 40, 256)])
+@pytest.mark.parametrize("shape", [(1, 1, 64), (3, 8, 128), (5, 2, 96), (2, 3, 7), (1, 40, 256), (3, 3, 1024),
+                                   (1, 3, 1028)])
 def test_head_rms_norm(d, rng, shape):
     x, w = _randn(rng, *shape, scale=2), _randn(rng, shape[-1])
     out = _empty(*shape)
@@ -169,7 +193,8 @@ def test_head_rms_norm(d, rng, shape):
 @pytest.mark.parametrize("l2", [False, True])
 @pytest.mark.parametrize("with_w", [False, True])
 def test_group_norm(d, rng, l2, with_w):
-    for shape, gs in [((3, 16, 128), 128), ((1, 5, 100), 50), ((7, 33), 11), ((2, 1), 1)]:
+    for shape, gs in [((3, 16, 128), 128), ((1, 5, 100), 50), ((7, 33), 11), ((2, 1), 1), ((3, 768), 256),
+                      ((1, 2048), 2048), ((5, 1024), 1024), ((9, 8), 4)]:
         x = _randn(rng, *shape)
         w = _randn(rng, gs) if with_w else None
         out = _empty(*shape)
@@ -178,7 +203,7 @@ def test_group_norm(d, rng, l2, with_w):
 
 
 @gpu
-@pytest.mark.parametrize("shape,gs", [((1, 32, 128), 128), ((4, 6, 64), 64), ((3, 2, 50), 25)])
+@pytest.mark.parametrize("shape,gs", [((1, 32, 128), 128), ((4, 6, 64), 64), ((3, 2, 50), 25), ((7, 1, 256), 256)])
 def test_gated_rms_norm(d, rng, shape, gs):
     y, z, w = _randn(rng, *shape), _randn(rng, *shape, scale=2), _randn(rng, gs)
     out = _empty(*shape)
@@ -189,7 +214,7 @@ def test_gated_rms_norm(d, rng, shape, gs):
 # ------------------------------------------------------------------------------------- activations
 
 @gpu
-@pytest.mark.parametrize("n", [1, 3, 4, 1001, 4096, 1 << 20, (1 << 20) + 3])
+@pytest.mark.parametrize("n", [1, 3, 4, 1001, 4096, 1 << 20, (1 << 20) + 3, 1 << 22, (1 << 22) + 1])
 def test_add_scaled_add_scale(d, rng, n):
     a, b = _randn(rng, n), _randn(rng, n)
     out = _empty(n)
@@ -330,6 +355,17 @@ def test_kv_write_paged(d, rng, dtype, page_size):
 
 
 @gpu
+def test_kv_write_odd_rows(d, rng):
+    """n_kv_heads * head_dim % 4 != 0: the one-element-per-thread path."""
+    page_table, cache = _paged_setup(rng, 2, 10, 4, 1, 6, cupy.float32)
+    src = _randn(rng, 7, 1, 6)
+    pos, seq = np.array([3], np.int32), np.array([1], np.int32)
+    d.kv_write(_dev(src), cache, _dev(page_table), _dev(pos), _dev(seq))
+    want = ref.kv_write(src, np.full(cache.shape, np.nan), page_table, pos, seq)
+    _check_cache(cache, want, cupy.float32, "cache")
+
+
+@gpu
 def test_kv_write_contiguous(d, rng):
     n_seqs, capacity, n_kv, hd = 2, 9, 3, 32
     cache = poison(cupy.empty((n_seqs, capacity, n_kv, hd), cupy.float16))
@@ -344,10 +380,11 @@ def test_kv_write_contiguous(d, rng):
 @gpu
 @pytest.mark.parametrize("dtype", [cupy.float16, cupy.float32])
 @pytest.mark.parametrize("norm", [True, False])
-@pytest.mark.parametrize("batched", [False, True])
-def test_qk_norm_rope_kv_write(d, rng, dtype, norm, batched):
+@pytest.mark.parametrize("step", ["decode", "batched", "prefill"])
+def test_qk_norm_rope_kv_write(d, rng, dtype, norm, step):
     n_q, n_kv, hd, rd, page_size = 8, 2, 128, 64, 16
-    n_tok = 5 if batched else 1
+    batched = step == "batched"
+    n_tok = {"decode": 1, "batched": 5, "prefill": 13}[step]
     page_table, k_cache = _paged_setup(rng, 3, 64, page_size, n_kv, hd, dtype)
     v_cache = poison(cupy.empty_like(k_cache))
     q, k, v = _randn(rng, n_tok, n_q, hd, scale=2), _randn(rng, n_tok, n_kv, hd, scale=2), _randn(rng, n_tok, n_kv, hd)
@@ -360,7 +397,7 @@ def test_qk_norm_rope_kv_write(d, rng, dtype, norm, batched):
         pos[3] = (pos[1] + 2) % 64
         mode = "per_token"
     else:
-        pos, seq, mode = np.array([int(rng.integers(0, 64))], np.int32), np.array([2], np.int32), "consecutive"
+        pos, seq, mode = np.array([int(rng.integers(0, 64 - n_tok))], np.int32), np.array([2], np.int32), "consecutive"
     q_out = _empty(n_tok, n_q, hd)
     kw = dict(eps=1e-6, rope_dim=rd, neox=True, freq_base=1e6, pos_mode=mode)
     d.qk_norm_rope_kv_write(_dev(q), _dev(k), _dev(v), _dev(wq) if norm else None, _dev(wk) if norm else None, q_out,

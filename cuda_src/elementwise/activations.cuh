@@ -44,8 +44,24 @@ CUKERN_DEVICE float apply(float a, float b, const BinaryParams& p) {
     return gelu_tanh(a) * b;  // OP_GEGLU
 }
 
+// The unit a thread loads: float4 on the vectorised path, float otherwise.
+template <bool VEC4> struct Unit { using type = float; };
+template <> struct Unit<true> { using type = float4; };
+
+template <int OP>
+CUKERN_DEVICE float apply4(float a, float b, const BinaryParams& p) { return apply<OP>(a, b, p); }
+template <int OP>
+CUKERN_DEVICE float4 apply4(float4 a, float4 b, const BinaryParams& p) {
+    return make_float4(apply<OP>(a.x, b.x, p), apply<OP>(a.y, b.y, p), apply<OP>(a.z, b.z, p), apply<OP>(a.w, b.w, p));
+}
+
 }  // namespace ew
 }  // namespace cukern
+
+// Each thread takes UNROLL units (float4s or floats) per step, all loads issued before any store:
+// out may alias a, so without this the compiler could not overlap one step's loads with the last
+// step's stores, and a thread would have a single 16-byte load in flight.
+constexpr int BINARY_UNROLL = 4;
 
 template <int OP, bool VEC4>
 __global__ void binary_rows(
@@ -54,24 +70,29 @@ __global__ void binary_rows(
     const float* b,      // [n_rows, b_stride] from b_offset, or [b_offset + n_cols] when b_stride == 0
     const BinaryParams p) {
     using namespace cukern;
+    using V = typename ew::Unit<VEC4>::type;
+    constexpr int U = BINARY_UNROLL;
+    const uint32_t n = VEC4 ? p.n_cols / 4 : p.n_cols;  // units per row
     const uint32_t stride = gridDim.x * blockDim.x;
     for (uint32_t r = blockIdx.y; r < p.n_rows; r += gridDim.y) {
-        const float* ar = a + r * p.a_stride;
-        const float* br = b + r * p.b_stride + p.b_offset;
-        float* outr = out + r * p.out_stride;
-        if (VEC4) {
-            const float4* a4 = reinterpret_cast<const float4*>(ar);
-            const float4* b4 = reinterpret_cast<const float4*>(br);
-            float4* o4 = reinterpret_cast<float4*>(outr);
-            for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < p.n_cols / 4; i += stride) {
-                const float4 u = a4[i];
-                const float4 v = OP == ew::OP_SCALE ? u : b4[i];
-                o4[i] = make_float4(ew::apply<OP>(u.x, v.x, p), ew::apply<OP>(u.y, v.y, p),
-                                    ew::apply<OP>(u.z, v.z, p), ew::apply<OP>(u.w, v.w, p));
+        const V* ar = reinterpret_cast<const V*>(a + r * p.a_stride);
+        const V* br = reinterpret_cast<const V*>(b + r * p.b_stride + p.b_offset);
+        V* outr = reinterpret_cast<V*>(out + r * p.out_stride);
+        for (uint32_t i0 = blockIdx.x * blockDim.x + threadIdx.x; i0 < n; i0 += U * stride) {
+            V u[U], v[U];
+#pragma unroll
+            for (int k = 0; k < U; ++k) {
+                const uint32_t i = i0 + k * stride;
+                if (i < n) {
+                    u[k] = ar[i];
+                    if (OP != ew::OP_SCALE) v[k] = br[i];
+                }
             }
-        } else {
-            for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < p.n_cols; i += stride)
-                outr[i] = ew::apply<OP>(ar[i], OP == ew::OP_SCALE ? 0.f : br[i], p);
+#pragma unroll
+            for (int k = 0; k < U; ++k) {
+                const uint32_t i = i0 + k * stride;
+                if (i < n) outr[i] = ew::apply4<OP>(u[k], OP == ew::OP_SCALE ? u[k] : v[k], p);
+            }
         }
     }
 }

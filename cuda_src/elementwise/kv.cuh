@@ -1,17 +1,34 @@
 // Data movement of the attention block: KV-cache writes and the Q/gate deinterleave.
 //
 // kv_write copies f32 rows [n_tokens, n_kv_heads * head_dim] into a K or V cache of element type
-// KV (half, bf16 or float) in common/kv_cache.cuh's paged layout (a contiguous cache is the case
-// page_size = capacity with one page per sequence). grid: (n_tokens), 128 threads per row.
-// Byte traffic: read 4 bytes, write sizeof(KV) per element.
+// KV (half or float) in common/kv_cache.cuh's paged layout (a contiguous cache is the case
+// page_size = capacity with one page per sequence). Byte traffic: read 4 bytes, write sizeof(KV)
+// per element.
 #pragma once
 
 #include "common/types.cuh"
 #include "common/kv_cache.cuh"
 #include "elementwise/params.cuh"
 
-template <typename KV>
-__global__ void __launch_bounds__(128) kv_write(
+namespace cukern {
+namespace ew {
+// Store 4 consecutive f32 values into a cache of element type KV (dst: 4-element aligned).
+template <typename KV> CUKERN_DEVICE void kv_store4(KV* dst, float4 v);
+template <> CUKERN_DEVICE void kv_store4<float>(float* dst, float4 v) { *reinterpret_cast<float4*>(dst) = v; }
+template <> CUKERN_DEVICE void kv_store4<__half>(__half* dst, float4 v) {
+    __half2 lo = __floats2half2_rn(v.x, v.y), hi = __floats2half2_rn(v.z, v.w);
+    uint2 u;
+    u.x = *reinterpret_cast<uint32_t*>(&lo);
+    u.y = *reinterpret_cast<uint32_t*>(&hi);
+    *reinterpret_cast<uint2*>(dst) = u;
+}
+}  // namespace ew
+}  // namespace cukern
+
+// One thread per unit of 4 elements (VEC4: row_elems % 4 == 0, 16-byte aligned src and cache) or of
+// one element. grid: (ceil(n_tokens * units per row / 256)), block: 256.
+template <typename KV, bool VEC4>
+__global__ void __launch_bounds__(256) kv_write(
     KV* __restrict__ cache,                 // [n_pages, page_size, n_kv_heads, head_dim]
     const float* __restrict__ src,          // [n_tokens, n_kv_heads, head_dim]
     const int32_t* __restrict__ positions,  // pos_mode 0: [1] first token's position; 1: [n_tokens]
@@ -19,12 +36,17 @@ __global__ void __launch_bounds__(128) kv_write(
     const int32_t* __restrict__ page_table, // [n_seqs, max_pages]
     const KvWriteParams p) {
     using namespace cukern;
-    const uint32_t t = blockIdx.x;
+    constexpr uint32_t U = VEC4 ? 4 : 1;
+    const uint32_t row_units = p.row_elems / U;
+    const uint32_t u = blockIdx.x * blockDim.x + threadIdx.x;  // < n_tokens * row_units < 2^32 (host-checked)
+    if (u >= p.n_tokens * row_units) return;
+    const uint32_t t = u / row_units, c = (u % row_units) * U;
     const int32_t pos = p.pos_mode == 0 ? positions[0] + (int32_t)t : positions[t];
     const int32_t seq = p.pos_mode == 0 ? seq_ids[0] : seq_ids[t];
-    KV* dst = cache + kv_row_offset(page_table + (uint64_t)seq * p.max_pages, (uint32_t)pos, p.page_size, p.row_elems);
-    const float* s = src + (uint64_t)t * p.row_elems;
-    for (uint32_t i = threadIdx.x; i < p.row_elems; i += blockDim.x) kv_store<KV>(dst, i, s[i]);
+    KV* dst = cache + kv_row_offset(page_table + (uint64_t)seq * p.max_pages, (uint32_t)pos, p.page_size, p.row_elems) + c;
+    const float* s = src + (uint64_t)t * p.row_elems + c;
+    if (VEC4) ew::kv_store4<KV>(dst, __ldcs(reinterpret_cast<const float4*>(s)));
+    else kv_store<KV>(dst, 0, *s);
 }
 
 // q[r] = x[r, :head_dim], gate[r] = x[r, head_dim:] for every head row r (gated attention's

@@ -15,6 +15,11 @@ struct RmsNormParams {
     float weight_offset;  // y = x * rsqrt(mean(x^2) + eps) * (w + weight_offset); 1 for unit-offset weights
 };
 
+// quantize_q8_1: f32 values -> GGUF block_q8_1 blocks (common/q8_1.cuh), rows concatenated
+struct QuantizeParams {
+    uint64_t n_values;  // values (a multiple of 32: n_rows * n_cols with n_cols % 32 == 0)
+};
+
 // group_norm: norm of every contiguous group of group_size elements (per-head Q/K norm,
 // DeltaNet's grouped Q/K norm, gated RMS norm)
 struct GroupNormParams {
@@ -51,6 +56,7 @@ struct RopeParams {
     float freq_base;       // rotary base (theta), used when use_freqs == 0
     float eps;             // rms_norm_rope: norm epsilon
     float weight_offset;   // rms_norm_rope: weight offset
+    uint32_t tokens_per_block;  // tokens one block rotates (the inverse frequencies are computed once per block)
 };
 
 // qk_norm_rope_kv: per token, Q heads normed + rotated into q_out, K heads normed + rotated into the
@@ -70,6 +76,7 @@ struct QkvRopeParams {
     uint32_t page_size;    // tokens per cache page
     uint32_t max_pages;    // page_table row length (max_pages_per_seq)
     uint32_t norm;         // 1: RMS-norm Q and K heads before the rotation; 0: rotate only
+    uint32_t tokens_per_block;  // tokens one block handles
 };
 
 // kv_write: copy [n_tokens, n_kv_heads, head_dim] f32 rows into a K or V cache (kv.cuh)

@@ -7,9 +7,12 @@
 // Positions: consecutive (positions[0] + t), per token (positions[t]), or per token and section
 // (positions [4, n_tokens]: multi-section rotary, contiguous sections or IMRoPE's interleaved ones).
 //
-// One block per token: its threads first fill a cos/sin table of rope_dim/2 entries in shared
-// memory (angles reduced mod 2*pi in f64, so positions in the 10^5 range keep f32 accuracy), then
-// each warp takes whole heads. Byte traffic: read and write every element once (weights hit L2).
+// One block takes tokens_per_block tokens. Its threads first fill shared tables: inv_freq in f64
+// once, then cos/sin per (token, pair) with the angle reduced mod 2*pi in f64 before an f32 sincos
+// (so positions in the 10^5 range keep f32 accuracy). Then each warp takes whole heads: a lane
+// loads its PPL pairs of the head into registers (one read of x, all loads in flight), the norm
+// (if any) reduces over the warp, and the rotated pairs are stored. Byte traffic: read and write
+// every element once; weights and tables hit L1/L2.
 #pragma once
 
 #include "common/types.cuh"
@@ -20,8 +23,7 @@
 namespace cukern {
 namespace ew {
 
-constexpr int ROPE_BLOCK = 256;       // threads per token block
-constexpr int ROPE_MAX_PAIRS = 512;   // rope_dim / 2 <= 512 (head_dim <= 1024)
+constexpr int ROPE_BLOCK = 256;  // threads per block
 
 // Which of the 4 position rows a rotary pair uses (pos_mode 2: contiguous sections t|h|w|e;
 // pos_mode 3: IMRoPE, sections interleaved t,h,w,t,h,w,... while each lasts, then e).
@@ -40,59 +42,95 @@ CUKERN_DEVICE uint32_t rope_section(uint32_t pair, const uint32_t (&sec)[4], uin
     return 3;
 }
 
-// cos/sin of pos * inv_freq, with the angle reduced to [-pi, pi] in f64 before the f32 sincos.
-CUKERN_DEVICE void rope_cos_sin(int32_t pos, uint32_t pair, uint32_t rope_dim, bool use_freqs, float freq_base,
-                                const float* freqs, float* c, float* s) {
-    const double inv = use_freqs ? (double)freqs[pair] : pow((double)freq_base, -2.0 * pair / rope_dim);
-    double a = (double)pos * inv;
-    a -= 6.283185307179586 * rint(a * 0.15915494309189535);
-    sincosf((float)a, s, c);
-}
+// Shared tables of one block, carved from dynamic shared memory:
+//   inv [half] f64, then cos, sin [tokens_per_block, half] f32.
+struct RopeTables {
+    double* inv;
+    float* cos_t;
+    float* sin_t;
 
-// One head: out = rotate(x * scale * (w + w_off)); w == nullptr: no weight. Lanes take pairs.
-template <typename TO>
-CUKERN_DEVICE void rope_head(TO* __restrict__ out, const float* __restrict__ x, const float* __restrict__ w,
-                             float scale, float w_off, const float* cos_t, const float* sin_t,
-                             uint32_t head_dim, uint32_t rope_dim, bool neox) {
-    const uint32_t half = rope_dim / 2;
-    for (uint32_t j = threadIdx.x % WARP; j < head_dim / 2; j += WARP) {
-        uint32_t i0, i1;
-        if (j < half) {
-            i0 = neox ? j : 2 * j;
-            i1 = neox ? j + half : 2 * j + 1;
-        } else {  // the copied tail: elements rope_dim + 2 (j - half) and the next
-            i0 = rope_dim + 2 * (j - half);
-            i1 = i0 + 1;
-        }
-        float v0 = x[i0] * scale, v1 = x[i1] * scale;
-        if (w != nullptr) {
-            v0 *= w[i0] + w_off;
-            v1 *= w[i1] + w_off;
-        }
-        if (j < half) {
-            const float c = cos_t[j], s = sin_t[j];
-            const float r0 = v0 * c - v1 * s;
-            v1 = v0 * s + v1 * c;
-            v0 = r0;
-        }
-        out[i0] = from_float<TO>(v0);
-        out[i1] = from_float<TO>(v1);
+    CUKERN_DEVICE RopeTables(void* smem, uint32_t half, uint32_t n_tok) {
+        inv = reinterpret_cast<double*>(smem);
+        cos_t = reinterpret_cast<float*>(inv + half);
+        sin_t = cos_t + n_tok * half;
+    }
+
+    CUKERN_DEVICE void fill_inv(uint32_t half, uint32_t rope_dim, bool use_freqs, float freq_base, const float* freqs) {
+        for (uint32_t j = threadIdx.x; j < half; j += blockDim.x)
+            inv[j] = use_freqs ? (double)freqs[j] : pow((double)freq_base, -2.0 * j / rope_dim);
+    }
+
+    // Entry idx = tt * half + j: cos/sin of pos * inv[j], the angle reduced to [-pi, pi] in f64.
+    CUKERN_DEVICE void set(uint32_t idx, uint32_t j, int32_t pos) {
+        double a = (double)pos * inv[j];
+        a -= 6.283185307179586 * rint(a * 0.15915494309189535);
+        sincosf((float)a, &sin_t[idx], &cos_t[idx]);
+    }
+};
+
+// Element indices of pair j (j < head_dim / 2): a rotary pair for j < half, else two copied tail elements.
+CUKERN_DEVICE void rope_pair(uint32_t j, uint32_t half, uint32_t rope_dim, bool neox, uint32_t& i0, uint32_t& i1) {
+    if (j < half) {
+        i0 = neox ? j : 2 * j;
+        i1 = neox ? j + half : 2 * j + 1;
+    } else {  // the copied tail: elements rope_dim + 2 (j - half) and the next
+        i0 = rope_dim + 2 * (j - half);
+        i1 = i0 + 1;
     }
 }
 
-// rsqrt(mean(x^2) + eps) of one head, across the warp.
-CUKERN_DEVICE float head_rms_scale(const float* __restrict__ x, uint32_t head_dim, float eps) {
-    float acc = 0.f;
-    for (uint32_t i = threadIdx.x % WARP; i < head_dim; i += WARP) acc += x[i] * x[i];
-    return rsqrtf(warp_sum(acc) / (float)head_dim + eps);
+// One head, one warp: out = rotate(x * s * (w + w_off)), s = rsqrt(mean(x^2) + eps) when norm, else 1;
+// w == nullptr: no weight. Lane l holds pairs j = l + 32 k, k < PPL (head_dim <= 64 * PPL).
+template <typename TO, int PPL>
+CUKERN_DEVICE void rope_head(TO* out, const float* x, const float* __restrict__ w, bool norm, float eps, float w_off,
+                             const float* cos_t, const float* sin_t, uint32_t head_dim, uint32_t rope_dim, bool neox) {
+    const uint32_t lane = threadIdx.x % WARP, half = rope_dim / 2, n_pairs = head_dim / 2;
+    float v0[PPL], v1[PPL];
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < PPL; ++k) {
+        const uint32_t j = lane + WARP * k;
+        v0[k] = v1[k] = 0.f;
+        if (j < n_pairs) {
+            uint32_t i0, i1;
+            rope_pair(j, half, rope_dim, neox, i0, i1);
+            v0[k] = x[i0];
+            v1[k] = x[i1];
+            ss += v0[k] * v0[k] + v1[k] * v1[k];
+        }
+    }
+    const float s = norm ? rsqrtf(warp_sum(ss) / (float)head_dim + eps) : 1.0f;
+    __syncwarp();  // out may alias x: every lane has read the head before any lane writes it
+#pragma unroll
+    for (int k = 0; k < PPL; ++k) {
+        const uint32_t j = lane + WARP * k;
+        if (j < n_pairs) {
+            uint32_t i0, i1;
+            rope_pair(j, half, rope_dim, neox, i0, i1);
+            float a = v0[k] * s, b = v1[k] * s;
+            if (w != nullptr) {
+                a *= __ldg(w + i0) + w_off;
+                b *= __ldg(w + i1) + w_off;
+            }
+            if (j < half) {
+                const float c = cos_t[j], sn = sin_t[j];
+                const float r = a * c - b * sn;
+                b = a * sn + b * c;
+                a = r;
+            }
+            out[i0] = from_float<TO>(a);
+            out[i1] = from_float<TO>(b);
+        }
+    }
 }
 
 }  // namespace ew
 }  // namespace cukern
 
 // out[t, h] = rope(x[t, h]) or, with NORM, rope(rms_norm(x[t, h]) * (w + weight_offset)).
-// grid: (n_tokens), block: ROPE_BLOCK.
-template <bool NORM>
+// grid: (ceil(n_tokens / tokens_per_block)), block: ROPE_BLOCK;
+// dynamic shared memory: 8 * rope_dim/2 + 8 * tokens_per_block * rope_dim/2 bytes.
+template <bool NORM, int PPL>
 __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) rope(
     float* out,                            // [n_tokens, n_heads, head_dim] (may alias x)
     const float* x,                        // [n_tokens, n_heads, head_dim]
@@ -101,33 +139,39 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) rope(
     const int32_t* __restrict__ positions, // pos_mode 0: [1]; 1: [n_tokens]; 2, 3: [4, n_tokens]
     const RopeParams p) {
     using namespace cukern;
-    __shared__ float cos_t[ew::ROPE_MAX_PAIRS], sin_t[ew::ROPE_MAX_PAIRS];
-    const uint32_t t = blockIdx.x;
-    for (uint32_t j = threadIdx.x; j < p.rope_dim / 2; j += blockDim.x) {
+    extern __shared__ double rope_smem[];
+    const uint32_t half = p.rope_dim / 2;
+    const uint32_t t0 = blockIdx.x * p.tokens_per_block;
+    const uint32_t n_tok = min(p.tokens_per_block, p.n_tokens - t0);  // tokens of this block
+    ew::RopeTables tab(rope_smem, half, n_tok);
+    tab.fill_inv(half, p.rope_dim, p.use_freqs, p.freq_base, freqs);
+    __syncthreads();
+    for (uint32_t idx = threadIdx.x; idx < n_tok * half; idx += blockDim.x) {
+        const uint32_t tt = idx / half, j = idx % half, t = t0 + tt;
         int32_t pos;
         if (p.pos_mode == 0) pos = positions[0] + (int32_t)t;
         else if (p.pos_mode == 1) pos = positions[t];
         else pos = positions[ew::rope_section(j, p.sections, p.pos_mode) * p.n_tokens + t];
-        ew::rope_cos_sin(pos, j, p.rope_dim, p.use_freqs, p.freq_base, freqs, &cos_t[j], &sin_t[j]);
+        tab.set(idx, j, pos);
     }
     __syncthreads();
-    for (uint32_t h = threadIdx.x / WARP; h < p.n_heads; h += blockDim.x / WARP) {
-        const uint64_t off = ((uint64_t)t * p.n_heads + h) * p.head_dim;
-        const float scale = NORM ? ew::head_rms_scale(x + off, p.head_dim, p.eps) : 1.0f;
-        __syncwarp();  // in place: every lane has read the head before any lane writes it
-        ew::rope_head<float>(out + off, x + off, NORM ? w : nullptr, scale, p.weight_offset, cos_t, sin_t,
-                             p.head_dim, p.rope_dim, p.neox);
+    for (uint32_t task = threadIdx.x / WARP; task < n_tok * p.n_heads; task += blockDim.x / WARP) {
+        const uint32_t tt = task / p.n_heads;
+        const uint64_t off = ((uint64_t)t0 * p.n_heads + task) * p.head_dim;  // head (t0 + tt, task % n_heads)
+        ew::rope_head<float, PPL>(out + off, x + off, NORM ? w : nullptr, NORM, p.eps, p.weight_offset,
+                                  tab.cos_t + tt * half, tab.sin_t + tt * half, p.head_dim, p.rope_dim, p.neox);
     }
 }
 
 // The attention block's prologue for one step: per token t,
-//   q_out[t, h]          = rope(rms_norm(q[t, h]) * (wq + off))      h < n_q_heads     (HAS_Q)
-//   K cache row (seq, pos)[h] = rope(rms_norm(k[t, h]) * (wk + off)) h < n_kv_heads
-//   V cache row (seq, pos)[h] = v[t, h]                              h < n_kv_heads    (HAS_V)
+//   q_out[t, h]               = rope(rms_norm(q[t, h]) * (wq + off))   h < n_q_heads     (HAS_Q)
+//   K cache row (seq, pos)[h] = rope(rms_norm(k[t, h]) * (wk + off))   h < n_kv_heads
+//   V cache row (seq, pos)[h] = v[t, h]                                h < n_kv_heads    (HAS_V)
 // (norm = 0: no norm, rotation only). Caches use common/kv_cache.cuh's paged layout; a contiguous
 // cache is one page per sequence. The K-only sibling (HAS_Q = HAS_V = false) serves models whose
-// V comes from elsewhere. grid: (n_tokens), block: ROPE_BLOCK.
-template <typename KV, bool HAS_Q, bool HAS_V>
+// V comes from elsewhere. grid: (ceil(n_tokens / tokens_per_block)), block: ROPE_BLOCK; dynamic
+// shared memory as rope.
+template <typename KV, bool HAS_Q, bool HAS_V, int PPL>
 __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) qk_norm_rope_kv(
     float* __restrict__ q_out,              // HAS_Q: [n_tokens, n_q_heads, head_dim] (else unread)
     KV* __restrict__ k_cache,               // [n_pages, page_size, n_kv_heads, head_dim]
@@ -143,30 +187,40 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) qk_norm_rope_kv(
     const int32_t* __restrict__ page_table, // [n_seqs, max_pages] int32
     const QkvRopeParams p) {
     using namespace cukern;
-    __shared__ float cos_t[ew::ROPE_MAX_PAIRS], sin_t[ew::ROPE_MAX_PAIRS];
-    const uint32_t t = blockIdx.x;
-    const int32_t pos = p.pos_mode == 0 ? positions[0] + (int32_t)t : positions[t];
-    const int32_t seq = p.pos_mode == 0 ? seq_ids[0] : seq_ids[t];
-    for (uint32_t j = threadIdx.x; j < p.rope_dim / 2; j += blockDim.x)
-        ew::rope_cos_sin(pos, j, p.rope_dim, p.use_freqs, p.freq_base, freqs, &cos_t[j], &sin_t[j]);
+    extern __shared__ double rope_smem[];
+    const uint32_t half = p.rope_dim / 2;
+    const uint32_t t0 = blockIdx.x * p.tokens_per_block;
+    const uint32_t n_tok = min(p.tokens_per_block, p.n_tokens - t0);
+    ew::RopeTables tab(rope_smem, half, n_tok);
+    tab.fill_inv(half, p.rope_dim, p.use_freqs, p.freq_base, freqs);
+    __syncthreads();
+    for (uint32_t idx = threadIdx.x; idx < n_tok * half; idx += blockDim.x) {
+        const uint32_t t = t0 + idx / half;
+        tab.set(idx, idx % half, p.pos_mode == 0 ? positions[0] + (int32_t)t : positions[t]);
+    }
     __syncthreads();
     const uint32_t n_q = HAS_Q ? p.n_q_heads : 0;
-    const uint32_t n_heads = n_q + p.n_kv_heads * (HAS_V ? 2 : 1);
+    const uint32_t n_heads = n_q + p.n_kv_heads * (HAS_V ? 2 : 1);  // tasks per token: q, k, v heads
     const uint32_t row_elems = p.n_kv_heads * p.head_dim;
-    const uint64_t cache_row = kv_row_offset(page_table + (uint64_t)seq * p.max_pages, (uint32_t)pos,
-                                             p.page_size, row_elems);
-    for (uint32_t h = threadIdx.x / WARP; h < n_heads; h += blockDim.x / WARP) {
+    for (uint32_t task = threadIdx.x / WARP; task < n_tok * n_heads; task += blockDim.x / WARP) {
+        const uint32_t tt = task / n_heads, h = task % n_heads, t = t0 + tt;
+        const float* cos_t = tab.cos_t + tt * half;
+        const float* sin_t = tab.sin_t + tt * half;
         if (HAS_Q && h < n_q) {
             const uint64_t off = ((uint64_t)t * p.n_q_heads + h) * p.head_dim;
-            const float s = p.norm ? ew::head_rms_scale(q + off, p.head_dim, p.eps) : 1.0f;
-            ew::rope_head<float>(q_out + off, q + off, p.norm ? wq : nullptr, s, p.weight_offset, cos_t, sin_t,
-                                 p.head_dim, p.rope_dim, p.neox);
-        } else if (h < n_q + p.n_kv_heads) {
+            ew::rope_head<float, PPL>(q_out + off, q + off, p.norm ? wq : nullptr, p.norm, p.eps, p.weight_offset,
+                                      cos_t, sin_t, p.head_dim, p.rope_dim, p.neox);
+            continue;
+        }
+        const int32_t pos = p.pos_mode == 0 ? positions[0] + (int32_t)t : positions[t];
+        const int32_t seq = p.pos_mode == 0 ? seq_ids[0] : seq_ids[t];
+        const uint64_t cache_row = kv_row_offset(page_table + (uint64_t)seq * p.max_pages, (uint32_t)pos,
+                                                 p.page_size, row_elems);
+        if (h < n_q + p.n_kv_heads) {
             const uint32_t hk = h - n_q;
             const float* kh = k + (uint64_t)t * row_elems + (uint64_t)hk * p.head_dim;
-            const float s = p.norm ? ew::head_rms_scale(kh, p.head_dim, p.eps) : 1.0f;
-            ew::rope_head<KV>(k_cache + cache_row + (uint64_t)hk * p.head_dim, kh, p.norm ? wk : nullptr, s,
-                              p.weight_offset, cos_t, sin_t, p.head_dim, p.rope_dim, p.neox);
+            ew::rope_head<KV, PPL>(k_cache + cache_row + (uint64_t)hk * p.head_dim, kh, p.norm ? wk : nullptr, p.norm,
+                                   p.eps, p.weight_offset, cos_t, sin_t, p.head_dim, p.rope_dim, p.neox);
         } else {
             const uint32_t hv = h - n_q - p.n_kv_heads;
             const float* vh = v + (uint64_t)t * row_elems + (uint64_t)hv * p.head_dim;

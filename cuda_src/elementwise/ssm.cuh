@@ -39,15 +39,19 @@ __global__ void __launch_bounds__(128) conv1d_silu(
         const int tau = t0 - (K - 1) + j;
         win[j] = tau < 0 ? state[(uint64_t)(K - 1 + tau) * C + c] : x[(uint64_t)tau * C + c];
     }
-    for (int t = t0; t < t1; ++t) {
-        const float xin = x[(uint64_t)t * C + c];
-        float acc = taps[K - 1] * xin;
+    float xin[cukern::ew::CONV_CHUNK];  // the chunk's inputs, all loads in flight before the first use
+#pragma unroll
+    for (int i = 0; i < cukern::ew::CONV_CHUNK; ++i) xin[i] = t0 + i < t1 ? x[(uint64_t)(t0 + i) * C + c] : 0.f;
+#pragma unroll
+    for (int i = 0; i < cukern::ew::CONV_CHUNK; ++i) {
+        if (t0 + i >= t1) break;
+        float acc = taps[K - 1] * xin[i];
 #pragma unroll
         for (int j = 0; j < K - 1; ++j) acc += taps[j] * win[j];
 #pragma unroll
         for (int j = 0; j < K - 2; ++j) win[j] = win[j + 1];
-        win[K - 2] = xin;
-        y[(uint64_t)t * C + c] = acc / (1.0f + expf(-acc));
+        win[K - 2] = xin[i];
+        y[(uint64_t)(t0 + i) * C + c] = acc / (1.0f + expf(-acc));
     }
     if (t0 == 0) {
         // new state[j] = input tau = n_tokens - (K - 1) + j; when n_tokens < K - 1 the oldest entries come
@@ -104,50 +108,65 @@ __global__ void __launch_bounds__(64) deltanet(
 }
 
 // Tiled variant: the state stays in registers for all tokens. 4 adjacent lanes share a column, each
-// holding DK / 4 consecutive rows; k and q of the token are staged in shared memory.
+// holding DK / 4 consecutive rows. k, q, g and beta of DELTA_CHUNK tokens are staged in shared memory
+// with one round of loads (and v in registers), so the per-token cost is arithmetic, not load latency.
 // Must agree with deltanet (the tests compare both against the reference).
 // grid: (ceil(dv / 32), n_v_heads), block: 128 = 32 columns x 4 row slices.
+constexpr int DELTA_CHUNK = 8;
+
 template <int DK>
 __global__ void __launch_bounds__(128) deltanet_tiled(
     float* __restrict__ o, float* __restrict__ S, const float* __restrict__ q,  // as deltanet
     const float* __restrict__ k, const float* __restrict__ v, const float* __restrict__ g,
     const float* __restrict__ beta, const DeltaNetParams p) {
-    constexpr int R = 4, M = DK / R;  // row slices per column, rows per thread
-    __shared__ float ks[DK], qs[DK];
+    constexpr int R = 4, M = DK / R, CH = DELTA_CHUNK;  // row slices per column, rows per thread
+    __shared__ float ks[CH][DK], qs[CH][DK], gs[CH], bs[CH];
     const uint32_t h = blockIdx.y;
-    const uint32_t r = threadIdx.x % R;                            // 0..3: rows r*M .. r*M+M-1
-    const uint32_t j = blockIdx.x * 32 + threadIdx.x / R;          // column
+    const uint32_t r = threadIdx.x % R;                    // 0..3: rows r*M .. r*M+M-1
+    const uint32_t j = blockIdx.x * 32 + threadIdx.x / R;  // column
     const bool active = j < p.dv;
     const uint32_t hq = h / (p.n_v_heads / p.n_qk_heads);
     float* Sh = S + (uint64_t)h * DK * p.dv + j;
     float s[M];
 #pragma unroll
     for (int m = 0; m < M; ++m) s[m] = active ? Sh[(uint64_t)(r * M + m) * p.dv] : 0.f;
-    for (uint32_t t = 0; t < p.n_tokens; ++t) {
-        __syncthreads();  // the previous token's ks/qs are no longer read
-        for (uint32_t i = threadIdx.x; i < DK; i += blockDim.x) {
-            ks[i] = k[((uint64_t)t * p.n_qk_heads + hq) * DK + i];
-            qs[i] = q[((uint64_t)t * p.n_qk_heads + hq) * DK + i];
+    for (uint32_t t0 = 0; t0 < p.n_tokens; t0 += CH) {
+        const uint32_t n = min((uint32_t)CH, p.n_tokens - t0);
+        __syncthreads();  // the previous chunk's staging is no longer read
+        for (uint32_t idx = threadIdx.x; idx < n * DK; idx += blockDim.x) {
+            const uint64_t src = ((uint64_t)(t0 + idx / DK) * p.n_qk_heads + hq) * DK + idx % DK;
+            ks[idx / DK][idx % DK] = k[src];
+            qs[idx / DK][idx % DK] = q[src];
         }
+        if (threadIdx.x < n) {
+            gs[threadIdx.x] = expf(g[(uint64_t)(t0 + threadIdx.x) * p.n_v_heads + h]);
+            bs[threadIdx.x] = beta[(uint64_t)(t0 + threadIdx.x) * p.n_v_heads + h];
+        }
+        float vv[CH];
+#pragma unroll
+        for (int tt = 0; tt < CH; ++tt)
+            vv[tt] = active && tt < n ? v[((uint64_t)(t0 + tt) * p.n_v_heads + h) * p.dv + j] : 0.f;
         __syncthreads();
-        const float decay = expf(g[(uint64_t)t * p.n_v_heads + h]);
-        float kv = 0.f;
 #pragma unroll
-        for (int m = 0; m < M; ++m) kv += s[m] * ks[r * M + m];
-        kv += __shfl_xor_sync(0xffffffffu, kv, 1);
-        kv += __shfl_xor_sync(0xffffffffu, kv, 2);
-        const uint64_t vo = ((uint64_t)t * p.n_v_heads + h) * p.dv + j;
-        const float vj = active ? v[vo] : 0.f;
-        const float delta = beta[(uint64_t)t * p.n_v_heads + h] * (vj - decay * kv);
-        float out = 0.f;
+        for (int tt = 0; tt < CH; ++tt) {
+            if (tt >= n) break;
+            const float decay = gs[tt];
+            float kv = 0.f;
 #pragma unroll
-        for (int m = 0; m < M; ++m) {
-            s[m] = decay * s[m] + ks[r * M + m] * delta;
-            out += s[m] * qs[r * M + m];
+            for (int m = 0; m < M; ++m) kv += s[m] * ks[tt][r * M + m];
+            kv += __shfl_xor_sync(0xffffffffu, kv, 1);
+            kv += __shfl_xor_sync(0xffffffffu, kv, 2);
+            const float delta = bs[tt] * (vv[tt] - decay * kv);
+            float out = 0.f;
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                s[m] = decay * s[m] + ks[tt][r * M + m] * delta;
+                out += s[m] * qs[tt][r * M + m];
+            }
+            out += __shfl_xor_sync(0xffffffffu, out, 1);
+            out += __shfl_xor_sync(0xffffffffu, out, 2);
+            if (active && r == 0) o[((uint64_t)(t0 + tt) * p.n_v_heads + h) * p.dv + j] = p.q_scale * out;
         }
-        out += __shfl_xor_sync(0xffffffffu, out, 1);
-        out += __shfl_xor_sync(0xffffffffu, out, 2);
-        if (active && r == 0) o[vo] = p.q_scale * out;
     }
     if (active) {
 #pragma unroll
