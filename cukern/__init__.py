@@ -16,12 +16,13 @@ __version__ = "0.1.0"
 
 # family name -> module that defines FAMILY (a runtime.FamilySpec) and its Dispatch class
 FAMILY_MODULES = {
-    "elementwise": "cukern.elementwise",
+    "elementwise": "cukern.elementwise", "elementwise_rope": "cukern.elementwise",  # two units: elementwise.FAMILIES
+    "tokens": "cukern.tokens",
+    "dmmv": "cukern.dmmv", "dmmv_glu": "cukern.dmmv", "dmmv_moe": "cukern.dmmv",  # three units: dmmv.FAMILIES
     **{name: "cukern.matmul" for name in ("matmul", "matmul_f16_q4_0", "matmul_f16_q5_0", "matmul_f16_q8_0",
                                           "matmul_f16_q4_k", "matmul_f16_q5_k", "matmul_f16_q6_k",
                                           "matmul_i8_q4_0", "matmul_i8_q5_0", "matmul_i8_q8_0",
                                           "matmul_i8_q4_k", "matmul_i8_q5_k", "matmul_i8_q6_k")},  # matmul.FAMILIES
-    "dmmv": "cukern.dmmv", "dmmv_glu": "cukern.dmmv", "dmmv_moe": "cukern.dmmv",  # three units: dmmv.FAMILIES
     # the attention family is five units (FamilySpecs) of one module, listed in its FAMILIES
     **{name: "cukern.attention" for name in ("attention", "attention_bf16", "attention_f32",
                                              "attention_prefill_f16", "attention_prefill_bf16")},
@@ -29,8 +30,9 @@ FAMILY_MODULES = {
 
 _LAZY = {
     "ElementwiseDispatch": "cukern.elementwise",
-    "MatmulDispatch": "cukern.matmul",
+    "TokensDispatch": "cukern.tokens",
     "DmmvDispatch": "cukern.dmmv",
+    "MatmulDispatch": "cukern.matmul",
     "AttentionDispatch": "cukern.attention", "PagedKVCache": "cukern.attention",
 }
 
