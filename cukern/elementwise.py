@@ -57,6 +57,7 @@ _ROPE_MAX_TOKENS = 8
 _POS_MODES = {"consecutive": 0, "per_token": 1, "mrope": 2, "imrope": 3}
 _TOPK_WARPS = 4
 _TOPK_MAX_K = 32
+_TOPK_EPL = (2, 4, 8)  # experts per lane of softmax_topk_reg: n_experts <= 32 * EPL
 _TOPK_MAX_EXPERTS = 2048  # 4 warps x 2048 x 4 B = 32 KiB of shared memory
 _CONV_CHUNK = 16
 _GROUP_VPL = (1, 2, 8)  # float4s per lane of group_norm_reg: group_size <= 128 * VPL
@@ -79,6 +80,7 @@ def _kernels() -> list[KernelSpec]:
     ks += [KernelSpec(f"group_norm_reg<{g}, {v}>", "GroupNormParams") for g in ("false", "true") for v in _GROUP_VPL]
     ks += [KernelSpec(f"binary_rows<{op}, {v}>", "BinaryParams") for op in range(6) for v in ("true", "false")]
     ks.append(KernelSpec("softmax_topk", "TopkParams"))
+    ks += [KernelSpec(f"softmax_topk_reg<{e}>", "TopkParams") for e in _TOPK_EPL]
     ks += [KernelSpec(f"moe_weighted_sum<{v}>", "MoeSumParams") for v in ("true", "false")]
     ks += [KernelSpec(f"shared_expert_accumulate<{v}>", "SharedGateParams") for v in ("true", "false")]
     ks += [KernelSpec(f"router_matvec<{e}, {t}>", "RouterParams") for e, t in (_ROUTER_SMALL, _ROUTER_LARGE)]
@@ -711,8 +713,14 @@ class ElementwiseDispatch(Dispatch):
         check_array("weights", weights, dtype=_F32, shape=(n_tokens, k))
         params = self.struct("TopkParams").pack(n_tokens=n_tokens, n_experts=n_experts, k=int(k),
                                                 renorm=int(bool(renorm)), scale=scale)
-        self._launch("softmax_topk", -(-n_tokens // _TOPK_WARPS), 32 * _TOPK_WARPS, (ids, weights, logits), params,
-                     stream=stream, shared_mem=_TOPK_WARPS * n_experts * 4)
+        grid = -(-n_tokens // _TOPK_WARPS)
+        epl = next((e for e in _TOPK_EPL if n_experts <= 32 * e), None)
+        if epl is not None:
+            self._launch(f"softmax_topk_reg<{epl}>", grid, 32 * _TOPK_WARPS, (ids, weights, logits), params,
+                         stream=stream)
+        else:
+            self._launch("softmax_topk", grid, 32 * _TOPK_WARPS, (ids, weights, logits), params, stream=stream,
+                         shared_mem=_TOPK_WARPS * n_experts * 4)
         return ids, weights
 
     def moe_weighted_sum(self, expert_out: cupy.ndarray, weights: cupy.ndarray, out: cupy.ndarray, *,

@@ -69,6 +69,59 @@ __global__ void __launch_bounds__(32 * cukern::ew::TOPK_WARPS) softmax_topk(
     }
 }
 
+// Register version of softmax_topk for n_experts <= 32 * EPL: lane l holds experts l + 32 i, i < EPL, so
+// the k selection rounds touch no memory. Same results and tie rule. grid/block as softmax_topk, no
+// shared memory.
+template <int EPL>
+__global__ void __launch_bounds__(32 * cukern::ew::TOPK_WARPS) softmax_topk_reg(
+    int32_t* __restrict__ ids, float* __restrict__ weights, const float* __restrict__ logits,  // as softmax_topk
+    const TopkParams p) {
+    using namespace cukern;
+    const uint32_t lane = threadIdx.x % WARP;
+    const uint32_t t = blockIdx.x * ew::TOPK_WARPS + threadIdx.x / WARP;
+    if (t >= p.n_tokens) return;
+    const float* lt = logits + (uint64_t)t * p.n_experts;
+    float v[EPL];  // NaN: no such expert, or already taken
+    float mx = ew::neg_inf();
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+        const uint32_t e = lane + WARP * i;
+        v[i] = e < p.n_experts ? lt[e] : ew::quiet_nan();
+        mx = fmaxf(mx, v[i]);  // fmaxf ignores the NaN of an absent expert
+    }
+    mx = warp_max(mx);
+    float denom = 0.f;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) denom += v[i] == v[i] ? expf(v[i] - mx) : 0.f;
+    denom = warp_sum(denom);
+    float my_logit = ew::neg_inf();
+    int32_t my_id = 0;
+    for (uint32_t j = 0; j < p.k; ++j) {
+        float bv = ew::neg_inf();
+        uint32_t bi = 0xffffffffu;
+#pragma unroll
+        for (int i = 0; i < EPL; ++i) {  // ascending ids per lane: strict > keeps the lower id on ties
+            if (v[i] == v[i] && (v[i] > bv || bi == 0xffffffffu)) { bv = v[i]; bi = lane + WARP * i; }
+        }
+#pragma unroll
+        for (int o = WARP / 2; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const uint32_t oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (oi != 0xffffffffu && (bi == 0xffffffffu || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
+        }
+        if (lane == j) { my_logit = bv; my_id = (int32_t)bi; }
+#pragma unroll
+        for (int i = 0; i < EPL; ++i)
+            if (lane + WARP * i == bi) v[i] = ew::quiet_nan();
+    }
+    const float e = lane < p.k ? expf(my_logit - mx) : 0.f;
+    const float sel = warp_sum(e);
+    if (lane < p.k) {
+        ids[(uint64_t)t * p.k + lane] = my_id;
+        weights[(uint64_t)t * p.k + lane] = p.scale * e / (p.renorm ? sel : denom);
+    }
+}
+
 // out[t] = (out[t] +) sum_j weights[t, j] * expert_out[t, j]. grid: (column blocks, tokens <= 65535 per
 // pass, grid-stride), VEC4: 16-byte loads. Bytes: read (n_used + accumulate) * n_cols floats, write n_cols.
 template <bool VEC4>
