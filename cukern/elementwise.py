@@ -64,8 +64,8 @@ _GROUP_VPL = (1, 2, 8)  # float4s per lane of group_norm_reg: group_size <= 128 
 _GROUPS_PER_BLOCK = 8  # 4 warps x GROUPS_PER_WARP (norms.cuh)
 _CONV_K = (2, 3, 4)
 _DELTANET_TILED_DK = (64, 128)
-_ROUTER_SMALL = (1, 1)  # (experts, tokens) per block below _ROUTER_BATCH tokens
-_ROUTER_LARGE = (8, 8)
+_ROUTER_SMALL = (1, 1, 256)  # (experts, tokens, threads) per block below _ROUTER_BATCH tokens
+_ROUTER_LARGE = (8, 8, 64)  # fewer threads: each covers more of n_embd before the 64-value reduction
 _ROUTER_BATCH = 16
 
 
@@ -83,7 +83,7 @@ def _kernels() -> list[KernelSpec]:
     ks += [KernelSpec(f"softmax_topk_reg<{e}>", "TopkParams") for e in _TOPK_EPL]
     ks += [KernelSpec(f"moe_weighted_sum<{v}>", "MoeSumParams") for v in ("true", "false")]
     ks += [KernelSpec(f"shared_expert_accumulate<{v}>", "SharedGateParams") for v in ("true", "false")]
-    ks += [KernelSpec(f"router_matvec<{e}, {t}>", "RouterParams") for e, t in (_ROUTER_SMALL, _ROUTER_LARGE)]
+    ks += [KernelSpec(f"router_matvec<{e}, {t}, {b}>", "RouterParams") for e, t, b in (_ROUTER_SMALL, _ROUTER_LARGE)]
     ks += [KernelSpec(f"conv1d_silu<{k}>", "ConvParams") for k in _CONV_K]
     ks.append(KernelSpec("deltanet", "DeltaNetParams"))
     ks += [KernelSpec(f"deltanet_tiled<{dk}>", "DeltaNetParams") for dk in _DELTANET_TILED_DK]
@@ -782,14 +782,14 @@ class ElementwiseDispatch(Dispatch):
             check_array("w_norm", w_norm, dtype=_F32, shape=(n_embd,))
         if n_embd % 4 or not _aligned(x, W, *(() if w_norm is None else (w_norm,))):
             raise ValueError(f"{what}: needs n_embd % 4 == 0 and 16-byte aligned x, W, w_norm (n_embd={n_embd})")
-        e_tile, t_tile = _ROUTER_SMALL if n_tokens < _ROUTER_BATCH else _ROUTER_LARGE
+        e_tile, t_tile, threads = _ROUTER_SMALL if n_tokens < _ROUTER_BATCH else _ROUTER_LARGE
         grid = (-(-n_experts // e_tile), -(-n_tokens // t_tile))
         if grid[1] > _MAX_GRID_Y:
             raise ValueError(f"{what}: at most {_MAX_GRID_Y * t_tile} tokens per call, got {n_tokens}")
         params = self.struct("RouterParams").pack(n_tokens=n_tokens, n_experts=n_experts, n_embd=n_embd,
                                                   norm=int(w_norm is not None), eps=eps, weight_offset=weight_offset,
                                                   scale=scale)
-        self._launch(f"router_matvec<{e_tile}, {t_tile}>", grid, 256,
+        self._launch(f"router_matvec<{e_tile}, {t_tile}, {threads}>", grid, threads,
                      (logits, x, W, w_norm if w_norm is not None else x), params, stream=stream)
         return logits
 

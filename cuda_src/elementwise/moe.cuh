@@ -181,18 +181,17 @@ __global__ void shared_expert_accumulate(
 // logits[t, e] = scale * dot(x[t], W[e]), or with norm = 1 the fused router norm:
 // scale * rsqrt(mean(x[t]^2) + eps) * dot(x[t] * (w_norm + weight_offset), W[e]) (the norm's
 // per-token factor is applied to the dot product, so x is read once and never written).
-// One block computes E_TILE experts x T_TILE tokens; its 256 threads split n_embd (float4 steps),
+// One block computes E_TILE experts x T_TILE tokens; its BLOCK threads split n_embd (float4 steps),
 // so n_embd % 4 == 0 and 16-byte alignment are required. grid: (ceil(n_experts / E_TILE),
 // ceil(n_tokens / T_TILE)). Bytes: W once per token tile, x once per expert tile (L2).
-template <int E_TILE, int T_TILE>
-__global__ void __launch_bounds__(256) router_matvec(
+template <int E_TILE, int T_TILE, int BLOCK>
+__global__ void __launch_bounds__(BLOCK) router_matvec(
     float* __restrict__ logits,        // [n_tokens, n_experts]
     const float* __restrict__ x,       // [n_tokens, n_embd]
     const float* __restrict__ W,       // [n_experts, n_embd] f32 router weight
     const float* __restrict__ w_norm,  // norm: [n_embd] (else unread)
     const RouterParams p) {
     using namespace cukern;
-    constexpr int BLOCK = 256;
     __shared__ float part[BLOCK / WARP][E_TILE * T_TILE + T_TILE];
     const uint32_t e0 = blockIdx.x * E_TILE, t0 = blockIdx.y * T_TILE;
     float acc[E_TILE][T_TILE] = {};
