@@ -8,8 +8,9 @@ references: ``cukern/reference/dmmv.py``; tests: ``tests/test_dmmv.py``; benchma
 A weight is described once by a :class:`QWeight` (buffer of raw GGUF bytes, type, rows, columns,
 byte offset, and for MoE the expert count and stride); everything about it is validated there,
 so the per-call checks are on the activations only. Activations are f32, C-contiguous, 16-byte
-aligned. Three compilation units (each stays under ~10 s of NVRTC): ``dmmv`` (plain, batched,
-pair and the epilogues), ``dmmv_glu`` (gate + up + activation) and ``dmmv_moe``.
+aligned. Four compilation units (each stays under ~10 s of NVRTC): ``dmmv`` (plain, batched,
+pair, the epilogues, dequantize), ``dmmv_glu`` (gate + up + activation), ``dmmv_moe`` (expert
+matvecs, down + weighted sum, routing) and ``dmmv_moe_packed`` (token-batched experts).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 from cukern.dispatch import Dispatch, check_array
 from cukern.runtime import FamilySpec, KernelSpec
 
-__all__ = ["DmmvDispatch", "QWeight", "MoeRoute", "QTYPES", "FAMILY", "GLU_FAMILY", "MOE_FAMILY",
+__all__ = ["DmmvDispatch", "QWeight", "MoeRoute", "QTYPES", "FAMILY", "GLU_FAMILY", "MOE_FAMILY", "PACKED_FAMILY",
            "DeviceError"]
 
 # GGML type id -> (name, elements per block, bytes per block, byte alignment the kernels need)
@@ -34,15 +35,15 @@ QTYPES = {
     6: ("Q5_0", 32, 22, 2),
     8: ("Q8_0", 32, 34, 2),
     39: ("MXFP4", 32, 17, 1),
-    12: ("Q4_K", 256, 144, 4),
-    13: ("Q5_K", 256, 176, 4),
+    12: ("Q4_K", 256, 144, 16),
+    13: ("Q5_K", 256, 176, 16),
     14: ("Q6_K", 256, 210, 2),
 }
 _BY_NAME = {v[0]: k for k, v in QTYPES.items()}
 _COLS = (1, 2, 4, 8)  # columns per dmmv launch (wider batches are split)
 _STEP = 256  # elements per warp step (cuda_src/dmmv/step.cuh)
 _ROWS = 2  # weight rows per block (kRows in the .cu files)
-_PACK_COLS = 8  # slots per work item of moe_dmmv_packed (kPackCols)
+_PACK_COLS = 4  # slots per work item of moe_dmmv_packed (kPackCols)
 _MAX_EXPERTS = 1023  # moe_route_pack: one thread per bucket, 1024 threads
 _ACTS = {"swiglu": 0, "silu": 0, "geglu": 1, "gelu": 1}
 _F32 = np.dtype(np.float32)
@@ -61,12 +62,15 @@ MOE_FAMILY = FamilySpec(
     name="dmmv_moe", source="dmmv/moe.cu", params_header="dmmv/params.cuh",
     kernels=tuple(
         [KernelSpec(f"moe_dmmv<{q}, {g}>", "MoeParams") for q in QTYPES for g in ("false", "true")]
-        + [KernelSpec(f"moe_dmmv_packed<{q}, {g}>", "MoeParams") for q in QTYPES for g in ("false", "true")]
         + [KernelSpec(f"moe_down<{q}>", "MoeParams") for q in QTYPES]
         + [KernelSpec("moe_route_pack", "RouteParams"), KernelSpec("moe_count_experts", "RouteParams")]
     ),
 )
-FAMILIES = {f.name: f for f in (FAMILY, GLU_FAMILY, MOE_FAMILY)}  # cukern.families() lists each unit
+PACKED_FAMILY = FamilySpec(
+    name="dmmv_moe_packed", source="dmmv/moe_packed.cu", params_header="dmmv/params.cuh",
+    kernels=tuple(KernelSpec(f"moe_dmmv_packed<{q}, {g}>", "MoeParams") for q in QTYPES for g in ("false", "true")),
+)
+FAMILIES = {f.name: f for f in (FAMILY, GLU_FAMILY, MOE_FAMILY, PACKED_FAMILY)}  # cukern.families() lists each unit
 
 
 class DeviceError(RuntimeError):
@@ -197,6 +201,7 @@ class DmmvDispatch(Dispatch):
         super().__init__(device)
         self._glu = _Unit(GLU_FAMILY, device)
         self._moe = _Unit(MOE_FAMILY, device)
+        self._packed = _Unit(PACKED_FAMILY, device)
         self._err = None
 
     # ------------------------------------------------------------------ errors
@@ -463,7 +468,7 @@ class DmmvDispatch(Dispatch):
     def moe_dmmv_packed(self, w: QWeight, x: cupy.ndarray, ids: cupy.ndarray, route: MoeRoute, y: cupy.ndarray, *,
                         w_up: QWeight | None = None, act: str = "swiglu", alpha: float = 1.0,
                         stream=None) -> cupy.ndarray:
-        """As :meth:`moe_dmmv`, token-batched: each expert's weights are read once per 8 of its slots,
+        """As :meth:`moe_dmmv`, token-batched: each expert's weights are read once per 4 of its slots,
         using a ``route`` filled by :meth:`moe_route_pack` from the same ``ids``. The grid is sized for
         the worst case; blocks past the device-side item count exit."""
         w, n_tokens, top_k, per_slot = self._moe_inputs(w, w_up, x, ids, act)
@@ -473,7 +478,7 @@ class DmmvDispatch(Dispatch):
         params = self._moe_params(w, w2=w_up, top_k=top_k, n_slots=route.n_slots, x_per_slot=per_slot,
                                   act=_ACTS[act], alpha=alpha, max_items=route.max_items)
         glu = "true" if w_up is not None else "false"
-        self._moe._launch(f"moe_dmmv_packed<{w.qtype}, {glu}>", (-(-w.m // _ROWS), route.max_items),
+        self._packed._launch(f"moe_dmmv_packed<{w.qtype}, {glu}>", (-(-w.m // _ROWS), route.max_items),
                           _warps(w.k) * 32, (y, w.buf, (w_up or w).buf, x, route.packed, route.items, route.n_items),
                           params, stream=stream)
         return y

@@ -15,6 +15,7 @@ import argparse
 import sys
 
 import cupy
+import numpy as np
 
 from cukern.benchmark import (Row, measure_ceilings, print_table, rotating, rows_to_json, time_graph_us,
                               time_torch_graph_us)
@@ -122,8 +123,8 @@ def bench(quick: bool = False) -> tuple[list, object]:
         ebytes = row_bytes(qt, k) * m
         buf = cupy.random.default_rng(1).integers(0, 256, ebytes * n_e, dtype=cupy.uint8)
         w = QWeight(buf, qt, m, k, n_experts=n_e)
-        rs = cupy.random.default_rng(2)
-        id_sets = [rs.permutation(n_e)[:top_k].astype(cupy.int32).reshape(1, top_k) for _ in range(16)]
+        rs = np.random.default_rng(2)
+        id_sets = [cupy.asarray(rs.permutation(n_e)[:top_k].astype(np.int32).reshape(1, top_k)) for _ in range(16)]
         it = {"i": 0}
 
         def ids():
@@ -140,7 +141,8 @@ def bench(quick: bool = False) -> tuple[list, object]:
         row(f"moe_down {name} top{top_k}/{n_e}", f"{m}x{k}", us, top_k * ebytes + 4 * top_k * (k + 1) + 4 * m)
         # token-batched: 16 tokens (128 slots) through route packing, weights once per expert chunk
         T = 16
-        tid_sets = [cupy.stack([rs.permutation(n_e)[:top_k] for _ in range(T)]).astype(cupy.int32) for _ in range(4)]
+        tid_sets = [cupy.asarray(np.stack([rs.permutation(n_e)[:top_k] for _ in range(T)]).astype(np.int32))
+                    for _ in range(4)]
         xt = cupy.random.standard_normal((T, k), dtype=cupy.float32)
         yt = cupy.empty((T, top_k, m), cupy.float32)
         route = d.plan_moe_route(T, top_k, n_e)

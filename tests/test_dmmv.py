@@ -65,7 +65,7 @@ def d():
 
 # ---------------------------------------------------------------------------- CPU
 def test_families_declared():
-    assert set(D.FAMILIES) == {"dmmv", "dmmv_glu", "dmmv_moe"}
+    assert set(D.FAMILIES) == {"dmmv", "dmmv_glu", "dmmv_moe", "dmmv_moe_packed"}
     names = {k.name for f in D.FAMILIES.values() for k in f.kernels}
     for q in TYPES:
         for n in (1, 2, 4, 8):

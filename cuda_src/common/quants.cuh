@@ -190,6 +190,14 @@ CUKERN_DEVICE void bytes_to_float4(uint32_t v, float (&out)[4]) {
 // Bits 0...3 of t spread to bit 0 of bytes 0...3 (the Q5 high bits of four elements).
 CUKERN_DEVICE uint32_t spread_bits4(uint32_t t) { return ((t & 15u) * 0x00204081u) & 0x01010101u; }
 
+// PTX prmt in its default mode: like __byte_perm, but a selector nibble with bit 3 set
+// replicates the sign (msb) of the selected byte (__byte_perm ignores bit 3).
+CUKERN_DEVICE uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+    uint32_t r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+
 // MXFP4: four codes, one per nibble of the 16 bits of sel (nibble k -> out byte k), looked up
 // as doubled E2M1 values biased by +128 (so the result bytes are unsigned). prmt looks up 3-bit
 // indices in 8 bytes; the sign (bit 3 of each nibble) picks between the positive and the
@@ -202,7 +210,7 @@ CUKERN_DEVICE uint32_t mxfp4_lookup4_biased(uint32_t sel) {
     const uint32_t neg = __byte_perm(kNeg0, kNeg1, idx);
     // sign of nibble k is bit 4k+3: bytes 0/1 of (sel << 4) hold nibbles 0 and 2 in their msb,
     // bytes 0/1 of sel hold nibbles 1 and 3; selector 8+n replicates the msb of byte n.
-    const uint32_t mask = __byte_perm(sel << 4, sel, 0xD9C8);
+    const uint32_t mask = prmt(sel << 4, sel, 0xD9C8);
     return (pos & ~mask) | (neg & mask);
 }
 

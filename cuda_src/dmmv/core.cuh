@@ -78,6 +78,67 @@ CUKERN_DEVICE void warp_dots(const uint8_t* const (&rows)[NR], const float* cons
     }
 }
 
+// As warp_dots, software-pipelined: the loads of a warp's next step are issued before the
+// current step is decoded, so each warp keeps a step of weights in flight while it computes.
+template <int QT, int NR, int NC>
+CUKERN_DEVICE void warp_dots_pipe(const uint8_t* const (&rows)[NR], const float* const (&xs)[NC], int n_full,
+                                  int tail, int warp, int nw, int lane, float (&acc)[NR][NC]) {
+    using S = Step<QT>;
+    using Raw = typename S::Raw;
+    const int o0 = S::x0(lane), o1 = S::x1(lane);
+    Raw cur[NR];
+    float4 xa[NC], xb[NC];
+    auto fetch = [&](int s, Raw (&raw)[NR], float4 (&a)[NC], float4 (&b)[NC]) {
+        const bool live = s < n_full;
+#pragma unroll
+        for (int r = 0; r < NR; ++r)
+            raw[r] = live ? S::template load<false>(rows[r] + (size_t)s * S::kStepBytes, lane, kStep) : Raw{};
+        load_x<NC>(xs, (size_t)s * kStep + o0, (size_t)s * kStep + o1, live, live, a, b);
+    };
+    fetch(warp, cur, xa, xb);
+    for (int s = warp; s < n_full; s += nw) {
+        Raw nxt[NR];
+        float4 na[NC], nb[NC];
+        fetch(s + nw, nxt, na, nb);
+        float sa[NC], sb[NC];
+#pragma unroll
+        for (int c = 0; c < NC; ++c) { sa[c] = sum4(xa[c]); sb[c] = sum4(xb[c]); }
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+            Group g0, g1;
+            S::decode(cur[r], lane, g0, g1);
+#pragma unroll
+            for (int c = 0; c < NC; ++c)
+                acc[r][c] += g0.a * dot4(g0.q, xa[c]) + g0.b * sa[c] + g1.a * dot4(g1.q, xb[c]) + g1.b * sb[c];
+        }
+#pragma unroll
+        for (int r = 0; r < NR; ++r) cur[r] = nxt[r];
+#pragma unroll
+        for (int c = 0; c < NC; ++c) { xa[c] = na[c]; xb[c] = nb[c]; }
+    }
+    if (tail > 0 && warp == n_full % nw) {
+        const size_t s = n_full;
+        float4 ta[NC], tb[NC];
+        load_x<NC>(xs, s * kStep + o0, s * kStep + o1, o0 < tail, o1 < tail, ta, tb);
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+            Group g0, g1;
+            S::decode(S::template load<true>(rows[r] + s * S::kStepBytes, lane, tail), lane, g0, g1);
+#pragma unroll
+            for (int c = 0; c < NC; ++c)
+                acc[r][c] += g0.a * dot4(g0.q, ta[c]) + g0.b * sum4(ta[c]) + g1.a * dot4(g1.q, tb[c]) + g1.b * sum4(tb[c]);
+        }
+    }
+}
+
+// Pick the loop: V = 0 batches U steps then decodes them; V = 1 pipelines one step ahead.
+template <int QT, int NR, int NC, int V>
+CUKERN_DEVICE void row_dots(const uint8_t* const (&rows)[NR], const float* const (&xs)[NC], int n_full, int tail,
+                            int warp, int nw, int lane, float (&acc)[NR][NC]) {
+    if (V == 1) warp_dots_pipe<QT, NR, NC>(rows, xs, n_full, tail, warp, nw, lane, acc);
+    else warp_dots<QT, NR, NC, (NR * NC <= 4 ? 2 : 1)>(rows, xs, n_full, tail, warp, nw, lane, acc);
+}
+
 // Sum acc over the block: on return, red[i] (i = r * NC + c) holds the total for every thread.
 // red: shared, [kMaxWarps][NR * NC] floats.
 template <int NR, int NC>
@@ -104,10 +165,6 @@ CUKERN_DEVICE float gelu_tanh(float g) {
 }
 CUKERN_DEVICE float glu_act(uint32_t act, float g) { return act == 0 ? silu(g) : gelu_tanh(g); }
 CUKERN_DEVICE float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
-
-// Number of steps in flight per warp: fewer when NC columns of x already fill the registers.
-template <int NR, int NC>
-__host__ __device__ constexpr int unroll_for() { return NR * NC <= 4 ? 2 : 1; }
 
 }  // namespace qmv
 }  // namespace cukern

@@ -24,7 +24,9 @@ CUKERN_DEVICE void store(float* y, float v, int c, const float* gate, const Dmmv
 }
 }  // namespace
 
-template <int QT, int NC>
+// R: rows per block; V: the loop variant (core.cuh row_dots). The FamilySpec instantiates the
+// tuned defaults; profiling/tune_dmmv.py instantiates the others.
+template <int QT, int NC, int R = kRows, int V = 0>
 __global__ void __launch_bounds__(kMaxWarps * 32) dmmv(
     float* __restrict__ y,             // [NC, y_stride] out: y[c * y_stride + i], i < m
     float* __restrict__ y2,            // [NC, y2_stride] out of matrix 2 (pair); unused otherwise
@@ -33,22 +35,22 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dmmv(
     const float* __restrict__ x,       // [NC, x_stride] f32 columns, 16-byte aligned, k used
     const float* __restrict__ gate,    // [NC] gate logits for mode 2; unused otherwise
     const DmmvParams p) {
-    __shared__ float red[kMaxWarps * kRows * NC];
+    __shared__ float red[kMaxWarps * R * NC];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
     const bool second = blockIdx.x >= p.blocks1;  // working on matrix 2 (pair)
     const uint32_t m = second ? p.m2 : p.m;
-    const uint32_t row0 = (second ? blockIdx.x - p.blocks1 : blockIdx.x) * kRows;
+    const uint32_t row0 = (second ? blockIdx.x - p.blocks1 : blockIdx.x) * R;
     const uint8_t* base = second ? w2 + p.w2_offset : w + p.w_offset;
-    const uint8_t* rows[kRows];
+    const uint8_t* rows[R];
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) rows[r] = base + (size_t)min(row0 + r, m - 1) * p.row_bytes;  // past m: recompute row m-1, never stored
+    for (int r = 0; r < R; ++r) rows[r] = base + (size_t)min(row0 + r, m - 1) * p.row_bytes;  // past m: recompute row m-1, never stored
     const float* xs[NC];
 #pragma unroll
     for (int c = 0; c < NC; ++c) xs[c] = x + (size_t)c * p.x_stride;
-    float acc[kRows][NC] = {};
-    warp_dots<QT, kRows, NC, unroll_for<kRows, NC>()>(rows, xs, p.n_full, p.tail, warp, nw, lane, acc);
-    block_reduce<kRows, NC>(acc, red, warp, nw, lane);
-    if (threadIdx.x < kRows * NC) {
+    float acc[R][NC] = {};
+    row_dots<QT, R, NC, V>(rows, xs, p.n_full, p.tail, warp, nw, lane, acc);
+    block_reduce<R, NC>(acc, red, warp, nw, lane);
+    if (threadIdx.x < R * NC) {
         const int r = threadIdx.x / NC, c = threadIdx.x % NC;
         if (row0 + r < m) {
             float* out = second ? y2 + (size_t)c * p.y2_stride : y + (size_t)c * p.y_stride;
@@ -79,7 +81,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dmmv_glu(
 #pragma unroll
     for (int c = 0; c < NC; ++c) xs[c] = x + (size_t)c * p.x_stride;
     float acc[2 * kRows][NC] = {};
-    warp_dots<QT, 2 * kRows, NC, unroll_for<2 * kRows, NC>()>(rows, xs, p.n_full, p.tail, warp, nw, lane, acc);
+    row_dots<QT, 2 * kRows, NC, 0>(rows, xs, p.n_full, p.tail, warp, nw, lane, acc);
     block_reduce<2 * kRows, NC>(acc, red, warp, nw, lane);
     if (threadIdx.x < kRows * NC) {
         const int r = threadIdx.x / NC, c = threadIdx.x % NC;

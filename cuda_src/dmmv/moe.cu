@@ -8,28 +8,14 @@
 //   moe_route_pack    groups the slots by expert: counts, offsets, packed slot ids and a list of
 //                     work items (expert, first packed slot, n <= kPackCols); count on the device
 //   moe_count_experts per-expert slot counts only
-//   moe_dmmv_packed   one block per (row block, work item): an expert's weights are read once for
-//                     up to kPackCols slots; the grid is sized for the worst case and the blocks
-//                     past the device-side item count exit at once
+//   moe_dmmv_packed   (moe_packed.cu, its own unit) one block per (row block, work item)
 //   moe_down          y[t] (+)= sum_k weight[t, k] * W[ids[t, k]] h[t, k]: the down projection
 //                     and the weighted sum over the token's experts in one pass, no atomics
 //
 // An expert id outside [0, n_experts) is never dereferenced: its outputs are written as zeros
 // (moe_down: its term is dropped) and bit 0 of err[0] is set; DmmvDispatch.check_errors()
 // reports it outside the hot path.
-#include "dmmv/core.cuh"
-#include "dmmv/params.cuh"
-
-using namespace cukern;
-using namespace cukern::qmv;
-
-namespace {
-constexpr int kRows = 2;      // weight rows per block
-constexpr int kPackCols = 8;  // slots per work item of moe_dmmv_packed
-constexpr int kErrExpertId = 1;
-
-CUKERN_DEVICE bool expert_ok(int e, const MoeParams& p) { return e >= 0 && (uint32_t)e < p.n_experts; }
-}  // namespace
+#include "dmmv/moe.cuh"
 
 // grid: (ceil(m / kRows), n_slots); block: NW warps
 template <int QT, bool GLU>
@@ -66,58 +52,6 @@ __global__ void __launch_bounds__(kMaxWarps * 32) moe_dmmv(
     if (threadIdx.x < kRows && row0 + threadIdx.x < p.m) {
         const float v = GLU ? glu_act(p.act, red[threadIdx.x]) * red[kRows + threadIdx.x] : red[threadIdx.x];
         out[row0 + threadIdx.x] = p.alpha * v;
-    }
-}
-
-// grid: (ceil(m / kRows), max_items); block: NW warps. items[i] = (expert or -1, first packed
-// slot, count): written by moe_route_pack, as is n_items[0].
-template <int QT, bool GLU>
-__global__ void __launch_bounds__(kMaxWarps * 32) moe_dmmv_packed(
-    float* __restrict__ y,             // [n_slots, m] out
-    const uint8_t* __restrict__ w,     // expert weights (gate weights with GLU)
-    const uint8_t* __restrict__ w2,    // up weights (GLU); unused otherwise
-    const float* __restrict__ x,       // [n_slots or n_tokens, k] f32 (x_per_slot)
-    const int* __restrict__ packed,    // [n_slots] slot ids grouped by expert
-    const int* __restrict__ items,     // [max_items, 3] work items
-    const int* __restrict__ n_items,   // [1] live work items
-    const MoeParams p) {
-    constexpr int NR = GLU ? 2 * kRows : kRows;
-    __shared__ float red[kMaxWarps * NR * kPackCols];
-    if (blockIdx.y >= (uint32_t)*n_items) return;  // the grid is sized for the worst case
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
-    const int* item = items + 3 * blockIdx.y;
-    const int e = item[0], first = item[1], count = item[2];
-    const uint32_t row0 = blockIdx.x * kRows;
-    if (e < 0) {  // the slots whose expert id was out of range (already flagged by the packer)
-        for (int i = threadIdx.x; i < count * kRows; i += blockDim.x) {
-            const uint32_t row = row0 + i % kRows;
-            if (row < p.m) y[(size_t)packed[first + i / kRows] * p.m + row] = 0.0f;
-        }
-        return;
-    }
-    const uint8_t* rows[NR];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-        const size_t off = (size_t)e * p.expert_bytes + (size_t)min(row0 + r, p.m - 1) * p.row_bytes;
-        rows[r] = w + p.w_offset + off;
-        if (GLU) rows[NR - kRows + r] = w2 + p.w2_offset + off;
-    }
-    const float* xs[kPackCols];
-#pragma unroll
-    for (int c = 0; c < kPackCols; ++c) {  // columns past count repeat the last one, never stored
-        const int slot = packed[first + min(c, count - 1)];
-        xs[c] = x + (size_t)(p.x_per_slot ? slot : slot / p.top_k) * p.k;
-    }
-    float acc[NR][kPackCols] = {};
-    warp_dots<QT, NR, kPackCols, 1>(rows, xs, p.n_full, p.tail, warp, nw, lane, acc);
-    block_reduce<NR, kPackCols>(acc, red, warp, nw, lane);
-    if (threadIdx.x < kRows * kPackCols) {
-        const int r = threadIdx.x / kPackCols, c = threadIdx.x % kPackCols;
-        if (c < count && row0 + r < p.m) {
-            const float v = GLU ? glu_act(p.act, red[threadIdx.x]) * red[kRows * kPackCols + threadIdx.x]
-                                : red[threadIdx.x];
-            y[(size_t)packed[first + c] * p.m + row0 + r] = p.alpha * v;
-        }
     }
 }
 

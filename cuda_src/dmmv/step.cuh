@@ -29,17 +29,23 @@ struct Group {
 // Streaming loads of weights, read exactly once: keep them out of L1 (which holds x).
 CUKERN_DEVICE uint32_t ld_stream_u32(const uint8_t* p) {  // p: 4-byte aligned
     uint32_t v;
-    asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
     return v;
 }
 CUKERN_DEVICE uint2 ld_stream_u64(const uint8_t* p) {  // p: 8-byte aligned
     uint2 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+CUKERN_DEVICE uint4 ld_stream_u128(const uint8_t* p) {  // p: 16-byte aligned
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
 }
 CUKERN_DEVICE float4 ld_stream_f4(const uint8_t* p) {  // p: 16-byte aligned
     float4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.f32 {%0, %1, %2, %3}, [%4];"
+    asm("ld.global.nc.L1::no_allocate.v4.f32 {%0, %1, %2, %3}, [%4];"
                  : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
     return v;
 }
@@ -218,25 +224,23 @@ template <> struct Step<QT_Q8_0> {
 struct K4Map {
     static CUKERN_DEVICE int x0(int lane) { return 64 * (lane >> 3) + 4 * (lane & 7); }
     static CUKERN_DEVICE int x1(int lane) { return x0(lane) + 32; }
-    struct Head { uint32_t dm, s[3]; };  // d, dmin as half2; the 12 scale bytes
-    static CUKERN_DEVICE Head load_head(const uint8_t* p) {
-        Head h;
-        h.dm = ld_stream_u32(p);
-        h.s[0] = ld_stream_u32(p + 4);
-        h.s[1] = ld_stream_u32(p + 8);
-        h.s[2] = ld_stream_u32(p + 12);
-        return h;
+    struct Head { uint32_t dm, s0, s1, s2; };  // d, dmin as half2; the 12 scale bytes
+    static CUKERN_DEVICE Head load_head(const uint8_t* p) {  // p: 16-byte aligned
+        const uint4 v = ld_stream_u128(p);
+        return Head{v.x, v.y, v.z, v.w};
     }
+    // Scales and mins of sub-blocks 2g and 2g+1 (see k4_scale_min), both at once: the two
+    // bytes of each pair sit side by side in the packed words, so 16-bit masks extract them.
     static CUKERN_DEVICE void scales(const Head& h, int lane, Group& g0, Group& g1) {
-        const int g = lane >> 3;
+        const int g = lane >> 3, sh = 16 * (g & 1);
+        const uint32_t a = h.s0 >> sh, b = h.s1 >> sh, c = h.s2 >> sh;
+        const uint32_t sc = g < 2 ? a & 0x3F3Fu : (c & 0x0F0Fu) | ((a >> 2) & 0x3030u);
+        const uint32_t mn = g < 2 ? b & 0x3F3Fu : ((c >> 4) & 0x0F0Fu) | ((b >> 2) & 0x3030u);
         const float2 dm = __half22float2(*reinterpret_cast<const __half2*>(&h.dm));
-        int sc, m;
-        k4_scale_min(h.s[0], h.s[1], h.s[2], 2 * g, sc, m);
-        g0.a = dm.x * sc;
-        g0.b = -dm.y * m;
-        k4_scale_min(h.s[0], h.s[1], h.s[2], 2 * g + 1, sc, m);
-        g1.a = dm.x * sc;
-        g1.b = -dm.y * m;
+        g0.a = dm.x * byte_to_float<0>(sc);
+        g1.a = dm.x * byte_to_float<1>(sc);
+        g0.b = -dm.y * byte_to_float<0>(mn);
+        g1.b = -dm.y * byte_to_float<1>(mn);
     }
 };
 
