@@ -125,7 +125,7 @@ def bench(quick: bool = False, *, peer: bool = True) -> tuple[list, object]:
         logits = cupy.empty(m.config.vocab_size, cupy.float32)
 
         def run():
-            for s in lm.cache.active_slots():
+            for s in lm.cache.alloc.active_slots():
                 lm.cache.free(s)
             lm.prefill(ids, lm.cache.add(0), logits)
 

@@ -132,6 +132,7 @@ class PagedCache:
         self._len = np.zeros(max_seqs, int)
         self._active = np.zeros(max_seqs, bool)
         self._free = list(range(n_pages - 1, -1, -1))
+        self.alloc = self          # PagedKVCache.alloc: the host allocator
 
     def capacity_tokens(self):
         return self.max_pages * self.page_size

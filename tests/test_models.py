@@ -479,4 +479,4 @@ def test_transformer_orchestration_on_numpy_fakes(tiny, arch, chunk, rng, monkey
     stop = out[1][3]
     cut = t.generate([prompts[1]], 9, stop_ids=[stop], on_token=lambda step, ids: None)[0][0]
     assert cut == out[1][:out[1].index(stop) + 1]
-    assert t.cache.active_slots() == [0]
+    assert t.cache.alloc.active_slots() == [0]

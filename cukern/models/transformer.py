@@ -46,6 +46,16 @@ from cukern.tokens import MAX_TOP_K, SamplePlan, TokensDispatch
 __all__ = ["Transformer", "GenerationStats"]
 
 
+def _to_device(dst: cupy.ndarray, values: np.ndarray, stream) -> None:
+    """The host-to-device copies of generate() (a sequence's length), on ``stream``."""
+    dst.set(values, stream=stream)
+
+
+def _to_host(a: cupy.ndarray, stream) -> np.ndarray:
+    """The device-to-host reads of generate() (sampled ids): they synchronise ``stream``."""
+    return a.get(stream=stream)
+
+
 @dataclass
 class _Layer:
     attn_norm: cupy.ndarray
@@ -337,7 +347,7 @@ class Transformer:
             raise ValueError(f"top_k must be 1 ... {MAX_TOP_K}, got {top_k}")
         stream = resolve_stream(stream) if stream is not None else cupy.cuda.Stream(non_blocking=True)
         stats = GenerationStats(prompt_tokens=sum(map(len, prompts)), graph=use_graph)
-        for s in self.cache.active_slots():
+        for s in self.cache.alloc.active_slots():
             self.cache.free(s, stream=stream)
         slots = [self.cache.add(0, stream=stream) for _ in prompts]
         d = self._setup_decode(slots, [len(p) for p in prompts], longest, temperature > 0, max_new_tokens)
@@ -353,7 +363,7 @@ class Transformer:
         # pages for the whole generation now; the device lengths then grow one per step (advance_positions)
         for p, s in zip(prompts, slots):
             self.cache.extend(s, max_new_tokens, stream=stream)
-            self.cache.lengths[s:s + 1].set(np.array([len(p) + 1], np.int32), stream=stream)
+            _to_device(self.cache.lengths[s:s + 1], np.array([len(p) + 1], np.int32), stream)
         out = [[] for _ in prompts]
         stops = set(int(i) for i in stop_ids)
         done = np.zeros(len(prompts), bool)
@@ -367,7 +377,7 @@ class Transformer:
                 on_token(step, ids)
 
         step_fn = lambda s: self._decode_step(d, temperature, top_k, top_p, seed, s)  # noqa: E731
-        emit(0, d["sample"].next_ids.get(stream=stream))
+        emit(0, _to_host(d["sample"].next_ids, stream))
         steps, timed, t0 = 1, 0, None
         while steps < max_new_tokens and not done.all():
             if use_graph and steps >= 2:             # step 1 ran eagerly: every kernel is compiled and warm
@@ -383,13 +393,13 @@ class Transformer:
                 step_fn(stream)
             timed += t0 is not None
             if on_token is not None or not use_graph:
-                emit(steps, d["sample"].next_ids.get(stream=stream))
+                emit(steps, _to_host(d["sample"].next_ids, stream))
             steps += 1
         stream.synchronize()
         stats.decode_s = time.perf_counter() - t0 if t0 is not None else 0.0
         stats.decode_tokens = timed * len(prompts)   # steady state: graph replays (or eager steps)
         if on_token is None and use_graph:         # steps 1... were not read yet: the history has them
-            hist = d["sample"].history.get(stream=stream)
+            hist = _to_host(d["sample"].history, stream)
             for step in range(1, steps):
                 emit(step, hist[:, step])
         return out, stats
