@@ -8,7 +8,6 @@ comparisons with Hugging Face skip unless ``transformers`` is importable.
 from __future__ import annotations
 
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -480,3 +479,24 @@ def test_transformer_orchestration_on_numpy_fakes(tiny, arch, chunk, rng, monkey
     cut = t.generate([prompts[1]], 9, stop_ids=[stop], on_token=lambda step, ids: None)[0][0]
     assert cut == out[1][:out[1].index(stop) + 1]
     assert t.cache.alloc.active_slots() == [0]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_forward_passes_every_dispatch_check_without_gpu(tiny, arch, monkeypatch):
+    """The real forward on host-backed arrays with launches recorded (tests/host_dispatch.py): every
+    dispatch the model makes passes its family's validation (names, shapes, dtypes, alignment, kernel
+    lookup) for prompts through the matvec (chunks of 5) and the GEMM (16), both KV dtypes, a batch of
+    three, sampling, eager and graph decode; and the launches include each family's kernels."""
+    from host_dispatch import patch
+    from cukern.models.transformer import Transformer
+    launches = patch(monkeypatch)
+    m = load_gguf(tiny[arch])
+    for kv, chunk in (("float16", 5), ("float32", 16)):
+        lm = Transformer(m, max_seqs=3, max_tokens=64, page_size=4, kv_dtype=kv, prefill_chunk=chunk)
+        prompts = [list(range(5, 5 + n)) for n in (29, 3, 11)]
+        lm.generate(prompts, 6)
+        lm.generate(prompts[:1], 4, temperature=0.7, top_k=40, top_p=0.9, seed=1, on_token=lambda step, ids: None)
+        lm.generate(prompts[1:], 4, use_graph=False)
+    names = {k.split("<")[0] for k in launches}
+    assert {"embed_rows", "qk_norm_rope_kv", "decode", "dmmv", "gemm_f16", "topk_chunk", "sample_rows",
+            "advance_positions"} <= names, names

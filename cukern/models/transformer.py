@@ -29,11 +29,10 @@ CUDA graph (:func:`cukern.streams.capture_graph`) and replayed per token with no
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import cupy
 import numpy as np
-from gguf import GGMLQuantizationType as QT
 
 from cukern.attention import AttentionDispatch, PagedKVCache
 from cukern.dmmv import DmmvDispatch, QWeight

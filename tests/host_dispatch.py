@@ -1,0 +1,117 @@
+"""Run cukern's real dispatch layer on a machine without a GPU: every array a ``cupy.ndarray`` over host
+memory, every kernel launch recorded instead of made.
+
+Everything on the host side runs for real: argument validation, struct packing, grid choice, kernel
+lookup in the family, PagedKVCache's allocator, the attention and sampling plans, and the model's
+orchestration. It catches an API mismatch between the model code and a family (a renamed argument,
+a shape, dtype or alignment the family rejects) without a GPU. Numbers are not computed: outputs keep
+their NaN fill.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+
+import cupy
+import numpy as np
+from cupy.cuda import memory
+
+_keep: list = []   # host buffers behind the arrays of the current test
+
+
+def host_view(a: cupy.ndarray) -> np.ndarray:
+    """A NumPy view of a host-backed cupy array's memory."""
+    n = a.size * a.itemsize
+    buf = (ctypes.c_uint8 * max(n, 1)).from_address(a.data.ptr)
+    return np.frombuffer(buf, dtype=np.uint8, count=n).view(a.dtype).reshape(a.shape)
+
+
+def host_array(shape, dtype=np.float32, fill=None) -> cupy.ndarray:
+    """A cupy.ndarray whose data pointer is 256-byte-aligned host memory (NaN-filled floats by default)."""
+    dtype = np.dtype(dtype)
+    shape = tuple(int(s) for s in shape) if isinstance(shape, (tuple, list)) else (int(shape),)
+    n = int(np.prod(shape)) * dtype.itemsize
+    raw = np.zeros(n + 512, np.uint8)
+    _keep.append(raw)
+    mem = memory.UnownedMemory(raw.ctypes.data + (-raw.ctypes.data) % 256, max(n, 1), raw, device_id=0)
+    a = cupy.ndarray(shape, dtype, memptr=memory.MemoryPointer(mem, 0))
+    host_view(a)[...] = (np.nan if dtype.kind == "f" else 0) if fill is None else fill
+    return a
+
+
+def _asarray(x, dtype=None) -> cupy.ndarray:
+    x = np.asarray(x, dtype=dtype)
+    a = host_array(x.shape, x.dtype)
+    host_view(a)[...] = x
+    return a
+
+
+class _Stream:
+    ptr = 1
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def synchronize(self):
+        pass
+
+
+class _Graph:
+    def __init__(self, fn, stream):
+        fn(stream)           # capture: the step's dispatches run (and validate) once
+        self.replays = 0
+
+    def replay(self, stream=None):
+        self.replays += 1
+
+
+def patch(monkeypatch) -> collections.Counter:
+    """Install the host arrays and the launch recorder for one test; returns the launch counter
+    (kernel name -> launches)."""
+    from cukern import attention, dispatch, matmul
+    from cukern.models import gguf_loader
+    from cukern.models import transformer as T
+
+    launches: collections.Counter = collections.Counter()
+    current = _Stream()
+    monkeypatch.setattr(cupy, "empty", lambda shape, dtype=np.float32: host_array(shape, dtype))
+    monkeypatch.setattr(cupy, "zeros", lambda shape, dtype=np.float32: host_array(shape, dtype, 0))
+    monkeypatch.setattr(cupy, "full", lambda shape, v, dtype=np.float32: host_array(shape, dtype, v))
+    monkeypatch.setattr(cupy, "asarray", _asarray)
+    monkeypatch.setattr(cupy.cuda, "Stream", _Stream)
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: current)
+    monkeypatch.setattr(dispatch.Dispatch, "_function", lambda self, kernel, shared_mem=0: kernel)
+    monkeypatch.setattr(dispatch.Dispatch, "_call",
+                        staticmethod(lambda kernel, fn, grid, block, args, shared_mem: launches.update([kernel])))
+    monkeypatch.setattr(attention.AttentionDispatch, "sm_count", lambda self: 132)
+    monkeypatch.setattr(matmul.MatmulDispatch, "sm_count", lambda self: 132)
+    monkeypatch.setattr(matmul.MatmulDispatch, "_zero_for_split", lambda self, *a, **k: None, raising=False)
+
+    def upload_slot(cache, slot, stream=None):
+        host_view(cache.page_table)[slot] = cache.alloc.page_table[slot]
+        host_view(cache.lengths)[slot] = cache.alloc.lengths[slot]
+
+    def upload_model(model, *, progress=None, stream=None):
+        model.device, model.raw = {}, {}
+        for name in gguf_loader.required_tensors(model.config):
+            t = model.tensors[name]
+            dst = _asarray(np.ascontiguousarray(t.data).view(np.uint8).reshape(-1))
+            typed = {gguf_loader.QT.F32: np.float32, gguf_loader.QT.F16: np.float16}.get(t.qtype)
+            model.device[name] = dst.view(typed).reshape(t.shape) if typed else dst.reshape(t.shape[0], -1)
+            model.raw[name] = dst.reshape(t.shape[0] if len(t.shape) > 1 else 1, -1)
+        return model.device
+
+    monkeypatch.setattr(attention.PagedKVCache, "_upload", upload_slot)
+    monkeypatch.setattr(gguf_loader.GGUFModel, "upload", upload_model)
+    monkeypatch.setattr(T, "_to_device", lambda dst, values, stream: host_view(dst).__setitem__(Ellipsis, values))
+    monkeypatch.setattr(T, "_to_host", lambda a, stream: host_view(a).copy())
+    monkeypatch.setattr(T, "capture_graph", lambda fn, stream=None: _Graph(fn, stream))
+    monkeypatch.setattr(T, "resolve_stream", lambda s=None: s if s is not None else current)
+    return launches
