@@ -48,7 +48,8 @@ _I32 = np.dtype(np.int32)
 _DECODE_THREADS = 128
 _MERGE_THREADS = 128
 _KV_WRITE_THREADS = 128
-_MIN_CHUNK = 256  # smallest KV chunk of a split (tokens)
+_MIN_CHUNK = 64  # smallest KV chunk of a split (tokens)
+_MAX_SPLITS = 256
 
 
 def _groups(d: int) -> tuple[int, ...]:
@@ -58,9 +59,14 @@ def _groups(d: int) -> tuple[int, ...]:
 
 def _prefill_shape(d: int) -> tuple[int, int, int]:
     """(threads, query rows per block, dynamic shared bytes) of prefill<T, d> (PrefillShape)."""
-    warps = 8 if d <= 128 else 4
+    mt = 2 if d <= 128 else 1
     bn = 64 if d <= 128 else 32
-    return warps * 32, warps * 16, (warps * 16 + 4 * bn) * (d + 8) * 2
+    bm = 64 * mt
+    return 128, bm, (bm + 4 * bn) * (d + 8) * 2
+
+
+def _page_shift(page_size: int) -> int:
+    return page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
 
 
 def _decode_unit(kv: str) -> FamilySpec:
@@ -524,7 +530,7 @@ class AttentionDispatch:
         """Schedule a decode batch: one query token for each sequence of ``seq_ids`` (host ints).
 
         Validates the slots, uploads them, picks the split count (default: enough blocks for a few
-        per SM, chunks of at least 256 tokens; ``n_splits`` overrides it) and allocates the partial
+        per SM, chunks of at least 64 tokens, at most 256 splits; ``n_splits`` overrides it) and allocates the partial
         buffers. ``max_kv_len`` (default: the longest of these sequences now) sizes the chunks; a
         sequence that later grows past it is still computed right (its last chunk runs to its end),
         only less parallel. Reuse the plan across steps (and graph replays) while the batch holds."""
@@ -543,11 +549,11 @@ class AttentionDispatch:
         hb = _head_block(group, cache.head_dim)
         blocks = len(ids) * cache.n_kv_heads * -(-group // hb)
         visible = max_kv_len if window_left < 0 else min(max_kv_len, window_left + 1)
-        if n_splits is None:
-            want = -(-4 * self.sm_count() // blocks)
-            n_splits = max(1, min(want, visible // _MIN_CHUNK, 256))
-        if not isinstance(n_splits, (int, np.integer)) or not 1 <= n_splits <= 65535:
-            raise ValueError(f"n_splits must be 1 ... 65535, got {n_splits!r}")
+        if n_splits is None:  # about two blocks per SM, chunks of at least _MIN_CHUNK tokens
+            want = -(-2 * self.sm_count() // blocks)
+            n_splits = max(1, min(want, visible // _MIN_CHUNK, _MAX_SPLITS))
+        if not isinstance(n_splits, (int, np.integer)) or not 1 <= n_splits <= _MAX_SPLITS:
+            raise ValueError(f"n_splits must be 1 ... {_MAX_SPLITS}, got {n_splits!r}")
         b, d = len(ids), cache.head_dim
         o_part = cupy.empty((b, n_splits, n_heads, d), cupy.float32) if n_splits > 1 else None
         lse_part = cupy.empty((b, n_splits, n_heads), cupy.float32)
@@ -580,14 +586,14 @@ class AttentionDispatch:
         hb = plan.head_block
         nhb = -(-group // hb)
         visible = plan.max_kv_len if fields["window_left"] < 0 else min(plan.max_kv_len, fields["window_left"] + 1)
-        chunk = -(-visible // plan.n_splits)
+        chunk = -(-(-(-visible // plan.n_splits)) // 64) * 64  # a multiple of the keys a block reads per step
         split = plan.n_splits > 1
         unit = self._unit(cache.kind)
         params = unit.struct("DecodeParams").pack(
             n_queries=b, n_seqs=b, batched=0, n_heads=h, n_kv_heads=cache.n_kv_heads, group=group, n_head_blocks=nhb,
             page_size=cache.page_size, max_pages=cache.max_pages_per_seq, n_splits=plan.n_splits, chunk=chunk,
             has_sinks=int(sinks is not None and not split), causal=1, write_lse=int(split or lse is not None),
-            **fields)
+            page_shift=_page_shift(cache.page_size), pad0=0, **fields)
         sink_arg = sinks if sinks is not None else plan.lse_part
         o_dst = plan.o_part if split else out
         lse_dst = plan.lse_part if (split or lse is None) else lse
@@ -609,12 +615,14 @@ class AttentionDispatch:
         out: [n_tokens, n_heads, head_dim] f32; lse: optional [n_tokens, n_heads] f32 merged LSE;
         sinks: optional [n_heads] f32 natural-log logits added to the denominator once.
         A row whose states are all empty (and no sink) gets 0 and LSE -inf."""
-        check_array("v", v, dtype=_F32, ndim=4)
+        check_array("v", v, dtype=_F32, ndim=4, align=16)
         n, ns, h, d = v.shape
         if min(v.shape) == 0:
             raise ValueError(f"v must be non-empty, got shape {v.shape}")
+        if d % 4 or d > 4 * _MERGE_THREADS:
+            raise ValueError(f"head_dim must be a multiple of 4 up to {4 * _MERGE_THREADS}, got {d}")
         check_array("s", s, dtype=_F32, shape=(n, ns, h))
-        check_array("out", out, dtype=_F32, shape=(n, h, d))
+        check_array("out", out, dtype=_F32, shape=(n, h, d), align=16)
         if lse is not None:
             check_array("lse", lse, dtype=_F32, shape=(n, h))
         if sinks is not None:
@@ -710,7 +718,7 @@ class AttentionDispatch:
             n_queries=n_q, n_seqs=len(plan.seq_ids), batched=1, n_heads=h, n_kv_heads=cache.n_kv_heads, group=group,
             n_head_blocks=nhb, page_size=cache.page_size, max_pages=cache.max_pages_per_seq, n_splits=1,
             chunk=cache.capacity_tokens(), has_sinks=int(sinks is not None), causal=int(causal),
-            write_lse=int(lse is not None), **fields)
+            write_lse=int(lse is not None), page_shift=_page_shift(cache.page_size), pad0=0, **fields)
         unit._launch(f"decode<{_CTYPE[cache.kind]}, {d}, {hb}>", (1, cache.n_kv_heads * nhb, n_q), _DECODE_THREADS,
                      (out, lse if lse is not None else out, q, cache.k_pools[layer], cache.v_pools[layer],
                       cache.page_table, cache.lengths, plan.seq_ids, plan.q_indptr,
@@ -725,7 +733,7 @@ class AttentionDispatch:
         params = unit.struct("PrefillParams").pack(
             n_seqs=n_seqs, n_heads=h, n_kv_heads=n_kv_heads, group=h // n_kv_heads, n_q_tiles=n_tiles,
             page_size=page_size, max_pages=max_pages, causal=int(causal), has_sinks=int(sinks is not None),
-            write_lse=int(lse is not None), **fields)
+            write_lse=int(lse is not None), page_shift=_page_shift(page_size), pad0=0, **fields)
         name = f"prefill<{_CTYPE[kind]}, {d}, {'true' if paged else 'false'}>"
         unit._launch(name, (n_tiles, h, n_seqs), threads,
                      (out, lse if lse is not None else q_indptr, q, k, v, q_indptr, kv_info, page_table, seq_ids,

@@ -171,7 +171,7 @@ def test_write_kv_rejects_bad_input_before_launch(attn):
     with pytest.raises(TypeError, match="k must be"):
         attn.write_kv_run(cache, 0, k.astype(cupy.float64), k, s, 0)
     with pytest.raises(ValueError, match="shape"):
-        attn.write_kv_run(cache, 0, k[:, :1], k, s, 0)
+        attn.write_kv_run(cache, 0, cupy.zeros((8, 1, 64), cupy.float16), k, s, 0)
     with pytest.raises(ValueError, match="C-contiguous"):
         attn.write_kv_run(cache, 0, cupy.zeros((8, 2, 128), cupy.float16)[:, :, ::2], k, s, 0)
     with pytest.raises(ValueError, match="layer"):

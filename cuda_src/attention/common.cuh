@@ -7,6 +7,7 @@
 // logarithms at the boundary.
 #pragma once
 
+#include "common/kv_cache.cuh"
 #include "common/types.cuh"
 
 #ifndef INFINITY  // NVRTC has no <math.h>
@@ -62,6 +63,13 @@ CUKERN_DEVICE uint4 load16(const T* p) {
 CUKERN_DEVICE float logit2(float dot, float scale_log2, float softcap, float inv_softcap) {
     if (softcap > 0.0f) return softcap * LOG2E * tanhf(dot * scale_log2 * LN2 * inv_softcap);
     return dot * scale_log2;
+}
+
+// Token `j` of a paged sequence -> its row in the pool (kv_row_index); page_shift >= 0 when
+// page_size is a power of two, which turns the division into shifts.
+CUKERN_DEVICE uint64_t paged_row(const int32_t* __restrict__ pt, uint32_t j, uint32_t page_size, int32_t page_shift) {
+    if (page_shift >= 0) return ((uint64_t)(uint32_t)pt[j >> page_shift] << page_shift) + (j & (page_size - 1));
+    return kv_row_index(pt, j, page_size);
 }
 
 // exp2 of x - m where m may be -inf (no key seen yet): then every weight is 0, never NaN.

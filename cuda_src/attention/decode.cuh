@@ -53,13 +53,13 @@ CUKERN_DEVICE QueryRange decode_range(const int32_t* __restrict__ lengths, const
             if ((uint32_t)q_indptr[mid] <= qi) a = mid; else b = mid;
         }
         s = a;
-        back = p.causal ? q_indptr[s + 1] - 1 - (int32_t)qi : 0;
+        back = q_indptr[s + 1] - 1 - (int32_t)qi;
     }
     QueryRange r;
     r.slot = seq_ids[s];
     const int32_t kv_len = lengths[r.slot];
     const int32_t qpos = kv_len - 1 - back;  // the last query of a sequence is its last cached token
-    r.hi = qpos + 1;
+    r.hi = p.batched && !p.causal ? kv_len : qpos + 1;
     r.lo = p.window_left >= 0 ? max(0, qpos - p.window_left) : 0;
     return r;
 }
@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(cukern::attn::DECODE_WARPS * 32) decode(
             const int32_t j = base + u * STEP + sub;
             valid[u] = j < c1;
             if (valid[u]) {
-                const uint64_t off = kv_row_index(pt, (uint32_t)j, p.page_size) * row_elems + (uint64_t)kvh * D;
+                const uint64_t off = paged_row(pt, (uint32_t)j, p.page_size, p.page_shift) * row_elems + (uint64_t)kvh * D;
 #pragma unroll
                 for (int i = 0; i < S::VPL; ++i) {
                     kr[u][i] = load16(k_pool + off + (gl + i * S::LPK) * S::VEC);

@@ -5,10 +5,14 @@
 // where the sink term is present only with has_sinks. States with LSE = -inf (no keys)
 // weigh nothing; a row whose states are all empty (and has no sink) gets O = 0, LSE = -inf.
 //
-// Grid: (n_heads, n_tokens); block: MERGE_THREADS threads over head_dim.
+// Grid: (n_heads, n_tokens); block: MERGE_THREADS threads. The block first turns the LSEs into
+// weights (in shared memory, MERGE_CHUNK states at a time), then MERGE_THREADS / (head_dim / 4)
+// groups of threads each sum a share of the states with float4 loads (many loads in flight per
+// thread), and the groups' sums are added through shared memory.
 // Bytes: n_states * (head_dim + 1) floats read, head_dim (+ 1) written per (token, head).
 #pragma once
 
+#include "common/reduce.cuh"
 #include "common/types.cuh"
 #include "attention/common.cuh"
 #include "attention/params.cuh"
@@ -16,7 +20,8 @@
 namespace cukern {
 namespace attn {
 constexpr int MERGE_THREADS = 128;
-}
+constexpr int MERGE_CHUNK = 512;  // state weights held in shared memory at a time
+}  // namespace attn
 }  // namespace cukern
 
 extern "C" __global__ void __launch_bounds__(cukern::attn::MERGE_THREADS) merge_states(
@@ -26,24 +31,70 @@ extern "C" __global__ void __launch_bounds__(cukern::attn::MERGE_THREADS) merge_
     const float* __restrict__ lse_in, // [n_tokens, n_states, n_heads] their natural-log LSE
     const float* __restrict__ sinks,  // [n_heads] natural-log sink logits (has_sinks only)
     const MergeParams p) {
+    using namespace cukern;
     using namespace cukern::attn;
+    constexpr int NT = MERGE_THREADS;
+    __shared__ float w[MERGE_CHUNK];
+    __shared__ float scratch[NT / WARP];
+    __shared__ float4 part[NT];  // per-thread partial sums, reduced over the groups
+
     const uint32_t h = blockIdx.x;
     const uint64_t t = blockIdx.y;
-    const float* li = lse_in + t * p.n_states * p.n_heads + h;  // stride n_heads between states
+    const uint32_t ns = p.n_states, nh = p.n_heads;
+    const float* li = lse_in + t * ns * nh + h;  // state s at li[s * nh]
+
     float mx = p.has_sinks ? sinks[h] : -INFINITY;
-    for (uint32_t s = 0; s < p.n_states; ++s) mx = fmaxf(mx, li[(uint64_t)s * p.n_heads]);
+    for (uint32_t s = threadIdx.x; s < ns; s += NT) mx = fmaxf(mx, li[(uint64_t)s * nh]);
+    mx = block_max<NT>(mx, scratch);
     const float mu = safe_max(mx);
-    float den = p.has_sinks ? __expf(sinks[h] - mu) : 0.0f;
-    for (uint32_t s = 0; s < p.n_states; ++s) den += __expf(li[(uint64_t)s * p.n_heads] - mu);
-    const float inv = den > 0.0f ? 1.0f / den : 0.0f;
-    for (uint32_t d = threadIdx.x; d < p.head_dim; d += MERGE_THREADS) {
-        float a = 0.0f;
-        for (uint32_t s = 0; s < p.n_states; ++s) {
-            const float w = __expf(li[(uint64_t)s * p.n_heads] - mu);
-            const float v = o_in[((t * p.n_states + s) * p.n_heads + h) * p.head_dim + d];
-            a = w > 0.0f ? fmaf(w, v, a) : a;  // an empty state's O is never read into the sum
+
+    const int dv = (int)p.head_dim / 4;             // float4 columns: 8 ... 128
+    const int groups = NT / dv > 0 ? NT / dv : 1;   // thread groups splitting the states
+    const int grp = threadIdx.x / dv, col = threadIdx.x % dv;
+    const bool has_col = threadIdx.x < groups * dv;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float den = 0.0f;  // per-thread share of the denominator
+    for (uint32_t c0 = 0; c0 < ns; c0 += MERGE_CHUNK) {
+        const uint32_t cn = min((uint32_t)MERGE_CHUNK, ns - c0);
+        __syncthreads();  // the previous chunk's weights are no longer read
+        for (uint32_t s = threadIdx.x; s < cn; s += NT) {
+            const float x = __expf(li[(uint64_t)(c0 + s) * nh] - mu);
+            w[s] = x;
+            den += x;
         }
-        o[(t * p.n_heads + h) * p.head_dim + d] = a * inv;
+        __syncthreads();
+        if (has_col) {
+            const float4* src = reinterpret_cast<const float4*>(o_in + ((t * ns + c0) * nh + h) * p.head_dim) + col;
+            const uint64_t stride = (uint64_t)nh * dv;  // float4s between consecutive states
+#pragma unroll 8
+            for (uint32_t s = grp; s < cn; s += groups) {
+                const float ws = w[s];
+                if (ws > 0.0f) {  // an empty state's O is never read into the sum
+                    const float4 x = src[s * stride];
+                    acc.x = fmaf(ws, x.x, acc.x);
+                    acc.y = fmaf(ws, x.y, acc.y);
+                    acc.z = fmaf(ws, x.z, acc.z);
+                    acc.w = fmaf(ws, x.w, acc.w);
+                }
+            }
+        }
     }
-    if (p.write_lse && threadIdx.x == 0) lse[t * p.n_heads + h] = den > 0.0f ? mu + logf(den) : -INFINITY;
+    den = block_sum<NT>(den, scratch);
+    if (p.has_sinks) den += __expf(sinks[h] - mu);
+    part[threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.x < dv) {
+        float4 sum = part[threadIdx.x];
+        for (int gi = 1; gi < groups; ++gi) {
+            const float4 x = part[gi * dv + threadIdx.x];
+            sum.x += x.x;
+            sum.y += x.y;
+            sum.z += x.z;
+            sum.w += x.w;
+        }
+        const float inv = den > 0.0f ? 1.0f / den : 0.0f;
+        reinterpret_cast<float4*>(o + (t * nh + h) * p.head_dim)[threadIdx.x] =
+            make_float4(sum.x * inv, sum.y * inv, sum.z * inv, sum.w * inv);
+    }
+    if (p.write_lse && threadIdx.x == 0) lse[t * nh + h] = den > 0.0f ? mu + logf(den) : -INFINITY;
 }

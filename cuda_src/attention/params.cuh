@@ -46,6 +46,8 @@ struct DecodeParams {
     uint32_t has_sinks;      // 1: sinks[n_heads] joins the denominator (only when n_splits == 1)
     uint32_t causal;         // batched mode: 1 causal, 0 every query sees all kv_len keys
     uint32_t write_lse;      // 1: write lse (always when n_splits > 1)
+    int32_t page_shift;      // log2(page_size) when it is a power of two, else -1
+    uint32_t pad0;           // keeps the struct a multiple of 8 bytes
 };
 
 // merge_states: combine n_states partial results (O, LSE) per (token, head)
@@ -75,4 +77,6 @@ struct PrefillParams {
     float inv_softcap;       // 1 / softcap (0 when off)
     uint32_t has_sinks;      // 1: sinks[n_heads] joins the denominator
     uint32_t write_lse;      // 1: write lse[n_q_total, n_heads]
+    int32_t page_shift;      // paged: log2(page_size) when it is a power of two, else -1
+    uint32_t pad0;           // keeps the struct a multiple of 8 bytes
 };

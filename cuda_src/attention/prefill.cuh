@@ -1,10 +1,12 @@
 // Tensor-core flash attention for many queries per sequence (FlashAttention-2 style).
 //
-// Grid: (n_q_tiles, n_heads, n_seqs); block: WARPS warps, 16 query rows each (BM = 16 * WARPS).
+// Grid: (n_q_tiles, n_heads, n_seqs); block: 4 warps of 16 * MT query rows each (BM = 64 * MT;
+// MT = 2 up to head_dim 128, so that every K/V fragment read from shared memory feeds two mma).
 // Tiles are taken heaviest first (blockIdx.x = 0 is the last query tile), so the causal
 // diagonal's long tiles start before the short ones. A block loads its Q tile once, then
 // streams K/V tiles of BN keys through shared memory with cp.async (two stages: tile t + 1
-// loads while tile t is used). Per tile and warp: S = Q K^T (mma.sync m16n8k16, f32
+// loads while tile t is used; each thread looks up its rows in the page table once for K and V).
+// Per tile and warp: S = Q K^T (Q fragments re-read from shared memory; mma.sync m16n8k16, f32
 // accumulators), masks and the online softmax in registers (the row state of row g and
 // g + 8 lives in the 4 lanes of a quad), P rounded to T and O += P V on the tensor cores.
 //
@@ -29,33 +31,24 @@ namespace attn {
 
 template <int D>
 struct PrefillShape {
-    static constexpr int WARPS = D <= 128 ? 8 : 4;   // query rows of a block: 16 per warp
-    static constexpr int BM = 16 * WARPS;
-    static constexpr int BN = D <= 128 ? 64 : 32;    // keys per K/V tile
-    static constexpr int LD = D + 8;                 // shared row stride in elements (16-byte pad)
-    static constexpr bool Q_IN_REGS = D <= 128;      // else Q fragments are re-read from shared memory
+    static constexpr int WARPS = 4;
+    static constexpr int MT = D <= 128 ? 2 : 1;        // 16-row m-tiles per warp: K/V fragments serve MT of them
+    static constexpr int BM = 16 * MT * WARPS;         // query rows of a block
+    static constexpr int BN = D <= 128 ? 64 : 32;      // keys per K/V tile
+    static constexpr int LD = D + 8;                   // shared row stride in elements (16-byte pad)
+    static constexpr int NT = WARPS * 32;
+    static constexpr int CPR = D / 8;                  // 16-byte chunks per row
+    static constexpr int KV_CHUNKS = BN * CPR / NT;    // chunks of a K (and of a V) tile per thread
     static constexpr int SMEM_BYTES = (BM + 4 * BN) * LD * 2;  // Q + two stages of K and V
     static_assert(D % 32 == 0, "head_dim must be a multiple of 32");
+    static_assert(BN * CPR % NT == 0, "a K/V tile must split evenly over the threads");
 };
-
-// Copy `rows` rows of D b16 elements into shared memory (row stride LD); row i's source is
-// src(i), or zeros when src(i) is null (then the valid global address `any` is named, not read).
-template <int D, int NTHREADS, typename T, typename Src>
-CUKERN_DEVICE void load_tile(T* dst, int rows, Src src, const T* any) {
-    constexpr int CPR = D / 8;  // 16-byte chunks per row
-    constexpr int LD = D + 8;
-    for (int c = threadIdx.x; c < rows * CPR; c += NTHREADS) {
-        const int row = c / CPR, ch = c % CPR;
-        const T* s = src(row);
-        cp_async16(dst + row * LD + ch * 8, s ? s + ch * 8 : any, s ? 16u : 0u);
-    }
-}
 
 }  // namespace attn
 }  // namespace cukern
 
 template <typename T, int D, bool PAGED>
-__global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::WARPS * 32) prefill(
+__global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::NT) prefill(
     T* __restrict__ o,                       // [n_q_total, n_heads, D]
     float* __restrict__ lse,                 // [n_q_total, n_heads] natural-log LSE (write_lse only)
     const T* __restrict__ q,                 // [n_q_total, n_heads, D]
@@ -70,7 +63,8 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::WARPS * 32) pre
     using namespace cukern;
     using namespace cukern::attn;
     using Sh = PrefillShape<D>;
-    constexpr int WARPS = Sh::WARPS, BM = Sh::BM, BN = Sh::BN, LD = Sh::LD, NT = WARPS * 32;
+    constexpr int MT = Sh::MT, BM = Sh::BM, BN = Sh::BN, LD = Sh::LD, NT = Sh::NT, CPR = Sh::CPR;
+    constexpr int WROWS = 16 * MT;  // query rows of a warp
 
     extern __shared__ uint4 smem_raw[];
     T* const Qs = reinterpret_cast<T*>(smem_raw);  // [BM][LD]
@@ -96,7 +90,7 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::WARPS * 32) pre
         k_start = kv_info[s];
         kv_len = kv_info[s + 1] - k_start;
     }
-    const uint32_t kvh = h / p.group;
+    const uint64_t head_off = (uint64_t)(h / p.group) * D;
     const uint64_t row_elems = (uint64_t)p.n_kv_heads * D;
     const int32_t offset = kv_len - q_len;  // position of query row r is offset + r
     const int32_t rows_here = min(BM, q_len - r0);
@@ -108,141 +102,165 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::WARPS * 32) pre
     const int32_t t_begin = lo / BN;
     const int32_t t_end = hi > lo ? (hi + BN - 1) / BN : t_begin;
 
-    // this warp's rows: [wr0, wr0 + 16) (rows >= q_len compute garbage that is never stored)
-    const int32_t wr0 = r0 + warp * 16;
+    // this warp's rows: [wr0, wr0 + WROWS) (rows >= q_len compute values that are never stored)
+    const int32_t wr0 = r0 + warp * WROWS;
     const bool warp_active = wr0 < q_len;
-    const int32_t w_last = min(wr0 + 15, q_len - 1);  // last real row of the warp
+    const int32_t w_last = min(wr0 + WROWS - 1, q_len - 1);  // last real row of the warp
     const int32_t w_hi = p.causal ? min(kv_len, offset + w_last + 1) : kv_len;
     const int32_t w_lo = windowed ? offset + wr0 - p.window_left : 0;
 
-    auto kv_src = [&](const T* base, int32_t t) {
-        return [=](int row) -> const T* {
-            const int32_t j = t * BN + row;
-            if (j >= kv_len) return nullptr;
-            const uint64_t r = PAGED ? kv_row_index(pt, (uint32_t)j, p.page_size) : (uint64_t)(k_start + j);
-            return base + r * row_elems + (uint64_t)kvh * D;
-        };
-    };
-
-    load_tile<D, NT>(Qs, BM, [&](int row) -> const T* {
+    // Q tile (rows past q_len are zeros)
+    for (int c = threadIdx.x; c < BM * CPR; c += NT) {
+        const int row = c / CPR, ch = c % CPR;
         const int32_t r = r0 + row;
-        return r < q_len ? q + ((uint64_t)(q_start + r) * p.n_heads + h) * D : nullptr;
-    }, q);
-    if (t_begin < t_end) {
-        load_tile<D, NT>(Ks, BN, kv_src(k, t_begin), k);
-        load_tile<D, NT>(Vs, BN, kv_src(v, t_begin), v);
+        const bool ok = r < q_len;
+        cp_async16(Qs + row * LD + ch * 8, ok ? q + ((uint64_t)(q_start + r) * p.n_heads + h) * D + ch * 8 : q,
+                   ok ? 16u : 0u);
     }
+    // K/V tile t into stage st: each thread looks its rows up once (for K and V) before issuing the copies
+    auto load_kv = [&](int32_t t, int st) {
+        int32_t row[Sh::KV_CHUNKS];  // pool (PAGED) or packed row of each chunk's key, -1 past kv_len
+#pragma unroll
+        for (int i = 0; i < Sh::KV_CHUNKS; ++i) {
+            const int32_t j = t * BN + (int32_t)(threadIdx.x + i * NT) / CPR;
+            const int32_t r = PAGED ? (int32_t)paged_row(pt, (uint32_t)min(j, kv_len - 1), p.page_size, p.page_shift)
+                                    : k_start + j;
+            row[i] = j < kv_len ? r : -1;
+        }
+#pragma unroll
+        for (int i = 0; i < Sh::KV_CHUNKS; ++i) {
+            const int c = threadIdx.x + i * NT;
+            const int e = st * BN * LD + (c / CPR) * LD + (c % CPR) * 8;
+            const uint64_t off = (uint64_t)max(row[i], 0) * row_elems + head_off + (c % CPR) * 8;
+            cp_async16(Ks + e, k + off, row[i] >= 0 ? 16u : 0u);
+            cp_async16(Vs + e, v + off, row[i] >= 0 ? 16u : 0u);
+        }
+    };
+    if (t_begin < t_end) load_kv(t_begin, 0);
     cp_async_commit();
 
-    uint32_t qa[Sh::Q_IN_REGS ? D / 16 : 1][4];
-    float oacc[D / 8][4];
+    float oacc[MT][D / 8][4];
+    float m[MT][2], l[MT][2];
 #pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) oacc[dt][0] = oacc[dt][1] = oacc[dt][2] = oacc[dt][3] = 0.0f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) oacc[mt][dt][0] = oacc[mt][dt][1] = oacc[mt][dt][2] = oacc[mt][dt][3] = 0.0f;
+        m[mt][0] = m[mt][1] = -INFINITY;
+        l[mt][0] = l[mt][1] = 0.0f;
+    }
 
-    const T* q_row = Qs + (warp * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * LD + (lane / 16) * 8;  // ldmatrix A
-    const int k_row = (lane % 8) + (lane / 16) * 8, k_col = ((lane / 8) % 2) * 8;                  // ldmatrix B (K)
-    const int v_row = (lane % 8) + ((lane / 8) % 2) * 8, v_col = (lane / 16) * 8;                  // ldmatrix B^T (V)
+    // ldmatrix row addresses of this lane: A (Q), B (K), B^T (V)
+    const T* q_row = Qs + (warp * WROWS + (lane % 8) + ((lane / 8) % 2) * 8) * LD + (lane / 16) * 8;
+    const int k_row = (lane % 8) + (lane / 16) * 8, k_col = ((lane / 8) % 2) * 8;
+    const int v_row = (lane % 8) + ((lane / 8) % 2) * 8, v_col = (lane / 16) * 8;
 
     for (int32_t t = t_begin; t < t_end; ++t) {
         const int st = (t - t_begin) & 1;
         if (t + 1 < t_end) {
-            load_tile<D, NT>(Ks + (st ^ 1) * BN * LD, BN, kv_src(k, t + 1), k);
-            load_tile<D, NT>(Vs + (st ^ 1) * BN * LD, BN, kv_src(v, t + 1), v);
+            load_kv(t + 1, st ^ 1);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
             cp_async_wait<0>();
         }
         __syncthreads();
-        if (Sh::Q_IN_REGS && t == t_begin) {
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(qa[Sh::Q_IN_REGS ? kk : 0], q_row + kk * 16);
-        }
         const int32_t j0 = t * BN;
         // skip tiles this warp sees nothing of (past its causal end, or before its window)
-        const bool work = warp_active && j0 < w_hi && j0 + BN - 1 >= w_lo;
-        if (work) {
+        if (warp_active && j0 < w_hi && j0 + BN - 1 >= w_lo) {
             const T* Kt = Ks + st * BN * LD;
             const T* Vt = Vs + st * BN * LD;
-            float sacc[BN / 8][4];
+            float sacc[MT][BN / 8][4];
 #pragma unroll
-            for (int nt = 0; nt < BN / 8; ++nt) sacc[nt][0] = sacc[nt][1] = sacc[nt][2] = sacc[nt][3] = 0.0f;
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < BN / 8; ++nt)
+                    sacc[mt][nt][0] = sacc[mt][nt][1] = sacc[mt][nt][2] = sacc[mt][nt][3] = 0.0f;
+            // S = Q K^T
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk) {
-                uint32_t a[4];
-                if (Sh::Q_IN_REGS) {
+                uint32_t a[MT][4];
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) a[i] = qa[Sh::Q_IN_REGS ? kk : 0][i];
-                } else {
-                    ldmatrix_x4(a, q_row + kk * 16);
-                }
+                for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(a[mt], q_row + mt * 16 * LD + kk * 16);
 #pragma unroll
                 for (int n2 = 0; n2 < BN / 16; ++n2) {
                     uint32_t b[4];
                     ldmatrix_x4(b, Kt + (n2 * 16 + k_row) * LD + kk * 16 + k_col);
-                    mma16816<T>(sacc[2 * n2], a, b[0], b[1]);
-                    mma16816<T>(sacc[2 * n2 + 1], a, b[2], b[3]);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma16816<T>(sacc[mt][2 * n2], a[mt], b[0], b[1]);
+                        mma16816<T>(sacc[mt][2 * n2 + 1], a[mt], b[2], b[3]);
+                    }
                 }
             }
-            // logits (base 2) and masks
+            // logits (base 2), masks only on tiles that cross a boundary, online softmax
             const bool need_mask = j0 + BN > kv_len || (p.causal && j0 + BN - 1 > offset + wr0) ||
                                    (windowed && j0 < offset + w_last - p.window_left);
 #pragma unroll
-            for (int nt = 0; nt < BN / 8; ++nt) {
+            for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    float x = logit2(sacc[nt][e], p.scale_log2, p.softcap, p.inv_softcap);
-                    if (need_mask) {
-                        const int32_t pos = offset + wr0 + g + (e >= 2 ? 8 : 0);
-                        const int32_t j = j0 + nt * 8 + 2 * tq + (e & 1);
-                        const bool ok = j < kv_len && (!p.causal || j <= pos) && (!windowed || j >= pos - p.window_left);
-                        x = ok ? x : -INFINITY;
+                for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        float x = logit2(sacc[mt][nt][e], p.scale_log2, p.softcap, p.inv_softcap);
+                        if (need_mask) {
+                            const int32_t pos = offset + wr0 + mt * 16 + g + (e >= 2 ? 8 : 0);
+                            const int32_t j = j0 + nt * 8 + 2 * tq + (e & 1);
+                            const bool ok = j < kv_len && (!p.causal || j <= pos) &&
+                                            (!windowed || j >= pos - p.window_left);
+                            x = ok ? x : -INFINITY;
+                        }
+                        sacc[mt][nt][e] = x;
                     }
-                    sacc[nt][e] = x;
                 }
-            }
-            // online softmax of rows g (i = 0) and g + 8 (i = 1); l stays a per-lane partial sum
-            float mu[2];
+                // rows g (i = 0) and g + 8 (i = 1) of m-tile mt; l stays a per-lane partial sum
+                float mu[2];
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                float mx = m[i];
+                for (int i = 0; i < 2; ++i) {
+                    float mx = m[mt][i];
 #pragma unroll
-                for (int nt = 0; nt < BN / 8; ++nt) mx = fmaxf(mx, fmaxf(sacc[nt][2 * i], sacc[nt][2 * i + 1]));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                mu[i] = safe_max(mx);
-                const float corr = exp2f(m[i] - mu[i]);
-                m[i] = mx;
-                l[i] *= corr;
+                    for (int nt = 0; nt < BN / 8; ++nt)
+                        mx = fmaxf(mx, fmaxf(sacc[mt][nt][2 * i], sacc[mt][nt][2 * i + 1]));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                    mu[i] = safe_max(mx);
+                    const float corr = exp2f(m[mt][i] - mu[i]);
+                    m[mt][i] = mx;
+                    l[mt][i] *= corr;
 #pragma unroll
-                for (int dt = 0; dt < D / 8; ++dt) {
-                    oacc[dt][2 * i] *= corr;
-                    oacc[dt][2 * i + 1] *= corr;
+                    for (int dt = 0; dt < D / 8; ++dt) {
+                        oacc[mt][dt][2 * i] *= corr;
+                        oacc[mt][dt][2 * i + 1] *= corr;
+                    }
                 }
-            }
 #pragma unroll
-            for (int nt = 0; nt < BN / 8; ++nt) {
+                for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    sacc[nt][e] = exp2f(sacc[nt][e] - mu[e / 2]);
-                    l[e / 2] += sacc[nt][e];
+                    for (int e = 0; e < 4; ++e) {
+                        sacc[mt][nt][e] = exp2f(sacc[mt][nt][e] - mu[e / 2]);
+                        l[mt][e / 2] += sacc[mt][nt][e];
+                    }
                 }
             }
             // O += P V: the S accumulators of n-tiles 2 kk and 2 kk + 1 are the A fragment of k-step kk
 #pragma unroll
             for (int kk = 0; kk < BN / 16; ++kk) {
-                uint32_t a[4];
-                a[0] = pack2<T>(sacc[2 * kk][0], sacc[2 * kk][1]);
-                a[1] = pack2<T>(sacc[2 * kk][2], sacc[2 * kk][3]);
-                a[2] = pack2<T>(sacc[2 * kk + 1][0], sacc[2 * kk + 1][1]);
-                a[3] = pack2<T>(sacc[2 * kk + 1][2], sacc[2 * kk + 1][3]);
+                uint32_t a[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    a[mt][0] = pack2<T>(sacc[mt][2 * kk][0], sacc[mt][2 * kk][1]);
+                    a[mt][1] = pack2<T>(sacc[mt][2 * kk][2], sacc[mt][2 * kk][3]);
+                    a[mt][2] = pack2<T>(sacc[mt][2 * kk + 1][0], sacc[mt][2 * kk + 1][1]);
+                    a[mt][3] = pack2<T>(sacc[mt][2 * kk + 1][2], sacc[mt][2 * kk + 1][3]);
+                }
 #pragma unroll
                 for (int d2 = 0; d2 < D / 16; ++d2) {
                     uint32_t b[4];
                     ldmatrix_x4_trans(b, Vt + (kk * 16 + v_row) * LD + d2 * 16 + v_col);
-                    mma16816<T>(oacc[2 * d2], a, b[0], b[1]);
-                    mma16816<T>(oacc[2 * d2 + 1], a, b[2], b[3]);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma16816<T>(oacc[mt][2 * d2], a[mt], b[0], b[1]);
+                        mma16816<T>(oacc[mt][2 * d2 + 1], a[mt], b[2], b[3]);
+                    }
                 }
             }
         }
@@ -250,29 +268,33 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::WARPS * 32) pre
     }
     cp_async_wait<0>();  // no copy outlives the block (the Q tile when no K/V tile is visible)
 
-    // normalise (the sink joins the denominator here, once) and store rows g and g + 8
+    // normalise (the sink joins the denominator here, once) and store rows g and g + 8 of each m-tile
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        float L = l[i];
-        L += __shfl_xor_sync(0xffffffffu, L, 1);
-        L += __shfl_xor_sync(0xffffffffu, L, 2);
-        float M = m[i], f = 1.0f;
-        if (p.has_sinks) {
-            const float s2 = sinks[h] * LOG2E;
-            const float m2 = fmaxf(M, s2);
-            f = exp2f(M - m2);
-            L = L * f + exp2f(s2 - m2);
-            M = m2;
-        }
-        const float inv = L > 0.0f ? f / L : 0.0f;
-        const int32_t r = wr0 + g + 8 * i;
-        if (r < q_len) {
-            T* orow = o + ((uint64_t)(q_start + r) * p.n_heads + h) * D + 2 * tq;
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-            for (int dt = 0; dt < D / 8; ++dt)
-                *reinterpret_cast<uint32_t*>(orow + dt * 8) = pack2<T>(oacc[dt][2 * i] * inv, oacc[dt][2 * i + 1] * inv);
-            if (p.write_lse && tq == 0)
-                lse[(uint64_t)(q_start + r) * p.n_heads + h] = L > 0.0f ? (M + log2f(L)) * LN2 : -INFINITY;
+        for (int i = 0; i < 2; ++i) {
+            float L = l[mt][i];
+            L += __shfl_xor_sync(0xffffffffu, L, 1);
+            L += __shfl_xor_sync(0xffffffffu, L, 2);
+            float M = m[mt][i], f = 1.0f;
+            if (p.has_sinks) {
+                const float s2 = sinks[h] * LOG2E;
+                const float m2 = fmaxf(M, s2);
+                f = exp2f(M - m2);
+                L = L * f + exp2f(s2 - m2);
+                M = m2;
+            }
+            const float inv = L > 0.0f ? f / L : 0.0f;
+            const int32_t r = wr0 + mt * 16 + g + 8 * i;
+            if (r < q_len) {
+                T* orow = o + ((uint64_t)(q_start + r) * p.n_heads + h) * D + 2 * tq;
+#pragma unroll
+                for (int dt = 0; dt < D / 8; ++dt)
+                    *reinterpret_cast<uint32_t*>(orow + dt * 8) =
+                        pack2<T>(oacc[mt][dt][2 * i] * inv, oacc[mt][dt][2 * i + 1] * inv);
+                if (p.write_lse && tq == 0)
+                    lse[(uint64_t)(q_start + r) * p.n_heads + h] = L > 0.0f ? (M + log2f(L)) * LN2 : -INFINITY;
+            }
         }
     }
 }
