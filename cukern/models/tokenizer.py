@@ -114,9 +114,10 @@ class Tokenizer:
     def from_gguf(cls, source) -> "Tokenizer":
         """From a GGUF path, a ``gguf.GGUFReader`` or a :class:`cukern.models.GGUFModel`."""
         import gguf
+
+        from cukern.models.gguf_loader import _Reader
         path = getattr(source, "path", source)
-        reader = getattr(source, "reader", None) or (source if isinstance(source, gguf.GGUFReader)
-                                                     else gguf.GGUFReader(source))
+        reader = getattr(source, "reader", None) or (source if isinstance(source, gguf.GGUFReader) else _Reader(source))
 
         def get(key, default=None):
             f = reader.fields.get("tokenizer.ggml." + key)
