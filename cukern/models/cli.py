@@ -7,6 +7,7 @@ works without a GPU.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -68,6 +69,9 @@ def cmd_generate(args) -> int:
         print(f"error: prompt ({len(ids)} tokens) + --max-tokens exceed the context ({model.config.context_length})",
               file=sys.stderr)
         return 2
+    cfg = model.config
+    print(f"[{os.path.basename(path)}: {cfg.arch}, {cfg.n_layers} layers, d_model {cfg.d_model}, "
+          f"{model.n_bytes / 2**20:.0f} MiB; kernels compile on first use and are cached after]", file=sys.stderr)
     model.upload()
     lm = Transformer(model, max_seqs=1, max_tokens=need)
     stops = [i for i in (tok.eos_id, tok.vocab.get("<end_of_turn>"), *tok.stop_ids) if i is not None]
