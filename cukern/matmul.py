@@ -40,16 +40,31 @@ __all__ = ["MatmulDispatch", "FAMILY", "FAMILIES", "GEMM_QTYPES", "q8_1_row_byte
 GEMM_QTYPES = {2: "q4_0", 6: "q5_0", 8: "q8_0", 12: "q4_k", 13: "q5_k", 14: "q6_k"}
 _TOKEN_TILES = (16, 32, 64, 128)  # BT of gemm_f16 (cuda_src/matmul/gemm.cuh, Cfg<BT>)
 _THREADS = 256
-_I8_MAX_TILE = 64  # gemm_q8 at 128 tokens spills its 128 registers (ptxas): 64-token tiles beyond
+_I8_MAX_TILE = 64  # gemm_q8 at 128 tokens spills ~370 bytes of its 128 registers (ptxas): 64-token tiles beyond
 _ROW_TILE = 128  # weight rows per CTA (kRows); the GLU GEMM takes 64 rows of each matrix
 _ROW_TILE_GLU = 64
 _BK = 64  # K elements per stage; K splits are multiples of it
 
 
-def _smem(bt: int, b_itemsize: int) -> int:
+_SUPER = 256  # K elements per raw super-stage of gemm_f16; its K splits are multiples of it
+
+
+def _raw_stride(qt: int) -> int:
+    """Shared bytes per weight row of a raw super-stage (Raw<QT>::kStride in gemm.cuh)."""
+    _, be, bb, _ = QTYPES[qt]
+    return -(-(_SUPER // be * bb) // 16) * 16
+
+
+def _smem(bt: int, b_itemsize: int, qt: int) -> int:
     """Dynamic shared memory of gemm_f16 (gemm_smem_bytes in gemm.cuh; the kernel traps if short)."""
     lds = _BK + 8
-    return 2 * (_ROW_TILE + bt) * lds * 2 + (bt * _BK * 4 if b_itemsize == 4 else 0)
+    return (2 * (_ROW_TILE + bt) * lds * 2 + (bt * _BK * 4 if b_itemsize == 4 else 0)
+            + _ROW_TILE * _raw_stride(qt))
+
+
+def _raw16(*weights: QWeight) -> int:
+    """1 when every row of these weights starts 16-byte aligned (gemm_f16 copies them by cp.async)."""
+    return int(all((w.buf.data.ptr + w.offset) % 16 == 0 and w.row_bytes % 16 == 0 for w in weights))
 _W_ALIGN = {2: 2, 6: 2, 8: 2, 12: 16, 13: 16, 14: 2}  # bytes: the K4/K5 quants are read as uint4
 _B_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half"}
 _ACTS = {"swiglu": 2, "silu": 2, "geglu": 3, "gelu": 3}
@@ -83,9 +98,9 @@ def _i8_unit(qt: int) -> FamilySpec:
                       params_header="matmul/params.cuh")
 
 
-def _smem_q8(bt: int) -> int:
+def _smem_q8(bt: int, qt: int) -> int:
     """Dynamic shared memory of gemm_q8 (gemm_q8_smem_bytes in gemm_i8.cuh; the kernel traps if short)."""
-    return 2 * (_ROW_TILE + bt) * (_BK + 16) + 2 * _ROW_TILE * 6 * 4 + 2 * bt * 2 * 4
+    return 2 * (_ROW_TILE + bt) * (_BK + 16) + 2 * _ROW_TILE * 6 * 4 + 2 * bt * 2 * 4 + _ROW_TILE * _raw_stride(qt)
 
 
 FAMILY = FamilySpec(
@@ -193,7 +208,7 @@ class MatmulDispatch(Dispatch):
         target = 2 * self.sm_count()
         if ctas >= target:
             return 1
-        return max(1, min(-(-target // ctas), k // 512, 16))
+        return max(1, min(-(-target // ctas), k // 512, 16))  # slices of >= 512 elements
 
     # ------------------------------------------------------------------ GEMMs
     def gemm(self, w: QWeight, b: cupy.ndarray, d: cupy.ndarray, *, accumulate: bool = False,
@@ -216,14 +231,15 @@ class MatmulDispatch(Dispatch):
         bt, grid, k_split = self._grid(n, w, split_k, "gemm")
         params = self.struct_of(w.qtype).pack(
             w_offset=w.offset, w2_offset=0, row_bytes=w.row_bytes, b_stride=b_stride, d_stride=d_stride,
-            m=w.m, n=n, k=w.k, k_split=k_split, mode=1 if accumulate else 0, atomic=int(grid[2] > 1))
+            m=w.m, n=n, k=w.k, k_split=k_split, mode=1 if accumulate else 0, atomic=int(grid[2] > 1),
+            raw16=_raw16(w))
         name = f"gemm_f16<{w.qtype}, {bt}, false, {_B_TYPES[b.dtype]}>"
         self._zero_for_split(d, grid, accumulate, stream)
         self._units[w.qtype]._launch(name, grid, _THREADS, (d, w.buf, w.buf, b), params,
-                                     stream=stream, shared_mem=_smem(bt, b.itemsize))
+                                     stream=stream, shared_mem=_smem(bt, b.itemsize, w.qtype))
         return d
 
-    def _grid(self, n: int, w: QWeight, split_k, what: str, max_tile: int = _TOKEN_TILES[-1]):
+    def _grid(self, n: int, w: QWeight, split_k, what: str, max_tile: int = _TOKEN_TILES[-1], unit: int = _SUPER):
         """(token tile, grid (token tiles, row tiles, K slices), K elements per slice)."""
         bt = min(self._tile(n), max_tile)
         grid_t, grid_r = -(-n // bt), -(-w.m // _ROW_TILE)
@@ -235,7 +251,7 @@ class MatmulDispatch(Dispatch):
             if not isinstance(split_k, (int, np.integer)) or isinstance(split_k, bool) or split_k < 1:
                 raise ValueError(f"split_k must be an int >= 1, got {split_k!r}")
             split = int(split_k)
-        k_split = -(-(-(-w.k // split)) // _BK) * _BK  # ceil(k / split), rounded up to a stage
+        k_split = -(-(-(-w.k // split)) // unit) * unit  # ceil(k / split), rounded up to a super-stage
         return bt, (grid_t, grid_r, -(-w.k // k_split)), k_split
 
     @staticmethod
@@ -272,10 +288,10 @@ class MatmulDispatch(Dispatch):
         bt, grid, k_split = self._grid(n, w, split_k, "gemm_q8", _I8_MAX_TILE)
         params = self.struct_of(w.qtype).pack(
             w_offset=w.offset, w2_offset=0, row_bytes=w.row_bytes, b_stride=a_stride, d_stride=d_stride,
-            m=w.m, n=n, k=w.k, k_split=k_split, mode=1 if accumulate else 0, atomic=int(grid[2] > 1))
+            m=w.m, n=n, k=w.k, k_split=k_split, mode=1 if accumulate else 0, atomic=int(grid[2] > 1), raw16=_raw16(w))
         self._zero_for_split(d, grid, accumulate, stream)
         self._units_i8[w.qtype]._launch(f"gemm_q8<{w.qtype}, {bt}>", grid, _THREADS, (d, w.buf, a), params,
-                                        stream=stream, shared_mem=_smem_q8(bt))
+                                        stream=stream, shared_mem=_smem_q8(bt, w.qtype))
         return d
 
     def gemm_glu(self, w_gate: QWeight, w_up: QWeight, b: cupy.ndarray, d: cupy.ndarray, *,
@@ -305,10 +321,11 @@ class MatmulDispatch(Dispatch):
             raise ValueError(f"gemm_glu: {n} columns x {w_gate.m} rows exceed the grid limits")
         params = self.struct_of(w_gate.qtype).pack(
             w_offset=w_gate.offset, w2_offset=w_up.offset, row_bytes=w_gate.row_bytes, b_stride=b_stride,
-            d_stride=d_stride, m=w_gate.m, n=n, k=w_gate.k, k_split=w_gate.k, mode=_ACTS[act], atomic=0)
+            d_stride=d_stride, m=w_gate.m, n=n, k=w_gate.k, k_split=w_gate.k, mode=_ACTS[act], atomic=0,
+            raw16=_raw16(w_gate, w_up))
         name = f"gemm_f16<{w_gate.qtype}, {bt}, true, {_B_TYPES[b.dtype]}>"
         self._units[w_gate.qtype]._launch(name, (grid_t, grid_r, 1), _THREADS, (d, w_gate.buf, w_up.buf, b),
-                                          params, stream=stream, shared_mem=_smem(bt, b.itemsize))
+                                          params, stream=stream, shared_mem=_smem(bt, b.itemsize, w_gate.qtype))
         return d
 
     def struct_of(self, qtype: int):

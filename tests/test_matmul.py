@@ -223,7 +223,7 @@ def test_quantize(mm, rng, fmt, rows, cols):
     x = (rng.standard_normal((rows, cols)) * rng.uniform(0.01, 10, (rows, 1))).astype(np.float32)
     x[0, :32] = 0.0  # an all-zero block: d = 0, qs = 0
     nb = (ref.Q8_1_BYTES if fmt == "q8_1" else ref.Q8_0_BYTES) * (cols // 32)
-    q = cupy.full((rows, nb + 6), 0xA5, cupy.uint8)[:, :nb]  # strided rows; the pad must stay untouched
+    q = cupy.full((rows, nb + 8), 0xA5, cupy.uint8)[:, :nb]  # strided rows; the pad must stay untouched
     (mm.quantize_q8_1 if fmt == "q8_1" else mm.quantize_q8_0)(cupy.asarray(x), q)
     d, s, qs = ref.unpack_q8(q.get(), cols, fmt)
     want_d, want_qs = ref.quantize_q8_f32(x)

@@ -4,19 +4,23 @@
 // layout), its B operand the weight tile (weight rows x k, "col"), so a thread's accumulator
 // pairs are two adjacent weight rows of one token: adjacent floats of a D column.
 //
-// CTA: 256 threads, BT tokens x 128 weight rows (the fused gate+up GLU: 64 rows of each matrix),
-// K in stages of 64 elements (two 32-element segments), double-buffered in shared memory:
-//   * W: each thread owns one (row, half segment) and prefetches the raw GGUF bytes of its two
-//     segments of stage s+1 into registers while the warps multiply stage s, then dequantizes
-//     them into the other buffer (blocks are only 2-byte aligned: cp.async cannot fetch them);
-//   * B: cp.async brings stage s+1 straight into the other buffer (f16), or into an f32 staging
-//     tile that the same thread converts to f16 after its copies land;
-// one barrier per stage. Ragged M: rows past m are read as row m-1 and never stored; ragged N:
-// tokens past n are zero-filled and never stored; a K tail of one segment is zero-filled.
-// Split K (blockIdx.z) adds partial sums with atomics into a D the host zeroed (or accumulates).
+// CTA: 256 threads, BT tokens x 128 weight rows (the fused gate+up GLU: 64 rows of each matrix).
+// K runs in super-stages of 256 elements (one K-quant super-block, eight 32-blocks), each split
+// into four 64-element stages:
+//   * raw W: the super-stage's GGUF bytes of the 128 rows (contiguous per row) are copied into
+//     shared memory with coalesced 16-byte cp.async (2-byte copies when rows are not 16-byte
+//     aligned), issued one stage before they are needed (single buffer, 2 CTAs per SM);
+//   * W tile: after the warps multiply stage t, each thread dequantizes its (row, half segment)
+//     of stage t+1 from the raw bytes into the other f16 buffer (dequant_tile.cuh);
+//   * B: cp.async brings stage t+1 straight into the other f16 buffer, or into an f32 staging
+//     tile that the same thread converts after its copies land;
+// one barrier per stage (two when a super-stage starts). Ragged M: rows past m are copied from row
+// m-1 and never stored; ragged N: tokens past n are zero-filled and never stored; a K tail
+// (k % 256, in 32-element segments) is zero-filled. Split K (blockIdx.z, multiples of 256) adds
+// partial sums with atomics into a D the host zeroed (or accumulates).
 //
-// Traffic per CTA and stage: 128 rows x 64 weights (raw bytes), BT x 64 activations; W is re-read
-// once per token tile, B once per row tile (both mostly from L2).
+// Traffic per CTA and 256-element super-stage: 128 rows x 256 weights (raw bytes, coalesced),
+// BT x 256 activations; W is re-read once per token tile, B once per row tile (mostly from L2).
 #pragma once
 
 #include "common/mma.cuh"
@@ -31,6 +35,13 @@ constexpr int BK = 2 * SEG;    // K elements per stage
 constexpr int LDS = BK + 8;    // halves per shared row: 144 bytes, ldmatrix rows hit distinct banks
 constexpr int kThreads = 256;
 constexpr int kRows = 128;     // weight rows per CTA (both matrices together for the GLU)
+constexpr int SUPER = 256;     // K elements per super-stage (raw copy unit)
+
+// Raw bytes of one row's super-stage (256 elements), padded to 16: the shared row stride.
+template <int QT> struct Raw {
+    static constexpr int kBytes = SUPER / QTraits<QT>::kElems * QTraits<QT>::kBytes;
+    static constexpr int kStride = (kBytes + 15) / 16 * 16;
+};
 
 // Warp grid per token tile: WT warps along tokens x WR along weight rows (WT * WR = 8).
 template <int BT> struct Cfg {
@@ -38,9 +49,35 @@ template <int BT> struct Cfg {
     static constexpr int kMinBlocks = BT >= 32 ? 2 : 3;  // CTAs per SM the registers must allow
 };
 
-// Dynamic shared memory of gemm_f16<., BT, ., TB>: W and B double buffers (+ the f32 staging tile).
-__host__ __device__ constexpr uint32_t gemm_smem_bytes(int bt, int b_bytes) {
-    return 2u * (kRows + bt) * LDS * 2 + (b_bytes == 4 ? (uint32_t)bt * BK * 4 : 0u);
+// Dynamic shared memory of gemm_f16<., BT, ., TB>: W and B double buffers, the f32 staging tile,
+// the raw super-stage (raw_stride = Raw<QT>::kStride).
+__host__ __device__ constexpr uint32_t gemm_smem_bytes(int bt, int b_bytes, int raw_stride) {
+    return 2u * (kRows + bt) * LDS * 2 + (b_bytes == 4 ? (uint32_t)bt * BK * 4 : 0u) + (uint32_t)kRows * raw_stride;
+}
+
+// Copy the raw bytes [boff, boff + nbytes) of each of the CTA's weight rows into sraw[row][.]
+// (row r of the tile starts at rowptr(r)); 16-byte cp.async when every row start is 16-byte
+// aligned (committed as one group: the caller waits), else synchronous 2-byte copies.
+template <int STRIDE, typename RowPtr>
+CUKERN_DEVICE void copy_raw(uint8_t* sraw, RowPtr rowptr, uint32_t boff, uint32_t nbytes, bool aligned16) {
+    if (aligned16) {
+        constexpr int CPR = STRIDE / 16, TOTAL = kRows * CPR;
+#pragma unroll 1
+        for (int c = threadIdx.x; c < TOTAL; c += kThreads) {
+            const int row = c / CPR, off = 16 * (c % CPR);
+            const int bytes = max(0, min(16, (int)nbytes - off));
+            const uint8_t* src = rowptr(row) + (bytes ? boff + off : 0);
+            cp_async16(sraw + row * STRIDE + off, src, (uint32_t)bytes);
+        }
+        cp_async_commit();
+    } else {
+        constexpr int WPR = STRIDE / 2, TOTAL = kRows * WPR;
+        for (int c = threadIdx.x; c < TOTAL; c += kThreads) {
+            const int row = c / WPR, off = 2 * (c % WPR);
+            const uint16_t v = off < (int)nbytes ? *reinterpret_cast<const uint16_t*>(rowptr(row) + boff + off) : 0;
+            *reinterpret_cast<uint16_t*>(sraw + row * STRIDE + off) = v;
+        }
+    }
 }
 
 // Two 8x8 b16 matrices (lanes 0-15 give the row addresses; the others must be valid too).
@@ -97,7 +134,7 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::Cfg<BT>::kMi
     const uint8_t* __restrict__ w,     // raw GGUF bytes: W (glu: gate) = m rows from w + w_offset
     const uint8_t* __restrict__ w2,    // glu: the up matrix, m rows from w2 + w2_offset; else unused
     const TB* __restrict__ b,          // [n, b_stride] f32 or f16 columns, 16-byte aligned rows, k used
-    const GemmParams p) {              // dynamic shared memory: gemm_smem_bytes(BT, sizeof(TB))
+    const GemmParams p) {              // dynamic shared memory: gemm_smem_bytes(BT, sizeof(TB), Raw<QT>::kStride)
     using namespace cukern;
     using namespace cukern::mm;
     using C = Cfg<BT>;
@@ -109,42 +146,42 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::Cfg<BT>::kMi
     constexpr bool F32 = sizeof(TB) == 4;
     constexpr int VEC = 16 / sizeof(TB), PER_TOK = BK / VEC, CH = BT * PER_TOK;  // 16-byte chunks of a B stage
     constexpr int CPT = (CH + kThreads - 1) / kThreads;                          // per thread (BT 16: some idle)
+    constexpr int RSTRIDE = Raw<QT>::kStride, SPS = SUPER / BK;                   // stages per super-stage
 
     extern __shared__ __align__(16) uint8_t smem[];
-    auto sw = reinterpret_cast<__half(*)[kRows][LDS]>(smem);                    // [2][kRows][LDS]
-    auto sb = reinterpret_cast<__half(*)[BT][LDS]>(smem + 2 * kRows * LDS * 2);  // [2][BT][LDS]
-    float* stage32 = reinterpret_cast<float*>(smem + 2 * (kRows + BT) * LDS * 2);  // [BT][BK] (f32 B only)
-    if (threadIdx.x == 0 && dynamic_smem_size() < gemm_smem_bytes(BT, sizeof(TB))) __trap();
+    auto sw = reinterpret_cast<__half(*)[kRows][LDS]>(smem);                       // [2][kRows][LDS]
+    auto sb = reinterpret_cast<__half(*)[BT][LDS]>(smem + 2 * kRows * LDS * 2);    // [2][BT][LDS]
+    uint8_t* sraw = smem + 2 * (kRows + BT) * LDS * 2;                             // [kRows][RSTRIDE]
+    float* stage32 = reinterpret_cast<float*>(sraw + kRows * RSTRIDE);             // [BT][BK] (f32 B only)
+    if (threadIdx.x == 0 && dynamic_smem_size() < gemm_smem_bytes(BT, sizeof(TB), RSTRIDE)) __trap();
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int wt = warp / C::kWR, wr = warp % C::kWR;
     const uint32_t t0 = blockIdx.x * BT, r0 = blockIdx.y * BR;
-    const uint32_t kbeg = blockIdx.z * p.k_split;
-    const uint32_t n_segs = (min(p.k, kbeg + p.k_split) - kbeg) / SEG;
+    const uint32_t kbeg = blockIdx.z * p.k_split, kend = min(p.k, kbeg + p.k_split);
+    const uint32_t n_segs = (kend - kbeg) / SEG;
     const int n_stages = (int)((n_segs + 1) / 2);
-    const uint32_t seg0 = kbeg / SEG;
 
+    auto rowptr = [&](int row) {  // row of the tile -> its raw GGUF row (past m: row m-1)
+        const uint32_t grow = min(r0 + row % BR, p.m - 1);
+        return (row / BR ? w2 + p.w2_offset : w + p.w_offset) + (size_t)grow * p.row_bytes;
+    };
+    auto load_raw = [&](int S) {  // super-stage S of this split
+        const uint32_t e0 = kbeg + SUPER * S, nel = min((uint32_t)SUPER, kend - e0);
+        copy_raw<RSTRIDE>(sraw, rowptr, e0 / QTraits<QT>::kElems * QTraits<QT>::kBytes,
+                          nel / QTraits<QT>::kElems * QTraits<QT>::kBytes, p.raw16 != 0);
+    };
     // this thread's weight unit: (row of the tile, part), both segments of every stage
     const int wrow_tile = tid / 2, wpart = tid % 2;
-    const uint8_t* wrow;
-    {
-        const int mat = wrow_tile / BR;
-        const uint32_t grow = min(r0 + wrow_tile % BR, p.m - 1);  // past m: a valid row, never stored
-        wrow = (mat ? w2 + p.w2_offset : w + p.w_offset) + (size_t)grow * p.row_bytes;
-    }
-    typename Deq<QT>::Raw wraw[2];
-
-    auto load_w = [&](int s) {
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-            if (2 * s + i < (int)n_segs) Deq<QT>::load(wraw[i], wrow, seg0 + 2 * s + i, wpart);
-    };
-    auto store_w = [&](int s, int buf) {
+    const uint8_t* myraw = sraw + wrow_tile * RSTRIDE;
+    auto dequant = [&](int t, int buf) {  // stage t: segments 2t, 2t+1 of the split
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             __half* seg = &sw[buf][wrow_tile][i * SEG];
-            if (2 * s + i < (int)n_segs) {
-                Deq<QT>::store(wraw[i], seg, wpart);
+            if (2 * t + i < (int)n_segs) {
+                typename Deq<QT>::Raw r;
+                Deq<QT>::load(r, myraw, (2 * t + i) % (SUPER / SEG), wpart);
+                Deq<QT>::store(r, seg, wpart);
             } else {  // K tail: the two parts zero the whole segment
                 st16(seg + 16 * wpart, make_uint4(0, 0, 0, 0));
                 st16(seg + 16 * wpart + 8, make_uint4(0, 0, 0, 0));
@@ -152,13 +189,13 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::Cfg<BT>::kMi
         }
     };
     // B chunk c of a stage: token c / PER_TOK, element (c % PER_TOK) * VEC; zero-filled past n / K
-    auto issue_b = [&](int s, int buf) {
+    auto issue_b = [&](int t, int buf) {
 #pragma unroll
         for (int i = 0; i < CPT; ++i) {
             const int c = tid + i * kThreads;
             if (CH % kThreads == 0 || c < CH) {
                 const int tk = c / PER_TOK, e = (c % PER_TOK) * VEC;
-                const uint32_t tok = t0 + tk, kel = 2 * s * SEG + e;  // element within the split
+                const uint32_t tok = t0 + tk, kel = t * BK + e;  // element within the split
                 const bool ok = tok < p.n && kel < n_segs * SEG;
                 const TB* src = ok ? b + (size_t)tok * p.b_stride + kbeg + kel : b;
                 void* dst = F32 ? (void*)(stage32 + tk * BK + e) : (void*)&sb[buf][tk][e];
@@ -182,19 +219,20 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::Cfg<BT>::kMi
 
     float acc[NMAT][MT][NR][4] = {};
     if (n_stages > 0) {
+        load_raw(0);
         issue_b(0, 0);
-        load_w(0);
-        store_w(0, 0);
         cp_async_wait<0>();
+        __syncthreads();  // raw bytes of other threads' copies
+        dequant(0, 0);
         finish_b(0);
     }
     __syncthreads();
-    for (int s = 0; s < n_stages; ++s) {
-        const int buf = s & 1;
-        const bool more = s + 1 < n_stages;
+    for (int t = 0; t < n_stages; ++t) {
+        const int buf = t & 1;
+        const bool more = t + 1 < n_stages, new_super = more && (t + 1) % SPS == 0;
         if (more) {
-            issue_b(s + 1, buf ^ 1);  // that buffer was last read in stage s-1, before the barrier
-            load_w(s + 1);
+            if (new_super) load_raw((t + 1) / SPS);  // the raw tile's last reader was stage t's dequant
+            issue_b(t + 1, buf ^ 1);                 // that buffer was last read in stage t-1
         }
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) {
@@ -225,8 +263,9 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::Cfg<BT>::kMi
             }
         }
         if (more) {
-            store_w(s + 1, buf ^ 1);
             cp_async_wait<0>();
+            if (new_super) __syncthreads();  // the new raw tile, copied by every thread
+            dequant(t + 1, buf ^ 1);
             finish_b(buf ^ 1);
         }
         __syncthreads();

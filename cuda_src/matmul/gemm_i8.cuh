@@ -1,11 +1,12 @@
 // gemm_q8: D = W A for N token columns of Q8_1 activations on int8 tensor cores
 // (mma.sync m16n8k32 s8 -> s32; m16n8k16 for Q6_K, whose scales cover 16 elements).
 //
-// Same CTA shape as gemm_f16 (256 threads, BT tokens x 128 weight rows, 64-element stages of two
-// 32-element segments, double-buffered, one barrier per stage), int8 tiles instead of f16:
-//   * W: raw GGUF bytes of stage s+1 prefetched into registers (Deq<QT>::load), converted to int8
-//     quants + per-segment f32 scales (i8_tile.cuh) after the warps multiply stage s;
-//   * A: the Q8_1 blocks of stage s+1 arrive by cp.async (4-byte words: blocks are 36 bytes):
+// Same CTA shape and pipeline as gemm_f16 (256 threads, BT tokens x 128 weight rows, raw GGUF
+// super-stages of 256 elements copied into shared memory, 64-element stages double-buffered, one
+// barrier per stage), int8 tiles instead of f16:
+//   * W: after the warps multiply stage t, each thread converts its (row, half segment) of stage
+//     t+1 from the raw bytes into int8 quants + per-segment f32 scales (i8_tile.cuh);
+//   * A: the Q8_1 blocks of stage t+1 arrive by cp.async (4-byte words: blocks are 36 bytes):
 //     quants into the int8 tile, (d, s) into a per-token table.
 // Each segment's integer dot products are exact (s32); the f32 accumulator then takes
 //   acc += da * a * dot (- c * s for Q4_K/Q5_K), per (token, row) pair a thread holds.
@@ -22,9 +23,10 @@ namespace mm {
 
 constexpr int LDQ = BK + 16;  // bytes per int8 shared row: 80, ldmatrix rows hit distinct banks
 
-// Dynamic shared memory of gemm_q8<., BT>: int8 W and A tiles, W scales (a[4], c[2]), A (d, s).
-__host__ __device__ constexpr uint32_t gemm_q8_smem_bytes(int bt) {
-    return 2u * (kRows + bt) * LDQ + 2u * kRows * (4 + 2) * 4 + 2u * bt * 2 * 4;
+// Dynamic shared memory of gemm_q8<., BT>: int8 W and A tiles, W scales (a[4], c[2]), A (d, s),
+// the raw super-stage (raw_stride = Raw<QT>::kStride).
+__host__ __device__ constexpr uint32_t gemm_q8_smem_bytes(int bt, int raw_stride) {
+    return 2u * (kRows + bt) * LDQ + 2u * kRows * (4 + 2) * 4 + 2u * bt * 2 * 4 + (uint32_t)kRows * raw_stride;
 }
 
 // 4-byte global -> shared copy through L1; src_bytes = 0 writes zeros (src not read).
@@ -55,7 +57,7 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::Cfg<BT>::kMi
     float* __restrict__ d,             // [n, d_stride] f32 out: d[c * d_stride + r], r < m
     const uint8_t* __restrict__ w,     // raw GGUF bytes: m rows from w + w_offset
     const uint8_t* __restrict__ a,     // [n, b_stride] bytes: Q8_1 rows (k / 32 blocks of 36), 4-byte aligned
-    const GemmParams p) {              // dynamic shared memory: gemm_q8_smem_bytes(BT); b_stride in bytes
+    const GemmParams p) {              // dynamic shared memory: gemm_q8_smem_bytes(BT, Raw<QT>::kStride); b_stride in bytes
     using namespace cukern;
     using namespace cukern::mm;
     using C = Cfg<BT>;
@@ -66,6 +68,7 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::Cfg<BT>::kMi
     constexpr bool MIN = I8<QT>::kMin;
     constexpr int WORDS = BT * 2 * 9;  // 4-byte words of a stage's Q8_1 blocks (2 segments x 9 words per token)
     constexpr int WPT = (WORDS + kThreads - 1) / kThreads;
+    constexpr int RSTRIDE = Raw<QT>::kStride, SPS = SUPER / BK;
 
     extern __shared__ __align__(16) uint8_t smem[];
     auto sw = reinterpret_cast<int8_t(*)[kRows][LDQ]>(smem);                          // [2][kRows][LDQ]
@@ -73,32 +76,34 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::Cfg<BT>::kMi
     auto swa = reinterpret_cast<float(*)[4][kRows]>(smem + 2 * (kRows + BT) * LDQ);   // [2][seg * SUBS + h][row]
     auto swc = reinterpret_cast<float(*)[2][kRows]>(&swa[2][0][0]);                   // [2][seg][row]
     auto sds = reinterpret_cast<__half2(*)[BT][2]>(&swc[2][0][0]);                    // [2][token][seg]: (d, s)
-    if (threadIdx.x == 0 && dynamic_smem_size() < gemm_q8_smem_bytes(BT)) __trap();
+    uint8_t* sraw = reinterpret_cast<uint8_t*>(&sds[2][0][0]);                        // [kRows][RSTRIDE]
+    if (threadIdx.x == 0 && dynamic_smem_size() < gemm_q8_smem_bytes(BT, RSTRIDE)) __trap();
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int wt = warp / C::kWR, wr = warp % C::kWR;
     const uint32_t t0 = blockIdx.x * BT, r0 = blockIdx.y * kRows;
-    const uint32_t kbeg = blockIdx.z * p.k_split;
-    const uint32_t n_segs = (min(p.k, kbeg + p.k_split) - kbeg) / SEG;
+    const uint32_t kbeg = blockIdx.z * p.k_split, kend = min(p.k, kbeg + p.k_split);
+    const uint32_t n_segs = (kend - kbeg) / SEG;
     const int n_stages = (int)((n_segs + 1) / 2);
     const uint32_t seg0 = kbeg / SEG;
 
-    const int wrow_tile = tid / 2, wpart = tid % 2;
-    const uint8_t* wrow = w + p.w_offset + (size_t)min(r0 + wrow_tile, p.m - 1) * p.row_bytes;
-    typename Deq<QT>::Raw wraw[2];
-
-    auto load_w = [&](int s) {
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-            if (2 * s + i < (int)n_segs) Deq<QT>::load(wraw[i], wrow, seg0 + 2 * s + i, wpart);
+    auto rowptr = [&](int row) { return w + p.w_offset + (size_t)min(r0 + row, p.m - 1) * p.row_bytes; };
+    auto load_raw = [&](int S) {  // super-stage S of this split
+        const uint32_t e0 = kbeg + SUPER * S, nel = min((uint32_t)SUPER, kend - e0);
+        copy_raw<RSTRIDE>(sraw, rowptr, e0 / QTraits<QT>::kElems * QTraits<QT>::kBytes,
+                          nel / QTraits<QT>::kElems * QTraits<QT>::kBytes, p.raw16 != 0);
     };
-    auto store_w = [&](int s, int buf) {
+    const int wrow_tile = tid / 2, wpart = tid % 2;
+    const uint8_t* myraw = sraw + wrow_tile * RSTRIDE;
+    auto store_w = [&](int s, int buf) {  // stage s: segments 2s, 2s+1 of the split
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             int8_t* seg = &sw[buf][wrow_tile][i * SEG];
             float sa_[2], sc_[1];
             if (2 * s + i < (int)n_segs) {
-                store_i8(wraw[i], seg, sa_, sc_, wpart);
+                typename Deq<QT>::Raw r;
+                Deq<QT>::load(r, myraw, (2 * s + i) % (SUPER / SEG), wpart);
+                store_i8(r, seg, sa_, sc_, wpart);
             } else {  // K tail: zero quants, zero scales
                 st16i(seg + 16 * wpart, 0, 0, 0, 0);
                 sa_[0] = sa_[1] = sc_[0] = 0.f;
@@ -126,19 +131,20 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::Cfg<BT>::kMi
 
     float acc[MT][NR][4] = {};
     if (n_stages > 0) {
+        load_raw(0);
         issue_a(0, 0);
-        load_w(0);
-        store_w(0, 0);
         cp_async_wait<0>();
+        __syncthreads();  // raw bytes of other threads' copies
+        store_w(0, 0);
     }
     __syncthreads();
     const int g = lane >> 2, tq = lane & 3;
     for (int s = 0; s < n_stages; ++s) {
         const int buf = s & 1;
-        const bool more = s + 1 < n_stages;
+        const bool more = s + 1 < n_stages, new_super = more && (s + 1) % SPS == 0;
         if (more) {
+            if (new_super) load_raw((s + 1) / SPS);  // the raw tile's last reader was stage s's conversion
             issue_a(s + 1, buf ^ 1);
-            load_w(s + 1);
         }
 #pragma unroll
         for (int kk = 0; kk < 2; ++kk) {  // segment kk of the stage: one k32 step
@@ -191,8 +197,9 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::Cfg<BT>::kMi
             }
         }
         if (more) {
-            store_w(s + 1, buf ^ 1);
             cp_async_wait<0>();
+            if (new_super) __syncthreads();  // the new raw tile, copied by every thread
+            store_w(s + 1, buf ^ 1);
         }
         __syncthreads();
     }

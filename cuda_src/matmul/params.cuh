@@ -19,9 +19,10 @@ struct GemmParams {
     uint32_t m;          // weight rows: outputs per token (glu: rows of each matrix)
     uint32_t n;          // token columns
     uint32_t k;          // elements per weight row, a multiple of the weight block size
-    uint32_t k_split;    // elements of K per blockIdx.z slice, a multiple of 32 (k when not split)
+    uint32_t k_split;    // elements of K per blockIdx.z slice, a multiple of 256 (k when not split)
     uint32_t mode;       // 0: d = W b; 1: d += W b; 2: d = silu(Wg b) * (Wu b); 3: d = gelu_tanh(Wg b) * (Wu b)
     uint32_t atomic;     // 1: add into d with atomics (split K; d zeroed first by the host for mode 0)
+    uint32_t raw16;      // 1: every weight row starts 16-byte aligned (cp.async path); 0: 2-byte copies
 };
 
 // quantize_q8 (quantize.cuh): f32 rows -> Q8_1 or Q8_0 blocks of 32 values
