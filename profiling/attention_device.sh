@@ -20,6 +20,7 @@ T2=$SECONDS
 if [ -n "${ATTN_BENCH:-1}" ]; then
   timeout ${ATTN_BENCH_S:-200} python3 profiling/bench_attention.py ${ATTN_BENCH_ARGS:---quick} --json "$OUT/bench.json" \
       > "$OUT/bench.log" 2>&1; echo "bench rc=$? ($((SECONDS - T2)) s)"
-  sed -n '/^device:/,$p' "$OUT/bench.log"; grep -E "^note|Error" "$OUT/bench.log" | head -5
+  if grep -q "^device:" "$OUT/bench.log"; then sed -n '/^device:/,$p' "$OUT/bench.log"; else grep "^row" "$OUT/bench.log"; fi
+  grep -E "^note|Error" "$OUT/bench.log" | head -5
 fi
 grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -40

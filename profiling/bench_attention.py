@@ -150,11 +150,21 @@ def _tc_row(kernel, b, L, h, hk, d, causal, us, peers):
                extra=extra)
 
 
+class _Rows(list):
+    """Rows that print themselves as they come (a run cut short still shows what it measured)."""
+
+    def append(self, r: Row) -> None:
+        super().append(r)
+        extra = f" peer {r.peer_us:.2f} us" if r.peer_us else ""
+        rate = f"{r.gbs:,.0f} GB/s" if r.gbs else f"{r.tflops:.1f} TFLOP/s"
+        print(f"row: {r.kernel} {r.shape}: {r.us:.2f} us {rate}{extra}", flush=True)
+
+
 def bench(quick: bool = False) -> tuple[list, object]:
     attn = AttentionDispatch()
     ceil = measure_ceilings()
     rng = cupy.random.default_rng(0)
-    rows = []
+    rows = _Rows()
     # ---------------------------------------------------------------- decode
     decode = [(1, 8192, 32, 8, 128), (1, 32768, 32, 8, 128), (32, 4096, 32, 8, 128), (1, 8192, 8, 1, 256),
               (1, 8192, 4, 1, 256)]
@@ -179,7 +189,7 @@ def bench(quick: bool = False) -> tuple[list, object]:
         rows.append(_tc_row("varlen f16 (+lse)", b, L, h, hk, d, causal, us, _sdpa_us(b, h, hk, L, d, causal)))
     if torch is None:
         print("note: torch is not installed here: the peer columns are empty")
-    return rows, ceil
+    return list(rows), ceil
 
 
 def main(argv=None) -> int:
