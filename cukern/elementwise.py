@@ -17,6 +17,8 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
+from functools import lru_cache
+
 from cukern.dispatch import Dispatch, check_array
 from cukern.runtime import FamilySpec, KernelSpec
 
@@ -54,12 +56,16 @@ _ROPE_MAX_HEAD_DIM = 1024
 _ROPE_PPL = (4, 16)  # pairs per lane of the rope kernels: head_dim <= 64 * PPL
 _ROPE_TASKS = 64  # aim for this many heads per block (tokens_per_block = ceil(64 / heads per token), <= 8)
 _ROPE_MAX_TOKENS = 8
+_RESIDENT_ROPE_BLOCKS = 8  # 256-thread blocks per SM (2048 threads)
+_RESIDENT_GROUP_BLOCKS = 16  # 128-thread group_norm_reg blocks per SM
 _POS_MODES = {"consecutive": 0, "per_token": 1, "mrope": 2, "imrope": 3}
 _TOPK_WARPS = 4
 _TOPK_MAX_K = 32
 _TOPK_EPL = (2, 4, 8)  # experts per lane of softmax_topk_reg: n_experts <= 32 * EPL
 _TOPK_MAX_EXPERTS = 2048  # 4 warps x 2048 x 4 B = 32 KiB of shared memory
 _CONV_CHUNK = 16
+_KV_UNROLL = 4  # KV_UNROLL in kv.cuh
+_QUANT_UNROLL = 4  # QUANT_UNROLL in norms.cuh
 _GROUP_VPL = (1, 2, 8)  # float4s per lane of group_norm_reg: group_size <= 128 * VPL
 _GROUPS_PER_BLOCK = 8  # 4 warps x GROUPS_PER_WARP (norms.cuh)
 _CONV_K = (2, 3, 4)
@@ -121,12 +127,25 @@ def contiguous_page_table(n_seqs: int) -> cupy.ndarray:
     return cupy.arange(n_seqs, dtype=cupy.int32).reshape(n_seqs, 1)
 
 
-def _rope_launch(n_tokens: int, heads_per_token: int, head_dim: int, rope_dim: int):
-    """(tokens_per_block, grid, dynamic shared bytes, pairs per lane) of the rope kernels."""
+@lru_cache(maxsize=None)
+def _sm_count(device_id: int) -> int:
+    """Multiprocessors of a device (a host-side attribute query, cached)."""
+    return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
+
+
+def _rope_launch(n_tokens: int, heads_per_token: int, head_dim: int, rope_dim: int, sms: int):
+    """(tokens_per_block, grid, dynamic shared bytes, pairs per lane) of the rope kernels: blocks
+    loop over steps of tokens_per_block tokens, at most _RESIDENT_ROPE_BLOCKS per SM of them."""
     tpb = max(1, min(_ROPE_MAX_TOKENS, -(-_ROPE_TASKS // heads_per_token), n_tokens))
     half = rope_dim // 2
     ppl = next(p for p in _ROPE_PPL if head_dim <= 64 * p)
-    return tpb, -(-n_tokens // tpb), 8 * half + 8 * tpb * half, ppl
+    grid = min(-(-n_tokens // tpb), sms * _RESIDENT_ROPE_BLOCKS)
+    return tpb, grid, 8 * half + 8 * tpb * half, ppl
+
+
+def _inv_ratio(freq_base: float, rope_dim: int, freqs) -> float:
+    """freq_base ** (-2 / rope_dim) in f64 (the kernels raise it to the pair index); unused with freqs."""
+    return 1.0 if freqs is not None else float(freq_base) ** (-2.0 / rope_dim)
 
 
 def _aligned(*arrays) -> bool:
@@ -302,11 +321,11 @@ class ElementwiseDispatch(Dispatch):
         check_array("x", x, align=16)
         check_array("q", q, dtype=np.uint8, shape=(n_rows, n_cols // Q8_1_BLOCK * Q8_1_BLOCK_BYTES), align=4)
         _check_disjoint("quantize_q8_1", dict(q=q), dict(x=x))
-        units = x.size // 4
-        if -(-units // 256) > 2**31 - 1:
+        blocks = -(-(x.size // 4) // (256 * _QUANT_UNROLL))
+        if blocks > 2**31 - 1:
             raise ValueError("quantize_q8_1: too many values")
         params = self.struct("QuantizeParams").pack(n_values=x.size)
-        self._launch("quantize_q8_1", -(-units // 256), 256, (q, x), params, stream=stream)
+        self._launch("quantize_q8_1", blocks, 256, (q, x), params, stream=stream)
         return q
 
     def _group_norm(self, what, x, out, w, z, group_size, l2, eps, weight_offset, stream):
@@ -331,8 +350,8 @@ class ElementwiseDispatch(Dispatch):
         ptrs = (out, x, w if w is not None else x, z if z is not None else x)
         vpl = next((v for v in _GROUP_VPL if group_size <= 128 * v), None)
         if vpl is not None and group_size % 4 == 0 and _aligned(*ptrs):
-            self._launch(f"group_norm_reg<{_vec(z is not None)}, {vpl}>", -(-n_groups // _GROUPS_PER_BLOCK), 128,
-                         ptrs, params, stream=stream)
+            grid = min(-(-n_groups // _GROUPS_PER_BLOCK), _sm_count(self.device_id) * _RESIDENT_GROUP_BLOCKS)
+            self._launch(f"group_norm_reg<{_vec(z is not None)}, {vpl}>", grid, 128, ptrs, params, stream=stream)
         else:
             self._launch(f"group_norm<{_vec(z is not None)}>", -(-n_groups // 4), 128, ptrs, params, stream=stream)
         return out
@@ -528,11 +547,11 @@ class ElementwiseDispatch(Dispatch):
             _check_eps(eps, what)
         rope_dim = self._rope_common(what, head_dim, rope_dim, freqs, freq_base)
         mode, sections = self._positions(what, positions, pos_mode, n_tokens, sections)
-        tpb, grid, smem, ppl = _rope_launch(n_tokens, n_heads, head_dim, rope_dim)
+        tpb, grid, smem, ppl = _rope_launch(n_tokens, n_heads, head_dim, rope_dim, _sm_count(self.device_id))
         params = self.struct("RopeParams").pack(
             n_tokens=n_tokens, n_heads=n_heads, head_dim=head_dim, rope_dim=rope_dim, neox=int(bool(neox)),
             pos_mode=mode, sections=sections, use_freqs=int(freqs is not None), freq_base=freq_base, eps=eps,
-            weight_offset=weight_offset, tokens_per_block=tpb)
+            weight_offset=weight_offset, tokens_per_block=tpb, inv_ratio=_inv_ratio(freq_base, rope_dim, freqs))
         self._launch(f"rope<{_vec(w is not None)}, {ppl}>", grid, _ROPE_BLOCK,
                      (out, x, w if w is not None else x, freqs if freqs is not None else x, positions), params,
                      stream=stream, shared_mem=smem)
@@ -582,7 +601,7 @@ class ElementwiseDispatch(Dispatch):
             raise ValueError(f"kv_write: at most 2**32 - 1 {'float4s' if vec else 'elements'} per call, got {units}")
         params = self.struct("KvWriteParams").pack(n_tokens=n_tokens, row_elems=row_elems, page_size=page_size,
                                                    max_pages=max_pages, pos_mode=mode)
-        self._launch(f"kv_write<{_KV_TYPES[cache.dtype]}, {_vec(vec)}>", -(-units // 256), 256,
+        self._launch(f"kv_write<{_KV_TYPES[cache.dtype]}, {_vec(vec)}>", -(-units // (256 * _KV_UNROLL)), 256,
                      (cache, src, positions, seq_ids, page_table), params, stream=stream)
         return cache
 
@@ -660,12 +679,12 @@ class ElementwiseDispatch(Dispatch):
             _check_distinct(what, q_out=q_out, q=q)
         mode = self._seq_positions(what, positions, seq_ids, pos_mode, n_tokens)
         heads = (q.shape[1] + 2 * n_kv) if has_q else n_kv
-        tpb, grid, smem, ppl = _rope_launch(n_tokens, heads, head_dim, rope_dim)
+        tpb, grid, smem, ppl = _rope_launch(n_tokens, heads, head_dim, rope_dim, _sm_count(self.device_id))
         params = self.struct("QkvRopeParams").pack(
             n_tokens=n_tokens, n_q_heads=q.shape[1] if has_q else 0, n_kv_heads=n_kv, head_dim=head_dim,
             rope_dim=rope_dim, neox=int(bool(neox)), pos_mode=mode, use_freqs=int(freqs is not None),
             freq_base=freq_base, eps=eps, weight_offset=weight_offset, page_size=page_size, max_pages=max_pages,
-            norm=int(norm), tokens_per_block=tpb)
+            norm=int(norm), tokens_per_block=tpb, inv_ratio=_inv_ratio(freq_base, rope_dim, freqs))
         kv = _KV_TYPES[k_cache.dtype]
         flags = ("true, true" if has_q else "false, false") + f", {ppl}"
         unread = k  # any device pointer for arguments the instance never reads
@@ -850,7 +869,7 @@ class ElementwiseDispatch(Dispatch):
                                                     q_scale=dk ** -0.5 if q_scale is None else q_scale)
         ptrs = (o, state, q, k, v, g, beta)
         if tiled:
-            self._launch(f"deltanet_tiled<{dk}>", (-(-dv // 32), n_v), 128, ptrs, params, stream=stream)
+            self._launch(f"deltanet_tiled<{dk}>", (-(-dv // 16), n_v), 128, ptrs, params, stream=stream)
         else:
             self._launch("deltanet", (-(-dv // 64), n_v), 64, ptrs, params, stream=stream)
         return o

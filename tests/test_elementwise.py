@@ -194,7 +194,7 @@ def test_head_rms_norm(d, rng, shape):
 @pytest.mark.parametrize("with_w", [False, True])
 def test_group_norm(d, rng, l2, with_w):
     for shape, gs in [((3, 16, 128), 128), ((1, 5, 100), 50), ((7, 33), 11), ((2, 1), 1), ((3, 768), 256),
-                      ((1, 2048), 2048), ((5, 1024), 1024), ((9, 8), 4)]:
+                      ((1, 2048), 2048), ((5, 1024), 1024), ((9, 8), 4), ((20001, 128), 128)]:
         x = _randn(rng, *shape)
         w = _randn(rng, gs) if with_w else None
         out = _empty(*shape)
@@ -291,6 +291,22 @@ def test_rope(d, rng, case, neox):
     xd = _dev(x)
     d.rope(xd, _dev(per_tok), xd, rope_dim=rd, neox=neox, freqs=_dev(freqs), pos_mode="per_token")  # in place
     assert_close(xd, ref.rope(x, per_tok, rope_dim=rd, neox=neox, freqs=freqs, pos_mode="per_token"), name="freqs")
+
+
+@gpu
+def test_rope_blocks_loop_over_steps(d, rng):
+    """More token steps than resident blocks: each block loops, reusing its inverse-frequency table."""
+    n_tok, n_heads, hd = 9001, 2, 64
+    x, w = _randn(rng, n_tok, n_heads, hd), _randn(rng, hd)
+    positions = rng.integers(0, 100000, n_tok).astype(np.int32)
+    out = _empty(n_tok, n_heads, hd)
+    d.rms_norm_rope(_dev(x), _dev(w), _dev(positions), out, pos_mode="per_token", freq_base=5e5)
+    assert_close(out, ref.rms_norm_rope(x, w, positions, pos_mode="per_token", freq_base=5e5))
+    page_table, k_cache = _paged_setup(rng, 1, n_tok, 64, n_heads, hd, cupy.float32)
+    pos, seq = np.array([0], np.int32), np.array([0], np.int32)
+    d.k_norm_rope_kv_write(_dev(x), None, k_cache, _dev(page_table), _dev(pos), _dev(seq), freq_base=5e5)
+    want = ref.kv_write(ref.rope(x, pos, freq_base=5e5), np.full(k_cache.shape, np.nan), page_table, pos, seq)
+    _check_cache(k_cache, want, cupy.float32, "k_cache")
 
 
 @gpu

@@ -22,11 +22,16 @@ template <> CUKERN_DEVICE void kv_store4<__half>(__half* dst, float4 v) {
     u.y = *reinterpret_cast<uint32_t*>(&hi);
     *reinterpret_cast<uint2*>(dst) = u;
 }
+template <bool VEC4> struct KvUnit { using type = float; };
+template <> struct KvUnit<true> { using type = float4; };
 }  // namespace ew
 }  // namespace cukern
 
-// One thread per unit of 4 elements (VEC4: row_elems % 4 == 0, 16-byte aligned src and cache) or of
-// one element. grid: (ceil(n_tokens * units per row / 256)), block: 256.
+// Units of 4 elements (VEC4: row_elems % 4 == 0, 16-byte aligned src and cache) or of one element; a
+// thread takes KV_UNROLL units u0 + k * (gridDim.x * 256), all loaded before any is stored.
+// grid: (ceil(n_tokens * units per row / (256 * KV_UNROLL))), block: 256.
+constexpr int KV_UNROLL = 4;
+
 template <typename KV, bool VEC4>
 __global__ void __launch_bounds__(256) kv_write(
     KV* __restrict__ cache,                 // [n_pages, page_size, n_kv_heads, head_dim]
@@ -36,17 +41,30 @@ __global__ void __launch_bounds__(256) kv_write(
     const int32_t* __restrict__ page_table, // [n_seqs, max_pages]
     const KvWriteParams p) {
     using namespace cukern;
+    using V = typename ew::KvUnit<VEC4>::type;
     constexpr uint32_t U = VEC4 ? 4 : 1;
     const uint32_t row_units = p.row_elems / U;
-    const uint32_t u = blockIdx.x * blockDim.x + threadIdx.x;  // < n_tokens * row_units < 2^32 (host-checked)
-    if (u >= p.n_tokens * row_units) return;
-    const uint32_t t = u / row_units, c = (u % row_units) * U;
-    const int32_t pos = p.pos_mode == 0 ? positions[0] + (int32_t)t : positions[t];
-    const int32_t seq = p.pos_mode == 0 ? seq_ids[0] : seq_ids[t];
-    KV* dst = cache + kv_row_offset(page_table + (uint64_t)seq * p.max_pages, (uint32_t)pos, p.page_size, p.row_elems) + c;
-    const float* s = src + (uint64_t)t * p.row_elems + c;
-    if (VEC4) ew::kv_store4<KV>(dst, __ldcs(reinterpret_cast<const float4*>(s)));
-    else kv_store<KV>(dst, 0, *s);
+    const uint64_t n_units = (uint64_t)p.n_tokens * row_units;  // < 2^32 (host-checked)
+    const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+    const uint64_t u0 = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    V vals[KV_UNROLL];
+#pragma unroll
+    for (int k = 0; k < KV_UNROLL; ++k) {
+        const uint64_t u = u0 + k * stride;
+        if (u < n_units) vals[k] = __ldcs(reinterpret_cast<const V*>(src) + u);  // rows are contiguous in src
+    }
+#pragma unroll
+    for (int k = 0; k < KV_UNROLL; ++k) {
+        const uint64_t u = u0 + k * stride;
+        if (u >= n_units) break;
+        const uint32_t t = (uint32_t)(u / row_units), c = (uint32_t)(u % row_units) * U;
+        const int32_t pos = p.pos_mode == 0 ? positions[0] + (int32_t)t : positions[t];
+        const int32_t seq = p.pos_mode == 0 ? seq_ids[0] : seq_ids[t];
+        KV* dst = cache + kv_row_offset(page_table + (uint64_t)seq * p.max_pages, (uint32_t)pos, p.page_size,
+                                        p.row_elems) + c;
+        if constexpr (VEC4) ew::kv_store4<KV>(dst, vals[k]);
+        else kv_store<KV>(dst, 0, vals[k]);
+    }
 }
 
 // q[r] = x[r, :head_dim], gate[r] = x[r, head_dim:] for every head row r (gated attention's

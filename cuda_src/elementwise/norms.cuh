@@ -214,32 +214,45 @@ __global__ void __launch_bounds__(BLOCK) residual_rms_norm_q8_1_reg(
     }
 }
 
-// Quantize f32 values to Q8_1 (the unfused counterpart of residual_rms_norm_q8_1's epilogue): one
-// thread per float4, 8 consecutive threads per 32-value block. x 16-byte aligned, q 4-byte aligned.
-// grid: (ceil(n_values / 4 / 256)), block: 256. Bytes: read 4, write 36 / 32 per value.
+// Quantize f32 values to Q8_1 (the unfused counterpart of residual_rms_norm_q8_1's epilogue): a thread
+// takes QUANT_UNROLL float4s u0 + k * (gridDim.x * 256), loaded before any is used; 8 consecutive threads
+// share a 32-value block. x 16-byte aligned, q 4-byte aligned.
+// grid: (ceil(n_values / 4 / (256 * QUANT_UNROLL))), block: 256. Bytes: read 4, write 36 / 32 per value.
+constexpr int QUANT_UNROLL = 4;
+
 __global__ void __launch_bounds__(256) quantize_q8_1(
     uint8_t* __restrict__ q,      // [n_values / 32] BlockQ8_1
     const float* __restrict__ x,  // [n_values]
     const QuantizeParams p) {
     using namespace cukern;
-    const uint64_t u = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;  // float4 index
-    const bool live = u < p.n_values / 4;  // whole 8-thread groups: n_values % 32 == 0
-    const float4 v = live ? __ldcs(reinterpret_cast<const float4*>(x) + u) : make_float4(0.f, 0.f, 0.f, 0.f);
-    float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+    const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+    float4 vs[QUANT_UNROLL];
 #pragma unroll
-    for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float d = amax / 127.0f;
-    const float inv_d = d > 0.f ? 1.0f / d : 0.0f;
-    const int q0 = q8_1_quantize(v.x, inv_d), q1 = q8_1_quantize(v.y, inv_d);
-    const int q2 = q8_1_quantize(v.z, inv_d), q3 = q8_1_quantize(v.w, inv_d);
-    int sum = q0 + q1 + q2 + q3;
+    for (int k = 0; k < QUANT_UNROLL; ++k) {
+        const uint64_t u = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x + k * stride;  // float4 index
+        vs[k] = u < p.n_values / 4 ? __ldcs(reinterpret_cast<const float4*>(x) + u) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
 #pragma unroll
-    for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (!live) return;
-    uint8_t* blk = q + (u / 8) * Q8_1_BLOCK_BYTES;
-    reinterpret_cast<uint32_t*>(blk + 4)[u % 8] = (uint32_t)(q0 & 0xff) | ((uint32_t)(q1 & 0xff) << 8) |
-                                                   ((uint32_t)(q2 & 0xff) << 16) | ((uint32_t)(q3 & 0xff) << 24);
-    if (u % 8 == 0) *reinterpret_cast<__half2*>(blk) = __floats2half2_rn(d, d * (float)sum);
+    for (int k = 0; k < QUANT_UNROLL; ++k) {
+        const uint64_t u = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x + k * stride;
+        const bool live = u < p.n_values / 4;  // whole 8-thread groups: n_values % 32 == 0, stride % 8 == 0
+        const float4 v = vs[k];
+        float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+        for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        const float d = amax / 127.0f;
+        const float inv_d = d > 0.f ? 1.0f / d : 0.0f;
+        const int q0 = q8_1_quantize(v.x, inv_d), q1 = q8_1_quantize(v.y, inv_d);
+        const int q2 = q8_1_quantize(v.z, inv_d), q3 = q8_1_quantize(v.w, inv_d);
+        int sum = q0 + q1 + q2 + q3;
+#pragma unroll
+        for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        if (!live) continue;
+        uint8_t* blk = q + (u / 8) * Q8_1_BLOCK_BYTES;
+        reinterpret_cast<uint32_t*>(blk + 4)[u % 8] = (uint32_t)(q0 & 0xff) | ((uint32_t)(q1 & 0xff) << 8) |
+                                                       ((uint32_t)(q2 & 0xff) << 16) | ((uint32_t)(q3 & 0xff) << 24);
+        if (u % 8 == 0) *reinterpret_cast<__half2*>(blk) = __floats2half2_rn(d, d * (float)sum);
+    }
 }
 
 // ------------------------------------------------------------------ scalar fallbacks; grid: (n_rows)
@@ -340,8 +353,10 @@ __global__ void __launch_bounds__(128) group_norm(
 }
 
 // Register version of group_norm: the groups of a warp are read once, as float4s (group_size % 4 == 0,
-// 16-byte aligned arrays, group_size <= 128 * VPL). Each warp takes GROUPS_PER_WARP groups at a time so
-// that a lane has several independent 16-byte loads in flight. grid: (ceil(n_groups / (4 * 2))), block: 128.
+// 16-byte aligned arrays, group_size <= 128 * VPL). Each warp takes GROUPS_PER_WARP groups per step so
+// that a lane has several independent 16-byte loads in flight, and warps loop over steps (grid-stride:
+// few resident blocks, no per-block overhead for each of the many small groups).
+// grid: (<= ceil(n_groups / (4 * GROUPS_PER_WARP))), block: 128.
 constexpr int GROUPS_PER_WARP = 2;
 
 template <bool GATE, int VPL>
@@ -351,48 +366,50 @@ __global__ void __launch_bounds__(128) group_norm_reg(
     using namespace cukern;
     constexpr int G = GROUPS_PER_WARP;
     const uint32_t lane = threadIdx.x % WARP;
-    const uint64_t g0 = ((uint64_t)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP) * G;
-    if (g0 >= p.n_groups) return;  // whole warps leave together
     const uint32_t n4 = p.group_size / 4;
-    float4 v[G][VPL], gz[G][VPL];
-    float ss[G];
+    const uint64_t step = (uint64_t)gridDim.x * (blockDim.x / WARP) * G;
+    for (uint64_t g0 = ((uint64_t)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP) * G; g0 < p.n_groups;
+         g0 += step) {
+        float4 v[G][VPL], gz[G][VPL];
+        float ss[G];
 #pragma unroll
-    for (int gi = 0; gi < G; ++gi) {
-        ss[gi] = 0.f;
-        const bool live = g0 + gi < p.n_groups;
-        const float4* x4 = reinterpret_cast<const float4*>(x + (g0 + gi) * p.group_size);
-        const float4* z4 = reinterpret_cast<const float4*>(z + (g0 + gi) * p.group_size);
+        for (int gi = 0; gi < G; ++gi) {
+            ss[gi] = 0.f;
+            const bool live = g0 + gi < p.n_groups;
+            const float4* x4 = reinterpret_cast<const float4*>(x + (g0 + gi) * p.group_size);
+            const float4* z4 = reinterpret_cast<const float4*>(z + (g0 + gi) * p.group_size);
 #pragma unroll
-        for (int k = 0; k < VPL; ++k) {
-            const uint32_t i = lane + WARP * k;
-            v[gi][k] = live && i < n4 ? __ldcs(x4 + i) : make_float4(0.f, 0.f, 0.f, 0.f);
-            if (GATE) gz[gi][k] = live && i < n4 ? __ldcs(z4 + i) : make_float4(0.f, 0.f, 0.f, 0.f);
-            ss[gi] += v[gi][k].x * v[gi][k].x + v[gi][k].y * v[gi][k].y + v[gi][k].z * v[gi][k].z + v[gi][k].w * v[gi][k].w;
+            for (int k = 0; k < VPL; ++k) {
+                const uint32_t i = lane + WARP * k;
+                v[gi][k] = live && i < n4 ? __ldcs(x4 + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+                if (GATE) gz[gi][k] = live && i < n4 ? __ldcs(z4 + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+                ss[gi] += v[gi][k].x * v[gi][k].x + v[gi][k].y * v[gi][k].y + v[gi][k].z * v[gi][k].z + v[gi][k].w * v[gi][k].w;
+            }
         }
-    }
 #pragma unroll
-    for (int gi = 0; gi < G; ++gi) {
-        if (g0 + gi >= p.n_groups) break;
-        const float s = rsqrtf((p.l2 ? warp_sum(ss[gi]) : warp_sum(ss[gi]) / (float)p.group_size) + p.eps);
-        float4* o4 = reinterpret_cast<float4*>(out + (g0 + gi) * p.group_size);
+        for (int gi = 0; gi < G; ++gi) {
+            if (g0 + gi >= p.n_groups) break;
+            const float s = rsqrtf((p.l2 ? warp_sum(ss[gi]) : warp_sum(ss[gi]) / (float)p.group_size) + p.eps);
+            float4* o4 = reinterpret_cast<float4*>(out + (g0 + gi) * p.group_size);
 #pragma unroll
-        for (int k = 0; k < VPL; ++k) {
-            const uint32_t i = lane + WARP * k;
-            if (i >= n4) continue;
-            float4 r = v[gi][k];
-            float4 m = make_float4(s, s, s, s);
-            if (p.has_weight) {
-                const float4 wv = __ldg(reinterpret_cast<const float4*>(w) + i);
-                m.x *= wv.x + p.weight_offset; m.y *= wv.y + p.weight_offset;
-                m.z *= wv.z + p.weight_offset; m.w *= wv.w + p.weight_offset;
+            for (int k = 0; k < VPL; ++k) {
+                const uint32_t i = lane + WARP * k;
+                if (i >= n4) continue;
+                float4 r = v[gi][k];
+                float4 m = make_float4(s, s, s, s);
+                if (p.has_weight) {
+                    const float4 wv = __ldg(reinterpret_cast<const float4*>(w) + i);
+                    m.x *= wv.x + p.weight_offset; m.y *= wv.y + p.weight_offset;
+                    m.z *= wv.z + p.weight_offset; m.w *= wv.w + p.weight_offset;
+                }
+                if (GATE) {
+                    const float4 q = gz[gi][k];
+                    m.x *= q.x / (1.0f + expf(-q.x)); m.y *= q.y / (1.0f + expf(-q.y));
+                    m.z *= q.z / (1.0f + expf(-q.z)); m.w *= q.w / (1.0f + expf(-q.w));
+                }
+                r.x *= m.x; r.y *= m.y; r.z *= m.z; r.w *= m.w;
+                __stcs(o4 + i, r);
             }
-            if (GATE) {
-                const float4 q = gz[gi][k];
-                m.x *= q.x / (1.0f + expf(-q.x)); m.y *= q.y / (1.0f + expf(-q.y));
-                m.z *= q.z / (1.0f + expf(-q.z)); m.w *= q.w / (1.0f + expf(-q.w));
-            }
-            r.x *= m.x; r.y *= m.y; r.z *= m.z; r.w *= m.w;
-            __stcs(o4 + i, r);
         }
     }
 }

@@ -56,7 +56,8 @@ struct RopeParams {
     float freq_base;       // rotary base (theta), used when use_freqs == 0
     float eps;             // rms_norm_rope: norm epsilon
     float weight_offset;   // rms_norm_rope: weight offset
-    uint32_t tokens_per_block;  // tokens one block rotates (the inverse frequencies are computed once per block)
+    uint32_t tokens_per_block;  // tokens per step of a block (blocks loop over steps)
+    double inv_ratio;      // freq_base^(-2 / rope_dim), computed in f64 on the host: inv_freq[j] = inv_ratio^j
 };
 
 // qk_norm_rope_kv: per token, Q heads normed + rotated into q_out, K heads normed + rotated into the
@@ -76,7 +77,8 @@ struct QkvRopeParams {
     uint32_t page_size;    // tokens per cache page
     uint32_t max_pages;    // page_table row length (max_pages_per_seq)
     uint32_t norm;         // 1: RMS-norm Q and K heads before the rotation; 0: rotate only
-    uint32_t tokens_per_block;  // tokens one block handles
+    uint32_t tokens_per_block;  // tokens per step of a block (blocks loop over steps)
+    double inv_ratio;      // freq_base^(-2 / rope_dim) in f64: inv_freq[j] = inv_ratio^j
 };
 
 // kv_write: copy [n_tokens, n_kv_heads, head_dim] f32 rows into a K or V cache (kv.cuh)

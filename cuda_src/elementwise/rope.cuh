@@ -7,9 +7,10 @@
 // Positions: consecutive (positions[0] + t), per token (positions[t]), or per token and section
 // (positions [4, n_tokens]: multi-section rotary, contiguous sections or IMRoPE's interleaved ones).
 //
-// One block takes tokens_per_block tokens. Its threads first fill shared tables: inv_freq in f64
-// once, then cos/sin per (token, pair) with the angle reduced mod 2*pi in f64 before an f32 sincos
-// (so positions in the 10^5 range keep f32 accuracy). Then each warp takes whole heads: a lane
+// A block loops over steps of tokens_per_block tokens (grid-stride). Its threads fill shared tables:
+// inv_freq in f64 once per block, then per step cos/sin per (token, pair) with the angle reduced mod
+// 2*pi in f64 before an f32 sincos (so positions in the 10^5 range keep f32 accuracy). Then each
+// warp takes whole heads: a lane
 // loads its PPL pairs of the head into registers (one read of x, all loads in flight), the norm
 // (if any) reduces over the warp, and the rotated pairs are stored. Byte traffic: read and write
 // every element once; weights and tables hit L1/L2.
@@ -55,9 +56,21 @@ struct RopeTables {
         sin_t = cos_t + n_tok * half;
     }
 
-    CUKERN_DEVICE void fill_inv(uint32_t half, uint32_t rope_dim, bool use_freqs, float freq_base, const float* freqs) {
-        for (uint32_t j = threadIdx.x; j < half; j += blockDim.x)
-            inv[j] = use_freqs ? (double)freqs[j] : pow((double)freq_base, -2.0 * j / rope_dim);
+    // inv[j] = freqs[j], or ratio^j by binary powering (<= 9 squarings for j < 512: a few f64 ulps,
+    // without the long latency of an f64 pow at the start of every block).
+    CUKERN_DEVICE void fill_inv(uint32_t half, bool use_freqs, double ratio, const float* freqs) {
+        for (uint32_t j = threadIdx.x; j < half; j += blockDim.x) {
+            if (use_freqs) {
+                inv[j] = (double)freqs[j];
+                continue;
+            }
+            double acc = 1.0, b = ratio;
+            for (uint32_t e = j; e != 0; e >>= 1) {
+                if (e & 1) acc *= b;
+                b *= b;
+            }
+            inv[j] = acc;
+        }
     }
 
     // Entry idx = tt * half + j: cos/sin of pos * inv[j], the angle reduced to [-pi, pi] in f64.
@@ -128,7 +141,7 @@ CUKERN_DEVICE void rope_head(TO* out, const float* x, const float* __restrict__ 
 }  // namespace cukern
 
 // out[t, h] = rope(x[t, h]) or, with NORM, rope(rms_norm(x[t, h]) * (w + weight_offset)).
-// grid: (ceil(n_tokens / tokens_per_block)), block: ROPE_BLOCK;
+// grid: (<= ceil(n_tokens / tokens_per_block)), block: ROPE_BLOCK;
 // dynamic shared memory: 8 * rope_dim/2 + 8 * tokens_per_block * rope_dim/2 bytes.
 template <bool NORM, int PPL>
 __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) rope(
@@ -141,25 +154,26 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) rope(
     using namespace cukern;
     extern __shared__ double rope_smem[];
     const uint32_t half = p.rope_dim / 2;
-    const uint32_t t0 = blockIdx.x * p.tokens_per_block;
-    const uint32_t n_tok = min(p.tokens_per_block, p.n_tokens - t0);  // tokens of this block
-    ew::RopeTables tab(rope_smem, half, n_tok);
-    tab.fill_inv(half, p.rope_dim, p.use_freqs, p.freq_base, freqs);
-    __syncthreads();
-    for (uint32_t idx = threadIdx.x; idx < n_tok * half; idx += blockDim.x) {
-        const uint32_t tt = idx / half, j = idx % half, t = t0 + tt;
-        int32_t pos;
-        if (p.pos_mode == 0) pos = positions[0] + (int32_t)t;
-        else if (p.pos_mode == 1) pos = positions[t];
-        else pos = positions[ew::rope_section(j, p.sections, p.pos_mode) * p.n_tokens + t];
-        tab.set(idx, j, pos);
-    }
-    __syncthreads();
-    for (uint32_t task = threadIdx.x / WARP; task < n_tok * p.n_heads; task += blockDim.x / WARP) {
-        const uint32_t tt = task / p.n_heads;
-        const uint64_t off = ((uint64_t)t0 * p.n_heads + task) * p.head_dim;  // head (t0 + tt, task % n_heads)
-        ew::rope_head<float, PPL>(out + off, x + off, NORM ? w : nullptr, NORM, p.eps, p.weight_offset,
-                                  tab.cos_t + tt * half, tab.sin_t + tt * half, p.head_dim, p.rope_dim, p.neox);
+    ew::RopeTables tab(rope_smem, half, p.tokens_per_block);
+    tab.fill_inv(half, p.use_freqs, p.inv_ratio, freqs);
+    for (uint32_t t0 = blockIdx.x * p.tokens_per_block; t0 < p.n_tokens; t0 += gridDim.x * p.tokens_per_block) {
+        const uint32_t n_tok = min(p.tokens_per_block, p.n_tokens - t0);  // tokens of this step
+        __syncthreads();  // inv is written; the previous step's tables are no longer read
+        for (uint32_t idx = threadIdx.x; idx < n_tok * half; idx += blockDim.x) {
+            const uint32_t tt = idx / half, j = idx % half, t = t0 + tt;
+            int32_t pos;
+            if (p.pos_mode == 0) pos = positions[0] + (int32_t)t;
+            else if (p.pos_mode == 1) pos = positions[t];
+            else pos = positions[ew::rope_section(j, p.sections, p.pos_mode) * p.n_tokens + t];
+            tab.set(idx, j, pos);
+        }
+        __syncthreads();
+        for (uint32_t task = threadIdx.x / WARP; task < n_tok * p.n_heads; task += blockDim.x / WARP) {
+            const uint32_t tt = task / p.n_heads;
+            const uint64_t off = ((uint64_t)t0 * p.n_heads + task) * p.head_dim;  // head (t0 + tt, task % n_heads)
+            ew::rope_head<float, PPL>(out + off, x + off, NORM ? w : nullptr, NORM, p.eps, p.weight_offset,
+                                      tab.cos_t + tt * half, tab.sin_t + tt * half, p.head_dim, p.rope_dim, p.neox);
+        }
     }
 }
 
@@ -169,7 +183,7 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) rope(
 //   V cache row (seq, pos)[h] = v[t, h]                                h < n_kv_heads    (HAS_V)
 // (norm = 0: no norm, rotation only). Caches use common/kv_cache.cuh's paged layout; a contiguous
 // cache is one page per sequence. The K-only sibling (HAS_Q = HAS_V = false) serves models whose
-// V comes from elsewhere. grid: (ceil(n_tokens / tokens_per_block)), block: ROPE_BLOCK; dynamic
+// V comes from elsewhere. grid: (<= ceil(n_tokens / tokens_per_block)), block: ROPE_BLOCK; dynamic
 // shared memory as rope.
 template <typename KV, bool HAS_Q, bool HAS_V, int PPL>
 __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) qk_norm_rope_kv(
@@ -189,43 +203,44 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) qk_norm_rope_kv(
     using namespace cukern;
     extern __shared__ double rope_smem[];
     const uint32_t half = p.rope_dim / 2;
-    const uint32_t t0 = blockIdx.x * p.tokens_per_block;
-    const uint32_t n_tok = min(p.tokens_per_block, p.n_tokens - t0);
-    ew::RopeTables tab(rope_smem, half, n_tok);
-    tab.fill_inv(half, p.rope_dim, p.use_freqs, p.freq_base, freqs);
-    __syncthreads();
-    for (uint32_t idx = threadIdx.x; idx < n_tok * half; idx += blockDim.x) {
-        const uint32_t t = t0 + idx / half;
-        tab.set(idx, idx % half, p.pos_mode == 0 ? positions[0] + (int32_t)t : positions[t]);
-    }
-    __syncthreads();
+    ew::RopeTables tab(rope_smem, half, p.tokens_per_block);
+    tab.fill_inv(half, p.use_freqs, p.inv_ratio, freqs);
     const uint32_t n_q = HAS_Q ? p.n_q_heads : 0;
     const uint32_t n_heads = n_q + p.n_kv_heads * (HAS_V ? 2 : 1);  // tasks per token: q, k, v heads
     const uint32_t row_elems = p.n_kv_heads * p.head_dim;
-    for (uint32_t task = threadIdx.x / WARP; task < n_tok * n_heads; task += blockDim.x / WARP) {
-        const uint32_t tt = task / n_heads, h = task % n_heads, t = t0 + tt;
-        const float* cos_t = tab.cos_t + tt * half;
-        const float* sin_t = tab.sin_t + tt * half;
-        if (HAS_Q && h < n_q) {
-            const uint64_t off = ((uint64_t)t * p.n_q_heads + h) * p.head_dim;
-            ew::rope_head<float, PPL>(q_out + off, q + off, p.norm ? wq : nullptr, p.norm, p.eps, p.weight_offset,
-                                      cos_t, sin_t, p.head_dim, p.rope_dim, p.neox);
-            continue;
+    for (uint32_t t0 = blockIdx.x * p.tokens_per_block; t0 < p.n_tokens; t0 += gridDim.x * p.tokens_per_block) {
+        const uint32_t n_tok = min(p.tokens_per_block, p.n_tokens - t0);  // tokens of this step
+        __syncthreads();  // inv is written; the previous step's tables are no longer read
+        for (uint32_t idx = threadIdx.x; idx < n_tok * half; idx += blockDim.x) {
+            const uint32_t t = t0 + idx / half;
+            tab.set(idx, idx % half, p.pos_mode == 0 ? positions[0] + (int32_t)t : positions[t]);
         }
-        const int32_t pos = p.pos_mode == 0 ? positions[0] + (int32_t)t : positions[t];
-        const int32_t seq = p.pos_mode == 0 ? seq_ids[0] : seq_ids[t];
-        const uint64_t cache_row = kv_row_offset(page_table + (uint64_t)seq * p.max_pages, (uint32_t)pos,
-                                                 p.page_size, row_elems);
-        if (h < n_q + p.n_kv_heads) {
-            const uint32_t hk = h - n_q;
-            const float* kh = k + (uint64_t)t * row_elems + (uint64_t)hk * p.head_dim;
-            ew::rope_head<KV, PPL>(k_cache + cache_row + (uint64_t)hk * p.head_dim, kh, p.norm ? wk : nullptr, p.norm,
-                                   p.eps, p.weight_offset, cos_t, sin_t, p.head_dim, p.rope_dim, p.neox);
-        } else {
-            const uint32_t hv = h - n_q - p.n_kv_heads;
-            const float* vh = v + (uint64_t)t * row_elems + (uint64_t)hv * p.head_dim;
-            KV* dst = v_cache + cache_row + (uint64_t)hv * p.head_dim;
-            for (uint32_t i = threadIdx.x % WARP; i < p.head_dim; i += WARP) dst[i] = from_float<KV>(vh[i]);
+        __syncthreads();
+        for (uint32_t task = threadIdx.x / WARP; task < n_tok * n_heads; task += blockDim.x / WARP) {
+            const uint32_t tt = task / n_heads, h = task % n_heads, t = t0 + tt;
+            const float* cos_t = tab.cos_t + tt * half;
+            const float* sin_t = tab.sin_t + tt * half;
+            if (HAS_Q && h < n_q) {
+                const uint64_t off = ((uint64_t)t * p.n_q_heads + h) * p.head_dim;
+                ew::rope_head<float, PPL>(q_out + off, q + off, p.norm ? wq : nullptr, p.norm, p.eps, p.weight_offset,
+                                          cos_t, sin_t, p.head_dim, p.rope_dim, p.neox);
+                continue;
+            }
+            const int32_t pos = p.pos_mode == 0 ? positions[0] + (int32_t)t : positions[t];
+            const int32_t seq = p.pos_mode == 0 ? seq_ids[0] : seq_ids[t];
+            const uint64_t cache_row = kv_row_offset(page_table + (uint64_t)seq * p.max_pages, (uint32_t)pos,
+                                                     p.page_size, row_elems);
+            if (h < n_q + p.n_kv_heads) {
+                const uint32_t hk = h - n_q;
+                const float* kh = k + (uint64_t)t * row_elems + (uint64_t)hk * p.head_dim;
+                ew::rope_head<KV, PPL>(k_cache + cache_row + (uint64_t)hk * p.head_dim, kh, p.norm ? wk : nullptr, p.norm,
+                                       p.eps, p.weight_offset, cos_t, sin_t, p.head_dim, p.rope_dim, p.neox);
+            } else {
+                const uint32_t hv = h - n_q - p.n_kv_heads;
+                const float* vh = v + (uint64_t)t * row_elems + (uint64_t)hv * p.head_dim;
+                KV* dst = v_cache + cache_row + (uint64_t)hv * p.head_dim;
+                for (uint32_t i = threadIdx.x % WARP; i < p.head_dim; i += WARP) dst[i] = from_float<KV>(vh[i]);
+            }
         }
     }
 }

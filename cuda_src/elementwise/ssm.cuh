@@ -107,11 +107,11 @@ __global__ void __launch_bounds__(64) deltanet(
     }
 }
 
-// Tiled variant: the state stays in registers for all tokens. 4 adjacent lanes share a column, each
-// holding DK / 4 consecutive rows. k, q, g and beta of DELTA_CHUNK tokens are staged in shared memory
+// Tiled variant: the state stays in registers for all tokens. 8 adjacent lanes share a column, each
+// holding DK / 8 rows (row r + 8 m for lane slice r, so the staged k/q reads are bank-conflict free). k, q, g and beta of DELTA_CHUNK tokens are staged in shared memory
 // with one round of loads (and v in registers), so the per-token cost is arithmetic, not load latency.
 // Must agree with deltanet (the tests compare both against the reference).
-// grid: (ceil(dv / 32), n_v_heads), block: 128 = 32 columns x 4 row slices.
+// grid: (ceil(dv / 16), n_v_heads), block: 128 = 16 columns x 8 row slices.
 constexpr int DELTA_CHUNK = 8;
 
 template <int DK>
@@ -119,17 +119,17 @@ __global__ void __launch_bounds__(128) deltanet_tiled(
     float* __restrict__ o, float* __restrict__ S, const float* __restrict__ q,  // as deltanet
     const float* __restrict__ k, const float* __restrict__ v, const float* __restrict__ g,
     const float* __restrict__ beta, const DeltaNetParams p) {
-    constexpr int R = 4, M = DK / R, CH = DELTA_CHUNK;  // row slices per column, rows per thread
+    constexpr int R = 8, M = DK / R, CH = DELTA_CHUNK;  // row slices per column, rows per thread
     __shared__ float ks[CH][DK], qs[CH][DK], gs[CH], bs[CH];
     const uint32_t h = blockIdx.y;
-    const uint32_t r = threadIdx.x % R;                    // 0..3: rows r*M .. r*M+M-1
-    const uint32_t j = blockIdx.x * 32 + threadIdx.x / R;  // column
+    const uint32_t r = threadIdx.x % R;                    // 0..7: rows r + R m, m < M
+    const uint32_t j = blockIdx.x * 16 + threadIdx.x / R;  // column
     const bool active = j < p.dv;
     const uint32_t hq = h / (p.n_v_heads / p.n_qk_heads);
     float* Sh = S + (uint64_t)h * DK * p.dv + j;
     float s[M];
 #pragma unroll
-    for (int m = 0; m < M; ++m) s[m] = active ? Sh[(uint64_t)(r * M + m) * p.dv] : 0.f;
+    for (int m = 0; m < M; ++m) s[m] = active ? Sh[(uint64_t)(r + R * m) * p.dv] : 0.f;
     for (uint32_t t0 = 0; t0 < p.n_tokens; t0 += CH) {
         const uint32_t n = min((uint32_t)CH, p.n_tokens - t0);
         __syncthreads();  // the previous chunk's staging is no longer read
@@ -153,23 +153,25 @@ __global__ void __launch_bounds__(128) deltanet_tiled(
             const float decay = gs[tt];
             float kv = 0.f;
 #pragma unroll
-            for (int m = 0; m < M; ++m) kv += s[m] * ks[tt][r * M + m];
+            for (int m = 0; m < M; ++m) kv += s[m] * ks[tt][r + R * m];
             kv += __shfl_xor_sync(0xffffffffu, kv, 1);
             kv += __shfl_xor_sync(0xffffffffu, kv, 2);
+            kv += __shfl_xor_sync(0xffffffffu, kv, 4);
             const float delta = bs[tt] * (vv[tt] - decay * kv);
             float out = 0.f;
 #pragma unroll
             for (int m = 0; m < M; ++m) {
-                s[m] = decay * s[m] + ks[tt][r * M + m] * delta;
-                out += s[m] * qs[tt][r * M + m];
+                s[m] = decay * s[m] + ks[tt][r + R * m] * delta;
+                out += s[m] * qs[tt][r + R * m];
             }
             out += __shfl_xor_sync(0xffffffffu, out, 1);
             out += __shfl_xor_sync(0xffffffffu, out, 2);
+            out += __shfl_xor_sync(0xffffffffu, out, 4);
             if (active && r == 0) o[((uint64_t)(t0 + tt) * p.n_v_heads + h) * p.dv + j] = p.q_scale * out;
         }
     }
     if (active) {
 #pragma unroll
-        for (int m = 0; m < M; ++m) Sh[(uint64_t)(r * M + m) * p.dv] = s[m];
+        for (int m = 0; m < M; ++m) Sh[(uint64_t)(r + R * m) * p.dv] = s[m];
     }
 }
