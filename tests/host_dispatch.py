@@ -75,7 +75,7 @@ class _Graph:
 def patch(monkeypatch) -> collections.Counter:
     """Install the host arrays and the launch recorder for one test; returns the launch counter
     (kernel name -> launches)."""
-    from cukern import attention, dispatch, matmul
+    from cukern import attention, dispatch, elementwise, matmul
     from cukern.models import gguf_loader
     from cukern.models import transformer as T
 
@@ -90,6 +90,8 @@ def patch(monkeypatch) -> collections.Counter:
     monkeypatch.setattr(dispatch.Dispatch, "_function", lambda self, kernel, shared_mem=0: kernel)
     monkeypatch.setattr(dispatch.Dispatch, "_call",
                         staticmethod(lambda kernel, fn, grid, block, args, shared_mem: launches.update([kernel])))
+    monkeypatch.setattr(dispatch.Dispatch, "device_id", property(lambda self: 0))
+    monkeypatch.setattr(elementwise, "_sm_count", lambda device=None: 132, raising=False)   # an H100's SMs
     monkeypatch.setattr(attention.AttentionDispatch, "sm_count", lambda self: 132)
     monkeypatch.setattr(matmul.MatmulDispatch, "sm_count", lambda self: 132)
     monkeypatch.setattr(matmul.MatmulDispatch, "_zero_for_split", lambda self, *a, **k: None, raising=False)
