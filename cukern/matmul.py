@@ -93,7 +93,8 @@ def _gemm_unit(qt: int) -> FamilySpec:
 
 
 def _i8_unit(qt: int) -> FamilySpec:
-    kernels = [KernelSpec(f"gemm_q8<{qt}, {bt}>", "GemmParams") for bt in _TOKEN_TILES if bt <= _I8_MAX_TILE]
+    kernels = [KernelSpec(f"gemm_q8<{qt}, {bt}, {epi}>", "GemmParams")
+               for bt in _TOKEN_TILES if bt <= _I8_MAX_TILE for epi in range(4)]
     return FamilySpec(f"matmul_i8_{GEMM_QTYPES[qt]}", tuple(kernels), source="matmul/gemm_i8.cu",
                       params_header="matmul/params.cuh")
 
@@ -269,17 +270,7 @@ class MatmulDispatch(Dispatch):
         rows (a row-strided view is fine; rows 4-byte aligned); d: [n, m] f32. Per 32-element
         block the integer dot product is exact; scales apply in f32. ``split_k`` as :meth:`gemm`."""
         w = self._weight("w", w)
-        nb = w.k // 32 * Q8_1_BYTES
-        check_array("a", a, dtype=_U8, ndim=2, contiguous=False)
-        n = a.shape[0]
-        if n < 1:
-            raise ValueError(f"a must have at least one column (token), got shape {a.shape}")
-        if a.shape[1] != nb or a.strides[1] != 1 or (n > 1 and a.strides[0] < nb):
-            raise ValueError(f"a must be uint8 [n, {nb}] (Q8_1 rows of k = {w.k}) with contiguous rows, "
-                             f"got shape {a.shape} strides {a.strides}")
-        a_stride = a.strides[0] if n > 1 else nb
-        if a.data.ptr % 4 or a_stride % 4:
-            raise ValueError("a rows must start 4-byte aligned")
+        n, a_stride = self._q8_act(a, w.k)
         d_stride = _cols("d", d, _F32, w.m)
         if d.shape[0] != n:
             raise ValueError(f"d must be [{n}, {w.m}] (one row per row of a), got shape {d.shape}")
@@ -290,9 +281,74 @@ class MatmulDispatch(Dispatch):
             w_offset=w.offset, w2_offset=0, row_bytes=w.row_bytes, b_stride=a_stride, d_stride=d_stride,
             m=w.m, n=n, k=w.k, k_split=k_split, mode=1 if accumulate else 0, atomic=int(grid[2] > 1), raw16=_raw16(w))
         self._zero_for_split(d, grid, accumulate, stream)
-        self._units_i8[w.qtype]._launch(f"gemm_q8<{w.qtype}, {bt}>", grid, _THREADS, (d, w.buf, a), params,
+        self._units_i8[w.qtype]._launch(f"gemm_q8<{w.qtype}, {bt}, 0>", grid, _THREADS, (d, w.buf, w.buf, a), params,
                                         stream=stream, shared_mem=_smem_q8(bt, w.qtype))
         return d
+
+    def _q8_act(self, a, k: int) -> tuple[int, int]:
+        """Validate Q8_1 activations [n, k / 32 * 36]; returns (n, row stride in bytes)."""
+        nb = k // 32 * Q8_1_BYTES
+        check_array("a", a, dtype=_U8, ndim=2, contiguous=False)
+        n = a.shape[0]
+        if n < 1:
+            raise ValueError(f"a must have at least one column (token), got shape {a.shape}")
+        if a.shape[1] != nb or a.strides[1] != 1 or (n > 1 and a.strides[0] < nb):
+            raise ValueError(f"a must be uint8 [n, {nb}] (Q8_1 rows of k = {k}) with contiguous rows, "
+                             f"got shape {a.shape} strides {a.strides}")
+        a_stride = a.strides[0] if n > 1 else nb
+        if a.data.ptr % 4 or a_stride % 4:
+            raise ValueError("a rows must start 4-byte aligned")
+        return n, a_stride
+
+    def gemm_q8_glu(self, w_gate: QWeight, w_up: QWeight, a: cupy.ndarray, out: cupy.ndarray, *,
+                    act: str = "swiglu", out_format: str = "f32", stream=None) -> cupy.ndarray:
+        """``h[c] = act(W_gate a[c]) * (W_up a[c])`` on int8 tensor cores, a holding Q8_1 rows; the
+        two products never leave the CTA. ``out_format``: ``"f32"`` (out: f32 [n, m]), ``"q8_1"``
+        (out: uint8 [n, m / 32 * 36], the input of the next :meth:`gemm_q8`) or ``"q8_0"``
+        (out: uint8 [n, m / 32 * 34]); the Q8 forms need m % 32 == 0 and quantize exactly as
+        :meth:`quantize_q8_1` / :meth:`quantize_q8_0` would quantize the f32 h."""
+        w_gate = self._weight("w_gate", w_gate)
+        w_up = self._weight("w_up", w_up)
+        if (w_up.qtype, w_up.m, w_up.k) != (w_gate.qtype, w_gate.m, w_gate.k):
+            raise ValueError(f"w_gate and w_up must have the same type and shape, got "
+                             f"{w_gate.name} {w_gate.m}x{w_gate.k} and {w_up.name} {w_up.m}x{w_up.k}")
+        if act not in _ACTS:
+            raise ValueError(f"act must be one of {', '.join(_ACTS)}, got {act!r}")
+        epi = {"f32": 1, "q8_1": 2, "q8_0": 3}.get(out_format)
+        if epi is None:
+            raise ValueError(f"out_format must be 'f32', 'q8_1' or 'q8_0', got {out_format!r}")
+        m = w_gate.m
+        n, a_stride = self._q8_act(a, w_gate.k)
+        if epi == 1:
+            out_stride = _cols("out", out, _F32, m)
+        else:
+            if m % 32:
+                raise ValueError(f"{out_format} output needs m % 32 == 0, got m = {m}")
+            nb = m // 32 * (Q8_1_BYTES if epi == 2 else Q8_0_BYTES)
+            check_array("out", out, dtype=_U8, ndim=2, contiguous=False)
+            if out.shape[1:] != (nb,) or out.strides[1] != 1 or (out.shape[0] > 1 and out.strides[0] < nb):
+                raise ValueError(f"out must be uint8 [n, {nb}] ({out_format} rows of m = {m}) with contiguous "
+                                 f"rows, got shape {out.shape} strides {out.strides}")
+            out_stride = out.strides[0] if out.shape[0] > 1 else nb
+            align = 4 if epi == 2 else 2
+            if out.data.ptr % align or out_stride % align:
+                raise ValueError(f"out rows must start {align}-byte aligned")
+        if out.shape[0] != n:
+            raise ValueError(f"out must have one row per row of a ({n}), got shape {out.shape}")
+        if _overlap(a, out):
+            raise ValueError("a and out must not overlap")
+        bt = min(self._tile(n), _I8_MAX_TILE)
+        grid = (-(-n // bt), -(-m // _ROW_TILE_GLU), 1)
+        if grid[0] > 2**31 - 1 or grid[1] > 65535:
+            raise ValueError(f"gemm_q8_glu: {n} columns x {m} rows exceed the grid limits")
+        params = self.struct_of(w_gate.qtype).pack(
+            w_offset=w_gate.offset, w2_offset=w_up.offset, row_bytes=w_gate.row_bytes, b_stride=a_stride,
+            d_stride=out_stride, m=m, n=n, k=w_gate.k, k_split=w_gate.k, mode=_ACTS[act], atomic=0,
+            raw16=_raw16(w_gate, w_up))
+        self._units_i8[w_gate.qtype]._launch(f"gemm_q8<{w_gate.qtype}, {bt}, {epi}>", grid, _THREADS,
+                                             (out, w_gate.buf, w_up.buf, a), params, stream=stream,
+                                             shared_mem=_smem_q8(bt, w_gate.qtype))
+        return out
 
     def gemm_glu(self, w_gate: QWeight, w_up: QWeight, b: cupy.ndarray, d: cupy.ndarray, *,
                  act: str = "swiglu", stream=None) -> cupy.ndarray:

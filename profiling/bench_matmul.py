@@ -123,6 +123,14 @@ def bench(quick: bool = False) -> tuple[list, Ceilings]:
             tf = 4.0 * m * n * k / (us * 1e-6) / 1e12
             rows.append(Row("matmul", f"gemm_glu {name}", f"2x{m}x{k} N={n}", us, tflops=tf,
                             pct_ceiling=tf / ceil.gemm_tflops, peer="2 x gemm_f16 (no act)", peer_us=two))
+            b32 = b16.astype(cupy.float32)
+            qa = cupy.empty((n, k // 32 * 36), cupy.uint8)
+            hq = cupy.empty((n, m // 32 * 36), cupy.uint8)
+            us8 = _timer(4 * m * n * k / 150e12 * 1e6)(
+                lambda: (mm.quantize_q8_1(b32, qa), mm.gemm_q8_glu(wg, wu, qa, hq, out_format="q8_1")))
+            tf8 = 4.0 * m * n * k / (us8 * 1e-6) / 1e12
+            rows.append(Row("matmul", f"quantize+gemm_q8_glu->q8_1 {name}", f"2x{m}x{k} N={n}", us8, tflops=tf8,
+                            pct_ceiling=tf8 / ceil.gemm_tflops, peer="gemm_glu (f16)", peer_us=us))
     return rows, ceil
 
 

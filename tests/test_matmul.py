@@ -214,6 +214,37 @@ def test_gemm_q8_split_accumulate_strided(mm, rng, q):
     assert np.array_equal(d_full.get()[:, m:], base[:, m:])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("q", TYPES, ids=lambda q: NAMES[q])
+@pytest.mark.parametrize("act", ["swiglu", "geglu"])
+@pytest.mark.parametrize("n", [5, 70])
+def test_gemm_q8_glu(mm, rng, q, act, n):
+    """f32 out: the quantized-activation math up to f32 rounding (and the activation's own f32
+    error: 1e-4 * rms); Q8_1 / Q8_0 out: the blocks quantize_q8_f32 makes of the f32 out."""
+    m, k = 96, _k(q)
+    raws = [ref.random_weight(q, m, k, rng) for _ in range(2)]
+    dense = [ref.dequantize(r, q, m, k) for r in raws]
+    buf = cupy.asarray(np.concatenate([r.ravel() for r in raws]))
+    wg = QWeight(buf, q, m, k)
+    wu = QWeight(buf, q, m, k, offset=raws[0].nbytes)
+    b = _b(rng, n, k, np.float32)
+    qa, (da, sa, qs) = _q8_1(mm, b)
+    h = poison(cupy.empty((n, m), cupy.float32))
+    mm.gemm_q8_glu(wg, wu, qa, h, act=act)
+    g, u = (ref.gemm_q8_1(dn, ref.k_mins(r, q, m, k), da, sa, qs) for dn, r in zip(dense, raws))
+    want = (ref.silu(g) if act == "swiglu" else ref.gelu_tanh(g)) * u
+    hh = h.get()
+    assert_close(hh, want, atol=1e-4 * _rms(want), rtol=1e-4, name="h")
+    for fmt in ("q8_1", "q8_0"):
+        nb = m // 32 * (ref.Q8_1_BYTES if fmt == "q8_1" else ref.Q8_0_BYTES)
+        out = cupy.full((n, nb), 0xA5, cupy.uint8)
+        mm.gemm_q8_glu(wg, wu, qa, out, act=act, out_format=fmt)
+        d_, s_, q_ = ref.unpack_q8(out.get(), m, fmt)
+        want_d, want_q = ref.quantize_q8_f32(hh)
+        np.testing.assert_array_equal(q_, want_q)
+        np.testing.assert_array_equal(d_, want_d.astype(np.float16).astype(np.float64))
+
+
 # ---------------------------------------------------------------------------- GPU: quantizers
 
 @pytest.mark.gpu
@@ -287,3 +318,11 @@ def test_bad_input_raises_before_launch(mm, rng):
         mm.gemm_q8(w, cupy.zeros((0, 288), cupy.uint8), cupy.zeros((0, 64), cupy.float32))
     with pytest.raises(ValueError, match="4-byte aligned"):
         mm.gemm_q8(w, cupy.zeros(4 * 288 + 2, cupy.uint8)[2:].reshape(4, 288), d)
+    qa = cupy.zeros((4, 288), cupy.uint8)
+    with pytest.raises(ValueError, match="m % 32"):
+        w60, _ = _weight(12, 60, 256, rng)
+        mm.gemm_q8_glu(w60, w60, qa, cupy.zeros((4, 2 * 36), cupy.uint8), out_format="q8_1")
+    with pytest.raises(ValueError, match="out_format"):
+        mm.gemm_q8_glu(w, w, qa, d, out_format="q4")
+    with pytest.raises(ValueError, match=r"uint8 \[n, 68\]"):
+        mm.gemm_q8_glu(w, w, qa, cupy.zeros((4, 72), cupy.uint8), out_format="q8_0")

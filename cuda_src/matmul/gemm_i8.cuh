@@ -11,12 +11,18 @@
 // Each segment's integer dot products are exact (s32); the f32 accumulator then takes
 //   acc += da * a * dot (- c * s for Q4_K/Q5_K), per (token, row) pair a thread holds.
 // Ragged M/N and split K as gemm_f16 (zero-filled activations contribute nothing: d = s = 0).
+//
+// EPI 0: d = W a (or d += W a). EPI 1..3, the fused gate+up of a gated MLP (64 rows of each of W
+// and W2 per CTA): h = act(W a) * (W2 a) with act SiLU (mode 2) or GELU-tanh (mode 3), stored as
+// f32 (EPI 1) or quantized straight to Q8_1 (EPI 2) / Q8_0 (EPI 3) blocks of 32 rows for the next
+// int8 GEMM: the CTA's h tile goes through shared memory, 8 lanes quantize each 32-value block.
 #pragma once
 
 #include "common/mma.cuh"
 #include "common/q8_1.cuh"
 #include "matmul/gemm.cuh"
 #include "matmul/i8_tile.cuh"
+#include "matmul/q8_store.cuh"
 
 namespace cukern {
 namespace mm {
@@ -52,18 +58,21 @@ CUKERN_DEVICE void mma_s8_k16(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t b0
 }  // namespace mm
 }  // namespace cukern
 
-template <int QT, int BT>
+template <int QT, int BT, int EPI>
 __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::Cfg<BT>::kMinBlocks) gemm_q8(
-    float* __restrict__ d,             // [n, d_stride] f32 out: d[c * d_stride + r], r < m
-    const uint8_t* __restrict__ w,     // raw GGUF bytes: m rows from w + w_offset
+    float* __restrict__ d,             // EPI 0, 1: [n, d_stride] f32 out, d[c * d_stride + r], r < m;
+                                       // EPI 2, 3: [n, d_stride] bytes out, m / 32 Q8_1 / Q8_0 blocks per row
+    const uint8_t* __restrict__ w,     // raw GGUF bytes: m rows from w + w_offset (EPI > 0: the gate)
+    const uint8_t* __restrict__ w2,    // EPI > 0: the up matrix, m rows from w2 + w2_offset; else unused
     const uint8_t* __restrict__ a,     // [n, b_stride] bytes: Q8_1 rows (k / 32 blocks of 36), 4-byte aligned
     const GemmParams p) {              // dynamic shared memory: gemm_q8_smem_bytes(BT, Raw<QT>::kStride); b_stride in bytes
     using namespace cukern;
     using namespace cukern::mm;
     using C = Cfg<BT>;
-    constexpr int WTT = BT / C::kWT, WRR = kRows / C::kWR;  // tokens, rows of one warp
+    constexpr int NMAT = EPI ? 2 : 1, BR = kRows / NMAT;   // rows of each matrix per CTA
+    constexpr int WTT = BT / C::kWT, WRR = BR / C::kWR;    // tokens, rows (per matrix) of one warp
     constexpr int MT = WTT / 16, NR = WRR / 8;
-    static_assert(MT >= 1 && NR % 2 == 0, "warp tile");
+    static_assert(MT >= 1 && NR >= 1 && (NR % 2 == 0 || NR == 1), "warp tile");
     constexpr int SUBS = I8<QT>::kSubs;
     constexpr bool MIN = I8<QT>::kMin;
     constexpr int WORDS = BT * 2 * 9;  // 4-byte words of a stage's Q8_1 blocks (2 segments x 9 words per token)
@@ -81,13 +90,16 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::Cfg<BT>::kMi
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int wt = warp / C::kWR, wr = warp % C::kWR;
-    const uint32_t t0 = blockIdx.x * BT, r0 = blockIdx.y * kRows;
+    const uint32_t t0 = blockIdx.x * BT, r0 = blockIdx.y * BR;
     const uint32_t kbeg = blockIdx.z * p.k_split, kend = min(p.k, kbeg + p.k_split);
     const uint32_t n_segs = (kend - kbeg) / SEG;
     const int n_stages = (int)((n_segs + 1) / 2);
     const uint32_t seg0 = kbeg / SEG;
 
-    auto rowptr = [&](int row) { return w + p.w_offset + (size_t)min(r0 + row, p.m - 1) * p.row_bytes; };
+    auto rowptr = [&](int row) {  // row of the tile -> its raw GGUF row (past m: row m-1)
+        const uint32_t grow = min(r0 + row % BR, p.m - 1);
+        return (row / BR ? w2 + p.w2_offset : w + p.w_offset) + (size_t)grow * p.row_bytes;
+    };
     auto load_raw = [&](int S) {  // super-stage S of this split
         const uint32_t e0 = kbeg + SUPER * S, nel = min((uint32_t)SUPER, kend - e0);
         copy_raw<RSTRIDE>(sraw, rowptr, e0 / QTraits<QT>::kElems * QTraits<QT>::kBytes,
@@ -129,7 +141,7 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::Cfg<BT>::kMi
         cp_async_commit();
     };
 
-    float acc[MT][NR][4] = {};
+    float acc[NMAT][MT][NR][4] = {};
     if (n_stages > 0) {
         load_raw(0);
         issue_a(0, 0);
@@ -148,11 +160,19 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::Cfg<BT>::kMi
         }
 #pragma unroll
         for (int kk = 0; kk < 2; ++kk) {  // segment kk of the stage: one k32 step
-            uint32_t bw[NR / 2][4];      // n8 tile j: bw[j / 2][2 (j % 2)] (bytes 0-15), [.. + 1] (bytes 16-31)
+            uint32_t bw[NMAT][(NR + 1) / 2][4];  // n8 tile j: bw[.][j / 2][2 (j % 2)] (bytes 0-15), [.. + 1] (16-31)
 #pragma unroll
-            for (int np = 0; np < NR / 2; ++np)
-                ldmatrix_x4(bw[np], &sw[buf][wr * WRR + np * 16 + (lane & 7) + ((lane >> 4) << 3)]
-                                       [kk * SEG + ((lane >> 3) & 1) * 16]);
+            for (int mat = 0; mat < NMAT; ++mat) {
+                const int rbase = mat * BR + wr * WRR;
+                if (NR == 1) {
+                    ldmatrix_x2(bw[mat][0][0], bw[mat][0][1], &sw[buf][rbase + (lane & 7)][kk * SEG + ((lane >> 3) & 1) * 16]);
+                } else {
+#pragma unroll
+                    for (int np = 0; np < NR / 2; ++np)
+                        ldmatrix_x4(bw[mat][np], &sw[buf][rbase + np * 16 + (lane & 7) + ((lane >> 4) << 3)]
+                                                    [kk * SEG + ((lane >> 3) & 1) * 16]);
+                }
+            }
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 uint32_t af[4];  // rows 0-7 / 8-15 x bytes 0-15 / 16-31
@@ -161,37 +181,41 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::Cfg<BT>::kMi
                 const float2 ds_lo = __half22float2(sds[buf][trow + g][kk]);      // token g: (d, s)
                 const float2 ds_hi = __half22float2(sds[buf][trow + g + 8][kk]);  // token g + 8
 #pragma unroll
-                for (int nr = 0; nr < NR; ++nr) {
-                    const int row = wr * WRR + nr * 8 + 2 * tq;  // rows row, row + 1 of the tile
-                    const uint32_t b0 = bw[nr / 2][2 * (nr % 2)], b1 = bw[nr / 2][2 * (nr % 2) + 1];
-                    float v[4];
-                    if (SUBS == 1) {
-                        int c[4] = {0, 0, 0, 0};
-                        mma_s8_k32(c, af, b0, b1);
-                        const float2 aw = *reinterpret_cast<const float2*>(&swa[buf][kk][row]);
-                        v[0] = aw.x * (float)c[0], v[1] = aw.y * (float)c[1];
-                        v[2] = aw.x * (float)c[2], v[3] = aw.y * (float)c[3];
-                    } else {
-                        int c0[4] = {0, 0, 0, 0}, c1[4] = {0, 0, 0, 0};
-                        mma_s8_k16(c0, af[0], af[1], b0);
-                        mma_s8_k16(c1, af[2], af[3], b1);
-                        const float2 a0 = *reinterpret_cast<const float2*>(&swa[buf][2 * kk][row]);
-                        const float2 a1 = *reinterpret_cast<const float2*>(&swa[buf][2 * kk + 1][row]);
-                        v[0] = a0.x * (float)c0[0] + a1.x * (float)c1[0];
-                        v[1] = a0.y * (float)c0[1] + a1.y * (float)c1[1];
-                        v[2] = a0.x * (float)c0[2] + a1.x * (float)c1[2];
-                        v[3] = a0.y * (float)c0[3] + a1.y * (float)c1[3];
-                    }
-                    acc[mt][nr][0] = fmaf(ds_lo.x, v[0], acc[mt][nr][0]);
-                    acc[mt][nr][1] = fmaf(ds_lo.x, v[1], acc[mt][nr][1]);
-                    acc[mt][nr][2] = fmaf(ds_hi.x, v[2], acc[mt][nr][2]);
-                    acc[mt][nr][3] = fmaf(ds_hi.x, v[3], acc[mt][nr][3]);
-                    if (MIN) {
-                        const float2 cw = *reinterpret_cast<const float2*>(&swc[buf][kk][row]);
-                        acc[mt][nr][0] = fmaf(-cw.x, ds_lo.y, acc[mt][nr][0]);
-                        acc[mt][nr][1] = fmaf(-cw.y, ds_lo.y, acc[mt][nr][1]);
-                        acc[mt][nr][2] = fmaf(-cw.x, ds_hi.y, acc[mt][nr][2]);
-                        acc[mt][nr][3] = fmaf(-cw.y, ds_hi.y, acc[mt][nr][3]);
+                for (int mat = 0; mat < NMAT; ++mat) {
+#pragma unroll
+                    for (int nr = 0; nr < NR; ++nr) {
+                        const int row = mat * BR + wr * WRR + nr * 8 + 2 * tq;  // rows row, row + 1 of the tile
+                        const uint32_t b0 = bw[mat][nr / 2][2 * (nr % 2)], b1 = bw[mat][nr / 2][2 * (nr % 2) + 1];
+                        float v[4];
+                        if (SUBS == 1) {
+                            int c[4] = {0, 0, 0, 0};
+                            mma_s8_k32(c, af, b0, b1);
+                            const float2 aw = *reinterpret_cast<const float2*>(&swa[buf][kk][row]);
+                            v[0] = aw.x * (float)c[0], v[1] = aw.y * (float)c[1];
+                            v[2] = aw.x * (float)c[2], v[3] = aw.y * (float)c[3];
+                        } else {
+                            int c0[4] = {0, 0, 0, 0}, c1[4] = {0, 0, 0, 0};
+                            mma_s8_k16(c0, af[0], af[1], b0);
+                            mma_s8_k16(c1, af[2], af[3], b1);
+                            const float2 a0 = *reinterpret_cast<const float2*>(&swa[buf][2 * kk][row]);
+                            const float2 a1 = *reinterpret_cast<const float2*>(&swa[buf][2 * kk + 1][row]);
+                            v[0] = a0.x * (float)c0[0] + a1.x * (float)c1[0];
+                            v[1] = a0.y * (float)c0[1] + a1.y * (float)c1[1];
+                            v[2] = a0.x * (float)c0[2] + a1.x * (float)c1[2];
+                            v[3] = a0.y * (float)c0[3] + a1.y * (float)c1[3];
+                        }
+                        float (&o)[4] = acc[mat][mt][nr];
+                        o[0] = fmaf(ds_lo.x, v[0], o[0]);
+                        o[1] = fmaf(ds_lo.x, v[1], o[1]);
+                        o[2] = fmaf(ds_hi.x, v[2], o[2]);
+                        o[3] = fmaf(ds_hi.x, v[3], o[3]);
+                        if (MIN) {
+                            const float2 cw = *reinterpret_cast<const float2*>(&swc[buf][kk][row]);
+                            o[0] = fmaf(-cw.x, ds_lo.y, o[0]);
+                            o[1] = fmaf(-cw.y, ds_lo.y, o[1]);
+                            o[2] = fmaf(-cw.x, ds_hi.y, o[2]);
+                            o[3] = fmaf(-cw.y, ds_hi.y, o[3]);
+                        }
                     }
                 }
             }
@@ -205,18 +229,52 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::Cfg<BT>::kMi
     }
 
     const bool vec = ((p.d_stride | reinterpret_cast<unsigned long long>(d) / 4) & 1) == 0;
+    auto h = [&](int mt, int nr, int i) {  // the output value of accumulator i (EPI > 0: act(gate) * up)
+        const float v = acc[0][mt][nr][i];
+        if (EPI == 0) return v;
+        return (p.mode == 3 ? gelu_tanh(v) : silu(v)) * acc[NMAT - 1][mt][nr][i];
+    };
+    if constexpr (EPI <= 1) {
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
+        for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const uint32_t tok = t0 + wt * WTT + mt * 16 + g + 8 * half;
-            if (tok >= p.n) continue;
-            float* col = d + (size_t)tok * p.d_stride;
+            for (int half = 0; half < 2; ++half) {
+                const uint32_t tok = t0 + wt * WTT + mt * 16 + g + 8 * half;
+                if (tok >= p.n) continue;
+                float* col = d + (size_t)tok * p.d_stride;
 #pragma unroll
-            for (int nr = 0; nr < NR; ++nr) {
-                const uint32_t row = r0 + wr * WRR + nr * 8 + 2 * tq;
-                if (row < p.m) put2(col, row, acc[mt][nr][2 * half], acc[mt][nr][2 * half + 1], p, vec);
+                for (int nr = 0; nr < NR; ++nr) {
+                    const uint32_t row = r0 + wr * WRR + nr * 8 + 2 * tq;
+                    if (row < p.m) put2(col, row, h(mt, nr, 2 * half), h(mt, nr, 2 * half + 1), p, vec);
+                }
             }
+        }
+    } else {
+        // h tile [BT][BR] f32 through shared memory (the main loop's buffers are dead after its
+        // last barrier), then 8 lanes per 32-row block quantize it (m % 32 == 0, BR % 32 == 0)
+        constexpr int LDH = BR + 4;
+        float* sh = reinterpret_cast<float*>(smem);
+        static_assert(BT * LDH * 4 <= 2 * (kRows + BT) * LDQ, "h tile fits in the int8 tiles");
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+#pragma unroll
+                for (int nr = 0; nr < NR; ++nr) {
+                    float* o = sh + (wt * WTT + mt * 16 + g + 8 * half) * LDH + wr * WRR + nr * 8 + 2 * tq;
+                    *reinterpret_cast<float2*>(o) = make_float2(h(mt, nr, 2 * half), h(mt, nr, 2 * half + 1));
+                }
+        __syncthreads();
+        constexpr int FMT = EPI == 2 ? 0 : 1, BLOCKS = BT * (BR / 32);  // 32-row blocks of the tile
+        uint8_t* q = reinterpret_cast<uint8_t*>(d);
+        for (int blk0 = 0; blk0 < BLOCKS; blk0 += kThreads / 8) {  // block-uniform: whole warps shuffle
+            const int blk = blk0 + tid / 8, j = tid % 8;
+            const int tk = blk / (BR / 32), rb = blk % (BR / 32);
+            const bool live = blk < BLOCKS && t0 + tk < p.n && r0 + 32 * rb < p.m;
+            const float4 v = blk < BLOCKS ? *reinterpret_cast<const float4*>(sh + tk * LDH + 32 * rb + 4 * j)
+                                          : make_float4(0.f, 0.f, 0.f, 0.f);
+            uint8_t* out = q + (size_t)(live ? t0 + tk : 0) * p.d_stride + (size_t)((r0 + 32 * rb) / 32) * Q8Fmt<FMT>::kBytes;
+            q8_store_block<FMT>(v, live ? out : q, j, live);
         }
     }
 }

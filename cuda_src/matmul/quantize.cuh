@@ -7,9 +7,9 @@
 // Traffic: reads 4 bytes, writes 36/32 or 34/32 bytes per value.
 #pragma once
 
-#include "common/q8_1.cuh"
 #include "matmul/dequant_tile.cuh"
 #include "matmul/params.cuh"
+#include "matmul/q8_store.cuh"
 
 namespace cukern {
 namespace mm {
@@ -25,7 +25,6 @@ __global__ void __launch_bounds__(cukern::mm::kQuantThreads) quantize_q8(
     const float* __restrict__ x,    // [n_rows, x_stride] f32, 16-byte aligned rows, n_cols used
     const QuantizeParams p) {
     using namespace cukern;
-    constexpr int BYTES = FMT == 0 ? Q8_1_BLOCK_BYTES : 34, QS = FMT == 0 ? 4 : 2;  // block size, qs offset
     const uint32_t per_row = p.n_cols / 4;
     const uint64_t total = (uint64_t)p.n_rows * per_row;
     // whole warps iterate together (the shuffles need all 32 lanes); 8 | 32 keeps blocks in one warp
@@ -36,27 +35,7 @@ __global__ void __launch_bounds__(cukern::mm::kQuantThreads) quantize_q8(
         const uint32_t row = live ? (uint32_t)(i / per_row) : 0, c4 = live ? (uint32_t)(i % per_row) : 0;
         float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
         if (live) v = *reinterpret_cast<const float4*>(x + (size_t)row * p.x_stride + 4 * c4);
-        float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
-#pragma unroll
-        for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-        const float dd = amax / 127.0f;
-        const float inv_d = dd > 0.f ? 1.0f / dd : 0.0f;
-        const int q0 = q8_1_quantize(v.x, inv_d), q1 = q8_1_quantize(v.y, inv_d);
-        const int q2 = q8_1_quantize(v.z, inv_d), q3 = q8_1_quantize(v.w, inv_d);
-        int sum = q0 + q1 + q2 + q3;
-#pragma unroll
-        for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-        if (!live) continue;
-        uint8_t* blk = q + (size_t)row * p.q_stride + (size_t)(c4 / 8) * BYTES;
-        const uint32_t packed = (uint32_t)(q0 & 0xff) | ((uint32_t)(q1 & 0xff) << 8) |
-                                ((uint32_t)(q2 & 0xff) << 16) | ((uint32_t)(q3 & 0xff) << 24);
-        uint16_t* qs = reinterpret_cast<uint16_t*>(blk + QS + 4 * (c4 % 8));
-        qs[0] = (uint16_t)(packed & 0xFFFF);
-        qs[1] = (uint16_t)(packed >> 16);
-        if (c4 % 8 == 0) {
-            if (FMT == 0) *reinterpret_cast<__half2*>(blk) = __floats2half2_rn(dd, dd * (float)sum);
-            else *reinterpret_cast<__half*>(blk) = __float2half_rn(dd);
-        }
+        mm::q8_store_block<FMT>(v, q + (size_t)row * p.q_stride + (size_t)(c4 / 8) * mm::Q8Fmt<FMT>::kBytes, c4 % 8, live);
     }
 }
 
