@@ -103,7 +103,7 @@ class Elementwise:
         out[...] = R.silu(gate) * up
 
     def qk_norm_rope_kv_write(self, q, k, v, wq, wk, q_out, k_cache, v_cache, page_table, positions, seq_ids, *,
-                              eps, neox, freq_base, pos_mode, stream=None):
+                              eps, neox, freq_base, freqs, pos_mode, stream=None):
         assert (wq is None) == (wk is None)
         page_size = k_cache.shape[1]
         for t in range(q.shape[0]):
@@ -112,10 +112,10 @@ class Elementwise:
             if wq is not None:
                 qt, kt = _rms(qt, wq, eps), _rms(kt, wk, eps)
             p = np.array([pos])
-            q_out[t] = R.rope(qt, p, freq_base, neox)[0]
+            q_out[t] = R.rope(qt, p, freq_base, neox, freqs)[0]
             page = page_table[seq, pos // page_size]
             assert page >= 0, f"write to an unassigned page: sequence {seq}, position {pos}"
-            k_cache[page, pos % page_size] = R.rope(kt, p, freq_base, neox)[0]
+            k_cache[page, pos % page_size] = R.rope(kt, p, freq_base, neox, freqs)[0]
             v_cache[page, pos % page_size] = v[t]
 
 
@@ -299,6 +299,9 @@ def fake_transformer(model, monkeypatch, *, max_seqs, max_tokens, page_size, pre
             bq=vector(b + "attn_q.bias"), bk=vector(b + "attn_k.bias"), bv=vector(b + "attn_v.bias"),
             post_attn_norm=vector(b + "post_attention_norm.weight"), post_ffn_norm=vector(b + "post_ffw_norm.weight")))
     t.output_norm = vector("output_norm.weight")
+    factors = dense("rope_freqs.weight") if c.rope_freq_factors else None
+    t.rope_freqs = {local: None if c.rope_is_plain(local) else c.rope_inv_freq(local, factors)
+                    for local in (False, True)}
     t.embed_table, t.embed_qtype = None, int(model["token_embd.weight"].qtype)
     t.head = weight("token_embd.weight" if c.tied_output else "output.weight")
     t._dec = None

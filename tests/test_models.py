@@ -44,6 +44,16 @@ def tiny(tiny_dir):
             for i, a in enumerate(ARCHS)}
 
 
+# Gemma 3 with linear RoPE scaling (global layers only, as in Gemma 3 4B+), and Llama with per-pair
+# frequency factors (rope_freqs.weight, as in Llama 3.1+): the paths where the angles are not base**(-2i/d)
+ROPE_VARIANTS = {"gemma3-linear8": TinySpec("gemma3", rope_scale=8.0), "llama-freqs": TinySpec("llama", rope_freqs=True)}
+
+
+@pytest.fixture(scope="module")
+def tiny_rope(tiny_dir):
+    return {k: write_tiny_gguf(tiny_dir / f"{k}.gguf", spec, seed=11) for k, spec in ROPE_VARIANTS.items()}
+
+
 # ----------------------------------------------------------------------------- loader
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -63,6 +73,19 @@ def test_loader_reads_config_and_tensors(tiny, arch):
     assert m.metadata["general.architecture"] == arch
     w = m["blk.0.attn_output.weight"].dequantize()
     assert w.shape == (256, 256) and np.isfinite(w).all() and w.std() > 0
+
+
+def test_loader_reads_rope_scaling_and_frequency_factors(tiny_rope):
+    c = load_gguf(tiny_rope["gemma3-linear8"]).config
+    d = np.arange(0, 64, 2) / 64
+    assert c.rope_scale == 8.0 and not c.rope_freq_factors
+    np.testing.assert_allclose(c.rope_inv_freq(local=False), 1e6 ** -d / 8.0)       # global: scaled
+    np.testing.assert_allclose(c.rope_inv_freq(local=True), 1e4 ** -d)               # local: plain
+    assert c.rope_is_plain(True) and not c.rope_is_plain(False)
+    m = load_gguf(tiny_rope["llama-freqs"])
+    f = m["rope_freqs.weight"].dequantize(np.float64)
+    assert m.config.rope_freq_factors and f.shape == (32,) and f.min() >= 1.0
+    np.testing.assert_allclose(m.config.rope_inv_freq(False, f), 1e4 ** -d / f)
 
 
 def test_loader_rejects_missing_file(tmp_path):
@@ -320,6 +343,16 @@ def test_gpu_forward_matches_reference(tiny, arch, kv_dtype, chunk, bound, rng):
 
 
 @gpu
+@pytest.mark.parametrize("variant", list(ROPE_VARIANTS))
+def test_gpu_forward_rope_variants_match_reference(tiny_rope, variant, rng):
+    """Scaled / factored RoPE angles go to the fused kernel as a per-pair frequency table."""
+    m, model = _transformer(tiny_rope[variant], kv_dtype="float32", prefill_chunk=5)
+    prompt = rng.integers(0, m.config.vocab_size, size=29).tolist()
+    out, _ = model.generate([prompt], 8)
+    assert _check_greedy_against_reference(m, prompt, out[0], model._dec["logits"][0].get(), tol=1e-3) < 1e-9
+
+
+@gpu
 def test_gpu_graph_and_eager_decode_agree_and_batch_matches_reference(tiny, rng):
     """Graph replays and eager launches run the same kernels: identical tokens (prompt chunks of at most
     8 rows keep the prefill on the deterministic matvec; the GEMM's split-K adds with atomics). A batch
@@ -462,15 +495,16 @@ def test_cli_generate_help_and_no_gpu_message():
 
 # ----------------------------------------------------------------------------- orchestration on the CPU
 
-@pytest.mark.parametrize("arch,chunk", [("gemma3", 5), ("gemma3", 16), ("qwen2", 16), ("llama", 5)])
-def test_transformer_orchestration_on_numpy_fakes(tiny, arch, chunk, rng, monkeypatch):
+@pytest.mark.parametrize("arch,chunk", [("gemma3", 5), ("gemma3", 16), ("qwen2", 16), ("llama", 5),
+                                        ("gemma3-linear8", 5), ("llama-freqs", 16)])
+def test_transformer_orchestration_on_numpy_fakes(tiny, tiny_rope, arch, chunk, rng, monkeypatch):
     """The GPU forward's control flow with every dispatch replaced by a NumPy fake (tests/model_fakes.py):
     three prompts of 29, 3 and 11 tokens (pages of 4: ragged last pages; 29 > the Gemma window of 8;
     chunks of 5 rows use the matvec, of 16 the GEMM) decode together through a replayed "graph", and
     every sequence's 9 greedy tokens equal the float64 reference's; eager decode and a single sequence
     give the same tokens; a stop id ends a sequence after it."""
     from model_fakes import fake_transformer
-    m = load_gguf(tiny[arch])
+    m = load_gguf({**tiny, **tiny_rope}[arch])
     t = fake_transformer(m, monkeypatch, max_seqs=3, max_tokens=48, page_size=4, prefill_chunk=chunk)
     prompts = [rng.integers(0, m.config.vocab_size, size=n).tolist() for n in (29, 3, 11)]
     out, stats = t.generate(prompts, 9)
@@ -486,8 +520,8 @@ def test_transformer_orchestration_on_numpy_fakes(tiny, arch, chunk, rng, monkey
     assert t.cache.alloc.active_slots() == [0]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_forward_passes_every_dispatch_check_without_gpu(tiny, arch, monkeypatch):
+@pytest.mark.parametrize("arch", ARCHS + tuple(ROPE_VARIANTS))
+def test_forward_passes_every_dispatch_check_without_gpu(tiny, tiny_rope, arch, monkeypatch):
     """The real forward on host-backed arrays with launches recorded (tests/host_dispatch.py): every
     dispatch the model makes passes its family's validation (names, shapes, dtypes, alignment, kernel
     lookup) for prompts through the matvec (chunks of 5) and the GEMM (16), both KV dtypes, a batch of
@@ -495,7 +529,7 @@ def test_forward_passes_every_dispatch_check_without_gpu(tiny, arch, monkeypatch
     from host_dispatch import patch
     from cukern.models.transformer import Transformer
     launches = patch(monkeypatch)
-    m = load_gguf(tiny[arch])
+    m = load_gguf({**tiny, **tiny_rope}[arch])
     for kv, chunk in (("float16", 5), ("float32", 16)):
         lm = Transformer(m, max_seqs=3, max_tokens=64, page_size=4, kv_dtype=kv, prefill_chunk=chunk)
         prompts = [list(range(5, 5 + n)) for n in (29, 3, 11)]

@@ -52,6 +52,8 @@ class ModelConfig:
     rope_base: float            # global layers
     rope_base_local: float      # sliding-window layers (Gemma 3); == rope_base otherwise
     rope_neox: bool             # rotate halves (NeoX/Gemma/Qwen) rather than adjacent pairs (Llama GGUF)
+    rope_scale: float           # linear RoPE scaling: positions divided by it (Gemma 3: global layers only)
+    rope_freq_factors: bool     # tensor rope_freqs.weight [head_dim/2] divides each pair's frequency (Llama 3.1+)
     sliding_window: int         # 0: none; else a key j is visible to query i when i - window < j <= i
     local_layers: tuple[bool, ...]  # per layer: True where attention is sliding-window
     qk_norm: bool               # per-head RMS norm of Q and K (Gemma 3, Qwen3)
@@ -69,6 +71,23 @@ class ModelConfig:
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
+
+    def rope_inv_freq(self, local: bool, factors=None) -> np.ndarray:
+        """Angle per position of each rotated pair, [head_dim / 2] float64:
+        ``base**(-2i/head_dim) / scale / factors[i]`` (local layers: their base, no scaling)."""
+        d = self.head_dim
+        base = self.rope_base_local if local else self.rope_base
+        inv = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+        if not local or self.arch != "gemma3":
+            inv = inv / self.rope_scale
+        if factors is not None:
+            inv = inv / np.asarray(factors, dtype=np.float64)
+        return inv
+
+    def rope_is_plain(self, local: bool) -> bool:
+        """True when the angles are the plain ``base**(-2i/d)`` (the kernels compute them in place)."""
+        scaled = self.rope_scale != 1.0 and not (local and self.arch == "gemma3")
+        return not scaled and not self.rope_freq_factors
 
 
 @dataclass(frozen=True)
@@ -98,6 +117,8 @@ def required_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     need = {"token_embd.weight": (cfg.vocab_size, d), "output_norm.weight": (d,)}
     if not cfg.tied_output:
         need["output.weight"] = (cfg.vocab_size, d)
+    if cfg.rope_freq_factors:
+        need["rope_freqs.weight"] = (hd // 2,)
     for i in range(cfg.n_layers):
         b = f"blk.{i}."
         need.update({b + "attn_norm.weight": (d,), b + "attn_q.weight": (q, d), b + "attn_k.weight": (kv, d),
@@ -195,11 +216,18 @@ def _config(reader, path: str, tensors: dict[str, "Tensor"]) -> ModelConfig:
     pattern = int(get("attention.sliding_window_pattern", 6, required=False)) if gemma else 0
     local = tuple(bool(window) and pattern > 0 and (i + 1) % pattern != 0 for i in range(n_layers))
     qk_norm = arch in ("gemma3", "qwen3")
+    scaling = get("rope.scaling.type", "none", required=False) or "none"
+    if scaling not in ("none", "linear"):
+        raise GGUFError(f"{path}: RoPE scaling {scaling!r} is not supported (cukern runs none and linear)")
+    rope_scale = float(get("rope.scaling.factor", 1.0, required=False) or 1.0) if scaling == "linear" else 1.0
+    if not rope_scale > 0:
+        raise GGUFError(f"{path}: {arch}.rope.scaling.factor must be > 0, got {rope_scale}")
     return ModelConfig(
         arch=arch, n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
         d_ff=d_ff, vocab_size=vocab, context_length=int(get("context_length", 2048, required=False)),
         rms_eps=eps, rope_base=rope_base, rope_base_local=10000.0 if gemma else rope_base,
-        rope_neox=arch != "llama", sliding_window=window, local_layers=local, qk_norm=qk_norm,
+        rope_neox=arch != "llama", rope_scale=rope_scale, rope_freq_factors="rope_freqs.weight" in tensors,
+        sliding_window=window, local_layers=local, qk_norm=qk_norm,
         qkv_bias=arch == "qwen2", post_norms=gemma, activation="gelu_tanh" if gemma else "silu",
         embed_scale=float(np.sqrt(d_model)) if gemma else 1.0, attn_scale=1.0 / float(np.sqrt(head_dim)),
         tied_output=gemma or "output.weight" not in tensors)

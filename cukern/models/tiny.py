@@ -55,11 +55,13 @@ class TinySpec:
 
     def __init__(self, arch: str, *, n_layers: int = 2, d_model: int = 256, n_heads: int = 4, n_kv_heads: int = 2,
                  head_dim: int = 64, d_ff: int = 512, sliding_window: int = 8, swa_pattern: int = 2,
-                 weight_type: QT = QT.Q8_0, types: dict | None = None):
+                 weight_type: QT = QT.Q8_0, types: dict | None = None, rope_scale: float = 1.0,
+                 rope_freqs: bool = False):
         self.arch, self.n_layers, self.d_model, self.n_heads = arch, n_layers, d_model, n_heads
         self.n_kv_heads, self.head_dim, self.d_ff = n_kv_heads, head_dim, d_ff
         self.sliding_window, self.swa_pattern = sliding_window, swa_pattern
         self.weight_type = weight_type
+        self.rope_scale, self.rope_freqs = rope_scale, rope_freqs   # linear scaling; Llama-3 frequency factors
         self.types = dict(types or {})   # tensor-name suffix ("ffn_down.weight") -> type
 
     def qtype(self, name: str) -> QT:
@@ -152,6 +154,9 @@ def write_tiny_gguf(path, spec: TinySpec, *, seed: int = 0) -> str:
     w.add_value_length(hd)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0 if arch == "llama" else 1e6)
+    if spec.rope_scale != 1.0:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(spec.rope_scale)
     if arch == "gemma3":
         w.add_sliding_window(spec.sliding_window)
         w.add_uint32(f"{arch}.attention.sliding_window_pattern", spec.swa_pattern)
@@ -165,6 +170,8 @@ def write_tiny_gguf(path, spec: TinySpec, *, seed: int = 0) -> str:
         w.add_tensor(name, (centre + spread * rng.standard_normal(n)).astype(np.float32))
 
     mat("token_embd.weight", vocab, d, 1.0)
+    if spec.rope_freqs:
+        w.add_tensor("rope_freqs.weight", rng.uniform(1.0, 8.0, hd // 2).astype(np.float32))
     vec("output_norm.weight", d, 1.0, 0.1)
     if arch != "gemma3":
         mat("output.weight", vocab, d, 1.0 / np.sqrt(d))

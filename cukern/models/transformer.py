@@ -153,6 +153,10 @@ class Transformer:
                 bk=opt("attn_k.bias"), bv=opt("attn_v.bias"), post_attn_norm=opt("post_attention_norm.weight"),
                 post_ffn_norm=opt("post_ffw_norm.weight")))
         self.output_norm = dev["output_norm.weight"]
+        # per-pair RoPE angles where they are not the plain base**(-2i/d) (linear scaling, Llama 3 factors)
+        factors = model["rope_freqs.weight"].dequantize(np.float64) if c.rope_freq_factors else None
+        self.rope_freqs = {local: None if c.rope_is_plain(local) else
+                           cupy.asarray(c.rope_inv_freq(local, factors).astype(np.float32)) for local in (False, True)}
         emb = model["token_embd.weight"]
         self.embed_table, self.embed_qtype = raw["token_embd.weight"], int(emb.qtype)
         self.head = qw("token_embd.weight" if c.tied_output else "output.weight")
@@ -224,12 +228,14 @@ class Transformer:
         n = rows.stop - rows.start
         for i, L in enumerate(self.layers):
             self._project(L, buf, rows, stream)
-            base = c.rope_base_local if c.local_layers[i] else c.rope_base
+            local = c.local_layers[i]
+            base = c.rope_base_local if local else c.rope_base
             self.ew.qk_norm_rope_kv_write(
                 buf.q[rows].reshape(n, c.n_heads, c.head_dim), buf.k[rows].reshape(n, c.n_kv_heads, c.head_dim),
                 buf.v[rows].reshape(n, c.n_kv_heads, c.head_dim), L.q_norm, L.k_norm, buf.q_rot[rows],
                 self.cache.k_pools[i], self.cache.v_pools[i], self.cache.page_table, positions, seq_ids,
-                eps=c.rms_eps, neox=c.rope_neox, freq_base=base, pos_mode=pos_mode, stream=stream)
+                eps=c.rms_eps, neox=c.rope_neox, freq_base=base, freqs=self.rope_freqs[local], pos_mode=pos_mode,
+                stream=stream)
             attend(i, buf.q_rot[rows], buf.o[rows])
             self._matmul(L.wo, buf.o[rows].reshape(n, c.q_dim), buf.proj[rows], stream)
             self._residual(buf, rows, L.post_attn_norm, L.ffn_norm, stream)

@@ -23,12 +23,13 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def rope(x: np.ndarray, positions: np.ndarray, base: float, neox: bool) -> np.ndarray:
+def rope(x: np.ndarray, positions: np.ndarray, base: float, neox: bool, inv_freq=None) -> np.ndarray:
     """Rotary embedding of ``x [T, H, D]`` at ``positions [T]``.
 
-    Pair i (0 <= i < D/2) turns by ``pos * base**(-2i/D)``; NeoX pairs (i, i + D/2), else (2i, 2i + 1)."""
+    Pair i (0 <= i < D/2) turns by ``pos * base**(-2i/D)`` (or ``pos * inv_freq[i]``); NeoX pairs
+    (i, i + D/2), else (2i, 2i + 1)."""
     d = x.shape[-1]
-    inv = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    inv = base ** (-np.arange(0, d, 2, dtype=np.float64) / d) if inv_freq is None else np.asarray(inv_freq)
     ang = positions.astype(np.float64)[:, None] * inv[None, :]            # [T, D/2]
     cos, sin = np.cos(ang)[:, None, :].astype(x.dtype), np.sin(ang)[:, None, :].astype(x.dtype)
     if neox:
@@ -109,8 +110,8 @@ class ReferenceModel:
             q = rms_norm(q, self.w(b + "attn_q_norm.weight"), c.rms_eps)
             k = rms_norm(k, self.w(b + "attn_k_norm.weight"), c.rms_eps)
         local = c.local_layers[i]
-        base = c.rope_base_local if local else c.rope_base
-        q, k = rope(q, pos, base, c.rope_neox), rope(k, pos, base, c.rope_neox)
+        inv = c.rope_inv_freq(local, self.w("rope_freqs.weight") if c.rope_freq_factors else None)
+        q, k = rope(q, pos, 0.0, c.rope_neox, inv), rope(k, pos, 0.0, c.rope_neox, inv)
         self.k[i] = np.concatenate([self.k[i], k])
         self.v[i] = np.concatenate([self.v[i], v])
         k_pos = np.arange(self.k[i].shape[0])
