@@ -119,15 +119,15 @@ class Transformer:
 
     def __init__(self, model: GGUFModel, *, max_seqs: int = 1, max_tokens: int = 4096, page_size: int = 16,
                  kv_dtype: str = "float16", prefill_chunk: int = 1024, device: int | None = None):
-        self.model, self.cfg = model, model.config
-        c = self.cfg
-        if not model.device:
-            model.upload()
         for name, v in (("max_seqs", max_seqs), ("max_tokens", max_tokens), ("prefill_chunk", prefill_chunk)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if kv_dtype not in ("float16", "float32"):
             raise ValueError(f"kv_dtype must be 'float16' or 'float32' (the fused RoPE + KV write), got {kv_dtype!r}")
+        self.model, self.cfg = model, model.config
+        c = self.cfg
+        if not model.device:
+            model.upload()
         self.max_seqs, self.max_tokens, self.prefill_chunk = max_seqs, max_tokens, prefill_chunk
         self.ew, self.attn, self.mm, self.tok = (ElementwiseDispatch(device), AttentionDispatch(device),
                                                  DmmvDispatch(device), TokensDispatch(device))
@@ -144,14 +144,14 @@ class Transformer:
         self.layers = []
         for i in range(c.n_layers):
             b = f"blk.{i}."
-            opt = lambda n: dev.get(b + n)  # noqa: E731
             self.layers.append(_Layer(
                 attn_norm=dev[b + "attn_norm.weight"], wq=qw(b + "attn_q.weight"), wk=qw(b + "attn_k.weight"),
                 wv=qw(b + "attn_v.weight"), wo=qw(b + "attn_output.weight"), ffn_norm=dev[b + "ffn_norm.weight"],
                 wg=qw(b + "ffn_gate.weight"), wu=qw(b + "ffn_up.weight"), wd=qw(b + "ffn_down.weight"),
-                q_norm=opt("attn_q_norm.weight"), k_norm=opt("attn_k_norm.weight"), bq=opt("attn_q.bias"),
-                bk=opt("attn_k.bias"), bv=opt("attn_v.bias"), post_attn_norm=opt("post_attention_norm.weight"),
-                post_ffn_norm=opt("post_ffw_norm.weight")))
+                q_norm=dev.get(b + "attn_q_norm.weight"), k_norm=dev.get(b + "attn_k_norm.weight"),
+                bq=dev.get(b + "attn_q.bias"), bk=dev.get(b + "attn_k.bias"), bv=dev.get(b + "attn_v.bias"),
+                post_attn_norm=dev.get(b + "post_attention_norm.weight"),
+                post_ffn_norm=dev.get(b + "post_ffw_norm.weight")))
         self.output_norm = dev["output_norm.weight"]
         # per-pair RoPE angles where they are not the plain base**(-2i/d) (linear scaling, Llama 3 factors)
         factors = model["rope_freqs.weight"].dequantize(np.float64) if c.rope_freq_factors else None
