@@ -539,3 +539,34 @@ def test_forward_passes_every_dispatch_check_without_gpu(tiny, tiny_rope, arch, 
     names = {k.split("<")[0] for k in launches}
     assert {"embed_rows", "qk_norm_rope_kv", "decode", "dmmv", "gemm_f16", "topk_chunk", "sample_rows",
             "advance_positions"} <= names, names
+
+
+def test_bpe_tokenizer_matches_hf_tokenizers(tmp_path):
+    """Byte-level BPE against Hugging Face `tokenizers` (an independent implementation): train a
+    2000-token byte-level BPE on the test corpus with it, store its vocabulary and merges in a GGUF
+    (Qwen2 pre-tokenizer), and compare the ids of every corpus string."""
+    tk = pytest.importorskip("tokenizers", reason="the comparison needs Hugging Face tokenizers")
+    pytest.importorskip("regex", reason="the Qwen2 pre-tokenizer's Unicode classes need the regex package")
+    import gguf
+    from cukern.models.tokenizer import _PRE
+    corpus = tokenizer_corpus()
+    pre = tk.pre_tokenizers.Sequence([tk.pre_tokenizers.Split(tk.Regex(_PRE["qwen2"]), behavior="isolated"),
+                                      tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    hf = tk.Tokenizer(tk.models.BPE())
+    hf.pre_tokenizer, hf.decoder = pre, tk.decoders.ByteLevel()
+    hf.train_from_iterator(corpus * 3, tk.trainers.BpeTrainer(vocab_size=2000, show_progress=False,
+                                                                initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet()))
+    state = __import__("json").loads(hf.to_str())["model"]
+    vocab = sorted(state["vocab"].items(), key=lambda kv: kv[1])
+    merges = [m if isinstance(m, str) else " ".join(m) for m in state["merges"]]
+    w = gguf.GGUFWriter(str(tmp_path / "bpe.gguf"), "qwen2")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([1] * len(vocab))
+    w.add_token_merges(merges)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    tok = Tokenizer.from_gguf(str(tmp_path / "bpe.gguf"))
+    bad = [(s, tok.encode(s), hf.encode(s).ids) for s in corpus if tok.encode(s) != hf.encode(s).ids]
+    assert not bad, f"{len(bad)} of {len(corpus)} strings differ; first: {bad[:2]}"
+    assert all(tok.decode(tok.encode(s)) == s for s in corpus)
