@@ -182,6 +182,8 @@ SAMPLES = ["hello world", "  hello   world  ", "the kernel is 42!", "Hello, Worl
 
 @pytest.mark.parametrize("arch", ["gemma3", "llama", "qwen2"])
 def test_tokenizer_round_trip(tiny, arch):
+    if arch == "qwen2":
+        pytest.importorskip("regex", reason="byte-level BPE needs the regex package (the 'model' extra)")
     tok = Tokenizer.from_gguf(load_gguf(tiny[arch]))
     for s in SAMPLES:
         ids = tok.encode(s)
@@ -202,10 +204,24 @@ def test_tokenizer_spm_merges_and_byte_fallback(tiny):
 
 
 def test_tokenizer_bpe_merges(tiny):
+    pytest.importorskip("regex", reason="byte-level BPE needs the regex package (the 'model' extra)")
     tok = Tokenizer.from_gguf(load_gguf(tiny["qwen3"]))
     ids = tok.encode("hello world kernel")
     assert [tok.tokens[i] for i in ids] == ["hello", "\u0120world", "\u0120kernel"]
     assert tok.encode("<|im_start|>x", special=True)[0] == tok.vocab["<|im_start|>"]
+
+
+def test_bpe_tokenizer_errors_are_clear(monkeypatch):
+    import sys
+    with pytest.raises(Exception, match="unsupported pre-tokenizer 'nope'"):
+        Tokenizer(["a", "b"], model="gpt2", merges=["a b"], pre="nope")
+    monkeypatch.setitem(sys.modules, "regex", None)            # as if the package were missing
+    with pytest.raises(Exception, match="need the 'regex' package"):
+        Tokenizer(["a", "b"], model="gpt2", merges=["a b"], pre="qwen2")
+    with pytest.raises(Exception, match="needs tokenizer.ggml.merges"):
+        Tokenizer(["a"], model="gpt2")
+    with pytest.raises(Exception, match="unsupported tokenizer model 'bert'"):
+        Tokenizer(["a"], model="bert")
 
 
 def test_stream_decoder_holds_back_partial_utf8(tiny):

@@ -43,12 +43,10 @@ class TokenizerError(ValueError):
 def _compile_pre(pattern: str):
     try:
         import regex
-        return regex.compile(pattern)
-    except ImportError:  # approximate the Unicode classes with `re`: letters = word chars minus digits and '_'
-        p = pattern.replace(r"[^\r\n\p{L}\p{N}]", r"[^\r\n\w]|_").replace(r"[^\s\p{L}\p{N}]", r"(?:[^\s\w]|_)")
-        p = p.replace(r"\p{L}", r"[^\W\d_]").replace(r"\p{N}", r"\d")
-        p = p.replace(r"[^\r\n\w]|_?", r"(?:[^\r\n\w]|_)?")
-        return re.compile(p)
+    except ImportError:   # Python's re has no \p{L} / \p{N}; an approximation would mis-split some text
+        raise TokenizerError("byte-level BPE tokenizers need the 'regex' package for their pre-tokenizer "
+                             "(pip install regex, or the 'model' extra)") from None
+    return regex.compile(pattern)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -104,7 +102,9 @@ class Tokenizer:
                 if not sep:
                     raise TokenizerError(f"merge {r} ({m!r}) is not two space-separated pieces")
                 self._ranks.setdefault((a, b), r)
-            self._pre = _compile_pre(_PRE.get(pre, _PRE["default"]))
+            if pre not in _PRE:
+                raise TokenizerError(f"unsupported pre-tokenizer {pre!r} (cukern knows {', '.join(sorted(_PRE))})")
+            self._pre = _compile_pre(_PRE[pre])
             self._b2u = _bytes_to_unicode()
             self._u2b = {c: b for b, c in self._b2u.items()}
         self._cache: dict[str, list[int]] = {}
