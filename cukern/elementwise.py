@@ -53,8 +53,10 @@ _MAX_FLAT = 2**31 - 1  # flat kernels index with uint32 plus a grid stride
 
 _ROPE_BLOCK = 256
 _ROPE_MAX_HEAD_DIM = 1024
-_ROPE_PPL = (4, 16)  # pairs per lane of the rope kernels: head_dim <= 64 * PPL
-_ROPE_TASKS = 64  # aim for this many heads per block (tokens_per_block = ceil(64 / heads per token), <= 8)
+# (pairs per lane, heads per warp task) of the rope kernels: head_dim <= 64 * PPL; more heads per task
+# for small heads, so that a warp has several loads in flight
+_ROPE_PPL = ((2, 4), (4, 2), (16, 1))
+_ROPE_TASKS = 128  # heads per block step (tokens_per_block = ceil(128 / heads per token), <= 8)
 _ROPE_MAX_TOKENS = 8
 _RESIDENT_ROPE_BLOCKS = 8  # 256-thread blocks per SM (2048 threads)
 _RESIDENT_GROUP_BLOCKS = 16  # 128-thread group_norm_reg blocks per SM
@@ -98,10 +100,10 @@ def _kernels() -> list[KernelSpec]:
 
 def _rope_kernels() -> list[KernelSpec]:
     """Kernels of the second unit, rope_kv.cu: RoPE and its fusions, KV writes, deinterleave."""
-    ks = [KernelSpec(f"rope<{n}, {ppl}>", "RopeParams") for n in ("false", "true") for ppl in _ROPE_PPL]
+    ks = [KernelSpec(f"rope<{n}, {ppl}, {g}>", "RopeParams") for n in ("false", "true") for ppl, g in _ROPE_PPL]
     for kv in _KV_TYPES.values():
-        ks += [KernelSpec(f"qk_norm_rope_kv<{kv}, {hq}, {ppl}>", "QkvRopeParams")
-               for hq in ("true, true", "false, false") for ppl in _ROPE_PPL]
+        ks += [KernelSpec(f"qk_norm_rope_kv<{kv}, {hq}, {ppl}, {g}>", "QkvRopeParams")
+               for hq in ("true, true", "false, false") for ppl, g in _ROPE_PPL]
         ks += [KernelSpec(f"kv_write<{kv}, {v}>", "KvWriteParams") for v in ("true", "false")]
     ks += [KernelSpec(f"deinterleave<{v}>", "DeinterleaveParams") for v in ("float", "float4")]
     return ks
@@ -134,13 +136,13 @@ def _sm_count(device_id: int) -> int:
 
 
 def _rope_launch(n_tokens: int, heads_per_token: int, head_dim: int, rope_dim: int, sms: int):
-    """(tokens_per_block, grid, dynamic shared bytes, pairs per lane) of the rope kernels: blocks
+    """(tokens_per_block, grid, dynamic shared bytes, "PPL, G" template arguments) of the rope kernels: blocks
     loop over steps of tokens_per_block tokens, at most _RESIDENT_ROPE_BLOCKS per SM of them."""
     tpb = max(1, min(_ROPE_MAX_TOKENS, -(-_ROPE_TASKS // heads_per_token), n_tokens))
     half = rope_dim // 2
-    ppl = next(p for p in _ROPE_PPL if head_dim <= 64 * p)
+    ppl, g = next((p, g) for p, g in _ROPE_PPL if head_dim <= 64 * p)
     grid = min(-(-n_tokens // tpb), sms * _RESIDENT_ROPE_BLOCKS)
-    return tpb, grid, 8 * half + 8 * tpb * half, ppl
+    return tpb, grid, 8 * half + 8 * tpb * half, f"{ppl}, {g}"
 
 
 def _inv_ratio(freq_base: float, rope_dim: int, freqs) -> float:
@@ -597,8 +599,8 @@ class ElementwiseDispatch(Dispatch):
         row_elems = n_kv * head_dim
         vec = row_elems % 4 == 0 and _aligned(cache, src)
         units = n_tokens * row_elems // (4 if vec else 1)
-        if units > _MAX_U32:
-            raise ValueError(f"kv_write: at most 2**32 - 1 {'float4s' if vec else 'elements'} per call, got {units}")
+        if units + 256 * _KV_UNROLL > _MAX_U32:
+            raise ValueError(f"kv_write: at most 2**32 - 1025 {'float4s' if vec else 'elements'} per call, got {units}")
         params = self.struct("KvWriteParams").pack(n_tokens=n_tokens, row_elems=row_elems, page_size=page_size,
                                                    max_pages=max_pages, pos_mode=mode)
         self._launch(f"kv_write<{_KV_TYPES[cache.dtype]}, {_vec(vec)}>", -(-units // (256 * _KV_UNROLL)), 256,

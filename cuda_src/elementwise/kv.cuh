@@ -44,20 +44,20 @@ __global__ void __launch_bounds__(256) kv_write(
     using V = typename ew::KvUnit<VEC4>::type;
     constexpr uint32_t U = VEC4 ? 4 : 1;
     const uint32_t row_units = p.row_elems / U;
-    const uint64_t n_units = (uint64_t)p.n_tokens * row_units;  // < 2^32 (host-checked)
-    const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
-    const uint64_t u0 = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const uint32_t n_units = p.n_tokens * row_units;  // < 2^32, and so is u0 + KV_UNROLL * stride (host-checked)
+    const uint32_t stride = gridDim.x * blockDim.x;
+    const uint32_t u0 = blockIdx.x * blockDim.x + threadIdx.x;
     V vals[KV_UNROLL];
 #pragma unroll
     for (int k = 0; k < KV_UNROLL; ++k) {
-        const uint64_t u = u0 + k * stride;
+        const uint32_t u = u0 + k * stride;
         if (u < n_units) vals[k] = __ldcs(reinterpret_cast<const V*>(src) + u);  // rows are contiguous in src
     }
 #pragma unroll
     for (int k = 0; k < KV_UNROLL; ++k) {
-        const uint64_t u = u0 + k * stride;
+        const uint32_t u = u0 + k * stride;
         if (u >= n_units) break;
-        const uint32_t t = (uint32_t)(u / row_units), c = (uint32_t)(u % row_units) * U;
+        const uint32_t t = u / row_units, c = (u % row_units) * U;
         const int32_t pos = p.pos_mode == 0 ? positions[0] + (int32_t)t : positions[t];
         const int32_t seq = p.pos_mode == 0 ? seq_ids[0] : seq_ids[t];
         KV* dst = cache + kv_row_offset(page_table + (uint64_t)seq * p.max_pages, (uint32_t)pos, p.page_size,

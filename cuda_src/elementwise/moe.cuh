@@ -69,9 +69,22 @@ __global__ void __launch_bounds__(32 * cukern::ew::TOPK_WARPS) softmax_topk(
     }
 }
 
-// Register version of softmax_topk for n_experts <= 32 * EPL: lane l holds experts l + 32 i, i < EPL, so
-// the k selection rounds touch no memory. Same results and tie rule. grid/block as softmax_topk, no
-// shared memory.
+// Register version of softmax_topk for n_experts <= 32 * EPL: lane l holds experts l + 32 i, i < EPL,
+// as order-preserving 32-bit keys (0: absent or taken), so a selection round is a local scan and two
+// warp reductions (redux.sync: the largest key, then the lowest id holding it). Same results and tie
+// rule as softmax_topk. grid/block as softmax_topk, no shared memory.
+namespace cukern {
+namespace ew {
+// Order-preserving map of a finite or infinite float to uint32 (> 0); -0 and +0 map alike.
+CUKERN_DEVICE uint32_t float_key(float v) {
+    uint32_t b = __float_as_uint(v);
+    if (b == 0x80000000u) b = 0;
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+CUKERN_DEVICE float key_float(uint32_t k) { return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k); }
+}  // namespace ew
+}  // namespace cukern
+
 template <int EPL>
 __global__ void __launch_bounds__(32 * cukern::ew::TOPK_WARPS) softmax_topk_reg(
     int32_t* __restrict__ ids, float* __restrict__ weights, const float* __restrict__ logits,  // as softmax_topk
@@ -81,43 +94,37 @@ __global__ void __launch_bounds__(32 * cukern::ew::TOPK_WARPS) softmax_topk_reg(
     const uint32_t t = blockIdx.x * ew::TOPK_WARPS + threadIdx.x / WARP;
     if (t >= p.n_tokens) return;
     const float* lt = logits + (uint64_t)t * p.n_experts;
-    float v[EPL];  // NaN: no such expert, or already taken
+    uint32_t key[EPL];
     float mx = ew::neg_inf();
 #pragma unroll
     for (int i = 0; i < EPL; ++i) {
         const uint32_t e = lane + WARP * i;
-        v[i] = e < p.n_experts ? lt[e] : ew::quiet_nan();
-        mx = fmaxf(mx, v[i]);  // fmaxf ignores the NaN of an absent expert
+        const float v = e < p.n_experts ? lt[e] : ew::neg_inf();
+        key[i] = e < p.n_experts ? ew::float_key(v) : 0u;
+        mx = fmaxf(mx, v);
     }
     mx = warp_max(mx);
     float denom = 0.f;
 #pragma unroll
-    for (int i = 0; i < EPL; ++i) denom += v[i] == v[i] ? expf(v[i] - mx) : 0.f;
+    for (int i = 0; i < EPL; ++i) denom += key[i] ? expf(ew::key_float(key[i]) - mx) : 0.f;
     denom = warp_sum(denom);
-    float my_logit = ew::neg_inf();
-    int32_t my_id = 0;
+    uint32_t my_key = 0, my_id = 0;  // lane j < k: the j-th selection
     for (uint32_t j = 0; j < p.k; ++j) {
-        float bv = ew::neg_inf();
-        uint32_t bi = 0xffffffffu;
+        uint32_t bk = 0, bi = 0xffffffffu;
 #pragma unroll
-        for (int i = 0; i < EPL; ++i) {  // ascending ids per lane: strict > keeps the lower id on ties
-            if (v[i] == v[i] && (v[i] > bv || bi == 0xffffffffu)) { bv = v[i]; bi = lane + WARP * i; }
-        }
-#pragma unroll
-        for (int o = WARP / 2; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const uint32_t oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (oi != 0xffffffffu && (bi == 0xffffffffu || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
-        }
-        if (lane == j) { my_logit = bv; my_id = (int32_t)bi; }
+        for (int i = 0; i < EPL; ++i)  // ascending ids: strict > keeps the lower id on ties
+            if (key[i] > bk) { bk = key[i]; bi = lane + WARP * i; }
+        const uint32_t top = __reduce_max_sync(0xffffffffu, bk);
+        const uint32_t id = __reduce_min_sync(0xffffffffu, bk == top ? bi : 0xffffffffu);
+        if (lane == j) { my_key = top; my_id = id; }
 #pragma unroll
         for (int i = 0; i < EPL; ++i)
-            if (lane + WARP * i == bi) v[i] = ew::quiet_nan();
+            if (lane + WARP * i == id) key[i] = 0;
     }
-    const float e = lane < p.k ? expf(my_logit - mx) : 0.f;
+    const float e = lane < p.k ? expf(ew::key_float(my_key) - mx) : 0.f;
     const float sel = warp_sum(e);
     if (lane < p.k) {
-        ids[(uint64_t)t * p.k + lane] = my_id;
+        ids[(uint64_t)t * p.k + lane] = (int32_t)my_id;
         weights[(uint64_t)t * p.k + lane] = p.scale * e / (p.renorm ? sel : denom);
     }
 }

@@ -10,10 +10,9 @@
 // A block loops over steps of tokens_per_block tokens (grid-stride). Its threads fill shared tables:
 // inv_freq in f64 once per block, then per step cos/sin per (token, pair) with the angle reduced mod
 // 2*pi in f64 before an f32 sincos (so positions in the 10^5 range keep f32 accuracy). Then each
-// warp takes whole heads: a lane
-// loads its PPL pairs of the head into registers (one read of x, all loads in flight), the norm
-// (if any) reduces over the warp, and the rotated pairs are stored. Byte traffic: read and write
-// every element once; weights and tables hit L1/L2.
+// warp takes G heads at a time: a lane loads its PPL pairs of each into registers (one read of x,
+// all loads in flight), the norms (if any) reduce over the warp, and the rotated pairs are stored.
+// Byte traffic: read and write every element once; weights and tables hit L1/L2.
 #pragma once
 
 #include "common/types.cuh"
@@ -92,35 +91,44 @@ CUKERN_DEVICE void rope_pair(uint32_t j, uint32_t half, uint32_t rope_dim, bool 
     }
 }
 
-// One head, one warp: out = rotate(x * s * (w + w_off)), s = rsqrt(mean(x^2) + eps) when norm, else 1;
-// w == nullptr: no weight. Lane l holds pairs j = l + 32 k, k < PPL (head_dim <= 64 * PPL).
-template <typename TO, int PPL>
-CUKERN_DEVICE void rope_head(TO* out, const float* x, const float* __restrict__ w, bool norm, float eps, float w_off,
-                             const float* cos_t, const float* sin_t, uint32_t head_dim, uint32_t rope_dim, bool neox) {
+// G consecutive heads (n_live <= G of them real), one warp: out[g] = rotate(x[g] * s_g * (w + w_off)),
+// s_g = rsqrt(mean(x[g]^2) + eps) when norm, else 1; w == nullptr: no weight. Heads are head_dim apart
+// in x and in out. Lane l holds pairs j = l + 32 k, k < PPL (head_dim <= 64 * PPL) of every head: all
+// G * PPL * 2 loads are issued before the first reduction, so a warp keeps that many in flight.
+template <typename TO, int PPL, int G>
+CUKERN_DEVICE void rope_heads(TO* out, const float* x, uint32_t n_live, const float* __restrict__ w, bool norm,
+                              float eps, float w_off, const float* cos_t, const float* sin_t, uint32_t head_dim,
+                              uint32_t rope_dim, bool neox) {
     const uint32_t lane = threadIdx.x % WARP, half = rope_dim / 2, n_pairs = head_dim / 2;
-    float v0[PPL], v1[PPL];
-    float ss = 0.f;
+    float v0[G][PPL], v1[G][PPL], ss[G];
 #pragma unroll
-    for (int k = 0; k < PPL; ++k) {
-        const uint32_t j = lane + WARP * k;
-        v0[k] = v1[k] = 0.f;
-        if (j < n_pairs) {
-            uint32_t i0, i1;
-            rope_pair(j, half, rope_dim, neox, i0, i1);
-            v0[k] = x[i0];
-            v1[k] = x[i1];
-            ss += v0[k] * v0[k] + v1[k] * v1[k];
+    for (int g = 0; g < G; ++g) {
+        ss[g] = 0.f;
+#pragma unroll
+        for (int k = 0; k < PPL; ++k) {
+            const uint32_t j = lane + WARP * k;
+            v0[g][k] = v1[g][k] = 0.f;
+            if (g < n_live && j < n_pairs) {
+                uint32_t i0, i1;
+                rope_pair(j, half, rope_dim, neox, i0, i1);
+                v0[g][k] = x[g * head_dim + i0];
+                v1[g][k] = x[g * head_dim + i1];
+                ss[g] += v0[g][k] * v0[g][k] + v1[g][k] * v1[g][k];
+            }
         }
     }
-    const float s = norm ? rsqrtf(warp_sum(ss) / (float)head_dim + eps) : 1.0f;
-    __syncwarp();  // out may alias x: every lane has read the head before any lane writes it
+    __syncwarp();  // out may alias x: every lane has read the heads before any lane writes them
 #pragma unroll
-    for (int k = 0; k < PPL; ++k) {
-        const uint32_t j = lane + WARP * k;
-        if (j < n_pairs) {
+    for (int g = 0; g < G; ++g) {
+        if (g >= n_live) break;  // warp-uniform
+        const float s = norm ? rsqrtf(warp_sum(ss[g]) / (float)head_dim + eps) : 1.0f;
+#pragma unroll
+        for (int k = 0; k < PPL; ++k) {
+            const uint32_t j = lane + WARP * k;
+            if (j >= n_pairs) continue;
             uint32_t i0, i1;
             rope_pair(j, half, rope_dim, neox, i0, i1);
-            float a = v0[k] * s, b = v1[k] * s;
+            float a = v0[g][k] * s, b = v1[g][k] * s;
             if (w != nullptr) {
                 a *= __ldg(w + i0) + w_off;
                 b *= __ldg(w + i1) + w_off;
@@ -131,9 +139,22 @@ CUKERN_DEVICE void rope_head(TO* out, const float* x, const float* __restrict__ 
                 b = a * sn + b * c;
                 a = r;
             }
-            out[i0] = from_float<TO>(a);
-            out[i1] = from_float<TO>(b);
+            out[g * head_dim + i0] = from_float<TO>(a);
+            out[g * head_dim + i1] = from_float<TO>(b);
         }
+    }
+}
+
+// Copy n heads (n * head_dim contiguous values) with conversion, one warp, loads before stores.
+template <typename TO>
+CUKERN_DEVICE void copy_heads(TO* __restrict__ out, const float* __restrict__ x, uint32_t n) {
+    for (uint32_t i0 = threadIdx.x % WARP; i0 < n; i0 += 4 * WARP) {
+        float t[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) t[k] = i0 + k * WARP < n ? x[i0 + k * WARP] : 0.f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+            if (i0 + k * WARP < n) out[i0 + k * WARP] = from_float<TO>(t[k]);
     }
 }
 
@@ -143,7 +164,7 @@ CUKERN_DEVICE void rope_head(TO* out, const float* x, const float* __restrict__ 
 // out[t, h] = rope(x[t, h]) or, with NORM, rope(rms_norm(x[t, h]) * (w + weight_offset)).
 // grid: (<= ceil(n_tokens / tokens_per_block)), block: ROPE_BLOCK;
 // dynamic shared memory: 8 * rope_dim/2 + 8 * tokens_per_block * rope_dim/2 bytes.
-template <bool NORM, int PPL>
+template <bool NORM, int PPL, int G>
 __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) rope(
     float* out,                            // [n_tokens, n_heads, head_dim] (may alias x)
     const float* x,                        // [n_tokens, n_heads, head_dim]
@@ -168,11 +189,13 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) rope(
             tab.set(idx, j, pos);
         }
         __syncthreads();
-        for (uint32_t task = threadIdx.x / WARP; task < n_tok * p.n_heads; task += blockDim.x / WARP) {
-            const uint32_t tt = task / p.n_heads;
-            const uint64_t off = ((uint64_t)t0 * p.n_heads + task) * p.head_dim;  // head (t0 + tt, task % n_heads)
-            ew::rope_head<float, PPL>(out + off, x + off, NORM ? w : nullptr, NORM, p.eps, p.weight_offset,
-                                      tab.cos_t + tt * half, tab.sin_t + tt * half, p.head_dim, p.rope_dim, p.neox);
+        const uint32_t groups = (p.n_heads + G - 1) / G;  // tasks per token: G heads each
+        for (uint32_t task = threadIdx.x / WARP; task < n_tok * groups; task += blockDim.x / WARP) {
+            const uint32_t tt = task / groups, h = (task % groups) * G;
+            const uint64_t off = ((uint64_t)(t0 + tt) * p.n_heads + h) * p.head_dim;
+            ew::rope_heads<float, PPL, G>(out + off, x + off, min((uint32_t)G, p.n_heads - h), NORM ? w : nullptr,
+                                          NORM, p.eps, p.weight_offset, tab.cos_t + tt * half, tab.sin_t + tt * half,
+                                          p.head_dim, p.rope_dim, p.neox);
         }
     }
 }
@@ -185,7 +208,7 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) rope(
 // cache is one page per sequence. The K-only sibling (HAS_Q = HAS_V = false) serves models whose
 // V comes from elsewhere. grid: (<= ceil(n_tokens / tokens_per_block)), block: ROPE_BLOCK; dynamic
 // shared memory as rope.
-template <typename KV, bool HAS_Q, bool HAS_V, int PPL>
+template <typename KV, bool HAS_Q, bool HAS_V, int PPL, int G>
 __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) qk_norm_rope_kv(
     float* __restrict__ q_out,              // HAS_Q: [n_tokens, n_q_heads, head_dim] (else unread)
     KV* __restrict__ k_cache,               // [n_pages, page_size, n_kv_heads, head_dim]
@@ -205,8 +228,10 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) qk_norm_rope_kv(
     const uint32_t half = p.rope_dim / 2;
     ew::RopeTables tab(rope_smem, half, p.tokens_per_block);
     tab.fill_inv(half, p.use_freqs, p.inv_ratio, freqs);
-    const uint32_t n_q = HAS_Q ? p.n_q_heads : 0;
-    const uint32_t n_heads = n_q + p.n_kv_heads * (HAS_V ? 2 : 1);  // tasks per token: q, k, v heads
+    // tasks per token: groups of G q heads, of G k heads, and (HAS_V) of G v heads
+    const uint32_t q_groups = HAS_Q ? (p.n_q_heads + G - 1) / G : 0;
+    const uint32_t kv_groups = (p.n_kv_heads + G - 1) / G;
+    const uint32_t n_groups = q_groups + kv_groups * (HAS_V ? 2 : 1);
     const uint32_t row_elems = p.n_kv_heads * p.head_dim;
     for (uint32_t t0 = blockIdx.x * p.tokens_per_block; t0 < p.n_tokens; t0 += gridDim.x * p.tokens_per_block) {
         const uint32_t n_tok = min(p.tokens_per_block, p.n_tokens - t0);  // tokens of this step
@@ -216,31 +241,31 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) qk_norm_rope_kv(
             tab.set(idx, idx % half, p.pos_mode == 0 ? positions[0] + (int32_t)t : positions[t]);
         }
         __syncthreads();
-        for (uint32_t task = threadIdx.x / WARP; task < n_tok * n_heads; task += blockDim.x / WARP) {
-            const uint32_t tt = task / n_heads, h = task % n_heads, t = t0 + tt;
+        for (uint32_t task = threadIdx.x / WARP; task < n_tok * n_groups; task += blockDim.x / WARP) {
+            const uint32_t tt = task / n_groups, grp = task % n_groups, t = t0 + tt;
             const float* cos_t = tab.cos_t + tt * half;
             const float* sin_t = tab.sin_t + tt * half;
-            if (HAS_Q && h < n_q) {
+            if (HAS_Q && grp < q_groups) {
+                const uint32_t h = grp * G;
                 const uint64_t off = ((uint64_t)t * p.n_q_heads + h) * p.head_dim;
-                ew::rope_head<float, PPL>(q_out + off, q + off, p.norm ? wq : nullptr, p.norm, p.eps, p.weight_offset,
-                                          cos_t, sin_t, p.head_dim, p.rope_dim, p.neox);
+                ew::rope_heads<float, PPL, G>(q_out + off, q + off, min((uint32_t)G, p.n_q_heads - h),
+                                              p.norm ? wq : nullptr, p.norm, p.eps, p.weight_offset, cos_t, sin_t,
+                                              p.head_dim, p.rope_dim, p.neox);
                 continue;
             }
             const int32_t pos = p.pos_mode == 0 ? positions[0] + (int32_t)t : positions[t];
             const int32_t seq = p.pos_mode == 0 ? seq_ids[0] : seq_ids[t];
             const uint64_t cache_row = kv_row_offset(page_table + (uint64_t)seq * p.max_pages, (uint32_t)pos,
                                                      p.page_size, row_elems);
-            if (h < n_q + p.n_kv_heads) {
-                const uint32_t hk = h - n_q;
-                const float* kh = k + (uint64_t)t * row_elems + (uint64_t)hk * p.head_dim;
-                ew::rope_head<KV, PPL>(k_cache + cache_row + (uint64_t)hk * p.head_dim, kh, p.norm ? wk : nullptr, p.norm,
-                                       p.eps, p.weight_offset, cos_t, sin_t, p.head_dim, p.rope_dim, p.neox);
-            } else {
-                const uint32_t hv = h - n_q - p.n_kv_heads;
-                const float* vh = v + (uint64_t)t * row_elems + (uint64_t)hv * p.head_dim;
-                KV* dst = v_cache + cache_row + (uint64_t)hv * p.head_dim;
-                for (uint32_t i = threadIdx.x % WARP; i < p.head_dim; i += WARP) dst[i] = from_float<KV>(vh[i]);
-            }
+            const uint32_t kgrp = grp - q_groups;
+            const uint32_t h = (kgrp % kv_groups) * G, n_live = min((uint32_t)G, p.n_kv_heads - h);
+            const uint64_t src = (uint64_t)t * row_elems + (uint64_t)h * p.head_dim;
+            const uint64_t dst = cache_row + (uint64_t)h * p.head_dim;
+            if (kgrp < kv_groups)
+                ew::rope_heads<KV, PPL, G>(k_cache + dst, k + src, n_live, p.norm ? wk : nullptr, p.norm, p.eps,
+                                           p.weight_offset, cos_t, sin_t, p.head_dim, p.rope_dim, p.neox);
+            else
+                ew::copy_heads<KV>(v_cache + dst, v + src, n_live * p.head_dim);
         }
     }
 }
