@@ -158,3 +158,14 @@ def test_reference_candidates():
     assert ids.tolist() == [1, 2, 3] and np.isclose(p.sum(), 1.0)
     ids, _ = ref.candidate_probs(np.array([0.0, 10.0, 1.0]), temperature=1.0, top_k=3, top_p=0.5)
     assert ids.tolist() == [1]
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_tokens_family_compiles_with_struct_sizes(arch):
+    """NVRTC alone (no GPU): every kernel compiles, takes its struct last, and the PTX parameter size
+    matches the parsed struct; the params header's static_asserts hold."""
+    from cukern import check
+    from cukern.tokens import FAMILY
+    rows = check.check_family(FAMILY, arch) + [check.check_header(FAMILY.params_header, arch)]
+    assert rows and all(r.ok for r in rows), [r.error for r in rows if not r.ok]
+    assert {r.kernel for r in rows} >= {k.name for k in FAMILY.kernels}
