@@ -108,7 +108,9 @@ __global__ void __launch_bounds__(64) deltanet(
 }
 
 // Tiled variant: the state stays in registers for all tokens. 8 adjacent lanes share a column, each
-// holding DK / 8 rows (row r + 8 m for lane slice r, so the staged k/q reads are bank-conflict free). k, q, g and beta of DELTA_CHUNK tokens are staged in shared memory
+// holding DK / 8 rows (row r + 8 m for lane slice r, so the staged k/q reads are bank-conflict free).
+// The block's [DK, 16] state tile goes through shared memory on the way in and out, so that those
+// accesses are whole 64-byte row segments. k, q, g and beta of DELTA_CHUNK tokens are staged in shared memory
 // with one round of loads (and v in registers), so the per-token cost is arithmetic, not load latency.
 // Must agree with deltanet (the tests compare both against the reference).
 // grid: (ceil(dv / 16), n_v_heads), block: 128 = 16 columns x 8 row slices.
@@ -121,15 +123,22 @@ __global__ void __launch_bounds__(128) deltanet_tiled(
     const float* __restrict__ beta, const DeltaNetParams p) {
     constexpr int R = 8, M = DK / R, CH = DELTA_CHUNK;  // row slices per column, rows per thread
     __shared__ float ks[CH][DK], qs[CH][DK], gs[CH], bs[CH];
+    __shared__ float tile[DK][17];  // [row][column of this block], padded against bank conflicts
     const uint32_t h = blockIdx.y;
     const uint32_t r = threadIdx.x % R;                    // 0..7: rows r + R m, m < M
     const uint32_t j = blockIdx.x * 16 + threadIdx.x / R;  // column
     const bool active = j < p.dv;
     const uint32_t hq = h / (p.n_v_heads / p.n_qk_heads);
-    float* Sh = S + (uint64_t)h * DK * p.dv + j;
+    const uint32_t col0 = blockIdx.x * 16, cl = threadIdx.x / R;  // first column of the block, column in block
+    float* Sh = S + (uint64_t)h * DK * p.dv;
+    for (uint32_t idx = threadIdx.x; idx < DK * 16; idx += blockDim.x) {
+        const uint32_t row = idx / 16, c = idx % 16;
+        tile[row][c] = col0 + c < p.dv ? Sh[(uint64_t)row * p.dv + col0 + c] : 0.f;
+    }
+    __syncthreads();
     float s[M];
 #pragma unroll
-    for (int m = 0; m < M; ++m) s[m] = active ? Sh[(uint64_t)(r + R * m) * p.dv] : 0.f;
+    for (int m = 0; m < M; ++m) s[m] = tile[r + R * m][cl];
     for (uint32_t t0 = 0; t0 < p.n_tokens; t0 += CH) {
         const uint32_t n = min((uint32_t)CH, p.n_tokens - t0);
         __syncthreads();  // the previous chunk's staging is no longer read
@@ -170,8 +179,11 @@ __global__ void __launch_bounds__(128) deltanet_tiled(
             if (active && r == 0) o[((uint64_t)(t0 + tt) * p.n_v_heads + h) * p.dv + j] = p.q_scale * out;
         }
     }
-    if (active) {
 #pragma unroll
-        for (int m = 0; m < M; ++m) Sh[(uint64_t)(r + R * m) * p.dv] = s[m];
+    for (int m = 0; m < M; ++m) tile[r + R * m][cl] = s[m];
+    __syncthreads();
+    for (uint32_t idx = threadIdx.x; idx < DK * 16; idx += blockDim.x) {
+        const uint32_t row = idx / 16, c = idx % 16;
+        if (col0 + c < p.dv) Sh[(uint64_t)row * p.dv + col0 + c] = tile[row][c];
     }
 }
