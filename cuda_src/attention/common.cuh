@@ -58,18 +58,34 @@ CUKERN_DEVICE uint4 load16(const T* p) {
     return __ldg(reinterpret_cast<const uint4*>(p));
 }
 
-// Base-2 logit of a raw dot product q.k: scale (and softcap) applied, times log2(e).
-//   scale_log2 = scale * log2(e); softcap > 0: softcap * tanh(scale * x / softcap) * log2(e).
-CUKERN_DEVICE float logit2(float dot, float scale_log2, float softcap, float inv_softcap) {
-    if (softcap > 0.0f) return softcap * LOG2E * tanhf(dot * scale_log2 * LN2 * inv_softcap);
-    return dot * scale_log2;
-}
-
 // Token `j` of a paged sequence -> its row in the pool (kv_row_index); page_shift >= 0 when
 // page_size is a power of two, which turns the division into shifts.
 CUKERN_DEVICE uint64_t paged_row(const int32_t* __restrict__ pt, uint32_t j, uint32_t page_size, int32_t page_shift) {
     if (page_shift >= 0) return ((uint64_t)(uint32_t)pt[j >> page_shift] << page_shift) + (j & (page_size - 1));
     return kv_row_index(pt, j, page_size);
+}
+
+// 2^x with one MUFU.EX2 (ex2.approx.ftz: relative error ~2^-22; 2^-inf = 0).
+CUKERN_DEVICE float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Raw dot products -> base-2 logits, N at a time. The softcap test sits outside the loop, so the
+// common path is one multiply per logit and tanh is never evaluated (nor predicated) without a cap.
+//   scale_log2 = scale * log2(e); softcap > 0: softcap * tanh(scale * x / softcap) * log2(e).
+// Masks are applied after this (a capped -inf would become finite).
+template <int N>
+CUKERN_DEVICE void to_logits2(float* x, float scale_log2, float softcap, float inv_softcap) {
+    if (softcap > 0.0f) {
+        const float a = scale_log2 * LN2 * inv_softcap, b = softcap * LOG2E;
+#pragma unroll
+        for (int i = 0; i < N; ++i) x[i] = b * tanhf(x[i] * a);
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i) x[i] *= scale_log2;
+    }
 }
 
 // exp2 of x - m where m may be -inf (no key seen yet): then every weight is 0, never NaN.

@@ -4,7 +4,8 @@
 // A block reads one chunk of one sequence's K/V for one KV head and serves G query heads
 // of its group from that single pass (GQA). Each warp reads keys with 16-byte loads:
 // LPK lanes cover one key row of D elements (VPL vectors each), so a warp reads KPW keys
-// per load and keeps U such loads of K and of V in flight before it uses them. Each key
+// per load; a batch is U such loads of K and of V, and the next batch is in flight while one is
+// used (a two-stage register pipeline, so the page-table lookups run ahead too). Each key
 // group of a warp keeps its own online-softmax state (m, l, acc[D/LPK]); states are merged
 // across the warp with shuffles and across warps through shared memory at the end.
 //
@@ -87,7 +88,7 @@ __global__ void __launch_bounds__(cukern::attn::DECODE_WARPS * 32) decode(
     using namespace cukern::attn;
     using S = DecodeShape<T, D>;
     constexpr int WARPS = DECODE_WARPS;
-    constexpr int U = (G >= 8 ? 4 : 8) / S::VPL > 0 ? (G >= 8 ? 4 : 8) / S::VPL : 1;  // key loads in flight per lane
+    constexpr int U = (G >= 8 ? 2 : 4) / S::VPL > 0 ? (G >= 8 ? 2 : 4) / S::VPL : 1;  // key steps per batch (x2 in flight)
     constexpr int STEP = WARPS * S::KPW;  // keys the block covers per unrolled slot
 
     __shared__ float sm_m[WARPS][G];
@@ -141,25 +142,26 @@ __global__ void __launch_bounds__(cukern::attn::DECODE_WARPS * 32) decode(
     const int32_t* pt = page_table + (uint64_t)r.slot * p.max_pages;
     const uint64_t row_elems = (uint64_t)p.n_kv_heads * D;
 
-    for (int32_t base = c0 + warp * S::KPW; base < c1; base += STEP * U) {
-        uint4 kr[U][S::VPL], vr[U][S::VPL];
-        bool valid[U];
+    // Software pipeline: the loads of the next U key steps are in flight while these are used.
+    // All U page-table lookups first, then all 2 U VPL loads: no load waits on another's latency.
+    // Keys past the chunk read the chunk's last key (a valid row) and are masked in process().
+    auto load = [&](int32_t base, uint4 (&kr)[U][S::VPL], uint4 (&vr)[U][S::VPL]) {
+        uint64_t off[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int32_t j = base + u * STEP + sub;
-            valid[u] = j < c1;
-            if (valid[u]) {
-                const uint64_t off = paged_row(pt, (uint32_t)j, p.page_size, p.page_shift) * row_elems + (uint64_t)kvh * D;
+            const int32_t j = min(base + u * STEP + sub, c1 - 1);
+            off[u] = paged_row(pt, (uint32_t)j, p.page_size, p.page_shift) * row_elems + (uint64_t)kvh * D;
+        }
 #pragma unroll
-                for (int i = 0; i < S::VPL; ++i) {
-                    kr[u][i] = load16(k_pool + off + (gl + i * S::LPK) * S::VEC);
-                    vr[u][i] = load16(v_pool + off + (gl + i * S::LPK) * S::VEC);
-                }
-            } else {
+        for (int u = 0; u < U; ++u) {
 #pragma unroll
-                for (int i = 0; i < S::VPL; ++i) kr[u][i] = vr[u][i] = make_uint4(0, 0, 0, 0);
+            for (int i = 0; i < S::VPL; ++i) {
+                kr[u][i] = load16(k_pool + off[u] + (gl + i * S::LPK) * S::VEC);
+                vr[u][i] = load16(v_pool + off[u] + (gl + i * S::LPK) * S::VEC);
             }
         }
+    };
+    auto process = [&](int32_t base, const uint4 (&kr)[U][S::VPL], const uint4 (&vr)[U][S::VPL]) {
         // scores of the U keys for every head (each key group reduces over its LPK lanes)
         float sc[U][G];
 #pragma unroll
@@ -174,7 +176,15 @@ __global__ void __launch_bounds__(cukern::attn::DECODE_WARPS * 32) decode(
                 for (int e = 0; e < S::E; ++e) d = fmaf(qf[g][e], kf[e], d);
 #pragma unroll
                 for (int off = S::LPK / 2; off > 0; off >>= 1) d += __shfl_xor_sync(0xffffffffu, d, off);
-                sc[u][g] = valid[u] ? logit2(d, p.scale_log2, p.softcap, p.inv_softcap) : -INFINITY;
+                sc[u][g] = d;
+            }
+        }
+        to_logits2<U * G>(&sc[0][0], p.scale_log2, p.softcap, p.inv_softcap);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {  // keys past the chunk (loaded as its last key) weigh nothing
+            if (base + u * STEP + sub >= c1) {
+#pragma unroll
+                for (int g = 0; g < G; ++g) sc[u][g] = -INFINITY;
             }
         }
         // online softmax: one rescale per U keys
@@ -185,7 +195,7 @@ __global__ void __launch_bounds__(cukern::attn::DECODE_WARPS * 32) decode(
 #pragma unroll
             for (int u = 0; u < U; ++u) mx = fmaxf(mx, sc[u][g]);
             mu[g] = safe_max(mx);
-            const float corr = exp2f(m[g] - mu[g]);
+            const float corr = fast_exp2(m[g] - mu[g]);
             m[g] = mx;
             l[g] *= corr;
 #pragma unroll
@@ -198,12 +208,23 @@ __global__ void __launch_bounds__(cukern::attn::DECODE_WARPS * 32) decode(
             for (int i = 0; i < S::VPL; ++i) widen(vr[u][i], (const T*)nullptr, vf + i * S::VEC);
 #pragma unroll
             for (int g = 0; g < G; ++g) {
-                const float pu = exp2f(sc[u][g] - mu[g]);
+                const float pu = fast_exp2(sc[u][g] - mu[g]);
                 l[g] += pu;
 #pragma unroll
                 for (int e = 0; e < S::E; ++e) acc[g][e] = fmaf(pu, vf[e], acc[g][e]);
             }
         }
+    };
+    constexpr int32_t STRIDE = STEP * U;  // keys of one batch of the block
+    uint4 ka[U][S::VPL], va[U][S::VPL], kb[U][S::VPL], vb[U][S::VPL];
+    int32_t base = c0 + warp * S::KPW;
+    if (base < c1) load(base, ka, va);
+    for (; base < c1; base += 2 * STRIDE) {
+        if (base + STRIDE < c1) load(base + STRIDE, kb, vb);
+        process(base, ka, va);
+        if (base + STRIDE >= c1) break;
+        if (base + 2 * STRIDE < c1) load(base + 2 * STRIDE, ka, va);
+        process(base + STRIDE, kb, vb);
     }
 
     // merge the KPW key groups of the warp (lanes with equal gl hold the same elements)

@@ -195,23 +195,23 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::NT) prefill(
             // logits (base 2), masks only on tiles that cross a boundary, online softmax
             const bool need_mask = j0 + BN > kv_len || (p.causal && j0 + BN - 1 > offset + wr0) ||
                                    (windowed && j0 < offset + w_last - p.window_left);
+            to_logits2<MT * BN / 2>(&sacc[0][0][0], p.scale_log2, p.softcap, p.inv_softcap);
+            if (need_mask) {
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
+                for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                for (int nt = 0; nt < BN / 8; ++nt) {
+                    for (int nt = 0; nt < BN / 8; ++nt)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        float x = logit2(sacc[mt][nt][e], p.scale_log2, p.softcap, p.inv_softcap);
-                        if (need_mask) {
+                        for (int e = 0; e < 4; ++e) {
                             const int32_t pos = offset + wr0 + mt * 16 + g + (e >= 2 ? 8 : 0);
                             const int32_t j = j0 + nt * 8 + 2 * tq + (e & 1);
                             const bool ok = j < kv_len && (!p.causal || j <= pos) &&
                                             (!windowed || j >= pos - p.window_left);
-                            x = ok ? x : -INFINITY;
+                            sacc[mt][nt][e] = ok ? sacc[mt][nt][e] : -INFINITY;
                         }
-                        sacc[mt][nt][e] = x;
-                    }
-                }
+            }
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
                 // rows g (i = 0) and g + 8 (i = 1) of m-tile mt; l stays a per-lane partial sum
                 float mu[2];
 #pragma unroll
@@ -223,7 +223,7 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::NT) prefill(
                     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
                     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
                     mu[i] = safe_max(mx);
-                    const float corr = exp2f(m[mt][i] - mu[i]);
+                    const float corr = fast_exp2(m[mt][i] - mu[i]);
                     m[mt][i] = mx;
                     l[mt][i] *= corr;
 #pragma unroll
@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::NT) prefill(
                 for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        sacc[mt][nt][e] = exp2f(sacc[mt][nt][e] - mu[e / 2]);
+                        sacc[mt][nt][e] = fast_exp2(sacc[mt][nt][e] - mu[e / 2]);
                         l[mt][e / 2] += sacc[mt][nt][e];
                     }
                 }

@@ -1,0 +1,65 @@
+"""Where does a small decode step spend its time? Graph-timed decode+merge, the merge alone, a 1-key
+decode (the fixed cost), at B1 KV8192 32/8 D128 f16, for a few split counts. Scratch tool for tuning."""
+from __future__ import annotations
+
+import os
+
+import cupy
+
+from cukern.attention import AttentionDispatch, PagedKVCache
+from cukern.benchmark import time_graph_us
+
+
+def ncu_target(n_splits: int) -> None:
+    """A few eager decode steps (B1 KV8192 32/8 D128, n_splits) for ncu --launch-skip 2 --launch-count 1."""
+    attn = AttentionDispatch()
+    rng = cupy.random.default_rng(0)
+    cache = PagedKVCache(1, 512, 16, 8, 128, max_seqs=1)
+    for pool in (*cache.k_pools, *cache.v_pools):
+        pool[...] = rng.standard_normal(pool.shape, dtype=cupy.float32).astype(pool.dtype)
+    s = cache.add(8192)
+    q = rng.standard_normal((1, 32, 128), dtype=cupy.float32)
+    out = cupy.empty_like(q)
+    plan = attn.plan_decode(cache, [s], 32, n_splits=n_splits)
+    for _ in range(5):
+        attn.flash_attn_decode(plan, 0, q, out)
+    cupy.cuda.get_current_stream().synchronize()
+
+
+def main():
+    if os.environ.get("PROBE_NCU_SPLITS"):
+        return ncu_target(int(os.environ["PROBE_NCU_SPLITS"]))
+    attn = AttentionDispatch()
+    rng = cupy.random.default_rng(0)
+    for kv_len in (8192, 64):
+        n_layers = 8
+        cache = PagedKVCache(n_layers, -(-kv_len // 16), 16, 8, 128, max_seqs=1)
+        for pool in (*cache.k_pools, *cache.v_pools):
+            pool[...] = rng.standard_normal(pool.shape, dtype=cupy.float32).astype(pool.dtype)
+        s = cache.add(kv_len)
+        q = rng.standard_normal((1, 32, 128), dtype=cupy.float32)
+        out = cupy.empty_like(q)
+        for n_splits in (1, 8, 16, 32, 64):
+            if kv_len < 64 * n_splits and n_splits > 1:
+                continue
+            plan = attn.plan_decode(cache, [s], 32, n_splits=n_splits)
+            k = {"i": 0}
+
+            def step():
+                k["i"] += 1
+                attn.flash_attn_decode(plan, k["i"] % n_layers, q, out)
+            full = time_graph_us(step, n_inner=32)
+            merge = None
+            if n_splits > 1:
+                merge = time_graph_us(lambda: attn.merge_states(plan.o_part, plan.lse_part, out), n_inner=32)
+            print(f"KV{kv_len} splits={n_splits}: decode+merge {full:.2f} us, merge alone "
+                  f"{merge if merge is None else round(merge, 2)} us", flush=True)
+    # empty-ish launch: merge of one state, one head
+    v = cupy.zeros((1, 1, 1, 32), cupy.float32)
+    sl = cupy.zeros((1, 1, 1), cupy.float32)
+    o = cupy.zeros((1, 1, 32), cupy.float32)
+    print(f"tiny merge launch: {time_graph_us(lambda: attn.merge_states(v, sl, o), n_inner=64):.2f} us")
+
+
+if __name__ == "__main__":
+    main()
