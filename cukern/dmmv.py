@@ -42,16 +42,32 @@ QTYPES = {
 _BY_NAME = {v[0]: k for k, v in QTYPES.items()}
 _COLS = (1, 2, 4, 8)  # columns per dmmv launch (wider batches are split)
 _STEP = 256  # elements per warp step (cuda_src/dmmv/step.cuh)
-_ROWS = 2  # weight rows per block (kRows in the .cu files)
+_ROWS = 2  # weight rows per block of dmmv_glu and the MoE kernels (kRows in the .cu files)
 _PACK_COLS = 4  # slots per work item of moe_dmmv_packed (kPackCols)
 _MAX_EXPERTS = 1023  # moe_route_pack: one thread per bucket, 1024 threads
 _ACTS = {"swiglu": 0, "silu": 0, "geglu": 1, "gelu": 1}
 _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)
 
+# (rows per block R, loop variant V) of dmmv<QT, NC, R, V> (cuda_src/dmmv/dmmv.cu, core.cuh row_dots), per
+# type for one column, from profiling/tune_dmmv.py on an H100 (14336x4096 and 4096x14336): 4-bit types gain
+# from sharing each x load over 4 rows, the K-quants also from the pipelined loop; batches use (2, 0).
+_ONE_COL = {0: (2, 1), 1: (2, 1), 30: (2, 1), 2: (4, 0), 6: (4, 0), 8: (2, 0), 39: (4, 0), 12: (4, 1), 13: (4, 1),
+            14: (2, 0)}
+
+
+def _config(qt: int, n: int) -> tuple[int, int]:
+    return _ONE_COL[qt] if n == 1 else (2, 0)
+
+
+def _kernel(qt: int, n: int) -> str:
+    r, v = _config(qt, n)
+    return f"dmmv<{qt}, {n}, {r}, {v}>"
+
+
 FAMILY = FamilySpec(
     name="dmmv",
-    kernels=tuple([KernelSpec(f"dmmv<{q}, {n}>", "DmmvParams") for q in QTYPES for n in _COLS]
+    kernels=tuple([KernelSpec(_kernel(q, n), "DmmvParams") for q in QTYPES for n in _COLS]
                   + [KernelSpec(f"dequantize<{q}>", "DequantParams") for q in QTYPES]),
 )
 GLU_FAMILY = FamilySpec(
@@ -184,9 +200,10 @@ class _Unit(Dispatch):
 
 
 def _warps(k: int) -> int:
-    """Warps per block: enough steps per warp to keep several loads in flight."""
+    """Warps per block: at least two 256-element steps per warp, at most 4 warps (the sweep's
+    best for k = 4096 ... 14336 on an H100)."""
     steps = -(-k // _STEP)
-    return max(1, min(8, steps // 4))
+    return max(1, min(4, steps // 2))
 
 
 class DmmvDispatch(Dispatch):
@@ -301,12 +318,12 @@ class DmmvDispatch(Dispatch):
         self._check_gate(gate, n)
         mode = self._mode(accumulate, gate)
         nw = _warps(w.k)
-        blocks = -(-w.m // _ROWS)
         for c0, width in self._chunks(n):
+            blocks = -(-w.m // _config(w.qtype, width)[0])
             params = self._params(w, blocks1=blocks, mode=mode, alpha=alpha, y_stride=w.m)
             xs, ys = (x, y) if n == 1 else (x[c0:], y[c0:])
             g = ys if gate is None else gate[c0:]
-            self._launch(f"dmmv<{w.qtype}, {width}>", blocks, nw * 32, (ys, ys, w.buf, w.buf, xs, g), params,
+            self._launch(_kernel(w.qtype, width), blocks, nw * 32, (ys, ys, w.buf, w.buf, xs, g), params,
                          stream=stream)
         return y
 
@@ -333,11 +350,12 @@ class DmmvDispatch(Dispatch):
         check_array("y1", y1, dtype=_F32, shape=x.shape[:-1] + (w1.m,))
         check_array("y2", y2, dtype=_F32, shape=x.shape[:-1] + (w2.m,))
         nw = _warps(w1.k)
-        b1, b2 = -(-w1.m // _ROWS), -(-w2.m // _ROWS)
         for c0, width in self._chunks(n):
+            rows = _config(w1.qtype, width)[0]
+            b1, b2 = -(-w1.m // rows), -(-w2.m // rows)
             params = self._params(w1, w2=w2, m2=w2.m, blocks1=b1, y_stride=w1.m, y2_stride=w2.m)
             xs, ya, yb = (x, y1, y2) if n == 1 else (x[c0:], y1[c0:], y2[c0:])
-            self._launch(f"dmmv<{w1.qtype}, {width}>", b1 + b2, nw * 32, (ya, yb, w1.buf, w2.buf, xs, ya), params,
+            self._launch(_kernel(w1.qtype, width), b1 + b2, nw * 32, (ya, yb, w1.buf, w2.buf, xs, ya), params,
                          stream=stream)
         return y1, y2
 

@@ -69,7 +69,7 @@ def test_families_declared():
     names = {k.name for f in D.FAMILIES.values() for k in f.kernels}
     for q in TYPES:
         for n in (1, 2, 4, 8):
-            assert f"dmmv<{q}, {n}>" in names and f"dmmv_glu<{q}, {n}>" in names
+            assert D._kernel(q, n) in names and f"dmmv_glu<{q}, {n}>" in names
         assert f"moe_down<{q}>" in names and f"dequantize<{q}>" in names
 
 
@@ -362,3 +362,25 @@ def test_bad_input_raises_before_launch(d, rng):
         d.plan_moe_route(1, 2, 5000)
     cupy.cuda.get_current_stream().synchronize()
     assert (y.get() == 7.0).all()  # nothing was launched
+
+
+@pytest.mark.gpu
+def test_loop_variants(d, rng):
+    """Every (rows per block R, loop V) instantiation of dmmv<QT, NC, R, V> that the tuning sweep
+    (profiling/tune_dmmv.py) may promote, on ragged rows and a k with a partial last step."""
+    from cukern.runtime import FamilySpec, KernelSpec
+    combos = [(nc, r, v) for nc in (1, 2) for r in (1, 4) for v in (0, 1)]
+    names = [f"dmmv<{q}, {nc}, {r}, {v}>" for q in TYPES for nc, r, v in combos]
+    unit = D._Unit(FamilySpec("dmmv_variants", tuple(KernelSpec(n, "DmmvParams") for n in names),
+                              source="dmmv/dmmv.cu", params_header="dmmv/params.cuh"))
+    for q in TYPES:
+        m, k = 7, _ks(q)[-1]
+        w, dense = _weight(q, m, k, rng)
+        for nc, r, v in combos:
+            x = _x(rng, nc, k)
+            y = poison(cupy.empty((nc, m), cupy.float32))
+            blocks = -(-m // r)
+            p = d._params(w, blocks1=blocks, y_stride=m)
+            for nw in (1, 3):
+                unit._launch(f"dmmv<{q}, {nc}, {r}, {v}>", blocks, nw * 32, (y, y, w.buf, w.buf, cupy.asarray(x), y), p)
+                _check(y, ref.matvec(dense, x), name=f"{NAMES[q]} NC={nc} R={r} V={v} nw={nw}")
