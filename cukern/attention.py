@@ -537,6 +537,8 @@ class AttentionDispatch:
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
         ids = _int_list("seq_ids", seq_ids)
+        if len(ids) > 65535:
+            raise ValueError(f"at most 65535 sequences per decode call, got {len(ids)}")
         for s in ids:
             cache.alloc.check_slot(int(s))
         if not isinstance(n_heads, (int, np.integer)) or n_heads < 1 or n_heads % cache.n_kv_heads:

@@ -4,7 +4,8 @@
 // token position: per_token = 1 reads both from slot_ids[i] / positions[i] (a decode step:
 // one new token for each of a batch of sequences); per_token = 0 writes n_tokens consecutive
 // positions pos0, pos0 + 1, ... of one slot (a prefill chunk). Positions past the slot's
-// page-table row or in pages not allocated (-1) are skipped (the host checks them against its own allocator first).
+// page-table row or in pages not allocated (-1) are skipped; the host checks run writes
+// against its allocator, per-token slot ids and positions are trusted device values.
 //
 // Grid: (n_tokens); block: KV_WRITE_THREADS threads over the row. Bytes: 2 rows read, 2 written.
 #pragma once

@@ -38,7 +38,7 @@ struct DecodeParams {
     uint32_t page_size;      // tokens per page
     uint32_t max_pages;      // page-table row length
     uint32_t n_splits;       // KV chunks (grid.x); 1 writes the final output directly
-    uint32_t chunk;          // tokens per chunk, a multiple of the kernel's tile
+    uint32_t chunk;          // tokens per chunk (the last split runs to the query's last visible key)
     int32_t window_left;     // sliding window (tokens before the query), < 0: none
     float scale_log2;        // scale * log2(e)
     float softcap;           // logit cap, 0: off
