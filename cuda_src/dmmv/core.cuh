@@ -1,7 +1,8 @@
 // The loop every dmmv kernel shares: a block of NW warps computes NR weight rows against NC
-// activation columns. Warp w takes steps w, w + NW, w + 2NW, ... of every row (U steps at a
-// time, all their loads issued before any is decoded), lanes accumulate in f32, and
-// block_reduce() sums over lanes (shuffles) and warps (shared memory).
+// activation columns. Warp w takes steps w, w + NW, w + 2NW, ... of every row, lanes accumulate
+// in f32, and block_reduce() sums over lanes (shuffles) and warps (shared memory). Two loop
+// shapes: warp_dots issues the loads of U steps, then decodes them; warp_dots_pipe keeps the
+// next step's loads in flight while it decodes the current one (row_dots picks).
 //
 // Bytes per step and row: Step<QT>::kStepBytes of weights (read once, from HBM), plus
 // NC * 1 KiB of x (L1/L2 resident: shared by all NR rows of a warp and by every block).

@@ -5,8 +5,8 @@
 // Epilogues (DmmvParams.mode): store alpha*v, accumulate y += alpha*v, and the sigmoid-gated
 // accumulate y += alpha*sigmoid(gate[c])*v of the shared-expert path.
 //
-// Grid: one block per kRows rows (plus the blocks of W2); block: NW warps (host-chosen) that
-// split the 256-element steps of those rows. Traffic: every weight byte once; x from L1/L2.
+// Grid: one block per R rows (plus the blocks of W2); block: NW warps (host-chosen) that split
+// the 256-element steps of those rows. Traffic: every weight byte once; x from L1/L2.
 #include "dmmv/core.cuh"
 #include "dmmv/params.cuh"
 
@@ -14,7 +14,7 @@ using namespace cukern;
 using namespace cukern::qmv;
 
 namespace {
-constexpr int kRows = 2;  // weight rows per block (each warp works on all of them)
+constexpr int kRows = 2;  // default rows per block of dmmv, and dmmv_glu's (each warp works on all of them)
 
 CUKERN_DEVICE void store(float* y, float v, int c, const float* gate, const DmmvParams& p) {
     v *= p.alpha;
