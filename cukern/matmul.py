@@ -52,7 +52,8 @@ _SUPER = 256  # K elements per raw super-stage of gemm_f16; its K splits are mul
 def _raw_stride(qt: int) -> int:
     """Shared bytes per weight row of a raw super-stage (Raw<QT>::kStride in gemm.cuh)."""
     _, be, bb, _ = QTYPES[qt]
-    return -(-(_SUPER // be * bb) // 16) * 16
+    nbytes = _SUPER // be * bb
+    return -(-(nbytes + (14 if nbytes % 16 else 0)) // 16) * 16  # room for copy_raw's lead (Q6_K)
 
 
 def _smem(bt: int, b_itemsize: int, qt: int) -> int:

@@ -102,6 +102,27 @@ def test_gemm(mm, rng, q, m, n, bdt):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("q", TYPES, ids=lambda q: NAMES[q])
+def test_gemm_aligned_rows(mm, rng, q):
+    """k = 2048: every row 16-byte aligned, so the raw super-stages go through cp.async (Q6_K's
+    210-byte super-blocks start at every even offset mod 16); both the f16 and the int8 GEMM."""
+    m, n, k = 70, 40, 2048
+    raw = ref.random_weight(q, m, k, rng)
+    dense = ref.dequantize(raw, q, m, k)
+    w = QWeight(cupy.asarray(raw.ravel()), q, m, k)
+    assert M._raw16(w) == 1
+    b = _b(rng, n, k, np.float16)
+    d = poison(cupy.empty((n, m), cupy.float32))
+    mm.gemm(w, cupy.asarray(b), d)
+    _check(d.get(), ref.gemm(dense, b), ref.gemm_f16_inputs(dense, b))
+    qa, (da, sa, qs) = _q8_1(mm, b.astype(np.float32))
+    d8 = poison(cupy.empty((n, m), cupy.float32))
+    mm.gemm_q8(w, qa, d8)
+    exact = ref.gemm_q8_1(dense, ref.k_mins(raw, q, m, k), da, sa, qs)
+    assert_close(d8.get(), exact, atol=2e-5 * _rms(exact), rtol=1e-5, name="d (int8)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q", TYPES, ids=lambda q: NAMES[q])
 def test_gemm_split_accumulate_strided(mm, rng, q):
     """Forced K splits (atomics into a zeroed d), accumulate mode, row-strided b and d views."""
     m, n, k = 150, 45, _k(q, 4)

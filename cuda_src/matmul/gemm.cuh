@@ -37,10 +37,12 @@ constexpr int kThreads = 256;
 constexpr int kRows = 128;     // weight rows per CTA (both matrices together for the GLU)
 constexpr int SUPER = 256;     // K elements per super-stage (raw copy unit)
 
-// Raw bytes of one row's super-stage (256 elements), padded to 16: the shared row stride.
+// Raw bytes of one row's super-stage (256 elements), and the shared row stride: room for the
+// bytes plus the lead (copy_raw starts at the 16-byte boundary below the super-stage; only Q6_K,
+// 210 bytes per super-block, has a nonzero lead, at most 14), rounded up to 16.
 template <int QT> struct Raw {
     static constexpr int kBytes = SUPER / QTraits<QT>::kElems * QTraits<QT>::kBytes;
-    static constexpr int kStride = (kBytes + 15) / 16 * 16;
+    static constexpr int kStride = (kBytes + (kBytes % 16 ? 14 : 0) + 15) / 16 * 16;
 };
 
 // Warp grid per token tile: WT warps along tokens x WR along weight rows (WT * WR = 8).
@@ -55,29 +57,33 @@ __host__ __device__ constexpr uint32_t gemm_smem_bytes(int bt, int b_bytes, int 
     return 2u * (kRows + bt) * LDS * 2 + (b_bytes == 4 ? (uint32_t)bt * BK * 4 : 0u) + (uint32_t)kRows * raw_stride;
 }
 
-// Copy the raw bytes [boff, boff + nbytes) of each of the CTA's weight rows into sraw[row][.]
-// (row r of the tile starts at rowptr(r)); 16-byte cp.async when every row start is 16-byte
-// aligned (committed as one group: the caller waits), else synchronous 2-byte copies.
+// Copy the raw bytes [boff, boff + nbytes) of each of the CTA's weight rows (row r of the tile
+// starts at rowptr(r)) into sraw[row][lead ...], lead = boff % 16, so that the copy can start at a
+// 16-byte boundary; returns lead. Rows 16-byte aligned with a 16-byte multiple of row bytes
+// (aligned16): whole 16-byte cp.async chunks up to the next boundary, which never passes the row's
+// end (committed as one group: the caller waits); otherwise synchronous 2-byte copies.
 template <int STRIDE, typename RowPtr>
-CUKERN_DEVICE void copy_raw(uint8_t* sraw, RowPtr rowptr, uint32_t boff, uint32_t nbytes, bool aligned16) {
+CUKERN_DEVICE uint32_t copy_raw(uint8_t* sraw, RowPtr rowptr, uint32_t boff, uint32_t nbytes, bool aligned16) {
+    const uint32_t lead = boff % 16, start = boff - lead, span = lead + nbytes;  // boff, lead even
     if (aligned16) {
         constexpr int CPR = STRIDE / 16, TOTAL = kRows * CPR;
 #pragma unroll 1
         for (int c = threadIdx.x; c < TOTAL; c += kThreads) {
             const int row = c / CPR, off = 16 * (c % CPR);
-            const int bytes = max(0, min(16, (int)nbytes - off));
-            const uint8_t* src = rowptr(row) + (bytes ? boff + off : 0);
-            cp_async16(sraw + row * STRIDE + off, src, (uint32_t)bytes);
+            const bool live = (uint32_t)off < span;
+            cp_async16(sraw + row * STRIDE + off, rowptr(row) + (live ? start + off : 0), live ? 16u : 0u);
         }
         cp_async_commit();
     } else {
         constexpr int WPR = STRIDE / 2, TOTAL = kRows * WPR;
         for (int c = threadIdx.x; c < TOTAL; c += kThreads) {
             const int row = c / WPR, off = 2 * (c % WPR);
-            const uint16_t v = off < (int)nbytes ? *reinterpret_cast<const uint16_t*>(rowptr(row) + boff + off) : 0;
+            const uint16_t v = (uint32_t)off >= lead && (uint32_t)off < span
+                                   ? *reinterpret_cast<const uint16_t*>(rowptr(row) + start + off) : 0;
             *reinterpret_cast<uint16_t*>(sraw + row * STRIDE + off) = v;
         }
     }
+    return lead;
 }
 
 // Two 8x8 b16 matrices (lanes 0-15 give the row addresses; the others must be valid too).
@@ -166,14 +172,14 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::Cfg<BT>::kMi
         const uint32_t grow = min(r0 + row % BR, p.m - 1);
         return (row / BR ? w2 + p.w2_offset : w + p.w_offset) + (size_t)grow * p.row_bytes;
     };
-    auto load_raw = [&](int S) {  // super-stage S of this split
-        const uint32_t e0 = kbeg + SUPER * S, nel = min((uint32_t)SUPER, kend - e0);
-        copy_raw<RSTRIDE>(sraw, rowptr, e0 / QTraits<QT>::kElems * QTraits<QT>::kBytes,
-                          nel / QTraits<QT>::kElems * QTraits<QT>::kBytes, p.raw16 != 0);
-    };
     // this thread's weight unit: (row of the tile, part), both segments of every stage
     const int wrow_tile = tid / 2, wpart = tid % 2;
-    const uint8_t* myraw = sraw + wrow_tile * RSTRIDE;
+    const uint8_t* myraw = sraw + wrow_tile * RSTRIDE;  // + the lead of the current super-stage
+    auto load_raw = [&](int S) {  // super-stage S of this split
+        const uint32_t e0 = kbeg + SUPER * S, nel = min((uint32_t)SUPER, kend - e0);
+        myraw = sraw + wrow_tile * RSTRIDE + copy_raw<RSTRIDE>(sraw, rowptr, e0 / QTraits<QT>::kElems * QTraits<QT>::kBytes,
+                                                               nel / QTraits<QT>::kElems * QTraits<QT>::kBytes, p.raw16 != 0);
+    };
     auto dequant = [&](int t, int buf) {  // stage t: segments 2t, 2t+1 of the split
 #pragma unroll
         for (int i = 0; i < 2; ++i) {

@@ -100,13 +100,13 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::Cfg<BT>::kMi
         const uint32_t grow = min(r0 + row % BR, p.m - 1);
         return (row / BR ? w2 + p.w2_offset : w + p.w_offset) + (size_t)grow * p.row_bytes;
     };
+    const int wrow_tile = tid / 2, wpart = tid % 2;
+    const uint8_t* myraw = sraw + wrow_tile * RSTRIDE;  // + the lead of the current super-stage
     auto load_raw = [&](int S) {  // super-stage S of this split
         const uint32_t e0 = kbeg + SUPER * S, nel = min((uint32_t)SUPER, kend - e0);
-        copy_raw<RSTRIDE>(sraw, rowptr, e0 / QTraits<QT>::kElems * QTraits<QT>::kBytes,
-                          nel / QTraits<QT>::kElems * QTraits<QT>::kBytes, p.raw16 != 0);
+        myraw = sraw + wrow_tile * RSTRIDE + copy_raw<RSTRIDE>(sraw, rowptr, e0 / QTraits<QT>::kElems * QTraits<QT>::kBytes,
+                                                               nel / QTraits<QT>::kElems * QTraits<QT>::kBytes, p.raw16 != 0);
     };
-    const int wrow_tile = tid / 2, wpart = tid % 2;
-    const uint8_t* myraw = sraw + wrow_tile * RSTRIDE;
     auto store_w = [&](int s, int buf) {  // stage s: segments 2s, 2s+1 of the split
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
