@@ -10,15 +10,41 @@ Layouts (the dmmv family's): a weight is a :class:`cukern.dmmv.QWeight` (raw GGU
 i.e. a column-major K x N matrix), outputs ``d`` are ``[n, m]``; both may be row-strided views
 (unit stride along the row). ``b`` is f32 or f16; ``d`` is f32.
 
-Paths (:meth:`MatmulDispatch.plan_path` says which one ``gemm`` takes; ``path=`` overrides):
+Paths (:meth:`MatmulDispatch.plan_path` is the rule, :meth:`MatmulDispatch.matmul` applies it,
+``path=`` overrides it):
 
-* ``"f16"``: the tiled GEMM (``gemm_f16``): W tiles dequantized to f16 in shared memory, B tiles
-  converted to f16, ``mma.sync.m16n8k16`` with f32 accumulation. Token tiles of 16/32/64/128
-  (the smallest that holds N, 128 beyond); when the tile grid is too small to fill the GPU
-  (small N), K is split across CTAs whose partial sums are added with atomics into ``d``
-  (zeroed first by a fill on the same stream). The fused gate+up GEMMs never split K.
-* ``"matvec"``: the dmmv family's batched matvec reads the weights once per 8 columns; this
-  dispatch does not launch it (call ``DmmvDispatch.dmmv``), :meth:`plan_path` only recommends it.
+* ``"f16"`` (:meth:`gemm`, :meth:`gemm_glu`): the tiled GEMM ``gemm_f16``: raw GGUF super-stages
+  (256 elements) copied to shared memory by coalesced cp.async, W dequantized to f16 tiles there,
+  B converted to f16 tiles, ``mma.sync.m16n8k16`` with f32 accumulation. Token tiles of
+  16/32/64/128 (the smallest that holds N, 128 beyond); when the tile grid cannot fill the GPU
+  (small N), K is split across CTAs whose partial sums are added with atomics into ``d`` (zeroed
+  first by a fill on the same stream). The fused gate+up GEMMs never split K.
+* ``"int8"`` (:meth:`gemm_q8`, :meth:`gemm_q8_glu`): Q8_1 activations against int8 quants on
+  ``mma.sync`` s8 tensor cores (m16n8k32; m16n8k16 for Q6_K's 16-element scales); exact integer
+  dot products per 32-block, scales in f32. ``gemm_q8_glu`` can emit Q8_1/Q8_0 for the next one.
+  The minimum arch is sm_80 (``runtime.MIN_ARCH``), where int8 ``mma.sync`` always exists, so
+  there is no DP4a fallback to select.
+* ``"matvec"``: the dmmv family's batched matvec (``DmmvDispatch.dmmv``), weights read once per
+  launch of up to 8 columns.
+
+The rule, from ``profiling/bench_matmul.py`` on an H100 (2026-11-22, 4096x4096, 14336x4096 and
+4096x14336, Q4_K/Q6_K/Q8_0/Q5_0, f16 activations; ratios are peer time / cukern time):
+
+=========  ==========================  ==============================  ============================
+N          f16 GEMM vs dmmv batched    f16 GEMM vs dequant + cuBLAS    int8 (quantize + GEMM) vs f16
+=========  ==========================  ==============================  ============================
+16         2.4x - 4.0x faster          2.6x - 5.1x faster              0.86x - 1.0x
+64         5.2x - 8.6x faster          1.0x - 2.7x faster              0.5x - 0.9x
+128        (not run)                   0.6x - 2.4x                     0.4x - 1.0x
+512        (not run)                   0.33x - 0.53x (slower)          0.5x - 0.7x
+2048       (not run)                   0.28x - 0.43x (slower)          0.45x - 0.55x
+=========  ==========================  ==============================  ============================
+
+so: ``"matvec"`` for N <= 8 (one dmmv launch reads the weights once; not measured against the
+GEMM below N = 16), ``"f16"`` above, ``"int8"`` only when the activations already are Q8_1 (it
+never beat the f16 path in these runs). At N >= 512 dequantizing to f16 once and calling cuBLAS
+is faster than either path here (mma.sync tiles at 160-230 TFLOP/s against cuBLAS's wgmma). The Q6_K
+rows of that run came from a raw-copy bug since fixed (same work, wrong bytes): their times stand.
 
 Every method validates its arguments and raises TypeError/ValueError before any launch; nothing
 here synchronises, allocates device memory or reads device values (graph-capturable).
@@ -157,6 +183,7 @@ class MatmulDispatch(Dispatch):
         super().__init__(device)
         self._units = {q: _Unit(FAMILIES[f"matmul_f16_{s}"], device) for q, s in GEMM_QTYPES.items()}
         self._units_i8 = {q: _Unit(FAMILIES[f"matmul_i8_{s}"], device) for q, s in GEMM_QTYPES.items()}
+        self._dmmv = None  # DmmvDispatch for the matvec path, made on first use
         self._sms: int | None = None
 
     def sm_count(self) -> int:
@@ -190,14 +217,41 @@ class MatmulDispatch(Dispatch):
 
     # ------------------------------------------------------------------ path choice
     @staticmethod
-    def plan_path(qtype: int, n: int) -> str:
-        """The path :meth:`gemm` takes by default for N = ``n`` token columns: ``"matvec"`` below
-        ``MATVEC_MAX_N`` (the dmmv family's batched matvec, called by the user), else ``"f16"``.
-        Measured on an H100 by ``profiling/bench_matmul.py``; see the benchmark table in its
-        docstring. ``qtype`` is kept in the signature for type-dependent thresholds."""
-        return "matvec" if n <= MatmulDispatch.MATVEC_MAX_N else "f16"
+    def plan_path(qtype: int, n: int, *, q8_1: bool = False) -> str:
+        """The path for N = ``n`` token columns of a weight of type ``qtype`` (the module
+        docstring has the measurements): ``"matvec"`` when ``n <= MATVEC_MAX_N``, ``"int8"``
+        when the activations are already Q8_1 (``q8_1``), else ``"f16"``. ``qtype`` is kept
+        for type-dependent thresholds (none measured so far)."""
+        if n <= MatmulDispatch.MATVEC_MAX_N:
+            return "matvec"
+        return "int8" if q8_1 else "f16"
 
-    MATVEC_MAX_N = 8  # at or below: recommend DmmvDispatch.dmmv (one launch of 1..8 columns)
+    MATVEC_MAX_N = 8  # at or below: DmmvDispatch.dmmv (one launch of 1..8 columns)
+
+    def matmul(self, w: QWeight, b: cupy.ndarray, d: cupy.ndarray, *, accumulate: bool = False,
+               path: str | None = None, stream=None) -> cupy.ndarray:
+        """``d = W b`` (``d += W b`` with ``accumulate``) by the path :meth:`plan_path` picks, or
+        by ``path`` (``"matvec"``, ``"f16"``, ``"int8"``). b: [n, k] f32 or f16 activations, or
+        uint8 Q8_1 rows [n, k / 32 * 36] (int8 path only); d: [n, m] f32. The matvec path takes
+        f32 C-contiguous activations (``DmmvDispatch.dmmv``)."""
+        w = self._weight("w", w)
+        check_array("b", b, ndim=2, contiguous=False)
+        q8 = b.dtype == _U8
+        chosen = path if path is not None else self.plan_path(w.qtype, b.shape[0], q8_1=q8)
+        if chosen == "int8":
+            if not q8:
+                raise ValueError("the int8 path takes Q8_1 activations (uint8 rows): quantize_q8_1 first")
+            return self.gemm_q8(w, b, d, accumulate=accumulate, stream=stream)
+        if q8:
+            raise ValueError(f"Q8_1 activations go through the int8 path, not {chosen!r}")
+        if chosen == "f16":
+            return self.gemm(w, b, d, accumulate=accumulate, stream=stream)
+        if chosen == "matvec":
+            if self._dmmv is None:
+                from cukern.dmmv import DmmvDispatch
+                self._dmmv = DmmvDispatch(self._device)
+            return self._dmmv.dmmv(w, b, d, accumulate=accumulate, stream=stream)
+        raise ValueError(f"path must be 'matvec', 'f16' or 'int8', got {chosen!r}")
 
     def _tile(self, n: int) -> int:
         for bt in _TOKEN_TILES:

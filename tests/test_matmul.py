@@ -82,7 +82,9 @@ def test_reference_quantizer_rule():
 
 def test_plan_path_rule():
     assert MatmulDispatch.plan_path(12, 1) == "matvec"
+    assert MatmulDispatch.plan_path(12, MatmulDispatch.MATVEC_MAX_N + 1) == "f16"
     assert MatmulDispatch.plan_path(12, 512) == "f16"
+    assert MatmulDispatch.plan_path(12, 512, q8_1=True) == "int8"
 
 
 # ---------------------------------------------------------------------------- GPU: tiled f16 GEMM
@@ -288,6 +290,27 @@ def test_quantize(mm, rng, fmt, rows, cols):
     # and the float64 rule of the elementwise reference: dequantized values within half a step
     back = ref.dequantize_q8(want_d, want_qs)
     assert np.all(np.abs(back - x) <= 0.5 * np.repeat(want_d, 32, axis=1) * (1 + 1e-6) + 1e-30)
+
+
+@pytest.mark.gpu
+def test_matmul_paths_agree(mm, rng):
+    """matmul() by each path: matvec (dmmv), f16 and int8 against the float64 product."""
+    q, m, k = 12, 96, 512
+    w, dense = _weight(q, m, k, rng)
+    for n, path in [(3, None), (3, "f16"), (40, None), (40, "matvec")]:
+        b = _b(rng, n, k, np.float32)
+        d = poison(cupy.empty((n, m), cupy.float32))
+        mm.matmul(w, cupy.asarray(b), d, path=path)
+        assert_close(d.get(), ref.gemm(dense, b), atol=2e-3 * _rms(ref.gemm(dense, b)), rtol=2e-3, name=str(path))
+    qa, _ = _q8_1(mm, b)
+    d = poison(cupy.empty((40, m), cupy.float32))
+    mm.matmul(w, qa, d)
+    want = ref.gemm(dense, b)
+    assert float(np.mean((d.get() - want) ** 2) / np.mean(want ** 2)) <= 5e-4
+    with pytest.raises(ValueError, match="Q8_1"):
+        mm.matmul(w, cupy.asarray(b), d, path="int8")
+    with pytest.raises(ValueError, match="path must be"):
+        mm.matmul(w, cupy.asarray(b), d, path="cublas")
 
 
 # ---------------------------------------------------------------------------- GPU: bad input
