@@ -44,7 +44,7 @@ def summarize(records, step_us: float | None = None, *, strip_templates: bool = 
 
     records: iterable of (kernel name, device microseconds) pairs, one per launch.
     step_us: the summed time of the steps the records come from (for the % column).
-    strip_templates: group ``rms_norm<256, true>`` and ``rms_norm<256, false>`` together."""
+    strip_templates: group the variants of a kernel (``dmmv<12, 1>`` and ``dmmv<14, 1>``) together."""
     totals: dict[str, list] = {}
     for kernel, us in records:
         key = _base_name(kernel) if strip_templates else kernel

@@ -229,7 +229,7 @@ def main(argv=None) -> int:
                                                    "qwen2, qwen3) with cukern.models instead")
     ap.add_argument("--nvtx", action="store_true", help="NVTX ranges on (same as CUKERN_NVTX=1)")
     ap.add_argument("--group-templates", action="store_true",
-                    help="sum kernel variants together (rms_norm<256, true> and <256, false>)")
+                    help="sum the variants of a kernel together (dmmv<12, 1> and dmmv<14, 1>)")
     args = ap.parse_args(argv)
 
     import cupy
