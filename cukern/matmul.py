@@ -64,15 +64,24 @@ __all__ = ["MatmulDispatch", "FAMILY", "FAMILIES", "GEMM_QTYPES", "q8_1_row_byte
 
 # weight types of the tiled GEMMs: GGML id -> short name (unit suffix)
 GEMM_QTYPES = {2: "q4_0", 6: "q5_0", 8: "q8_0", 12: "q4_k", 13: "q5_k", 14: "q6_k"}
-_TOKEN_TILES = (16, 32, 64, 128)  # BT of gemm_f16 (cuda_src/matmul/gemm.cuh, Cfg<BT>)
+Q8_1_BYTES, Q8_0_BYTES = 36, 34  # bytes per 32-value activation block
+
+# Tiling of gemm_f16 / gemm_q8 (cuda_src/matmul/gemm.cuh: kThreads, kRows, BK, SUPER, Cfg<BT>)
 _THREADS = 256
+_TOKEN_TILES = (16, 32, 64, 128)  # BT: the smallest that holds N, 128 beyond
 _I8_MAX_TILE = 64  # gemm_q8 at 128 tokens spills ~370 bytes of its 128 registers (ptxas): 64-token tiles beyond
-_ROW_TILE = 128  # weight rows per CTA (kRows); the GLU GEMM takes 64 rows of each matrix
+_ROW_TILE = 128  # weight rows per CTA; the GLU GEMMs take 64 rows of each matrix
 _ROW_TILE_GLU = 64
-_BK = 64  # K elements per stage; K splits are multiples of it
+_BK = 64  # K elements per stage
+_SUPER = 256  # K elements per raw super-stage; K splits are multiples of it
+_W_ALIGN = {2: 2, 6: 2, 8: 2, 12: 16, 13: 16, 14: 2}  # bytes: the K4/K5 quants are read as uint4
 
-
-_SUPER = 256  # K elements per raw super-stage of gemm_f16; its K splits are multiples of it
+_B_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half"}
+_ACTS = {"swiglu": 2, "silu": 2, "geglu": 3, "gelu": 3}  # GemmParams.mode
+_F32 = np.dtype(np.float32)
+_U8 = np.dtype(np.uint8)
+_Q_THREADS = 256  # quantize_q8 / dequantize_f16 block size
+_MAX_BLOCKS = 8192  # the flat kernels grid-stride beyond
 
 
 def _raw_stride(qt: int) -> int:
@@ -89,17 +98,14 @@ def _smem(bt: int, b_itemsize: int, qt: int) -> int:
             + _ROW_TILE * _raw_stride(qt))
 
 
+def _smem_q8(bt: int, qt: int) -> int:
+    """Dynamic shared memory of gemm_q8 (gemm_q8_smem_bytes in gemm_i8.cuh; the kernel traps if short)."""
+    return 2 * (_ROW_TILE + bt) * (_BK + 16) + 2 * _ROW_TILE * 6 * 4 + 2 * bt * 2 * 4 + _ROW_TILE * _raw_stride(qt)
+
+
 def _raw16(*weights: QWeight) -> int:
-    """1 when every row of these weights starts 16-byte aligned (gemm_f16 copies them by cp.async)."""
+    """1 when every row of these weights starts 16-byte aligned (raw super-stages go by cp.async)."""
     return int(all((w.buf.data.ptr + w.offset) % 16 == 0 and w.row_bytes % 16 == 0 for w in weights))
-_W_ALIGN = {2: 2, 6: 2, 8: 2, 12: 16, 13: 16, 14: 2}  # bytes: the K4/K5 quants are read as uint4
-_B_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half"}
-_ACTS = {"swiglu": 2, "silu": 2, "geglu": 3, "gelu": 3}
-_F32 = np.dtype(np.float32)
-_U8 = np.dtype(np.uint8)
-_Q_THREADS = 256  # quantize_q8 / dequantize_f16 block size
-_MAX_BLOCKS = 8192  # the flat kernels grid-stride beyond
-Q8_1_BYTES, Q8_0_BYTES = 36, 34  # bytes per 32-value block
 
 
 def q8_1_row_bytes(n_cols: int) -> int:
@@ -126,17 +132,12 @@ def _i8_unit(qt: int) -> FamilySpec:
                       params_header="matmul/params.cuh")
 
 
-def _smem_q8(bt: int, qt: int) -> int:
-    """Dynamic shared memory of gemm_q8 (gemm_q8_smem_bytes in gemm_i8.cuh; the kernel traps if short)."""
-    return 2 * (_ROW_TILE + bt) * (_BK + 16) + 2 * _ROW_TILE * 6 * 4 + 2 * bt * 2 * 4 + _ROW_TILE * _raw_stride(qt)
-
-
 FAMILY = FamilySpec(
     name="matmul",
     kernels=tuple([KernelSpec(f"quantize_q8<{f}>", "QuantizeParams") for f in (0, 1)]
                   + [KernelSpec(f"dequantize_f16<{q}>", "DequantParams") for q in GEMM_QTYPES]),
 )
-# One RawModule per unit: the quantizers, and the tiled GEMM per weight type (each ~ a few s of NVRTC).
+# One RawModule per unit: the quantizers; the f16 GEMM and the int8 GEMM per weight type (5-7 s of NVRTC each).
 FAMILIES = {f.name: f for f in [FAMILY] + [_gemm_unit(q) for q in GEMM_QTYPES] + [_i8_unit(q) for q in GEMM_QTYPES]}
 
 

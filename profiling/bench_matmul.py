@@ -108,8 +108,7 @@ def bench(quick: bool = False) -> tuple[list, Ceilings]:
                     tf32 = flops / (us32 * 1e-6) / 1e12
                     rows.append(Row("matmul", f"gemm_f16 {name} (f32 b)", f"{m}x{k} N={n}", us32, tflops=tf32,
                                     pct_ceiling=tf32 / ceil.gemm_tflops, peer="deq+cuBLAS f16", peer_us=peer_deq))
-                del b16, b32, d, d16
-            del weights, dense, w0
+            weights = dense = w0 = None  # let this type's copies go before the next one is built
             cupy.get_default_memory_pool().free_all_blocks()
     # fused gate+up+SwiGLU against two separate GEMMs + the elementwise product in cuBLAS terms
     m, k = (14336, 4096)
