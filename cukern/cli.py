@@ -1,4 +1,4 @@
-"""``python -m cukern``: info, check, bench, compare, notebooks.
+"""``python -m cukern``: info, check, bench, compare, roofline, notebooks.
 
 * ``info``  - GPU, compute capability, SMs, memory, driver/runtime/NVRTC/CuPy
   versions and the kernel cache location; says plainly when there is no GPU.
@@ -10,6 +10,7 @@
 * ``bench`` - every family's benchmark in one process, one table, ``--json``
   and ``--plot`` (:mod:`cukern.workbench`, :mod:`cukern.roofline`).
 * ``compare`` - the change per row between two ``bench --json`` files.
+* ``roofline`` - the ``bench --plot`` chart of saved results (no GPU needed).
 * ``notebooks`` - check (CPU) or run headless (GPU) the checkout's notebooks
   (:mod:`cukern.notebooks`).
 """
@@ -137,6 +138,19 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_roofline(args) -> int:
+    from cukern import runtime, workbench
+    try:
+        result = workbench.merge_results([workbench.load_result(p) for p in args.results])
+        from cukern.roofline import plot_roofline
+        plot_roofline(result, args.out)
+    except (runtime.CukernError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out} ({len(result['rows'])} rows)")
+    return 0
+
+
 def cmd_notebooks(args) -> int:
     from cukern import notebooks, runtime
     try:
@@ -185,6 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threshold", type=float, default=0.05,
                    help="mark rows whose time moved by more than this fraction (default 0.05)")
     p.set_defaults(fn=cmd_compare)
+
+    p = sub.add_parser("roofline", help="the roofline chart of saved `bench --json` results (no GPU needed)",
+                       description="Plot one or more saved results (`bench --json`, or a bench_<family>.py "
+                                   "--json file) as the chart `bench --plot` draws; several files are merged.")
+    p.add_argument("results", nargs="+", metavar="RESULT.json")
+    p.add_argument("-o", "--out", default="roofline.png", help="PNG to write (default roofline.png)")
+    p.set_defaults(fn=cmd_roofline)
 
     p = sub.add_parser("notebooks", help="check (CPU) or run headless (GPU) the notebooks",
                        description="Without --run: parse every notebook and compile its code cells (no GPU). "

@@ -44,7 +44,7 @@ from pathlib import Path
 from cukern.runtime import CukernError
 
 __all__ = ["checkout_root", "bench_scripts", "no_gpu_reason", "progress", "run_bench", "environment", "rows_of",
-           "write_result", "load_result", "compare", "format_compare", "Change", "SCHEMA"]
+           "write_result", "load_result", "merge_results", "compare", "format_compare", "Change", "SCHEMA"]
 
 SCHEMA = "cukern-bench/1"
 
@@ -238,6 +238,21 @@ def load_result(path) -> dict:
     return result
 
 
+def merge_results(results: list[dict]) -> dict:
+    """One result from several (e.g. the per-family ``bench_<family>.py --json`` files of one
+    device_check.sh run): every row, the first copy ceiling and the first GEMM ceiling found.
+    The rows keep their own "% ceil" (against their own run's ceiling)."""
+    if len(results) == 1:
+        return results[0]
+    ceil = dict(results[0]["ceilings"])
+    ceil["gemm_tflops"] = next((r["ceilings"].get("gemm_tflops") for r in results
+                                if r["ceilings"].get("gemm_tflops")), None)
+    meta = dict(results[0].get("meta", {}))
+    meta["date"] = f"{meta.get('date', 'date not recorded')}; merged from {len(results)} results"
+    return {"schema": SCHEMA, "meta": meta, "ceilings": ceil, "family_ceilings": {}, "errors": {},
+            "rows": [row for r in results for row in r["rows"]]}
+
+
 # ----------------------------------------------------------------------------- compare
 
 @dataclass(frozen=True)
@@ -276,7 +291,7 @@ def format_compare(a: dict, b: dict, changes: list[Change], threshold: float = 0
     def ident(r):
         m, c = r.get("meta", {}), r["ceilings"]
         gemm = f", GEMM {c['gemm_tflops']:,.0f} TFLOP/s" if c.get("gemm_tflops") else ""
-        return f"{m.get('device', c.get('device'))}, {m.get('date', '?')}; copy {c['copy_gbs']:,.0f} GB/s{gemm}"
+        return f"{m.get('device', c.get('device'))}, {m.get('date', 'date not recorded')}; copy {c['copy_gbs']:,.0f} GB/s{gemm}"
     lines = [f"A: {ident(a)}", f"B: {ident(b)}"]
     if a.get("meta", {}).get("device") != b.get("meta", {}).get("device"):
         lines.append("note: A and B ran on different devices; compare % of ceiling, not times")

@@ -31,6 +31,7 @@ def _run(*args, cwd=REPO):
     ("compare", ["A.json", "B.json", "--threshold"]),
     ("check", ["--gpu", "--arch", "-k"]),
     ("notebooks", ["--run", "--figures"]),
+    ("roofline", ["RESULT.json", "--out"]),
 ])
 def test_command_help(command, words):
     r = _run("-m", "cukern", command, "--help")
@@ -42,7 +43,7 @@ def test_command_help(command, words):
 def test_top_level_help_lists_every_command():
     r = _run("-m", "cukern", "--help")
     assert r.returncode == 0
-    for c in ("info", "check", "bench", "compare", "notebooks"):
+    for c in ("info", "check", "bench", "compare", "roofline", "notebooks"):
         assert c in r.stdout
 
 
@@ -147,9 +148,24 @@ def test_roofline_png(tmp_path):
     png = tmp_path / "roofline.png"
     fig = plot_roofline(str(path), png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-    roof, bars = fig.axes
+    roof, bandwidth, arithmetic = fig.axes
     assert len(roof.lines) == 1 + 1 + 2  # roof, ridge line, the two rows whose intensity is known
-    assert len(bars.patches) == 4  # every row with GB/s
+    assert len(bandwidth.patches) == 4  # every row with GB/s
+    assert len(arithmetic.patches) == 1  # every row with TFLOP/s
+
+
+def test_roofline_command_merges_saved_results(tmp_path):
+    pytest.importorskip("matplotlib")
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"ceilings": {"copy_gbs": 2900.0, "device": "H100", "gemm_tflops": None},
+                             "rows": A["rows"][:2]}))  # a bench_<family>.py --json file: no meta
+    b.write_text(json.dumps(B))
+    out = tmp_path / "r.png"
+    r = _run("-m", "cukern", "roofline", str(a), str(b), "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "6 rows" in r.stdout and out.read_bytes()[:4] == b"\x89PNG"
+    merged = workbench.merge_results([json.loads(a.read_text()), B])
+    assert merged["ceilings"]["gemm_tflops"] == 700.0 and len(merged["rows"]) == 6
 
 
 # ----------------------------------------------------------------------------- check --gpu
