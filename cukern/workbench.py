@@ -43,7 +43,7 @@ from pathlib import Path
 
 from cukern.runtime import CukernError
 
-__all__ = ["checkout_root", "bench_scripts", "no_gpu_reason", "progress", "run_bench", "environment", "rows_of",
+__all__ = ["checkout_root", "bench_scripts", "no_gpu_reason", "interruptible", "progress", "run_bench", "environment", "rows_of",
            "write_result", "load_result", "merge_results", "compare", "format_compare", "Change", "SCHEMA"]
 
 SCHEMA = "cukern-bench/1"
