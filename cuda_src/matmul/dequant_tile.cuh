@@ -1,9 +1,11 @@
-// Weight-tile dequantization for the f16 tensor-core GEMM: GGUF blocks -> f16 in shared memory.
+// Weight-tile dequantization: GGUF blocks -> f16 (the f16 tensor-core GEMM's shared tiles, and
+// dequantize_f16's output); i8_tile.cuh converts the same registers to int8 for the int8 GEMM.
 //
 // The K axis is cut into 32-element segments (kb = k / 32): one Q4_0/Q5_0/Q8_0 block, or one
 // sub-block of a K-quant super-block (s = kb % 8). A thread dequantizes a "unit", half a segment
-// of one row (part p = 0, 1), in two steps so that a GEMM can prefetch: Deq<QT>::load pulls the
-// raw bytes into registers, Deq<QT>::store converts them and writes 16 halves of the segment.
+// of one row (part p = 0, 1), in two steps: Deq<QT>::load pulls the raw bytes into registers
+// (from global memory, or from a GEMM's shared copy of the raw super-stage), Deq<QT>::store
+// converts them and writes 16 halves of the segment.
 //   Q4_0 / Q5_0: part p holds qs[8p..8p+7]: elements 8p..8p+7 (low nibbles) and 16+8p..16+8p+7
 //   Q8_0, Q4_K, Q5_K, Q6_K: part p holds elements 16p..16p+15
 // Every value is the exact product rounded once to f16: the _0 types in half2 arithmetic (the
@@ -11,8 +13,8 @@
 // scaled quant is exact in f32, one rounding in the f16 conversion).
 //
 // Alignment: blocks of Q4_0/Q5_0/Q8_0/Q6_K are 2-byte aligned only (read as u16); Q4_K/Q5_K
-// rows are whole 16-byte multiples, so with a 16-byte aligned matrix start their quants are
-// read as uint4 (the host checks the alignment).
+// blocks are whole 16-byte multiples, so with a 16-byte aligned row start (the host checks the
+// matrix start; the GEMMs' shared raw rows are 16-byte aligned) their quants are read as uint4.
 #pragma once
 
 #include "common/quants.cuh"
