@@ -71,7 +71,7 @@ class TinySpec:
         return self.weight_type
 
 
-def _spm_vocab(rng):
+def _spm_vocab():
     """A small SentencePiece vocabulary: control tokens, 256 byte tokens, letters and common pieces."""
     tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "\n", "\n\n"]
     types = [3, 3, 3, 2, 3, 3, 4, 4]
@@ -88,9 +88,9 @@ def _spm_vocab(rng):
             uniq.append(p)
     tokens += uniq
     types += [1] * len(uniq)
-    scores = [-1000.0] * 8 + [0.0] * 256 + [-float(len(p) == 1) * 50 - i * 0.01 for i, p in enumerate(uniq)]
-    # longer pieces score higher than the letters they merge from, as in a trained model
-    scores = [s if t != 1 else -50.0 / len(p) - 0.001 * i for i, (p, t, s) in enumerate(zip(tokens, types, scores))]
+    # control tokens -1000, byte tokens 0; normal pieces: longer ones score higher than the pieces they
+    # merge from, as in a trained model, and the id breaks ties
+    scores = [-1000.0] * 8 + [0.0] * 256 + [-50.0 / len(p) - 0.001 * (264 + i) for i, p in enumerate(uniq)]
     return tokens, types, scores
 
 
@@ -121,7 +121,7 @@ def write_tiny_gguf(path, spec: TinySpec, *, seed: int = 0) -> str:
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     if arch in ("gemma3", "llama"):
-        tokens, types, scores = _spm_vocab(rng)
+        tokens, types, scores = _spm_vocab()
         w.add_tokenizer_model("llama")
         w.add_tokenizer_pre("default")
         w.add_token_list(tokens)
