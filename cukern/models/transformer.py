@@ -326,7 +326,8 @@ class Transformer:
         """Continue every prompt (lists of token ids) by ``max_new_tokens`` tokens (fewer once every
         sequence has produced a stop id). Returns (list of generated id lists, GenerationStats).
 
-        Each prompt is prefilled on its own, then the sequences decode together, one token per step;
+        The call owns the cache: it frees every sequence held in it first. Each prompt is prefilled on
+        its own, then the sequences decode together, one token per step;
         with ``use_graph`` the first step runs eagerly (compiling and warming up every kernel) and is
         then captured as a CUDA graph that later steps replay. ``on_token(step, ids)`` (host ints of
         this step, one per sequence) makes every step synchronise to stream text; without it the
