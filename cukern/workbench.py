@@ -43,8 +43,9 @@ from pathlib import Path
 
 from cukern.runtime import CukernError
 
-__all__ = ["checkout_root", "bench_scripts", "no_gpu_reason", "interruptible", "progress", "run_bench", "environment", "rows_of",
-           "write_result", "load_result", "merge_results", "compare", "format_compare", "Change", "SCHEMA"]
+__all__ = ["checkout_root", "bench_scripts", "no_gpu_reason", "interruptible", "progress", "run_bench",
+           "environment", "rows_of", "write_result", "load_result", "merge_results", "compare", "format_compare",
+           "Change", "SCHEMA"]
 
 SCHEMA = "cukern-bench/1"
 
