@@ -149,7 +149,8 @@ def main_check(paths) -> int:
     for p in nbs:
         problems = check_notebook(p)
         bad += bool(problems)
-        print(f"{p.name:<32} {'ok' if not problems else 'PROBLEMS'} ({len(code_cells(p)) if not problems else '?'} code cells)")
+        cells = f"{len(code_cells(p))} code cells" if not problems else "not checked further"
+        print(f"{p.name:<32} {'ok' if not problems else 'PROBLEMS'} ({cells})")
         for line in problems:
             print(f"  {line}")
     if not nbs:

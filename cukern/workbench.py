@@ -287,18 +287,23 @@ def compare(a: dict, b: dict) -> list[Change]:
     return out
 
 
+def _device(result: dict) -> str:
+    return result.get("meta", {}).get("device") or result["ceilings"].get("device", "?")
+
+
 def format_compare(a: dict, b: dict, changes: list[Change], threshold: float = 0.05) -> str:
     """The comparison as a table; rows whose time moved by more than ``threshold`` are marked."""
     def ident(r):
         m, c = r.get("meta", {}), r["ceilings"]
         gemm = f", GEMM {c['gemm_tflops']:,.0f} TFLOP/s" if c.get("gemm_tflops") else ""
-        return f"{m.get('device', c.get('device'))}, {m.get('date', 'date not recorded')}; copy {c['copy_gbs']:,.0f} GB/s{gemm}"
+        return f"{_device(r)}, {m.get('date', 'date not recorded')}; copy {c['copy_gbs']:,.0f} GB/s{gemm}"
     lines = [f"A: {ident(a)}", f"B: {ident(b)}"]
-    if a.get("meta", {}).get("device") != b.get("meta", {}).get("device"):
+    if _device(a) != _device(b):
         lines.append("note: A and B ran on different devices; compare % of ceiling, not times")
     kw = max([len(c.kernel) for c in changes] + [20])
     sw = max([len(c.shape) for c in changes] + [12])
-    head = f"{'family':<12} {'kernel':<{kw}} {'shape':<{sw}} {'A us':>9} {'B us':>9} {'change':>14} {'A GB/s':>7} {'B GB/s':>7}"
+    head = (f"{'family':<12} {'kernel':<{kw}} {'shape':<{sw}} {'A us':>9} {'B us':>9} {'change':>14} "
+            f"{'A GB/s':>7} {'B GB/s':>7}")
     lines += [head, "-" * len(head)]
 
     def num(v, fmt):
