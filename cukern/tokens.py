@@ -101,7 +101,7 @@ class TokensDispatch(Dispatch):
         row_bytes = n_cols // be * bb
         if table.shape[1] * table.itemsize != row_bytes:
             raise ValueError(f"embed: a {name} row of {n_cols} elements is {row_bytes} bytes, the table rows are "
-                             f"{table.shape[1] * table.itemsize}")
+                             f"{table.shape[1] * table.itemsize} bytes")
         if table.data.ptr % 4:
             raise ValueError("embed: table must be 4-byte aligned")
         check_array("ids", ids, dtype=_I32, ndim=1)
