@@ -20,10 +20,11 @@ a decode step is made of, with a model's shapes, and needs no model file.
     PYTHONPATH=. python profiling/profile_decode.py --steps 32
     CUKERN_NVTX=1 nsys profile -t cuda,nvtx -o decode python profiling/profile_decode.py   # see README.md
 
-The table's times are device times of each kernel (two events around each launch); "% step" is
-the share of the event-timed step, and the "between kernels" row is the rest of the step:
-launch gaps, which a CUDA graph removes (the last line times the same step replayed from a
-graph).
+The table's times are device times of each kernel (two events around each launch, the step's
+launches queued behind a GEMM "runway" so that the GPU runs them back to back: see
+cukern/profiler.py); "% step" is the share of the step's device time. The host's wall time to
+launch a step eagerly is printed beside it, and the last line times the same step replayed
+from a CUDA graph, which removes the launch cost.
 """
 
 from __future__ import annotations
@@ -199,11 +200,13 @@ def profile_model(path: str, args) -> int:
         kt.end_step()  # the open step after the last token holds no launch
     print(f"\ndecode ({args.steps} steps, eager launches; each step ends with a host read of its token)")
     print(kt.report(**table))
-    eager_us = sum(kt.step_us) / max(len(kt.step_us), 1)
+    n = max(len(kt.step_us), 1)
+    device_us, host_us = sum(kt.step_us) / n, sum(kt.host_step_us) / n
     _, stats = model.generate(prompt, args.steps + 2, use_graph=True, stream=stream)
     rate = stats.decode_tok_s
     graph = f"{rate:,.0f} tokens/s, {1e6 / rate:.1f} us per step" if rate else "not timed"
-    print(f"\ndecode step: eager {eager_us:.1f} us (event-timed, host read included); CUDA graph replay: {graph}")
+    print(f"\ndecode step: device {device_us:.1f} us, eager host {host_us:.1f} us (with its token read); "
+          f"CUDA graph replay: {graph}")
     return 0
 
 
@@ -279,7 +282,8 @@ def main(argv=None) -> int:
                     model.forward(1, stream)
         print(f"\ndecode ({args.steps} steps, eager launches)")
         print(kt.report(**table))
-        eager_us = sum(kt.step_us) / len(kt.step_us)
+        device_us = sum(kt.step_us) / len(kt.step_us)
+        eager_us = sum(kt.host_step_us) / len(kt.step_us)  # host wall time: the eager loop's cost
         kernel_us = sum(us for _, us in kt.records()) / len(kt.step_us)
         n_launches = len(kt.records()) // len(kt.step_us)
 
@@ -297,8 +301,8 @@ def main(argv=None) -> int:
         end.synchronize()
         graph_us = cupy.cuda.get_elapsed_time(start, end) * 1e3 / args.steps
     gbs = f"; {model.bytes_per_step / (graph_us * 1e-6) / 1e9:,.0f} GB/s of weights + KV" if full else ""
-    print(f"\ndecode step: {n_launches} launches, kernels {kernel_us:.1f} us; eager {eager_us:.1f} us, "
-          f"CUDA graph replay {graph_us:.1f} us ({eager_us / graph_us:.1f}x){gbs}")
+    print(f"\ndecode step: {n_launches} launches, kernels {kernel_us:.1f} us of {device_us:.1f} us queued; "
+          f"eager (host) {eager_us:.1f} us, CUDA graph replay {graph_us:.1f} us ({eager_us / graph_us:.1f}x){gbs}")
     return 0
 
 
