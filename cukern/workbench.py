@@ -189,7 +189,8 @@ def run_bench(families=None, *, quick: bool = False, show_progress: bool = True,
     names = list(scripts)
     for name in progress(names, desc="bench", unit="family") if show_progress else names:
         try:
-            with interruptible():
+            # a script's own prints (progress, notes) go to stderr: stdout keeps the one table
+            with interruptible(), contextlib.redirect_stdout(sys.stderr):
                 rows, fam_ceil = _import_script(name, scripts[name]).bench(quick)
         except KeyboardInterrupt:  # Ctrl-C or a time limit's SIGTERM: keep what was measured
             result["errors"][name] = "interrupted"
