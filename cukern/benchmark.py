@@ -15,6 +15,7 @@ ceilings also carry a cuBLAS GEMM rate (:func:`measure_gemm_tflops`).
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -152,19 +153,10 @@ def host_us_per_call(fn, n: int = 2000) -> float:
 
 
 def print_table(rows: list[Row], ceilings: Ceilings, title: str = "") -> None:
+    """Print ``title`` (if any), then :func:`format_table`."""
     if title:
         print(f"\n{title}")
-    print(f"device: {ceilings.device}; copy ceiling measured in this run: {ceilings.copy_gbs:,.0f} GB/s")
-    head = f"{'kernel':<28} {'shape':<22} {'us':>9} {'GB/s':>8} {'TFLOP/s':>8} {'%ceil':>6}  {'peer':<26} {'peer us':>9} {'x peer':>7}"
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        gbs = f"{r.gbs:,.0f}" if r.gbs is not None else ""
-        tf = f"{r.tflops:.1f}" if r.tflops is not None else ""
-        pct = f"{r.pct_ceiling:.0%}" if r.pct_ceiling is not None else ""
-        pus = f"{r.peer_us:.2f}" if r.peer_us is not None else ""
-        sp = f"{r.speedup:.2f}" if r.speedup is not None else ""
-        print(f"{r.kernel:<28} {r.shape:<22} {r.us:>9.2f} {gbs:>8} {tf:>8} {pct:>6}  {r.peer:<26} {pus:>9} {sp:>7}")
+    print(format_table(rows, ceilings))
 
 
 def format_table(rows: list[Row], ceilings: Ceilings) -> str:
@@ -192,3 +184,23 @@ def format_table(rows: list[Row], ceilings: Ceilings) -> str:
 
 def rows_to_json(rows: list[Row], ceilings: Ceilings) -> str:
     return json.dumps({"ceilings": asdict(ceilings), "rows": [asdict(r) for r in rows]}, indent=1)
+
+
+def script_main(bench, doc: str, *, title: str, quick_help: str, argv=None, add_args=None,
+                bench_kwargs=None) -> int:
+    """The command line every ``profiling/bench_<family>.py`` shares: ``--quick``, ``--json``.
+
+    ``bench(quick, **bench_kwargs(args))`` returns ``(rows, ceilings)``; ``add_args(parser)``
+    adds a script's own flags."""
+    ap = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
+    ap.add_argument("--json", metavar="FILE", help="write the rows and ceilings here")
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    if add_args is not None:
+        add_args(ap)
+    args = ap.parse_args(argv)
+    rows, ceilings = bench(args.quick, **(bench_kwargs(args) if bench_kwargs else {}))
+    print_table(rows, ceilings, title)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(rows_to_json(rows, ceilings))
+    return 0

@@ -16,7 +16,6 @@ Run: PYTHONPATH=. python profiling/bench_attention.py [--quick] [--json out.json
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 
@@ -24,7 +23,7 @@ import cupy
 import numpy as np
 
 from cukern.attention import AttentionDispatch, PagedKVCache
-from cukern.benchmark import Row, measure_ceilings, print_table, rows_to_json, time_graph_us, time_us
+from cukern.benchmark import Row, measure_ceilings, script_main, time_graph_us, time_us
 
 try:
     import torch
@@ -192,17 +191,12 @@ def bench(quick: bool = False) -> tuple[list, object]:
     return list(rows), ceil
 
 
+TITLE = 'attention (decode: % of copy bandwidth; prefill/varlen: % of the fastest torch SDPA)'
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", help="write the rows here")
-    ap.add_argument("--quick", action="store_true", help="a few shapes only")
-    args = ap.parse_args(argv)
-    rows, ceil = bench(args.quick)
-    print_table(rows, ceil, "attention (decode: % of copy bandwidth; prefill/varlen: % of the fastest torch SDPA)")
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(rows_to_json(rows, ceil))
-    return 0
+    return script_main(bench, __doc__, title=TITLE,
+                       quick_help='a few shapes only', argv=argv)
 
 
 if __name__ == "__main__":

@@ -11,14 +11,12 @@ Run: PYTHONPATH=. python profiling/bench_dmmv.py [--quick] [--json out.json]
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import cupy
 import numpy as np
 
-from cukern.benchmark import (Row, measure_ceilings, print_table, rotating, rows_to_json, time_graph_us,
-                              time_torch_graph_us)
+from cukern.benchmark import Row, measure_ceilings, rotating, script_main, time_graph_us, time_torch_graph_us
 from cukern.dmmv import QTYPES, DmmvDispatch, QWeight, qtype_id, row_bytes
 
 try:
@@ -163,16 +161,8 @@ def bench(quick: bool = False) -> tuple[list, object]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", help="write the rows here")
-    ap.add_argument("--quick", action="store_true", help="the two 14336/4096 shapes and the required types only")
-    args = ap.parse_args(argv)
-    rows, ceil = bench(args.quick)
-    print_table(rows, ceil, "dmmv")
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(rows_to_json(rows, ceil))
-    return 0
+    return script_main(bench, __doc__, title='dmmv',
+                       quick_help='the two 14336/4096 shapes and the required types only', argv=argv)
 
 
 if __name__ == "__main__":

@@ -10,13 +10,12 @@ Run: PYTHONPATH=. python profiling/bench_elementwise.py [--quick] [--json out.js
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import cupy
 
-from cukern.benchmark import (Row, host_us_per_call, measure_ceilings, print_table, rotating, rows_to_json,
-                              time_graph_us, time_torch_graph_us, time_us)
+from cukern.benchmark import (Row, host_us_per_call, measure_ceilings, rotating, script_main, time_graph_us,
+                              time_torch_graph_us, time_us)
 from cukern.elementwise import ElementwiseDispatch, contiguous_page_table  # noqa: F401
 
 try:
@@ -358,16 +357,8 @@ def bench(quick: bool = False) -> tuple[list, object]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", help="write the rows here")
-    ap.add_argument("--quick", action="store_true", help="smaller large sizes")
-    args = ap.parse_args(argv)
-    rows, ceil = bench(args.quick)
-    print_table(rows, ceil, "elementwise")
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(rows_to_json(rows, ceil))
-    return 0
+    return script_main(bench, __doc__, title='elementwise',
+                       quick_help='smaller large sizes', argv=argv)
 
 
 if __name__ == "__main__":

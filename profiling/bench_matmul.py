@@ -19,13 +19,12 @@ Run: PYTHONPATH=. python profiling/bench_matmul.py [--quick] [--json out.json]
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import cupy
 
-from cukern.benchmark import (Ceilings, Row, format_table, measure_ceilings, measure_gemm_tflops, rotating,
-                              rows_to_json, time_graph_us, time_us)
+from cukern.benchmark import (Ceilings, Row, measure_ceilings, measure_gemm_tflops, rotating, script_main,
+                              time_graph_us, time_us)
 from cukern.dmmv import QTYPES, DmmvDispatch, QWeight
 from cukern.matmul import MatmulDispatch
 
@@ -134,16 +133,8 @@ def bench(quick: bool = False) -> tuple[list, Ceilings]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", help="write the rows here")
-    ap.add_argument("--quick", action="store_true", help="one shape, two types, three N")
-    args = ap.parse_args(argv)
-    rows, ceil = bench(args.quick)
-    print(format_table(rows, ceil))
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(rows_to_json(rows, ceil))
-    return 0
+    return script_main(bench, __doc__, title='matmul',
+                       quick_help='one shape, two types, three N', argv=argv)
 
 
 if __name__ == "__main__":

@@ -18,14 +18,13 @@ Run: PYTHONPATH=. python profiling/bench_models.py [--quick] [--json out.json] [
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 
 import numpy as np
 
-from cukern.benchmark import Row, measure_ceilings, print_table, rows_to_json
+from cukern.benchmark import Row, measure_ceilings, script_main
 
 _TEXT = ("The history of computing is a story of machines that grew faster, smaller and cheaper. "
          "Early computers filled rooms; today a phone holds more power than the machines that sent people "
@@ -166,22 +165,14 @@ def bench(quick: bool = False, *, peer: bool = True) -> tuple[list, object]:
     return rows, ceil
 
 
+TITLE = 'models (us: per prompt, or per decode step of the batch; x peer > 1: cukern faster)'
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", help="write the rows here")
-    ap.add_argument("--quick", action="store_true", help="fewer decode steps and repeats")
-    ap.add_argument("--no-peer", action="store_true", help="skip transformers")
-    args = ap.parse_args(argv)
-    rows, ceil = bench(args.quick, peer=not args.no_peer)
-    print_table(rows, ceil, "models (us: per prompt, or per decode step of the batch; x peer > 1: cukern faster)")
-    for r in rows:
-        extra = ", ".join(f"{k} {v:,.0f} us" for k, v in r.extra.get("peers", {}).items())
-        if extra:
-            print(f"  {r.kernel.split(':')[0]}: also {extra}")
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(rows_to_json(rows, ceil))
-    return 0
+    return script_main(bench, __doc__, title=TITLE,
+                       quick_help='fewer decode steps and repeats', argv=argv,
+                       add_args=lambda ap: ap.add_argument("--no-peer", action="store_true", help="skip transformers"),
+                       bench_kwargs=lambda args: {"peer": not args.no_peer})
 
 
 if __name__ == "__main__":
