@@ -4,6 +4,7 @@
 #
 #   bash profiling/device_check.sh                 # everything
 #   CUKERN_TESTS="tests/test_params.py" CUKERN_BENCH="" bash profiling/device_check.sh
+#   CUKERN_CHECK_ARGS="--arch sm_90 --family attention" ...   # narrow the compile check (default: all, sm_90 + sm_80)
 #
 # Runs from the source tree (PYTHONPATH=.), as on the lent GPU machine, which has
 # CuPy but no package registry: wheels it lacks (gguf, nvtx) are carried in .whl/
@@ -36,7 +37,8 @@ step() {  # step NAME CMD...: run, log to $LOG/NAME.log, remember the exit code
 }
 
 step info $PY -m cukern info
-step check $PY -m cukern check --arch sm_90 --arch sm_80
+# shellcheck disable=SC2086
+step check $PY -m cukern check ${CUKERN_CHECK_ARGS:---arch sm_90 --arch sm_80}
 step gpu-tests $PY -m pytest -q -m gpu $TESTS
 # memcheck sees out-of-bounds accesses only at allocation granularity: CUKERN_NO_POOL makes
 # the tests allocate every array with its own cudaMalloc instead of carving CuPy's pool.
