@@ -39,6 +39,7 @@ from cukern.dmmv import DmmvDispatch, QWeight
 from cukern.elementwise import ElementwiseDispatch
 from cukern.matmul import GEMM_QTYPES, MatmulDispatch
 from cukern.models.gguf_loader import GGUFModel, ModelConfig, load_gguf
+from cukern.profiler import nvtx_range
 from cukern.streams import capture_graph, resolve_stream
 from cukern.tokens import MAX_TOP_K, SamplePlan, TokensDispatch
 
@@ -227,21 +228,22 @@ class Transformer:
         c = self.cfg
         n = rows.stop - rows.start
         for i, L in enumerate(self.layers):
-            self._project(L, buf, rows, stream)
-            local = c.local_layers[i]
-            base = c.rope_base_local if local else c.rope_base
-            self.ew.qk_norm_rope_kv_write(
-                buf.q[rows].reshape(n, c.n_heads, c.head_dim), buf.k[rows].reshape(n, c.n_kv_heads, c.head_dim),
-                buf.v[rows].reshape(n, c.n_kv_heads, c.head_dim), L.q_norm, L.k_norm, buf.q_rot[rows],
-                self.cache.k_pools[i], self.cache.v_pools[i], self.cache.page_table, positions, seq_ids,
-                eps=c.rms_eps, neox=c.rope_neox, freq_base=base, freqs=self.rope_freqs[local], pos_mode=pos_mode,
-                stream=stream)
-            attend(i, buf.q_rot[rows], buf.o[rows])
-            self._matmul(L.wo, buf.o[rows].reshape(n, c.q_dim), buf.proj[rows], stream)
-            self._residual(buf, rows, L.post_attn_norm, L.ffn_norm, stream)
-            self._mlp(L, buf, rows, stream)
-            nxt = self.layers[i + 1].attn_norm if i + 1 < c.n_layers else self.output_norm
-            self._residual(buf, rows, L.post_ffn_norm, nxt, stream)
+            with nvtx_range(f"layer {i}"):  # per-layer ranges under nsys (CUKERN_NVTX=1); free otherwise
+                self._project(L, buf, rows, stream)
+                local = c.local_layers[i]
+                base = c.rope_base_local if local else c.rope_base
+                self.ew.qk_norm_rope_kv_write(
+                    buf.q[rows].reshape(n, c.n_heads, c.head_dim), buf.k[rows].reshape(n, c.n_kv_heads, c.head_dim),
+                    buf.v[rows].reshape(n, c.n_kv_heads, c.head_dim), L.q_norm, L.k_norm, buf.q_rot[rows],
+                    self.cache.k_pools[i], self.cache.v_pools[i], self.cache.page_table, positions, seq_ids,
+                    eps=c.rms_eps, neox=c.rope_neox, freq_base=base, freqs=self.rope_freqs[local], pos_mode=pos_mode,
+                    stream=stream)
+                attend(i, buf.q_rot[rows], buf.o[rows])
+                self._matmul(L.wo, buf.o[rows].reshape(n, c.q_dim), buf.proj[rows], stream)
+                self._residual(buf, rows, L.post_attn_norm, L.ffn_norm, stream)
+                self._mlp(L, buf, rows, stream)
+                nxt = self.layers[i + 1].attn_norm if i + 1 < c.n_layers else self.output_norm
+                self._residual(buf, rows, L.post_ffn_norm, nxt, stream)
 
     def _embed(self, ids: cupy.ndarray, buf: _Buffers, rows: slice, stream):
         c = self.cfg
