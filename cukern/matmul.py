@@ -268,6 +268,30 @@ class MatmulDispatch(Dispatch):
         return max(1, min(-(-target // ctas), k // 512, 16))  # slices of >= 512 elements
 
     # ------------------------------------------------------------------ GEMMs
+    def _glu_weights(self, w_gate: QWeight, w_up: QWeight, act: str) -> tuple[QWeight, QWeight]:
+        """Validate the gate/up pair of the fused GLU GEMMs (same type and shape) and ``act``."""
+        w_gate = self._weight("w_gate", w_gate)
+        w_up = self._weight("w_up", w_up)
+        if (w_up.qtype, w_up.m, w_up.k) != (w_gate.qtype, w_gate.m, w_gate.k):
+            raise ValueError(f"w_gate and w_up must have the same type and shape, got "
+                             f"{w_gate.name} {w_gate.m}x{w_gate.k} and {w_up.name} {w_up.m}x{w_up.k}")
+        if act not in _ACTS:
+            raise ValueError(f"act must be one of {', '.join(_ACTS)}, got {act!r}")
+        return w_gate, w_up
+
+    def _float_activations(self, b: cupy.ndarray, d: cupy.ndarray, w: QWeight) -> tuple[int, int, int]:
+        """Validate the f32/f16 operands of the f16-mma GEMMs: b [n, k] (rows 16-byte aligned),
+        d [n, m] f32, not overlapping. Returns (n, b_stride, d_stride)."""
+        b_stride = _cols("b", b, tuple(_B_TYPES), w.k)
+        n = b.shape[0]
+        d_stride = _cols("d", d, _F32, w.m)
+        if d.shape[0] != n:
+            raise ValueError(f"d must be [{n}, {w.m}] (one row per column of b), got shape {d.shape}")
+        self._aligned16("b", b, b_stride)
+        if _overlap(b, d):
+            raise ValueError("b and d must not overlap")
+        return n, b_stride, d_stride
+
     def gemm(self, w: QWeight, b: cupy.ndarray, d: cupy.ndarray, *, accumulate: bool = False,
              split_k: int | None = None, stream=None) -> cupy.ndarray:
         """``d = b W^T`` (each token column: ``d[c] = W b[c]``); ``accumulate``: ``d += b W^T``.
@@ -277,14 +301,7 @@ class MatmulDispatch(Dispatch):
         ``split_k``: K slices (None: chosen from the grid size; 1: no split). A split adds partial
         sums with atomics (float addition order then varies from run to run)."""
         w = self._weight("w", w)
-        b_stride = _cols("b", b, tuple(_B_TYPES), w.k)
-        n = b.shape[0]
-        d_stride = _cols("d", d, _F32, w.m)
-        if d.shape[0] != n:
-            raise ValueError(f"d must be [{n}, {w.m}] (one row per column of b), got shape {d.shape}")
-        self._aligned16("b", b, b_stride)
-        if _overlap(b, d):
-            raise ValueError("b and d must not overlap")
+        n, b_stride, d_stride = self._float_activations(b, d, w)
         bt, grid, k_split = self._grid(n, w, split_k, "gemm")
         params = self.struct_of(w.qtype).pack(
             w_offset=w.offset, w2_offset=0, row_bytes=w.row_bytes, b_stride=b_stride, d_stride=d_stride,
@@ -363,13 +380,7 @@ class MatmulDispatch(Dispatch):
         (out: uint8 [n, m / 32 * 36], the input of the next :meth:`gemm_q8`) or ``"q8_0"``
         (out: uint8 [n, m / 32 * 34]); the Q8 forms need m % 32 == 0 and quantize exactly as
         :meth:`quantize_q8_1` / :meth:`quantize_q8_0` would quantize the f32 h."""
-        w_gate = self._weight("w_gate", w_gate)
-        w_up = self._weight("w_up", w_up)
-        if (w_up.qtype, w_up.m, w_up.k) != (w_gate.qtype, w_gate.m, w_gate.k):
-            raise ValueError(f"w_gate and w_up must have the same type and shape, got "
-                             f"{w_gate.name} {w_gate.m}x{w_gate.k} and {w_up.name} {w_up.m}x{w_up.k}")
-        if act not in _ACTS:
-            raise ValueError(f"act must be one of {', '.join(_ACTS)}, got {act!r}")
+        w_gate, w_up = self._glu_weights(w_gate, w_up, act)
         epi = {"f32": 1, "q8_1": 2, "q8_0": 3}.get(out_format)
         if epi is None:
             raise ValueError(f"out_format must be 'f32', 'q8_1' or 'q8_0', got {out_format!r}")
@@ -412,21 +423,8 @@ class MatmulDispatch(Dispatch):
         two products never leave registers. act: ``"swiglu"`` (SiLU gate) or ``"geglu"`` (GELU-tanh).
 
         w_gate, w_up: QWeight [m, k] of the same type; b: [n, k] f32 or f16; d: [n, m] f32."""
-        w_gate = self._weight("w_gate", w_gate)
-        w_up = self._weight("w_up", w_up)
-        if (w_up.qtype, w_up.m, w_up.k) != (w_gate.qtype, w_gate.m, w_gate.k):
-            raise ValueError(f"w_gate and w_up must have the same type and shape, got "
-                             f"{w_gate.name} {w_gate.m}x{w_gate.k} and {w_up.name} {w_up.m}x{w_up.k}")
-        if act not in _ACTS:
-            raise ValueError(f"act must be one of {', '.join(_ACTS)}, got {act!r}")
-        b_stride = _cols("b", b, tuple(_B_TYPES), w_gate.k)
-        n = b.shape[0]
-        d_stride = _cols("d", d, _F32, w_gate.m)
-        if d.shape[0] != n:
-            raise ValueError(f"d must be [{n}, {w_gate.m}], got shape {d.shape}")
-        self._aligned16("b", b, b_stride)
-        if _overlap(b, d):
-            raise ValueError("b and d must not overlap")
+        w_gate, w_up = self._glu_weights(w_gate, w_up, act)
+        n, b_stride, d_stride = self._float_activations(b, d, w_gate)
         bt = self._tile(n)
         grid_t, grid_r = -(-n // bt), -(-w_gate.m // _ROW_TILE_GLU)
         if grid_t > 2**31 - 1 or grid_r > 65535:
