@@ -69,7 +69,7 @@ Q8_1_BYTES, Q8_0_BYTES = 36, 34  # bytes per 32-value activation block
 # Tiling of gemm_f16 / gemm_q8 (cuda_src/matmul/gemm.cuh: kThreads, kRows, BK, SUPER, Cfg<BT>)
 _THREADS = 256
 _TOKEN_TILES = (16, 32, 64, 128)  # BT: the smallest that holds N, 128 beyond
-_I8_MAX_TILE = 64  # gemm_q8 at 128 tokens spills ~370 bytes of its 128 registers (ptxas): 64-token tiles beyond
+_I8_MAX_TILE = 128  # gemm_q8 at 128 tokens: one CTA per SM, up to 255 registers (CfgQ8 in gemm_i8.cuh)
 _ROW_TILE = 128  # weight rows per CTA; the GLU GEMMs take 64 rows of each matrix
 _ROW_TILE_GLU = 64
 _BK = 64  # K elements per stage

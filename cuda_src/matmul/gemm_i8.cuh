@@ -29,6 +29,18 @@ namespace mm {
 
 constexpr int LDQ = BK + 16;  // bytes per int8 shared row: 80, ldmatrix rows hit distinct banks
 
+// s32 accumulator start of the integer dot products: 0x4B400000 is 1.5 * 2^23 as f32, and any
+// kMagic + x with |x| < 2^22 reads as the f32 kMagicF + x exactly (a 32-element int8 dot product
+// is at most 32 * 127 * 128 < 2^19).
+constexpr int kMagic = 0x4B400000;
+constexpr float kMagicF = 12582912.0f;
+
+// Warp grid and occupancy of gemm_q8: Cfg<BT>'s, except that the 128-token tile (64 tokens x 32
+// rows per warp) runs one CTA per SM with up to 255 registers instead of spilling at 128.
+template <int BT> struct CfgQ8 : Cfg<BT> {
+    static constexpr int kMinBlocks = BT >= 128 ? 1 : Cfg<BT>::kMinBlocks;
+};
+
 // Dynamic shared memory of gemm_q8<., BT>: int8 W and A tiles, W scales (a[4], c[2]), A (d, s),
 // the raw super-stage (raw_stride = Raw<QT>::kStride).
 __host__ __device__ constexpr uint32_t gemm_q8_smem_bytes(int bt, int raw_stride) {
@@ -59,7 +71,7 @@ CUKERN_DEVICE void mma_s8_k16(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t b0
 }  // namespace cukern
 
 template <int QT, int BT, int EPI>
-__global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::Cfg<BT>::kMinBlocks) gemm_q8(
+__global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::CfgQ8<BT>::kMinBlocks) gemm_q8(
     float* __restrict__ d,             // EPI 0, 1: [n, d_stride] f32 out, d[c * d_stride + r], r < m;
                                        // EPI 2, 3: [n, d_stride] bytes out, m / 32 Q8_1 / Q8_0 blocks per row
     const uint8_t* __restrict__ w,     // raw GGUF bytes: m rows from w + w_offset (EPI > 0: the gate)
@@ -68,15 +80,14 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::Cfg<BT>::kMi
     const GemmParams p) {              // dynamic shared memory: gemm_q8_smem_bytes(BT, Raw<QT>::kStride); b_stride in bytes
     using namespace cukern;
     using namespace cukern::mm;
-    using C = Cfg<BT>;
+    using C = CfgQ8<BT>;
     constexpr int NMAT = EPI ? 2 : 1, BR = kRows / NMAT;   // rows of each matrix per CTA
     constexpr int WTT = BT / C::kWT, WRR = BR / C::kWR;    // tokens, rows (per matrix) of one warp
     constexpr int MT = WTT / 16, NR = WRR / 8;
     static_assert(MT >= 1 && NR >= 1 && (NR % 2 == 0 || NR == 1), "warp tile");
+    static_assert(2 * BT <= kThreads, "one thread per (token, segment) of an activation stage");
     constexpr int SUBS = I8<QT>::kSubs;
     constexpr bool MIN = I8<QT>::kMin;
-    constexpr int WORDS = BT * 2 * 9;  // 4-byte words of a stage's Q8_1 blocks (2 segments x 9 words per token)
-    constexpr int WPT = (WORDS + kThreads - 1) / kThreads;
     constexpr int RSTRIDE = Raw<QT>::kStride, SPS = SUPER / BK;
 
     extern __shared__ __align__(16) uint8_t smem[];
@@ -125,18 +136,19 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::Cfg<BT>::kMi
             if (MIN && wpart == 0) swc[buf][i][wrow_tile] = sc_[0];
         }
     };
+    // A: thread tid < 2 BT copies one Q8_1 block (9 words) of the stage: token tid / 2, segment tid % 2;
+    // its source walks 72 bytes (two blocks) per stage.
+    const int a_tok = tid / 2, a_sg = tid % 2;
+    const bool a_live = tid < 2 * BT && t0 + a_tok < p.n;
+    const uint8_t* a_src = a + (a_live ? (size_t)(t0 + a_tok) * p.b_stride + (size_t)(seg0 + a_sg) * Q8_1_BLOCK_BYTES : 0);
     auto issue_a = [&](int s, int buf) {
+        if (tid < 2 * BT) {
+            const bool ok = a_live && 2 * s + a_sg < (int)n_segs;
+            const uint8_t* src = ok ? a_src + (size_t)s * 2 * Q8_1_BLOCK_BYTES : a;
+            const uint32_t n = ok ? 4u : 0u;
+            cp_async4(&sds[buf][a_tok][a_sg], src, n);
 #pragma unroll
-        for (int i = 0; i < WPT; ++i) {
-            const int c = tid + i * kThreads;
-            if (WORDS % kThreads == 0 || c < WORDS) {
-                const int tk = c / 18, r = c % 18, sg = r / 9, j = r % 9;
-                const uint32_t tok = t0 + tk, gseg = 2 * s + sg;  // segment within the split
-                const bool ok = tok < p.n && gseg < n_segs;
-                const uint8_t* src = ok ? a + (size_t)tok * p.b_stride + (size_t)(seg0 + gseg) * Q8_1_BLOCK_BYTES + 4 * j : a;
-                void* dst = j == 0 ? (void*)&sds[buf][tk][sg] : (void*)&sa[buf][tk][sg * SEG + 4 * (j - 1)];
-                cp_async4(dst, src, ok ? 4u : 0u);
-            }
+            for (int j = 1; j < 9; ++j) cp_async4(&sa[buf][a_tok][a_sg * SEG + 4 * (j - 1)], ok ? src + 4 * j : a, n);
         }
         cp_async_commit();
     };
@@ -161,6 +173,7 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::Cfg<BT>::kMi
 #pragma unroll
         for (int kk = 0; kk < 2; ++kk) {  // segment kk of the stage: one k32 step
             uint32_t bw[NMAT][(NR + 1) / 2][4];  // n8 tile j: bw[.][j / 2][2 (j % 2)] (bytes 0-15), [.. + 1] (16-31)
+            float2 aw[NMAT][NR][SUBS], ncw[NMAT][NR];  // rows (row, row + 1): scales; minus the mins (MIN)
 #pragma unroll
             for (int mat = 0; mat < NMAT; ++mat) {
                 const int rbase = mat * BR + wr * WRR;
@@ -172,6 +185,16 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::Cfg<BT>::kMi
                         ldmatrix_x4(bw[mat][np], &sw[buf][rbase + np * 16 + (lane & 7) + ((lane >> 4) << 3)]
                                                     [kk * SEG + ((lane >> 3) & 1) * 16]);
                 }
+#pragma unroll
+                for (int nr = 0; nr < NR; ++nr) {
+                    const int row = rbase + nr * 8 + 2 * tq;  // rows row, row + 1 of the tile
+#pragma unroll
+                    for (int h = 0; h < SUBS; ++h) aw[mat][nr][h] = *reinterpret_cast<const float2*>(&swa[buf][SUBS * kk + h][row]);
+                    if (MIN) {
+                        const float2 cw = *reinterpret_cast<const float2*>(&swc[buf][kk][row]);
+                        ncw[mat][nr] = make_float2(-cw.x, -cw.y);
+                    }
+                }
             }
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
@@ -180,41 +203,38 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::Cfg<BT>::kMi
                 ldmatrix_x4(af, &sa[buf][trow + (lane & 15)][kk * SEG + (lane >> 4) * 16]);
                 const float2 ds_lo = __half22float2(sds[buf][trow + g][kk]);      // token g: (d, s)
                 const float2 ds_hi = __half22float2(sds[buf][trow + g + 8][kk]);  // token g + 8
+                const float nc_lo = -kMagicF * ds_lo.x, nc_hi = -kMagicF * ds_hi.x;  // exact: d is a half
 #pragma unroll
                 for (int mat = 0; mat < NMAT; ++mat) {
 #pragma unroll
                     for (int nr = 0; nr < NR; ++nr) {
-                        const int row = mat * BR + wr * WRR + nr * 8 + 2 * tq;  // rows row, row + 1 of the tile
                         const uint32_t b0 = bw[mat][nr / 2][2 * (nr % 2)], b1 = bw[mat][nr / 2][2 * (nr % 2) + 1];
-                        float v[4];
+                        float (&o)[4] = acc[mat][mt][nr];
+                        // The integer dot products start at kMagic, so that each s32 result, read as f32, is
+                        // kMagicF + dot exactly (|dot| < 2^22); fma(that, da, -kMagicF * da) = da * dot,
+                        // rounded once. No int -> float conversion instructions (quarter rate) on the way.
+                        auto scale = [&](const int (&c)[4], float2 a) {
+                            o[0] = fmaf(a.x, fmaf(__int_as_float(c[0]), ds_lo.x, nc_lo), o[0]);
+                            o[1] = fmaf(a.y, fmaf(__int_as_float(c[1]), ds_lo.x, nc_lo), o[1]);
+                            o[2] = fmaf(a.x, fmaf(__int_as_float(c[2]), ds_hi.x, nc_hi), o[2]);
+                            o[3] = fmaf(a.y, fmaf(__int_as_float(c[3]), ds_hi.x, nc_hi), o[3]);
+                        };
                         if (SUBS == 1) {
-                            int c[4] = {0, 0, 0, 0};
+                            int c[4] = {kMagic, kMagic, kMagic, kMagic};
                             mma_s8_k32(c, af, b0, b1);
-                            const float2 aw = *reinterpret_cast<const float2*>(&swa[buf][kk][row]);
-                            v[0] = aw.x * (float)c[0], v[1] = aw.y * (float)c[1];
-                            v[2] = aw.x * (float)c[2], v[3] = aw.y * (float)c[3];
+                            scale(c, aw[mat][nr][0]);
                         } else {
-                            int c0[4] = {0, 0, 0, 0}, c1[4] = {0, 0, 0, 0};
+                            int c0[4] = {kMagic, kMagic, kMagic, kMagic}, c1[4] = {kMagic, kMagic, kMagic, kMagic};
                             mma_s8_k16(c0, af[0], af[1], b0);
                             mma_s8_k16(c1, af[2], af[3], b1);
-                            const float2 a0 = *reinterpret_cast<const float2*>(&swa[buf][2 * kk][row]);
-                            const float2 a1 = *reinterpret_cast<const float2*>(&swa[buf][2 * kk + 1][row]);
-                            v[0] = a0.x * (float)c0[0] + a1.x * (float)c1[0];
-                            v[1] = a0.y * (float)c0[1] + a1.y * (float)c1[1];
-                            v[2] = a0.x * (float)c0[2] + a1.x * (float)c1[2];
-                            v[3] = a0.y * (float)c0[3] + a1.y * (float)c1[3];
+                            scale(c0, aw[mat][nr][0]);
+                            scale(c1, aw[mat][nr][SUBS - 1]);
                         }
-                        float (&o)[4] = acc[mat][mt][nr];
-                        o[0] = fmaf(ds_lo.x, v[0], o[0]);
-                        o[1] = fmaf(ds_lo.x, v[1], o[1]);
-                        o[2] = fmaf(ds_hi.x, v[2], o[2]);
-                        o[3] = fmaf(ds_hi.x, v[3], o[3]);
                         if (MIN) {
-                            const float2 cw = *reinterpret_cast<const float2*>(&swc[buf][kk][row]);
-                            o[0] = fmaf(-cw.x, ds_lo.y, o[0]);
-                            o[1] = fmaf(-cw.y, ds_lo.y, o[1]);
-                            o[2] = fmaf(-cw.x, ds_hi.y, o[2]);
-                            o[3] = fmaf(-cw.y, ds_hi.y, o[3]);
+                            o[0] = fmaf(ncw[mat][nr].x, ds_lo.y, o[0]);
+                            o[1] = fmaf(ncw[mat][nr].y, ds_lo.y, o[1]);
+                            o[2] = fmaf(ncw[mat][nr].x, ds_hi.y, o[2]);
+                            o[3] = fmaf(ncw[mat][nr].y, ds_hi.y, o[3]);
                         }
                     }
                 }
