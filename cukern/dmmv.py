@@ -23,8 +23,8 @@ import numpy as np
 from cukern.dispatch import Dispatch, check_array
 from cukern.runtime import FamilySpec, KernelSpec
 
-__all__ = ["DmmvDispatch", "QWeight", "MoeRoute", "QTYPES", "FAMILY", "GLU_FAMILY", "MOE_FAMILY", "PACKED_FAMILY",
-           "DeviceError"]
+__all__ = ["DmmvDispatch", "QWeight", "MoeRoute", "QTYPES", "Q8_TYPES", "FAMILY", "GLU_FAMILY", "MOE_FAMILY",
+           "PACKED_FAMILY", "DeviceError"]
 
 # GGML type id -> (name, elements per block, bytes per block, byte alignment the kernels need)
 QTYPES = {
@@ -56,6 +56,27 @@ _ONE_COL = {0: (2, 1), 1: (2, 1), 30: (2, 1), 2: (4, 0), 6: (4, 0), 8: (2, 0), 3
             14: (2, 0)}
 
 
+# The int8 path (cuda_src/dmmv/q8.cuh): x quantized per block to Q8_1-style int8, __dp4a dot products.
+# It serves dmmv (every column count, every epilogue) and moe_dmmv without GLU for these types; the
+# f32 path serves the float types, pair, GLU, packed MoE and moe_down. Accuracy: exact W . x^ with
+# x^ = x rounded per 32 elements to 8 bits (cukern.reference.dmmv.quantize_q8), NMSE ~3e-5 against x.
+Q8_TYPES = (2, 6, 8, 39, 12, 13, 14)
+_Q8_STAGES = 4  # ring slots per warp (q8::kStages)
+_Q8_MAX_WARPS = 32  # q8::kMaxWarps
+
+
+def _q8_slot(qt: int) -> int:
+    """Bytes of one ring slot (q8::slot_bytes): 32 units of 32 weights, +32 bytes, 16-byte rounded."""
+    _, be, bb, _ = QTYPES[qt]
+    iter_bytes = 32 * 32 // be * bb
+    return (iter_bytes + 32 + 15) // 16 * 16
+
+
+def _q8_smem(qt: int, nw: int, nc: int, k: int) -> int:
+    """Dynamic shared memory of dmmv_q8 / moe_dmmv_q8 (q8::smem_bytes): rings, then int8 x + XInfo."""
+    return nw * _Q8_STAGES * _q8_slot(qt) + nc * (k + k // 32 * 8)
+
+
 def _config(qt: int, n: int) -> tuple[int, int]:
     return _ONE_COL[qt] if n == 1 else (2, 0)
 
@@ -68,6 +89,7 @@ def _kernel(qt: int, n: int) -> str:
 FAMILY = FamilySpec(
     name="dmmv",
     kernels=tuple([KernelSpec(_kernel(q, n), "DmmvParams") for q in QTYPES for n in _COLS]
+                  + [KernelSpec(f"dmmv_q8<{q}, {n}>", "DmmvParams") for q in Q8_TYPES for n in _COLS]
                   + [KernelSpec(f"dequantize<{q}>", "DequantParams") for q in QTYPES]),
 )
 GLU_FAMILY = FamilySpec(
@@ -78,6 +100,7 @@ MOE_FAMILY = FamilySpec(
     name="dmmv_moe", source="dmmv/moe.cu", params_header="dmmv/params.cuh",
     kernels=tuple(
         [KernelSpec(f"moe_dmmv<{q}, {g}>", "MoeParams") for q in QTYPES for g in ("false", "true")]
+        + [KernelSpec(f"moe_dmmv_q8<{q}>", "MoeParams") for q in Q8_TYPES]
         + [KernelSpec(f"moe_down<{q}>", "MoeParams") for q in QTYPES]
         + [KernelSpec("moe_route_pack", "RouteParams"), KernelSpec("moe_count_experts", "RouteParams")]
     ),
@@ -220,6 +243,7 @@ class DmmvDispatch(Dispatch):
         self._moe = _Unit(MOE_FAMILY, device)
         self._packed = _Unit(PACKED_FAMILY, device)
         self._err = None
+        self._resident: dict[tuple, tuple] = {}  # (unit, kernel, k) -> _q8_plan
 
     # ------------------------------------------------------------------ errors
     @property
@@ -295,6 +319,28 @@ class DmmvDispatch(Dispatch):
                 yield c, width
                 c += width
 
+    # ------------------------------------------------------------------ the int8 path
+    def _q8_plan(self, unit: Dispatch, kernel: str, qt: int, nc: int, k: int):
+        """(warps per block, dynamic shared memory, blocks to launch) for an int8-path kernel, or
+        None when its x does not fit in shared memory (then the f32 path runs). One block per SM
+        of up to 32 warps: each block quantizes x once, and 32 warps with 3 iterations each in
+        flight hold far more bytes in flight than HBM needs. Cached per (kernel, k)."""
+        key = (unit.family.name, kernel, k)
+        got = self._resident.get(key)
+        if got is not None:
+            return got or None
+        dev = cupy.cuda.Device(self.device_id)
+        limit = dev.attributes["MaxSharedMemoryPerBlockOptin"]
+        plan = ()
+        for nw in (_Q8_MAX_WARPS, 16, 8, 4):
+            smem = _q8_smem(qt, nw, nc, k)
+            if smem <= limit:
+                unit._function(kernel, smem)  # raises the kernel's dynamic shared memory limit
+                plan = (nw, smem, dev.attributes["MultiProcessorCount"])
+                break
+        self._resident[key] = plan
+        return plan or None
+
     # ------------------------------------------------------------------ dense matvecs
     def dequantize(self, w: QWeight, out: cupy.ndarray, *, stream=None) -> cupy.ndarray:
         """``out = W`` as f32 [m, k] (per-element path; for tests and dense fallbacks)."""
@@ -319,10 +365,18 @@ class DmmvDispatch(Dispatch):
         mode = self._mode(accumulate, gate)
         nw = _warps(w.k)
         for c0, width in self._chunks(n):
-            blocks = -(-w.m // _config(w.qtype, width)[0])
-            params = self._params(w, blocks1=blocks, mode=mode, alpha=alpha, y_stride=w.m)
             xs, ys = (x, y) if n == 1 else (x[c0:], y[c0:])
             g = ys if gate is None else gate[c0:]
+            q8 = f"dmmv_q8<{w.qtype}, {width}>"
+            plan = self._q8_plan(self, q8, w.qtype, width, w.k) if w.qtype in Q8_TYPES else None
+            if plan:
+                qw, smem, resident = plan
+                blocks = max(1, min(-(-w.m // qw), resident))
+                params = self._params(w, blocks1=blocks, mode=mode, alpha=alpha, y_stride=w.m)
+                self._launch(q8, blocks, qw * 32, (ys, w.buf, xs, g), params, stream=stream, shared_mem=smem)
+                continue
+            blocks = -(-w.m // _config(w.qtype, width)[0])
+            params = self._params(w, blocks1=blocks, mode=mode, alpha=alpha, y_stride=w.m)
             self._launch(_kernel(w.qtype, width), blocks, nw * 32, (ys, ys, w.buf, w.buf, xs, g), params,
                          stream=stream)
         return y
@@ -431,6 +485,14 @@ class DmmvDispatch(Dispatch):
             raise ValueError(f"moe_dmmv: at most 65535 slots per launch, got {n_slots} (use moe_dmmv_packed)")
         params = self._moe_params(w, w2=w_up, top_k=top_k, n_slots=n_slots, x_per_slot=per_slot,
                                   act=_ACTS[act], alpha=alpha)
+        q8 = f"moe_dmmv_q8<{w.qtype}>"
+        plan = self._q8_plan(self._moe, q8, w.qtype, 1, w.k) if w.qtype in Q8_TYPES and w_up is None else None
+        if plan:
+            qw, smem, resident = plan
+            per_slot_blocks = max(1, min(-(-w.m // qw), resident // n_slots))
+            self._moe._launch(q8, (per_slot_blocks, n_slots), qw * 32, (y, self.error_flag, w.buf, x, ids), params,
+                              stream=stream, shared_mem=smem)
+            return y
         glu = "true" if w_up is not None else "false"
         self._moe._launch(f"moe_dmmv<{w.qtype}, {glu}>", (-(-w.m // _ROWS), n_slots), _warps(w.k) * 32,
                           (y, self.error_flag, w.buf, (w_up or w).buf, x, ids), params, stream=stream)

@@ -18,11 +18,12 @@ cupy = pytest.importorskip("cupy")
 from cukern import dmmv as D  # noqa: E402
 from cukern.dmmv import DeviceError, DmmvDispatch, QWeight  # noqa: E402
 from cukern.reference import dmmv as ref  # noqa: E402
-from cukern.testing import assert_close, poison  # noqa: E402
+from cukern.testing import assert_close, nmse, poison  # noqa: E402
 
 TYPES = list(ref.TYPES)  # every GGML type id the family supports
 NAMES = {q: ref.TYPES[q][0] for q in TYPES}
 RTOL = 2e-3
+Q8_NMSE = 2e-4  # int8 path against the exact x (expected ~3e-5 for Gaussian x; one wrong unit of 32 is ~1e-2)
 
 
 def _ks(q):
@@ -39,6 +40,20 @@ def _check(out, want, name="out"):
     want = np.asarray(want, dtype=np.float64)
     rms = float(np.sqrt(np.mean(want * want))) if want.size else 0.0
     assert_close(out, want, atol=1e-4 * rms + 1e-30, rtol=RTOL, name=name)
+
+
+def _xhat(q, x, int8_path=True):
+    """The x the kernel multiplies: the int8 path (dmmv, moe_dmmv without GLU, for D.Q8_TYPES) rounds
+    x to 8 bits per 32 elements (ref.quantize_q8 emulates it exactly)."""
+    return ref.quantize_q8(x) if int8_path and q in D.Q8_TYPES else x
+
+
+def _check_q(out, q, f, x, name="out"):
+    """out against f(x^) element-wise; on the int8 path also its error against f(x), by NMSE."""
+    _check(out, f(_xhat(q, x)), name)
+    if q in D.Q8_TYPES:
+        err = nmse(out, f(x))
+        assert err < Q8_NMSE, f"{name}: NMSE {err:.3g} against the exact x"
 
 
 def _weight(q, m, k, rng, *, pad_front=0, n_experts=0):
@@ -71,6 +86,21 @@ def test_families_declared():
         for n in (1, 2, 4, 8):
             assert D._kernel(q, n) in names and f"dmmv_glu<{q}, {n}>" in names
         assert f"moe_down<{q}>" in names and f"dequantize<{q}>" in names
+    for q in D.Q8_TYPES:
+        assert f"moe_dmmv_q8<{q}>" in names and all(f"dmmv_q8<{q}, {n}>" in names for n in (1, 2, 4, 8))
+
+
+def test_quantize_q8_reference():
+    """The emulated int8 rounding of x: exact on zeros and on values d * q, within d/2 elsewhere."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, 96)).astype(np.float32)
+    x[1, 32:64] = 0.0
+    xh = ref.quantize_q8(x)
+    b, bh = x.reshape(3, 3, 32).astype(np.float64), xh.reshape(3, 3, 32)
+    d = np.abs(b).max(-1, keepdims=True) / 127
+    assert np.all(np.abs(bh - b) <= d / 2 * (1 + 1e-6))
+    assert np.all(xh[1, 32:64] == 0.0)
+    np.testing.assert_allclose(np.abs(bh).max(-1), np.abs(b).max(-1), rtol=1e-6)
 
 
 def test_rejects_host_buffers_and_unknown_types():
@@ -131,7 +161,7 @@ def test_dmmv(d, rng, q, m):
         x = _x(rng, k)
         y = poison(cupy.empty(m, cupy.float32))
         d.dmmv(w, cupy.asarray(x), y)
-        _check(y, ref.matvec(dense, x), name=f"{NAMES[q]} {m}x{k}")
+        _check_q(y, q, lambda v: ref.matvec(dense, v), x, name=f"{NAMES[q]} {m}x{k}")
 
 
 @pytest.mark.gpu
@@ -149,7 +179,7 @@ def test_gguf_quantized_blocks(d, rng, q):
     x = _x(rng, k)
     y = poison(cupy.empty(m, cupy.float32))
     d.dmmv(QWeight(cupy.asarray(raw.ravel()), q, m, k), cupy.asarray(x), y)
-    _check(y, ref.matvec(dense, x))
+    _check_q(y, q, lambda v: ref.matvec(dense, v), x)
 
 
 @pytest.mark.gpu
@@ -160,7 +190,7 @@ def test_dmmv_offset_accumulate_scale_gate(d, rng, q):
     w, dense = _weight(q, m, k, rng, pad_front=align * 37)  # inside a larger buffer
     x = _x(rng, k)
     y0 = _x(rng, m)
-    want = ref.matvec(dense, x)
+    want = ref.matvec(dense, _xhat(q, x))
     y = cupy.asarray(y0)
     d.dmmv(w, cupy.asarray(x), y, accumulate=True)
     _check(y, y0 + want, "accumulate")
@@ -175,7 +205,7 @@ def test_dmmv_offset_accumulate_scale_gate(d, rng, q):
     g = np.array([0.3, -2.0, 4.0], np.float32)
     y = cupy.asarray(y0)
     d.dmmv_gated_acc(w, cupy.asarray(x2), y, cupy.asarray(g))
-    _check(y, y0 + ref.sigmoid(g.astype(np.float64))[:, None] * ref.matvec(dense, x2), "sigmoid-gated")
+    _check(y, y0 + ref.sigmoid(g.astype(np.float64))[:, None] * ref.matvec(dense, _xhat(q, x2)), "sigmoid-gated")
 
 
 @pytest.mark.gpu
@@ -187,7 +217,7 @@ def test_dmmv_batched(d, rng, q, n):
     x = _x(rng, n, k)
     y = poison(cupy.empty((n, m), cupy.float32))
     d.dmmv_batch(w, cupy.asarray(x), y)
-    _check(y, ref.matvec(dense, x))
+    _check_q(y, q, lambda v: ref.matvec(dense, v), x)
 
 
 @pytest.mark.gpu
@@ -219,6 +249,38 @@ def test_dmmv_glu(d, rng, q, act):
         _check(y, ref.glu(dg, du, x, act))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("q", D.Q8_TYPES, ids=NAMES.get)
+def test_q8_rows_through_small_ring(d, rng, q):
+    """The int8 path with one small block: each warp streams many rows of several iterations through
+    its ring (copies in flight across row boundaries), a partial last iteration, ragged rows."""
+    m, k = 45, _ks(q)[-1]
+    w, dense = _weight(q, m, k, rng, pad_front=D.QTYPES[q][3] * 5)
+    x = _x(rng, 2, k)
+    for nc in (1, 2):
+        key = ("dmmv", f"dmmv_q8<{q}, {nc}>", k)
+        saved = d._resident.get(key)
+        d._resident[key] = (4, D._q8_smem(q, 4, nc, k), 1)  # 1 block of 4 warps: ~11 rows per warp
+        try:
+            y = poison(cupy.empty((nc, m), cupy.float32))
+            d.dmmv(w, cupy.asarray(x[:nc]), y)
+            _check_q(y, q, lambda v: ref.matvec(dense, v), x[:nc], name=f"{NAMES[q]} nc={nc}")
+        finally:
+            d._resident.pop(key) if saved is None else d._resident.__setitem__(key, saved)
+    n_e, T, top_k = 3, 2, 2
+    we, de = _weight(q, m, k, rng, n_experts=n_e)
+    ids = _ids(rng, T, top_k, n_e)
+    key = ("dmmv_moe", f"moe_dmmv_q8<{q}>", k)
+    saved = d._resident.get(key)
+    d._resident[key] = (2, D._q8_smem(q, 2, 1, k), 4)  # 1 block of 2 warps per slot
+    try:
+        y = poison(cupy.empty((T, top_k, m), cupy.float32))
+        d.moe_dmmv(we, cupy.asarray(x), cupy.asarray(ids), y)
+        _check_q(y, q, lambda v: ref.moe(de, v, ids), x)
+    finally:
+        d._resident.pop(key) if saved is None else d._resident.__setitem__(key, saved)
+
+
 # ---------------------------------------------------------------------------- GPU: MoE
 def _ids(rng, T, top_k, n_e):
     return np.stack([rng.permutation(n_e)[:top_k] for _ in range(T)]).astype(np.int32)
@@ -234,7 +296,7 @@ def test_moe_dmmv(d, rng, q):
     for x in (_x(rng, T, k), _x(rng, T, top_k, k)):
         y = poison(cupy.empty((T, top_k, m), cupy.float32))
         d.moe_dmmv(w, cupy.asarray(x), cupy.asarray(ids), y)
-        _check(y, ref.moe(dense, x, ids))
+        _check_q(y, q, lambda v: ref.moe(dense, v, ids), x)
         y = poison(cupy.empty((T, top_k, m), cupy.float32))
         d.moe_dmmv(w, cupy.asarray(x), cupy.asarray(ids), y, w_up=wu, act="swiglu")
         _check(y, ref.moe(dense, x, ids, w_up=dense_u, act="swiglu"))
@@ -299,7 +361,7 @@ def test_moe_bad_expert_ids_are_flagged_and_zeroed(d, rng):
     d.check_errors()  # clean start
     y = poison(cupy.empty((T, top_k, m), cupy.float32))
     d.moe_dmmv(w, cupy.asarray(x), cupy.asarray(ids), y)
-    _check(y, ref.moe(dense, x, ids))  # bad slots: zeros
+    _check(y, ref.moe(dense, _xhat(q, x), ids))  # bad slots: zeros
     with pytest.raises(DeviceError, match="expert id"):
         d.check_errors()
     d.check_errors()  # reset by the previous check

@@ -2,6 +2,7 @@
 //   dmmv      y[c] = epilogue(W x[c]) for NC = 1, 2, 4, 8 columns (weights read once for all);
 //             also the pair form (two matrices sharing x: blocks past blocks1 work on W2)
 //   dmmv_glu  y[c] = epilogue(act(Wg x[c]) * (Wu x[c])): fused gate + up + SwiGLU / GEGLU
+//   dmmv_q8   as dmmv (no pair), on the int8 path of the quantized types (q8.cuh)
 // Epilogues (DmmvParams.mode): store alpha*v, accumulate y += alpha*v, and the sigmoid-gated
 // accumulate y += alpha*sigmoid(gate[c])*v of the shared-expert path.
 //
@@ -9,6 +10,7 @@
 // the 256-element steps of those rows. Traffic: every weight byte once; x from L1/L2.
 #include "dmmv/core.cuh"
 #include "dmmv/params.cuh"
+#include "dmmv/q8.cuh"
 
 using namespace cukern;
 using namespace cukern::qmv;
@@ -90,6 +92,39 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dmmv_glu(
             store(y + (size_t)c * p.y_stride + row0 + r, v, c, gate, p);
         }
     }
+}
+
+// The int8 path (q8.cuh): a persistent grid (the host sizes it to the resident blocks); each block
+// quantizes its NC columns of x into shared memory once, then warp w of block b takes rows
+// b * nw + w, + gridDim.x * nw, ... Dynamic shared memory: q8::smem_bytes<QT>(nw, NC, k).
+template <int QT, int NC>
+__global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8(
+    float* __restrict__ y,             // [NC, y_stride] out: y[c * y_stride + i], i < m
+    const uint8_t* __restrict__ w,     // raw GGUF bytes; m rows from w + w_offset
+    const float* __restrict__ x,       // [NC, x_stride] f32 columns, 16-byte aligned, k used
+    const float* __restrict__ gate,    // [NC] gate logits for mode 2; unused otherwise
+    const DmmvParams p) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    const int warp = threadIdx.x / 32, nw = blockDim.x / 32;
+    if (q8::smem_bytes<QT>(nw, NC, p.k) > q8::dynamic_smem_bytes()) __trap();  // a launcher bug, never data
+    const q8::Smem<QT, NC> sm(smem, nw, p.k);
+    const uint32_t first = blockIdx.x * nw + warp, stride = gridDim.x * nw;
+    const int n_rows = first < p.m ? (int)((p.m - first + stride - 1) / stride) : 0;
+    const uint8_t* base = w + p.w_offset;
+    q8::warp_rows<QT, NC>(
+        sm.ring(warp), n_rows,
+        [&](int j) { return base + (size_t)(first + (uint32_t)j * stride) * p.row_bytes; }, (uint32_t)p.row_bytes,
+        p.k, q8::XView<NC>{sm.xq, sm.xi, p.k},
+        [&] {
+            for (int c = 0; c < NC; ++c)
+                q8::quantize_x(x + (size_t)c * p.x_stride, p.k, sm.xq + (size_t)c * p.k, sm.xi + c * (p.k / 32));
+            __syncthreads();
+        },
+        [&](int j, const float (&v)[NC]) {
+            const uint32_t row = first + (uint32_t)j * stride;
+#pragma unroll
+            for (int c = 0; c < NC; ++c) store(y + (size_t)c * p.y_stride + row, v[c], c, gate, p);
+        });
 }
 
 // out = W in f32, one element per thread (grid-stride): the per-element dequantization of

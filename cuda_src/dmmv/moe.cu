@@ -5,6 +5,7 @@
 //
 //   moe_dmmv          every (token, slot) in one launch: y[slot] = W[ids[slot]] x[token or slot]
 //                     (optionally gate + up + activation fused, as dmmv_glu)
+//   moe_dmmv_q8       as moe_dmmv without GLU, on the int8 path of the quantized types (q8.cuh)
 //   moe_route_pack    groups the slots by expert: counts, offsets, packed slot ids and a list of
 //                     work items (expert, first packed slot, n <= kPackCols); count on the device
 //   moe_count_experts per-expert slot counts only
@@ -16,6 +17,7 @@
 // (moe_down: its term is dropped) and bit 0 of err[0] is set; DmmvDispatch.check_errors()
 // reports it outside the hot path.
 #include "dmmv/moe.cuh"
+#include "dmmv/q8.cuh"
 
 // grid: (ceil(m / kRows), n_slots); block: NW warps
 template <int QT, bool GLU>
@@ -53,6 +55,44 @@ __global__ void __launch_bounds__(kMaxWarps * 32) moe_dmmv(
         const float v = GLU ? glu_act(p.act, red[threadIdx.x]) * red[kRows + threadIdx.x] : red[threadIdx.x];
         out[row0 + threadIdx.x] = p.alpha * v;
     }
+}
+
+// grid: (blocks per slot, n_slots), sized by the host to the resident blocks; block: nw warps.
+// Each block quantizes its slot's x into shared memory, then its warps take the expert's rows
+// b * nw + w, + gridDim.x * nw, ... Dynamic shared memory: q8::smem_bytes<QT>(nw, 1, k).
+template <int QT>
+__global__ void __launch_bounds__(q8::kMaxWarps * 32) moe_dmmv_q8(
+    float* __restrict__ y,            // [n_slots, m] out
+    int* __restrict__ err,            // [1] error bits, or-ed in
+    const uint8_t* __restrict__ w,    // expert weights
+    const float* __restrict__ x,      // [n_slots or n_tokens, k] f32 (x_per_slot)
+    const int* __restrict__ ids,      // [n_slots] expert of each slot (token-major)
+    const MoeParams p) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    const int warp = threadIdx.x / 32, nw = blockDim.x / 32;
+    if (q8::smem_bytes<QT>(nw, 1, p.k) > q8::dynamic_smem_bytes()) __trap();  // a launcher bug, never data
+    const uint32_t slot = blockIdx.y;
+    float* out = y + (size_t)slot * p.m;
+    const int e = ids[slot];
+    if (!expert_ok(e, p)) {
+        for (uint32_t r = blockIdx.x * blockDim.x + threadIdx.x; r < p.m; r += gridDim.x * blockDim.x) out[r] = 0.0f;
+        if (threadIdx.x == 0 && blockIdx.x == 0) atomicOr(err, kErrExpertId);
+        return;
+    }
+    const q8::Smem<QT, 1> sm(smem, nw, p.k);
+    const uint32_t first = blockIdx.x * nw + warp, stride = gridDim.x * nw;
+    const int n_rows = first < p.m ? (int)((p.m - first + stride - 1) / stride) : 0;
+    const uint8_t* base = w + p.w_offset + (size_t)e * p.expert_bytes;
+    const float* xs = x + (size_t)(p.x_per_slot ? slot : slot / p.top_k) * p.k;
+    q8::warp_rows<QT, 1>(
+        sm.ring(warp), n_rows,
+        [&](int j) { return base + (size_t)(first + (uint32_t)j * stride) * p.row_bytes; }, (uint32_t)p.row_bytes,
+        p.k, q8::XView<1>{sm.xq, sm.xi, p.k},
+        [&] {
+            q8::quantize_x(xs, p.k, sm.xq, sm.xi);
+            __syncthreads();
+        },
+        [&](int j, const float (&v)[1]) { out[first + (uint32_t)j * stride] = p.alpha * v[0]; });
 }
 
 // grid: (ceil(m / kRows), n_tokens); block: NW warps

@@ -62,6 +62,20 @@ def dequantize(raw: np.ndarray, qtype: int, m: int, k: int) -> np.ndarray:
     return np.asarray(out, dtype=np.float64).reshape(m, k)
 
 
+def quantize_q8(x: np.ndarray) -> np.ndarray:
+    """x^ as float64: what the int8 path of the matvecs (cuda_src/dmmv/q8.cuh) multiplies, emulated
+    bit for bit in float32. Per 32 elements along the last axis: d = max|x| / 127, q = round(x * (1/d))
+    half away from zero (q = 0 for an all-zero block), x^ = d * q."""
+    x = np.asarray(x, dtype=np.float32)
+    b = x.reshape(x.shape[:-1] + (-1, 32))
+    amax = np.abs(b).max(axis=-1, keepdims=True)
+    d = amax / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    q = np.floor(np.abs(b * inv) + np.float32(0.5)) * np.sign(b)
+    return (d.astype(np.float64) * q.astype(np.float64)).reshape(x.shape)
+
+
 def matvec(w: np.ndarray, x: np.ndarray) -> np.ndarray:
     """y[..., i] = sum_j w[i, j] x[..., j] in float64 (x: [k] or [n, k])."""
     return np.asarray(x, dtype=np.float64) @ np.asarray(w, dtype=np.float64).T

@@ -1,0 +1,376 @@
+// The int8 matvec path of the quantized types (Q4_0, Q5_0, Q8_0, MXFP4, Q4_K, Q5_K, Q6_K):
+// x is quantized once per thread block to Q8_1-style int8 blocks in shared memory, and every
+// 32-weight unit of a row is an integer dot product of four-weight words (__dp4a), scaled once
+// per unit. Per weight that is about 1/4 of a dp4a plus the unpacking of its bits, where the f32
+// path (core.cuh) needs a conversion and an FMA per weight; the f32 path was instruction-bound.
+//
+// Accuracy: the kernel computes W . x^ exactly up to f32 rounding, where x^ is x rounded per
+// 32 elements to d * q, d = max|x| / 127 (f32), q = round(x / d) in [-127, 127] (ties away from
+// zero); cukern.reference.dmmv.quantize_q8 emulates x^ bit for bit. Against the exact x the
+// normalised error of y is about 3e-5 for Gaussian x (the tests bound it).
+//
+// Weights reach shared memory through cp.async (16-byte copies, L1 bypassed): each warp owns a
+// ring of kStages slots and streams its rows through it, kStages - 1 iterations in flight, across
+// row boundaries. One iteration = 32 units (1024 weights) of one row, one unit per lane. A slot
+// holds the 16-byte-aligned window around the iteration's bytes, so any block alignment works
+// (rows of Q4_0 blocks are only 2-byte aligned, MXFP4 1-byte): units are read from the slot at
+// their byte offset, unaligned words by funnel shifts.
+#pragma once
+
+#include "common/mma.cuh"
+#include "common/q8_1.cuh"
+#include "common/quants.cuh"
+#include "common/reduce.cuh"
+
+namespace cukern {
+namespace q8 {
+
+constexpr int kMaxWarps = 32;  // warps per block: the host picks up to 32 (one block per SM)
+constexpr int kStages = 4;     // ring slots per warp
+constexpr int kUnitElems = 32;
+constexpr int kIterUnits = 32;  // units per warp iteration (one per lane)
+
+// Per 32-element block of quantized x: the scale and the integer sums of its two halves.
+struct XInfo {
+    float d;     // max|x| / 127 (0 for an all-zero block)
+    short s0;    // sum of q over elements 0...15
+    short s1;    // sum of q over elements 16...31
+};
+static_assert(sizeof(XInfo) == 8, "XInfo");
+
+// ------------------------------------------------------------------------------------- helpers
+CUKERN_DEVICE float half_bits(uint32_t h) { return __half2float(__ushort_as_half((unsigned short)h)); }
+
+// N little-endian words from shared memory at any byte alignment (reads N + 1 aligned words).
+template <int N>
+CUKERN_DEVICE void lds_words(const uint8_t* p, uint32_t (&w)[N]) {
+    const size_t a = reinterpret_cast<size_t>(p);
+    const uint32_t* b = reinterpret_cast<const uint32_t*>(a & ~size_t(3));
+    const uint32_t sh = 8u * (uint32_t)(a & 3);
+    uint32_t prev = b[0];
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const uint32_t next = b[i + 1];
+        w[i] = __funnelshift_r(prev, next, sh);
+        prev = next;
+    }
+}
+
+// 32 bytes from 16-byte-aligned shared memory.
+CUKERN_DEVICE void lds_32b(const uint8_t* p, uint32_t (&w)[8]) {
+    const uint4 a = reinterpret_cast<const uint4*>(p)[0], b = reinterpret_cast<const uint4*>(p)[1];
+    w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
+    w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+}
+
+CUKERN_DEVICE uint32_t spread_bits4_q8(uint32_t t) { return ((t & 15u) * 0x00204081u) & 0x01010101u; }
+
+CUKERN_DEVICE uint32_t prmt_s(uint32_t a, uint32_t b, uint32_t sel) {  // prmt with sign-replicate mode
+    uint32_t r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+
+// MXFP4: the four codes in the nibbles of sel's low 16 bits -> four int8, the doubled E2M1 values
+// (-12...12). 3-bit magnitude lookups in a positive and a negative table, picked per byte by the
+// code's sign bit spread to a byte mask (prmt sign-replicate; see quants.cuh mxfp4_lookup4_biased).
+CUKERN_DEVICE uint32_t mxfp4_lookup4_s8(uint32_t sel) {
+    constexpr uint32_t kPos0 = 0x03020100u, kPos1 = 0x0C080604u;  // 0, 1, 2, 3 | 4, 6, 8, 12
+    constexpr uint32_t kNeg0 = 0xFDFEFF00u, kNeg1 = 0xF4F8FAFCu;  // -0, -1, -2, -3 | -4, -6, -8, -12
+    const uint32_t idx = sel & 0x7777u;
+    const uint32_t pos = __byte_perm(kPos0, kPos1, idx), neg = __byte_perm(kNeg0, kNeg1, idx);
+    const uint32_t mask = prmt_s(sel << 4, sel, 0xD9C8);
+    return (pos & ~mask) | (neg & mask);
+}
+
+// The 32 int8 of x for one unit of column c, and its XInfo.
+struct XCol {
+    const int8_t* q;    // [k] quantized x of this column
+    const XInfo* info;  // [k / 32]
+};
+
+template <int NC>
+struct XView {
+    const int8_t* q;    // [NC][k]
+    const XInfo* info;  // [NC][k / 32]
+    uint32_t k;
+    CUKERN_DEVICE void unit(int c, uint32_t u, uint32_t (&v)[8], XInfo& xi) const {
+        lds_32b(reinterpret_cast<const uint8_t*>(q + (size_t)c * k + 32 * u), v);
+        xi = info[(size_t)c * (k / 32) + u];
+    }
+};
+
+CUKERN_DEVICE int dot8(const uint32_t (&w)[8], const uint32_t (&x)[8], int from, int to, int s) {
+#pragma unroll
+    for (int i = from; i < to; ++i) s = __dp4a((int)w[i], (int)x[i], s);
+    return s;
+}
+
+// ------------------------------------------------------------------------------------- units
+// Unit<QT>::dot<NC>(blk, s, u, x, acc): acc[c] += (unit s of the block at blk) . x^[c] for the
+// unit's 32 weights (unit u of the row). blk: the block's first byte in shared memory.
+//   kBlockUnits: units per GGUF block; kBlockBytes: its size.
+template <int QT> struct Unit;
+
+template <> struct Unit<QT_Q4_0> {  // w = d * (q - 8), q = nibble
+    static constexpr int kBlockUnits = 1, kBlockBytes = 18;
+    template <int NC>
+    static CUKERN_DEVICE void dot(const uint8_t* b, int, uint32_t u, const XView<NC>& x, float (&acc)[NC]) {
+        uint32_t q[4], w[8];
+        lds_words<4>(b + 2, q);
+        const float d = half_bits(*reinterpret_cast<const unsigned short*>(b));
+#pragma unroll
+        for (int i = 0; i < 4; ++i) { w[i] = q[i] & 0x0F0F0F0Fu; w[4 + i] = (q[i] >> 4) & 0x0F0F0F0Fu; }
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            uint32_t xv[8]; XInfo xi;
+            x.unit(c, u, xv, xi);
+            acc[c] += xi.d * d * (float)(dot8(w, xv, 0, 8, 0) - 8 * (xi.s0 + xi.s1));
+        }
+    }
+};
+
+template <> struct Unit<QT_Q5_0> {  // w = d * (q - 16), q = nibble | bit j of qh << 4
+    static constexpr int kBlockUnits = 1, kBlockBytes = 22;
+    template <int NC>
+    static CUKERN_DEVICE void dot(const uint8_t* b, int, uint32_t u, const XView<NC>& x, float (&acc)[NC]) {
+        uint32_t q[4], qh[1], w[8];
+        lds_words<1>(b + 2, qh);
+        lds_words<4>(b + 6, q);
+        const float d = half_bits(*reinterpret_cast<const unsigned short*>(b));
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            w[i] = (q[i] & 0x0F0F0F0Fu) | (spread_bits4_q8(qh[0] >> (4 * i)) << 4);
+            w[4 + i] = ((q[i] >> 4) & 0x0F0F0F0Fu) | (spread_bits4_q8(qh[0] >> (16 + 4 * i)) << 4);
+        }
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            uint32_t xv[8]; XInfo xi;
+            x.unit(c, u, xv, xi);
+            acc[c] += xi.d * d * (float)(dot8(w, xv, 0, 8, 0) - 16 * (xi.s0 + xi.s1));
+        }
+    }
+};
+
+template <> struct Unit<QT_Q8_0> {  // w = d * q, q int8
+    static constexpr int kBlockUnits = 1, kBlockBytes = 34;
+    template <int NC>
+    static CUKERN_DEVICE void dot(const uint8_t* b, int, uint32_t u, const XView<NC>& x, float (&acc)[NC]) {
+        uint32_t w[8];
+        lds_words<8>(b + 2, w);
+        const float d = half_bits(*reinterpret_cast<const unsigned short*>(b));
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            uint32_t xv[8]; XInfo xi;
+            x.unit(c, u, xv, xi);
+            acc[c] += xi.d * d * (float)dot8(w, xv, 0, 8, 0);
+        }
+    }
+};
+
+template <> struct Unit<QT_MXFP4> {  // w = 2^(e-127) * e2m1(code) = 2^(e-128) * doubled code
+    static constexpr int kBlockUnits = 1, kBlockBytes = 17;
+    template <int NC>
+    static CUKERN_DEVICE void dot(const uint8_t* b, int, uint32_t u, const XView<NC>& x, float (&acc)[NC]) {
+        uint32_t q[4], w[8];
+        lds_words<4>(b + 1, q);
+        const float d = e8m0_to_float_half(b[0]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            // low 16 bits: nibbles (lo, hi) of bytes 4i, 4i+1 -> elements (4i, 16+4i, 4i+1, 17+4i)
+            const uint32_t a = mxfp4_lookup4_s8(q[i]), c = mxfp4_lookup4_s8(q[i] >> 16);
+            w[i] = __byte_perm(a, c, 0x6420);      // elements 4i ... 4i+3
+            w[4 + i] = __byte_perm(a, c, 0x7531);  // elements 16+4i ... 16+4i+3
+        }
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            uint32_t xv[8]; XInfo xi;
+            x.unit(c, u, xv, xi);
+            acc[c] += xi.d * d * (float)dot8(w, xv, 0, 8, 0);
+        }
+    }
+};
+
+// Q4_K / Q5_K: unit s = sub-block s (elements 32s...32s+31) of the 256-element super-block:
+// qs bytes 32(s/2)...+31, low nibbles for even s, high for odd; w = d*sc*q - dmin*m.
+template <int QT>
+struct UnitK45 {
+    static constexpr bool k5 = QT == QT_Q5_K;
+    static constexpr int kBlockUnits = 8, kBlockBytes = k5 ? 176 : 144;
+    template <int NC>
+    static CUKERN_DEVICE void dot(const uint8_t* b, int s, uint32_t u, const XView<NC>& x, float (&acc)[NC]) {
+        const uint4 h = *reinterpret_cast<const uint4*>(b);  // d, dmin | 12 scale bytes
+        int sc, m;
+        k4_scale_min(h.y, h.z, h.w, s, sc, m);
+        const float2 dm = __half22float2(*reinterpret_cast<const __half2*>(&h.x));
+        const float a = dm.x * (float)sc, bm = dm.y * (float)m;
+        uint32_t w[8];
+        lds_32b(b + (k5 ? 48 : 16) + 32 * (s >> 1), w);
+        const int sh = 4 * (s & 1);
+        if (k5) {
+            uint32_t qh[8];
+            lds_32b(b + 16, qh);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) w[i] = ((w[i] >> sh) & 0x0F0F0F0Fu) | (((qh[i] >> s) & 0x01010101u) << 4);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) w[i] = (w[i] >> sh) & 0x0F0F0F0Fu;
+        }
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            uint32_t xv[8]; XInfo xi;
+            x.unit(c, u, xv, xi);
+            acc[c] += xi.d * (a * (float)dot8(w, xv, 0, 8, 0) - bm * (float)(xi.s0 + xi.s1));
+        }
+    }
+};
+template <> struct Unit<QT_Q4_K> : UnitK45<QT_Q4_K> {};
+template <> struct Unit<QT_Q5_K> : UnitK45<QT_Q5_K> {};
+
+// Q6_K: unit s (elements 32s...32s+31), half h = s/4, c = s%4: ql bytes 64h + 32(c&1)...,
+// nibble c/2; qh bytes 32h..., bits 2c, 2c+1; scales[2s] for elements 0...15, [2s+1] for 16...31.
+template <> struct Unit<QT_Q6_K> {
+    static constexpr int kBlockUnits = 8, kBlockBytes = 210;
+    template <int NC>
+    static CUKERN_DEVICE void dot(const uint8_t* b, int s, uint32_t u, const XView<NC>& x, float (&acc)[NC]) {
+        const int h = s >> 2, c4 = s & 3;
+        uint32_t w[8], qh[8];
+        lds_words<8>(b + 64 * h + 32 * (c4 & 1), w);
+        lds_words<8>(b + 128 + 32 * h, qh);
+        const int nsh = 4 * (c4 >> 1), hsh = 2 * c4;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w[i] = ((w[i] >> nsh) & 0x0F0F0F0Fu) | (((qh[i] >> hsh) & 0x03030303u) << 4);
+        const int sc0 = (int8_t)b[192 + 2 * s], sc1 = (int8_t)b[193 + 2 * s];
+        const float d = half_bits(*reinterpret_cast<const unsigned short*>(b + 208));
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            uint32_t xv[8]; XInfo xi;
+            x.unit(c, u, xv, xi);
+            const int v = sc0 * (dot8(w, xv, 0, 4, 0) - 32 * xi.s0) + sc1 * (dot8(w, xv, 4, 8, 0) - 32 * xi.s1);
+            acc[c] += xi.d * d * (float)v;
+        }
+    }
+};
+
+// Bytes of one warp iteration (32 units) and of one ring slot (the iteration's bytes, up to 15
+// leading bytes of its 16-byte window, and room for the one-word over-read of lds_words).
+template <int QT>
+__host__ __device__ constexpr int iter_bytes() { return kIterUnits / Unit<QT>::kBlockUnits * Unit<QT>::kBlockBytes; }
+template <int QT>
+__host__ __device__ constexpr int slot_bytes() { return (iter_bytes<QT>() + 32 + 15) / 16 * 16; }
+// Dynamic shared memory of a block of nw warps: the warps' rings, then NC columns of int8 x, then
+// their XInfo (cukern/dmmv.py _q8_smem mirrors this).
+template <int QT>
+CUKERN_DEVICE uint32_t smem_bytes(int nw, int nc, uint32_t k) {
+    return nw * kStages * slot_bytes<QT>() + nc * (k + k / 32 * (uint32_t)sizeof(XInfo));
+}
+
+// The block's shared memory carved up: rings[nw][kStages][slot], then x.
+template <int QT, int NC>
+struct Smem {
+    uint8_t* rings;
+    int8_t* xq;
+    XInfo* xi;
+    CUKERN_DEVICE Smem(uint8_t* smem, int nw, uint32_t k) {
+        rings = smem;
+        xq = reinterpret_cast<int8_t*>(smem + nw * kStages * slot_bytes<QT>());
+        xi = reinterpret_cast<XInfo*>(xq + NC * k);
+    }
+    CUKERN_DEVICE uint8_t* ring(int warp) const { return rings + warp * kStages * slot_bytes<QT>(); }
+};
+
+CUKERN_DEVICE uint32_t dynamic_smem_bytes() {
+    uint32_t r;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+    return r;
+}
+
+// ------------------------------------------------------------------------------------- x
+// Quantize column x (k floats, k % 32 == 0, 16-byte aligned) into q / info; all threads of the
+// block take part (blockDim.x a multiple of 32); the caller syncs afterwards.
+CUKERN_DEVICE void quantize_x(const float* __restrict__ x, uint32_t k, int8_t* q, XInfo* info) {
+    const uint32_t n4 = k / 4;
+    for (uint32_t g0 = 0; g0 < n4; g0 += blockDim.x) {  // uniform per warp: shuffles below
+        const uint32_t g = g0 + threadIdx.x;
+        const bool on = g < n4;
+        const float4 v = on ? __ldg(reinterpret_cast<const float4*>(x) + g) : make_float4(0.f, 0.f, 0.f, 0.f);
+        float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+        for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));  // 8 lanes = 32 el
+        const float d = __fdiv_rn(amax, 127.0f);
+        const float inv = amax > 0.0f ? __frcp_rn(d) : 0.0f;
+        const int q0 = q8_1_quantize(v.x, inv), q1 = q8_1_quantize(v.y, inv);
+        const int q2 = q8_1_quantize(v.z, inv), q3 = q8_1_quantize(v.w, inv);
+        int s = q0 + q1 + q2 + q3;
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);  // sum over this half (4 lanes, 16 elements)
+        const int other = __shfl_xor_sync(0xffffffffu, s, 4);
+        if (on) {
+            reinterpret_cast<uint32_t*>(q)[g] =
+                (uint32_t)(q0 & 0xFF) | (uint32_t)(q1 & 0xFF) << 8 | (uint32_t)(q2 & 0xFF) << 16 | (uint32_t)q3 << 24;
+            if ((g & 7) == 0) info[g / 8] = XInfo{d, (short)s, (short)other};
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------- rows
+// One warp streams rows j = 0 ... n_rows-1 (row_ptr(j): first byte of the row in global memory)
+// through its ring and calls out(j, sums) on lane 0 with the row's NC dot products. prepare() runs
+// once the first copies are in flight (every warp of the block calls it: it quantizes x and syncs
+// the block, so the x traffic overlaps the first weight loads).
+template <int QT, int NC, class RowPtr, class Prepare, class Out>
+CUKERN_DEVICE void warp_rows(uint8_t* ring, int n_rows, RowPtr row_ptr, uint32_t row_bytes, uint32_t k,
+                             const XView<NC>& x, Prepare prepare, Out out) {
+    using U = Unit<QT>;
+    constexpr int BI = iter_bytes<QT>(), SLOT = slot_bytes<QT>();
+    const int lane = threadIdx.x % 32;
+    const uint32_t units = k / kUnitElems;
+    const int ipr = (int)((units + kIterUnits - 1) / kIterUnits);  // iterations per row
+    const int total = n_rows * ipr;
+    int ij = 0, iit = 0;  // next iteration to copy: row, iteration within the row
+    auto issue = [&](int t) {
+        if (t < total) {
+            const uint8_t* row = row_ptr(ij);
+            const uint8_t* s = row + (size_t)iit * BI;
+            const uint8_t* e = row + min((uint32_t)(iit + 1) * BI, row_bytes);
+            const uint8_t* c0 = reinterpret_cast<const uint8_t*>(reinterpret_cast<size_t>(s) & ~size_t(15));
+            const int n = (int)((e - c0 + 15) >> 4);
+            uint8_t* dst = ring + (t % kStages) * SLOT;
+            for (int i = lane; i < n; i += 32) {
+                const uint8_t* src = c0 + 16 * i;
+                cp_async16(dst + 16 * i, src, (uint32_t)min((long long)16, (long long)(e - src)));
+            }
+            if (++iit == ipr) { iit = 0; ++ij; }
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int t = 0; t < kStages - 1; ++t) issue(t);
+    prepare();
+    float acc[NC] = {};
+    int j = 0, it = 0;
+    for (int t = 0; t < total; ++t) {
+        __syncwarp();  // every lane is done with slot (t - 1) % kStages, which the next copy refills
+        issue(t + kStages - 1);
+        cp_async_wait<kStages - 1>();
+        __syncwarp();  // the other lanes' copies of iteration t are visible
+        const uint8_t* row = row_ptr(j);
+        const size_t s = reinterpret_cast<size_t>(row) + (size_t)it * BI;
+        const uint8_t* base = ring + (t % kStages) * SLOT + (s & 15);
+        const uint32_t u = (uint32_t)it * kIterUnits + lane;
+        if (u < units)
+            U::template dot<NC>(base + (lane / U::kBlockUnits) * U::kBlockBytes, lane % U::kBlockUnits, u, x, acc);
+        if (++it == ipr) {
+            float sums[NC];
+#pragma unroll
+            for (int c = 0; c < NC; ++c) { sums[c] = warp_sum(acc[c]); acc[c] = 0.0f; }
+            if (lane == 0) out(j, sums);
+            it = 0;
+            ++j;
+        }
+    }
+    cp_async_wait<0>();
+}
+
+}  // namespace q8
+}  // namespace cukern
