@@ -229,7 +229,8 @@ def main(argv=None) -> int:
     ap.add_argument("--elementwise-only", action="store_true", help="norms and residual arithmetic only")
     ap.add_argument("--model", metavar="PATH", help="profile this GGUF model with cukern.models instead")
     ap.add_argument("--tiny", metavar="ARCH", help="profile a tiny random-weight ARCH model (gemma3, llama, "
-                                                   "qwen2, qwen3) with cukern.models instead")
+                                                   "qwen2, qwen3), or one with a real model's shapes "
+                                                   "(gemma3-270m), with cukern.models instead")
     ap.add_argument("--nvtx", action="store_true", help="NVTX ranges on (same as CUKERN_NVTX=1)")
     ap.add_argument("--group-templates", action="store_true",
                     help="sum the variants of a kernel together (dmmv<12, 1> and dmmv<14, 1>)")
@@ -248,9 +249,10 @@ def main(argv=None) -> int:
     if args.tiny:
         import tempfile
 
-        from cukern.models.tiny import TinySpec, write_tiny_gguf
+        from cukern.models.tiny import PRESETS, TinySpec, write_tiny_gguf
+        spec = PRESETS[args.tiny]() if args.tiny in PRESETS else TinySpec(args.tiny)
         with tempfile.TemporaryDirectory() as tmp:
-            return profile_model(write_tiny_gguf(f"{tmp}/tiny-{args.tiny}.gguf", TinySpec(args.tiny)), args)
+            return profile_model(write_tiny_gguf(f"{tmp}/tiny-{args.tiny}.gguf", spec), args)
 
     full = not args.elementwise_only
     model = SyntheticDecoder(args.layers, args.hidden, max(args.prefill, 1), full=full, n_heads=args.heads,

@@ -14,7 +14,7 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as QT
 
-__all__ = ["TinySpec", "write_tiny_gguf", "random_blocks"]
+__all__ = ["TinySpec", "PRESETS", "write_tiny_gguf", "random_blocks"]
 
 _QK_K = 256
 
@@ -69,6 +69,18 @@ class TinySpec:
             if name.endswith(suffix):
                 return t
         return self.weight_type
+
+
+# Random-weight stand-ins with a real model's shapes and block types (the vocabulary stays tiny, so
+# the LM head is not a real one's size): for profiling a decode step without the model file.
+PRESETS = {
+    # Gemma 3 270M as its Q4_K_M GGUF stores it
+    "gemma3-270m": lambda: TinySpec(
+        "gemma3", n_layers=18, d_model=640, n_heads=4, n_kv_heads=1, head_dim=256, d_ff=2048,
+        sliding_window=512, swa_pattern=6, weight_type=QT.Q5_0,
+        types={"attn_v.weight": QT.Q8_0, "attn_output.weight": QT.Q4_K, "ffn_down.weight": QT.Q6_K,
+               "token_embd.weight": QT.Q8_0}),
+}
 
 
 def _spm_vocab():
