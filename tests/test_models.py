@@ -88,6 +88,19 @@ def test_loader_reads_rope_scaling_and_frequency_factors(tiny_rope):
     np.testing.assert_allclose(m.config.rope_inv_freq(False, f), 1e4 ** -d / f)
 
 
+def test_gemma3_270m_preset_has_the_real_models_shapes_and_types(tmp_path):
+    """profile_decode --tiny gemma3-270m stands in for the real model: same layer shapes and types."""
+    from cukern.models.tiny import PRESETS
+    m = load_gguf(write_tiny_gguf(tmp_path / "g.gguf", PRESETS["gemma3-270m"]()))
+    c = m.config
+    assert (c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff, c.sliding_window) == \
+        (18, 640, 4, 1, 256, 2048, 512)
+    assert c.local_layers[:6] == (True,) * 5 + (False,)
+    types = {name.split(".", 2)[-1]: m[name].qtype.name for name in m.tensors if name.startswith("blk.0.")}
+    assert types["attn_q.weight"] == "Q5_0" and types["attn_output.weight"] == "Q4_K"
+    assert types["ffn_down.weight"] == "Q6_K" and types["attn_v.weight"] == "Q8_0"
+
+
 def test_loader_rejects_missing_file(tmp_path):
     with pytest.raises(GGUFError, match="no such file"):
         load_gguf(tmp_path / "nope.gguf")
