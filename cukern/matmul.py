@@ -100,7 +100,9 @@ def _smem(bt: int, b_itemsize: int, qt: int) -> int:
 
 def _smem_q8(bt: int, qt: int) -> int:
     """Dynamic shared memory of gemm_q8 (gemm_q8_smem_bytes in gemm_i8.cuh; the kernel traps if short)."""
-    return 2 * (_ROW_TILE + bt) * (_BK + 16) + 2 * _ROW_TILE * 6 * 4 + 2 * bt * 2 * 4 + _ROW_TILE * _raw_stride(qt)
+    a_stages, raw_bufs = (4, 2) if bt >= 128 else (2, 1)  # CfgQ8<BT>
+    return (2 * _ROW_TILE * (_BK + 16) + a_stages * bt * (_BK + 16 + 8) + 2 * _ROW_TILE * 6 * 4
+            + raw_bufs * _ROW_TILE * _raw_stride(qt))
 
 
 def _raw16(*weights: QWeight) -> int:

@@ -215,6 +215,26 @@ def test_gemm_q8(mm, rng, q, m, n):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("q", [2, 8, 12, 14], ids=lambda q: NAMES[q])
+@pytest.mark.parametrize("pad,split", [(16, 1), (2, 2)], ids=["aligned", "unaligned-split2"])
+def test_gemm_q8_deep_pipeline(mm, rng, q, pad, split):
+    """128-token tiles (4 activation stages in flight, 2 raw super-stage buffers) over a long K with
+    a ragged tail, ragged M and N; raw rows 16-byte aligned (cp.async) or not (2-byte copies)."""
+    m, n, k = 200, 260, _k(q, 9)
+    raw = ref.random_weight(q, m, k, rng)
+    dense = ref.dequantize(raw, q, m, k)
+    if pad % 2 == 0 and q in (12, 13):
+        pad = 16  # K4/K5 quants are read as uint4: their rows must start 16-byte aligned
+    w = QWeight(cupy.asarray(np.concatenate([np.zeros(pad, np.uint8), raw.ravel()])), q, m, k, offset=pad)
+    b = _b(rng, n, k, np.float32)
+    qa, (da, sa, qs) = _q8_1(mm, b)
+    d = poison(cupy.empty((n, m), cupy.float32))
+    mm.gemm_q8(w, qa, d, split_k=split)
+    exact = ref.gemm_q8_1(dense, ref.k_mins(raw, q, m, k), da, sa, qs)
+    assert_close(d.get(), exact, atol=2e-5 * _rms(exact), rtol=1e-5, name="d (quantized activations)")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("q", [2, 12, 14], ids=lambda q: NAMES[q])
 def test_gemm_q8_split_accumulate_strided(mm, rng, q):
     m, n, k = 140, 20, _k(q, 4)

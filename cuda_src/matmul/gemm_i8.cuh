@@ -1,15 +1,16 @@
 // gemm_q8: D = W A for N token columns of Q8_1 activations on int8 tensor cores
 // (mma.sync m16n8k32 s8 -> s32; m16n8k16 for Q6_K, whose scales cover 16 elements).
 //
-// Same CTA shape and pipeline as gemm_f16 (256 threads, BT tokens x 128 weight rows, raw GGUF
-// super-stages of 256 elements copied into shared memory, 64-element stages double-buffered, one
-// barrier per stage), int8 tiles instead of f16:
+// Same CTA shape as gemm_f16 (256 threads, BT tokens x 128 weight rows, raw GGUF super-stages of
+// 256 elements copied into shared memory, 64-element stages, one barrier per stage, two when a
+// super-stage starts), int8 tiles instead of f16, and a deeper pipeline for 128-token tiles (CfgQ8):
 //   * W: after the warps multiply stage t, each thread converts its (row, half segment) of stage
 //     t+1 from the raw bytes into int8 quants + per-segment f32 scales (i8_tile.cuh);
-//   * A: the Q8_1 blocks of stage t+1 arrive by cp.async (4-byte words: blocks are 36 bytes):
-//     quants into the int8 tile, (d, s) into a per-token table.
+//   * A: the Q8_1 blocks of stage t+AHEAD arrive by cp.async (4-byte words: blocks are 36 bytes):
+//     quants into an int8 tile of a ring of AHEAD + 1, (d, s) into a per-token table.
 // Each segment's integer dot products are exact (s32); the f32 accumulator then takes
-//   acc += da * a * dot (- c * s for Q4_K/Q5_K), per (token, row) pair a thread holds.
+//   acc += a * (da * dot) (- c * s for Q4_K/Q5_K), per (token, row) pair a thread holds, the s32
+// reaching f32 through the kMagic bias and one FMA (no conversion instruction).
 // Ragged M/N and split K as gemm_f16 (zero-filled activations contribute nothing: d = s = 0).
 //
 // EPI 0: d = W a (or d += W a). EPI 1..3, the fused gate+up of a gated MLP (64 rows of each of W
@@ -37,14 +38,20 @@ constexpr float kMagicF = 12582912.0f;
 
 // Warp grid and occupancy of gemm_q8: Cfg<BT>'s, except that the 128-token tile (64 tokens x 32
 // rows per warp) runs one CTA per SM with up to 255 registers instead of spilling at 128.
+// The one CTA per SM hides global latency by depth instead: 4 activation stages in a ring (3 in
+// flight) and 2 raw super-stage buffers (the next one copied a whole super-stage ahead); smaller
+// tiles keep 2 activation stages and 1 raw buffer, and rely on 2-3 CTAs per SM.
 template <int BT> struct CfgQ8 : Cfg<BT> {
     static constexpr int kMinBlocks = BT >= 128 ? 1 : Cfg<BT>::kMinBlocks;
+    static constexpr int kAStages = BT >= 128 ? 4 : 2, kRawBufs = BT >= 128 ? 2 : 1;
 };
 
 // Dynamic shared memory of gemm_q8<., BT>: int8 W and A tiles, W scales (a[4], c[2]), A (d, s),
 // the raw super-stage (raw_stride = Raw<QT>::kStride).
-__host__ __device__ constexpr uint32_t gemm_q8_smem_bytes(int bt, int raw_stride) {
-    return 2u * (kRows + bt) * LDQ + 2u * kRows * (4 + 2) * 4 + 2u * bt * 2 * 4 + (uint32_t)kRows * raw_stride;
+template <int BT>
+__host__ __device__ constexpr uint32_t gemm_q8_smem_bytes(int raw_stride) {
+    return 2u * kRows * LDQ + (uint32_t)CfgQ8<BT>::kAStages * BT * (LDQ + 2 * 4) + 2u * kRows * (4 + 2) * 4 +
+           (uint32_t)CfgQ8<BT>::kRawBufs * kRows * raw_stride;
 }
 
 // 4-byte global -> shared copy through L1; src_bytes = 0 writes zeros (src not read).
@@ -77,7 +84,7 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::CfgQ8<BT>::k
     const uint8_t* __restrict__ w,     // raw GGUF bytes: m rows from w + w_offset (EPI > 0: the gate)
     const uint8_t* __restrict__ w2,    // EPI > 0: the up matrix, m rows from w2 + w2_offset; else unused
     const uint8_t* __restrict__ a,     // [n, b_stride] bytes: Q8_1 rows (k / 32 blocks of 36), 4-byte aligned
-    const GemmParams p) {              // dynamic shared memory: gemm_q8_smem_bytes(BT, Raw<QT>::kStride); b_stride in bytes
+    const GemmParams p) {              // dynamic shared memory: gemm_q8_smem_bytes<BT>(Raw<QT>::kStride); b_stride in bytes
     using namespace cukern;
     using namespace cukern::mm;
     using C = CfgQ8<BT>;
@@ -90,14 +97,16 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::CfgQ8<BT>::k
     constexpr bool MIN = I8<QT>::kMin;
     constexpr int RSTRIDE = Raw<QT>::kStride, SPS = SUPER / BK;
 
+    constexpr int NA = C::kAStages, NRAW = C::kRawBufs, AHEAD = NA - 1;  // activation stages in flight
+    static_assert(AHEAD <= SPS, "a raw super-stage is issued no later than the activations of its first stage");
     extern __shared__ __align__(16) uint8_t smem[];
     auto sw = reinterpret_cast<int8_t(*)[kRows][LDQ]>(smem);                          // [2][kRows][LDQ]
-    auto sa = reinterpret_cast<int8_t(*)[BT][LDQ]>(smem + 2 * kRows * LDQ);           // [2][BT][LDQ]
-    auto swa = reinterpret_cast<float(*)[4][kRows]>(smem + 2 * (kRows + BT) * LDQ);   // [2][seg * SUBS + h][row]
+    auto sa = reinterpret_cast<int8_t(*)[BT][LDQ]>(smem + 2 * kRows * LDQ);           // [NA][BT][LDQ]
+    auto swa = reinterpret_cast<float(*)[4][kRows]>(smem + (2 * kRows + NA * BT) * LDQ);  // [2][seg * SUBS + h][row]
     auto swc = reinterpret_cast<float(*)[2][kRows]>(&swa[2][0][0]);                   // [2][seg][row]
-    auto sds = reinterpret_cast<__half2(*)[BT][2]>(&swc[2][0][0]);                    // [2][token][seg]: (d, s)
-    uint8_t* sraw = reinterpret_cast<uint8_t*>(&sds[2][0][0]);                        // [kRows][RSTRIDE]
-    if (threadIdx.x == 0 && dynamic_smem_size() < gemm_q8_smem_bytes(BT, RSTRIDE)) __trap();
+    auto sds = reinterpret_cast<__half2(*)[BT][2]>(&swc[2][0][0]);                    // [NA][token][seg]: (d, s)
+    uint8_t* sraw = reinterpret_cast<uint8_t*>(&sds[NA][0][0]);                       // [NRAW][kRows][RSTRIDE]
+    if (threadIdx.x == 0 && dynamic_smem_size() < gemm_q8_smem_bytes<BT>(RSTRIDE)) __trap();
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int wt = warp / C::kWR, wr = warp % C::kWR;
@@ -112,13 +121,18 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::CfgQ8<BT>::k
         return (row / BR ? w2 + p.w2_offset : w + p.w_offset) + (size_t)grow * p.row_bytes;
     };
     const int wrow_tile = tid / 2, wpart = tid % 2;
-    const uint8_t* myraw = sraw + wrow_tile * RSTRIDE;  // + the lead of the current super-stage
-    auto load_raw = [&](int S) {  // super-stage S of this split
+    uint32_t raw_lead[2] = {0, 0};  // copy_raw's lead of the super-stage in each raw buffer
+    auto load_raw = [&](int S) {  // super-stage S of this split into raw buffer S % NRAW (commit: the caller's)
         const uint32_t e0 = kbeg + SUPER * S, nel = min((uint32_t)SUPER, kend - e0);
-        myraw = sraw + wrow_tile * RSTRIDE + copy_raw<RSTRIDE>(sraw, rowptr, e0 / QTraits<QT>::kElems * QTraits<QT>::kBytes,
-                                                               nel / QTraits<QT>::kElems * QTraits<QT>::kBytes, p.raw16 != 0);
+        const uint32_t lead = copy_raw<RSTRIDE>(sraw + (S % NRAW) * kRows * RSTRIDE, rowptr,
+                                                e0 / QTraits<QT>::kElems * QTraits<QT>::kBytes,
+                                                nel / QTraits<QT>::kElems * QTraits<QT>::kBytes, p.raw16 != 0, false);
+        if (S % NRAW) raw_lead[1] = lead;  // constant indices: the pair stays in registers
+        else raw_lead[0] = lead;
     };
     auto store_w = [&](int s, int buf) {  // stage s: segments 2s, 2s+1 of the split
+        const int rb = (s / SPS) % NRAW;
+        const uint8_t* myraw = sraw + (rb * kRows + wrow_tile) * RSTRIDE + (rb ? raw_lead[1] : raw_lead[0]);
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             int8_t* seg = &sw[buf][wrow_tile][i * SEG];
@@ -150,26 +164,34 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::CfgQ8<BT>::k
 #pragma unroll
             for (int j = 1; j < 9; ++j) cp_async4(&sa[buf][a_tok][a_sg * SEG + 4 * (j - 1)], ok ? src + 4 * j : a, n);
         }
+    };
+    // Stage s's copies: one cp.async group per loop iteration (empty past the end), so that
+    // wait_group<AHEAD - 1> at the end of iteration s means: stage s + 1's activations and every raw
+    // super-stage issued up to iteration s + 1 - AHEAD have landed (for this thread).
+    auto issue = [&](int s) {  // activation stage s, in iteration s - AHEAD
+        const int it = s - AHEAD;
+        // raw super-stage S goes in iteration SPS (S - 1) with two buffers (a super-stage ahead), SPS S - 1
+        // with one; either way its buffer's last reader, the conversion of an earlier stage, is done
+        const int S = NRAW == 2 ? (it % SPS == 0 ? it / SPS + 1 : 0) : ((it + 1) % SPS == 0 ? (it + 1) / SPS : 0);
+        if (it >= 0 && S > 0 && S * SUPER < (int)(kend - kbeg)) load_raw(S);
+        if (s < n_stages) issue_a(s, s % NA);
         cp_async_commit();
     };
 
     float acc[NMAT][MT][NR][4] = {};
     if (n_stages > 0) {
         load_raw(0);
-        issue_a(0, 0);
-        cp_async_wait<0>();
+        for (int s = 0; s < AHEAD; ++s) issue(s);  // group 0 also holds super-stage 0
+        cp_async_wait<AHEAD - 1>();
         __syncthreads();  // raw bytes of other threads' copies
         store_w(0, 0);
     }
     __syncthreads();
     const int g = lane >> 2, tq = lane & 3;
     for (int s = 0; s < n_stages; ++s) {
-        const int buf = s & 1;
+        const int buf = s & 1, abuf = s % NA;
         const bool more = s + 1 < n_stages, new_super = more && (s + 1) % SPS == 0;
-        if (more) {
-            if (new_super) load_raw((s + 1) / SPS);  // the raw tile's last reader was stage s's conversion
-            issue_a(s + 1, buf ^ 1);
-        }
+        issue(s + AHEAD);  // into activation slot (s - 1) % NA, last read in stage s - 1
 #pragma unroll
         for (int kk = 0; kk < 2; ++kk) {  // segment kk of the stage: one k32 step
             uint32_t bw[NMAT][(NR + 1) / 2][4];  // n8 tile j: bw[.][j / 2][2 (j % 2)] (bytes 0-15), [.. + 1] (16-31)
@@ -200,9 +222,9 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::CfgQ8<BT>::k
             for (int mt = 0; mt < MT; ++mt) {
                 uint32_t af[4];  // rows 0-7 / 8-15 x bytes 0-15 / 16-31
                 const int trow = wt * WTT + mt * 16;
-                ldmatrix_x4(af, &sa[buf][trow + (lane & 15)][kk * SEG + (lane >> 4) * 16]);
-                const float2 ds_lo = __half22float2(sds[buf][trow + g][kk]);      // token g: (d, s)
-                const float2 ds_hi = __half22float2(sds[buf][trow + g + 8][kk]);  // token g + 8
+                ldmatrix_x4(af, &sa[abuf][trow + (lane & 15)][kk * SEG + (lane >> 4) * 16]);
+                const float2 ds_lo = __half22float2(sds[abuf][trow + g][kk]);      // token g: (d, s)
+                const float2 ds_hi = __half22float2(sds[abuf][trow + g + 8][kk]);  // token g + 8
                 const float nc_lo = -kMagicF * ds_lo.x, nc_hi = -kMagicF * ds_hi.x;  // exact: d is a half
 #pragma unroll
                 for (int mat = 0; mat < NMAT; ++mat) {
@@ -240,8 +262,8 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::CfgQ8<BT>::k
                 }
             }
         }
+        cp_async_wait<AHEAD - 1>();  // stage s + 1's activations (and its raw super-stage)
         if (more) {
-            cp_async_wait<0>();
             if (new_super) __syncthreads();  // the new raw tile, copied by every thread
             store_w(s + 1, buf ^ 1);
         }
