@@ -61,20 +61,30 @@ _ONE_COL = {0: (2, 1), 1: (2, 1), 30: (2, 1), 2: (4, 0), 6: (4, 0), 8: (2, 0), 3
 # f32 path serves the float types, pair, GLU, packed MoE and moe_down. Accuracy: exact W . x^ with
 # x^ = x rounded per 32 elements to 8 bits (cukern.reference.dmmv.quantize_q8), NMSE ~3e-5 against x.
 Q8_TYPES = (2, 6, 8, 39, 12, 13, 14)
-_Q8_STAGES = 4  # ring slots per warp (q8::kStages)
 _Q8_MAX_WARPS = 32  # q8::kMaxWarps
+# (LU units per lane and iteration, ST ring slots per warp, CR contiguous rows per warp) of
+# dmmv_q8<QT, NC, LU, ST, CR> and moe_dmmv_q8<QT, LU, ST, CR>, per type (profiling/tune_dmmv_q8.py).
+_Q8_CONFIG = {2: (2, 3, 1), 6: (2, 3, 1), 8: (1, 4, 1), 39: (2, 3, 1), 12: (2, 3, 1), 13: (2, 3, 1), 14: (2, 3, 1)}
 
 
-def _q8_slot(qt: int) -> int:
-    """Bytes of one ring slot (q8::slot_bytes): 32 units of 32 weights, +32 bytes, 16-byte rounded."""
+def _q8_slot(qt: int, lu: int) -> int:
+    """Bytes of one ring slot (q8::Stream::kSlotBytes): 32 * lu units of 32 weights, +32, 16-byte rounded."""
     _, be, bb, _ = QTYPES[qt]
-    iter_bytes = 32 * 32 // be * bb
+    iter_bytes = 32 * lu * 32 // be * bb
     return (iter_bytes + 32 + 15) // 16 * 16
 
 
-def _q8_smem(qt: int, nw: int, nc: int, k: int) -> int:
+def _q8_smem(qt: int, nw: int, nc: int, k: int, cfg=None) -> int:
     """Dynamic shared memory of dmmv_q8 / moe_dmmv_q8 (q8::smem_bytes): rings, then int8 x + XInfo."""
-    return nw * _Q8_STAGES * _q8_slot(qt) + nc * (k + k // 32 * 8)
+    lu, st, _ = cfg or _Q8_CONFIG[qt]
+    return nw * st * _q8_slot(qt, lu) + nc * (k + k // 32 * 8)
+
+
+def _q8_kernel(qt: int, nc: int | None, cfg=None) -> str:
+    """dmmv_q8<...> (nc columns) or, with nc None, moe_dmmv_q8<...>."""
+    lu, st, cr = cfg or _Q8_CONFIG[qt]
+    cr = "true" if cr else "false"
+    return f"moe_dmmv_q8<{qt}, {lu}, {st}, {cr}>" if nc is None else f"dmmv_q8<{qt}, {nc}, {lu}, {st}, {cr}>"
 
 
 def _config(qt: int, n: int) -> tuple[int, int]:
@@ -89,7 +99,7 @@ def _kernel(qt: int, n: int) -> str:
 FAMILY = FamilySpec(
     name="dmmv",
     kernels=tuple([KernelSpec(_kernel(q, n), "DmmvParams") for q in QTYPES for n in _COLS]
-                  + [KernelSpec(f"dmmv_q8<{q}, {n}>", "DmmvParams") for q in Q8_TYPES for n in _COLS]
+                  + [KernelSpec(_q8_kernel(q, n), "DmmvParams") for q in Q8_TYPES for n in _COLS]
                   + [KernelSpec(f"dequantize<{q}>", "DequantParams") for q in QTYPES]),
 )
 GLU_FAMILY = FamilySpec(
@@ -100,7 +110,7 @@ MOE_FAMILY = FamilySpec(
     name="dmmv_moe", source="dmmv/moe.cu", params_header="dmmv/params.cuh",
     kernels=tuple(
         [KernelSpec(f"moe_dmmv<{q}, {g}>", "MoeParams") for q in QTYPES for g in ("false", "true")]
-        + [KernelSpec(f"moe_dmmv_q8<{q}>", "MoeParams") for q in Q8_TYPES]
+        + [KernelSpec(_q8_kernel(q, None), "MoeParams") for q in Q8_TYPES]
         + [KernelSpec(f"moe_down<{q}>", "MoeParams") for q in QTYPES]
         + [KernelSpec("moe_route_pack", "RouteParams"), KernelSpec("moe_count_experts", "RouteParams")]
     ),
@@ -333,7 +343,7 @@ class DmmvDispatch(Dispatch):
         limit = dev.attributes["MaxSharedMemoryPerBlockOptin"]
         plan = ()
         for nw in (_Q8_MAX_WARPS, 16, 8, 4):
-            smem = _q8_smem(qt, nw, nc, k)
+            smem = _q8_smem(qt, nw, nc, k)  # the type's _Q8_CONFIG
             if smem <= limit:
                 unit._function(kernel, smem)  # raises the kernel's dynamic shared memory limit
                 plan = (nw, smem, dev.attributes["MultiProcessorCount"])
@@ -367,7 +377,7 @@ class DmmvDispatch(Dispatch):
         for c0, width in self._chunks(n):
             xs, ys = (x, y) if n == 1 else (x[c0:], y[c0:])
             g = ys if gate is None else gate[c0:]
-            q8 = f"dmmv_q8<{w.qtype}, {width}>"
+            q8 = _q8_kernel(w.qtype, width) if w.qtype in Q8_TYPES else ""
             plan = self._q8_plan(self, q8, w.qtype, width, w.k) if w.qtype in Q8_TYPES else None
             if plan:
                 qw, smem, resident = plan
@@ -485,7 +495,7 @@ class DmmvDispatch(Dispatch):
             raise ValueError(f"moe_dmmv: at most 65535 slots per launch, got {n_slots} (use moe_dmmv_packed)")
         params = self._moe_params(w, w2=w_up, top_k=top_k, n_slots=n_slots, x_per_slot=per_slot,
                                   act=_ACTS[act], alpha=alpha)
-        q8 = f"moe_dmmv_q8<{w.qtype}>"
+        q8 = _q8_kernel(w.qtype, None) if w.qtype in Q8_TYPES else ""
         plan = self._q8_plan(self._moe, q8, w.qtype, 1, w.k) if w.qtype in Q8_TYPES and w_up is None else None
         if plan:
             qw, smem, resident = plan

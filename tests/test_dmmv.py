@@ -51,7 +51,7 @@ def _xhat(q, x, int8_path=True):
 def _check_q(out, q, f, x, name="out"):
     """out against f(x^) element-wise; on the int8 path also its error against f(x), by NMSE."""
     _check(out, f(_xhat(q, x)), name)
-    if q in D.Q8_TYPES:
+    if q in D.Q8_TYPES and out.size >= 32:  # a norm over a handful of outputs is noise
         err = nmse(out, f(x))
         assert err < Q8_NMSE, f"{name}: NMSE {err:.3g} against the exact x"
 
@@ -87,7 +87,7 @@ def test_families_declared():
             assert D._kernel(q, n) in names and f"dmmv_glu<{q}, {n}>" in names
         assert f"moe_down<{q}>" in names and f"dequantize<{q}>" in names
     for q in D.Q8_TYPES:
-        assert f"moe_dmmv_q8<{q}>" in names and all(f"dmmv_q8<{q}, {n}>" in names for n in (1, 2, 4, 8))
+        assert D._q8_kernel(q, None) in names and all(D._q8_kernel(q, n) in names for n in (1, 2, 4, 8))
 
 
 def test_quantize_q8_reference():
@@ -258,7 +258,7 @@ def test_q8_rows_through_small_ring(d, rng, q):
     w, dense = _weight(q, m, k, rng, pad_front=D.QTYPES[q][3] * 5)
     x = _x(rng, 2, k)
     for nc in (1, 2):
-        key = ("dmmv", f"dmmv_q8<{q}, {nc}>", k)
+        key = ("dmmv", D._q8_kernel(q, nc), k)
         saved = d._resident.get(key)
         d._resident[key] = (4, D._q8_smem(q, 4, nc, k), 1)  # 1 block of 4 warps: ~11 rows per warp
         try:
@@ -270,7 +270,7 @@ def test_q8_rows_through_small_ring(d, rng, q):
     n_e, T, top_k = 3, 2, 2
     we, de = _weight(q, m, k, rng, n_experts=n_e)
     ids = _ids(rng, T, top_k, n_e)
-    key = ("dmmv_moe", f"moe_dmmv_q8<{q}>", k)
+    key = ("dmmv_moe", D._q8_kernel(q, None), k)
     saved = d._resident.get(key)
     d._resident[key] = (2, D._q8_smem(q, 2, 1, k), 4)  # 1 block of 2 warps per slot
     try:

@@ -58,9 +58,9 @@ __global__ void __launch_bounds__(kMaxWarps * 32) moe_dmmv(
 }
 
 // grid: (blocks per slot, n_slots), sized by the host to the resident blocks; block: nw warps.
-// Each block quantizes its slot's x into shared memory, then its warps take the expert's rows
-// b * nw + w, + gridDim.x * nw, ... Dynamic shared memory: q8::smem_bytes<QT>(nw, 1, k).
-template <int QT>
+// Each block quantizes its slot's x into shared memory, then its warps stream the expert's rows as
+// dmmv_q8 does. Dynamic shared memory: q8::smem_bytes<QT, LU, ST>(nw, 1, k).
+template <int QT, int LU, int ST, bool CR>
 __global__ void __launch_bounds__(q8::kMaxWarps * 32) moe_dmmv_q8(
     float* __restrict__ y,            // [n_slots, m] out
     int* __restrict__ err,            // [1] error bits, or-ed in
@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) moe_dmmv_q8(
     const MoeParams p) {
     extern __shared__ __align__(16) uint8_t smem[];
     const int warp = threadIdx.x / 32, nw = blockDim.x / 32;
-    if (q8::smem_bytes<QT>(nw, 1, p.k) > q8::dynamic_smem_bytes()) __trap();  // a launcher bug, never data
+    if (q8::smem_bytes<QT, LU, ST>(nw, 1, p.k) > q8::dynamic_smem_bytes()) __trap();  // a launcher bug
     const uint32_t slot = blockIdx.y;
     float* out = y + (size_t)slot * p.m;
     const int e = ids[slot];
@@ -79,20 +79,18 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) moe_dmmv_q8(
         if (threadIdx.x == 0 && blockIdx.x == 0) atomicOr(err, kErrExpertId);
         return;
     }
-    const q8::Smem<QT, 1> sm(smem, nw, p.k);
-    const uint32_t first = blockIdx.x * nw + warp, stride = gridDim.x * nw;
-    const int n_rows = first < p.m ? (int)((p.m - first + stride - 1) / stride) : 0;
+    const q8::Smem<QT, LU, ST, 1> sm(smem, nw, p.k);
+    const q8::WarpRows<CR> rows(blockIdx.x * nw + warp, gridDim.x * nw, p.m);
     const uint8_t* base = w + p.w_offset + (size_t)e * p.expert_bytes;
     const float* xs = x + (size_t)(p.x_per_slot ? slot : slot / p.top_k) * p.k;
-    q8::warp_rows<QT, 1>(
-        sm.ring(warp), n_rows,
-        [&](int j) { return base + (size_t)(first + (uint32_t)j * stride) * p.row_bytes; }, (uint32_t)p.row_bytes,
-        p.k, q8::XView<1>{sm.xq, sm.xi, p.k},
+    q8::warp_rows<QT, 1, LU, ST>(
+        sm.ring(warp), rows.n, [&](int j) { return base + (size_t)rows.row(j) * p.row_bytes; },
+        (uint32_t)p.row_bytes, base + (size_t)p.m * p.row_bytes, p.k, q8::XView<1>{sm.xq, sm.xi, p.k},
         [&] {
             q8::quantize_x(xs, p.k, sm.xq, sm.xi);
             __syncthreads();
         },
-        [&](int j, const float (&v)[1]) { out[first + (uint32_t)j * stride] = p.alpha * v[0]; });
+        [&](int j, const float (&v)[1]) { out[rows.row(j)] = p.alpha * v[0]; });
 }
 
 // grid: (ceil(m / kRows), n_tokens); block: NW warps

@@ -10,8 +10,8 @@
 // normalised error of y is about 3e-5 for Gaussian x (the tests bound it).
 //
 // Weights reach shared memory through cp.async (16-byte copies, L1 bypassed): each warp owns a
-// ring of kStages slots and streams its rows through it, kStages - 1 iterations in flight, across
-// row boundaries. One iteration = 32 units (1024 weights) of one row, one unit per lane. A slot
+// ring of ST slots and streams its rows through it, ST - 1 iterations in flight, across row
+// boundaries. One iteration = 32 * LU units (LU * 1024 weights) of one row, LU units per lane. A slot
 // holds the 16-byte-aligned window around the iteration's bytes, so any block alignment works
 // (rows of Q4_0 blocks are only 2-byte aligned, MXFP4 1-byte): units are read from the slot at
 // their byte offset, unaligned words by funnel shifts.
@@ -26,9 +26,7 @@ namespace cukern {
 namespace q8 {
 
 constexpr int kMaxWarps = 32;  // warps per block: the host picks up to 32 (one block per SM)
-constexpr int kStages = 4;     // ring slots per warp
 constexpr int kUnitElems = 32;
-constexpr int kIterUnits = 32;  // units per warp iteration (one per lane)
 
 // Per 32-element block of quantized x: the scale and the integer sums of its two halves.
 struct XInfo {
@@ -252,31 +250,58 @@ template <> struct Unit<QT_Q6_K> {
     }
 };
 
-// Bytes of one warp iteration (32 units) and of one ring slot (the iteration's bytes, up to 15
-// leading bytes of its 16-byte window, and room for the one-word over-read of lds_words).
-template <int QT>
-__host__ __device__ constexpr int iter_bytes() { return kIterUnits / Unit<QT>::kBlockUnits * Unit<QT>::kBlockBytes; }
-template <int QT>
-__host__ __device__ constexpr int slot_bytes() { return (iter_bytes<QT>() + 32 + 15) / 16 * 16; }
+// The streaming shape: LU units per lane and iteration, ST ring slots per warp. Bytes of one warp
+// iteration, and of one ring slot (the iteration's bytes, up to 15 leading bytes of its 16-byte
+// window, and room for the one-word over-read of lds_words).
+template <int QT, int LU, int ST>
+struct Stream {
+    static constexpr int kUnits = 32 * LU;  // units per iteration
+    static constexpr int kIterBytes = kUnits / Unit<QT>::kBlockUnits * Unit<QT>::kBlockBytes;
+    static constexpr int kSlotBytes = (kIterBytes + 32 + 15) / 16 * 16;
+    static constexpr int kRingBytes = ST * kSlotBytes;  // per warp
+    static_assert(32 % Unit<QT>::kBlockUnits == 0, "a lane's units start on block boundaries every 32 units");
+};
+
 // Dynamic shared memory of a block of nw warps: the warps' rings, then NC columns of int8 x, then
 // their XInfo (cukern/dmmv.py _q8_smem mirrors this).
-template <int QT>
+template <int QT, int LU, int ST>
 CUKERN_DEVICE uint32_t smem_bytes(int nw, int nc, uint32_t k) {
-    return nw * kStages * slot_bytes<QT>() + nc * (k + k / 32 * (uint32_t)sizeof(XInfo));
+    return nw * Stream<QT, LU, ST>::kRingBytes + nc * (k + k / 32 * (uint32_t)sizeof(XInfo));
 }
 
-// The block's shared memory carved up: rings[nw][kStages][slot], then x.
-template <int QT, int NC>
+// The block's shared memory carved up: rings[nw], then x.
+template <int QT, int LU, int ST, int NC>
 struct Smem {
     uint8_t* rings;
     int8_t* xq;
     XInfo* xi;
     CUKERN_DEVICE Smem(uint8_t* smem, int nw, uint32_t k) {
         rings = smem;
-        xq = reinterpret_cast<int8_t*>(smem + nw * kStages * slot_bytes<QT>());
+        xq = reinterpret_cast<int8_t*>(smem + nw * Stream<QT, LU, ST>::kRingBytes);
         xi = reinterpret_cast<XInfo*>(xq + NC * k);
     }
-    CUKERN_DEVICE uint8_t* ring(int warp) const { return rings + warp * kStages * slot_bytes<QT>(); }
+    CUKERN_DEVICE uint8_t* ring(int warp) const { return rings + warp * Stream<QT, LU, ST>::kRingBytes; }
+};
+
+// Rows of warp gw of total: contiguous (CR: rows first ... first + n - 1, so each warp streams one
+// contiguous byte range) or interleaved (rows gw, gw + total, ...). row(j) is the j-th row.
+template <bool CR>
+struct WarpRows {
+    uint32_t first, step;
+    int n;
+    CUKERN_DEVICE WarpRows(uint32_t gw, uint32_t total, uint32_t m) {
+        if (CR) {
+            const uint32_t q = m / total, r = m % total;
+            first = gw * q + min(gw, r);
+            n = (int)(q + (gw < r ? 1 : 0));
+            step = 1;
+        } else {
+            first = gw;
+            n = gw < m ? (int)((m - gw + total - 1) / total) : 0;
+            step = total;
+        }
+    }
+    CUKERN_DEVICE uint32_t row(int j) const { return first + (uint32_t)j * step; }
 };
 
 CUKERN_DEVICE uint32_t dynamic_smem_bytes() {
@@ -318,11 +343,14 @@ CUKERN_DEVICE void quantize_x(const float* __restrict__ x, uint32_t k, int8_t* q
 // through its ring and calls out(j, sums) on lane 0 with the row's NC dot products. prepare() runs
 // once the first copies are in flight (every warp of the block calls it: it quantizes x and syncs
 // the block, so the x traffic overlaps the first weight loads).
-template <int QT, int NC, class RowPtr, class Prepare, class Out>
-CUKERN_DEVICE void warp_rows(uint8_t* ring, int n_rows, RowPtr row_ptr, uint32_t row_bytes, uint32_t k,
-                             const XView<NC>& x, Prepare prepare, Out out) {
+// end: the end of the weight matrix (copies stop there: reading past a row end inside the matrix
+// is harmless, past the matrix it may leave the allocation).
+template <int QT, int NC, int LU, int ST, class RowPtr, class Prepare, class Out>
+CUKERN_DEVICE void warp_rows(uint8_t* ring, int n_rows, RowPtr row_ptr, uint32_t row_bytes, const uint8_t* end,
+                             uint32_t k, const XView<NC>& x, Prepare prepare, Out out) {
     using U = Unit<QT>;
-    constexpr int BI = iter_bytes<QT>(), SLOT = slot_bytes<QT>();
+    using S = Stream<QT, LU, ST>;
+    constexpr int BI = S::kIterBytes, SLOT = S::kSlotBytes, kIterUnits = S::kUnits, kStages = ST;
     const int lane = threadIdx.x % 32;
     const uint32_t units = k / kUnitElems;
     const int ipr = (int)((units + kIterUnits - 1) / kIterUnits);  // iterations per row
@@ -338,7 +366,11 @@ CUKERN_DEVICE void warp_rows(uint8_t* ring, int n_rows, RowPtr row_ptr, uint32_t
             uint8_t* dst = ring + (t % kStages) * SLOT;
             for (int i = lane; i < n; i += 32) {
                 const uint8_t* src = c0 + 16 * i;
-                cp_async16(dst + 16 * i, src, (uint32_t)min((long long)16, (long long)(e - src)));
+                if (src + 16 <= end) {
+                    cp_async16(dst + 16 * i, src, 16);
+                } else {  // the matrix's last bytes: plain loads of exactly the bytes below e
+                    for (int b = 0; b < 16 && src + b < e; ++b) dst[16 * i + b] = __ldg(src + b);
+                }
             }
             if (++iit == ipr) { iit = 0; ++ij; }
         }
@@ -357,9 +389,13 @@ CUKERN_DEVICE void warp_rows(uint8_t* ring, int n_rows, RowPtr row_ptr, uint32_t
         const uint8_t* row = row_ptr(j);
         const size_t s = reinterpret_cast<size_t>(row) + (size_t)it * BI;
         const uint8_t* base = ring + (t % kStages) * SLOT + (s & 15);
-        const uint32_t u = (uint32_t)it * kIterUnits + lane;
-        if (u < units)
-            U::template dot<NC>(base + (lane / U::kBlockUnits) * U::kBlockBytes, lane % U::kBlockUnits, u, x, acc);
+#pragma unroll
+        for (int l = 0; l < LU; ++l) {  // units lane and lane + 32 ... of the iteration
+            const uint32_t u = (uint32_t)it * kIterUnits + 32 * l + lane;
+            if (u < units)
+                U::template dot<NC>(base + (32 * l + lane) / U::kBlockUnits * U::kBlockBytes, lane % U::kBlockUnits,
+                                    u, x, acc);
+        }
         if (++it == ipr) {
             float sums[NC];
 #pragma unroll
