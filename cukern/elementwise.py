@@ -58,6 +58,9 @@ _ROPE_MAX_HEAD_DIM = 1024
 _ROPE_PPL = ((2, 4), (4, 2), (16, 1))
 _ROPE_TASKS = 128  # heads per block step (tokens_per_block = ceil(128 / heads per token), <= 8)
 _ROPE_MAX_TOKENS = 8
+# Vectorised rope kernels (rope_vec.cuh): lanes per head row, head_dim = 8 * LPH; head rows per thread
+_ROPE_VEC_LPH = (4, 8, 16, 32)
+_ROPE_VEC_ROWS = 2  # VEC_ROWS in rope_vec.cuh
 _RESIDENT_ROPE_BLOCKS = 8  # 256-thread blocks per SM (2048 threads)
 _RESIDENT_GROUP_BLOCKS = 16  # 128-thread group_norm_reg blocks per SM
 _POS_MODES = {"consecutive": 0, "per_token": 1, "mrope": 2, "imrope": 3}
@@ -101,9 +104,12 @@ def _kernels() -> list[KernelSpec]:
 def _rope_kernels() -> list[KernelSpec]:
     """Kernels of the second unit, rope_kv.cu: RoPE and its fusions, KV writes, deinterleave."""
     ks = [KernelSpec(f"rope<{n}, {ppl}, {g}>", "RopeParams") for n in ("false", "true") for ppl, g in _ROPE_PPL]
+    ks += [KernelSpec(f"rope_vec<{n}, {lph}>", "RopeParams") for n in ("false", "true") for lph in _ROPE_VEC_LPH]
     for kv in _KV_TYPES.values():
         ks += [KernelSpec(f"qk_norm_rope_kv<{kv}, {hq}, {ppl}, {g}>", "QkvRopeParams")
                for hq in ("true, true", "false, false") for ppl, g in _ROPE_PPL]
+        ks += [KernelSpec(f"qk_norm_rope_kv_vec<{kv}, {hq}, {lph}>", "QkvRopeParams")
+               for hq in ("true, true", "false, false") for lph in _ROPE_VEC_LPH]
         ks += [KernelSpec(f"kv_write<{kv}, {v}>", "KvWriteParams") for v in ("true", "false")]
     ks += [KernelSpec(f"deinterleave<{v}>", "DeinterleaveParams") for v in ("float", "float4")]
     return ks
@@ -143,6 +149,16 @@ def _rope_launch(n_tokens: int, heads_per_token: int, head_dim: int, rope_dim: i
     ppl, g = next((p, g) for p, g in _ROPE_PPL if head_dim <= 64 * p)
     grid = min(-(-n_tokens // tpb), sms * _RESIDENT_ROPE_BLOCKS)
     return tpb, grid, 8 * half + 8 * tpb * half, f"{ppl}, {g}"
+
+
+def _rope_vec_launch(n_rows: int, head_dim: int, rope_dim: int, arrays) -> tuple[int, int] | None:
+    """(lanes per head row, grid) of the vectorised rope kernels, or None when they do not apply: they need
+    head_dim = 8 * LPH (LPH in _ROPE_VEC_LPH), rope_dim % 8 == 0 and 16-byte aligned arrays."""
+    lph = head_dim // 8
+    if head_dim % 8 or lph not in _ROPE_VEC_LPH or rope_dim % 8 or not _aligned(*arrays):
+        return None
+    grid = -(-n_rows // (_ROPE_BLOCK // lph * _ROPE_VEC_ROWS))
+    return (lph, grid) if grid <= 2**31 - 1 else None
 
 
 def _inv_ratio(freq_base: float, rope_dim: int, freqs) -> float:
@@ -554,9 +570,14 @@ class ElementwiseDispatch(Dispatch):
             n_tokens=n_tokens, n_heads=n_heads, head_dim=head_dim, rope_dim=rope_dim, neox=int(bool(neox)),
             pos_mode=mode, sections=sections, use_freqs=int(freqs is not None), freq_base=freq_base, eps=eps,
             weight_offset=weight_offset, tokens_per_block=tpb, inv_ratio=_inv_ratio(freq_base, rope_dim, freqs))
-        self._launch(f"rope<{_vec(w is not None)}, {ppl}>", grid, _ROPE_BLOCK,
-                     (out, x, w if w is not None else x, freqs if freqs is not None else x, positions), params,
-                     stream=stream, shared_mem=smem)
+        ptrs = (out, x, w if w is not None else x, freqs if freqs is not None else x, positions)
+        vec = _rope_vec_launch(n_tokens * n_heads, head_dim, rope_dim, ptrs[:3])
+        if vec is not None:
+            lph, vgrid = vec
+            self._launch(f"rope_vec<{_vec(w is not None)}, {lph}>", vgrid, _ROPE_BLOCK, ptrs, params, stream=stream)
+        else:
+            self._launch(f"rope<{_vec(w is not None)}, {ppl}>", grid, _ROPE_BLOCK, ptrs, params, stream=stream,
+                         shared_mem=smem)
         return out
 
     # ----------------------------------------------------------------------------------- KV writes
@@ -693,7 +714,14 @@ class ElementwiseDispatch(Dispatch):
         ptrs = (q_out if has_q else unread, k_cache, v_cache if has_q else k_cache, q if has_q else unread, k,
                 v if has_q else unread, wq if (has_q and norm) else unread, wk if norm else unread,
                 freqs if freqs is not None else unread, positions, seq_ids, page_table)
-        self._launch(f"qk_norm_rope_kv<{kv}, {flags}>", grid, _ROPE_BLOCK, ptrs, params, stream=stream, shared_mem=smem)
+        vec = _rope_vec_launch(n_tokens * heads, head_dim, rope_dim, ptrs[:8])
+        if vec is not None:
+            lph, vgrid = vec
+            flags = ("true, true" if has_q else "false, false") + f", {lph}"
+            self._launch(f"qk_norm_rope_kv_vec<{kv}, {flags}>", vgrid, _ROPE_BLOCK, ptrs, params, stream=stream)
+        else:
+            self._launch(f"qk_norm_rope_kv<{kv}, {flags}>", grid, _ROPE_BLOCK, ptrs, params, stream=stream,
+                         shared_mem=smem)
         return q_out
 
     def deinterleave(self, x: cupy.ndarray, q: cupy.ndarray, gate: cupy.ndarray, *, stream=None):

@@ -1,8 +1,12 @@
-"""Elementwise family benchmark: one row per kernel at decode size (CUDA-graph timed) and at a large
-size (>= 64 MB moved, event timed), with GB/s from the counted bytes, % of the copy ceiling measured in
-this run, and the ratio to a peer measured in this run: the torch op a user would call instead, or,
-for a fusion, the chain of unfused cukern kernels it replaces ("x peer" > 1: cukern / the fusion is
-faster).
+"""Elementwise family benchmark: one row per kernel at decode size and at a large size (>= 64 MB moved),
+with GB/s from the counted bytes, % of the copy ceiling measured in this run, and the ratio to a peer
+measured in this run: the torch op a user would call instead, or, for a fusion, the chain of unfused
+cukern kernels it replaces ("x peer" > 1: cukern / the fusion is faster).
+
+Both sizes are timed as CUDA-graph replays (decode: 50 calls per graph, large: _LARGE_INNER calls, the
+peer likewise): an eager event pair around one call also counts the host's Python dispatch (~20 us,
+a large share of a 50-200 us kernel), so it understates the kernel's bandwidth. The graph's calls
+rotate through the input sets as the eager calls would.
 
 Bytes counted: every input read once, every output written once (weights and tables included).
 Run: PYTHONPATH=. python profiling/bench_elementwise.py [--quick] [--json out.json]
@@ -15,7 +19,7 @@ import sys
 import cupy
 
 from cukern.benchmark import (Row, host_us_per_call, measure_ceilings, rotating, script_main, time_graph_us,
-                              time_torch_graph_us, time_us)
+                              time_torch_graph_us)
 from cukern.elementwise import ElementwiseDispatch, contiguous_page_table  # noqa: F401
 
 try:
@@ -25,6 +29,8 @@ except ImportError:  # the torch peer is optional; its rows then show no ratio
     torch = None
 
 _L2_ROTATE_BYTES = 200 << 20  # rotate input sets until they span 4x the 50 MB L2
+_KV_REGIONS = 4  # cache regions the KV-writing rows rotate over
+_LARGE_INNER = 16  # calls per graph at the large size: >= the most input sets, so every replay rotates them all
 
 
 def _t(a):
@@ -48,7 +54,8 @@ class Bench:
 
     def row(self, kernel, shape, fn, *, nbytes=None, flops=None, decode=False, peer="", peer_fn=None,
             peer_is_torch=True):
-        timer = time_graph_us if decode else time_us
+        inner = {} if decode else dict(n_inner=_LARGE_INNER, n_repeat=10)
+        timer = lambda f: time_graph_us(f, **inner)  # noqa: E731
         try:
             us = timer(fn)
         except Exception as e:  # report and go on: one broken row must not hide the others
@@ -56,7 +63,7 @@ class Bench:
             return
         peer_us = None
         if peer_fn is not None and (torch is not None or not peer_is_torch):
-            peer_timer = (time_torch_graph_us if decode else time_us) if peer_is_torch else timer
+            peer_timer = (lambda f: time_torch_graph_us(f, **inner)) if peer_is_torch else timer
             try:
                 peer_us = peer_timer(peer_fn)
             except Exception as e:
@@ -128,10 +135,19 @@ def bench_heads(b: Bench):
         pos_tok = cupy.arange(n, dtype=cupy.int32)
         seq = cupy.zeros(1, cupy.int32)
         page_size = 16
-        max_pages = -(-(n + 1) // page_size)
+        # the KV writes rotate over _KV_REGIONS regions of the caches (4 x 32 MB at the large size), so that
+        # repeated writes of the same lines cannot merge in the 50 MB L2 and flatter the written bytes
+        max_pages = -(-(_KV_REGIONS * n + 1) // page_size)
         page_table = cupy.arange(max_pages, dtype=cupy.int32).reshape(1, max_pages)
         kc = cupy.zeros((max_pages, page_size, nkv, hd), cupy.float16)
         vc = cupy.zeros_like(kc)
+        _, kvpos = rotating(_KV_REGIONS, lambda i: cupy.full(1, i * n, cupy.int32))  # first position per region
+        kv_region = {"i": 0}
+
+        def kv_rows():  # the torch peer's slice of rows of the next region
+            i = kv_region["i"] % _KV_REGIONS
+            kv_region["i"] += 1
+            return slice(i * n, (i + 1) * n)
         sets, nxt = b.sets(2 * nb, lambda i: (b.randn(n, nq, hd), cupy.empty((n, nq, hd), cupy.float32),
                                                b.randn(n, nkv, hd), b.randn(n, nkv, hd),
                                                cupy.empty((n, nkv, hd), cupy.float32), b.randn(hd), b.randn(hd),
@@ -166,29 +182,30 @@ def bench_heads(b: Bench):
         kvb = n * nkv * hd
         qkv_bytes = 2 * nb + 2 * kvb * 4 + 2 * kvb * 2
 
-        def qkv_chain(s):
+        def qkv_chain(s, kp):
             d.head_rms_norm(s[0], s[5], s[1])
-            d.rope(s[1], pos, s[1], freq_base=1e6)
+            d.rope(s[1], kp, s[1], freq_base=1e6)
             d.head_rms_norm(s[2], s[6], s[4])
-            d.rope(s[4], pos, s[4], freq_base=1e6)
-            d.kv_write(s[4], kc, page_table, pos, seq)
-            d.kv_write(s[3], vc, page_table, pos, seq)
+            d.rope(s[4], kp, s[4], freq_base=1e6)
+            d.kv_write(s[4], kc, page_table, kp, seq)
+            d.kv_write(s[3], vc, page_table, kp, seq)
 
         b.row("qk_norm_rope_kv_write", f"{n}x({nq}+2x{nkv})x{hd}",
-              lambda: (lambda s: d.qk_norm_rope_kv_write(s[0], s[2], s[3], s[5], s[6], s[1], kc, vc, page_table, pos,
-                                                         seq, freq_base=1e6))(nxt()),
+              lambda: (lambda s: d.qk_norm_rope_kv_write(s[0], s[2], s[3], s[5], s[6], s[1], kc, vc, page_table,
+                                                         kvpos(), seq, freq_base=1e6))(nxt()),
               nbytes=qkv_bytes, decode=decode, peer="chain 2x(norm+rope)+2 kv_write",
-              peer_fn=lambda: qkv_chain(nxt()), peer_is_torch=False)
+              peer_fn=lambda: qkv_chain(nxt(), kvpos()), peer_is_torch=False)
         b.row("k_norm_rope_kv_write", f"{n}x{nkv}x{hd}",
-              lambda: (lambda s: d.k_norm_rope_kv_write(s[2], s[6], kc, page_table, pos, seq, freq_base=1e6))(nxt()),
+              lambda: (lambda s: d.k_norm_rope_kv_write(s[2], s[6], kc, page_table, kvpos(), seq, freq_base=1e6))(nxt()),
               nbytes=kvb * 6, decode=decode, peer="chain norm+rope+kv_write",
-              peer_fn=lambda: (lambda s: (d.head_rms_norm(s[2], s[6], s[4]), d.rope(s[4], pos, s[4], freq_base=1e6),
-                                          d.kv_write(s[4], kc, page_table, pos, seq)))(nxt()), peer_is_torch=False)
+              peer_fn=lambda: (lambda s, kp: (d.head_rms_norm(s[2], s[6], s[4]), d.rope(s[4], kp, s[4], freq_base=1e6),
+                                              d.kv_write(s[4], kc, page_table, kp, seq)))(nxt(), kvpos()),
+              peer_is_torch=False)
         kc_t = _t(kc) if torch is not None else None
         b.row("kv_write (f16 cache)", f"{n}x{nkv}x{hd}",
-              lambda: (lambda s: d.kv_write(s[3], kc, page_table, pos, seq))(nxt()), nbytes=kvb * 6, decode=decode,
-              peer="torch cache[idx] = k.half()",
-              peer_fn=lambda: (lambda s: kc_t.view(-1, nkv, hd).__setitem__(slice(0, n), s[3].half()))(tnext()))
+              lambda: (lambda s: d.kv_write(s[3], kc, page_table, kvpos(), seq))(nxt()), nbytes=kvb * 6,
+              decode=decode, peer="torch cache[idx] = k.half()",
+              peer_fn=lambda: (lambda s: kc_t.view(-1, nkv, hd).__setitem__(kv_rows(), s[3].half()))(tnext()))
         b.row("rope per_token positions", shape,
               lambda: (lambda s: d.rope(s[0], pos_tok, s[1], freq_base=1e6, pos_mode="per_token"))(nxt()),
               nbytes=2 * nb + n * 4, decode=decode)

@@ -8,11 +8,12 @@
 // (positions [4, n_tokens]: multi-section rotary, contiguous sections or IMRoPE's interleaved ones).
 //
 // A block loops over steps of tokens_per_block tokens (grid-stride). Its threads fill shared tables:
-// inv_freq in f64 once per block, then per step cos/sin per (token, pair) with the angle reduced mod
-// 2*pi in f64 before an f32 sincos (so positions in the 10^5 range keep f32 accuracy). Then each
+// inv_freq in f64 once per block, then per step cos/sin per (token, pair) with the angle reduced in f64
+// before an f32 sincospif (rope_sincos: positions in the 10^5 range keep f32 accuracy). Then each
 // warp takes G heads at a time: a lane loads its PPL pairs of each into registers (one read of x,
 // all loads in flight), the norms (if any) reduce over the warp, and the rotated pairs are stored.
 // Byte traffic: read and write every element once; weights and tables hit L1/L2.
+// rope_vec.cuh has the vectorised versions the host prefers for head_dim 32, 64, 128 and 256.
 #pragma once
 
 #include "common/types.cuh"
@@ -42,6 +43,26 @@ CUKERN_DEVICE uint32_t rope_section(uint32_t pair, const uint32_t (&sec)[4], uin
     return 3;
 }
 
+// cos and sin of pos * inv: the angle in half turns (pos * inv / pi, f64) is reduced to [-1, 1] before an
+// f32 sincospif, which keeps f32 accuracy for positions ~1e5 and has no slow path for large arguments.
+CUKERN_DEVICE void rope_sincos(int32_t pos, double inv, float& s, float& c) {
+    double h = (double)pos * inv * 0.3183098861837907;  // 1 / pi
+    h -= 2.0 * rint(0.5 * h);
+    sincospif((float)h, &s, &c);
+}
+
+// inv_freq of pair j: freqs[j], or ratio^j by binary powering (<= 9 squarings for j < 512: a few f64 ulps,
+// without the long latency of an f64 pow).
+CUKERN_DEVICE double rope_inv_freq(uint32_t j, bool use_freqs, double ratio, const float* __restrict__ freqs) {
+    if (use_freqs) return (double)freqs[j];
+    double acc = 1.0, b = ratio;
+    for (uint32_t e = j; e != 0; e >>= 1) {
+        if (e & 1) acc *= b;
+        b *= b;
+    }
+    return acc;
+}
+
 // Shared tables of one block, carved from dynamic shared memory:
 //   inv [half] f64, then cos, sin [tokens_per_block, half] f32.
 struct RopeTables {
@@ -55,29 +76,13 @@ struct RopeTables {
         sin_t = cos_t + n_tok * half;
     }
 
-    // inv[j] = freqs[j], or ratio^j by binary powering (<= 9 squarings for j < 512: a few f64 ulps,
-    // without the long latency of an f64 pow at the start of every block).
+    // inv[j] = rope_inv_freq(j): freqs[j] or ratio^j
     CUKERN_DEVICE void fill_inv(uint32_t half, bool use_freqs, double ratio, const float* freqs) {
-        for (uint32_t j = threadIdx.x; j < half; j += blockDim.x) {
-            if (use_freqs) {
-                inv[j] = (double)freqs[j];
-                continue;
-            }
-            double acc = 1.0, b = ratio;
-            for (uint32_t e = j; e != 0; e >>= 1) {
-                if (e & 1) acc *= b;
-                b *= b;
-            }
-            inv[j] = acc;
-        }
+        for (uint32_t j = threadIdx.x; j < half; j += blockDim.x) inv[j] = rope_inv_freq(j, use_freqs, ratio, freqs);
     }
 
-    // Entry idx = tt * half + j: cos/sin of pos * inv[j], the angle reduced to [-pi, pi] in f64.
-    CUKERN_DEVICE void set(uint32_t idx, uint32_t j, int32_t pos) {
-        double a = (double)pos * inv[j];
-        a -= 6.283185307179586 * rint(a * 0.15915494309189535);
-        sincosf((float)a, &sin_t[idx], &cos_t[idx]);
-    }
+    // Entry idx = tt * half + j: cos/sin of pos * inv[j].
+    CUKERN_DEVICE void set(uint32_t idx, uint32_t j, int32_t pos) { rope_sincos(pos, inv[j], sin_t[idx], cos_t[idx]); }
 };
 
 // Element indices of pair j (j < head_dim / 2): a rotary pair for j < half, else two copied tail elements.

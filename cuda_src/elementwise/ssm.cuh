@@ -109,15 +109,65 @@ __global__ void __launch_bounds__(64) deltanet(
 
 // Tiled variant: the state stays in registers for all tokens. 8 adjacent lanes share a column, each
 // holding DK / 8 rows (row r + 8 m for lane slice r, so the staged k/q reads are bank-conflict free).
-// The block's [DK, 16] state tile goes through shared memory on the way in and out, so that those
-// accesses are whole 64-byte row segments. k, q, g and beta of DELTA_CHUNK tokens are staged in shared memory
+// The block's [DK, 16] state tile goes through shared memory on the way in and out (delta_tile_io), so
+// that those accesses are whole 64-byte row segments, every load in flight at once (a loop whose trip
+// count was only known at run time serialised them and doubled the decode time). k, q, g and beta of DELTA_CHUNK tokens are staged in shared memory
 // with one round of loads (and v in registers), so the per-token cost is arithmetic, not load latency.
 // Must agree with deltanet (the tests compare both against the reference).
 // grid: (ceil(dv / 16), n_v_heads), block: 128 = 16 columns x 8 row slices.
 constexpr int DELTA_CHUNK = 8;
+constexpr int DELTA_THREADS = 128;  // deltanet_tiled's block
+
+namespace cukern {
+namespace ew {
+// Move a block's [DK, 16] state tile (columns col0 .. col0 + 15 of the row-major [DK, dv] state Sh) between
+// global memory and the padded shared tile, LOAD: in, else out (columns >= dv are zero-filled / skipped).
+// Every thread issues all of its loads before its first shared store (trip counts are compile-time), so
+// the tile's latency is paid once. vec: dv % 4 == 0 and Sh 16-byte aligned, so a 16-column row segment is
+// 4 whole float4s (each in range or out of it); else scalar elements.
+template <int DK, bool LOAD>
+CUKERN_DEVICE void delta_tile_io(float (&tile)[DK][17], float* Sh, uint32_t dv, uint32_t col0, bool vec) {
+    if (vec) {
+        constexpr int N = DK * 4 / DELTA_THREADS;  // float4s per thread
+        float4 t[N];
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            const uint32_t idx = threadIdx.x + i * DELTA_THREADS, row = idx / 4, c = 4 * (idx % 4);
+            float4* g = reinterpret_cast<float4*>(Sh + (uint64_t)row * dv + col0 + c);
+            if (LOAD) t[i] = col0 + c < dv ? *g : make_float4(0.f, 0.f, 0.f, 0.f);
+            else if (col0 + c < dv) *g = make_float4(tile[row][c], tile[row][c + 1], tile[row][c + 2], tile[row][c + 3]);
+        }
+        if (LOAD) {
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                const uint32_t idx = threadIdx.x + i * DELTA_THREADS, row = idx / 4, c = 4 * (idx % 4);
+                tile[row][c] = t[i].x; tile[row][c + 1] = t[i].y; tile[row][c + 2] = t[i].z; tile[row][c + 3] = t[i].w;
+            }
+        }
+        return;
+    }
+    constexpr int N = DK * 16 / DELTA_THREADS;  // elements per thread
+    float t[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const uint32_t idx = threadIdx.x + i * DELTA_THREADS, row = idx / 16, c = idx % 16;
+        float* g = Sh + (uint64_t)row * dv + col0 + c;
+        if (LOAD) t[i] = col0 + c < dv ? *g : 0.f;
+        else if (col0 + c < dv) *g = tile[row][c];
+    }
+    if (LOAD) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            const uint32_t idx = threadIdx.x + i * DELTA_THREADS;
+            tile[idx / 16][idx % 16] = t[i];
+        }
+    }
+}
+}  // namespace ew
+}  // namespace cukern
 
 template <int DK>
-__global__ void __launch_bounds__(128) deltanet_tiled(
+__global__ void __launch_bounds__(DELTA_THREADS) deltanet_tiled(
     float* __restrict__ o, float* __restrict__ S, const float* __restrict__ q,  // as deltanet
     const float* __restrict__ k, const float* __restrict__ v, const float* __restrict__ g,
     const float* __restrict__ beta, const DeltaNetParams p) {
@@ -131,10 +181,8 @@ __global__ void __launch_bounds__(128) deltanet_tiled(
     const uint32_t hq = h / (p.n_v_heads / p.n_qk_heads);
     const uint32_t col0 = blockIdx.x * 16, cl = threadIdx.x / R;  // first column of the block, column in block
     float* Sh = S + (uint64_t)h * DK * p.dv;
-    for (uint32_t idx = threadIdx.x; idx < DK * 16; idx += blockDim.x) {
-        const uint32_t row = idx / 16, c = idx % 16;
-        tile[row][c] = col0 + c < p.dv ? Sh[(uint64_t)row * p.dv + col0 + c] : 0.f;
-    }
+    const bool vec = p.dv % 4 == 0 && reinterpret_cast<uint64_t>(S) % 16 == 0;  // whole float4s per row segment
+    cukern::ew::delta_tile_io<DK, true>(tile, Sh, p.dv, col0, vec);
     __syncthreads();
     float s[M];
 #pragma unroll
@@ -182,8 +230,5 @@ __global__ void __launch_bounds__(128) deltanet_tiled(
 #pragma unroll
     for (int m = 0; m < M; ++m) tile[r + R * m][cl] = s[m];
     __syncthreads();
-    for (uint32_t idx = threadIdx.x; idx < DK * 16; idx += blockDim.x) {
-        const uint32_t row = idx / 16, c = idx % 16;
-        if (col0 + c < p.dv) Sh[(uint64_t)row * p.dv + col0 + c] = tile[row][c];
-    }
+    cukern::ew::delta_tile_io<DK, false>(tile, Sh, p.dv, col0, vec);
 }
