@@ -63,8 +63,10 @@ _ONE_COL = {0: (2, 1), 1: (2, 1), 30: (2, 1), 2: (4, 0), 6: (4, 0), 8: (2, 0), 3
 Q8_TYPES = (2, 6, 8, 39, 12, 13, 14)
 _Q8_MAX_WARPS = 32  # q8::kMaxWarps
 # (LU units per lane and iteration, ST ring slots per warp, CR contiguous rows per warp) of
-# dmmv_q8<QT, NC, LU, ST, CR> and moe_dmmv_q8<QT, LU, ST, CR>, per type (profiling/tune_dmmv_q8.py).
-_Q8_CONFIG = {2: (2, 3, 1), 6: (2, 3, 1), 8: (1, 4, 1), 39: (2, 3, 1), 12: (2, 3, 1), 13: (2, 3, 1), 14: (2, 3, 1)}
+# dmmv_q8<QT, NC, LU, ST, CR> and moe_dmmv_q8<QT, LU, ST, CR>, per type, from profiling/tune_dmmv_q8.py on
+# an H100 (14336x4096 and 4096x14336, 32 warps per block): two slots (one 2 KB iteration in flight per
+# warp, 64 KB per SM) beat deeper rings; 64 units per iteration except Q4_0.
+_Q8_CONFIG = {2: (1, 2, 1), 6: (2, 2, 1), 8: (2, 2, 0), 39: (2, 2, 0), 12: (2, 2, 1), 13: (2, 2, 1), 14: (2, 2, 1)}
 
 
 def _q8_slot(qt: int, lu: int) -> int:
@@ -333,8 +335,8 @@ class DmmvDispatch(Dispatch):
     def _q8_plan(self, unit: Dispatch, kernel: str, qt: int, nc: int, k: int):
         """(warps per block, dynamic shared memory, blocks to launch) for an int8-path kernel, or
         None when its x does not fit in shared memory (then the f32 path runs). One block per SM
-        of up to 32 warps: each block quantizes x once, and 32 warps with 3 iterations each in
-        flight hold far more bytes in flight than HBM needs. Cached per (kernel, k)."""
+        of up to 32 warps (fewer when NC columns of x crowd shared memory): each block quantizes
+        x once. Cached per (kernel, k)."""
         key = (unit.family.name, kernel, k)
         got = self._resident.get(key)
         if got is not None:

@@ -11,7 +11,7 @@
 //
 // Weights reach shared memory through cp.async (16-byte copies, L1 bypassed): each warp owns a
 // ring of ST slots and streams its rows through it, ST - 1 iterations in flight, across row
-// boundaries. One iteration = 32 * LU units (LU * 1024 weights) of one row, LU units per lane. A slot
+// boundaries (the tuned ST is 2: with 32 warps per SM one iteration each is plenty). One iteration = 32 * LU units (LU * 1024 weights) of one row, LU units per lane. A slot
 // holds the 16-byte-aligned window around the iteration's bytes, so any block alignment works
 // (rows of Q4_0 blocks are only 2-byte aligned, MXFP4 1-byte): units are read from the slot at
 // their byte offset, unaligned words by funnel shifts.
