@@ -48,13 +48,35 @@ _I32 = np.dtype(np.int32)
 _DECODE_THREADS = 128
 _MERGE_THREADS = 128
 _KV_WRITE_THREADS = 128
-_MIN_CHUNK = 64  # smallest KV chunk of a split (tokens)
-_MAX_SPLITS = 256
+_MIN_CHUNK = 32  # smallest KV chunk of a split (tokens)
+_MAX_SPLITS = 256  # the merging block holds [heads per block, n_splits] weights in its shared memory
+_DECODE_PIPE_BYTES = 64 * 1024  # K/V stages of a decode block (DECODE_PIPE_BYTES in decode.cuh)
+_DECODE_BLOCKS_PER_SM = 2  # decode's __launch_bounds__ minimum: resident blocks per SM in the split model
+# Split model constants (bytes per us, us), from H100 runs of bench_attention (B1 KV8k GQA 32/8 D128 f16)
+_DECODE_BLOCK_RATE = 12.5e3  # K/V bytes one block streams per us, alone on its SM
+_DECODE_SM_RATE = 13.5e3  # ... all blocks of one SM together
+_DECODE_BLOCK_US = 2.0  # a block's start-up and epilogue
+_DECODE_MERGE_RATE = 64e3  # partial-state bytes the merging block reads per us
+_DECODE_MERGE_US = 1.0  # the merge's fixed cost (counter, weights)
 
 
 def _groups(d: int) -> tuple[int, ...]:
     """Query heads per decode block available at head_dim d (8 heads of 512 would spill registers)."""
     return _GROUPS if d <= 256 else _GROUPS[:-1]
+
+
+def _decode_smem(kind: str, d: int, g: int) -> int:
+    """Dynamic shared bytes of decode<T, d, g>: DecodeShape::SMEM in cuda_src/attention/decode.cuh (the
+    kernel traps when launched with less)."""
+    vec = 16 // _ITEMSIZE[kind]
+    nv = d // vec
+    lpk = min(nv & -nv, 32)
+    vpl = nv // lpk
+    step = 4 * (32 // lpk)
+    s = max(1, (2 if g >= 8 else 4) // vpl)
+    stage = 2 * s * step * nv * 16
+    ns = min(8, max(2, _DECODE_PIPE_BYTES // stage))
+    return max(ns * stage, 4 * g * d * 4)
 
 
 def _prefill_shape(d: int) -> tuple[int, int, int]:
@@ -390,6 +412,7 @@ class DecodePlan:
     head_block: int  # query heads per block (template G)
     o_part: cupy.ndarray | None  # [batch, n_splits, n_heads, head_dim] f32 (n_splits > 1)
     lse_part: cupy.ndarray  # [batch, n_splits, n_heads] f32
+    counters: cupy.ndarray  # [batch * n_kv_heads * head blocks] int32 zeros: blocks done per merge (left zero)
 
     @property
     def batch(self) -> int:
@@ -427,6 +450,26 @@ def _head_block(group: int, d: int) -> int:
         if group <= g:
             return g
     return _groups(d)[-1]
+
+
+def _choose_splits(blocks: int, visible: int, row_bytes: int, state_bytes: int, sms: int) -> int:
+    """Split count of a decode launch: the n that minimises a time model fitted to H100 runs (us).
+
+    The busiest SM holds ``k = ceil(blocks * n / sms)`` blocks, each streaming ``ceil(visible / n)`` K/V
+    rows of ``row_bytes``: one block alone at ``_DECODE_BLOCK_RATE``, several together at most at
+    ``_DECODE_SM_RATE``; each wave of ``_DECODE_BLOCKS_PER_SM`` blocks pays ``_DECODE_BLOCK_US``. With
+    n > 1 the last block reads back n partial states of ``state_bytes`` at ``_DECODE_MERGE_RATE`` after a
+    fixed ``_DECODE_MERGE_US``. Chunks stay at least ``_MIN_CHUNK`` tokens, n at most ``_MAX_SPLITS``."""
+    best, best_t = 1, None
+    for n in range(1, max(1, min(_MAX_SPLITS, visible // _MIN_CHUNK)) + 1):
+        k = -(-blocks * n // sms)
+        rate = min(_DECODE_BLOCK_RATE * k, _DECODE_SM_RATE)
+        t = k * -(-visible // n) * row_bytes / rate + -(-k // _DECODE_BLOCKS_PER_SM) * _DECODE_BLOCK_US
+        if n > 1:
+            t += _DECODE_MERGE_US + n * state_bytes / _DECODE_MERGE_RATE
+        if best_t is None or t < best_t:
+            best, best_t = n, t
+    return best
 
 
 def _scale_fields(scale: float, head_dim: int, softcap: float, window_left: int) -> dict:
@@ -529,11 +572,12 @@ class AttentionDispatch:
                     n_splits: int | None = None, window_left: int = -1) -> DecodePlan:
         """Schedule a decode batch: one query token for each sequence of ``seq_ids`` (host ints).
 
-        Validates the slots, uploads them, picks the split count (default: enough blocks for a few
-        per SM, chunks of at least 64 tokens, at most 256 splits; ``n_splits`` overrides it) and allocates the partial
-        buffers. ``max_kv_len`` (default: the longest of these sequences now) sizes the chunks; a
-        sequence that later grows past it is still computed right (its last chunk runs to its end),
-        only less parallel. Reuse the plan across steps (and graph replays) while the batch holds."""
+        Validates the slots, uploads them, picks the split count (default: :func:`_choose_splits`, chunks
+        of at least 32 tokens, at most 256 splits; ``n_splits`` overrides it) and allocates the partial
+        buffers and the merge counters. ``max_kv_len`` (default: the longest of these sequences now) sizes
+        the chunks; a sequence that later grows past it is still computed right (its last chunk runs to
+        its end), only less parallel. Reuse the plan across steps (and graph replays) while the batch
+        holds, on one stream at a time (launches of one plan share its partial buffers and counters)."""
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
         ids = _int_list("seq_ids", seq_ids)
@@ -551,16 +595,17 @@ class AttentionDispatch:
         hb = _head_block(group, cache.head_dim)
         blocks = len(ids) * cache.n_kv_heads * -(-group // hb)
         visible = max_kv_len if window_left < 0 else min(max_kv_len, window_left + 1)
-        if n_splits is None:  # about two blocks per SM, chunks of at least _MIN_CHUNK tokens
-            want = -(-2 * self.sm_count() // blocks)
-            n_splits = max(1, min(want, visible // _MIN_CHUNK, _MAX_SPLITS))
+        if n_splits is None:
+            row_bytes = 2 * cache.head_dim * _ITEMSIZE[cache.kind]  # a K and a V row of one KV head
+            n_splits = _choose_splits(blocks, visible, row_bytes, hb * cache.head_dim * 4, self.sm_count())
         if not isinstance(n_splits, (int, np.integer)) or not 1 <= n_splits <= _MAX_SPLITS:
             raise ValueError(f"n_splits must be 1 ... {_MAX_SPLITS}, got {n_splits!r}")
         b, d = len(ids), cache.head_dim
         o_part = cupy.empty((b, n_splits, n_heads, d), cupy.float32) if n_splits > 1 else None
         lse_part = cupy.empty((b, n_splits, n_heads), cupy.float32)
+        counters = cupy.zeros(blocks, cupy.int32)
         return DecodePlan(cache, cupy.asarray(ids.astype(np.int32)), int(n_heads), max_kv_len, int(n_splits), hb,
-                          o_part, lse_part)
+                          o_part, lse_part, counters)
 
     def flash_attn_decode(self, plan: DecodePlan, layer: int, q: cupy.ndarray, out: cupy.ndarray, *,
                           scale: float = 0.0, window_left: int = -1, softcap: float = 0.0,
@@ -571,14 +616,16 @@ class AttentionDispatch:
         q: [batch, n_heads, head_dim] f32 (16-byte aligned); out: the same (written); lse: optional
         [batch, n_heads] f32, natural log (sinks included). K/V of a tile are read once for all the
         query heads of their group. With ``plan.n_splits > 1`` the chunks write normalised partial
-        (O, LSE) into the plan's buffers and :meth:`merge_states` combines them, adding the sinks once."""
+        (O, LSE) into the plan's buffers and, in the same launch, the last block to finish for a
+        (query, head block) merges them (as :meth:`merge_states` would), adding the sinks once.
+        out must be 16-byte aligned."""
         if not isinstance(plan, DecodePlan):
             raise TypeError(f"plan must be a DecodePlan (AttentionDispatch.plan_decode), got {type(plan).__name__}")
         cache = plan.cache
         layer = self._check_layer(cache, layer)
         b, h, d = plan.batch, plan.n_heads, cache.head_dim
         check_array("q", q, dtype=_F32, shape=(b, h, d), align=16)
-        check_array("out", out, dtype=_F32, shape=(b, h, d))
+        check_array("out", out, dtype=_F32, shape=(b, h, d), align=16)
         if lse is not None:
             check_array("lse", lse, dtype=_F32, shape=(b, h))
         if sinks is not None:
@@ -588,23 +635,19 @@ class AttentionDispatch:
         hb = plan.head_block
         nhb = -(-group // hb)
         visible = plan.max_kv_len if fields["window_left"] < 0 else min(plan.max_kv_len, fields["window_left"] + 1)
-        chunk = -(-(-(-visible // plan.n_splits)) // 64) * 64  # a multiple of the keys a block reads per step
         split = plan.n_splits > 1
         unit = self._unit(cache.kind)
         params = unit.struct("DecodeParams").pack(
             n_queries=b, n_seqs=b, batched=0, n_heads=h, n_kv_heads=cache.n_kv_heads, group=group, n_head_blocks=nhb,
-            page_size=cache.page_size, max_pages=cache.max_pages_per_seq, n_splits=plan.n_splits, chunk=chunk,
-            has_sinks=int(sinks is not None and not split), causal=1, write_lse=int(split or lse is not None),
-            page_shift=_page_shift(cache.page_size), pad0=0, **fields)
-        sink_arg = sinks if sinks is not None else plan.lse_part
-        o_dst = plan.o_part if split else out
-        lse_dst = plan.lse_part if (split or lse is None) else lse
+            page_size=cache.page_size, max_pages=cache.max_pages_per_seq, n_splits=plan.n_splits,
+            chunk=-(-visible // plan.n_splits), has_sinks=int(sinks is not None), causal=1,
+            write_lse=int(lse is not None), page_shift=_page_shift(cache.page_size), pad0=0, **fields)
         unit._launch(f"decode<{_CTYPE[cache.kind]}, {d}, {hb}>", (plan.n_splits, cache.n_kv_heads * nhb, b),
                      _DECODE_THREADS,
-                     (o_dst, lse_dst, q, cache.k_pools[layer], cache.v_pools[layer], cache.page_table, cache.lengths,
-                      plan.seq_ids, plan.seq_ids, sink_arg), params, stream=stream)
-        if split:
-            self._merge(unit, plan.o_part, plan.lse_part, out, lse, sinks, b, plan.n_splits, h, d, stream)
+                     (out, lse if lse is not None else out, plan.o_part if split else out, plan.lse_part,
+                      plan.counters, q, cache.k_pools[layer], cache.v_pools[layer], cache.page_table, cache.lengths,
+                      plan.seq_ids, plan.seq_ids, sinks if sinks is not None else plan.lse_part), params,
+                     stream=stream, shared_mem=_decode_smem(cache.kind, d, hb))
         return out
 
     # ------------------------------------------------------------------ merge
@@ -721,10 +764,12 @@ class AttentionDispatch:
             n_head_blocks=nhb, page_size=cache.page_size, max_pages=cache.max_pages_per_seq, n_splits=1,
             chunk=cache.capacity_tokens(), has_sinks=int(sinks is not None), causal=int(causal),
             write_lse=int(lse is not None), page_shift=_page_shift(cache.page_size), pad0=0, **fields)
+        lse_arg = lse if lse is not None else out
         unit._launch(f"decode<{_CTYPE[cache.kind]}, {d}, {hb}>", (1, cache.n_kv_heads * nhb, n_q), _DECODE_THREADS,
-                     (out, lse if lse is not None else out, q, cache.k_pools[layer], cache.v_pools[layer],
+                     (out, lse_arg, out, lse_arg, plan.seq_ids, q, cache.k_pools[layer], cache.v_pools[layer],
                       cache.page_table, cache.lengths, plan.seq_ids, plan.q_indptr,
-                      sinks if sinks is not None else out), params, stream=stream)
+                      sinks if sinks is not None else out), params, stream=stream,
+                     shared_mem=_decode_smem(cache.kind, d, hb))
         return out
 
     def _prefill(self, kind, d, paged, out, lse, q, k, v, q_indptr, kv_info, page_table, seq_ids, sinks, n_seqs, h,

@@ -242,9 +242,10 @@ def test_decode_split_matches_unsplit_and_graph(attn, rng):
     outs = []
     for n_splits in (1, 3, 16, None):
         plan = attn.plan_decode(cache, slots, 8, n_splits=n_splits)
-        out = poison(cupy.empty((3, 8, 128), cupy.float32))
-        attn.flash_attn_decode(plan, 0, q, out, sinks=sinks)
-        outs.append(out.get())
+        for _ in range(2):  # the merge counters are left zero for the next launch of the plan
+            out = poison(cupy.empty((3, 8, 128), cupy.float32))
+            attn.flash_attn_decode(plan, 0, q, out, sinks=sinks)
+            outs.append(out.get())
     for o in outs[1:]:
         assert_close(o, outs[0], atol=2e-5, rtol=2e-5, name="split vs unsplit")
     # the same step captured in a CUDA graph and replayed after the cache grew by one token
@@ -429,3 +430,12 @@ def test_reference_split_merge_equals_whole(rng):
     o, lse0 = ref.attention(q, k, v, pos)
     np.testing.assert_allclose(lse_s, np.logaddexp(lse0, sinks[None]), atol=1e-12)
     np.testing.assert_allclose(o_s, o * np.exp(lse0 - lse_s)[..., None], atol=1e-12)
+
+
+def test_choose_splits_fills_waves_without_needless_partials():
+    from cukern.attention import _choose_splits
+    row = 2 * 128 * 2  # f16 D128: a K and a V row of one KV head
+    assert _choose_splits(8, 8192, row, 4 * 128 * 8, 132) == 33      # B1, 8 KV heads: one full wave of 264 blocks
+    assert _choose_splits(256, 4096, row, 4 * 128 * 8, 132) == 1     # B32: 256 blocks already fill the wave
+    assert _choose_splits(1, 40, row, 4 * 256 * 8, 132) == 1         # chunks stay >= 32 tokens
+    assert 1 < _choose_splits(1, 512, 2 * 256 * 2, 4 * 256 * 8, 132) <= 16  # Gemma 3, short KV: a few splits

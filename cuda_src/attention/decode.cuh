@@ -2,38 +2,60 @@
 //
 // Grid: (n_splits, n_kv_heads * n_head_blocks, n_queries); block: DECODE_WARPS warps.
 // A block reads one chunk of one sequence's K/V for one KV head and serves G query heads
-// of its group from that single pass (GQA). Each warp reads keys with 16-byte loads:
-// LPK lanes cover one key row of D elements (VPL vectors each), so a warp reads KPW keys
-// per load; a batch is U such loads of K and of V, and the next batch is in flight while one is
-// used (a two-stage register pipeline, so the page-table lookups run ahead too). Each key
-// group of a warp keeps its own online-softmax state (m, l, acc[D/LPK]); states are merged
-// across the warp with shuffles and across warps through shared memory at the end.
+// of its group from that single pass (GQA).
 //
-// Bytes: every visible K and V row once per (KV head, head block), q once, O (or the partial
-// O and LSE of each split) once. With n_splits > 1 the partial results are normalised
-// (O_i = acc_i / l_i, LSE_i natural log) and merge_states combines them (and adds the sinks).
+// Loads: K/V stream through shared memory in tiles of TK keys with cp.async, NS stages deep
+// (about 64 KB of K/V in flight per block, so a few blocks per SM keep enough bytes in flight
+// to cover the memory latency without holding them in registers). Every thread issues the
+// 16-byte copies of a few rows of each tile (looking the rows up in the page table); rows past
+// the chunk are zero-filled and masked.
+// Compute: a warp covers a K/V row of D elements with LPK lanes (VPL 16-byte vectors each),
+// so it takes KPW keys per step and S steps per tile. Each key group of a warp keeps its own
+// online-softmax state (m, l, acc[D/LPK]); the states are merged across the warp with shuffles
+// and across warps through shared memory at the end.
+//
+// n_splits == 1 writes the final O (and LSE, sinks included). n_splits > 1 writes each chunk's
+// normalised (O_i, LSE_i) to the partial buffers; the last block of a (query, head block) to
+// finish (an atomic counter per grid row, reset by that block, so the launch can be replayed
+// in a CUDA graph) merges the n_splits states of its heads and adds the sinks once.
+//
+// Bytes: every visible K and V row once per (KV head, head block), q once, O once; with splits,
+// the partial O / LSE once written and once read back (from L2) by the merging block.
 #pragma once
 
 #include "common/kv_cache.cuh"
+#include "common/mma.cuh"
 #include "common/types.cuh"
-#include "attention/common.cuh"
+#include "attention/common.cuh"  // before reduce.cuh: defines INFINITY, which NVRTC lacks
 #include "attention/params.cuh"
+#include "common/reduce.cuh"
 
 namespace cukern {
 namespace attn {
 
 constexpr int DECODE_WARPS = 4;
+constexpr int DECODE_PIPE_BYTES = 64 * 1024;  // K/V bytes of the stages of one block (target)
 
-// How a warp covers a K/V row of D elements of T with 16-byte loads.
-template <typename T, int D>
+// How a block covers K/V rows of D elements of T (mirrored by _decode_smem in cukern/attention.py).
+template <typename T, int D, int G>
 struct DecodeShape {
+    static constexpr int NT = DECODE_WARPS * 32;
     static constexpr int VEC = vec_elems<T>();                      // elements per 16-byte load
-    static constexpr int NV = D / VEC;                              // loads per row
+    static constexpr int NV = D / VEC;                              // 16-byte vectors per row
     static constexpr int LPK = (NV & -NV) < 32 ? (NV & -NV) : 32;   // lanes per key: largest power of 2 dividing NV
-    static constexpr int VPL = NV / LPK;                            // loads per lane per key
+    static constexpr int VPL = NV / LPK;                            // vectors per lane per key
     static constexpr int E = VPL * VEC;                             // elements per lane per key
-    static constexpr int KPW = 32 / LPK;                            // keys one warp reads at once
+    static constexpr int KPW = 32 / LPK;                            // keys one warp reads per step
+    static constexpr int STEP = DECODE_WARPS * KPW;                 // keys the block reads per step
+    static constexpr int S = (G >= 8 ? 2 : 4) / VPL > 0 ? (G >= 8 ? 2 : 4) / VPL : 1;  // steps per tile
+    static constexpr int TK = S * STEP;                             // keys per tile
+    static constexpr int STAGE_BYTES = 2 * TK * NV * 16;            // K and V of one tile
+    static constexpr int NS = DECODE_PIPE_BYTES / STAGE_BYTES > 8 ? 8
+                              : (DECODE_PIPE_BYTES / STAGE_BYTES < 2 ? 2 : DECODE_PIPE_BYTES / STAGE_BYTES);
+    static constexpr int RED_BYTES = DECODE_WARPS * G * D * 4;      // per-warp O of the final merge
+    static constexpr int SMEM = NS * STAGE_BYTES > RED_BYTES ? NS * STAGE_BYTES : RED_BYTES;
     static_assert(D % VEC == 0, "head_dim must be a multiple of the 16-byte vector");
+    static_assert(SMEM >= G * 256 * 4, "the merge's weights (G x 256 splits) must fit in the stages");
 };
 
 // Position of query `qi` and its slot; the visible keys are [lo, hi).
@@ -70,11 +92,12 @@ CUKERN_DEVICE QueryRange decode_range(const int32_t* __restrict__ lengths, const
 
 // One chunk of the visible keys of one query, for the G query heads [h0, h0 + G) of one KV head.
 template <typename T, int D, int G>
-__global__ void __launch_bounds__(cukern::attn::DECODE_WARPS * 32) decode(
-    float* __restrict__ o,                   // n_splits == 1: [n_queries, n_heads, D] final output;
-                                             // else [n_queries, n_splits, n_heads, D] normalised partial O
-    float* __restrict__ lse,                 // [n_queries, n_splits, n_heads] natural-log LSE (write_lse; sinks
-                                             // included when n_splits == 1)
+__global__ void __launch_bounds__(cukern::attn::DECODE_WARPS * 32, 2) decode(
+    float* __restrict__ o,                   // [n_queries, n_heads, D] final output
+    float* __restrict__ lse,                 // [n_queries, n_heads] final natural-log LSE, sinks included (write_lse)
+    float* __restrict__ o_part,              // n_splits > 1: [n_queries, n_splits, n_heads, D] normalised partial O
+    float* __restrict__ lse_part,            // n_splits > 1: [n_queries, n_splits, n_heads] their natural-log LSE
+    int32_t* __restrict__ counters,          // n_splits > 1: [n_queries * gridDim.y] zeros (left zero on exit)
     const float* __restrict__ q,             // [n_queries, n_heads, D]
     const T* __restrict__ k_pool,            // [n_pages, page_size, n_kv_heads, D]
     const T* __restrict__ v_pool,            // [n_pages, page_size, n_kv_heads, D]
@@ -86,19 +109,26 @@ __global__ void __launch_bounds__(cukern::attn::DECODE_WARPS * 32) decode(
     const DecodeParams p) {
     using namespace cukern;
     using namespace cukern::attn;
-    using S = DecodeShape<T, D>;
-    constexpr int WARPS = DECODE_WARPS;
-    constexpr int U = (G >= 8 ? 2 : 4) / S::VPL > 0 ? (G >= 8 ? 2 : 4) / S::VPL : 1;  // key steps per batch (x2 in flight)
-    constexpr int STEP = WARPS * S::KPW;  // keys the block covers per unrolled slot
+    using Sh = DecodeShape<T, D, G>;
+    constexpr int WARPS = DECODE_WARPS, NT = Sh::NT, LPK = Sh::LPK, VPL = Sh::VPL, VEC = Sh::VEC, E = Sh::E;
+    constexpr int KPW = Sh::KPW, STEP = Sh::STEP, S = Sh::S, TK = Sh::TK, NS = Sh::NS, NV = Sh::NV;
 
+    extern __shared__ uint4 smem_raw[];  // [NS][2][TK][D] K/V stages, later the merges' scratch
+    T* const stages = reinterpret_cast<T*>(smem_raw);
     __shared__ float sm_m[WARPS][G];
     __shared__ float sm_l[WARPS][G];
-    __shared__ float sm_acc[G][D];
+    __shared__ float sm_mu[G];
+    __shared__ float sm_den[G];
+    __shared__ int sm_last;
+
+    uint32_t dyn_smem;  // the host mirrors SMEM (_decode_smem): a mismatch must fail loudly, not overrun
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+    if (dyn_smem < (uint32_t)Sh::SMEM) __trap();
 
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
-    const int sub = lane / S::LPK;  // key of the warp's KPW this lane reads: 0 .. KPW-1
-    const int gl = lane % S::LPK;   // lane within that key's group: 0 .. LPK-1
+    const int sub = lane / LPK;  // key of the warp's KPW this lane reads: 0 .. KPW-1
+    const int gl = lane % LPK;   // lane within that key's group: 0 .. LPK-1
 
     const uint32_t qi = blockIdx.z;
     const uint32_t split = blockIdx.x;
@@ -110,143 +140,167 @@ __global__ void __launch_bounds__(cukern::attn::DECODE_WARPS * 32) decode(
     const QueryRange r = decode_range(lengths, seq_ids, q_indptr, qi, p);
     const int32_t c0 = r.lo + (int32_t)(split * p.chunk);
     const int32_t c1 = split + 1 == p.n_splits ? r.hi : min(r.hi, c0 + (int32_t)p.chunk);
+    const int32_t n_tiles = c1 > c0 ? (c1 - c0 + TK - 1) / TK : 0;
+
+    const int32_t* pt = page_table + (uint64_t)r.slot * p.max_pages;
+    const uint64_t row_elems = (uint64_t)p.n_kv_heads * D;
+
+    // tile t (keys c0 + t TK ...) into stage st; keys past the chunk are zero-filled
+    auto load_tile = [&](int32_t t, int st) {
+        T* ks = stages + (uint64_t)st * 2 * TK * D;
+        T* vs = ks + TK * D;
+#pragma unroll
+        for (int i = 0; i < (TK * NV + NT - 1) / NT; ++i) {
+            const int c = threadIdx.x + i * NT;
+            if (TK * NV % NT == 0 || c < TK * NV) {
+                const int key = c / NV, ch = c % NV;
+                const int32_t j = c0 + t * TK + key;
+                const uint64_t off =
+                    paged_row(pt, (uint32_t)min(j, c1 - 1), p.page_size, p.page_shift) * row_elems + (uint64_t)kvh * D +
+                    ch * VEC;
+                const uint32_t bytes = j < c1 ? 16u : 0u;
+                cp_async16(ks + key * D + ch * VEC, k_pool + off, bytes);
+                cp_async16(vs + key * D + ch * VEC, v_pool + off, bytes);
+            }
+        }
+    };
+#pragma unroll
+    for (int st = 0; st < NS - 1; ++st) {  // the first NS - 1 tiles are in flight before q is read
+        if (st < n_tiles) load_tile(st, st);
+        cp_async_commit();
+    }
 
     // q of the block's heads, the elements this lane multiplies: (gl + i * LPK) * VEC + e
-    float qf[G][S::E];
+    float qf[G][E];
 #pragma unroll
     for (int g = 0; g < G; ++g) {
         const float* qh = q + ((uint64_t)qi * p.n_heads + h0 + min(g, n_h - 1)) * D;
 #pragma unroll
-        for (int i = 0; i < S::VPL; ++i) {
-            const float4* src = reinterpret_cast<const float4*>(qh + (gl + i * S::LPK) * S::VEC);
+        for (int i = 0; i < VPL; ++i) {
+            const float4* src = reinterpret_cast<const float4*>(qh + (gl + i * LPK) * VEC);
 #pragma unroll
-            for (int e4 = 0; e4 < S::VEC / 4; ++e4) {
+            for (int e4 = 0; e4 < VEC / 4; ++e4) {
                 const float4 v = src[e4];
-                qf[g][i * S::VEC + 4 * e4 + 0] = v.x;
-                qf[g][i * S::VEC + 4 * e4 + 1] = v.y;
-                qf[g][i * S::VEC + 4 * e4 + 2] = v.z;
-                qf[g][i * S::VEC + 4 * e4 + 3] = v.w;
+                qf[g][i * VEC + 4 * e4 + 0] = v.x;
+                qf[g][i * VEC + 4 * e4 + 1] = v.y;
+                qf[g][i * VEC + 4 * e4 + 2] = v.z;
+                qf[g][i * VEC + 4 * e4 + 3] = v.w;
             }
         }
     }
 
-    float m[G], l[G], acc[G][S::E];
+    float m[G], l[G], acc[G][E];
 #pragma unroll
     for (int g = 0; g < G; ++g) {
         m[g] = -INFINITY;
         l[g] = 0.0f;
 #pragma unroll
-        for (int e = 0; e < S::E; ++e) acc[g][e] = 0.0f;
+        for (int e = 0; e < E; ++e) acc[g][e] = 0.0f;
     }
 
-    const int32_t* pt = page_table + (uint64_t)r.slot * p.max_pages;
-    const uint64_t row_elems = (uint64_t)p.n_kv_heads * D;
+    for (int32_t t = 0; t < n_tiles; ++t) {
+        cp_async_wait<NS - 2>();  // tile t has landed (this thread's copies) ...
+        __syncthreads();          // ... everyone's, and every warp is done with the stage refilled next
+        if (t + NS - 1 < n_tiles) load_tile(t + NS - 1, (t + NS - 1) % NS);
+        cp_async_commit();
 
-    // Software pipeline: the loads of the next U key steps are in flight while these are used.
-    // All U page-table lookups first, then all 2 U VPL loads: no load waits on another's latency.
-    // Keys past the chunk read the chunk's last key (a valid row) and are masked in process().
-    auto load = [&](int32_t base, uint4 (&kr)[U][S::VPL], uint4 (&vr)[U][S::VPL]) {
-        uint64_t off[U];
+        const T* ks = stages + (uint64_t)(t % NS) * 2 * TK * D;
+        const T* vs = ks + TK * D;
+        const int32_t t0 = c0 + t * TK;
+        // scores of this warp's S keys of the tile, for every head (each key group reduces over its LPK lanes)
+        float sc[S][G];
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int32_t j = min(base + u * STEP + sub, c1 - 1);
-            off[u] = paged_row(pt, (uint32_t)j, p.page_size, p.page_shift) * row_elems + (uint64_t)kvh * D;
-        }
+        for (int s = 0; s < S; ++s) {
+            const int key = s * STEP + warp * KPW + sub;
+            float kf[E];
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-#pragma unroll
-            for (int i = 0; i < S::VPL; ++i) {
-                kr[u][i] = load16(k_pool + off[u] + (gl + i * S::LPK) * S::VEC);
-                vr[u][i] = load16(v_pool + off[u] + (gl + i * S::LPK) * S::VEC);
-            }
-        }
-    };
-    auto process = [&](int32_t base, const uint4 (&kr)[U][S::VPL], const uint4 (&vr)[U][S::VPL]) {
-        // scores of the U keys for every head (each key group reduces over its LPK lanes)
-        float sc[U][G];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            float kf[S::E];
-#pragma unroll
-            for (int i = 0; i < S::VPL; ++i) widen(kr[u][i], (const T*)nullptr, kf + i * S::VEC);
+            for (int i = 0; i < VPL; ++i)
+                widen(*reinterpret_cast<const uint4*>(ks + key * D + (gl + i * LPK) * VEC), (const T*)nullptr,
+                      kf + i * VEC);
 #pragma unroll
             for (int g = 0; g < G; ++g) {
                 float d = 0.0f;
 #pragma unroll
-                for (int e = 0; e < S::E; ++e) d = fmaf(qf[g][e], kf[e], d);
+                for (int e = 0; e < E; ++e) d = fmaf(qf[g][e], kf[e], d);
 #pragma unroll
-                for (int off = S::LPK / 2; off > 0; off >>= 1) d += __shfl_xor_sync(0xffffffffu, d, off);
-                sc[u][g] = d;
+                for (int off = LPK / 2; off > 0; off >>= 1) d += __shfl_xor_sync(0xffffffffu, d, off);
+                sc[s][g] = d;
             }
         }
-        to_logits2<U * G>(&sc[0][0], p.scale_log2, p.softcap, p.inv_softcap);
+        to_logits2<S * G>(&sc[0][0], p.scale_log2, p.softcap, p.inv_softcap);
 #pragma unroll
-        for (int u = 0; u < U; ++u) {  // keys past the chunk (loaded as its last key) weigh nothing
-            if (base + u * STEP + sub >= c1) {
+        for (int s = 0; s < S; ++s) {  // keys past the chunk (zero-filled) weigh nothing
+            if (t0 + s * STEP + warp * KPW + sub >= c1) {
 #pragma unroll
-                for (int g = 0; g < G; ++g) sc[u][g] = -INFINITY;
+                for (int g = 0; g < G; ++g) sc[s][g] = -INFINITY;
             }
         }
-        // online softmax: one rescale per U keys
+        // online softmax: one rescale per tile
         float mu[G];
 #pragma unroll
         for (int g = 0; g < G; ++g) {
             float mx = m[g];
 #pragma unroll
-            for (int u = 0; u < U; ++u) mx = fmaxf(mx, sc[u][g]);
+            for (int s = 0; s < S; ++s) mx = fmaxf(mx, sc[s][g]);
             mu[g] = safe_max(mx);
             const float corr = fast_exp2(m[g] - mu[g]);
             m[g] = mx;
             l[g] *= corr;
 #pragma unroll
-            for (int e = 0; e < S::E; ++e) acc[g][e] *= corr;
+            for (int e = 0; e < E; ++e) acc[g][e] *= corr;
         }
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            float vf[S::E];
+        for (int s = 0; s < S; ++s) {
+            const int key = s * STEP + warp * KPW + sub;
+            float vf[E];
 #pragma unroll
-            for (int i = 0; i < S::VPL; ++i) widen(vr[u][i], (const T*)nullptr, vf + i * S::VEC);
+            for (int i = 0; i < VPL; ++i)
+                widen(*reinterpret_cast<const uint4*>(vs + key * D + (gl + i * LPK) * VEC), (const T*)nullptr,
+                      vf + i * VEC);
 #pragma unroll
             for (int g = 0; g < G; ++g) {
-                const float pu = fast_exp2(sc[u][g] - mu[g]);
+                const float pu = fast_exp2(sc[s][g] - mu[g]);
                 l[g] += pu;
 #pragma unroll
-                for (int e = 0; e < S::E; ++e) acc[g][e] = fmaf(pu, vf[e], acc[g][e]);
+                for (int e = 0; e < E; ++e) acc[g][e] = fmaf(pu, vf[e], acc[g][e]);
             }
         }
-    };
-    constexpr int32_t STRIDE = STEP * U;  // keys of one batch of the block
-    uint4 ka[U][S::VPL], va[U][S::VPL], kb[U][S::VPL], vb[U][S::VPL];
-    int32_t base = c0 + warp * S::KPW;
-    if (base < c1) load(base, ka, va);
-    for (; base < c1; base += 2 * STRIDE) {
-        if (base + STRIDE < c1) load(base + STRIDE, kb, vb);
-        process(base, ka, va);
-        if (base + STRIDE >= c1) break;
-        if (base + 2 * STRIDE < c1) load(base + 2 * STRIDE, ka, va);
-        process(base + STRIDE, kb, vb);
     }
+    cp_async_wait<0>();  // (only empty groups can be left) the stages become the merge scratch
+    __syncthreads();
 
     // merge the KPW key groups of the warp (lanes with equal gl hold the same elements)
 #pragma unroll
     for (int g = 0; g < G; ++g) {
         float mw = m[g];
 #pragma unroll
-        for (int off = S::LPK; off < 32; off <<= 1) mw = fmaxf(mw, __shfl_xor_sync(0xffffffffu, mw, off));
+        for (int off = LPK; off < 32; off <<= 1) mw = fmaxf(mw, __shfl_xor_sync(0xffffffffu, mw, off));
         const float f = exp2f(m[g] - safe_max(mw));
         l[g] *= f;
 #pragma unroll
-        for (int e = 0; e < S::E; ++e) acc[g][e] *= f;
+        for (int e = 0; e < E; ++e) acc[g][e] *= f;
 #pragma unroll
-        for (int off = S::LPK; off < 32; off <<= 1) {
+        for (int off = LPK; off < 32; off <<= 1) {
             l[g] += __shfl_xor_sync(0xffffffffu, l[g], off);
 #pragma unroll
-            for (int e = 0; e < S::E; ++e) acc[g][e] += __shfl_xor_sync(0xffffffffu, acc[g][e], off);
+            for (int e = 0; e < E; ++e) acc[g][e] += __shfl_xor_sync(0xffffffffu, acc[g][e], off);
         }
         m[g] = mw;
     }
-    // merge the warps through shared memory
-    for (int i = threadIdx.x; i < G * D; i += WARPS * 32) (&sm_acc[0][0])[i] = 0.0f;
+    // merge the warps through shared memory: red[warp][g][d] (relative to the warp's own maximum)
+    float* const red = reinterpret_cast<float*>(smem_raw);
+    if (sub == 0) {
+#pragma unroll
+        for (int g = 0; g < G; ++g)
+#pragma unroll
+            for (int i = 0; i < VPL; ++i)
+#pragma unroll
+                for (int e4 = 0; e4 < VEC / 4; ++e4) {
+                    const int e = i * VEC + 4 * e4;
+                    *reinterpret_cast<float4*>(red + (warp * G + g) * D + (gl + i * LPK) * VEC + 4 * e4) =
+                        make_float4(acc[g][e], acc[g][e + 1], acc[g][e + 2], acc[g][e + 3]);
+                }
+    }
     if (lane == 0) {
 #pragma unroll
         for (int g = 0; g < G; ++g) {
@@ -255,32 +309,20 @@ __global__ void __launch_bounds__(cukern::attn::DECODE_WARPS * 32) decode(
         }
     }
     __syncthreads();
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
+    const bool split_mode = p.n_splits > 1;
+    for (int idx = threadIdx.x; idx < n_h * D; idx += NT) {
+        const int g = idx / D, d = idx % D;
         float mx = -INFINITY;  // block maximum of head g
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, sm_m[w][g]);
-        if (sub == 0) {
-            const float f = exp2f(m[g] - safe_max(mx));
+        float L = 0.0f, a = 0.0f;
 #pragma unroll
-            for (int i = 0; i < S::VPL; ++i)
-#pragma unroll
-                for (int e = 0; e < S::VEC; ++e)
-                    atomicAdd(&sm_acc[g][(gl + i * S::LPK) * S::VEC + e], acc[g][i * S::VEC + e] * f);
+        for (int w = 0; w < WARPS; ++w) {
+            const float f = exp2f(sm_m[w][g] - safe_max(mx));
+            L += sm_l[w][g] * f;
+            a += red[(w * G + g) * D + d] * f;
         }
-    }
-    __syncthreads();
-    const bool final_out = p.n_splits == 1;
-    for (int idx = threadIdx.x; idx < n_h * D; idx += WARPS * 32) {
-        const int g = idx / D, d = idx % D;
-        float mx = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, sm_m[w][g]);
-        float L = 0.0f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) L += sm_l[w][g] * exp2f(sm_m[w][g] - safe_max(mx));
-        float a = sm_acc[g][d];
-        if (final_out && p.has_sinks) {  // the sink joins the denominator once, here or in the merge
+        if (!split_mode && p.has_sinks) {  // the sink joins the denominator once, here or in the merge
             const float s2 = sinks[h0 + g] * LOG2E;
             const float m2 = fmaxf(mx, s2);
             const float f = exp2f(mx - m2);
@@ -288,8 +330,80 @@ __global__ void __launch_bounds__(cukern::attn::DECODE_WARPS * 32) decode(
             a *= f;
             mx = m2;
         }
-        const uint64_t row = ((uint64_t)qi * p.n_splits + split) * p.n_heads + h0 + g;
-        o[row * D + d] = L > 0.0f ? a / L : 0.0f;
-        if (d == 0 && p.write_lse) lse[row] = L > 0.0f ? (mx + log2f(L)) * LN2 : -INFINITY;
+        const float out = L > 0.0f ? a / L : 0.0f;
+        const float lse2 = L > 0.0f ? (mx + log2f(L)) * LN2 : -INFINITY;
+        if (split_mode) {
+            const uint64_t row = ((uint64_t)qi * p.n_splits + split) * p.n_heads + h0 + g;
+            o_part[row * D + d] = out;
+            if (d == 0) lse_part[row] = lse2;
+        } else {
+            const uint64_t row = (uint64_t)qi * p.n_heads + h0 + g;
+            o[row * D + d] = out;
+            if (d == 0 && p.write_lse) lse[row] = lse2;
+        }
     }
+    if (!split_mode) return;
+
+    // ---- split mode: the last block of this (query, head block) to finish merges the n_splits states
+    __threadfence();  // this block's partials are visible device-wide before it is counted
+    __syncthreads();
+    int32_t* const counter = counters + (uint64_t)qi * gridDim.y + blockIdx.y;
+    if (threadIdx.x == 0) sm_last = atomicAdd(counter, 1) == (int32_t)p.n_splits - 1;
+    __syncthreads();
+    if (!sm_last) return;
+    __threadfence();  // the other blocks' partials, read through L2 (__ldcg) below
+    const uint32_t ns = p.n_splits, nh = p.n_heads;
+    float* const w = red;  // [G][ns] state weights (red is no longer read)
+    for (int idx = threadIdx.x; idx < n_h * (int)ns; idx += NT) {
+        const int g = idx / ns, s = idx % ns;
+        w[idx] = __ldcg(lse_part + ((uint64_t)qi * ns + s) * nh + h0 + g);
+    }
+    __syncthreads();
+    for (int g = warp; g < n_h; g += WARPS) {  // per head: the maximum, weights exp(LSE_i - M), their sum
+        float mx = p.has_sinks ? sinks[h0 + g] : -INFINITY;
+        for (uint32_t s = lane; s < ns; s += 32) mx = fmaxf(mx, w[g * ns + s]);
+        const float mu = safe_max(warp_max(mx));
+        float den = 0.0f;
+        for (uint32_t s = lane; s < ns; s += 32) {
+            const float x = __expf(w[g * ns + s] - mu);
+            w[g * ns + s] = x;
+            den += x;
+        }
+        den = warp_sum(den);
+        if (p.has_sinks) den += __expf(sinks[h0 + g] - mu);
+        if (lane == 0) {
+            sm_mu[g] = mu;
+            sm_den[g] = den;
+        }
+    }
+    __syncthreads();
+    constexpr int D4 = D / 4;
+    constexpr int MB = 16;  // states whose float4 loads are in flight together (an empty state's O is 0)
+    for (int idx = threadIdx.x; idx < n_h * D4; idx += NT) {
+        const int g = idx / D4, c = idx % D4;
+        const float4* src = reinterpret_cast<const float4*>(o_part + ((uint64_t)qi * ns * nh + h0 + g) * D) + c;
+        const uint64_t stride = (uint64_t)nh * D4;  // float4s between consecutive states
+        const float* wg = w + g * ns;
+        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (uint32_t s0 = 0; s0 < ns; s0 += MB) {
+            float4 x[MB];
+#pragma unroll
+            for (int u = 0; u < MB; ++u)
+                x[u] = s0 + u < ns ? __ldcg(src + (s0 + u) * stride) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+            for (int u = 0; u < MB; ++u) {
+                const float ws = s0 + u < ns ? wg[s0 + u] : 0.0f;
+                a.x = fmaf(ws, x[u].x, a.x);
+                a.y = fmaf(ws, x[u].y, a.y);
+                a.z = fmaf(ws, x[u].z, a.z);
+                a.w = fmaf(ws, x[u].w, a.w);
+            }
+        }
+        const float den = sm_den[g];
+        const float inv = den > 0.0f ? 1.0f / den : 0.0f;
+        const uint64_t row = (uint64_t)qi * nh + h0 + g;
+        reinterpret_cast<float4*>(o + row * D)[c] = make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
+        if (c == 0 && p.write_lse) lse[row] = den > 0.0f ? sm_mu[g] + logf(den) : -INFINITY;
+    }
+    if (threadIdx.x == 0) *counter = 0;  // every block of this row has counted: ready for the next launch
 }

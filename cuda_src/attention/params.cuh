@@ -37,15 +37,16 @@ struct DecodeParams {
     uint32_t n_head_blocks;  // blocks per KV head along grid.y: ceil(group / heads per block)
     uint32_t page_size;      // tokens per page
     uint32_t max_pages;      // page-table row length
-    uint32_t n_splits;       // KV chunks (grid.x); 1 writes the final output directly
+    uint32_t n_splits;       // KV chunks (grid.x); 1 writes the final output directly, > 1 partial states
+                             //    that the last block of each (query, head block) merges
     uint32_t chunk;          // tokens per chunk (the last split runs to the query's last visible key)
     int32_t window_left;     // sliding window (tokens before the query), < 0: none
     float scale_log2;        // scale * log2(e)
     float softcap;           // logit cap, 0: off
     float inv_softcap;       // 1 / softcap (0 when off)
-    uint32_t has_sinks;      // 1: sinks[n_heads] joins the denominator (only when n_splits == 1)
+    uint32_t has_sinks;      // 1: sinks[n_heads] joins the denominator (once: in the final write or the merge)
     uint32_t causal;         // batched mode: 1 causal, 0 every query sees all kv_len keys
-    uint32_t write_lse;      // 1: write lse (always when n_splits > 1)
+    uint32_t write_lse;      // 1: write the final lse (the partial LSEs of n_splits > 1 are always written)
     int32_t page_shift;      // log2(page_size) when it is a power of two, else -1
     uint32_t pad0;           // keeps the struct a multiple of 8 bytes
 };

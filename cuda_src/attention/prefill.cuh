@@ -65,6 +65,8 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::NT) prefill(
     using Sh = PrefillShape<D>;
     constexpr int MT = Sh::MT, BM = Sh::BM, BN = Sh::BN, LD = Sh::LD, NT = Sh::NT, CPR = Sh::CPR;
     constexpr int WROWS = 16 * MT;  // query rows of a warp
+    constexpr int KC = 32;          // keys per compute chunk of a tile
+    static_assert(BN % KC == 0, "a K/V tile must be whole compute chunks");
 
     extern __shared__ uint4 smem_raw[];
     T* const Qs = reinterpret_cast<T*>(smem_raw);  // [BM][LD]
@@ -149,6 +151,8 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::NT) prefill(
         l[mt][0] = l[mt][1] = 0.0f;
     }
 
+    const float sl = p.softcap > 0.0f ? 1.0f : p.scale_log2;  // raw score -> base-2 logit factor in the exponent
+
     // ldmatrix row addresses of this lane: A (Q), B (K), B^T (V)
     const T* q_row = Qs + (warp * WROWS + (lane % 8) + ((lane / 8) % 2) * 8) * LD + (lane / 16) * 8;
     const int k_row = (lane % 8) + (lane / 16) * 8, k_col = ((lane / 8) % 2) * 8;
@@ -169,97 +173,115 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::NT) prefill(
         if (warp_active && j0 < w_hi && j0 + BN - 1 >= w_lo) {
             const T* Kt = Ks + st * BN * LD;
             const T* Vt = Vs + st * BN * LD;
-            float sacc[MT][BN / 8][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < BN / 8; ++nt)
-                    sacc[mt][nt][0] = sacc[mt][nt][1] = sacc[mt][nt][2] = sacc[mt][nt][3] = 0.0f;
-            // S = Q K^T
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                uint32_t a[MT][4];
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(a[mt], q_row + mt * 16 * LD + kk * 16);
-#pragma unroll
-                for (int n2 = 0; n2 < BN / 16; ++n2) {
-                    uint32_t b[4];
-                    ldmatrix_x4(b, Kt + (n2 * 16 + k_row) * LD + kk * 16 + k_col);
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        mma16816<T>(sacc[mt][2 * n2], a[mt], b[0], b[1]);
-                        mma16816<T>(sacc[mt][2 * n2 + 1], a[mt], b[2], b[3]);
-                    }
-                }
-            }
-            // logits (base 2), masks only on tiles that cross a boundary, online softmax
-            const bool need_mask = j0 + BN > kv_len || (p.causal && j0 + BN - 1 > offset + wr0) ||
-                                   (windowed && j0 < offset + w_last - p.window_left);
-            to_logits2<MT * BN / 2>(&sacc[0][0][0], p.scale_log2, p.softcap, p.inv_softcap);
-            if (need_mask) {
+            // the tile in chunks of KC keys: S of one chunk is MT * KC / 2 registers, so S, the O
+            // accumulators and the fragments in flight fit in the register file without spilling
+#pragma unroll 1
+            for (int kc = 0; kc < BN / KC; ++kc) {
+                const int32_t jc = j0 + kc * KC;
+                if (jc >= w_hi || jc + KC - 1 < w_lo) continue;  // (warp-uniform)
+                float sacc[MT][KC / 8][4];
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                    for (int nt = 0; nt < BN / 8; ++nt)
+                    for (int nt = 0; nt < KC / 8; ++nt)
+                        sacc[mt][nt][0] = sacc[mt][nt][1] = sacc[mt][nt][2] = sacc[mt][nt][3] = 0.0f;
+                // S = Q K^T
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int32_t pos = offset + wr0 + mt * 16 + g + (e >= 2 ? 8 : 0);
-                            const int32_t j = j0 + nt * 8 + 2 * tq + (e & 1);
-                            const bool ok = j < kv_len && (!p.causal || j <= pos) &&
-                                            (!windowed || j >= pos - p.window_left);
-                            sacc[mt][nt][e] = ok ? sacc[mt][nt][e] : -INFINITY;
+                for (int kk = 0; kk < D / 16; ++kk) {
+                    uint32_t a[MT][4];
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(a[mt], q_row + mt * 16 * LD + kk * 16);
+#pragma unroll
+                    for (int n2 = 0; n2 < KC / 16; ++n2) {
+                        uint32_t b[4];
+                        ldmatrix_x4(b, Kt + (kc * KC + n2 * 16 + k_row) * LD + kk * 16 + k_col);
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt) {
+                            mma16816<T>(sacc[mt][2 * n2], a[mt], b[0], b[1]);
+                            mma16816<T>(sacc[mt][2 * n2 + 1], a[mt], b[2], b[3]);
                         }
-            }
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                // rows g (i = 0) and g + 8 (i = 1) of m-tile mt; l stays a per-lane partial sum
-                float mu[2];
-#pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    float mx = m[mt][i];
-#pragma unroll
-                    for (int nt = 0; nt < BN / 8; ++nt)
-                        mx = fmaxf(mx, fmaxf(sacc[mt][nt][2 * i], sacc[mt][nt][2 * i + 1]));
-                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                    mu[i] = safe_max(mx);
-                    const float corr = fast_exp2(m[mt][i] - mu[i]);
-                    m[mt][i] = mx;
-                    l[mt][i] *= corr;
-#pragma unroll
-                    for (int dt = 0; dt < D / 8; ++dt) {
-                        oacc[mt][dt][2 * i] *= corr;
-                        oacc[mt][dt][2 * i + 1] *= corr;
                     }
                 }
+                // Without a softcap the scores stay raw and the scale joins the exponent's FMA
+                // (exp2(s * scale_log2 - m)); with one they become base-2 logits here.
+                if (p.softcap > 0.0f) to_logits2<MT * KC / 2>(&sacc[0][0][0], p.scale_log2, p.softcap, p.inv_softcap);
+                // masks only on chunks that cross a boundary
+                const bool need_mask = jc + KC > kv_len || (p.causal && jc + KC - 1 > offset + wr0) ||
+                                       (windowed && jc < offset + w_last - p.window_left);
+                if (need_mask) {
 #pragma unroll
-                for (int nt = 0; nt < BN / 8; ++nt) {
+                    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        sacc[mt][nt][e] = fast_exp2(sacc[mt][nt][e] - mu[e / 2]);
-                        l[mt][e / 2] += sacc[mt][nt][e];
-                    }
+                        for (int nt = 0; nt < KC / 8; ++nt)
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                const int32_t pos = offset + wr0 + mt * 16 + g + (e >= 2 ? 8 : 0);
+                                const int32_t j = jc + nt * 8 + 2 * tq + (e & 1);
+                                const bool ok = j < kv_len && (!p.causal || j <= pos) &&
+                                                (!windowed || j >= pos - p.window_left);
+                                sacc[mt][nt][e] = ok ? sacc[mt][nt][e] : -INFINITY;
+                            }
                 }
-            }
-            // O += P V: the S accumulators of n-tiles 2 kk and 2 kk + 1 are the A fragment of k-step kk
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk) {
-                uint32_t a[MT][4];
+                // online softmax (rows g (i = 0) and g + 8 (i = 1) of each m-tile; l stays a per-lane
+                // partial sum); P is rounded to T right away, as the A fragments of O += P V
+                uint32_t pa[MT][KC / 16][4];
+                float corr[MT][2];
+                bool rescale = false;
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
-                    a[mt][0] = pack2<T>(sacc[mt][2 * kk][0], sacc[mt][2 * kk][1]);
-                    a[mt][1] = pack2<T>(sacc[mt][2 * kk][2], sacc[mt][2 * kk][3]);
-                    a[mt][2] = pack2<T>(sacc[mt][2 * kk + 1][0], sacc[mt][2 * kk + 1][1]);
-                    a[mt][3] = pack2<T>(sacc[mt][2 * kk + 1][2], sacc[mt][2 * kk + 1][3]);
+                    float mu[2];
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+                        float mx = -INFINITY;
+#pragma unroll
+                        for (int nt = 0; nt < KC / 8; ++nt)
+                            mx = fmaxf(mx, fmaxf(sacc[mt][nt][2 * i], sacc[mt][nt][2 * i + 1]));
+                        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                        mx = fmaxf(m[mt][i], mx * sl);  // base 2 (sl > 0 commutes with the max)
+                        mu[i] = safe_max(mx);
+                        corr[mt][i] = fast_exp2(m[mt][i] - mu[i]);
+                        rescale |= corr[mt][i] != 1.0f;
+                        m[mt][i] = mx;
+                        l[mt][i] *= corr[mt][i];
+                    }
+#pragma unroll
+                    for (int nt = 0; nt < KC / 8; ++nt) {
+                        float pr[4];
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            pr[e] = fast_exp2(fmaf(sacc[mt][nt][e], sl, -mu[e / 2]));
+                            l[mt][e / 2] += pr[e];
+                        }
+                        pa[mt][nt / 2][(nt % 2) * 2 + 0] = pack2<T>(pr[0], pr[1]);
+                        pa[mt][nt / 2][(nt % 2) * 2 + 1] = pack2<T>(pr[2], pr[3]);
+                    }
                 }
+                // O *= corr, skipped when no row of the warp saw a new maximum (the common case
+                // once the first keys are in)
+                if (__any_sync(0xffffffffu, rescale)) {
 #pragma unroll
-                for (int d2 = 0; d2 < D / 16; ++d2) {
-                    uint32_t b[4];
-                    ldmatrix_x4_trans(b, Vt + (kk * 16 + v_row) * LD + d2 * 16 + v_col);
+                    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        mma16816<T>(oacc[mt][2 * d2], a[mt], b[0], b[1]);
-                        mma16816<T>(oacc[mt][2 * d2 + 1], a[mt], b[2], b[3]);
+                        for (int dt = 0; dt < D / 8; ++dt) {
+                            oacc[mt][dt][0] *= corr[mt][0];
+                            oacc[mt][dt][1] *= corr[mt][0];
+                            oacc[mt][dt][2] *= corr[mt][1];
+                            oacc[mt][dt][3] *= corr[mt][1];
+                        }
+                }
+                // O += P V: P of n-tiles 2 kk and 2 kk + 1 is the A fragment of k-step kk
+#pragma unroll
+                for (int kk = 0; kk < KC / 16; ++kk) {
+#pragma unroll
+                    for (int d2 = 0; d2 < D / 16; ++d2) {
+                        uint32_t b[4];
+                        ldmatrix_x4_trans(b, Vt + (kc * KC + kk * 16 + v_row) * LD + d2 * 16 + v_col);
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt) {
+                            mma16816<T>(oacc[mt][2 * d2], pa[mt][kk], b[0], b[1]);
+                            mma16816<T>(oacc[mt][2 * d2 + 1], pa[mt][kk], b[2], b[3]);
+                        }
                     }
                 }
             }
