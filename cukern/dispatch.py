@@ -18,6 +18,7 @@ into CUDA graphs.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import cupy
@@ -104,6 +105,12 @@ def check_array(name: str, a, *, dtype=None, shape=None, ndim=None, contiguous: 
     return a
 
 
+@functools.lru_cache(maxsize=None)
+def device_attribute(device_id: int, name: str) -> int:
+    """A CUDA device attribute by CuPy's name (``"MultiProcessorCount"``), queried once per device."""
+    return int(cupy.cuda.Device(device_id).attributes[name])
+
+
 def _grid3(name: str, dims, limits) -> tuple[int, int, int]:
     if type(dims) is int:
         if not 1 <= dims <= limits[0]:
@@ -142,6 +149,14 @@ class Dispatch:
     @property
     def device_id(self) -> int:
         return cupy.cuda.Device(self._device).id if self._device is not None else cupy.cuda.Device().id
+
+    def sm_count(self) -> int:
+        """Multiprocessors of this dispatch's device."""
+        return device_attribute(self.device_id, "MultiProcessorCount")
+
+    def max_shared_optin(self) -> int:
+        """The most dynamic shared memory one block may opt in to on this device (bytes)."""
+        return device_attribute(self.device_id, "MaxSharedMemoryPerBlockOptin")
 
     def struct(self, name: str) -> ParamStruct:
         return self._structs[name]

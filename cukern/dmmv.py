@@ -245,12 +245,18 @@ class DmmvDispatch(Dispatch):
     """Records quantized matvec kernels into a stream. Every method takes ``stream=`` (None:
     CuPy's current stream), validates its arguments before launching, and never synchronises,
     allocates or reads device memory (the MoE error flag is allocated on first use: make one MoE
-    call before capturing a graph)."""
+    call before capturing a graph).
+
+    ``int8`` (default True) sends ``dmmv`` and ``moe_dmmv`` without GLU of the ``Q8_TYPES`` through
+    the int8 path (x rounded to 8 bits per 32 elements, ``__dp4a``); False keeps every call on the
+    f32 path (x exact, the error only the f32 rounding of the sums). The attribute may be changed
+    between calls."""
 
     family = FAMILY
 
-    def __init__(self, device: int | None = None):
+    def __init__(self, device: int | None = None, *, int8: bool = True):
         super().__init__(device)
+        self.int8 = bool(int8)
         self._glu = _Unit(GLU_FAMILY, device)
         self._moe = _Unit(MOE_FAMILY, device)
         self._packed = _Unit(PACKED_FAMILY, device)
@@ -332,6 +338,10 @@ class DmmvDispatch(Dispatch):
                 c += width
 
     # ------------------------------------------------------------------ the int8 path
+    def _int8(self, w: QWeight) -> bool:
+        """Whether ``w`` goes through the int8 path."""
+        return self.int8 and w.qtype in Q8_TYPES
+
     def _q8_plan(self, unit: Dispatch, kernel: str, qt: int, nc: int, k: int):
         """(warps per block, dynamic shared memory, blocks to launch) for an int8-path kernel, or
         None when its x does not fit in shared memory (then the f32 path runs). One block per SM
@@ -341,14 +351,13 @@ class DmmvDispatch(Dispatch):
         got = self._resident.get(key)
         if got is not None:
             return got or None
-        dev = cupy.cuda.Device(self.device_id)
-        limit = dev.attributes["MaxSharedMemoryPerBlockOptin"]
+        limit = self.max_shared_optin()
         plan = ()
         for nw in (_Q8_MAX_WARPS, 16, 8, 4):
             smem = _q8_smem(qt, nw, nc, k)  # the type's _Q8_CONFIG
             if smem <= limit:
                 unit._function(kernel, smem)  # raises the kernel's dynamic shared memory limit
-                plan = (nw, smem, dev.attributes["MultiProcessorCount"])
+                plan = (nw, smem, self.sm_count())
                 break
         self._resident[key] = plan
         return plan or None
@@ -379,8 +388,8 @@ class DmmvDispatch(Dispatch):
         for c0, width in self._chunks(n):
             xs, ys = (x, y) if n == 1 else (x[c0:], y[c0:])
             g = ys if gate is None else gate[c0:]
-            q8 = _q8_kernel(w.qtype, width) if w.qtype in Q8_TYPES else ""
-            plan = self._q8_plan(self, q8, w.qtype, width, w.k) if w.qtype in Q8_TYPES else None
+            q8 = _q8_kernel(w.qtype, width) if self._int8(w) else ""
+            plan = self._q8_plan(self, q8, w.qtype, width, w.k) if q8 else None
             if plan:
                 qw, smem, resident = plan
                 blocks = max(1, min(-(-w.m // qw), resident))
@@ -497,8 +506,8 @@ class DmmvDispatch(Dispatch):
             raise ValueError(f"moe_dmmv: at most 65535 slots per launch, got {n_slots} (use moe_dmmv_packed)")
         params = self._moe_params(w, w2=w_up, top_k=top_k, n_slots=n_slots, x_per_slot=per_slot,
                                   act=_ACTS[act], alpha=alpha)
-        q8 = _q8_kernel(w.qtype, None) if w.qtype in Q8_TYPES else ""
-        plan = self._q8_plan(self._moe, q8, w.qtype, 1, w.k) if w.qtype in Q8_TYPES and w_up is None else None
+        q8 = _q8_kernel(w.qtype, None) if self._int8(w) and w_up is None else ""
+        plan = self._q8_plan(self._moe, q8, w.qtype, 1, w.k) if q8 else None
         if plan:
             qw, smem, resident = plan
             per_slot_blocks = max(1, min(-(-w.m // qw), resident // n_slots))

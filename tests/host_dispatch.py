@@ -76,6 +76,9 @@ def patch(monkeypatch) -> collections.Counter:
     monkeypatch.setattr(dispatch.Dispatch, "_call",
                         staticmethod(lambda kernel, fn, grid, block, args, shared_mem: launches.update([kernel])))
     monkeypatch.setattr(dispatch.Dispatch, "device_id", property(lambda self: 0))
+    h100 = {"MultiProcessorCount": 132, "MaxSharedMemoryPerBlockOptin": 232448}
+    monkeypatch.setattr(dispatch.Dispatch, "sm_count", lambda self: h100["MultiProcessorCount"])
+    monkeypatch.setattr(dispatch.Dispatch, "max_shared_optin", lambda self: h100["MaxSharedMemoryPerBlockOptin"])
     monkeypatch.setattr(elementwise, "_sm_count", lambda device=None: 132, raising=False)   # an H100's SMs
     monkeypatch.setattr(attention.AttentionDispatch, "sm_count", lambda self: 132)
     monkeypatch.setattr(matmul.MatmulDispatch, "sm_count", lambda self: 132)

@@ -304,6 +304,32 @@ def test_moe_dmmv(d, rng, q):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("q", D.Q8_TYPES, ids=NAMES.get)
+def test_f32_path_of_int8_types(rng, q):
+    """DmmvDispatch(int8=False): the same calls on the f32 path, x exact: element-wise against f(x)."""
+    d32 = DmmvDispatch(int8=False)
+    k = _ks(q)[1]
+    for m, n in [(67, 1), (13, 3), (5, 8)]:
+        w, dense = _weight(q, m, k, rng, pad_front=D.QTYPES[q][3] * 5)
+        x = _x(rng, n, k)
+        y0 = _x(rng, n, m)
+        y = poison(cupy.empty((n, m), cupy.float32))
+        d32.dmmv(w, cupy.asarray(x), y)
+        _check(y, ref.matvec(dense, x), f"{NAMES[q]} {m}x{k} n={n}")
+        y = cupy.asarray(y0)
+        d32.dmmv(w, cupy.asarray(x), y, accumulate=True, alpha=-0.5)
+        _check(y, y0 - 0.5 * ref.matvec(dense, x), "accumulate")
+    n_e, m, T, top_k = 4, 9, 3, 2
+    w, dense = _weight(q, m, k, rng, n_experts=n_e)
+    ids = _ids(rng, T, top_k, n_e)
+    x = _x(rng, T, k)
+    y = poison(cupy.empty((T, top_k, m), cupy.float32))
+    d32.moe_dmmv(w, cupy.asarray(x), cupy.asarray(ids), y)
+    _check(y, ref.moe(dense, x, ids))
+    d32.check_errors()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("q", TYPES, ids=NAMES.get)
 def test_moe_packed_and_route(d, rng, q):
     n_e, m, k, T, top_k = 5, 9, _ks(q)[0], 13, 3  # 39 slots over 5 experts: items of 8 and ragged ends

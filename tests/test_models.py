@@ -265,6 +265,7 @@ def tokenizer_corpus(n: int = 300) -> list[str]:
 def test_tokenizer_matches_transformers_on_real_model():
     path = real_model_path()
     transformers = pytest.importorskip("transformers", reason="the comparison needs Hugging Face transformers")
+    pytest.importorskip("torch", reason="transformers reads GGUF files only with torch installed")
     hf = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     tok = Tokenizer.from_gguf(path)
     bad = []
@@ -595,7 +596,7 @@ def test_forward_passes_every_dispatch_check_without_gpu(tiny, tiny_rope, arch, 
         lm.generate(prompts, 6)
         lm.generate(prompts[:1], 4, temperature=0.7, top_k=40, top_p=0.9, seed=1, on_token=lambda step, ids: None)
         lm.generate(prompts[1:], 4, use_graph=False)
-    names = {k.split("<")[0] for k in launches}
+    names = {k.split("<")[0].removesuffix("_vec").removesuffix("_q8") for k in launches}  # kernel variants
     assert {"embed_rows", "qk_norm_rope_kv", "decode", "dmmv", "gemm_f16", "topk_chunk", "sample_rows",
             "advance_positions"} <= names, names
 

@@ -116,10 +116,13 @@ class Transformer:
 
     ``max_seqs`` sequences of up to ``max_tokens`` tokens each share a page pool of
     ``max_seqs * max_tokens`` positions (``page_size`` tokens per page, ``kv_dtype`` float16 or
-    float32). Prompts run in chunks of at most ``prefill_chunk`` tokens."""
+    float32). Prompts run in chunks of at most ``prefill_chunk`` tokens. ``dmmv_int8`` picks the
+    matvecs' path for the block types that have one (:class:`cukern.dmmv.DmmvDispatch`'s ``int8``:
+    the activations rounded to 8 bits per 32 elements, ``__dp4a``) over the f32 path."""
 
     def __init__(self, model: GGUFModel, *, max_seqs: int = 1, max_tokens: int = 4096, page_size: int = 16,
-                 kv_dtype: str = "float16", prefill_chunk: int = 1024, device: int | None = None):
+                 kv_dtype: str = "float16", prefill_chunk: int = 1024, dmmv_int8: bool = True,
+                 device: int | None = None):
         for name, v in (("max_seqs", max_seqs), ("max_tokens", max_tokens), ("prefill_chunk", prefill_chunk)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -131,7 +134,7 @@ class Transformer:
             model.upload()
         self.max_seqs, self.max_tokens, self.prefill_chunk = max_seqs, max_tokens, prefill_chunk
         self.ew, self.attn, self.mm, self.tok = (ElementwiseDispatch(device), AttentionDispatch(device),
-                                                 DmmvDispatch(device), TokensDispatch(device))
+                                                 DmmvDispatch(device, int8=dmmv_int8), TokensDispatch(device))
         self.gemm = MatmulDispatch(device)
         pages_per_seq = -(-max_tokens // page_size)
         self.cache = PagedKVCache(c.n_layers, max_seqs * pages_per_seq, page_size, c.n_kv_heads, c.head_dim,
