@@ -10,9 +10,10 @@
 //   copied unit:   a = rope_dim + 8 (u - rope_dim / 8), b = a + 4
 // A thread reads and writes only its own unit, so out may alias x. Its inverse frequencies (f64) stay in
 // registers for the whole block; per row it takes the 4 angles pos * inv through rope_sincos (f64 reduction,
-// one f32 sincospif each: 4 per 8 elements, no table, no shared memory, no block barrier). The norm's
-// sum of squares is reduced over the row's LPH lanes with shuffles. A thread takes VEC_ROWS rows,
-// rows slot + k * (ROPE_BLOCK / LPH) of its block, and loads all of them before using any.
+// one f32 sincospif each: 4 per 8 elements, no table, no shared memory, no block barrier); rope_vec takes
+// them while the row's loads are in flight. The norm's sum of squares is reduced over the row's LPH lanes
+// with shuffles. A thread takes VEC_ROWS rows, rows slot + k * (ROPE_BLOCK / LPH) of its block, and loads
+// all of them before using any.
 // Byte traffic: every element read once and written once; weights and positions hit L1/L2.
 #pragma once
 
@@ -129,24 +130,27 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) rope_vec(
             B[k] = ew::ld4(x + r * HD, un.b);
         }
     }
+    float c[ew::VEC_ROWS][4], s[ew::VEC_ROWS][4];  // while the loads are in flight: the rows' cos/sin
+#pragma unroll
+    for (int k = 0; k < ew::VEC_ROWS; ++k) {
+        const uint64_t r = r0 + k * SLOTS;
+        if (r >= n_rows || !un.rot) break;
+        const uint32_t t = (uint32_t)(r / p.n_heads);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            int32_t pos;
+            if (p.pos_mode == 0) pos = positions[0] + (int32_t)t;
+            else if (p.pos_mode == 1) pos = positions[t];
+            else pos = positions[sec[e] * p.n_tokens + t];
+            ew::rope_sincos(pos, un.inv[e], s[k][e], c[k][e]);
+        }
+    }
 #pragma unroll
     for (int k = 0; k < ew::VEC_ROWS; ++k) {
         const uint64_t r = r0 + k * SLOTS;
         if (r >= n_rows) break;  // uniform over the row's lanes
         if (NORM) ew::norm_unit<LPH>(A[k], B[k], un, w, p.eps, p.weight_offset, HD);
-        if (un.rot) {
-            const uint32_t t = (uint32_t)(r / p.n_heads);
-            float c[4], s[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                int32_t pos;
-                if (p.pos_mode == 0) pos = positions[0] + (int32_t)t;
-                else if (p.pos_mode == 1) pos = positions[t];
-                else pos = positions[sec[e] * p.n_tokens + t];
-                ew::rope_sincos(pos, un.inv[e], s[e], c[e]);
-            }
-            ew::rotate_unit(A[k], B[k], c, s, p.neox);
-        }
+        if (un.rot) ew::rotate_unit(A[k], B[k], c[k], s[k], p.neox);
         ew::st4(out + r * HD, un.a, A[k]);
         ew::st4(out + r * HD, un.b, B[k]);
     }
