@@ -1,5 +1,6 @@
-"""Where does a small decode step spend its time? Graph-timed decode+merge, the merge alone, a 1-key
-decode (the fixed cost), at B1 KV8192 32/8 D128 f16, for a few split counts. Scratch tool for tuning."""
+"""Where does a small decode step spend its time? Graph-timed decode (its split states merged in the same
+launch), the stand-alone merge of the same states, at B1 KV8192 and KV64 32/8 D128 f16, for a few split
+counts. Scratch tool for tuning; PROBE_NCU_SPLITS=n and PROBE_NCU_PREFILL=1 make targets for ncu."""
 from __future__ import annotations
 
 import os
@@ -26,7 +27,23 @@ def ncu_target(n_splits: int) -> None:
     cupy.cuda.get_current_stream().synchronize()
 
 
+def ncu_prefill() -> None:
+    """A few varlen causal prefills, B1 L4096 32 heads D128 f16, for ncu --launch-skip 2 --launch-count 1."""
+    import numpy as np
+    attn = AttentionDispatch()
+    rng = cupy.random.default_rng(0)
+    n, h, d = 4096, 32, 128
+    q, k, v = (rng.standard_normal((n, h, d), dtype=cupy.float32).astype(cupy.float16) for _ in range(3))
+    cu = cupy.asarray(np.array([0, n], np.int32))
+    out = cupy.empty_like(q)
+    for _ in range(4):
+        attn.flash_attn_varlen(q, k, v, cu, cu, out, max_seqlen_q=n, causal=True)
+    cupy.cuda.get_current_stream().synchronize()
+
+
 def main():
+    if os.environ.get("PROBE_NCU_PREFILL"):
+        return ncu_prefill()
     if os.environ.get("PROBE_NCU_SPLITS"):
         return ncu_target(int(os.environ["PROBE_NCU_SPLITS"]))
     attn = AttentionDispatch()

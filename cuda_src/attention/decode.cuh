@@ -145,30 +145,49 @@ __global__ void __launch_bounds__(cukern::attn::DECODE_WARPS * 32, 2) decode(
     const int32_t* pt = page_table + (uint64_t)r.slot * p.max_pages;
     const uint64_t row_elems = (uint64_t)p.n_kv_heads * D;
 
-    // tile t (keys c0 + t TK ...) into stage st; keys past the chunk are zero-filled
-    auto load_tile = [&](int32_t t, int st) {
+    // Tile t (keys c0 + t TK ...) into a stage, in two parts: lookup() reads the page of each of this
+    // thread's CH chunks (one tile ahead, so the page-table loads are in flight while a tile is
+    // used), issue() starts the copies; keys past the chunk are zero-filled.
+    constexpr int CH = (TK * NV + NT - 1) / NT;  // 16-byte chunks of a K (and of a V) tile per thread
+    constexpr bool FULL = TK * NV % NT == 0;
+    const uint32_t kv_off = kvh * D;
+    auto key_of = [&](int i) { return (int)(threadIdx.x + i * NT) / NV; };
+    auto lookup = [&](int32_t t, uint32_t (&page)[CH]) {
+#pragma unroll
+        for (int i = 0; i < CH; ++i) {
+            const uint32_t j = (uint32_t)min(c0 + t * TK + key_of(i), c1 - 1);
+            page[i] = (FULL || threadIdx.x + i * NT < TK * NV)
+                          ? (uint32_t)pt[p.page_shift >= 0 ? j >> p.page_shift : j / p.page_size] : 0u;
+        }
+    };
+    auto issue = [&](int32_t t, int st, const uint32_t (&page)[CH]) {
         T* ks = stages + (uint64_t)st * 2 * TK * D;
         T* vs = ks + TK * D;
 #pragma unroll
-        for (int i = 0; i < (TK * NV + NT - 1) / NT; ++i) {
+        for (int i = 0; i < CH; ++i) {
             const int c = threadIdx.x + i * NT;
-            if (TK * NV % NT == 0 || c < TK * NV) {
+            if (FULL || c < TK * NV) {
                 const int key = c / NV, ch = c % NV;
                 const int32_t j = c0 + t * TK + key;
-                const uint64_t off =
-                    paged_row(pt, (uint32_t)min(j, c1 - 1), p.page_size, p.page_shift) * row_elems + (uint64_t)kvh * D +
-                    ch * VEC;
+                const uint32_t jj = (uint32_t)min(j, c1 - 1);
+                const uint32_t in_page = p.page_shift >= 0 ? jj & (p.page_size - 1) : jj % p.page_size;
+                const uint64_t off = ((uint64_t)page[i] * p.page_size + in_page) * row_elems + kv_off + ch * VEC;
                 const uint32_t bytes = j < c1 ? 16u : 0u;
                 cp_async16(ks + key * D + ch * VEC, k_pool + off, bytes);
                 cp_async16(vs + key * D + ch * VEC, v_pool + off, bytes);
             }
         }
     };
+    uint32_t page[CH];
 #pragma unroll
     for (int st = 0; st < NS - 1; ++st) {  // the first NS - 1 tiles are in flight before q is read
-        if (st < n_tiles) load_tile(st, st);
+        if (st < n_tiles) {
+            lookup(st, page);
+            issue(st, st, page);
+        }
         cp_async_commit();
     }
+    if (NS - 1 < n_tiles) lookup(NS - 1, page);  // the next tile to issue
 
     // q of the block's heads, the elements this lane multiplies: (gl + i * LPK) * VEC + e
     float qf[G][E];
@@ -201,7 +220,10 @@ __global__ void __launch_bounds__(cukern::attn::DECODE_WARPS * 32, 2) decode(
     for (int32_t t = 0; t < n_tiles; ++t) {
         cp_async_wait<NS - 2>();  // tile t has landed (this thread's copies) ...
         __syncthreads();          // ... everyone's, and every warp is done with the stage refilled next
-        if (t + NS - 1 < n_tiles) load_tile(t + NS - 1, (t + NS - 1) % NS);
+        if (t + NS - 1 < n_tiles) {
+            issue(t + NS - 1, (t + NS - 1) % NS, page);
+            if (t + NS < n_tiles) lookup(t + NS, page);
+        }
         cp_async_commit();
 
         const T* ks = stages + (uint64_t)(t % NS) * 2 * TK * D;
@@ -235,19 +257,25 @@ __global__ void __launch_bounds__(cukern::attn::DECODE_WARPS * 32, 2) decode(
                 for (int g = 0; g < G; ++g) sc[s][g] = -INFINITY;
             }
         }
-        // online softmax: one rescale per tile
-        float mu[G];
+        // online softmax: one rescale per tile, skipped when no head's maximum moved in the warp
+        float mu[G], corr[G];
+        bool moved = false;
 #pragma unroll
         for (int g = 0; g < G; ++g) {
             float mx = m[g];
 #pragma unroll
             for (int s = 0; s < S; ++s) mx = fmaxf(mx, sc[s][g]);
             mu[g] = safe_max(mx);
-            const float corr = fast_exp2(m[g] - mu[g]);
+            corr[g] = fast_exp2(m[g] - mu[g]);
+            moved |= corr[g] != 1.0f;
             m[g] = mx;
-            l[g] *= corr;
+            l[g] *= corr[g];
+        }
+        if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
-            for (int e = 0; e < E; ++e) acc[g][e] *= corr;
+            for (int g = 0; g < G; ++g)
+#pragma unroll
+                for (int e = 0; e < E; ++e) acc[g][e] *= corr[g];
         }
 #pragma unroll
         for (int s = 0; s < S; ++s) {
