@@ -167,7 +167,7 @@ def profile_model(path: str, args) -> int:
 
     from cukern.models.transformer import Transformer
     from cukern.profiler import KernelTimer, nvtx_range
-    model = Transformer.load(path, max_tokens=args.prefill + 2 * args.steps + 8, dmmv_int8=not args.dmmv_f32)
+    model = Transformer.load(path, max_tokens=args.prefill + 2 * args.steps + 8, dmmv_int8=args.dmmv_int8)
     c = model.cfg
     print(f"model {path}: {c.n_layers} layers, d_model {c.d_model}, {c.n_heads}/{c.n_kv_heads} heads of "
           f"{c.head_dim}, vocab {c.vocab_size}; prefill {args.prefill} tokens, then {args.steps} decode steps")
@@ -231,8 +231,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", metavar="ARCH", help="profile a tiny random-weight ARCH model (gemma3, llama, "
                                                    "qwen2, qwen3), or one with a real model's shapes "
                                                    "(gemma3-270m), with cukern.models instead")
-    ap.add_argument("--dmmv-f32", action="store_true", help="--model/--tiny: the matvecs' f32 path for every "
-                                                            "type (default: the int8 path where a type has one)")
+    ap.add_argument("--dmmv-int8", action="store_true", help="--model/--tiny: the matvecs' int8 path where a "
+                                                             "type has one (default: the f32 path)")
     ap.add_argument("--nvtx", action="store_true", help="NVTX ranges on (same as CUKERN_NVTX=1)")
     ap.add_argument("--group-templates", action="store_true",
                     help="sum the variants of a kernel together (dmmv<12, 1> and dmmv<14, 1>)")
