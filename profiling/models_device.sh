@@ -14,12 +14,8 @@
 #   real      the GPU forward of the real model against the NumPy reference
 #   bench     profiling/bench_models.py --quick (against transformers on the same GPU)
 #   bench-tokens  profiling/bench_tokens.py (embedding gather and sampling against torch)
-#   hf        the real-model forward against transformers on the GPU (the machine's transformers)
-#   hf-tokenizer  the tokenizer against transformers 4.57's GGUF tokenizer on 300 strings. transformers
-#             5.17 (the machine's) turns Gemma 3's GGUF vocabulary into a tokenizer that never merges
-#             (every string comes back as single characters), so this step installs transformers
-#             4.57.6, huggingface_hub 0.36.0 and tokenizers 0.22.2 from .whl-hf4/ (pip download them
-#             there; carried once in any call, kept in /tmp/cukern-model/hf4) into a site of its own.
+#   hf        the real-model forward against transformers on the GPU, and the tokenizer against
+#             Hugging Face tokenizers' BPE engine on 300 strings
 # e.g. call 1: `bash profiling/models_device.sh tiny` carrying .model2 and .whl; calls 2, 3: .model3,
 # .model4 with `sanitize`; call 4: `bash profiling/models_device.sh model cli real bench hf` with .model1.
 # Logs go to $OUT when it is set.
@@ -34,7 +30,6 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$PYTHONPATH:/tmp/site:/tmp/cukern-model-site
 for d in .model*/; do [ -d "$d" ] && cp -n "$d"*.whl "$KEEP"/ 2>/dev/null; done
-if ls .whl-hf4/*.whl >/dev/null 2>&1; then mkdir -p "$KEEP/hf4" && cp -n .whl-hf4/*.whl "$KEEP/hf4/"; fi
 echo "kept: $(ls "$KEEP" | tr '\n' ' ')"
 LOG=${OUT:-/tmp/cukern-models-log}
 mkdir -p "$LOG"
@@ -59,12 +54,8 @@ for step in "$@"; do
         real) timeout 180 $PY -m pytest -q -s -p no:cacheprovider tests/test_models.py -k "real_model_matches_reference" ;;
         bench) timeout 200 $PY profiling/bench_models.py --quick --json "$LOG/bench_models.json" ;;
         bench-tokens) timeout 120 $PY profiling/bench_tokens.py --json "$LOG/bench_tokens.json" ;;
-        hf) timeout 200 $PY -m pytest -q -s -p no:cacheprovider tests/test_models.py -k "gpu_real_model_matches_transformers" ;;
-        hf-tokenizer)
-            $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/cukern-hf4-site \
-                "$KEEP"/hf4/*.whl
-            PYTHONPATH=/tmp/cukern-hf4-site:$PYTHONPATH timeout 200 $PY -m pytest -q -s -p no:cacheprovider \
-                tests/test_models.py -k "tokenizer_matches_transformers" ;;
+        hf) timeout 200 $PY -m pytest -q -s -p no:cacheprovider tests/test_models.py \
+                -k "gpu_real_model_matches_transformers or tokenizer_matches_hf_tokenizers_on_real_model" ;;
         *) echo "unknown step $step" ;;
     esac 2>&1 | tee "$LOG/$step.log"
     echo "=== $step: rc=${PIPESTATUS[0]} ($((SECONDS - t0)) s)"

@@ -262,15 +262,34 @@ def tokenizer_corpus(n: int = 300) -> list[str]:
 
 
 @pytest.mark.slow
-def test_tokenizer_matches_transformers_on_real_model():
-    path = real_model_path()
-    transformers = pytest.importorskip("transformers", reason="the comparison needs Hugging Face transformers")
-    pytest.importorskip("torch", reason="transformers reads GGUF files only with torch installed")
-    hf = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    tok = Tokenizer.from_gguf(path)
+def test_tokenizer_matches_hf_tokenizers_on_real_model():
+    """Gemma 3's SentencePiece BPE against Hugging Face `tokenizers` (an independent BPE engine) set up
+    from the same GGUF vocabulary as SentencePiece's BPE works: a merge for every split of a normal
+    token into two tokens, ranked by the merged token's score, byte fallback, spaces as U+2581, and
+    the user-defined tokens (whitespace runs) matched on the raw text: the ids of 300 strings equal,
+    and every string decodes back to itself.
+
+    transformers' own GGUF tokenizer is no reference here: for Gemma 3 it under-merges ("The capital
+    of France is" -> 10 pieces instead of 5; 272 of these 300 strings differ with transformers 4.57.6,
+    all 300 with 5.17.0, on an H100 machine, 2026-11-22)."""
+    tk = pytest.importorskip("tokenizers", reason="the comparison needs Hugging Face tokenizers")
+    m = load_gguf(real_model_path())
+    tok = Tokenizer.from_gguf(m)
+    md = {k.removeprefix("tokenizer.ggml."): f.contents() for k, f in m.reader.fields.items()
+          if k.startswith("tokenizer.ggml.")}
+    tokens, scores, types = md["tokens"], md["scores"], md["token_type"]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = sorted((-scores[vocab[t]], vocab[t], t[:i], t[i:])
+                    for t, ty in zip(tokens, types) if ty == 1
+                    for i in range(1, len(t)) if t[:i] in vocab and t[i:] in vocab)
+    hf = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in merges], byte_fallback=True,
+                                    unk_token=tokens[md["unknown_token_id"]], fuse_unk=True))
+    hf.normalizer = tk.normalizers.Replace(" ", "\u2581")
+    hf.add_tokens([tk.AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types) if ty == 4])
+    bos = [md["bos_token_id"]] if md.get("add_bos_token") else []
     bad = []
     for s in tokenizer_corpus():
-        ours, theirs = tok.encode(s), hf(s).input_ids
+        ours, theirs = tok.encode(s), bos + hf.encode(s).ids
         if ours != theirs:
             bad.append((s, ours, theirs))
         assert tok.decode(ours) == s
