@@ -440,11 +440,6 @@ class _Unit(Dispatch):
         super().__init__(device)
 
 
-def _sm_count(device: int | None) -> int:
-    dev = cupy.cuda.Device(device) if device is not None else cupy.cuda.Device()
-    return int(dev.attributes["MultiProcessorCount"])
-
-
 def _head_block(group: int, d: int) -> int:
     for g in _groups(d):
         if group <= g:
@@ -494,7 +489,6 @@ class AttentionDispatch:
     def __init__(self, device: int | None = None):
         self._device = device
         self._units = {name: _Unit(spec, device) for name, spec in FAMILIES.items()}
-        self._sms: int | None = None
 
     def _unit(self, kind: str, prefill: bool = False) -> _Unit:
         return self._units[f"attention_prefill_{_SHORT[kind]}" if prefill else
@@ -504,9 +498,7 @@ class AttentionDispatch:
         return self._units["attention"].struct(name)
 
     def sm_count(self) -> int:
-        if self._sms is None:
-            self._sms = _sm_count(self._device)
-        return self._sms
+        return self._units["attention"].sm_count()
 
     # ------------------------------------------------------------------ cache writes
     def _kv_src(self, cache: PagedKVCache, k, v, n: int | None):

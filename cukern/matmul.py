@@ -193,13 +193,6 @@ class MatmulDispatch(Dispatch):
         self._units = {q: _Unit(FAMILIES[f"matmul_f16_{s}"], device) for q, s in GEMM_QTYPES.items()}
         self._units_i8 = {q: _Unit(FAMILIES[f"matmul_i8_{s}"], device) for q, s in GEMM_QTYPES.items()}
         self._dmmv = None  # DmmvDispatch for the matvec path, made on first use
-        self._sms: int | None = None
-
-    def sm_count(self) -> int:
-        if self._sms is None:
-            dev = cupy.cuda.Device(self._device) if self._device is not None else cupy.cuda.Device()
-            self._sms = int(dev.attributes["MultiProcessorCount"])
-        return self._sms
 
     # ------------------------------------------------------------------ validation
     @staticmethod

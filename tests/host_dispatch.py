@@ -80,8 +80,6 @@ def patch(monkeypatch) -> collections.Counter:
     monkeypatch.setattr(dispatch.Dispatch, "sm_count", lambda self: h100["MultiProcessorCount"])
     monkeypatch.setattr(dispatch.Dispatch, "max_shared_optin", lambda self: h100["MaxSharedMemoryPerBlockOptin"])
     monkeypatch.setattr(elementwise, "_sm_count", lambda device=None: 132, raising=False)   # an H100's SMs
-    monkeypatch.setattr(attention.AttentionDispatch, "sm_count", lambda self: 132)
-    monkeypatch.setattr(matmul.MatmulDispatch, "sm_count", lambda self: 132)
     monkeypatch.setattr(matmul.MatmulDispatch, "_zero_for_split", lambda self, *a, **k: None, raising=False)
 
     def upload_slot(cache, slot, stream=None):
