@@ -61,6 +61,10 @@ _ROPE_MAX_TOKENS = 8
 # Vectorised rope kernels (rope_vec.cuh): lanes per head row, head_dim = 8 * LPH; head rows per thread
 _ROPE_VEC_LPH = (4, 8, 16, 32)
 _ROPE_VEC_ROWS = 2  # VEC_ROWS in rope_vec.cuh
+# k_norm_rope_kv_vec: consecutive head rows per thread (its ROWS argument): 2 (H100, 16384x8x128 f16: 95% of
+# copy; 1: 87%, 4: 93%, 8: 91%), or 1 below _K_ROPE_FEW_ROWS rows (decode 1x8x128: 2.17 us; 2: 2.42 us)
+_K_ROPE_ROWS = (1, 2)
+_K_ROPE_FEW_ROWS = 4096
 _RESIDENT_ROPE_BLOCKS = 8  # 256-thread blocks per SM (2048 threads)
 _RESIDENT_GROUP_BLOCKS = 16  # 128-thread group_norm_reg blocks per SM
 _POS_MODES = {"consecutive": 0, "per_token": 1, "mrope": 2, "imrope": 3}
@@ -68,6 +72,14 @@ _TOPK_WARPS = 4
 _TOPK_MAX_K = 32
 _TOPK_EPL = (2, 4, 8)  # experts per lane of softmax_topk_reg: n_experts <= 32 * EPL
 _TOPK_MAX_EXPERTS = 2048  # 4 warps x 2048 x 4 B = 32 KiB of shared memory
+# softmax_topk_thread (one thread per token): (NMAX, KMAX) instances, n_experts <= NMAX, n_experts % 4 == 0,
+# k <= KMAX; from _TOPK_THREAD_MIN_TOKENS tokens (H100, 128 experts, k = 8 / 4: thread vs warp kernel 14.6 / 11.2
+# vs 11.8 / 8.9 us at 16384 tokens, 20.3 / 14.7 vs 21.4 / 15.6 us at 32768, 105 / 82 vs 154 / 109 us at 262144)
+_TOPK_THREAD_N = (64, 128)
+_TOPK_THREAD_K = (4, 8)
+_TOPK_THREAD_BLOCK = 64  # TOPK_T_BLOCK in moe.cuh
+_TOPK_THREAD_CAND = 32  # TOPK_T_CAND in moe.cuh
+_TOPK_THREAD_MIN_TOKENS = 32768
 _CONV_CHUNK = 16
 _KV_UNROLL = 4  # KV_UNROLL in kv.cuh
 _QUANT_UNROLL = 4  # QUANT_UNROLL in norms.cuh
@@ -92,6 +104,7 @@ def _kernels() -> list[KernelSpec]:
     ks += [KernelSpec(f"binary_rows<{op}, {v}>", "BinaryParams") for op in range(6) for v in ("true", "false")]
     ks.append(KernelSpec("softmax_topk", "TopkParams"))
     ks += [KernelSpec(f"softmax_topk_reg<{e}>", "TopkParams") for e in _TOPK_EPL]
+    ks += [KernelSpec(f"softmax_topk_thread<{n}, {k}>", "TopkParams") for n in _TOPK_THREAD_N for k in _TOPK_THREAD_K]
     ks += [KernelSpec(f"moe_weighted_sum<{v}>", "MoeSumParams") for v in ("true", "false")]
     ks += [KernelSpec(f"shared_expert_accumulate<{v}>", "SharedGateParams") for v in ("true", "false")]
     ks += [KernelSpec(f"router_matvec<{e}, {t}, {b}>", "RouterParams") for e, t, b in (_ROUTER_SMALL, _ROUTER_LARGE)]
@@ -108,8 +121,9 @@ def _rope_kernels() -> list[KernelSpec]:
     for kv in _KV_TYPES.values():
         ks += [KernelSpec(f"qk_norm_rope_kv<{kv}, {hq}, {ppl}, {g}>", "QkvRopeParams")
                for hq in ("true, true", "false, false") for ppl, g in _ROPE_PPL]
-        ks += [KernelSpec(f"qk_norm_rope_kv_vec<{kv}, {hq}, {lph}>", "QkvRopeParams")
-               for hq in ("true, true", "false, false") for lph in _ROPE_VEC_LPH]
+        ks += [KernelSpec(f"qk_norm_rope_kv_vec<{kv}, true, true, {lph}>", "QkvRopeParams") for lph in _ROPE_VEC_LPH]
+        ks += [KernelSpec(f"k_norm_rope_kv_vec<{kv}, {lph}, {r}>", "QkvRopeParams")
+               for lph in _ROPE_VEC_LPH for r in _K_ROPE_ROWS]
         ks += [KernelSpec(f"kv_write<{kv}, {v}>", "KvWriteParams") for v in ("true", "false")]
     ks += [KernelSpec(f"deinterleave<{v}>", "DeinterleaveParams") for v in ("float", "float4")]
     return ks
@@ -715,10 +729,16 @@ class ElementwiseDispatch(Dispatch):
                 v if has_q else unread, wq if (has_q and norm) else unread, wk if norm else unread,
                 freqs if freqs is not None else unread, positions, seq_ids, page_table)
         vec = _rope_vec_launch(n_tokens * heads, head_dim, rope_dim, ptrs[:8])
-        if vec is not None:
+        if vec is not None and not has_q:
+            lph = vec[0]
+            rows = 1 if n_tokens * n_kv < _K_ROPE_FEW_ROWS else 2
+            kgrid = -(-n_tokens * n_kv // (_ROPE_BLOCK // lph * rows))
+            self._launch(f"k_norm_rope_kv_vec<{kv}, {lph}, {rows}>", kgrid, _ROPE_BLOCK,
+                         (k_cache, k, ptrs[7], ptrs[8], positions, seq_ids, page_table), params, stream=stream)
+        elif vec is not None:
             lph, vgrid = vec
-            flags = ("true, true" if has_q else "false, false") + f", {lph}"
-            self._launch(f"qk_norm_rope_kv_vec<{kv}, {flags}>", vgrid, _ROPE_BLOCK, ptrs, params, stream=stream)
+            self._launch(f"qk_norm_rope_kv_vec<{kv}, true, true, {lph}>", vgrid, _ROPE_BLOCK, ptrs, params,
+                         stream=stream)
         else:
             self._launch(f"qk_norm_rope_kv<{kv}, {flags}>", grid, _ROPE_BLOCK, ptrs, params, stream=stream,
                          shared_mem=smem)
@@ -764,7 +784,15 @@ class ElementwiseDispatch(Dispatch):
                                                 renorm=int(bool(renorm)), scale=scale)
         grid = -(-n_tokens // _TOPK_WARPS)
         epl = next((e for e in _TOPK_EPL if n_experts <= 32 * e), None)
-        if epl is not None:
+        if (n_tokens >= _TOPK_THREAD_MIN_TOKENS and n_experts % 4 == 0 and n_experts <= _TOPK_THREAD_N[-1]
+                and k <= _TOPK_THREAD_K[-1] and _aligned(logits)):
+            nmax = next(n for n in _TOPK_THREAD_N if n_experts <= n)
+            kmax = next(m for m in _TOPK_THREAD_K if k <= m)
+            row4 = n_experts // 4 + 1 + (n_experts // 4) % 2  # topk_row4 in moe.cuh: staged rows, then candidates
+            smem = _TOPK_THREAD_BLOCK * (row4 * 16 + _TOPK_THREAD_CAND * 8)
+            self._launch(f"softmax_topk_thread<{nmax}, {kmax}>", -(-n_tokens // _TOPK_THREAD_BLOCK),
+                         _TOPK_THREAD_BLOCK, (ids, weights, logits), params, stream=stream, shared_mem=smem)
+        elif epl is not None:
             self._launch(f"softmax_topk_reg<{epl}>", grid, 32 * _TOPK_WARPS, (ids, weights, logits), params,
                          stream=stream)
         else:

@@ -439,6 +439,34 @@ def test_qk_norm_rope_kv_write(d, rng, dtype, norm, step):
 
 
 @gpu
+@pytest.mark.parametrize("hd,rd,n_kv,dtype,mode", [(128, 128, 8, cupy.float16, "consecutive"),
+                                                   (128, 64, 6, cupy.float32, "per_token"),
+                                                   (64, 32, 3, cupy.float16, "per_token"),
+                                                   (256, 256, 1, cupy.float32, "consecutive")])
+def test_k_norm_rope_kv_write_many_rows(d, rng, hd, rd, n_kv, dtype, mode):
+    """Enough head rows for several rows per thread, including tokens split between threads (n_kv % 4)."""
+    n_tok, page_size = 4800 // n_kv + 7, 16
+    n_seqs = 2
+    capacity = n_tok + 5
+    page_table, k_cache = _paged_setup(rng, n_seqs, capacity, page_size, n_kv, hd, dtype)
+    k, wk = _randn(rng, n_tok, n_kv, hd, scale=2), _randn(rng, hd)
+    if mode == "per_token":  # distinct (sequence, position) slots
+        slots = rng.choice(n_seqs * capacity, n_tok, replace=False)
+        seq, pos = (slots // capacity).astype(np.int32), (slots % capacity).astype(np.int32)
+        tok_pos = pos
+    else:
+        pos, seq = np.array([3], np.int32), np.array([1], np.int32)
+        tok_pos = pos[0] + np.arange(n_tok, dtype=np.int32)
+    kw = dict(eps=1e-6, rope_dim=rd, neox=n_kv != 3, freq_base=1e6, pos_mode=mode)
+    d.k_norm_rope_kv_write(_dev(k), _dev(wk), k_cache, _dev(page_table), _dev(pos), _dev(seq), **kw)
+    kn = ref.group_norm(k, group_size=hd, w=wk, eps=1e-6)
+    rope_kw = dict(rope_dim=rd, neox=kw["neox"], freq_base=1e6, pos_mode="per_token")
+    want = ref.kv_write(ref.rope(kn, tok_pos, **rope_kw), np.full(k_cache.shape, np.nan), page_table, pos, seq,
+                        pos_mode=mode)
+    _check_cache(k_cache, want, dtype, "k_cache (K only)")
+
+
+@gpu
 @pytest.mark.parametrize("shape", [(1, 1, 2), (1, 16, 256), (7, 3, 10), (33, 8, 128)])
 def test_deinterleave(d, rng, shape):
     x = _randn(rng, *shape)
@@ -471,6 +499,25 @@ def test_softmax_topk_ties_pick_lower_id(d):
     d.softmax_topk(_dev(logits), ids, w, k=4)
     np.testing.assert_array_equal(ids.get(), [[1, 2, 4, 5], [0, 1, 2, 3]])
     assert_close(w, ref.softmax_topk(logits, 4)[1])
+
+
+@gpu
+@pytest.mark.parametrize("n_exp,k", [(128, 8), (128, 1), (64, 4), (100, 6), (124, 5), (4, 2), (8, 8), (96, 3)])
+@pytest.mark.parametrize("renorm", [True, False])
+def test_softmax_topk_many_tokens(d, rng, n_exp, k, renorm):
+    """Token batches large enough for the thread-per-token kernel, with tied logits (rounded), rows of one
+    repeated value (more candidates than the staging room) and -inf logits."""
+    n_tok = 32768 + 133  # from _TOPK_THREAD_MIN_TOKENS
+    logits = _randn(rng, n_tok, n_exp, scale=3)
+    logits[::7] = np.round(logits[::7])  # many ties
+    logits[5] = 1.0
+    logits[9, : n_exp // 2] = -np.inf
+    logits[11, 1:] = -np.inf
+    ids, w = _empty(n_tok, k, dtype=cupy.int32), _empty(n_tok, k)
+    d.softmax_topk(_dev(logits), ids, w, k=k, renorm=renorm, scale=1.5)
+    want_ids, want_w = ref.softmax_topk(logits, k, renorm=renorm, scale=1.5)
+    np.testing.assert_array_equal(ids.get(), want_ids)
+    assert_close(w, want_w)
 
 
 @gpu

@@ -4,6 +4,7 @@
 
 #include "common/types.cuh"
 #include "common/reduce.cuh"
+#include "common/mma.cuh"  // cp_async16
 #include "elementwise/params.cuh"
 
 namespace cukern {
@@ -126,6 +127,144 @@ __global__ void __launch_bounds__(32 * cukern::ew::TOPK_WARPS) softmax_topk_reg(
     if (lane < p.k) {
         ids[(uint64_t)t * p.k + lane] = (int32_t)my_id;
         weights[(uint64_t)t * p.k + lane] = p.scale * e / (p.renorm ? sel : denom);
+    }
+}
+
+// Thread-per-token version of softmax_topk for many tokens: n_experts <= NMAX, n_experts % 4 == 0 (16-byte
+// rows), k <= KMAX. Same results and tie rule as softmax_topk. A warp copies its 32 rows into shared memory
+// (cp.async, coalesced), then each lane takes one token and reads its row twice:
+//   1. the maxima of G = 2 * KMAX groups of logits (e % G); the k-th largest of them, T0, bounds the k-th
+//      largest logit from below (k distinct logits are >= it), so only logits >= T0 are candidates (about
+//      k + 2 of 128 on random logits); with renorm = 0 the softmax denominator over all logits;
+//   2. the candidates, in ascending id order, go to the lane's column of a candidate buffer, then into a
+//      sorted list of KMAX (key, id) by predicated insertion (strict >: of equal keys the lower id stays
+//      first); a lane with more than TOPK_T_CAND candidates (many equal logits) inserts its whole row;
+//   3. weights from the list: exp(l - max) over the selected sum (renorm) or the denominator.
+// Bytes: read n_experts floats per token, write k ids and k weights. grid: (ceil(n_tokens / TOPK_T_BLOCK)),
+// block: TOPK_T_BLOCK, dynamic shared memory: topk_thread_smem(n_experts) bytes.
+namespace cukern {
+namespace ew {
+constexpr int TOPK_T_BLOCK = 64;  // tokens per block (one per thread)
+constexpr int TOPK_T_CAND = 32;   // candidate slots per lane
+// float4s per staged row: n_experts / 4 rounded up to odd, so that the 8 lanes of a 16-byte shared-memory
+// phase reading their own rows hit distinct banks.
+CUKERN_DEVICE uint32_t topk_row4(uint32_t n_experts) { return n_experts / 4 + 1 + ((n_experts / 4) & 1); }
+
+// Insert (key, id) into the descending list (key_l, id_l) of L entries (key 0: empty). Strict >: an equal key
+// goes after the ones already there, which the callers insert in ascending id order.
+template <int L>
+CUKERN_DEVICE void topk_insert(uint32_t (&key_l)[L], uint32_t (&id_l)[L], uint32_t key, uint32_t id) {
+#pragma unroll
+    for (int i = L - 1; i > 0; --i) {
+        const bool gt = key > key_l[i], gt_prev = key > key_l[i - 1];
+        id_l[i] = gt_prev ? id_l[i - 1] : (gt ? id : id_l[i]);
+        key_l[i] = gt_prev ? key_l[i - 1] : (gt ? key : key_l[i]);
+    }
+    if (key > key_l[0]) { id_l[0] = id; key_l[0] = key; }
+}
+}  // namespace ew
+}  // namespace cukern
+
+template <int NMAX, int KMAX>
+__global__ void __launch_bounds__(cukern::ew::TOPK_T_BLOCK) softmax_topk_thread(
+    int32_t* __restrict__ ids, float* __restrict__ weights, const float* __restrict__ logits,  // as softmax_topk
+    const TopkParams p) {
+    using namespace cukern;
+    constexpr int N4 = NMAX / 4, G = 2 * KMAX;
+    constexpr uint32_t WARPS = ew::TOPK_T_BLOCK / WARP;
+    // [WARPS][WARP][row4] float4 staged rows, then [WARPS][TOPK_T_CAND][WARP] uint2 candidates
+    extern __shared__ float4 stage[];
+    const uint32_t lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const uint32_t n = p.n_experts, n4 = n / 4, row4 = ew::topk_row4(n);
+    const uint32_t t0 = blockIdx.x * ew::TOPK_T_BLOCK + warp * WARP;  // the warp's first token
+    if (t0 >= p.n_tokens) return;  // whole warps; no block barrier below
+    const uint32_t rows = min((uint32_t)WARP, p.n_tokens - t0);
+    float4* st = stage + warp * WARP * row4;
+    uint2* cand = reinterpret_cast<uint2*>(stage + WARPS * WARP * row4) + warp * ew::TOPK_T_CAND * WARP + lane;
+    {  // float4 i of the warp's rows (contiguous in logits) goes to row i / n4, column i % n4
+        const float4* src = reinterpret_cast<const float4*>(logits + (uint64_t)t0 * n);
+        const uint32_t magic = n4 > 1 ? 0xffffffffu / n4 + 1 : 0;  // i / n4 = umulhi(i, magic) for i < 2^32 / n4
+#pragma unroll 8
+        for (uint32_t i = lane; i < rows * n4; i += WARP) {
+            const uint32_t r = n4 > 1 ? __umulhi(i, magic) : i;
+            cp_async16(st + r * row4 + (i - r * n4), src + i, 16);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+    }
+    __syncwarp();
+    if (lane >= rows) return;  // no warp-wide operation below
+    const uint32_t t = t0 + lane;
+    const float4* row = st + lane * row4;
+    // 1. group maxima; T0 = the k-th largest of them, mx = the largest logit
+    float gmax[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) gmax[g] = ew::neg_inf();
+#pragma unroll
+    for (int j = 0; j < N4; ++j) {
+        if (j >= (int)n4) break;
+        const float4 v = row[j];
+        gmax[(4 * j) % G] = fmaxf(gmax[(4 * j) % G], v.x);
+        gmax[(4 * j + 1) % G] = fmaxf(gmax[(4 * j + 1) % G], v.y);
+        gmax[(4 * j + 2) % G] = fmaxf(gmax[(4 * j + 2) % G], v.z);
+        gmax[(4 * j + 3) % G] = fmaxf(gmax[(4 * j + 3) % G], v.w);
+    }
+    float top[KMAX];  // the KMAX largest group maxima, descending (a group without logits adds nothing)
+#pragma unroll
+    for (int i = 0; i < KMAX; ++i) top[i] = ew::neg_inf();
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+#pragma unroll
+        for (int i = KMAX - 1; i > 0; --i) top[i] = fmaxf(top[i], fminf(gmax[g], top[i - 1]));
+        top[0] = fmaxf(top[0], gmax[g]);
+    }
+    float thr = top[0];  // top[k - 1], the smallest of the first k (a min, not an index: top stays in registers)
+#pragma unroll
+    for (int i = 1; i < KMAX; ++i) thr = i < (int)p.k ? fminf(thr, top[i]) : thr;
+    const float mx = top[0];
+    // 2. candidates (logit >= T0) into the lane's column, in id order; the denominator
+    uint32_t n_cand = 0;
+    float denom = 0.f;
+#pragma unroll
+    for (int j = 0; j < N4; ++j) {
+        if (j >= (int)n4) break;
+        const float4 v = row[j];
+        const float x[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            if (x[c] >= thr) {
+                if (n_cand < ew::TOPK_T_CAND) cand[n_cand * WARP] = make_uint2(__float_as_uint(x[c]), 4 * j + c);
+                ++n_cand;
+            }
+            if (!p.renorm) denom += expf(x[c] - mx);
+        }
+    }
+    uint32_t key_l[KMAX], id_l[KMAX];
+#pragma unroll
+    for (int i = 0; i < KMAX; ++i) { key_l[i] = 0; id_l[i] = 0; }
+    if (n_cand <= ew::TOPK_T_CAND) {
+        for (uint32_t c = 0; c < n_cand; ++c) {
+            const uint2 kv = cand[c * WARP];
+            ew::topk_insert<KMAX>(key_l, id_l, ew::float_key(__uint_as_float(kv.x)), kv.y);
+        }
+    } else {  // more candidates than slots (many equal logits): the whole row, in id order
+        const float* xs = reinterpret_cast<const float*>(row);
+        for (uint32_t e = 0; e < n; ++e) ew::topk_insert<KMAX>(key_l, id_l, ew::float_key(xs[e]), e);
+    }
+    // 3. weights
+    float ex[KMAX], sel = 0.f;
+#pragma unroll
+    for (int i = 0; i < KMAX; ++i) {
+        ex[i] = i < (int)p.k ? expf(ew::key_float(key_l[i]) - mx) : 0.f;
+        sel += ex[i];
+    }
+    if (p.renorm) denom = sel;
+#pragma unroll
+    for (int i = 0; i < KMAX; ++i) {
+        if (i < (int)p.k) {
+            ids[(uint64_t)t * p.k + i] = (int32_t)id_l[i];
+            weights[(uint64_t)t * p.k + i] = p.scale * ex[i] / denom;
+        }
     }
 }
 

@@ -157,7 +157,8 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) rope_vec(
 }
 
 // qk_norm_rope_kv (rope.cuh) for head_dim = 8 * LPH: per token, rows q heads | k heads | v heads (HAS_Q,
-// HAS_V), each row one LPH-lane group. V rows are copied (units at 8u, 8u + 4). pos_mode 0 or 1.
+// HAS_V), each row one LPH-lane group. V rows are copied (units at 8u, 8u + 4). pos_mode 0 or 1. The host
+// instantiates HAS_Q = HAS_V = true; the K-only path is k_norm_rope_kv_vec below.
 // grid: (ceil(n_tokens * rows per token / (ROPE_BLOCK / LPH * VEC_ROWS))), block: ROPE_BLOCK.
 template <typename KV, bool HAS_Q, bool HAS_V, int LPH>
 __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) qk_norm_rope_kv_vec(
@@ -237,5 +238,64 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) qk_norm_rope_kv_vec(
             ew::kv_store4<KV>(dst + 8 * u, A[j]);
             ew::kv_store4<KV>(dst + 8 * u + 4, B[j]);
         }
+    }
+}
+
+// The K-only sibling of qk_norm_rope_kv_vec: K cache row = rope(rms_norm(k) * (wk + off)) (norm optional),
+// pos_mode 0 or 1. A thread takes ROWS consecutive head rows (of one token when n_kv_heads % ROWS == 0),
+// loads all of them, and while the loads are in flight takes the token's cos/sin and cache row once; a row
+// of another token (n_kv_heads % ROWS != 0) takes its own. grid: (ceil(n_tokens * n_kv_heads /
+// (ROPE_BLOCK / LPH * ROWS))), block: ROPE_BLOCK.
+template <typename KV, int LPH, int ROWS>
+__global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) k_norm_rope_kv_vec(
+    KV* __restrict__ k_cache,               // [n_pages, page_size, n_kv_heads, head_dim]
+    const float* __restrict__ k,            // [n_tokens, n_kv_heads, head_dim]
+    const float* __restrict__ wk,           // norm: [head_dim] (else unread)
+    const float* __restrict__ freqs,        // use_freqs: [rope_dim / 2] (else unread)
+    const int32_t* __restrict__ positions,  // pos_mode 0: [1] (first token's position); 1: [n_tokens]
+    const int32_t* __restrict__ seq_ids,    // pos_mode 0: [1]; 1: [n_tokens]: page_table row of each token
+    const int32_t* __restrict__ page_table, // [n_seqs, max_pages] int32
+    const QkvRopeParams p) {
+    using namespace cukern;
+    constexpr uint32_t SLOTS = ew::ROPE_BLOCK / LPH, HD = 8 * LPH;
+    const uint32_t u = threadIdx.x % LPH, slot = threadIdx.x / LPH;
+    const uint32_t nkv = p.n_kv_heads;
+    const uint64_t n_rows = (uint64_t)p.n_tokens * nkv;
+    const uint64_t r0 = ((uint64_t)blockIdx.x * SLOTS + slot) * ROWS;
+    if (r0 >= n_rows) return;  // whole row groups
+    // the unit's offsets first (RopeUnit's), so that the loads go out before its f64 frequency chain
+    const uint32_t n_rot = p.rope_dim / 8;
+    const uint32_t a = u < n_rot ? (p.neox ? 4 * u : 8 * u) : p.rope_dim + 8 * (u - n_rot);
+    const uint32_t b = u < n_rot ? (p.neox ? p.rope_dim / 2 + 4 * u : 8 * u + 4) : a + 4;
+    float4 A[ROWS], B[ROWS];
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j) {
+        if (r0 + j < n_rows) {
+            A[j] = ew::ld4(k + (r0 + j) * HD, a);
+            B[j] = ew::ld4(k + (r0 + j) * HD, b);
+        }
+    }
+    const ew::RopeUnit un(u, p.rope_dim, p.neox, p.use_freqs, p.inv_ratio, freqs);
+    uint32_t t = (uint32_t)(r0 / nkv), head = (uint32_t)(r0 % nkv);  // of row r0 + j, stepped below
+    float c[4], s[4];  // cos/sin of the unit's pairs at the token's position
+    uint64_t row = 0;  // the token's cache row
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j) {
+        if (r0 + j >= n_rows) break;  // uniform over the row's lanes
+        if (j == 0 || head == 0) {  // the first row, or the first row of the next token
+            const int32_t pos = p.pos_mode == 0 ? positions[0] + (int32_t)t : positions[t];
+            const int32_t seq = p.pos_mode == 0 ? seq_ids[0] : seq_ids[t];
+            row = kv_row_offset(page_table + (uint64_t)seq * p.max_pages, (uint32_t)pos, p.page_size, nkv * HD);
+            if (un.rot) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) ew::rope_sincos(pos, un.inv[e], s[e], c[e]);
+            }
+        }
+        if (p.norm) ew::norm_unit<LPH>(A[j], B[j], un, wk, p.eps, p.weight_offset, HD);
+        if (un.rot) ew::rotate_unit(A[j], B[j], c, s, p.neox);
+        KV* dst = k_cache + row + (uint64_t)head * HD;
+        ew::kv_store4<KV>(dst + a, A[j]);
+        ew::kv_store4<KV>(dst + b, B[j]);
+        if (++head == nkv) { head = 0; ++t; }
     }
 }
