@@ -17,8 +17,6 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from functools import lru_cache
-
 from cukern.dispatch import Dispatch, check_array
 from cukern.runtime import FamilySpec, KernelSpec
 
@@ -147,12 +145,6 @@ def contiguous_page_table(n_seqs: int) -> cupy.ndarray:
     """The page table that makes a contiguous cache ``[n_seqs, capacity, n_kv_heads, head_dim]`` a
     paged one (page_size = capacity, page_table[s] = [s]). Allocates: build it once, at plan time."""
     return cupy.arange(n_seqs, dtype=cupy.int32).reshape(n_seqs, 1)
-
-
-@lru_cache(maxsize=None)
-def _sm_count(device_id: int) -> int:
-    """Multiprocessors of a device (a host-side attribute query, cached)."""
-    return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
 
 
 def _rope_launch(n_tokens: int, heads_per_token: int, head_dim: int, rope_dim: int, sms: int):
@@ -382,7 +374,7 @@ class ElementwiseDispatch(Dispatch):
         ptrs = (out, x, w if w is not None else x, z if z is not None else x)
         vpl = next((v for v in _GROUP_VPL if group_size <= 128 * v), None)
         if vpl is not None and group_size % 4 == 0 and _aligned(*ptrs):
-            grid = min(-(-n_groups // _GROUPS_PER_BLOCK), _sm_count(self.device_id) * _RESIDENT_GROUP_BLOCKS)
+            grid = min(-(-n_groups // _GROUPS_PER_BLOCK), self.sm_count() * _RESIDENT_GROUP_BLOCKS)
             self._launch(f"group_norm_reg<{_vec(z is not None)}, {vpl}>", grid, 128, ptrs, params, stream=stream)
         else:
             self._launch(f"group_norm<{_vec(z is not None)}>", -(-n_groups // 4), 128, ptrs, params, stream=stream)
@@ -579,7 +571,7 @@ class ElementwiseDispatch(Dispatch):
             _check_eps(eps, what)
         rope_dim = self._rope_common(what, head_dim, rope_dim, freqs, freq_base)
         mode, sections = self._positions(what, positions, pos_mode, n_tokens, sections)
-        tpb, grid, smem, ppl = _rope_launch(n_tokens, n_heads, head_dim, rope_dim, _sm_count(self.device_id))
+        tpb, grid, smem, ppl = _rope_launch(n_tokens, n_heads, head_dim, rope_dim, self.sm_count())
         params = self.struct("RopeParams").pack(
             n_tokens=n_tokens, n_heads=n_heads, head_dim=head_dim, rope_dim=rope_dim, neox=int(bool(neox)),
             pos_mode=mode, sections=sections, use_freqs=int(freqs is not None), freq_base=freq_base, eps=eps,
@@ -716,7 +708,7 @@ class ElementwiseDispatch(Dispatch):
             _check_distinct(what, q_out=q_out, q=q)
         mode = self._seq_positions(what, positions, seq_ids, pos_mode, n_tokens)
         heads = (q.shape[1] + 2 * n_kv) if has_q else n_kv
-        tpb, grid, smem, ppl = _rope_launch(n_tokens, heads, head_dim, rope_dim, _sm_count(self.device_id))
+        tpb, grid, smem, ppl = _rope_launch(n_tokens, heads, head_dim, rope_dim, self.sm_count())
         params = self.struct("QkvRopeParams").pack(
             n_tokens=n_tokens, n_q_heads=q.shape[1] if has_q else 0, n_kv_heads=n_kv, head_dim=head_dim,
             rope_dim=rope_dim, neox=int(bool(neox)), pos_mode=mode, use_freqs=int(freqs is not None),

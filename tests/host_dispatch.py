@@ -60,7 +60,7 @@ class _Graph:
 def patch(monkeypatch) -> collections.Counter:
     """Install the host arrays and the launch recorder for one test; returns the launch counter
     (kernel name -> launches)."""
-    from cukern import attention, dispatch, elementwise, matmul
+    from cukern import attention, dispatch, matmul
     from cukern.models import gguf_loader
     from cukern.models import transformer as T
 
@@ -79,7 +79,6 @@ def patch(monkeypatch) -> collections.Counter:
     h100 = {"MultiProcessorCount": 132, "MaxSharedMemoryPerBlockOptin": 232448}
     monkeypatch.setattr(dispatch.Dispatch, "sm_count", lambda self: h100["MultiProcessorCount"])
     monkeypatch.setattr(dispatch.Dispatch, "max_shared_optin", lambda self: h100["MaxSharedMemoryPerBlockOptin"])
-    monkeypatch.setattr(elementwise, "_sm_count", lambda device=None: 132, raising=False)   # an H100's SMs
     monkeypatch.setattr(matmul.MatmulDispatch, "_zero_for_split", lambda self, *a, **k: None, raising=False)
 
     def upload_slot(cache, slot, stream=None):
