@@ -78,6 +78,13 @@ _TOPK_THREAD_K = (4, 8)
 _TOPK_THREAD_BLOCK = 64  # TOPK_T_BLOCK in moe.cuh
 _TOPK_THREAD_CAND = 32  # TOPK_T_CAND in moe.cuh
 _TOPK_THREAD_MIN_TOKENS = 32768
+# softmax_topk_lanes (a group of 8 lanes per token): (V, M) instances, n_experts <= 32 V, n_experts % 4 == 0,
+# 16-byte aligned logits, k <= _TOPK_LANES_KMAX; M kept logits per lane: the first M with k <= 4 M
+_TOPK_LANES_V = (1, 2, 4, 8)
+_TOPK_LANES_M = (1, 2, 4)
+_TOPK_LANES_KMAX = 16
+_TOPK_LANES_TOKENS = 32  # tokens per block (TOPK_L_TOKENS in moe.cuh)
+_TOPK_USE_LANES = True
 _CONV_CHUNK = 16
 _KV_UNROLL = 4  # KV_UNROLL in kv.cuh
 _QUANT_UNROLL = 4  # QUANT_UNROLL in norms.cuh
@@ -103,6 +110,7 @@ def _kernels() -> list[KernelSpec]:
     ks.append(KernelSpec("softmax_topk", "TopkParams"))
     ks += [KernelSpec(f"softmax_topk_reg<{e}>", "TopkParams") for e in _TOPK_EPL]
     ks += [KernelSpec(f"softmax_topk_thread<{n}, {k}>", "TopkParams") for n in _TOPK_THREAD_N for k in _TOPK_THREAD_K]
+    ks += [KernelSpec(f"softmax_topk_lanes<{v}, {m}>", "TopkParams") for v in _TOPK_LANES_V for m in _TOPK_LANES_M]
     ks += [KernelSpec(f"moe_weighted_sum<{v}>", "MoeSumParams") for v in ("true", "false")]
     ks += [KernelSpec(f"shared_expert_accumulate<{v}>", "SharedGateParams") for v in ("true", "false")]
     ks += [KernelSpec(f"router_matvec<{e}, {t}, {b}>", "RouterParams") for e, t, b in (_ROUTER_SMALL, _ROUTER_LARGE)]
@@ -776,7 +784,13 @@ class ElementwiseDispatch(Dispatch):
                                                 renorm=int(bool(renorm)), scale=scale)
         grid = -(-n_tokens // _TOPK_WARPS)
         epl = next((e for e in _TOPK_EPL if n_experts <= 32 * e), None)
-        if (n_tokens >= _TOPK_THREAD_MIN_TOKENS and n_experts % 4 == 0 and n_experts <= _TOPK_THREAD_N[-1]
+        if (_TOPK_USE_LANES and n_experts % 4 == 0 and n_experts <= 32 * _TOPK_LANES_V[-1] and k <= _TOPK_LANES_KMAX
+                and _aligned(logits)):
+            v = next(v for v in _TOPK_LANES_V if n_experts <= 32 * v)
+            m = next(m for m in _TOPK_LANES_M if k <= 4 * m)
+            self._launch(f"softmax_topk_lanes<{v}, {m}>", -(-n_tokens // _TOPK_LANES_TOKENS), 8 * _TOPK_LANES_TOKENS,
+                         (ids, weights, logits), params, stream=stream)
+        elif (n_tokens >= _TOPK_THREAD_MIN_TOKENS and n_experts % 4 == 0 and n_experts <= _TOPK_THREAD_N[-1]
                 and k <= _TOPK_THREAD_K[-1] and _aligned(logits)):
             nmax = next(n for n in _TOPK_THREAD_N if n_experts <= n)
             kmax = next(m for m in _TOPK_THREAD_K if k <= m)

@@ -520,6 +520,37 @@ def test_softmax_topk_many_tokens(d, rng, n_exp, k, renorm):
     assert_close(w, want_w)
 
 
+def _topk_rows(rng, n_tok, n_exp):
+    """Logit rows for the lane-group kernel's paths: distinct values (threshold + rank), ties inside the
+    top k and across its boundary (slot clash -> argmax rounds), +0/-0 ties, one repeated value (more
+    candidates than slots), -inf halves, and a large-magnitude row."""
+    logits = _randn(rng, n_tok, n_exp, scale=3)
+    logits[1::6] = np.round(logits[1::6])  # many ties
+    logits[2::6] = np.round(logits[2::6] * 4) / 4
+    logits[3::6, : n_exp // 2] = -np.inf
+    logits[4::6] = 1.0
+    logits[5::6] = -np.abs(logits[5::6])
+    logits[5::6, ::3] = 0.0
+    logits[5::6, 1::5] = -0.0
+    logits[0] *= 1e4
+    return logits
+
+
+@gpu
+@pytest.mark.parametrize("n_exp,k", [(4, 1), (4, 4), (8, 8), (12, 3), (32, 4), (36, 5), (64, 16), (100, 6),
+                                     (128, 8), (128, 16), (132, 2), (200, 11), (252, 9), (256, 16)])
+@pytest.mark.parametrize("renorm", [True, False])
+def test_softmax_topk_lanes(d, rng, n_exp, k, renorm):
+    """Every (V, M) instance of softmax_topk_lanes, ragged token counts (masked groups) and every path."""
+    n_tok = 6 * 37 + 5
+    logits = _topk_rows(rng, n_tok, n_exp)
+    ids, w = _empty(n_tok, k, dtype=cupy.int32), _empty(n_tok, k)
+    d.softmax_topk(_dev(logits), ids, w, k=k, renorm=renorm, scale=1.5)
+    want_ids, want_w = ref.softmax_topk(logits, k, renorm=renorm, scale=1.5)
+    np.testing.assert_array_equal(ids.get(), want_ids)
+    assert_close(w, want_w)
+
+
 @gpu
 @pytest.mark.parametrize("n_tok,n_used,n_cols", [(1, 1, 1), (1, 8, 4096), (3, 4, 2880), (5, 6, 1030), (17, 2, 7)])
 @pytest.mark.parametrize("accumulate", [False, True])

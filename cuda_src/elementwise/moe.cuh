@@ -130,6 +130,214 @@ __global__ void __launch_bounds__(32 * cukern::ew::TOPK_WARPS) softmax_topk_reg(
     }
 }
 
+// Lane-group version of softmax_topk for token batches: L = TOPK_L_LANES lanes per token hold its row in
+// registers (n_experts <= 32 V, n_experts % 4 == 0, 16-byte aligned logits; lane l loads float4s l + L i,
+// i < V, so a warp's loads cover whole rows), k <= TOPK_L_KMAX. Same results and tie rule as softmax_topk.
+//   1. each lane keeps the M largest of its logits (with repeats; M = 1, 2, 4 for k <= 4, 8, 16); the
+//      group sorts its L M kept values (bitonic network over the lanes) and takes the k-th largest, T:
+//      k logits are >= T, so only logits >= T can be selected (about k + 1 of 128 on random logits);
+//   2. the candidates (logit >= T) go to the token's list in shared memory (a scan over the group gives
+//      each lane its place); a candidate's rank is the number of larger candidates, and rank < k is its
+//      output position. Equal candidates would share a rank: each selected candidate reads its slot back,
+//      and a warp where one finds another's id starts over with step 2';
+//   2'. (a warp with equal candidates, with more than TOPK_L_CMAX candidates or with T = -inf) k rounds of
+//      argmax over the registers: the largest logit, of equal ones the lowest id;
+//   3. weights from exp(l - max) over the selected sum (renorm) or the row's denominator.
+// Control flow is warp-uniform (tokens past the end run masked), so the group shuffles take the full mask.
+// Bytes: read n_experts floats per token, write k ids and k weights.
+// grid: (ceil(n_tokens / TOPK_L_TOKENS)), block: TOPK_L_BLOCK.
+namespace cukern {
+namespace ew {
+constexpr int TOPK_L_LANES = 8;    // lanes per token
+constexpr int TOPK_L_BLOCK = 256;  // threads per block
+constexpr int TOPK_L_TOKENS = TOPK_L_BLOCK / TOPK_L_LANES;
+constexpr int TOPK_L_RANKED = 2;   // candidates a lane ranks
+constexpr int TOPK_L_CMAX = TOPK_L_RANKED * TOPK_L_LANES;  // candidate slots per token
+constexpr int TOPK_L_KMAX = 16;
+
+// 0xffffffff when a >= b (a > b), else 0: one FSET, where the C++ comparison would take a predicate and a select
+// (ftz, as CuPy compiles every unit).
+CUKERN_DEVICE uint32_t ge_mask(float a, float b) {
+    uint32_t m;
+    asm("set.ge.ftz.u32.f32 %0, %1, %2;" : "=r"(m) : "f"(a), "f"(b));
+    return m;
+}
+CUKERN_DEVICE uint32_t gt_mask(float a, float b) {
+    uint32_t m;
+    asm("set.gt.ftz.u32.f32 %0, %1, %2;" : "=r"(m) : "f"(a), "f"(b));
+    return m;
+}
+
+// Sort the L * M values of each group of L lanes descending (value j of lane l is element l * M + j; L, M
+// powers of two) with a bitonic network: exchanges between lanes through shuffles, within a lane in
+// registers. The whole warp calls it.
+template <int L, int M>
+CUKERN_DEVICE void group_sort_desc(float (&v)[M], uint32_t gl) {
+#pragma unroll
+    for (int size = 2; size <= L * M; size *= 2) {
+#pragma unroll
+        for (int stride = size / 2; stride > 0; stride /= 2) {
+            if (stride >= M) {  // partner: lane gl ^ (stride / M), same j
+                const uint32_t lx = stride / M;
+                const bool keep_max = ((gl & lx) == 0) == (((gl * M) & size) == 0);
+#pragma unroll
+                for (int j = 0; j < M; ++j) {
+                    const float o = __shfl_xor_sync(0xffffffffu, v[j], lx, L);
+                    v[j] = keep_max ? fmaxf(v[j], o) : fminf(v[j], o);
+                }
+            } else {  // partner: j ^ stride in this lane
+#pragma unroll
+                for (int j = 0; j < M; ++j) {
+                    if (j & stride) continue;
+                    const bool desc = ((gl * M + j) & size) == 0;
+                    const float hi = fmaxf(v[j], v[j ^ stride]), lo = fminf(v[j], v[j ^ stride]);
+                    v[j] = desc ? hi : lo;
+                    v[j ^ stride] = desc ? lo : hi;
+                }
+            }
+        }
+    }
+}
+}  // namespace ew
+}  // namespace cukern
+
+template <int V, int M>
+__global__ void __launch_bounds__(cukern::ew::TOPK_L_BLOCK) softmax_topk_lanes(
+    int32_t* __restrict__ ids, float* __restrict__ weights, const float* __restrict__ logits,  // as softmax_topk
+    const TopkParams p) {
+    using namespace cukern;
+    constexpr int L = ew::TOPK_L_LANES, S = 4 * V, R = ew::TOPK_L_RANKED, CMAX = ew::TOPK_L_CMAX;
+    constexpr uint32_t ALL = 0xffffffffu, NONE = 0xffffffffu;
+    // per token: its candidate list (value bits, id), one spare entry shifting the next list by two banks,
+    // then its k selections (id, exp(l - max))
+    __shared__ uint2 cand[ew::TOPK_L_TOKENS][CMAX + 1];
+    __shared__ uint2 sel[ew::TOPK_L_TOKENS][ew::TOPK_L_KMAX];
+    const uint32_t gl = threadIdx.x % L, tb = threadIdx.x / L;
+    const uint32_t t = blockIdx.x * ew::TOPK_L_TOKENS + tb;
+    if (t - threadIdx.x % WARP / L >= p.n_tokens) return;  // whole warps; no block barrier below
+    const bool live = t < p.n_tokens;
+    const uint32_t n4 = live ? p.n_experts / 4 : 0;  // a token past the end: an empty row
+    const float4* row = reinterpret_cast<const float4*>(logits + (uint64_t)t * p.n_experts);
+    float x[S];  // x[4 i + c]: expert 4 (gl + L i) + c; -inf past the row
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+        const float4 v = gl + L * i < n4 ? __ldcs(row + gl + L * i)
+                                         : make_float4(ew::neg_inf(), ew::neg_inf(), ew::neg_inf(), ew::neg_inf());
+        x[4 * i] = v.x; x[4 * i + 1] = v.y; x[4 * i + 2] = v.z; x[4 * i + 3] = v.w;
+    }
+    auto expert = [&](int s) { return 4 * (gl + L * (s / 4)) + s % 4; };
+    // 1. the M largest per lane, the row maximum, the threshold
+    float top[M];
+#pragma unroll
+    for (int j = 0; j < M; ++j) top[j] = ew::neg_inf();
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+        float c = x[s];
+#pragma unroll
+        for (int j = 0; j < M; ++j) {  // insertion into the descending list
+            const float hi = fmaxf(top[j], c);
+            c = fminf(top[j], c);
+            top[j] = hi;
+        }
+    }
+    float mx = top[0];
+#pragma unroll
+    for (int o = 1; o < L; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(ALL, mx, o, L));
+    ew::group_sort_desc<L, M>(top, gl);
+    float thr = top[0];  // element k - 1 of the sorted values: lane (k - 1) / M, slot (k - 1) % M
+#pragma unroll
+    for (int j = 1; j < M; ++j) thr = j == (int)((p.k - 1) % M) ? top[j] : thr;
+    thr = __shfl_sync(ALL, thr, (p.k - 1) / M, L);
+    float denom = 0.f;  // with renorm = 0: sum of exp(l - max) over the row (exp(-inf) = 0 past the row)
+    if (!p.renorm) {
+#pragma unroll
+        for (int s = 0; s < S; ++s) denom += expf(x[s] - mx);
+#pragma unroll
+        for (int o = 1; o < L; o <<= 1) denom += __shfl_xor_sync(ALL, denom, o, L);
+    }
+    // 2. candidates (with T > -inf, no -inf filler is one): count, place by an inclusive scan over the group
+    uint32_t n_mine = 0;
+#pragma unroll
+    for (int s = 0; s < S; ++s) n_mine -= ew::ge_mask(x[s], thr);
+    uint32_t incl = n_mine;
+#pragma unroll
+    for (int o = 1; o < L; o <<= 1) {
+        const uint32_t v = __shfl_up_sync(ALL, incl, o, L);
+        if (gl >= (uint32_t)o) incl += v;
+    }
+    const uint32_t n_cand = __shfl_sync(ALL, incl, L - 1, L);
+    uint2* list = cand[tb];
+    uint2* out = sel[tb];
+    bool by_rounds = __any_sync(ALL, live && (thr == ew::neg_inf() || n_cand < p.k || n_cand > CMAX));
+    if (!by_rounds) {
+        uint2* at = list + (incl - n_mine);
+#pragma unroll
+        for (int s = 0; s < S; ++s) {
+            if (x[s] >= thr) *at++ = make_uint2(__float_as_uint(x[s]), expert(s));
+        }
+        __syncwarp();
+        // lane gl ranks candidates gl + L r: rank = the number of larger candidates
+        float cv[R];
+        uint32_t ci[R], rank[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const uint2 c = list[min(gl + L * r, n_cand - 1)];
+            cv[r] = __uint_as_float(c.x);
+            ci[r] = c.y;
+            rank[r] = 0;
+        }
+        for (uint32_t y = 0; y < n_cand; ++y) {
+            const float yv = __uint_as_float(list[y].x);
+#pragma unroll
+            for (int r = 0; r < R; ++r) rank[r] -= ew::gt_mask(yv, cv[r]);
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) rank[r] = gl + L * r < n_cand ? rank[r] : NONE;  // NONE: no candidate
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            if (rank[r] < p.k) out[rank[r]] = make_uint2(ci[r], __float_as_uint(expf(cv[r] - mx)));
+        __syncwarp();
+        bool clash = false;  // equal candidates wrote the same slot
+#pragma unroll
+        for (int r = 0; r < R; ++r) clash |= rank[r] < p.k && out[rank[r]].x != ci[r];
+        by_rounds = __any_sync(ALL, clash);
+        __syncwarp();
+    }
+    if (by_rounds) {  // 2'. taken bit s: x[s] selected
+        uint32_t taken = 0;
+        for (uint32_t j = 0; j < p.k; ++j) {
+            float bv = ew::neg_inf();
+            uint32_t bi = NONE;
+#pragma unroll
+            for (int s = 0; s < S; ++s) {  // ascending ids: strict > keeps the lower id
+                const bool in_row = gl + L * (s / 4) < n4;
+                if (in_row && !((taken >> s) & 1u) && (bi == NONE || x[s] > bv)) { bv = x[s]; bi = expert(s); }
+            }
+#pragma unroll
+            for (int o = 1; o < L; o <<= 1) {
+                const float ov = __shfl_xor_sync(ALL, bv, o, L);
+                const uint32_t oi = __shfl_xor_sync(ALL, bi, o, L);
+                if (oi != NONE && (bi == NONE || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
+            }
+#pragma unroll
+            for (int s = 0; s < S; ++s) taken |= (uint32_t)(expert(s) == bi) << s;
+            if (gl == 0 && live) out[j] = make_uint2(bi, __float_as_uint(expf(bv - mx)));
+        }
+        __syncwarp();
+    }
+    // 3. weights: lane gl writes selections gl + L r
+    float sum = 0.f;
+    for (uint32_t j = gl; live && j < p.k; j += L) sum += __uint_as_float(out[j].y);
+#pragma unroll
+    for (int o = 1; o < L; o <<= 1) sum += __shfl_xor_sync(ALL, sum, o, L);
+    const float f = p.scale / (p.renorm ? sum : denom);
+    for (uint32_t j = gl; live && j < p.k; j += L) {
+        const uint2 o = out[j];
+        ids[(uint64_t)t * p.k + j] = (int32_t)o.x;
+        weights[(uint64_t)t * p.k + j] = __uint_as_float(o.y) * f;
+    }
+}
+
 // Thread-per-token version of softmax_topk for many tokens: n_experts <= NMAX, n_experts % 4 == 0 (16-byte
 // rows), k <= KMAX. Same results and tie rule as softmax_topk. A warp copies its 32 rows into shared memory
 // (cp.async, coalesced), then each lane takes one token and reads its row twice:
