@@ -62,11 +62,10 @@ _ONE_COL = {0: (2, 1), 1: (2, 1), 30: (2, 1), 2: (4, 0), 6: (4, 0), 8: (2, 0), 3
 # x^ = x rounded per 32 elements to 8 bits (cukern.reference.dmmv.quantize_q8), NMSE ~3e-5 against x.
 Q8_TYPES = (2, 6, 8, 39, 12, 13, 14)
 _Q8_MAX_WARPS = 32  # q8::kMaxWarps
-# (LU units per lane and iteration, ST ring slots per warp, CR contiguous rows per warp) of
-# dmmv_q8<QT, NC, LU, ST, CR> and moe_dmmv_q8<QT, LU, ST, CR>, per type, from profiling/tune_dmmv_q8.py on
-# an H100 (14336x4096 and 4096x14336, 32 warps per block): two slots (one 2 KB iteration in flight per
-# warp, 64 KB per SM) beat deeper rings; 64 units per iteration except Q4_0.
-_Q8_CONFIG = {2: (1, 2, 1), 6: (2, 2, 1), 8: (2, 2, 0), 39: (2, 2, 0), 12: (2, 2, 1), 13: (2, 2, 1), 14: (2, 2, 1)}
+# (LU units per lane and iteration, ST ring slots per warp, BULK: Hopper bulk copies) of
+# dmmv_q8<QT, NC, LU, ST, BULK> and moe_dmmv_q8<QT, LU, ST, BULK>, per type, from
+# profiling/tune_dmmv_q8.py on an H100 (14336x4096 and 4096x14336, 32 warps per block).
+_Q8_CONFIG = {2: (2, 3, 1), 6: (2, 3, 1), 8: (2, 3, 0), 39: (2, 2, 1), 12: (2, 3, 1), 13: (2, 3, 1), 14: (2, 3, 1)}
 
 
 def _q8_slot(qt: int, lu: int) -> int:
@@ -77,16 +76,18 @@ def _q8_slot(qt: int, lu: int) -> int:
 
 
 def _q8_smem(qt: int, nw: int, nc: int, k: int, cfg=None) -> int:
-    """Dynamic shared memory of dmmv_q8 / moe_dmmv_q8 (q8::smem_bytes): rings, then int8 x + XInfo."""
+    """Dynamic shared memory of dmmv_q8 / moe_dmmv_q8 (q8::smem_bytes): a header (mbarriers, partial
+    row sums), the warps' rings, then int8 x + XInfo."""
     lu, st, _ = cfg or _Q8_CONFIG[qt]
-    return nw * st * _q8_slot(qt, lu) + nc * (k + k // 32 * 8)
+    header = (nw * st * 8 + 2 * nw * nc * 4 + 15) // 16 * 16
+    return header + nw * st * _q8_slot(qt, lu) + nc * (k + k // 32 * 8)
 
 
 def _q8_kernel(qt: int, nc: int | None, cfg=None) -> str:
     """dmmv_q8<...> (nc columns) or, with nc None, moe_dmmv_q8<...>."""
-    lu, st, cr = cfg or _Q8_CONFIG[qt]
-    cr = "true" if cr else "false"
-    return f"moe_dmmv_q8<{qt}, {lu}, {st}, {cr}>" if nc is None else f"dmmv_q8<{qt}, {nc}, {lu}, {st}, {cr}>"
+    lu, st, bulk = cfg or _Q8_CONFIG[qt]
+    bulk = "true" if bulk else "false"
+    return f"moe_dmmv_q8<{qt}, {lu}, {st}, {bulk}>" if nc is None else f"dmmv_q8<{qt}, {nc}, {lu}, {st}, {bulk}>"
 
 
 def _config(qt: int, n: int) -> tuple[int, int]:
@@ -392,7 +393,7 @@ class DmmvDispatch(Dispatch):
             plan = self._q8_plan(self, q8, w.qtype, width, w.k) if q8 else None
             if plan:
                 qw, smem, resident = plan
-                blocks = max(1, min(-(-w.m // qw), resident))
+                blocks = min(w.m, resident)  # block b: rows [b m / blocks, (b + 1) m / blocks)
                 params = self._params(w, blocks1=blocks, mode=mode, alpha=alpha, y_stride=w.m)
                 self._launch(q8, blocks, qw * 32, (ys, w.buf, xs, g), params, stream=stream, shared_mem=smem)
                 continue
@@ -510,7 +511,7 @@ class DmmvDispatch(Dispatch):
         plan = self._q8_plan(self._moe, q8, w.qtype, 1, w.k) if q8 else None
         if plan:
             qw, smem, resident = plan
-            per_slot_blocks = max(1, min(-(-w.m // qw), resident // n_slots))
+            per_slot_blocks = max(1, min(w.m, resident // n_slots))
             self._moe._launch(q8, (per_slot_blocks, n_slots), qw * 32, (y, self.error_flag, w.buf, x, ids), params,
                               stream=stream, shared_mem=smem)
             return y

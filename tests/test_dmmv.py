@@ -281,6 +281,29 @@ def test_q8_rows_through_small_ring(d, rng, q):
         d._resident.pop(key) if saved is None else d._resident.__setitem__(key, saved)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("q", D.Q8_TYPES, ids=NAMES.get)
+def test_q8_rows_split_between_warps(d, rng, q):
+    """The int8 path when a row is longer than a warp's share: its parts spread over several warps
+    (summed after the block's last barrier), warps with no items (fewer items than warps), blocks of
+    unequal row counts; the accumulate epilogue and two columns through the same combine."""
+    k = 6400  # 200 units: 6 full iterations and a partial one per row at LU = 1
+    for m, kk, nw, blocks in ((3, k, 8, 1), (2, 256, 8, 1), (7, k, 8, 3), (5, k, 4, 2)):
+        w, dense = _weight(q, m, kk, rng, pad_front=D.QTYPES[q][3] * 3)
+        x = _x(rng, 2, kk)
+        y0 = _x(rng, 2, m)
+        for nc in (1, 2):
+            key = ("dmmv", D._q8_kernel(q, nc), kk)
+            saved = d._resident.get(key)
+            d._resident[key] = (nw, D._q8_smem(q, nw, nc, kk), blocks)
+            try:
+                y = cupy.asarray(y0[:nc])
+                d.dmmv(w, cupy.asarray(x[:nc]), y, accumulate=True)
+                _check(y, y0[:nc] + ref.matvec(dense, _xhat(q, x[:nc])), f"{NAMES[q]} {m}x{kk} nw={nw} nc={nc}")
+            finally:
+                d._resident.pop(key) if saved is None else d._resident.__setitem__(key, saved)
+
+
 # ---------------------------------------------------------------------------- GPU: MoE
 def _ids(rng, T, top_k, n_e):
     return np.stack([rng.permutation(n_e)[:top_k] for _ in range(T)]).astype(np.int32)

@@ -94,11 +94,12 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dmmv_glu(
     }
 }
 
-// The int8 path (q8.cuh): a persistent grid (the host sizes it to the resident blocks); each block
-// quantizes its NC columns of x into shared memory once, then each warp streams its rows (q8::WarpRows:
-// contiguous with CR, else interleaved over the grid's warps) with LU units per lane and iteration
-// through a ring of ST slots. Dynamic shared memory: q8::smem_bytes<QT, LU, ST>(nw, NC, k).
-template <int QT, int NC, int LU, int ST, bool CR>
+// The int8 path (q8.cuh): a persistent grid (the host sizes it to the resident blocks), block b
+// taking rows [b * m / G, (b + 1) * m / G); each block quantizes its NC columns of x into shared
+// memory once, then its warps stream equal shares of those rows (q8::block_rows) with LU units per
+// lane and iteration through rings of ST slots (BULK: Hopper bulk copies, else cp.async).
+// Dynamic shared memory: q8::smem_bytes<QT, LU, ST>(nw, NC, k).
+template <int QT, int NC, int LU, int ST, bool BULK>
 __global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8(
     float* __restrict__ y,             // [NC, y_stride] out: y[c * y_stride + i], i < m
     const uint8_t* __restrict__ w,     // raw GGUF bytes; m rows from w + w_offset
@@ -106,22 +107,23 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8(
     const float* __restrict__ gate,    // [NC] gate logits for mode 2; unused otherwise
     const DmmvParams p) {
     extern __shared__ __align__(16) uint8_t smem[];
-    const int warp = threadIdx.x / 32, nw = blockDim.x / 32;
+    const int nw = blockDim.x / 32;
     if (q8::smem_bytes<QT, LU, ST>(nw, NC, p.k) > q8::dynamic_smem_bytes()) __trap();  // a launcher bug
     const q8::Smem<QT, LU, ST, NC> sm(smem, nw, p.k);
-    const q8::WarpRows<CR> rows(blockIdx.x * nw + warp, gridDim.x * nw, p.m);
+    const uint32_t r0 = (uint32_t)((uint64_t)p.m * blockIdx.x / gridDim.x);
+    const uint32_t r1 = (uint32_t)((uint64_t)p.m * (blockIdx.x + 1) / gridDim.x);
     const uint8_t* base = w + p.w_offset;
-    q8::warp_rows<QT, NC, LU, ST>(
-        sm.ring(warp), rows.n, [&](int j) { return base + (size_t)rows.row(j) * p.row_bytes; },
-        (uint32_t)p.row_bytes, base + (size_t)p.m * p.row_bytes, p.k, q8::XView<NC>{sm.xq, sm.xi, p.k},
+    q8::block_rows<QT, NC, LU, ST, BULK>(
+        sm, r1 - r0, [&](uint32_t j) { return base + (size_t)(r0 + j) * p.row_bytes; }, (uint32_t)p.row_bytes,
+        base + (size_t)p.m * p.row_bytes, p.k,
         [&] {
             for (int c = 0; c < NC; ++c)
                 q8::quantize_x(x + (size_t)c * p.x_stride, p.k, sm.xq + (size_t)c * p.k, sm.xi + c * (p.k / 32));
             __syncthreads();
         },
-        [&](int j, const float (&v)[NC]) {
+        [&](uint32_t j, const float (&v)[NC]) {
 #pragma unroll
-            for (int c = 0; c < NC; ++c) store(y + (size_t)c * p.y_stride + rows.row(j), v[c], c, gate, p);
+            for (int c = 0; c < NC; ++c) store(y + (size_t)c * p.y_stride + r0 + j, v[c], c, gate, p);
         });
 }
 

@@ -58,9 +58,10 @@ __global__ void __launch_bounds__(kMaxWarps * 32) moe_dmmv(
 }
 
 // grid: (blocks per slot, n_slots), sized by the host to the resident blocks; block: nw warps.
-// Each block quantizes its slot's x into shared memory, then its warps stream the expert's rows as
-// dmmv_q8 does. Dynamic shared memory: q8::smem_bytes<QT, LU, ST>(nw, 1, k).
-template <int QT, int LU, int ST, bool CR>
+// Block b of a slot quantizes the slot's x into shared memory, then its warps stream rows
+// [b * m / G, (b + 1) * m / G) of the expert as dmmv_q8 does (q8::block_rows). Dynamic shared
+// memory: q8::smem_bytes<QT, LU, ST>(nw, 1, k).
+template <int QT, int LU, int ST, bool BULK>
 __global__ void __launch_bounds__(q8::kMaxWarps * 32) moe_dmmv_q8(
     float* __restrict__ y,            // [n_slots, m] out
     int* __restrict__ err,            // [1] error bits, or-ed in
@@ -69,28 +70,29 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) moe_dmmv_q8(
     const int* __restrict__ ids,      // [n_slots] expert of each slot (token-major)
     const MoeParams p) {
     extern __shared__ __align__(16) uint8_t smem[];
-    const int warp = threadIdx.x / 32, nw = blockDim.x / 32;
+    const int nw = blockDim.x / 32;
     if (q8::smem_bytes<QT, LU, ST>(nw, 1, p.k) > q8::dynamic_smem_bytes()) __trap();  // a launcher bug
     const uint32_t slot = blockIdx.y;
-    float* out = y + (size_t)slot * p.m;
+    const uint32_t r0 = (uint32_t)((uint64_t)p.m * blockIdx.x / gridDim.x);
+    const uint32_t r1 = (uint32_t)((uint64_t)p.m * (blockIdx.x + 1) / gridDim.x);
+    float* out = y + (size_t)slot * p.m + r0;
     const int e = ids[slot];
     if (!expert_ok(e, p)) {
-        for (uint32_t r = blockIdx.x * blockDim.x + threadIdx.x; r < p.m; r += gridDim.x * blockDim.x) out[r] = 0.0f;
+        for (uint32_t r = threadIdx.x; r < r1 - r0; r += blockDim.x) out[r] = 0.0f;
         if (threadIdx.x == 0 && blockIdx.x == 0) atomicOr(err, kErrExpertId);
         return;
     }
     const q8::Smem<QT, LU, ST, 1> sm(smem, nw, p.k);
-    const q8::WarpRows<CR> rows(blockIdx.x * nw + warp, gridDim.x * nw, p.m);
     const uint8_t* base = w + p.w_offset + (size_t)e * p.expert_bytes;
     const float* xs = x + (size_t)(p.x_per_slot ? slot : slot / p.top_k) * p.k;
-    q8::warp_rows<QT, 1, LU, ST>(
-        sm.ring(warp), rows.n, [&](int j) { return base + (size_t)rows.row(j) * p.row_bytes; },
-        (uint32_t)p.row_bytes, base + (size_t)p.m * p.row_bytes, p.k, q8::XView<1>{sm.xq, sm.xi, p.k},
+    q8::block_rows<QT, 1, LU, ST, BULK>(
+        sm, r1 - r0, [&](uint32_t j) { return base + (size_t)(r0 + j) * p.row_bytes; }, (uint32_t)p.row_bytes,
+        base + (size_t)p.m * p.row_bytes, p.k,
         [&] {
             q8::quantize_x(xs, p.k, sm.xq, sm.xi);
             __syncthreads();
         },
-        [&](int j, const float (&v)[1]) { out[rows.row(j)] = p.alpha * v[0]; });
+        [&](uint32_t j, const float (&v)[1]) { out[j] = p.alpha * v[0]; });
 }
 
 // grid: (ceil(m / kRows), n_tokens); block: NW warps

@@ -262,46 +262,37 @@ struct Stream {
     static_assert(32 % Unit<QT>::kBlockUnits == 0, "a lane's units start on block boundaries every 32 units");
 };
 
-// Dynamic shared memory of a block of nw warps: the warps' rings, then NC columns of int8 x, then
-// their XInfo (cukern/dmmv.py _q8_smem mirrors this).
+// Dynamic shared memory of a block of nw warps: a header (ST mbarriers per warp, then the
+// warps' partial row sums [2][nw][nc]), the warps' rings, then nc columns of int8 x and their
+// XInfo (cukern/dmmv.py _q8_smem mirrors this).
+CUKERN_DEVICE constexpr uint32_t header_bytes(int nw, int st, int nc) {
+    return (uint32_t)(nw * st * 8 + 2 * nw * nc * 4 + 15) / 16 * 16;
+}
 template <int QT, int LU, int ST>
 CUKERN_DEVICE uint32_t smem_bytes(int nw, int nc, uint32_t k) {
-    return nw * Stream<QT, LU, ST>::kRingBytes + nc * (k + k / 32 * (uint32_t)sizeof(XInfo));
+    return header_bytes(nw, ST, nc) + nw * Stream<QT, LU, ST>::kRingBytes +
+           nc * (k + k / 32 * (uint32_t)sizeof(XInfo));
 }
 
-// The block's shared memory carved up: rings[nw], then x.
+// The block's shared memory carved up.
 template <int QT, int LU, int ST, int NC>
 struct Smem {
-    uint8_t* rings;
-    int8_t* xq;
-    XInfo* xi;
-    CUKERN_DEVICE Smem(uint8_t* smem, int nw, uint32_t k) {
-        rings = smem;
-        xq = reinterpret_cast<int8_t*>(smem + nw * Stream<QT, LU, ST>::kRingBytes);
+    uint64_t* bars;  // [nw][ST] mbarriers of the bulk copies
+    float* part;     // [2][nw][NC] partial sums of the rows a warp shares with its neighbours
+    uint8_t* rings;  // [nw] rings of ST slots
+    int8_t* xq;      // [NC][k]
+    XInfo* xi;       // [NC][k / 32]
+    int nw;
+    CUKERN_DEVICE Smem(uint8_t* smem, int nw_, uint32_t k) : nw(nw_) {
+        bars = reinterpret_cast<uint64_t*>(smem);
+        part = reinterpret_cast<float*>(smem + nw * ST * 8);
+        rings = smem + header_bytes(nw, ST, NC);
+        xq = reinterpret_cast<int8_t*>(rings + nw * Stream<QT, LU, ST>::kRingBytes);
         xi = reinterpret_cast<XInfo*>(xq + NC * k);
     }
     CUKERN_DEVICE uint8_t* ring(int warp) const { return rings + warp * Stream<QT, LU, ST>::kRingBytes; }
-};
-
-// Rows of warp gw of total: contiguous (CR: rows first ... first + n - 1, so each warp streams one
-// contiguous byte range) or interleaved (rows gw, gw + total, ...). row(j) is the j-th row.
-template <bool CR>
-struct WarpRows {
-    uint32_t first, step;
-    int n;
-    CUKERN_DEVICE WarpRows(uint32_t gw, uint32_t total, uint32_t m) {
-        if (CR) {
-            const uint32_t q = m / total, r = m % total;
-            first = gw * q + min(gw, r);
-            n = (int)(q + (gw < r ? 1 : 0));
-            step = 1;
-        } else {
-            first = gw;
-            n = gw < m ? (int)((m - gw + total - 1) / total) : 0;
-            step = total;
-        }
-    }
-    CUKERN_DEVICE uint32_t row(int j) const { return first + (uint32_t)j * step; }
+    CUKERN_DEVICE float* first(int warp) const { return part + warp * NC; }         // sums of its first row
+    CUKERN_DEVICE float* last(int warp) const { return part + (nw + warp) * NC; }   // sums of its last row
 };
 
 CUKERN_DEVICE uint32_t dynamic_smem_bytes() {
@@ -310,102 +301,203 @@ CUKERN_DEVICE uint32_t dynamic_smem_bytes() {
     return r;
 }
 
+// ------------------------------------------------------------------------------------- bulk copies
+// Hopper's 1-D bulk copy (one instruction per copy, completion counted in bytes on an mbarrier).
+CUKERN_DEVICE void mbar_init(uint64_t* bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
+}
+CUKERN_DEVICE void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+// Arrive (the barrier's one arrival per phase) and expect `bytes` more of copies.
+CUKERN_DEVICE void mbar_arrive_expect(uint64_t* bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
+                 : "memory");
+}
+CUKERN_DEVICE void mbar_wait(uint64_t* bar, uint32_t parity) {
+    uint32_t done;
+    do {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+            : "=r"(done)
+            : "r"(smem_addr(bar)), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+// bytes (a multiple of 16) from 16-byte-aligned global src to 16-byte-aligned shared dst.
+CUKERN_DEVICE void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar))
+                 : "memory");
+}
+
 // ------------------------------------------------------------------------------------- x
 // Quantize column x (k floats, k % 32 == 0, 16-byte aligned) into q / info; all threads of the
-// block take part (blockDim.x a multiple of 32); the caller syncs afterwards.
+// block take part (blockDim.x a multiple of 32); the caller syncs afterwards. Each thread issues
+// its loads of up to kBatch float4s before the first shuffle, so a long x costs one L2 round trip.
 CUKERN_DEVICE void quantize_x(const float* __restrict__ x, uint32_t k, int8_t* q, XInfo* info) {
+    constexpr int kBatch = 4;
     const uint32_t n4 = k / 4;
-    for (uint32_t g0 = 0; g0 < n4; g0 += blockDim.x) {  // uniform per warp: shuffles below
-        const uint32_t g = g0 + threadIdx.x;
-        const bool on = g < n4;
-        const float4 v = on ? __ldg(reinterpret_cast<const float4*>(x) + g) : make_float4(0.f, 0.f, 0.f, 0.f);
-        float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+    for (uint32_t g0 = 0; g0 < n4; g0 += kBatch * blockDim.x) {  // uniform per warp: shuffles below
+        float4 v[kBatch];
 #pragma unroll
-        for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));  // 8 lanes = 32 el
-        const float d = __fdiv_rn(amax, 127.0f);
-        const float inv = amax > 0.0f ? __frcp_rn(d) : 0.0f;
-        const int q0 = q8_1_quantize(v.x, inv), q1 = q8_1_quantize(v.y, inv);
-        const int q2 = q8_1_quantize(v.z, inv), q3 = q8_1_quantize(v.w, inv);
-        int s = q0 + q1 + q2 + q3;
-        s += __shfl_xor_sync(0xffffffffu, s, 1);
-        s += __shfl_xor_sync(0xffffffffu, s, 2);  // sum over this half (4 lanes, 16 elements)
-        const int other = __shfl_xor_sync(0xffffffffu, s, 4);
-        if (on) {
-            reinterpret_cast<uint32_t*>(q)[g] =
-                (uint32_t)(q0 & 0xFF) | (uint32_t)(q1 & 0xFF) << 8 | (uint32_t)(q2 & 0xFF) << 16 | (uint32_t)q3 << 24;
-            if ((g & 7) == 0) info[g / 8] = XInfo{d, (short)s, (short)other};
+        for (int b = 0; b < kBatch; ++b) {
+            const uint32_t g = g0 + b * blockDim.x + threadIdx.x;
+            v[b] = g < n4 ? __ldg(reinterpret_cast<const float4*>(x) + g) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+            const uint32_t g = g0 + b * blockDim.x + threadIdx.x;
+            float amax = fmaxf(fmaxf(fabsf(v[b].x), fabsf(v[b].y)), fmaxf(fabsf(v[b].z), fabsf(v[b].w)));
+#pragma unroll
+            for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));  // 8 lanes = 32 el
+            const float d = __fdiv_rn(amax, 127.0f);
+            const float inv = amax > 0.0f ? __frcp_rn(d) : 0.0f;
+            const int q0 = q8_1_quantize(v[b].x, inv), q1 = q8_1_quantize(v[b].y, inv);
+            const int q2 = q8_1_quantize(v[b].z, inv), q3 = q8_1_quantize(v[b].w, inv);
+            int s = q0 + q1 + q2 + q3;
+            s += __shfl_xor_sync(0xffffffffu, s, 1);
+            s += __shfl_xor_sync(0xffffffffu, s, 2);  // sum over this half (4 lanes, 16 elements)
+            const int other = __shfl_xor_sync(0xffffffffu, s, 4);
+            if (g < n4) {
+                reinterpret_cast<uint32_t*>(q)[g] =
+                    (uint32_t)(q0 & 0xFF) | (uint32_t)(q1 & 0xFF) << 8 | (uint32_t)(q2 & 0xFF) << 16 | (uint32_t)q3 << 24;
+                if ((g & 7) == 0) info[g / 8] = XInfo{d, (short)s, (short)other};
+            }
         }
     }
 }
 
 // ------------------------------------------------------------------------------------- rows
-// One warp streams rows j = 0 ... n_rows-1 (row_ptr(j): first byte of the row in global memory)
-// through its ring and calls out(j, sums) on lane 0 with the row's NC dot products. prepare() runs
-// once the first copies are in flight (every warp of the block calls it: it quantizes x and syncs
-// the block, so the x traffic overlaps the first weight loads).
-// end: the end of the weight matrix (copies stop there: reading past a row end inside the matrix
-// is harmless, past the matrix it may leave the allocation).
-template <int QT, int NC, int LU, int ST, class RowPtr, class Prepare, class Out>
-CUKERN_DEVICE void warp_rows(uint8_t* ring, int n_rows, RowPtr row_ptr, uint32_t row_bytes, const uint8_t* end,
-                             uint32_t k, const XView<NC>& x, Prepare prepare, Out out) {
+// The block's work: n_rows rows (local 0 ... n_rows-1), each cut into ipr items (row, chunk) of
+// 32 * LU units (the row's last chunk may be shorter), items numbered row-major. Warp w of nw takes
+// the contiguous items [w * items / nw, (w + 1) * items / nw): an equal share to one item, rows
+// split wherever the shares fall (a whole-row split left up to a row per warp of tail).
+struct Share {
+    uint32_t begin, end;  // items [begin, end)
+    CUKERN_DEVICE Share(uint32_t items, int w, int nw)
+        : begin((uint32_t)((uint64_t)items * w / nw)), end((uint32_t)((uint64_t)items * (w + 1) / nw)) {}
+};
+
+// Streams the block's rows (row_ptr(j): first byte of local row j in global memory) and calls
+// store(j, sums) exactly once per row with its NC dot products: for a row inside one warp's share
+// from lane 0 of that warp as soon as it is done, for a row split between warps from thread w of
+// warp 0 after the block's last barrier (w: the warp holding the row's first item), summing the
+// parts in warp order (deterministic). Each warp streams its share through its ring of ST slots,
+// ST - 1 iterations in flight, across row boundaries; BULK: one cp.async.bulk per iteration by
+// lane 0 completing on the slot's mbarrier, else 16-byte cp.async by all lanes.
+// prepare() runs once every warp's first copies are in flight (all threads call it: it quantizes x
+// and syncs the block). end: the end of the weight matrix (copies stop there: reading past a row
+// end inside the matrix is harmless, past the matrix it may leave the allocation).
+template <int QT, int NC, int LU, int ST, bool BULK, class RowPtr, class Prepare, class Store>
+CUKERN_DEVICE void block_rows(const Smem<QT, LU, ST, NC>& sm, uint32_t n_rows, RowPtr row_ptr, uint32_t row_bytes,
+                              const uint8_t* end, uint32_t k, Prepare prepare, Store store) {
     using U = Unit<QT>;
     using S = Stream<QT, LU, ST>;
-    constexpr int BI = S::kIterBytes, SLOT = S::kSlotBytes, kIterUnits = S::kUnits, kStages = ST;
-    const int lane = threadIdx.x % 32;
+    constexpr int BI = S::kIterBytes, SLOT = S::kSlotBytes, kIterUnits = S::kUnits;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+    const XView<NC> x{sm.xq, sm.xi, k};
+    uint8_t* ring = sm.ring(warp);
+    uint64_t* bars = sm.bars + warp * ST;
     const uint32_t units = k / kUnitElems;
-    const int ipr = (int)((units + kIterUnits - 1) / kIterUnits);  // iterations per row
-    const int total = n_rows * ipr;
-    int ij = 0, iit = 0;  // next iteration to copy: row, iteration within the row
+    const uint32_t ipr = (units + kIterUnits - 1) / kIterUnits;  // items per row
+    const Share share(n_rows * ipr, warp, nw);
+    const int total = (int)(share.end - share.begin);
+    const uint32_t first_row = share.begin / ipr;
+    if (BULK) {
+        if (lane == 0) {
+#pragma unroll
+            for (int s = 0; s < ST; ++s) mbar_init(bars + s);
+            mbar_init_fence();
+        }
+        __syncwarp();
+    }
+    uint32_t ij = first_row, iit = share.begin % ipr;  // next item to copy: row, chunk
     auto issue = [&](int t) {
         if (t < total) {
             const uint8_t* row = row_ptr(ij);
             const uint8_t* s = row + (size_t)iit * BI;
-            const uint8_t* e = row + min((uint32_t)(iit + 1) * BI, row_bytes);
+            const uint8_t* e = row + min((iit + 1) * BI, row_bytes);
             const uint8_t* c0 = reinterpret_cast<const uint8_t*>(reinterpret_cast<size_t>(s) & ~size_t(15));
+            uint8_t* dst = ring + (t % ST) * SLOT;
+            // 16-byte pieces [c0, c0 + 16 n), of which those below `end` are copied asynchronously
+            // and the matrix's last bytes (below e) by plain loads
             const int n = (int)((e - c0 + 15) >> 4);
-            uint8_t* dst = ring + (t % kStages) * SLOT;
-            for (int i = lane; i < n; i += 32) {
-                const uint8_t* src = c0 + 16 * i;
-                if (src + 16 <= end) {
-                    cp_async16(dst + 16 * i, src, 16);
-                } else {  // the matrix's last bytes: plain loads of exactly the bytes below e
-                    for (int b = 0; b < 16 && src + b < e; ++b) dst[16 * i + b] = __ldg(src + b);
+            const int n_async = (int)min((size_t)n, (size_t)(end - c0) >> 4);
+            if (BULK) {
+                if (lane == 0) {
+                    mbar_arrive_expect(bars + t % ST, 16u * n_async);
+                    if (n_async > 0) bulk_copy(dst, c0, 16u * n_async, bars + t % ST);
                 }
+            } else {
+                for (int i = lane; i < n_async; i += 32) cp_async16(dst + 16 * i, c0 + 16 * i, 16);
             }
+            for (int i = n_async * 16 + lane; c0 + i < e; i += 32) dst[i] = __ldg(c0 + i);
             if (++iit == ipr) { iit = 0; ++ij; }
         }
-        cp_async_commit();
+        if (!BULK) cp_async_commit();
     };
 #pragma unroll
-    for (int t = 0; t < kStages - 1; ++t) issue(t);
+    for (int t = 0; t < ST - 1; ++t) issue(t);
     prepare();
     float acc[NC] = {};
-    int j = 0, it = 0;
+    uint32_t j = first_row, it = share.begin % ipr;  // the item being computed
     for (int t = 0; t < total; ++t) {
-        __syncwarp();  // every lane is done with slot (t - 1) % kStages, which the next copy refills
-        issue(t + kStages - 1);
-        cp_async_wait<kStages - 1>();
-        __syncwarp();  // the other lanes' copies of iteration t are visible
+        __syncwarp();  // every lane is done with slot (t - 1) % ST, which the next copy refills
+        issue(t + ST - 1);
+        if (BULK) mbar_wait(bars + t % ST, (uint32_t)(t / ST) & 1u);
+        else cp_async_wait<ST - 1>();
+        __syncwarp();  // the other lanes' copies (and plain stores) of iteration t are visible
         const uint8_t* row = row_ptr(j);
         const size_t s = reinterpret_cast<size_t>(row) + (size_t)it * BI;
-        const uint8_t* base = ring + (t % kStages) * SLOT + (s & 15);
+        const uint8_t* base = ring + (t % ST) * SLOT + (s & 15);
 #pragma unroll
         for (int l = 0; l < LU; ++l) {  // units lane and lane + 32 ... of the iteration
-            const uint32_t u = (uint32_t)it * kIterUnits + 32 * l + lane;
+            const uint32_t u = it * kIterUnits + 32 * l + lane;
             if (u < units)
                 U::template dot<NC>(base + (32 * l + lane) / U::kBlockUnits * U::kBlockBytes, lane % U::kBlockUnits,
                                     u, x, acc);
         }
-        if (++it == ipr) {
+        const bool row_done = ++it == ipr;
+        if (row_done || t == total - 1) {  // the warp's part of row j is complete
             float sums[NC];
 #pragma unroll
             for (int c = 0; c < NC; ++c) { sums[c] = warp_sum(acc[c]); acc[c] = 0.0f; }
-            if (lane == 0) out(j, sums);
-            it = 0;
-            ++j;
+            if (lane == 0) {
+                const bool whole = j * ipr >= share.begin && (j + 1) * ipr <= share.end;
+                float* part = j == first_row ? sm.first(warp) : sm.last(warp);
+                if (whole) {
+                    store(j, sums);
+                } else {
+#pragma unroll
+                    for (int c = 0; c < NC; ++c) part[c] = sums[c];
+                }
+            }
+            if (row_done) { it = 0; ++j; }
         }
     }
-    cp_async_wait<0>();
+    if (!BULK) cp_async_wait<0>();
+    __syncthreads();  // every warp's parts are in shared memory
+    if (threadIdx.x < (uint32_t)nw) {
+        const int w = threadIdx.x;
+        const Share mine(n_rows * ipr, w, nw);
+        if (mine.end > mine.begin) {
+            const uint32_t r = (mine.end - 1) / ipr;  // the warp's last row
+            // w holds the first item of row r, and the row goes on past its share: w sums the parts
+            if (r * ipr >= mine.begin && (r + 1) * ipr > mine.end) {
+                const float* own = r == mine.begin / ipr ? sm.first(w) : sm.last(w);
+                float sums[NC];
+#pragma unroll
+                for (int c = 0; c < NC; ++c) sums[c] = own[c];
+                for (int v = w + 1; v < nw; ++v) {  // later warps whose share starts inside row r
+                    const Share next(n_rows * ipr, v, nw);
+                    if (next.end == next.begin) continue;
+                    if (next.begin / ipr != r) break;
+#pragma unroll
+                    for (int c = 0; c < NC; ++c) sums[c] += sm.first(v)[c];
+                }
+                store(r, sums);
+            }
+        }
+    }
 }
 
 }  // namespace q8
