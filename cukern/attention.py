@@ -52,12 +52,28 @@ _MIN_CHUNK = 32  # smallest KV chunk of a split (tokens)
 _MAX_SPLITS = 256  # the merging block holds [heads per block, n_splits] weights in its shared memory
 _DECODE_PIPE_BYTES = 64 * 1024  # K/V stages of a decode block (DECODE_PIPE_BYTES in decode.cuh)
 _DECODE_BLOCKS_PER_SM = 2  # decode's __launch_bounds__ minimum: resident blocks per SM in the split model
-# Split model constants (bytes per us, us), from H100 runs of bench_attention (B1 KV8k GQA 32/8 D128 f16)
-_DECODE_BLOCK_RATE = 12.5e3  # K/V bytes one block streams per us, alone on its SM
-_DECODE_SM_RATE = 13.5e3  # ... all blocks of one SM together
-_DECODE_BLOCK_US = 2.0  # a block's start-up and epilogue
-_DECODE_MERGE_RATE = 64e3  # partial-state bytes the merging block reads per us
-_DECODE_MERGE_US = 1.0  # the merge's fixed cost (counter, weights)
+_TC_DECODE_MAX_D = 256  # decode_tc: f16/bf16 caches up to this head_dim
+_TC_GROUP = 8  # query heads per decode_tc block (DecodeTcShape::G)
+_DECODE_TC_WARP_BYTES = 26 * 1024  # DECODE_TC_WARP_BYTES in decode_tc.cuh
+
+
+@dataclass(frozen=True)
+class _SplitModel:
+    """Constants of the decode split model (bytes per us, us), fitted to H100 runs of bench_attention."""
+
+    block_rate: float  # K/V bytes one block streams per us, alone on its SM
+    sm_rate: float  # ... all blocks of one SM together
+    block_us: float  # a block's start-up and epilogue
+    blocks_per_sm: int  # resident blocks per SM (the kernel's __launch_bounds__ minimum)
+    merge_rate: float = 64e3  # partial-state bytes the merging block reads per us
+    merge_us: float = 1.0  # the merge's fixed cost (counter, weights)
+
+
+_SIMT_MODEL = _SplitModel(block_rate=12.5e3, sm_rate=13.5e3, block_us=2.0, blocks_per_sm=_DECODE_BLOCKS_PER_SM)
+# decode_tc by warps per block: 4 warps (two blocks per SM up to head_dim 128, else one), 8 warps (one)
+_TC_MODELS = {4: _SplitModel(block_rate=16e3, sm_rate=21e3, block_us=1.5, blocks_per_sm=2),
+              8: _SplitModel(block_rate=21e3, sm_rate=21e3, block_us=1.5, blocks_per_sm=1)}
+_TC_MODEL_WIDE = _SplitModel(block_rate=16e3, sm_rate=21e3, block_us=1.5, blocks_per_sm=1)  # head_dim > 128
 
 
 def _groups(d: int) -> tuple[int, ...]:
@@ -91,9 +107,29 @@ def _page_shift(page_size: int) -> int:
     return page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
 
 
+def _tc_decode(kind: str, d: int) -> bool:
+    """Whether decode of this cache runs decode_tc (tensor cores): f16/bf16 K/V, head_dim up to 256."""
+    return kind != "float32" and d <= _TC_DECODE_MAX_D
+
+
+def _decode_tc_smem(d: int, nw: int) -> int:
+    """Dynamic shared bytes of decode_tc<T, d, nw>: DecodeTcShape::SMEM in cuda_src/attention/decode_tc.cuh."""
+    stage = 2 * 16 * (d + 8)  # elements of K and V of a 16-key warp tile
+    ns = min(8, max(2, _DECODE_TC_WARP_BYTES // (2 * stage)))
+    return max(nw * ns * stage * 2, nw * _TC_GROUP * d * 4)
+
+
+def _tc_warps(d: int) -> tuple[int, ...]:
+    """Warp counts of decode_tc at head_dim d (8 warps need ~26 KB of stages each: up to d = 128)."""
+    return (4, 8) if d <= 128 else (4,)
+
+
 def _decode_unit(kv: str) -> FamilySpec:
     t = _CTYPE[kv]
     kernels = [KernelSpec(f"decode<{t}, {d}, {g}>", "DecodeParams") for d in HEAD_DIMS for g in _groups(d)]
+    if kv != "float32":
+        kernels += [KernelSpec(f"decode_tc<{t}, {d}, {nw}>", "DecodeParams")
+                    for d in HEAD_DIMS if d <= _TC_DECODE_MAX_D for nw in _tc_warps(d)]
     kernels.append(KernelSpec("merge_states", "MergeParams"))
     srcs = [t] if kv == "float32" else [t, "float"]
     kernels += [KernelSpec(f"kv_write<{t}, {s}>", "KvWriteParams") for s in srcs]
@@ -410,6 +446,7 @@ class DecodePlan:
     max_kv_len: int  # grid bound: chunks are sized from it, the last chunk runs to the real length
     n_splits: int
     head_block: int  # query heads per block (template G)
+    warps: int  # decode_tc: warps per block (template NW); 0: the SIMT kernel
     o_part: cupy.ndarray | None  # [batch, n_splits, n_heads, head_dim] f32 (n_splits > 1)
     lse_part: cupy.ndarray  # [batch, n_splits, n_heads] f32
     counters: cupy.ndarray  # [batch * n_kv_heads * head blocks] int32 zeros: blocks done per merge (left zero)
@@ -447,21 +484,29 @@ def _head_block(group: int, d: int) -> int:
     return _groups(d)[-1]
 
 
-def _choose_splits(blocks: int, visible: int, row_bytes: int, state_bytes: int, sms: int) -> int:
+def _split_time(n: int, blocks: int, visible: int, row_bytes: int, state_bytes: int, sms: int,
+                model: _SplitModel) -> float:
+    """Modelled time (us) of a decode launch in n splits (see _choose_splits)."""
+    k = -(-blocks * n // sms)
+    rate = min(model.block_rate * k, model.sm_rate)
+    t = k * -(-visible // n) * row_bytes / rate + -(-k // model.blocks_per_sm) * model.block_us
+    if n > 1:
+        t += model.merge_us + n * state_bytes / model.merge_rate
+    return t
+
+
+def _choose_splits(blocks: int, visible: int, row_bytes: int, state_bytes: int, sms: int,
+                   model: _SplitModel = _SIMT_MODEL) -> int:
     """Split count of a decode launch: the n that minimises a time model fitted to H100 runs (us).
 
     The busiest SM holds ``k = ceil(blocks * n / sms)`` blocks, each streaming ``ceil(visible / n)`` K/V
-    rows of ``row_bytes``: one block alone at ``_DECODE_BLOCK_RATE``, several together at most at
-    ``_DECODE_SM_RATE``; each wave of ``_DECODE_BLOCKS_PER_SM`` blocks pays ``_DECODE_BLOCK_US``. With
-    n > 1 the last block reads back n partial states of ``state_bytes`` at ``_DECODE_MERGE_RATE`` after a
-    fixed ``_DECODE_MERGE_US``. Chunks stay at least ``_MIN_CHUNK`` tokens, n at most ``_MAX_SPLITS``."""
+    rows of ``row_bytes``: one block alone at ``model.block_rate``, several together at most at
+    ``model.sm_rate``; each wave of ``model.blocks_per_sm`` blocks pays ``model.block_us``. With n > 1 the
+    last block reads back n partial states of ``state_bytes`` at ``model.merge_rate`` after a fixed
+    ``model.merge_us``. Chunks stay at least ``_MIN_CHUNK`` tokens, n at most ``_MAX_SPLITS``."""
     best, best_t = 1, None
     for n in range(1, max(1, min(_MAX_SPLITS, visible // _MIN_CHUNK)) + 1):
-        k = -(-blocks * n // sms)
-        rate = min(_DECODE_BLOCK_RATE * k, _DECODE_SM_RATE)
-        t = k * -(-visible // n) * row_bytes / rate + -(-k // _DECODE_BLOCKS_PER_SM) * _DECODE_BLOCK_US
-        if n > 1:
-            t += _DECODE_MERGE_US + n * state_bytes / _DECODE_MERGE_RATE
+        t = _split_time(n, blocks, visible, row_bytes, state_bytes, sms, model)
         if best_t is None or t < best_t:
             best, best_t = n, t
     return best
@@ -489,6 +534,7 @@ class AttentionDispatch:
     def __init__(self, device: int | None = None):
         self._device = device
         self._units = {name: _Unit(spec, device) for name, spec in FAMILIES.items()}
+        self._tc_warps: int | None = None  # probes: force decode_tc's warps per block (4 or 8)
 
     def _unit(self, kind: str, prefill: bool = False) -> _Unit:
         return self._units[f"attention_prefill_{_SHORT[kind]}" if prefill else
@@ -584,20 +630,32 @@ class AttentionDispatch:
         if max_kv_len < 1:
             raise ValueError(f"max_kv_len must be >= 1, got {max_kv_len}")
         group = n_heads // cache.n_kv_heads
-        hb = _head_block(group, cache.head_dim)
+        tc = _tc_decode(cache.kind, cache.head_dim)
+        hb = _TC_GROUP if tc else _head_block(group, cache.head_dim)
         blocks = len(ids) * cache.n_kv_heads * -(-group // hb)
         visible = max_kv_len if window_left < 0 else min(max_kv_len, window_left + 1)
-        if n_splits is None:
-            row_bytes = 2 * cache.head_dim * _ITEMSIZE[cache.kind]  # a K and a V row of one KV head
-            n_splits = _choose_splits(blocks, visible, row_bytes, hb * cache.head_dim * 4, self.sm_count())
-        if not isinstance(n_splits, (int, np.integer)) or not 1 <= n_splits <= _MAX_SPLITS:
+        row_bytes = 2 * cache.head_dim * _ITEMSIZE[cache.kind]  # a K and a V row of one KV head
+        state_bytes = min(hb, group) * cache.head_dim * 4
+        if n_splits is not None and (not isinstance(n_splits, (int, np.integer)) or not 1 <= n_splits <= _MAX_SPLITS):
             raise ValueError(f"n_splits must be 1 ... {_MAX_SPLITS}, got {n_splits!r}")
+        sms = self.sm_count()
+        if not tc:
+            models = {0: _SIMT_MODEL}
+        else:
+            nws = (self._tc_warps,) if self._tc_warps is not None else _tc_warps(cache.head_dim)
+            models = {nw: _TC_MODELS[nw] if cache.head_dim <= 128 else _TC_MODEL_WIDE for nw in nws}
+        cands = []  # (modelled us, warps, splits); a given n_splits only leaves the warps to choose
+        for nw, model in models.items():
+            n = n_splits if n_splits is not None else _choose_splits(blocks, visible, row_bytes, state_bytes, sms,
+                                                                     model)
+            cands.append((_split_time(n, blocks, visible, row_bytes, state_bytes, sms, model), nw, n))
+        _, warps, n_splits = min(cands)
         b, d = len(ids), cache.head_dim
         o_part = cupy.empty((b, n_splits, n_heads, d), cupy.float32) if n_splits > 1 else None
         lse_part = cupy.empty((b, n_splits, n_heads), cupy.float32)
         counters = cupy.zeros(blocks, cupy.int32)
         return DecodePlan(cache, cupy.asarray(ids.astype(np.int32)), int(n_heads), max_kv_len, int(n_splits), hb,
-                          o_part, lse_part, counters)
+                          int(warps), o_part, lse_part, counters)
 
     def flash_attn_decode(self, plan: DecodePlan, layer: int, q: cupy.ndarray, out: cupy.ndarray, *,
                           scale: float = 0.0, window_left: int = -1, softcap: float = 0.0,
@@ -634,12 +692,15 @@ class AttentionDispatch:
             page_size=cache.page_size, max_pages=cache.max_pages_per_seq, n_splits=plan.n_splits,
             chunk=-(-visible // plan.n_splits), has_sinks=int(sinks is not None), causal=1,
             write_lse=int(lse is not None), page_shift=_page_shift(cache.page_size), pad0=0, **fields)
-        unit._launch(f"decode<{_CTYPE[cache.kind]}, {d}, {hb}>", (plan.n_splits, cache.n_kv_heads * nhb, b),
-                     _DECODE_THREADS,
+        if plan.warps:
+            name, smem = f"decode_tc<{_CTYPE[cache.kind]}, {d}, {plan.warps}>", _decode_tc_smem(d, plan.warps)
+        else:
+            name, smem = f"decode<{_CTYPE[cache.kind]}, {d}, {hb}>", _decode_smem(cache.kind, d, hb)
+        unit._launch(name, (plan.n_splits, cache.n_kv_heads * nhb, b), 32 * plan.warps or _DECODE_THREADS,
                      (out, lse if lse is not None else out, plan.o_part if split else out, plan.lse_part,
                       plan.counters, q, cache.k_pools[layer], cache.v_pools[layer], cache.page_table, cache.lengths,
                       plan.seq_ids, plan.seq_ids, sinks if sinks is not None else plan.lse_part), params,
-                     stream=stream, shared_mem=_decode_smem(cache.kind, d, hb))
+                     stream=stream, shared_mem=smem)
         return out
 
     # ------------------------------------------------------------------ merge
@@ -774,7 +835,9 @@ class AttentionDispatch:
             page_size=page_size, max_pages=max_pages, causal=int(causal), has_sinks=int(sinks is not None),
             write_lse=int(lse is not None), page_shift=_page_shift(page_size), pad0=0, **fields)
         name = f"prefill<{_CTYPE[kind]}, {d}, {'true' if paged else 'false'}>"
-        unit._launch(name, (n_tiles, h, n_seqs), threads,
+        if n_tiles > 65535:
+            raise ValueError(f"at most {65535 * bm} query rows per sequence, got {max_q_len}")
+        unit._launch(name, (h, n_seqs, n_tiles), threads,
                      (out, lse if lse is not None else q_indptr, q, k, v, q_indptr, kv_info, page_table, seq_ids,
                       sinks if sinks is not None else q_indptr), params, stream=stream, shared_mem=smem)
 

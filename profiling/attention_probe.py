@@ -1,6 +1,7 @@
 """Where does a small decode step spend its time? Graph-timed decode (its split states merged in the same
 launch), the stand-alone merge of the same states, at B1 KV8192 and KV64 32/8 D128 f16, for a few split
-counts. Scratch tool for tuning; PROBE_NCU_SPLITS=n and PROBE_NCU_PREFILL=1 make targets for ncu."""
+counts. Scratch tool for tuning; PROBE_NCU_SPLITS=n and PROBE_NCU_PREFILL=1 make targets for ncu;
+PROBE_ROWS=decode,prefill prints just the benchmark rows of the issue's targets (with their peers)."""
 from __future__ import annotations
 
 import os
@@ -41,7 +42,48 @@ def ncu_prefill() -> None:
     cupy.cuda.get_current_stream().synchronize()
 
 
+def target_rows(which: str) -> None:
+    """The issue's target rows of bench_attention (same code, same peers), without the rest of the table."""
+    import importlib.util
+    import pathlib
+    spec = importlib.util.spec_from_file_location("bench_attention",
+                                                  pathlib.Path(__file__).with_name("bench_attention.py"))
+    b = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(b)
+    attn = AttentionDispatch()
+    ceil = b.measure_ceilings()
+    rng = cupy.random.default_rng(0)
+    print(f"copy ceiling {ceil.copy_gbs:.0f} GB/s")
+
+    def show(r):
+        ratio = f" {r.peer_us / r.us:.2f}x peer ({r.peer_us:.2f} us)" if r.peer_us else ""
+        rate = f"{r.gbs:,.0f} GB/s" if r.gbs else f"{r.tflops:.1f} TFLOP/s"
+        pct = f" {100 * r.pct_ceiling:.0f}%" if r.pct_ceiling else ""
+        print(f"{r.kernel:28s} {r.shape:28s} {r.us:8.2f} us {rate}{pct}{ratio}", flush=True)
+    if "decode" in which:
+        for args in [(1, 8192, 32, 8, 128), (1, 32768, 32, 8, 128), (32, 4096, 32, 8, 128), (1, 8192, 8, 1, 256),
+                     (1, 8192, 4, 1, 256), (1, 512, 4, 1, 256)]:
+            show(b._decode_rows(attn, ceil, rng, *args))
+    if "sweep" in which:  # decode_tc's block shapes x split counts x KV lengths (B1 32/8 D128)
+        for nw in (4, 8):
+            attn._tc_warps = nw
+            for kv in (1024, 8192, 32768):
+                for s in (8, 16, 33, 66):
+                    show(b._decode_rows(attn, ceil, rng, 1, kv, 32, 8, 128, n_splits=s, label=f"w{nw}"))
+        attn._tc_warps = None
+    if "prefill" in which:
+        for bb, L, h, hk, d in [(4, 4096, 32, 32, 128), (4, 4096, 16, 16, 256)]:
+            peers = b._sdpa_us(bb, h, hk, L, d, True)
+            us = b._prefill_row(attn, rng, bb, L, h, hk, d)
+            show(b._tc_row("prefill paged f16", bb, L, h, hk, d, True, us, peers))
+            if d == 128:
+                us = b._varlen_us(attn, rng, bb, L, h, hk, d, True)
+                show(b._tc_row("varlen f16 (+lse)", bb, L, h, hk, d, True, us, peers))
+
+
 def main():
+    if os.environ.get("PROBE_ROWS"):
+        return target_rows(os.environ["PROBE_ROWS"])
     if os.environ.get("PROBE_NCU_PREFILL"):
         return ncu_prefill()
     if os.environ.get("PROBE_NCU_SPLITS"):

@@ -234,6 +234,33 @@ def test_decode(attn, rng, case, variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("warps", [4, 8])
+@pytest.mark.parametrize("kind, d", [("float16", 128), ("bfloat16", 64)])
+def test_decode_tc_warps(rng, warps, kind, d):
+    """Both block shapes of the tensor-core decode (4 and 8 warps), over ragged lengths, with sinks,
+    a window, a softcap and large queries (the power-of-two rescale that keeps f16 Q in range)."""
+    attn = AttentionDispatch()
+    attn._tc_warps = warps
+    cache, slots = _make_cache(rng, [1, 63, 64, 65, 2000], n_kv_heads=2, head_dim=d, page_size=16, kind=kind,
+                               attn=attn)
+    h = 10  # GQA 5: the block's rows 5-7 are padding
+    sinks = rng.standard_normal(h).astype(np.float32)
+    for kw, n_splits, qscale in ((dict(sinks=sinks), 5, 1.0), (dict(softcap=4.0, scale=0.3), None, 1.0),
+                                 (dict(window_left=70), None, 3e5)):  # q * scale * log2(e) past the f16 range
+        qh, q = _q(rng, (len(slots), h, d), scale=qscale)
+        plan = attn.plan_decode(cache, slots, h, n_splits=n_splits, window_left=kw.get("window_left", -1))
+        assert plan.warps == warps
+        out = poison(cupy.empty((len(slots), h, d), cupy.float32))
+        lse = poison(cupy.empty((len(slots), h), cupy.float32))
+        dev_kw = {k: (cupy.asarray(v) if k == "sinks" else v) for k, v in kw.items()}
+        attn.flash_attn_decode(plan, 0, q, out, lse=lse, **dev_kw)
+        kp, vp, pt, lens = _host(cache)
+        want_o, want_lse = ref.paged_attention(qh, kp, vp, pt, lens, slots, [1] * len(slots), 16, **kw)
+        assert_close(out, want_o, **DECODE_TOL)
+        assert_close(lse, want_lse, atol=1e-4 * max(1.0, float(np.abs(want_lse).max())), rtol=0, name="lse")
+
+
+@pytest.mark.gpu
 def test_decode_split_matches_unsplit_and_graph(attn, rng):
     from cukern.streams import capture_graph
     cache, slots = _make_cache(rng, [4000, 1, 777], n_kv_heads=2, head_dim=128, page_size=16, attn=attn)

@@ -8,6 +8,7 @@
 #pragma once
 
 #include "common/kv_cache.cuh"
+#include "common/mma.cuh"
 #include "common/types.cuh"
 
 #ifndef INFINITY  // NVRTC has no <math.h>
@@ -90,6 +91,22 @@ CUKERN_DEVICE void to_logits2(float* x, float scale_log2, float softcap, float i
 
 // exp2 of x - m where m may be -inf (no key seen yet): then every weight is 0, never NaN.
 CUKERN_DEVICE float safe_max(float m) { return m == -INFINITY ? 0.0f : m; }
+
+// Two f32 values as a (hi, lo) pair of registers of two T each: hi = T(x), lo = T(x - hi). hi + lo carries
+// x to about 2^-22 (f16) / 2^-16 (bf16) relative, so one m16n8k16 with hi in rows 0-7 of the A tile and lo in
+// rows 8-15 computes both halves of an f32-accurate product at once (the decode's tensor-core path).
+CUKERN_DEVICE float2 unpack2(uint32_t r, const __half*) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&r));
+}
+CUKERN_DEVICE float2 unpack2(uint32_t r, const __nv_bfloat16*) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r));
+}
+template <typename T>
+CUKERN_DEVICE void split2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+    hi = pack2<T>(x0, x1);
+    const float2 h = unpack2(hi, (const T*)nullptr);
+    lo = pack2<T>(x0 - h.x, x1 - h.y);
+}
 
 }  // namespace attn
 }  // namespace cukern

@@ -87,6 +87,124 @@ CUKERN_DEVICE QueryRange decode_range(const int32_t* __restrict__ lengths, const
     return r;
 }
 
+// The end of every decode block. On entry (after a barrier) red[w][g][0..D) holds warp w's output of
+// head g relative to its maximum sm_m[w][g] (base 2), with the sum of weights sm_l[w][g]. Combines the
+// warps, then writes the final O / LSE (n_splits == 1, sinks added here) or the block's normalised
+// partial state; in split mode the last block of the (query, head block) to finish merges the n_splits
+// states (sinks added once) and leaves its counter zero for the next launch.
+template <int D, int G, int WARPS>
+CUKERN_DEVICE void decode_finish(
+    float* red,                              // shared [WARPS][G][D], later the merge's [G][n_splits] weights
+    const float (*sm_m)[G],                  // shared [WARPS][G] warp maxima (base 2)
+    const float (*sm_l)[G],                  // shared [WARPS][G] warp sums of weights
+    float* sm_mu,                            // shared [G] scratch
+    float* sm_den,                           // shared [G] scratch
+    int* sm_last_p,                          // shared flag
+    float* __restrict__ o, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part,
+    int32_t* __restrict__ counters, const float* __restrict__ sinks, const DecodeParams& p, uint32_t qi,
+    uint32_t split, uint32_t h0, int n_h) {
+    constexpr int NT = WARPS * 32;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    int& sm_last = *sm_last_p;
+    const bool split_mode = p.n_splits > 1;
+    for (int idx = threadIdx.x; idx < n_h * D; idx += NT) {
+        const int g = idx / D, d = idx % D;
+        float mx = -INFINITY;  // block maximum of head g
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, sm_m[w][g]);
+        float L = 0.0f, a = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float f = exp2f(sm_m[w][g] - safe_max(mx));
+            L += sm_l[w][g] * f;
+            a += red[(w * G + g) * D + d] * f;
+        }
+        if (!split_mode && p.has_sinks) {  // the sink joins the denominator once, here or in the merge
+            const float s2 = sinks[h0 + g] * LOG2E;
+            const float m2 = fmaxf(mx, s2);
+            const float f = exp2f(mx - m2);
+            L = L * f + exp2f(s2 - m2);
+            a *= f;
+            mx = m2;
+        }
+        const float out = L > 0.0f ? a / L : 0.0f;
+        const float lse2 = L > 0.0f ? (mx + log2f(L)) * LN2 : -INFINITY;
+        if (split_mode) {
+            const uint64_t row = ((uint64_t)qi * p.n_splits + split) * p.n_heads + h0 + g;
+            o_part[row * D + d] = out;
+            if (d == 0) lse_part[row] = lse2;
+        } else {
+            const uint64_t row = (uint64_t)qi * p.n_heads + h0 + g;
+            o[row * D + d] = out;
+            if (d == 0 && p.write_lse) lse[row] = lse2;
+        }
+    }
+    if (!split_mode) return;
+
+    // ---- split mode: the last block of this (query, head block) to finish merges the n_splits states
+    __threadfence();  // this block's partials are visible device-wide before it is counted
+    __syncthreads();
+    int32_t* const counter = counters + (uint64_t)qi * gridDim.y + blockIdx.y;
+    if (threadIdx.x == 0) sm_last = atomicAdd(counter, 1) == (int32_t)p.n_splits - 1;
+    __syncthreads();
+    if (!sm_last) return;
+    __threadfence();  // the other blocks' partials, read through L2 (__ldcg) below
+    const uint32_t ns = p.n_splits, nh = p.n_heads;
+    float* const w = red;  // [G][ns] state weights (red is no longer read)
+    for (int idx = threadIdx.x; idx < n_h * (int)ns; idx += NT) {
+        const int g = idx / ns, s = idx % ns;
+        w[idx] = __ldcg(lse_part + ((uint64_t)qi * ns + s) * nh + h0 + g);
+    }
+    __syncthreads();
+    for (int g = warp; g < n_h; g += WARPS) {  // per head: the maximum, weights exp(LSE_i - M), their sum
+        float mx = p.has_sinks ? sinks[h0 + g] : -INFINITY;
+        for (uint32_t s = lane; s < ns; s += 32) mx = fmaxf(mx, w[g * ns + s]);
+        const float mu = safe_max(warp_max(mx));
+        float den = 0.0f;
+        for (uint32_t s = lane; s < ns; s += 32) {
+            const float x = __expf(w[g * ns + s] - mu);
+            w[g * ns + s] = x;
+            den += x;
+        }
+        den = warp_sum(den);
+        if (p.has_sinks) den += __expf(sinks[h0 + g] - mu);
+        if (lane == 0) {
+            sm_mu[g] = mu;
+            sm_den[g] = den;
+        }
+    }
+    __syncthreads();
+    constexpr int D4 = D / 4;
+    constexpr int MB = 16;  // states whose float4 loads are in flight together (an empty state's O is 0)
+    for (int idx = threadIdx.x; idx < n_h * D4; idx += NT) {
+        const int g = idx / D4, c = idx % D4;
+        const float4* src = reinterpret_cast<const float4*>(o_part + ((uint64_t)qi * ns * nh + h0 + g) * D) + c;
+        const uint64_t stride = (uint64_t)nh * D4;  // float4s between consecutive states
+        const float* wg = w + g * ns;
+        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (uint32_t s0 = 0; s0 < ns; s0 += MB) {
+            float4 x[MB];
+#pragma unroll
+            for (int u = 0; u < MB; ++u)
+                x[u] = s0 + u < ns ? __ldcg(src + (s0 + u) * stride) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+            for (int u = 0; u < MB; ++u) {
+                const float ws = s0 + u < ns ? wg[s0 + u] : 0.0f;
+                a.x = fmaf(ws, x[u].x, a.x);
+                a.y = fmaf(ws, x[u].y, a.y);
+                a.z = fmaf(ws, x[u].z, a.z);
+                a.w = fmaf(ws, x[u].w, a.w);
+            }
+        }
+        const float den = sm_den[g];
+        const float inv = den > 0.0f ? 1.0f / den : 0.0f;
+        const uint64_t row = (uint64_t)qi * nh + h0 + g;
+        reinterpret_cast<float4*>(o + row * D)[c] = make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
+        if (c == 0 && p.write_lse) lse[row] = den > 0.0f ? sm_mu[g] + logf(den) : -INFINITY;
+    }
+    if (threadIdx.x == 0) *counter = 0;  // every block of this row has counted: ready for the next launch
+}
+
 }  // namespace attn
 }  // namespace cukern
 
@@ -337,101 +455,6 @@ __global__ void __launch_bounds__(cukern::attn::DECODE_WARPS * 32, 2) decode(
         }
     }
     __syncthreads();
-    const bool split_mode = p.n_splits > 1;
-    for (int idx = threadIdx.x; idx < n_h * D; idx += NT) {
-        const int g = idx / D, d = idx % D;
-        float mx = -INFINITY;  // block maximum of head g
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, sm_m[w][g]);
-        float L = 0.0f, a = 0.0f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) {
-            const float f = exp2f(sm_m[w][g] - safe_max(mx));
-            L += sm_l[w][g] * f;
-            a += red[(w * G + g) * D + d] * f;
-        }
-        if (!split_mode && p.has_sinks) {  // the sink joins the denominator once, here or in the merge
-            const float s2 = sinks[h0 + g] * LOG2E;
-            const float m2 = fmaxf(mx, s2);
-            const float f = exp2f(mx - m2);
-            L = L * f + exp2f(s2 - m2);
-            a *= f;
-            mx = m2;
-        }
-        const float out = L > 0.0f ? a / L : 0.0f;
-        const float lse2 = L > 0.0f ? (mx + log2f(L)) * LN2 : -INFINITY;
-        if (split_mode) {
-            const uint64_t row = ((uint64_t)qi * p.n_splits + split) * p.n_heads + h0 + g;
-            o_part[row * D + d] = out;
-            if (d == 0) lse_part[row] = lse2;
-        } else {
-            const uint64_t row = (uint64_t)qi * p.n_heads + h0 + g;
-            o[row * D + d] = out;
-            if (d == 0 && p.write_lse) lse[row] = lse2;
-        }
-    }
-    if (!split_mode) return;
-
-    // ---- split mode: the last block of this (query, head block) to finish merges the n_splits states
-    __threadfence();  // this block's partials are visible device-wide before it is counted
-    __syncthreads();
-    int32_t* const counter = counters + (uint64_t)qi * gridDim.y + blockIdx.y;
-    if (threadIdx.x == 0) sm_last = atomicAdd(counter, 1) == (int32_t)p.n_splits - 1;
-    __syncthreads();
-    if (!sm_last) return;
-    __threadfence();  // the other blocks' partials, read through L2 (__ldcg) below
-    const uint32_t ns = p.n_splits, nh = p.n_heads;
-    float* const w = red;  // [G][ns] state weights (red is no longer read)
-    for (int idx = threadIdx.x; idx < n_h * (int)ns; idx += NT) {
-        const int g = idx / ns, s = idx % ns;
-        w[idx] = __ldcg(lse_part + ((uint64_t)qi * ns + s) * nh + h0 + g);
-    }
-    __syncthreads();
-    for (int g = warp; g < n_h; g += WARPS) {  // per head: the maximum, weights exp(LSE_i - M), their sum
-        float mx = p.has_sinks ? sinks[h0 + g] : -INFINITY;
-        for (uint32_t s = lane; s < ns; s += 32) mx = fmaxf(mx, w[g * ns + s]);
-        const float mu = safe_max(warp_max(mx));
-        float den = 0.0f;
-        for (uint32_t s = lane; s < ns; s += 32) {
-            const float x = __expf(w[g * ns + s] - mu);
-            w[g * ns + s] = x;
-            den += x;
-        }
-        den = warp_sum(den);
-        if (p.has_sinks) den += __expf(sinks[h0 + g] - mu);
-        if (lane == 0) {
-            sm_mu[g] = mu;
-            sm_den[g] = den;
-        }
-    }
-    __syncthreads();
-    constexpr int D4 = D / 4;
-    constexpr int MB = 16;  // states whose float4 loads are in flight together (an empty state's O is 0)
-    for (int idx = threadIdx.x; idx < n_h * D4; idx += NT) {
-        const int g = idx / D4, c = idx % D4;
-        const float4* src = reinterpret_cast<const float4*>(o_part + ((uint64_t)qi * ns * nh + h0 + g) * D) + c;
-        const uint64_t stride = (uint64_t)nh * D4;  // float4s between consecutive states
-        const float* wg = w + g * ns;
-        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        for (uint32_t s0 = 0; s0 < ns; s0 += MB) {
-            float4 x[MB];
-#pragma unroll
-            for (int u = 0; u < MB; ++u)
-                x[u] = s0 + u < ns ? __ldcg(src + (s0 + u) * stride) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-            for (int u = 0; u < MB; ++u) {
-                const float ws = s0 + u < ns ? wg[s0 + u] : 0.0f;
-                a.x = fmaf(ws, x[u].x, a.x);
-                a.y = fmaf(ws, x[u].y, a.y);
-                a.z = fmaf(ws, x[u].z, a.z);
-                a.w = fmaf(ws, x[u].w, a.w);
-            }
-        }
-        const float den = sm_den[g];
-        const float inv = den > 0.0f ? 1.0f / den : 0.0f;
-        const uint64_t row = (uint64_t)qi * nh + h0 + g;
-        reinterpret_cast<float4*>(o + row * D)[c] = make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
-        if (c == 0 && p.write_lse) lse[row] = den > 0.0f ? sm_mu[g] + logf(den) : -INFINITY;
-    }
-    if (threadIdx.x == 0) *counter = 0;  // every block of this row has counted: ready for the next launch
+    decode_finish<D, G, WARPS>(red, sm_m, sm_l, sm_mu, sm_den, &sm_last, o, lse, o_part, lse_part, counters, sinks, p,
+                               qi, split, h0, n_h);
 }

@@ -1,11 +1,13 @@
 // Tensor-core flash attention for many queries per sequence (FlashAttention-2 style).
 //
-// Grid: (n_q_tiles, n_heads, n_seqs); block: 4 warps of 16 * MT query rows each (BM = 64 * MT;
+// Grid: (n_heads, n_seqs, n_q_tiles); block: 4 warps of 16 * MT query rows each (BM = 64 * MT;
 // MT = 2 up to head_dim 128, so that every K/V fragment read from shared memory feeds two mma).
-// Tiles are taken heaviest first (blockIdx.x = 0 is the last query tile), so the causal
-// diagonal's long tiles start before the short ones. A block loads its Q tile once, then
-// streams K/V tiles of BN keys through shared memory with cp.async (two stages: tile t + 1
-// loads while tile t is used; each thread looks up its rows in the page table once for K and V).
+// Tiles are taken heaviest first (blockIdx.z = 0 is the last query tile of every head and
+// sequence; z varies slowest in the launch order), so the causal diagonal's long tiles start
+// before all the short ones. A block loads its Q tile once, then streams K/V tiles of BN keys
+// through shared memory with cp.async (two stages: tile t + 1 loads while tile t is used). Paged
+// keys: the pool rows of a tile's keys are looked up two tiles ahead (one per thread, kept in
+// shared memory), so no copy waits for a page-table load.
 // Per tile and warp: S = Q K^T (Q fragments re-read from shared memory; mma.sync m16n8k16, f32
 // accumulators), masks and the online softmax in registers (the row state of row g and
 // g + 8 lives in the 4 lanes of a quad), P rounded to T and O += P V on the tensor cores.
@@ -76,10 +78,10 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::NT) prefill(
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int g = lane / 4, tq = lane % 4;  // fragment row (0..7) and column pair (0..3)
 
-    const uint32_t s = blockIdx.z, h = blockIdx.y;
+    const uint32_t s = blockIdx.y, h = blockIdx.x;
     const int32_t q_start = q_indptr[s];
     const int32_t q_len = q_indptr[s + 1] - q_start;
-    const int32_t r0 = (int32_t)(p.n_q_tiles - 1 - blockIdx.x) * BM;  // first query row of the tile
+    const int32_t r0 = (int32_t)(p.n_q_tiles - 1 - blockIdx.z) * BM;  // first query row of the tile
     if (r0 >= q_len) return;
 
     int32_t kv_len, k_start = 0;
@@ -119,15 +121,20 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::NT) prefill(
         cp_async16(Qs + row * LD + ch * 8, ok ? q + ((uint64_t)(q_start + r) * p.n_heads + h) * D + ch * 8 : q,
                    ok ? 16u : 0u);
     }
-    // K/V tile t into stage st: each thread looks its rows up once (for K and V) before issuing the copies
+    // PAGED: pool row of key (t * BN + thread) of tile t (threads < BN), -1 past kv_len
+    __shared__ int32_t sm_rows[2][BN];  // the rows of the tiles in the two stages' order
+    auto fetch_row = [&](int32_t t) {
+        const int32_t j = t * BN + (int32_t)threadIdx.x;
+        return threadIdx.x < BN && j < kv_len ? (int32_t)paged_row(pt, (uint32_t)j, p.page_size, p.page_shift) : -1;
+    };
+    // K/V tile t into stage st (PAGED: its rows in sm_rows[st])
     auto load_kv = [&](int32_t t, int st) {
         int32_t row[Sh::KV_CHUNKS];  // pool (PAGED) or packed row of each chunk's key, -1 past kv_len
 #pragma unroll
         for (int i = 0; i < Sh::KV_CHUNKS; ++i) {
-            const int32_t j = t * BN + (int32_t)(threadIdx.x + i * NT) / CPR;
-            const int32_t r = PAGED ? (int32_t)paged_row(pt, (uint32_t)min(j, kv_len - 1), p.page_size, p.page_shift)
-                                    : k_start + j;
-            row[i] = j < kv_len ? r : -1;
+            const int32_t key = (int32_t)(threadIdx.x + i * NT) / CPR;
+            const int32_t j = t * BN + key;
+            row[i] = PAGED ? sm_rows[st][key] : (j < kv_len ? k_start + j : -1);
         }
 #pragma unroll
         for (int i = 0; i < Sh::KV_CHUNKS; ++i) {
@@ -138,6 +145,12 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::NT) prefill(
             cp_async16(Vs + e, v + off, row[i] >= 0 ? 16u : 0u);
         }
     };
+    int32_t next_row = -1;  // PAGED: this thread's row of the tile two ahead, stored at the end of an iteration
+    if (PAGED) {
+        if (threadIdx.x < BN) sm_rows[0][threadIdx.x] = fetch_row(t_begin);
+        if (threadIdx.x < BN) sm_rows[1][threadIdx.x] = fetch_row(t_begin + 1);
+        __syncthreads();
+    }
     if (t_begin < t_end) load_kv(t_begin, 0);
     cp_async_commit();
 
@@ -167,6 +180,7 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::NT) prefill(
         } else {
             cp_async_wait<0>();
         }
+        if (PAGED && t + 2 < t_end) next_row = fetch_row(t + 2);  // in flight while tile t is used
         __syncthreads();
         const int32_t j0 = t * BN;
         // skip tiles this warp sees nothing of (past its causal end, or before its window)
@@ -286,6 +300,8 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::NT) prefill(
                 }
             }
         }
+        // tile t's rows (slot st) were used by its copies: the slot takes tile t + 2's
+        if (PAGED && t + 2 < t_end && threadIdx.x < BN) sm_rows[st][threadIdx.x] = next_row;
         __syncthreads();  // every warp is done with stage st before the next iteration refills it
     }
     cp_async_wait<0>();  // no copy outlives the block (the Q tile when no K/V tile is visible)
