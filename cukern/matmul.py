@@ -58,9 +58,15 @@ here synchronises, allocates device memory or reads device values (graph-captura
 
 from __future__ import annotations
 
+import hashlib
+import os
+import threading
+from pathlib import Path
+
 import cupy
 import numpy as np
 
+from cukern import runtime
 from cukern.dispatch import Dispatch, check_array
 from cukern.dmmv import QTYPES, QWeight
 from cukern.runtime import FamilySpec, KernelSpec
@@ -81,6 +87,9 @@ _ROW_TILE_GLU = 64
 _BK = 64  # K elements per stage
 _SUPER = 256  # K elements per raw super-stage; K splits are multiples of it
 _W_ALIGN = {2: 2, 6: 2, 8: 2, 12: 16, 13: 16, 14: 2}  # bytes: the K4/K5 quants are read as uint4
+# gemm_wg (Hopper wgmma, gemm_wg.cuh): 128 weight rows (GLU: 64 of each matrix) x 128 or 256 tokens
+_WG_TILES = (128, 256)
+_WG_STAGES = {128: 4, 256: 3}  # WgCfg<BT>::kStages
 
 _B_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half"}
 _ACTS = {"swiglu": 2, "silu": 2, "geglu": 3, "gelu": 3}  # GemmParams.mode
@@ -111,6 +120,11 @@ def _smem_q8(bt: int, qt: int) -> int:
             + raw_bufs * _ROW_TILE * _raw_stride(qt))
 
 
+def _smem_wg(bt: int, qt: int) -> int:
+    """Dynamic shared memory of gemm_wg (gemm_wg_smem_bytes in gemm_wg.cuh; the kernel traps if short)."""
+    return _WG_STAGES[bt] * bt * _BK * 2 + 3 * _ROW_TILE * _BK * 2 + 2 * _ROW_TILE * _raw_stride(qt)
+
+
 def _raw16(*weights: QWeight) -> int:
     """1 when every row of these weights starts 16-byte aligned (raw super-stages go by cp.async)."""
     return int(all((w.buf.data.ptr + w.offset) % 16 == 0 and w.row_bytes % 16 == 0 for w in weights))
@@ -129,6 +143,7 @@ def q8_0_row_bytes(n_cols: int) -> int:
 def _gemm_unit(qt: int) -> FamilySpec:
     kernels = [KernelSpec(f"gemm_f16<{qt}, {bt}, {glu}, {tb}>", "GemmParams")
                for bt in _TOKEN_TILES for glu in ("false", "true") for tb in _B_TYPES.values()]
+    kernels += [KernelSpec(f"gemm_wg<{qt}, {bt}, {glu}>", "GemmParams") for bt in _WG_TILES for glu in ("false", "true")]
     return FamilySpec(f"matmul_f16_{GEMM_QTYPES[qt]}", tuple(kernels), source="matmul/gemm.cu",
                       params_header="matmul/params.cuh")
 
@@ -150,11 +165,79 @@ FAMILIES = {f.name: f for f in [FAMILY] + [_gemm_unit(q) for q in GEMM_QTYPES] +
 
 
 class _Unit(Dispatch):
-    """One more compilation unit of the family, launched through the same checks."""
+    """One more compilation unit of the family, launched through the same checks. ``sm90a``: on an
+    sm_90 device the unit is built for sm_90a (wgmma), which CuPy's RawModule cannot be asked for."""
 
-    def __init__(self, family: FamilySpec, device=None):
+    def __init__(self, family: FamilySpec, device=None, sm90a: bool = False):
         self.family = family
+        self.sm90a = sm90a
+        self._sm90 = None
         super().__init__(device)
+
+    def is_sm90(self) -> bool:
+        if self._sm90 is None:
+            with cupy.cuda.Device(self.device_id):
+                self._sm90 = runtime.device_arch() == 90
+        return self._sm90
+
+    def load(self):
+        if self._module is None and self.sm90a and self.is_sm90():
+            with cupy.cuda.Device(self.device_id):
+                self._module = _Sm90aModule(self.family)
+        return super().load()
+
+
+_sm90a_lock = threading.Lock()
+
+
+class _Sm90aModule:
+    """A unit compiled by NVRTC for sm_90a and loaded as a cubin through ``cupy.RawModule(path=)``
+    (name expressions resolved to their lowered names). The cubin and the names are cached under
+    CUPY_CACHE_DIR, keyed on the unit text (which hashes every header), the options and the NVRTC
+    version."""
+
+    def __init__(self, family: FamilySpec):
+        from cupy.cuda import nvrtc
+        code, names = family.unit_source(), [k.name for k in family.kernels]
+        opts = ["-arch=sm_90a", "-ftz=true", *runtime.compile_options(90, family.defines)]
+        key = hashlib.sha256("\0".join([code, *opts, *names, str(nvrtc.getVersion())]).encode()).hexdigest()
+        base = Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache")) / f"cukern_sm90a_{key}"
+        cubin_path, names_path = base.with_suffix(".cubin"), base.with_suffix(".names")
+        with _sm90a_lock:
+            try:
+                lowered = names_path.read_text().split("\n")
+                ok = cubin_path.is_file() and len(lowered) == len(names)
+            except OSError:
+                ok = False
+            if not ok:
+                cubin, lowered = self._compile(nvrtc, family.name, code, names, opts)
+                base.parent.mkdir(parents=True, exist_ok=True)
+                for path, data in ((cubin_path, cubin), (names_path, "\n".join(lowered).encode())):
+                    tmp = path.with_suffix(f"{path.suffix}.{os.getpid()}")
+                    tmp.write_bytes(data)
+                    os.replace(tmp, path)
+        self._module = cupy.RawModule(path=str(cubin_path))
+        self._lowered = dict(zip(names, lowered))
+
+    @staticmethod
+    def _compile(nvrtc, unit, code, names, opts):
+        prog = nvrtc.createProgram(code, f"{unit}.cu", [], [])
+        try:
+            for name in names:
+                nvrtc.addNameExpression(prog, name)
+            try:
+                nvrtc.compileProgram(prog, opts)
+            except nvrtc.NVRTCError:
+                raise runtime.CompileError(f"NVRTC failed to compile unit {unit!r} for sm_90a:\n"
+                                           f"{nvrtc.getProgramLog(prog).strip()}") from None
+            cubin = nvrtc.getCUBIN(prog)
+            lowered = [nvrtc.getLoweredName(prog, n) for n in names]
+        finally:
+            nvrtc.destroyProgram(prog)
+        return bytes(cubin), [x.decode() if isinstance(x, bytes) else x for x in lowered]
+
+    def get_function(self, name: str):
+        return self._module.get_function(self._lowered[name])
 
 
 def _cols(name: str, a, dtypes, k: int) -> int:
@@ -190,7 +273,7 @@ class MatmulDispatch(Dispatch):
 
     def __init__(self, device: int | None = None):
         super().__init__(device)
-        self._units = {q: _Unit(FAMILIES[f"matmul_f16_{s}"], device) for q, s in GEMM_QTYPES.items()}
+        self._units = {q: _Unit(FAMILIES[f"matmul_f16_{s}"], device, sm90a=True) for q, s in GEMM_QTYPES.items()}
         self._units_i8 = {q: _Unit(FAMILIES[f"matmul_i8_{s}"], device) for q, s in GEMM_QTYPES.items()}
         self._dmmv = None  # DmmvDispatch for the matvec path, made on first use
 
@@ -294,15 +377,19 @@ class MatmulDispatch(Dispatch):
         return n, b_stride, d_stride
 
     def gemm(self, w: QWeight, b: cupy.ndarray, d: cupy.ndarray, *, accumulate: bool = False,
-             split_k: int | None = None, stream=None) -> cupy.ndarray:
+             split_k: int | None = None, wgmma: bool | None = None, stream=None) -> cupy.ndarray:
         """``d = b W^T`` (each token column: ``d[c] = W b[c]``); ``accumulate``: ``d += b W^T``.
 
         w: QWeight [m, k] of Q4_0, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K; b: [n, k] f32 or f16, rows
         16-byte aligned; d: [n, m] f32 (row-strided views allowed, must not overlap b).
         ``split_k``: K slices (None: chosen from the grid size; 1: no split). A split adds partial
-        sums with atomics (float addition order then varies from run to run)."""
+        sums with atomics (float addition order then varies from run to run). ``wgmma``: None
+        picks the kernel (gemm_wg on sm_90 for f16 b and n >= WG_MIN_N, else gemm_f16); True
+        forces gemm_wg (ValueError where it cannot run), False gemm_f16."""
         w = self._weight("w", w)
         n, b_stride, d_stride = self._float_activations(b, d, w)
+        if self._use_wg(w.qtype, b, n, wgmma):
+            return self._gemm_wg(w, w, b, d, b_stride, d_stride, n, accumulate, split_k, None, stream)
         bt, grid, k_split = self._grid(n, w, split_k, "gemm")
         params = self.struct_of(w.qtype).pack(
             w_offset=w.offset, w2_offset=0, row_bytes=w.row_bytes, b_stride=b_stride, d_stride=d_stride,
@@ -312,6 +399,54 @@ class MatmulDispatch(Dispatch):
         self._zero_for_split(d, grid, accumulate, stream)
         self._units[w.qtype]._launch(name, grid, _THREADS, (d, w.buf, w.buf, b), params,
                                      stream=stream, shared_mem=_smem(bt, b.itemsize, w.qtype))
+        return d
+
+    WG_MIN_N = 256  # gemm_wg from this many columns (sm_90, f16 b)
+
+    def _use_wg(self, qtype: int, b, n: int, wgmma) -> bool:
+        if wgmma is not None and not isinstance(wgmma, bool):
+            raise TypeError(f"wgmma must be None, True or False, got {wgmma!r}")
+        if wgmma is False:
+            return False
+        ok = b.dtype == np.float16 and self._units[qtype].is_sm90()
+        if wgmma and not ok:
+            raise ValueError("wgmma=True needs an sm_90 (Hopper) device and f16 b")
+        return ok and (wgmma or n >= self.WG_MIN_N)
+
+    def _wg_tile(self, n: int, row_tiles: int) -> int:
+        """Token tile of gemm_wg: the one with the fewest token-tile-weighted waves (256 on ties)."""
+        sm = self.sm_count()
+        cost = {bt: -(-(-(-n // bt) * row_tiles) // sm) * bt for bt in _WG_TILES}
+        return min(reversed(_WG_TILES), key=lambda bt: cost[bt])
+
+    def _gemm_wg(self, w, w2, b, d, b_stride, d_stride, n, accumulate, split_k, act, stream):
+        """gemm_wg launch: ``act`` None (d = W b, or += with accumulate) or a GLU activation."""
+        glu = act is not None
+        rows = _ROW_TILE_GLU if glu else _ROW_TILE
+        grid_r = -(-w.m // rows)
+        bt = self._wg_tile(n, grid_r)
+        grid_t = -(-n // bt)
+        if grid_t > 2**31 - 1 or grid_r > 65535:
+            raise ValueError(f"gemm_wg: {n} columns x {w.m} rows exceed the grid limits")
+        if glu:
+            split = 1
+        elif split_k is None:
+            ctas, sm = grid_t * grid_r, self.sm_count()
+            split = 1 if 2 * ctas >= sm else max(1, min(-(-sm // ctas), w.k // 512, 16))
+        else:
+            if not isinstance(split_k, (int, np.integer)) or isinstance(split_k, bool) or split_k < 1:
+                raise ValueError(f"split_k must be an int >= 1, got {split_k!r}")
+            split = int(split_k)
+        k_split = -(-(-(-w.k // split)) // _SUPER) * _SUPER
+        grid = (grid_t, grid_r, -(-w.k // k_split))
+        mode = _ACTS[act] if glu else (1 if accumulate else 0)
+        params = self.struct_of(w.qtype).pack(
+            w_offset=w.offset, w2_offset=w2.offset if glu else 0, row_bytes=w.row_bytes, b_stride=b_stride,
+            d_stride=d_stride, m=w.m, n=n, k=w.k, k_split=k_split, mode=mode, atomic=int(grid[2] > 1),
+            raw16=_raw16(w, w2))
+        self._zero_for_split(d, grid, accumulate, stream)
+        self._units[w.qtype]._launch(f"gemm_wg<{w.qtype}, {bt}, {'true' if glu else 'false'}>", grid, _THREADS,
+                                     (d, w.buf, w2.buf, b), params, stream=stream, shared_mem=_smem_wg(bt, w.qtype))
         return d
 
     def _grid(self, n: int, w: QWeight, split_k, what: str, max_tile: int = _TOKEN_TILES[-1], unit: int = _SUPER):
@@ -419,13 +554,16 @@ class MatmulDispatch(Dispatch):
         return out
 
     def gemm_glu(self, w_gate: QWeight, w_up: QWeight, b: cupy.ndarray, d: cupy.ndarray, *,
-                 act: str = "swiglu", stream=None) -> cupy.ndarray:
+                 act: str = "swiglu", wgmma: bool | None = None, stream=None) -> cupy.ndarray:
         """``d[c] = act(W_gate b[c]) * (W_up b[c])``: the fused gate+up GEMM of a gated MLP; the
         two products never leave registers. act: ``"swiglu"`` (SiLU gate) or ``"geglu"`` (GELU-tanh).
 
-        w_gate, w_up: QWeight [m, k] of the same type; b: [n, k] f32 or f16; d: [n, m] f32."""
+        w_gate, w_up: QWeight [m, k] of the same type; b: [n, k] f32 or f16; d: [n, m] f32.
+        ``wgmma`` as in :meth:`gemm`."""
         w_gate, w_up = self._glu_weights(w_gate, w_up, act)
         n, b_stride, d_stride = self._float_activations(b, d, w_gate)
+        if self._use_wg(w_gate.qtype, b, n, wgmma):
+            return self._gemm_wg(w_gate, w_up, b, d, b_stride, d_stride, n, False, None, act, stream)
         bt = self._tile(n)
         grid_t, grid_r = -(-n // bt), -(-w_gate.m // _ROW_TILE_GLU)
         if grid_t > 2**31 - 1 or grid_r > 65535:

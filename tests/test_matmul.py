@@ -69,7 +69,7 @@ def test_families_declared():
     assert set(M.FAMILIES) <= names
     for q, s in M.GEMM_QTYPES.items():
         unit = M.FAMILIES[f"matmul_f16_{s}"]
-        assert all(k.name.startswith(f"gemm_f16<{q}, ") for k in unit.kernels)
+        assert all(k.name.startswith((f"gemm_f16<{q}, ", f"gemm_wg<{q}, ")) for k in unit.kernels)
 
 
 def test_reference_quantizer_rule():
@@ -167,6 +167,85 @@ def test_gemm_glu(mm, rng, q, act, n):
 def test_gemm_large(mm, rng, q):
     """A prefill-sized product (several 128 x 128 tiles, ragged both ways, long K)."""
     m, n, k = 1000, 300, 4096
+    w, dense = _weight(q, m, k, rng)
+    b = _b(rng, n, k, np.float16)
+    d = poison(cupy.empty((n, m), cupy.float32))
+    mm.gemm(w, cupy.asarray(b), d)
+    _check(d.get(), ref.gemm(dense, b), ref.gemm_f16_inputs(dense, b))
+
+
+# ---------------------------------------------------------------------------- GPU: Hopper wgmma GEMM
+
+def _needs_wg(mm):
+    if not mm._units[8].is_sm90():
+        pytest.skip("gemm_wg runs on sm_90 (Hopper) only")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q", TYPES, ids=lambda q: NAMES[q])
+@pytest.mark.parametrize("m,n,bt", [(77, 1, 128), (203, 37, 256), (130, 300, 128), (300, 129, 256)])
+def test_gemm_wg(mm, rng, q, m, n, bt, monkeypatch):
+    """gemm_wg with both token tiles, ragged M and N, 5 super-stages (the raw buffers wrap) and, for
+    the 32-block types, a K tail; rows not 16-byte aligned for most types (synchronous raw copies)."""
+    _needs_wg(mm)
+    monkeypatch.setattr(mm, "_wg_tile", lambda n_, r_: bt)
+    k = _k(q, 5)
+    w, dense = _weight(q, m, k, rng, pad_front=32)
+    b = _b(rng, n, k, np.float16)
+    d = poison(cupy.empty((n, m), cupy.float32))
+    mm.gemm(w, cupy.asarray(b), d, wgmma=True)
+    _check(d.get(), ref.gemm(dense, b), ref.gemm_f16_inputs(dense, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q", TYPES, ids=lambda q: NAMES[q])
+def test_gemm_wg_aligned_split_accumulate(mm, rng, q):
+    """gemm_wg with 16-byte aligned rows (cp.async raw copies), forced K splits, accumulate mode
+    and row-strided b and d views."""
+    _needs_wg(mm)
+    m, n, k = 140, 200, 2048
+    raw = ref.random_weight(q, m, k, rng)
+    dense = ref.dequantize(raw, q, m, k)
+    w = QWeight(cupy.asarray(raw.ravel()), q, m, k)
+    assert M._raw16(w) == 1
+    b_full = _b(rng, n, k + 40, np.float16)  # row stride k + 40 halves (80 bytes)
+    b = cupy.asarray(b_full)[:, :k]
+    d_full = cupy.asarray(rng.standard_normal((n, m + 3)).astype(np.float32))
+    d = d_full[:, :m]
+    want = ref.gemm(dense, b_full[:, :k])
+    tight = ref.gemm_f16_inputs(dense, b_full[:, :k])
+    mm.gemm(w, b, d, split_k=3, wgmma=True)
+    _check(d.get(), want, tight, "split")
+    base = d_full.get()
+    mm.gemm(w, b, d, accumulate=True, split_k=1, wgmma=True)
+    _check(d.get(), base[:, :m] + want, base[:, :m] + tight, "accumulate")
+    mm.gemm(w, b, d, accumulate=True, split_k=2, wgmma=True)
+    _check(d.get(), base[:, :m] + 2 * want, base[:, :m] + 2 * tight, "accumulate split")
+    assert np.array_equal(d_full.get()[:, m:], base[:, m:]), "columns past m were written"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q", TYPES, ids=lambda q: NAMES[q])
+@pytest.mark.parametrize("act", ["swiglu", "geglu"])
+@pytest.mark.parametrize("n,bt", [(100, 128), (300, 256)])
+def test_gemm_glu_wg(mm, rng, q, act, n, bt, monkeypatch):
+    _needs_wg(mm)
+    monkeypatch.setattr(mm, "_wg_tile", lambda n_, r_: bt)
+    m, k = 90, _k(q)
+    wg, dg = _weight(q, m, k, rng)
+    wu, du = _weight(q, m, k, rng)
+    b = _b(rng, n, k, np.float16)
+    d = poison(cupy.empty((n, m), cupy.float32))
+    mm.gemm_glu(wg, wu, cupy.asarray(b), d, act=act, wgmma=True)
+    _check(d.get(), ref.glu(dg, du, b, act), ref.glu(dg, du, b, act, inputs=ref.gemm_f16_inputs), loose=4e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("q", [12, 14, 8, 6])
+def test_gemm_wg_large(mm, rng, q):
+    """A prefill-sized product by the default rule (gemm_wg on Hopper: several tiles, both ragged)."""
+    m, n, k = 1000, 700, 4096
     w, dense = _weight(q, m, k, rng)
     b = _b(rng, n, k, np.float16)
     d = poison(cupy.empty((n, m), cupy.float32))

@@ -62,8 +62,12 @@ template <> struct Deq<QT_Q4_0> {
         return make_uint4(cv(lanes2<0>(r.q0)), cv(lanes2<1>(r.q0)), cv(lanes2<0>(r.q1)), cv(lanes2<1>(r.q1)));
     }
     static CUKERN_DEVICE void store(const Raw& r, __half* seg, int p) {
-        st16(seg + 8 * p, eight<0>(r));
-        st16(seg + 16 + 8 * p, eight<1>(r));
+        emit(r, [seg](int e, uint4 v) { st16(seg + e, v); }, p);
+    }
+    template <class Put>
+    static CUKERN_DEVICE void emit(const Raw& r, Put put, int p) {
+        put(8 * p, eight<0>(r));
+        put(16 + 8 * p, eight<1>(r));
     }
 };
 
@@ -88,8 +92,12 @@ template <> struct Deq<QT_Q5_0> {
         return make_uint4(cv(lanes2<0>(r.q0), 0), cv(lanes2<1>(r.q0), 2), cv(lanes2<0>(r.q1), 4), cv(lanes2<1>(r.q1), 6));
     }
     static CUKERN_DEVICE void store(const Raw& r, __half* seg, int p) {
-        st16(seg + 8 * p, eight<0>(r, p));
-        st16(seg + 16 + 8 * p, eight<1>(r, p));
+        emit(r, [seg](int e, uint4 v) { st16(seg + e, v); }, p);
+    }
+    template <class Put>
+    static CUKERN_DEVICE void emit(const Raw& r, Put put, int p) {
+        put(8 * p, eight<0>(r, p));
+        put(16 + 8 * p, eight<1>(r, p));
     }
 };
 
@@ -102,11 +110,15 @@ template <> struct Deq<QT_Q8_0> {
         for (int i = 0; i < 4; ++i) r.q[i] = ld_u32_a2(blk + 2 + 16 * p + 4 * i);
     }
     static CUKERN_DEVICE void store(const Raw& r, __half* seg, int p) {
+        emit(r, [seg](int e, uint4 v) { st16(seg + e, v); }, p);
+    }
+    template <class Put>
+    static CUKERN_DEVICE void emit(const Raw& r, Put put, int p) {
         // signed byte b -> lane (b ^ 0x80) = b + 128 -> half 1152 + b -> minus 1152 (exact), times d
         const __half2 d2 = as_h2(r.d | (r.d << 16)), off = __half2half2(__ushort_as_half(0x6480));  // 1152
         auto cv = [&](uint32_t l) { return as_u32(__hmul2(__hsub2(h2_from_lanes(l ^ 0x00800080u), off), d2)); };
-        st16(seg + 16 * p, make_uint4(cv(lanes2<0>(r.q[0])), cv(lanes2<1>(r.q[0])), cv(lanes2<0>(r.q[1])), cv(lanes2<1>(r.q[1]))));
-        st16(seg + 16 * p + 8, make_uint4(cv(lanes2<0>(r.q[2])), cv(lanes2<1>(r.q[2])), cv(lanes2<0>(r.q[3])), cv(lanes2<1>(r.q[3]))));
+        put(16 * p, make_uint4(cv(lanes2<0>(r.q[0])), cv(lanes2<1>(r.q[0])), cv(lanes2<0>(r.q[1])), cv(lanes2<1>(r.q[1]))));
+        put(16 * p + 8, make_uint4(cv(lanes2<0>(r.q[2])), cv(lanes2<1>(r.q[2])), cv(lanes2<0>(r.q[3])), cv(lanes2<1>(r.q[3]))));
     }
 };
 
@@ -123,6 +135,10 @@ template <bool HIGH> struct DeqK45 {
         if (HIGH) r.h = *reinterpret_cast<const uint4*>(blk + 16 + 16 * p);
     }
     static CUKERN_DEVICE void store(const Raw& r, __half* seg, int p) {
+        emit(r, [seg](int e, uint4 v) { st16(seg + e, v); }, p);
+    }
+    template <class Put>
+    static CUKERN_DEVICE void emit(const Raw& r, Put put, int p) {
         int sc, m;
         k4_scale_min(r.s0, r.s1, r.s2, r.sub, sc, m);
         const float a = __half2float(__ushort_as_half(r.dm & 0xFFFF)) * sc;
@@ -136,8 +152,8 @@ template <bool HIGH> struct DeqK45 {
             if (HIGH) v |= ((h[i] >> r.sub) & 0x01010101u) << 4;
             out[i] = affine4(v, a, c);
         }
-        st16(seg + 16 * p, make_uint4(out[0].x, out[0].y, out[1].x, out[1].y));
-        st16(seg + 16 * p + 8, make_uint4(out[2].x, out[2].y, out[3].x, out[3].y));
+        put(16 * p, make_uint4(out[0].x, out[0].y, out[1].x, out[1].y));
+        put(16 * p + 8, make_uint4(out[2].x, out[2].y, out[3].x, out[3].y));
     }
 };
 template <> struct Deq<QT_Q4_K> : DeqK45<false> {};
@@ -159,6 +175,10 @@ template <> struct Deq<QT_Q6_K> {
         r.a = __half2float(__ushort_as_half(ld_u16(blk + 208))) * (float)(int8_t)blk[192 + 2 * s + p];
     }
     static CUKERN_DEVICE void store(const Raw& r, __half* seg, int p) {
+        emit(r, [seg](int e, uint4 v) { st16(seg + e, v); }, p);
+    }
+    template <class Put>
+    static CUKERN_DEVICE void emit(const Raw& r, Put put, int p) {
         const int sl = 4 * ((r.sub & 3) >> 1), sh = 2 * (r.sub & 3);
         uint2 out[4];
 #pragma unroll
@@ -166,8 +186,8 @@ template <> struct Deq<QT_Q6_K> {
             const uint32_t v = ((r.ql[i] >> sl) & 0x0F0F0F0Fu) | (((r.qh[i] >> sh) & 0x03030303u) << 4);
             out[i] = affine4(v, r.a, 32.0f * r.a);  // d * sc * (q - 32)
         }
-        st16(seg + 16 * p, make_uint4(out[0].x, out[0].y, out[1].x, out[1].y));
-        st16(seg + 16 * p + 8, make_uint4(out[2].x, out[2].y, out[3].x, out[3].y));
+        put(16 * p, make_uint4(out[0].x, out[0].y, out[1].x, out[1].y));
+        put(16 * p + 8, make_uint4(out[2].x, out[2].y, out[3].x, out[3].y));
     }
 };
 
