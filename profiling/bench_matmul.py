@@ -7,7 +7,7 @@ against the pipelines a user would otherwise run, all measured in this run:
   quantized kernel is expected to beat at large N: it reads 2-4x the weight bytes but runs wgmma);
 * ``dmmv batched`` (N <= 64): the dmmv family's matvec, 8 columns per launch.
 
-Rows: ``gemm_f16`` (f16 activations, f16 tensor cores), ``quantize+gemm_q8`` (f32 activations
+Rows: ``gemm`` (f16 activations, f16 tensor cores: gemm_wg on Hopper from N = 256, else gemm_f16), ``quantize+gemm_q8`` (f32 activations
 quantized to Q8_1, then the int8 tensor-core GEMM; both launches timed), and at N = 512 the f16
 path from f32 activations.
 
@@ -92,7 +92,7 @@ def bench(quick: bool = False) -> tuple[list, Ceilings]:
                 if n <= 64:
                     peers["dmmv batched (f32 x)"] = time_graph_us(lambda: dm.dmmv(nxt(), b32, d))
                 tf = flops / (us * 1e-6) / 1e12
-                rows.append(Row("matmul", f"gemm_f16 {name}", f"{m}x{k} N={n}", us, tflops=tf,
+                rows.append(Row("matmul", f"gemm {name}", f"{m}x{k} N={n}", us, tflops=tf,
                                 pct_ceiling=tf / ceil.gemm_tflops, peer="deq+cuBLAS f16", peer_us=peer_deq,
                                 extra={"peers": peers}))
                 # int8 path: f32 activations quantized to Q8_1 (one pass), then the int8 GEMM
@@ -105,7 +105,7 @@ def bench(quick: bool = False) -> tuple[list, Ceilings]:
                 if n == 512:  # the same product from f32 activations (converted to f16 in the kernel)
                     us32 = timer(lambda: mm.gemm(nxt(), b32, d))
                     tf32 = flops / (us32 * 1e-6) / 1e12
-                    rows.append(Row("matmul", f"gemm_f16 {name} (f32 b)", f"{m}x{k} N={n}", us32, tflops=tf32,
+                    rows.append(Row("matmul", f"gemm {name} (f32 b)", f"{m}x{k} N={n}", us32, tflops=tf32,
                                     pct_ceiling=tf32 / ceil.gemm_tflops, peer="deq+cuBLAS f16", peer_us=peer_deq))
             weights = dense = w0 = None  # let this type's copies go before the next one is built
             cupy.get_default_memory_pool().free_all_blocks()
