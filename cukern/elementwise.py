@@ -70,21 +70,16 @@ _TOPK_WARPS = 4
 _TOPK_MAX_K = 32
 _TOPK_EPL = (2, 4, 8)  # experts per lane of softmax_topk_reg: n_experts <= 32 * EPL
 _TOPK_MAX_EXPERTS = 2048  # 4 warps x 2048 x 4 B = 32 KiB of shared memory
-# softmax_topk_thread (one thread per token): (NMAX, KMAX) instances, n_experts <= NMAX, n_experts % 4 == 0,
-# k <= KMAX; from _TOPK_THREAD_MIN_TOKENS tokens (H100, 128 experts, k = 8 / 4: thread vs warp kernel 14.6 / 11.2
-# vs 11.8 / 8.9 us at 16384 tokens, 20.3 / 14.7 vs 21.4 / 15.6 us at 32768, 105 / 82 vs 154 / 109 us at 262144)
-_TOPK_THREAD_N = (64, 128)
-_TOPK_THREAD_K = (4, 8)
-_TOPK_THREAD_BLOCK = 64  # TOPK_T_BLOCK in moe.cuh
-_TOPK_THREAD_CAND = 32  # TOPK_T_CAND in moe.cuh
-_TOPK_THREAD_MIN_TOKENS = 32768
 # softmax_topk_lanes (a group of 8 lanes per token): (V, M) instances, n_experts <= 32 V, n_experts % 4 == 0,
-# 16-byte aligned logits, k <= _TOPK_LANES_KMAX; M kept logits per lane: the first M with k <= 4 M
+# 16-byte aligned logits, k <= _TOPK_LANES_KMAX; M kept logits per lane: the first M with k <= 4 M. From
+# _TOPK_LANES_MIN_TOKENS tokens (H100, 128 experts, k = 8: lanes vs warp kernel 2.59 / 2.16 us at 64 tokens,
+# 4.79 / 4.47 at 4096, 11.5 / 21.5 at 32768, 58.2 / 155 at 262144; the thread-per-token kernel it replaced
+# took 20.3 and 106); the warp kernels serve fewer tokens and the other shapes.
 _TOPK_LANES_V = (1, 2, 4, 8)
 _TOPK_LANES_M = (1, 2, 4)
 _TOPK_LANES_KMAX = 16
 _TOPK_LANES_TOKENS = 32  # tokens per block (TOPK_L_TOKENS in moe.cuh)
-_TOPK_USE_LANES = True
+_TOPK_LANES_MIN_TOKENS = 8192
 _CONV_CHUNK = 16
 _KV_UNROLL = 4  # KV_UNROLL in kv.cuh
 _QUANT_UNROLL = 4  # QUANT_UNROLL in norms.cuh
@@ -95,6 +90,8 @@ _DELTANET_TILED_DK = (64, 128)
 _ROUTER_SMALL = (1, 1, 256)  # (experts, tokens, threads) per block below _ROUTER_BATCH tokens
 _ROUTER_LARGE = (8, 8, 64)  # fewer threads: each covers more of n_embd before the 64-value reduction
 _ROUTER_BATCH = 16
+_ROUTER_GEMM_MIN_TOKENS = 256  # router_gemm (register-tiled f32 GEMM) from this many tokens
+_ROUTER_GEMM_TILE = (32, 128, 128)  # (tokens, experts, threads) per block: RG_TOKENS, RG_EXPERTS, RG_THREADS
 
 
 def _kernels() -> list[KernelSpec]:
@@ -109,11 +106,11 @@ def _kernels() -> list[KernelSpec]:
     ks += [KernelSpec(f"binary_rows<{op}, {v}>", "BinaryParams") for op in range(6) for v in ("true", "false")]
     ks.append(KernelSpec("softmax_topk", "TopkParams"))
     ks += [KernelSpec(f"softmax_topk_reg<{e}>", "TopkParams") for e in _TOPK_EPL]
-    ks += [KernelSpec(f"softmax_topk_thread<{n}, {k}>", "TopkParams") for n in _TOPK_THREAD_N for k in _TOPK_THREAD_K]
     ks += [KernelSpec(f"softmax_topk_lanes<{v}, {m}>", "TopkParams") for v in _TOPK_LANES_V for m in _TOPK_LANES_M]
     ks += [KernelSpec(f"moe_weighted_sum<{v}>", "MoeSumParams") for v in ("true", "false")]
     ks += [KernelSpec(f"shared_expert_accumulate<{v}>", "SharedGateParams") for v in ("true", "false")]
     ks += [KernelSpec(f"router_matvec<{e}, {t}, {b}>", "RouterParams") for e, t, b in (_ROUTER_SMALL, _ROUTER_LARGE)]
+    ks += [KernelSpec(f"router_gemm<{n}>", "RouterParams") for n in ("false", "true")]
     ks += [KernelSpec(f"conv1d_silu<{k}>", "ConvParams") for k in _CONV_K]
     ks.append(KernelSpec("deltanet", "DeltaNetParams"))
     ks += [KernelSpec(f"deltanet_tiled<{dk}>", "DeltaNetParams") for dk in _DELTANET_TILED_DK]
@@ -784,20 +781,12 @@ class ElementwiseDispatch(Dispatch):
                                                 renorm=int(bool(renorm)), scale=scale)
         grid = -(-n_tokens // _TOPK_WARPS)
         epl = next((e for e in _TOPK_EPL if n_experts <= 32 * e), None)
-        if (_TOPK_USE_LANES and n_experts % 4 == 0 and n_experts <= 32 * _TOPK_LANES_V[-1] and k <= _TOPK_LANES_KMAX
-                and _aligned(logits)):
+        if (n_tokens >= _TOPK_LANES_MIN_TOKENS and n_experts % 4 == 0 and n_experts <= 32 * _TOPK_LANES_V[-1]
+                and k <= _TOPK_LANES_KMAX and _aligned(logits)):
             v = next(v for v in _TOPK_LANES_V if n_experts <= 32 * v)
             m = next(m for m in _TOPK_LANES_M if k <= 4 * m)
             self._launch(f"softmax_topk_lanes<{v}, {m}>", -(-n_tokens // _TOPK_LANES_TOKENS), 8 * _TOPK_LANES_TOKENS,
                          (ids, weights, logits), params, stream=stream)
-        elif (n_tokens >= _TOPK_THREAD_MIN_TOKENS and n_experts % 4 == 0 and n_experts <= _TOPK_THREAD_N[-1]
-                and k <= _TOPK_THREAD_K[-1] and _aligned(logits)):
-            nmax = next(n for n in _TOPK_THREAD_N if n_experts <= n)
-            kmax = next(m for m in _TOPK_THREAD_K if k <= m)
-            row4 = n_experts // 4 + 1 + (n_experts // 4) % 2  # topk_row4 in moe.cuh: staged rows, then candidates
-            smem = _TOPK_THREAD_BLOCK * (row4 * 16 + _TOPK_THREAD_CAND * 8)
-            self._launch(f"softmax_topk_thread<{nmax}, {kmax}>", -(-n_tokens // _TOPK_THREAD_BLOCK),
-                         _TOPK_THREAD_BLOCK, (ids, weights, logits), params, stream=stream, shared_mem=smem)
         elif epl is not None:
             self._launch(f"softmax_topk_reg<{epl}>", grid, 32 * _TOPK_WARPS, (ids, weights, logits), params,
                          stream=stream)
@@ -865,15 +854,21 @@ class ElementwiseDispatch(Dispatch):
             check_array("w_norm", w_norm, dtype=_F32, shape=(n_embd,))
         if n_embd % 4 or not _aligned(x, W, *(() if w_norm is None else (w_norm,))):
             raise ValueError(f"{what}: needs n_embd % 4 == 0 and 16-byte aligned x, W, w_norm (n_embd={n_embd})")
-        e_tile, t_tile, threads = _ROUTER_SMALL if n_tokens < _ROUTER_BATCH else _ROUTER_LARGE
-        grid = (-(-n_experts // e_tile), -(-n_tokens // t_tile))
-        if grid[1] > _MAX_GRID_Y:
-            raise ValueError(f"{what}: at most {_MAX_GRID_Y * t_tile} tokens per call, got {n_tokens}")
         params = self.struct("RouterParams").pack(n_tokens=n_tokens, n_experts=n_experts, n_embd=n_embd,
                                                   norm=int(w_norm is not None), eps=eps, weight_offset=weight_offset,
                                                   scale=scale)
-        self._launch(f"router_matvec<{e_tile}, {t_tile}, {threads}>", grid, threads,
-                     (logits, x, W, w_norm if w_norm is not None else x), params, stream=stream)
+        args = (logits, x, W, w_norm if w_norm is not None else x)
+        if n_tokens >= _ROUTER_GEMM_MIN_TOKENS:
+            t_tile, e_tile, threads = _ROUTER_GEMM_TILE
+            grid = (-(-n_tokens // t_tile), -(-n_experts // e_tile))
+            if grid[1] > _MAX_GRID_Y:
+                raise ValueError(f"{what}: at most {_MAX_GRID_Y * e_tile} experts per call, got {n_experts}")
+            self._launch(f"router_gemm<{'true' if w_norm is not None else 'false'}>", grid, threads, args, params,
+                         stream=stream)
+            return logits
+        e_tile, t_tile, threads = _ROUTER_SMALL if n_tokens < _ROUTER_BATCH else _ROUTER_LARGE
+        grid = (-(-n_experts // e_tile), -(-n_tokens // t_tile))
+        self._launch(f"router_matvec<{e_tile}, {t_tile}, {threads}>", grid, threads, args, params, stream=stream)
         return logits
 
     # --------------------------------------------------------------------------------- SSM / DeltaNet

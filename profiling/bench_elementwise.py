@@ -19,7 +19,7 @@ import sys
 import cupy
 
 from cukern.benchmark import (Row, host_us_per_call, measure_ceilings, rotating, script_main, time_graph_us,
-                              time_torch_graph_us)
+                              time_torch_graph_us, time_us)
 from cukern.elementwise import ElementwiseDispatch, contiguous_page_table  # noqa: F401
 
 try:
@@ -53,7 +53,9 @@ class Bench:
         return rotating(max(1, min(16, _L2_ROTATE_BYTES // max(nbytes, 1))), make)
 
     def row(self, kernel, shape, fn, *, nbytes=None, flops=None, decode=False, peer="", peer_fn=None,
-            peer_is_torch=True):
+            peer_is_torch=True, peer_eager=False):
+        """peer_eager: the peer cannot be captured in a graph (CuPy refuses cuBLAS calls during capture): time
+        _LARGE_INNER back-to-back eager calls between two events, per call."""
         inner = {} if decode else dict(n_inner=_LARGE_INNER, n_repeat=10)
         timer = lambda f: time_graph_us(f, **inner)  # noqa: E731
         try:
@@ -64,6 +66,9 @@ class Bench:
         peer_us = None
         if peer_fn is not None and (torch is not None or not peer_is_torch):
             peer_timer = (lambda f: time_torch_graph_us(f, **inner)) if peer_is_torch else timer
+            if peer_eager:
+                peer_timer = lambda f: time_us(lambda: [f() for _ in range(_LARGE_INNER)],  # noqa: E731
+                                               n_warmup=3, n_repeat=10) / _LARGE_INNER
             try:
                 peer_us = peer_timer(peer_fn)
             except Exception as e:
@@ -305,15 +310,26 @@ def bench_moe(b: Bench):
               nbytes=n_sum * (k + 1) * 2 * H * 4, decode=decode, peer="torch (e*w).sum(1)",
               peer_fn=lambda: (lambda s: torch.sum(s[0] * s[1][..., None], 1, out=s[2]))(te_next()))
 
-        # router: x [n, H] f32, W [E, H] f32 (1 MiB); the fused version adds the RMS norm
+        # router: x [n, H] f32, W [E, H] f32 (1 MiB); the fused version adds the RMS norm. One token is a
+        # matvec (bandwidth-bound: GB/s, % of copy); a token batch is a small f32 GEMM (compute-bound: TFLOP/s
+        # and the ratio to cuBLAS sgemm through cupy.matmul, no bandwidth claim)
         xs, xnxt = b.sets(n * H * 4, lambda i: (b.randn(n, H), cupy.empty((n, H), cupy.float32)))
         W, wn, lg = b.randn(E, H, scale=0.02), b.randn(H), cupy.empty((n, E), cupy.float32)
+        lg_peer = cupy.empty((n, E), cupy.float32)
         flops = 2 * n * E * H
-        b.row("router_matvec", f"{n}x{H} @ {E}x{H}", lambda: d.router_matvec(xnxt()[0], W, lg),
-              nbytes=(n * H + E * H + n * E) * 4, flops=flops, decode=decode, peer="torch x @ W.T (cuBLAS)",
-              peer_fn=(lambda xt=_t(xs[0][0]), Wt=_t(W): torch.matmul(xt, Wt.T)) if torch is not None else None)
-        b.row("router_rms_norm_matvec", f"{n}x{H} @ {E}x{H}", lambda: d.router_rms_norm_matvec(xnxt()[0], wn, W, lg),
-              nbytes=(n * H + E * H + n * E + H) * 4, flops=flops, decode=decode, peer="chain rms_norm+router_matvec",
+        gemm = "" if decode else " [f32 GEMM]"
+        if decode:  # one token: the torch peer (cuBLAS too) in a graph, as eager calls would time the host
+            peer = dict(peer="torch x @ W.T (cuBLAS)",
+                        peer_fn=(lambda xt=_t(xs[0][0]), Wt=_t(W): torch.matmul(xt, Wt.T)) if torch else None)
+        else:
+            peer = dict(peer="cuBLAS sgemm (cupy.matmul)", peer_fn=lambda: cupy.matmul(xnxt()[0], W.T, out=lg_peer),
+                        peer_is_torch=False, peer_eager=True)
+        b.row("router_matvec" + gemm, f"{n}x{H} @ {E}x{H}", lambda: d.router_matvec(xnxt()[0], W, lg),
+              nbytes=(n * H + E * H + n * E) * 4 if decode else None, flops=flops, decode=decode, **peer)
+        b.row("router_rms_norm_matvec" + gemm, f"{n}x{H} @ {E}x{H}",
+              lambda: d.router_rms_norm_matvec(xnxt()[0], wn, W, lg),
+              nbytes=(n * H + E * H + n * E + H) * 4 if decode else None, flops=flops, decode=decode,
+              peer="chain rms_norm+router_matvec",
               peer_fn=lambda: (lambda s: (d.rms_norm(s[0], wn, s[1]), d.router_matvec(s[1], W, lg)))(xnxt()),
               peer_is_torch=False)
 

@@ -505,9 +505,9 @@ def test_softmax_topk_ties_pick_lower_id(d):
 @pytest.mark.parametrize("n_exp,k", [(128, 8), (128, 1), (64, 4), (100, 6), (124, 5), (4, 2), (8, 8), (96, 3)])
 @pytest.mark.parametrize("renorm", [True, False])
 def test_softmax_topk_many_tokens(d, rng, n_exp, k, renorm):
-    """Token batches large enough for the thread-per-token kernel, with tied logits (rounded), rows of one
-    repeated value (more candidates than the staging room) and -inf logits."""
-    n_tok = 32768 + 133  # from _TOPK_THREAD_MIN_TOKENS
+    """Token batches for the lane-group kernel (or, for 100 experts, the warp kernel), with tied logits
+    (rounded), rows of one repeated value (more candidates than the list holds) and -inf logits."""
+    n_tok = 32768 + 133
     logits = _randn(rng, n_tok, n_exp, scale=3)
     logits[::7] = np.round(logits[::7])  # many ties
     logits[5] = 1.0
@@ -541,8 +541,8 @@ def _topk_rows(rng, n_tok, n_exp):
                                      (128, 8), (128, 16), (132, 2), (200, 11), (252, 9), (256, 16)])
 @pytest.mark.parametrize("renorm", [True, False])
 def test_softmax_topk_lanes(d, rng, n_exp, k, renorm):
-    """Every (V, M) instance of softmax_topk_lanes, ragged token counts (masked groups) and every path."""
-    n_tok = 6 * 37 + 5
+    """Every (V, M) instance of softmax_topk_lanes, a ragged token count (masked groups) and every path."""
+    n_tok = 8192 + 6 * 37 + 5  # from _TOPK_LANES_MIN_TOKENS
     logits = _topk_rows(rng, n_tok, n_exp)
     ids, w = _empty(n_tok, k, dtype=cupy.int32), _empty(n_tok, k)
     d.softmax_topk(_dev(logits), ids, w, k=k, renorm=renorm, scale=1.5)
@@ -582,6 +582,25 @@ def test_router_matvec(d, rng, n_tok, n_exp, n_embd):
     d.router_rms_norm_matvec(_dev(x), _dev(wn), _dev(W), logits, eps=1e-6, weight_offset=1.0, scale=2.0)
     want = ref.router_rms_norm_matvec(x, wn, W, eps=1e-6, weight_offset=1.0, scale=2.0)
     assert_close(logits, want, atol=1e-5, rtol=1e-4, name="fused norm")
+
+
+@gpu
+@pytest.mark.parametrize("n_tok,n_exp,n_embd", [(256, 128, 2048), (300, 33, 260), (517, 200, 1028), (1000, 1, 4),
+                                                (290, 129, 20)])
+def test_router_gemm(d, rng, n_tok, n_exp, n_embd):
+    """Token batches from _ROUTER_GEMM_MIN_TOKENS: the register-tiled GEMM, ragged in tokens (last block),
+    experts (past one 128-expert tile) and n_embd (past one 16-column stage)."""
+    x, W, wn = _randn(rng, n_tok, n_embd, scale=2), _randn(rng, n_exp, n_embd, scale=0.05), _randn(rng, n_embd)
+    logits = _empty(n_tok, n_exp)
+    d.router_matvec(_dev(x), _dev(W), logits, scale=0.5)
+    want = ref.router_matvec(x, W, scale=0.5)
+    assert_close(logits, want, atol=1e-5, rtol=1e-4)
+    assert np.linalg.norm(logits.get() - want) <= 1e-5 * np.linalg.norm(want)
+    logits = _empty(n_tok, n_exp)
+    d.router_rms_norm_matvec(_dev(x), _dev(wn), _dev(W), logits, eps=1e-6, weight_offset=1.0, scale=2.0)
+    want = ref.router_rms_norm_matvec(x, wn, W, eps=1e-6, weight_offset=1.0, scale=2.0)
+    assert_close(logits, want, atol=1e-5, rtol=1e-4, name="fused norm")
+    assert np.linalg.norm(logits.get() - want) <= 1e-5 * np.linalg.norm(want)
 
 
 # ---------------------------------------------------------------------------------- SSM / DeltaNet

@@ -4,7 +4,7 @@
 
 #include "common/types.cuh"
 #include "common/reduce.cuh"
-#include "common/mma.cuh"  // cp_async16
+#include "common/mma.cuh"  // cp_async16 (router_gemm)
 #include "elementwise/params.cuh"
 
 namespace cukern {
@@ -136,11 +136,12 @@ __global__ void __launch_bounds__(32 * cukern::ew::TOPK_WARPS) softmax_topk_reg(
 //   1. each lane keeps the M largest of its logits (with repeats; M = 1, 2, 4 for k <= 4, 8, 16); the
 //      group sorts its L M kept values (bitonic network over the lanes) and takes the k-th largest, T:
 //      k logits are >= T, so only logits >= T can be selected (about k + 1 of 128 on random logits);
-//   2. the candidates (logit >= T) go to the token's list in shared memory (a scan over the group gives
-//      each lane its place); a candidate's rank is the number of larger candidates, and rank < k is its
+//   2. the candidates (logit >= T, at most R L: R = 2 for k <= 8, 4 for k <= 16) go to the token's list in
+//      shared memory (a scan over the group gives each lane its place); a lane ranks R of them: a
+//      candidate's rank is the number of larger candidates, and rank < k is its
 //      output position. Equal candidates would share a rank: each selected candidate reads its slot back,
 //      and a warp where one finds another's id starts over with step 2';
-//   2'. (a warp with equal candidates, with more than TOPK_L_CMAX candidates or with T = -inf) k rounds of
+//   2'. (a warp with equal candidates, with more than R L candidates or with T = -inf) k rounds of
 //      argmax over the registers: the largest logit, of equal ones the lowest id;
 //   3. weights from exp(l - max) over the selected sum (renorm) or the row's denominator.
 // Control flow is warp-uniform (tokens past the end run masked), so the group shuffles take the full mask.
@@ -151,8 +152,6 @@ namespace ew {
 constexpr int TOPK_L_LANES = 8;    // lanes per token
 constexpr int TOPK_L_BLOCK = 256;  // threads per block
 constexpr int TOPK_L_TOKENS = TOPK_L_BLOCK / TOPK_L_LANES;
-constexpr int TOPK_L_RANKED = 2;   // candidates a lane ranks
-constexpr int TOPK_L_CMAX = TOPK_L_RANKED * TOPK_L_LANES;  // candidate slots per token
 constexpr int TOPK_L_KMAX = 16;
 
 // 0xffffffff when a >= b (a > b), else 0: one FSET, where the C++ comparison would take a predicate and a select
@@ -206,7 +205,8 @@ __global__ void __launch_bounds__(cukern::ew::TOPK_L_BLOCK) softmax_topk_lanes(
     int32_t* __restrict__ ids, float* __restrict__ weights, const float* __restrict__ logits,  // as softmax_topk
     const TopkParams p) {
     using namespace cukern;
-    constexpr int L = ew::TOPK_L_LANES, S = 4 * V, R = ew::TOPK_L_RANKED, CMAX = ew::TOPK_L_CMAX;
+    constexpr int L = ew::TOPK_L_LANES, S = 4 * V;
+    constexpr int R = M > 2 ? M : 2, CMAX = R * L;  // candidates ranked per lane, candidate slots per token
     constexpr uint32_t ALL = 0xffffffffu, NONE = 0xffffffffu;
     // per token: its candidate list (value bits, id), one spare entry shifting the next list by two banks,
     // then its k selections (id, exp(l - max))
@@ -338,144 +338,6 @@ __global__ void __launch_bounds__(cukern::ew::TOPK_L_BLOCK) softmax_topk_lanes(
     }
 }
 
-// Thread-per-token version of softmax_topk for many tokens: n_experts <= NMAX, n_experts % 4 == 0 (16-byte
-// rows), k <= KMAX. Same results and tie rule as softmax_topk. A warp copies its 32 rows into shared memory
-// (cp.async, coalesced), then each lane takes one token and reads its row twice:
-//   1. the maxima of G = 2 * KMAX groups of logits (e % G); the k-th largest of them, T0, bounds the k-th
-//      largest logit from below (k distinct logits are >= it), so only logits >= T0 are candidates (about
-//      k + 2 of 128 on random logits); with renorm = 0 the softmax denominator over all logits;
-//   2. the candidates, in ascending id order, go to the lane's column of a candidate buffer, then into a
-//      sorted list of KMAX (key, id) by predicated insertion (strict >: of equal keys the lower id stays
-//      first); a lane with more than TOPK_T_CAND candidates (many equal logits) inserts its whole row;
-//   3. weights from the list: exp(l - max) over the selected sum (renorm) or the denominator.
-// Bytes: read n_experts floats per token, write k ids and k weights. grid: (ceil(n_tokens / TOPK_T_BLOCK)),
-// block: TOPK_T_BLOCK, dynamic shared memory: topk_thread_smem(n_experts) bytes.
-namespace cukern {
-namespace ew {
-constexpr int TOPK_T_BLOCK = 64;  // tokens per block (one per thread)
-constexpr int TOPK_T_CAND = 32;   // candidate slots per lane
-// float4s per staged row: n_experts / 4 rounded up to odd, so that the 8 lanes of a 16-byte shared-memory
-// phase reading their own rows hit distinct banks.
-CUKERN_DEVICE uint32_t topk_row4(uint32_t n_experts) { return n_experts / 4 + 1 + ((n_experts / 4) & 1); }
-
-// Insert (key, id) into the descending list (key_l, id_l) of L entries (key 0: empty). Strict >: an equal key
-// goes after the ones already there, which the callers insert in ascending id order.
-template <int L>
-CUKERN_DEVICE void topk_insert(uint32_t (&key_l)[L], uint32_t (&id_l)[L], uint32_t key, uint32_t id) {
-#pragma unroll
-    for (int i = L - 1; i > 0; --i) {
-        const bool gt = key > key_l[i], gt_prev = key > key_l[i - 1];
-        id_l[i] = gt_prev ? id_l[i - 1] : (gt ? id : id_l[i]);
-        key_l[i] = gt_prev ? key_l[i - 1] : (gt ? key : key_l[i]);
-    }
-    if (key > key_l[0]) { id_l[0] = id; key_l[0] = key; }
-}
-}  // namespace ew
-}  // namespace cukern
-
-template <int NMAX, int KMAX>
-__global__ void __launch_bounds__(cukern::ew::TOPK_T_BLOCK) softmax_topk_thread(
-    int32_t* __restrict__ ids, float* __restrict__ weights, const float* __restrict__ logits,  // as softmax_topk
-    const TopkParams p) {
-    using namespace cukern;
-    constexpr int N4 = NMAX / 4, G = 2 * KMAX;
-    constexpr uint32_t WARPS = ew::TOPK_T_BLOCK / WARP;
-    // [WARPS][WARP][row4] float4 staged rows, then [WARPS][TOPK_T_CAND][WARP] uint2 candidates
-    extern __shared__ float4 stage[];
-    const uint32_t lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-    const uint32_t n = p.n_experts, n4 = n / 4, row4 = ew::topk_row4(n);
-    const uint32_t t0 = blockIdx.x * ew::TOPK_T_BLOCK + warp * WARP;  // the warp's first token
-    if (t0 >= p.n_tokens) return;  // whole warps; no block barrier below
-    const uint32_t rows = min((uint32_t)WARP, p.n_tokens - t0);
-    float4* st = stage + warp * WARP * row4;
-    uint2* cand = reinterpret_cast<uint2*>(stage + WARPS * WARP * row4) + warp * ew::TOPK_T_CAND * WARP + lane;
-    {  // float4 i of the warp's rows (contiguous in logits) goes to row i / n4, column i % n4
-        const float4* src = reinterpret_cast<const float4*>(logits + (uint64_t)t0 * n);
-        const uint32_t magic = n4 > 1 ? 0xffffffffu / n4 + 1 : 0;  // i / n4 = umulhi(i, magic) for i < 2^32 / n4
-#pragma unroll 8
-        for (uint32_t i = lane; i < rows * n4; i += WARP) {
-            const uint32_t r = n4 > 1 ? __umulhi(i, magic) : i;
-            cp_async16(st + r * row4 + (i - r * n4), src + i, 16);
-        }
-        cp_async_commit();
-        cp_async_wait<0>();
-    }
-    __syncwarp();
-    if (lane >= rows) return;  // no warp-wide operation below
-    const uint32_t t = t0 + lane;
-    const float4* row = st + lane * row4;
-    // 1. group maxima; T0 = the k-th largest of them, mx = the largest logit
-    float gmax[G];
-#pragma unroll
-    for (int g = 0; g < G; ++g) gmax[g] = ew::neg_inf();
-#pragma unroll
-    for (int j = 0; j < N4; ++j) {
-        if (j >= (int)n4) break;
-        const float4 v = row[j];
-        gmax[(4 * j) % G] = fmaxf(gmax[(4 * j) % G], v.x);
-        gmax[(4 * j + 1) % G] = fmaxf(gmax[(4 * j + 1) % G], v.y);
-        gmax[(4 * j + 2) % G] = fmaxf(gmax[(4 * j + 2) % G], v.z);
-        gmax[(4 * j + 3) % G] = fmaxf(gmax[(4 * j + 3) % G], v.w);
-    }
-    float top[KMAX];  // the KMAX largest group maxima, descending (a group without logits adds nothing)
-#pragma unroll
-    for (int i = 0; i < KMAX; ++i) top[i] = ew::neg_inf();
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-#pragma unroll
-        for (int i = KMAX - 1; i > 0; --i) top[i] = fmaxf(top[i], fminf(gmax[g], top[i - 1]));
-        top[0] = fmaxf(top[0], gmax[g]);
-    }
-    float thr = top[0];  // top[k - 1], the smallest of the first k (a min, not an index: top stays in registers)
-#pragma unroll
-    for (int i = 1; i < KMAX; ++i) thr = i < (int)p.k ? fminf(thr, top[i]) : thr;
-    const float mx = top[0];
-    // 2. candidates (logit >= T0) into the lane's column, in id order; the denominator
-    uint32_t n_cand = 0;
-    float denom = 0.f;
-#pragma unroll
-    for (int j = 0; j < N4; ++j) {
-        if (j >= (int)n4) break;
-        const float4 v = row[j];
-        const float x[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            if (x[c] >= thr) {
-                if (n_cand < ew::TOPK_T_CAND) cand[n_cand * WARP] = make_uint2(__float_as_uint(x[c]), 4 * j + c);
-                ++n_cand;
-            }
-            if (!p.renorm) denom += expf(x[c] - mx);
-        }
-    }
-    uint32_t key_l[KMAX], id_l[KMAX];
-#pragma unroll
-    for (int i = 0; i < KMAX; ++i) { key_l[i] = 0; id_l[i] = 0; }
-    if (n_cand <= ew::TOPK_T_CAND) {
-        for (uint32_t c = 0; c < n_cand; ++c) {
-            const uint2 kv = cand[c * WARP];
-            ew::topk_insert<KMAX>(key_l, id_l, ew::float_key(__uint_as_float(kv.x)), kv.y);
-        }
-    } else {  // more candidates than slots (many equal logits): the whole row, in id order
-        const float* xs = reinterpret_cast<const float*>(row);
-        for (uint32_t e = 0; e < n; ++e) ew::topk_insert<KMAX>(key_l, id_l, ew::float_key(xs[e]), e);
-    }
-    // 3. weights
-    float ex[KMAX], sel = 0.f;
-#pragma unroll
-    for (int i = 0; i < KMAX; ++i) {
-        ex[i] = i < (int)p.k ? expf(ew::key_float(key_l[i]) - mx) : 0.f;
-        sel += ex[i];
-    }
-    if (p.renorm) denom = sel;
-#pragma unroll
-    for (int i = 0; i < KMAX; ++i) {
-        if (i < (int)p.k) {
-            ids[(uint64_t)t * p.k + i] = (int32_t)id_l[i];
-            weights[(uint64_t)t * p.k + i] = p.scale * ex[i] / denom;
-        }
-    }
-}
-
 // out[t] = (out[t] +) sum_j weights[t, j] * expert_out[t, j]. grid: (column blocks, tokens <= 65535 per
 // pass, grid-stride), VEC4: 16-byte loads. Bytes: read (n_used + accumulate) * n_cols floats, write n_cols.
 template <bool VEC4>
@@ -598,5 +460,111 @@ __global__ void __launch_bounds__(BLOCK) router_matvec(
         }
         const float f = p.norm ? p.scale * rsqrtf(sq / (float)p.n_embd + p.eps) : p.scale;
         logits[(uint64_t)(t0 + tt) * p.n_experts + e0 + ee] = f * dot;
+    }
+}
+
+// router_matvec for token batches, a small f32 GEMM (logits = x W^T, both operands n_embd-contiguous): a block
+// computes RG_TOKENS tokens x RG_EXPERTS experts, streaming RG_BK columns of x and W per stage through a
+// RG_STAGES-deep cp.async ring in shared memory (rows padded to RG_BK + 4 floats: the 16-byte reads of 8
+// consecutive rows hit distinct banks); thread (tg, eg) accumulates tokens 4 tg + i (i < 4) x experts
+// eg + 16 j (j < 8) in registers: per 4 columns, 4 + 8 16-byte shared reads feed 128 FMAs. NORM: the fused
+// router norm (x scaled by w_norm + weight_offset on its way to the FMAs, sum of squares per token on the
+// side). Same results as router_matvec up to the f32 summation order. n_embd % 4 == 0, 16-byte aligned
+// x, W, w_norm. grid: (ceil(n_tokens / RG_TOKENS), ceil(n_experts / RG_EXPERTS)), block: RG_THREADS.
+// Bytes: x once per expert tile, W once per token tile (L2); FLOPs: 2 n_tokens n_experts n_embd.
+namespace cukern {
+namespace ew {
+constexpr int RG_TOKENS = 32, RG_EXPERTS = 128, RG_THREADS = 128, RG_BK = 16, RG_STAGES = 3;
+constexpr int RG_ROW = RG_BK + 4;  // floats per staged row
+constexpr int RG_TT = 4, RG_TE = 8;  // tokens x experts per thread
+}  // namespace ew
+}  // namespace cukern
+
+template <bool NORM>
+__global__ void __launch_bounds__(cukern::ew::RG_THREADS) router_gemm(
+    float* __restrict__ logits, const float* __restrict__ x, const float* __restrict__ W,
+    const float* __restrict__ w_norm,  // as router_matvec
+    const RouterParams p) {
+    using namespace cukern;
+    using namespace cukern::ew;
+    constexpr int XR = RG_TOKENS, WR = RG_EXPERTS;
+    __shared__ __align__(16) float xs[RG_STAGES][XR][RG_ROW];
+    __shared__ __align__(16) float ws[RG_STAGES][WR][RG_ROW];
+    __shared__ __align__(16) float gs[RG_STAGES][RG_BK];
+    const uint32_t tid = threadIdx.x, tg = tid / 16, eg = tid % 16;
+    const uint32_t t0 = blockIdx.x * XR, e0 = blockIdx.y * WR;
+    const uint32_t n_steps = (p.n_embd + RG_BK - 1) / RG_BK;
+    // thread tid copies float4 c = tid % 4 of x row tid / 4 and of W rows tid / 4 + 32 m (m < 4) per step;
+    // zero-filled past n_embd and past the last token / expert (from row 0: a valid address)
+    static_assert(RG_BK == 16 && RG_THREADS == 4 * XR && WR == 4 * XR, "one x row and four W rows per thread");
+    const uint32_t c4 = 4 * (tid % 4), lr = tid / 4;
+    const bool x_in = t0 + lr < p.n_tokens;
+    const float* xsrc = x + (x_in ? (uint64_t)(t0 + lr) * p.n_embd : 0) + c4;
+    const float* wsrc = W + (uint64_t)(e0 + lr) * p.n_embd + c4;  // row e0 + lr; + XR m rows for m > 0
+    auto load = [&](uint32_t step, int s) {
+        const uint32_t k0 = step * RG_BK;
+        const bool k_in = k0 + c4 < p.n_embd;
+        const uint32_t off = k_in ? k0 : 0;
+        cp_async16(&xs[s][lr][c4], xsrc + off, x_in && k_in ? 16 : 0);
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            const bool in = e0 + lr + XR * m < p.n_experts;
+            cp_async16(&ws[s][lr + XR * m][c4], in ? wsrc + (uint64_t)XR * m * p.n_embd + off : W, in && k_in ? 16 : 0);
+        }
+        if (NORM && tid < RG_BK / 4) {
+            const uint32_t k = k0 + 4 * tid;
+            cp_async16(&gs[s][4 * tid], w_norm + (k < p.n_embd ? k : 0), k < p.n_embd ? 16 : 0);
+        }
+    };
+#pragma unroll
+    for (int s = 0; s < RG_STAGES - 1; ++s) {
+        if ((uint32_t)s < n_steps) load(s, s);
+        cp_async_commit();
+    }
+    float acc[RG_TT][RG_TE] = {};
+    float ss[RG_TT] = {};
+    for (uint32_t step = 0; step < n_steps; ++step) {
+        cp_async_wait<RG_STAGES - 2>();
+        __syncthreads();  // stage step % RG_STAGES is in; every thread is done with the stage reloaded below
+        if (step + RG_STAGES - 1 < n_steps) load(step + RG_STAGES - 1, (step + RG_STAGES - 1) % RG_STAGES);
+        cp_async_commit();
+        const int s = step % RG_STAGES;
+#pragma unroll
+        for (int c = 0; c < RG_BK / 4; ++c) {
+            float4 xv[RG_TT];
+#pragma unroll
+            for (int i = 0; i < RG_TT; ++i) xv[i] = *reinterpret_cast<const float4*>(&xs[s][RG_TT * tg + i][4 * c]);
+            if (NORM) {
+                const float4 g = *reinterpret_cast<const float4*>(&gs[s][4 * c]);
+                const float o = p.weight_offset;
+#pragma unroll
+                for (int i = 0; i < RG_TT; ++i) {
+                    ss[i] += xv[i].x * xv[i].x + xv[i].y * xv[i].y + xv[i].z * xv[i].z + xv[i].w * xv[i].w;
+                    xv[i].x *= g.x + o; xv[i].y *= g.y + o; xv[i].z *= g.z + o; xv[i].w *= g.w + o;
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < RG_TE; ++j) {
+                const float4 wv = *reinterpret_cast<const float4*>(&ws[s][eg + 16 * j][4 * c]);
+#pragma unroll
+                for (int i = 0; i < RG_TT; ++i) {  // one FMA per product, in column order
+                    acc[i][j] = fmaf(xv[i].x, wv.x, acc[i][j]);
+                    acc[i][j] = fmaf(xv[i].y, wv.y, acc[i][j]);
+                    acc[i][j] = fmaf(xv[i].z, wv.z, acc[i][j]);
+                    acc[i][j] = fmaf(xv[i].w, wv.w, acc[i][j]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < RG_TT; ++i) {
+        const uint32_t t = t0 + RG_TT * tg + i;
+        if (t >= p.n_tokens) continue;
+        const float f = NORM ? p.scale * rsqrtf(ss[i] / (float)p.n_embd + p.eps) : p.scale;
+#pragma unroll
+        for (int j = 0; j < RG_TE; ++j) {
+            const uint32_t e = e0 + eg + 16 * j;
+            if (e < p.n_experts) logits[(uint64_t)t * p.n_experts + e] = f * acc[i][j];
+        }
     }
 }
