@@ -49,7 +49,7 @@ _DECODE_THREADS = 128
 _MERGE_THREADS = 128
 _KV_WRITE_THREADS = 128
 _MIN_CHUNK = 32  # smallest KV chunk of a split (tokens)
-_MAX_SPLITS = 256  # the merging block holds [heads per block, n_splits] weights in its shared memory
+_MAX_SPLITS = 256  # grid.x of a decode launch; the merging block reads n_splits partial states
 _DECODE_PIPE_BYTES = 64 * 1024  # K/V stages of a decode block (DECODE_PIPE_BYTES in decode.cuh)
 _DECODE_BLOCKS_PER_SM = 2  # decode's __launch_bounds__ minimum: resident blocks per SM in the split model
 _TC_DECODE_MAX_D = 256  # decode_tc: f16/bf16 caches up to this head_dim
@@ -67,13 +67,21 @@ class _SplitModel:
     blocks_per_sm: int  # resident blocks per SM (the kernel's __launch_bounds__ minimum)
     merge_rate: float = 64e3  # partial-state bytes the merging block reads per us
     merge_us: float = 1.0  # the merge's fixed cost (counter, weights)
+    # decode_tc's form of the model (used when merge_trip_us > 0): the merging block's threads each combine
+    # float4 columns of 16 states per L2 round trip; the SMs in use share dram_rate
+    merge_trip_us: float = 0.0  # one round trip of the merge's loads
+    threads: int = 128  # threads of a block
+    dram_rate: float = 0.0  # K/V bytes per us of the whole device
 
 
 _SIMT_MODEL = _SplitModel(block_rate=12.5e3, sm_rate=13.5e3, block_us=2.0, blocks_per_sm=_DECODE_BLOCKS_PER_SM)
-# decode_tc by warps per block: 4 warps (two blocks per SM up to head_dim 128, else one), 8 warps (one)
-_TC_MODELS = {4: _SplitModel(block_rate=16e3, sm_rate=21e3, block_us=1.5, blocks_per_sm=2),
-              8: _SplitModel(block_rate=21e3, sm_rate=21e3, block_us=1.5, blocks_per_sm=1)}
-_TC_MODEL_WIDE = _SplitModel(block_rate=16e3, sm_rate=21e3, block_us=1.5, blocks_per_sm=1)  # head_dim > 128
+# decode_tc by warps per block: 4 warps (two blocks per SM up to head_dim 128, else one), 8 warps (one).
+# Fitted to H100 graph timings of B1/B32 32/8 D128 (fixed cost of a launch ~4.4 us, merge ~2 us + trips).
+_TC_MODELS = {nw: _SplitModel(block_rate=33e3 if nw == 4 else 36e3, sm_rate=22e3, block_us=4.6 if nw == 4 else 4.3,
+                              blocks_per_sm=2 if nw == 4 else 1, merge_us=2.0, merge_trip_us=0.6, threads=32 * nw,
+                              dram_rate=2.9e6) for nw in (4, 8)}
+_TC_MODEL_WIDE = _SplitModel(block_rate=30e3, sm_rate=22e3, block_us=4.6, blocks_per_sm=1, merge_us=2.0,
+                             merge_trip_us=0.6, threads=128, dram_rate=2.9e6)  # head_dim > 128: 4 warps
 
 
 def _groups(d: int) -> tuple[int, ...]:
@@ -488,9 +496,14 @@ def _split_time(n: int, blocks: int, visible: int, row_bytes: int, state_bytes: 
                 model: _SplitModel) -> float:
     """Modelled time (us) of a decode launch in n splits (see _choose_splits)."""
     k = -(-blocks * n // sms)
-    rate = min(model.block_rate * k, model.sm_rate)
+    sm_rate = model.sm_rate
+    if model.dram_rate:  # fewer busy SMs each get a larger share of the device's bandwidth
+        sm_rate = max(sm_rate, model.dram_rate / min(sms, blocks * n))
+    rate = min(model.block_rate * k, sm_rate)
     t = k * -(-visible // n) * row_bytes / rate + -(-k // model.blocks_per_sm) * model.block_us
-    if n > 1:
+    if n > 1 and model.merge_trip_us:
+        t += model.merge_us + -(-state_bytes // (16 * model.threads)) * -(-n // 16) * model.merge_trip_us
+    elif n > 1:
         t += model.merge_us + n * state_bytes / model.merge_rate
     return t
 

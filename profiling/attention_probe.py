@@ -16,10 +16,11 @@ def ncu_target(n_splits: int) -> None:
     """A few eager decode steps (B1 KV8192 32/8 D128, n_splits) for ncu --launch-skip 2 --launch-count 1."""
     attn = AttentionDispatch()
     rng = cupy.random.default_rng(0)
-    cache = PagedKVCache(1, 512, 16, 8, 128, max_seqs=1)
+    kv_len = int(os.environ.get("PROBE_NCU_KV", "8192"))
+    cache = PagedKVCache(1, -(-kv_len // 16), 16, 8, 128, max_seqs=1)
     for pool in (*cache.k_pools, *cache.v_pools):
         pool[...] = rng.standard_normal(pool.shape, dtype=cupy.float32).astype(pool.dtype)
-    s = cache.add(8192)
+    s = cache.add(kv_len)
     q = rng.standard_normal((1, 32, 128), dtype=cupy.float32)
     out = cupy.empty_like(q)
     plan = attn.plan_decode(cache, [s], 32, n_splits=n_splits)
@@ -73,15 +74,49 @@ def target_rows(which: str) -> None:
         attn._tc_warps = None
     if "prefill" in which:
         for bb, L, h, hk, d in [(4, 4096, 32, 32, 128), (4, 4096, 16, 16, 256)]:
-            peers = b._sdpa_us(bb, h, hk, L, d, True)
-            us = b._prefill_row(attn, rng, bb, L, h, hk, d)
-            show(b._tc_row("prefill paged f16", bb, L, h, hk, d, True, us, peers))
+            show(b._tc_rows("prefill paged f16", b._prefill_fn(attn, rng, bb, L, h, hk, d), bb, L, h, hk, d, True))
             if d == 128:
-                us = b._varlen_us(attn, rng, bb, L, h, hk, d, True)
-                show(b._tc_row("varlen f16 (+lse)", bb, L, h, hk, d, True, us, peers))
+                show(b._tc_rows("varlen f16 (+lse)", b._varlen_fn(attn, rng, bb, L, h, hk, d), bb, L, h, hk, d, True))
+
+
+def fixed_cost() -> None:
+    """Where the fixed part of a B1 32/8 D128 decode goes: graph time per launch over KV lengths, with K/V
+    rotating over layers (DRAM) or on one layer (L2-resident up to ~8k), by warps and splits."""
+    attn = AttentionDispatch()
+    rng = cupy.random.default_rng(1)
+    for kv_len in (64, 1024, 8192):
+        n_layers = 16
+        cache = PagedKVCache(n_layers, -(-kv_len // 16), 16, 8, 128, max_seqs=1)
+        for pool in (*cache.k_pools, *cache.v_pools):
+            pool[...] = rng.standard_normal(pool.shape, dtype=cupy.float32).astype(pool.dtype)
+        s = cache.add(kv_len)
+        q = rng.standard_normal((1, 32, 128), dtype=cupy.float32)
+        out = cupy.empty_like(q)
+        for nw in (4, 8):
+            attn._tc_warps = nw
+            for n_splits in (1, 2, 16):
+                if kv_len < 32 * n_splits:
+                    continue
+                plan = attn.plan_decode(cache, [s], 32, n_splits=n_splits)
+                k = {"i": 0}
+
+                def rot():
+                    k["i"] += 1
+                    attn.flash_attn_decode(plan, k["i"] % n_layers, q, out)
+                t_rot = time_graph_us(rot, n_inner=32)
+                t_one = time_graph_us(lambda: attn.flash_attn_decode(plan, 0, q, out), n_inner=32)
+                print(f"KV{kv_len} w{nw} s{n_splits}: rotating {t_rot:.2f} us, one layer {t_one:.2f} us", flush=True)
+        attn._tc_warps = None
+        del cache
+    v = cupy.zeros((1, 1, 1, 32), cupy.float32)
+    sl = cupy.zeros((1, 1, 1), cupy.float32)
+    o = cupy.zeros((1, 1, 32), cupy.float32)
+    print(f"tiny merge launch: {time_graph_us(lambda: attn.merge_states(v, sl, o), n_inner=64):.2f} us")
 
 
 def main():
+    if os.environ.get("PROBE_FIXED"):
+        return fixed_cost()
     if os.environ.get("PROBE_ROWS"):
         return target_rows(os.environ["PROBE_ROWS"])
     if os.environ.get("PROBE_NCU_PREFILL"):

@@ -9,7 +9,9 @@ Counted work:
   exceed the 50 MB L2 several times;
 * prefill / varlen: causal FLOPs 2 * B * H * L^2 * D (QK^T and PV over the lower triangle), or
   4 * B * H * L^2 * D non-causal; % is of the fastest torch SDPA backend in this run (flash =
-  FlashAttention-2, cuDNN), "x peer" is the ratio to the flash backend.
+  FlashAttention-2, cuDNN), "x peer" is the ratio to the flash backend. Ours and the peers are
+  timed in alternating rounds (the minimum of each over the rounds), so a clock drift during the
+  run reaches every side alike.
 
 Run: PYTHONPATH=. python profiling/bench_attention.py [--quick] [--json out.json]
 """
@@ -88,33 +90,47 @@ def _torch_graph_us(fn, n_inner):
         return time_us(fn)
 
 
-def _sdpa_us(b, h, hk, L, d, causal):
-    """(flash us, cudnn us) of torch SDPA at this shape; None where a backend is unavailable."""
+_ROUNDS = 3  # alternating timing rounds of ours and the peers (prefill / varlen)
+
+
+def _sdpa_fns(b, h, hk, L, d, causal) -> dict:
+    """{'flash': fn, 'cudnn': fn} running torch SDPA at this shape with that backend; a backend that is
+    unavailable is left out (with a note)."""
     if torch is None:
-        return None, None
+        return {}
     q = torch.randn(b, h, L, d, device="cuda", dtype=torch.float16)
     k = torch.randn(b, hk, L, d, device="cuda", dtype=torch.float16)
     v = torch.randn(b, hk, L, d, device="cuda", dtype=torch.float16)
-    res = []
-    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
-        try:
+    fns = {}
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        def fn(backend=backend):
             with sdpa_kernel(backend):
-                fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hk != h)  # noqa: E731
-                fn()
-                torch.cuda.synchronize()
-                res.append(time_us(fn, n_warmup=3, n_repeat=10))
+                F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hk != h)
+        try:
+            fn()
+            torch.cuda.synchronize()
+            fns[name] = fn
         except Exception as e:
             print(f"note: torch SDPA backend {backend} unavailable at B{b} H{h} L{L} D{d}: {type(e).__name__}")
-            res.append(None)
-    del q, k, v
-    return res[0], res[1]
+    return fns
+
+
+def _rounds_us(fns: dict) -> dict:
+    """Each function timed in _ROUNDS alternating rounds; the minimum per function (us)."""
+    best = {}
+    for _ in range(_ROUNDS):
+        for name, fn in fns.items():
+            t = time_us(fn, n_warmup=3, n_repeat=10)
+            best[name] = min(best.get(name, t), t)
+    return best
 
 
 def _flops(b, h, L, d, causal):
     return (2.0 if causal else 4.0) * b * h * L * L * d
 
 
-def _prefill_row(attn, rng, b, L, h, hk, d, causal=True):
+def _prefill_fn(attn, rng, b, L, h, hk, d, causal=True):
+    """A paged batched prefill of b sequences of L tokens (page size 64), ready to time."""
     page = 64
     cache = PagedKVCache(1, b * -(-L // page), page, hk, d, max_seqs=b)
     _fill_pools(cache, rng)
@@ -122,20 +138,24 @@ def _prefill_row(attn, rng, b, L, h, hk, d, causal=True):
     plan = attn.plan_batched(cache, slots, [L] * b)
     q = rng.standard_normal((b * L, h, d), dtype=cupy.float32).astype(cupy.float16)
     out = cupy.empty_like(q)
-    us = time_us(lambda: attn.flash_attn_batched(plan, 0, q, out, causal=causal), n_warmup=3, n_repeat=10)
-    del cache, q, out
-    return us
+    return lambda: attn.flash_attn_batched(plan, 0, q, out, causal=causal)
 
 
-def _varlen_us(attn, rng, b, L, h, hk, d, causal=True):
+def _varlen_fn(attn, rng, b, L, h, hk, d, causal=True):
+    """A varlen forward (with LSE) of b packed sequences of L tokens, ready to time."""
     q = rng.standard_normal((b * L, h, d), dtype=cupy.float32).astype(cupy.float16)
     k = rng.standard_normal((b * L, hk, d), dtype=cupy.float32).astype(cupy.float16)
     v = rng.standard_normal((b * L, hk, d), dtype=cupy.float32).astype(cupy.float16)
     cu = cupy.asarray(np.arange(b + 1, dtype=np.int32) * L)
     out = cupy.empty_like(q)
     lse = cupy.empty((b * L, h), cupy.float32)
-    return time_us(lambda: attn.flash_attn_varlen(q, k, v, cu, cu, out, max_seqlen_q=L, causal=causal, lse=lse),
-                   n_warmup=3, n_repeat=10)
+    return lambda: attn.flash_attn_varlen(q, k, v, cu, cu, out, max_seqlen_q=L, causal=causal, lse=lse)
+
+
+def _tc_rows(kernel, fn, b, L, h, hk, d, causal):
+    """Our kernel and torch SDPA's backends at one shape, timed in alternating rounds."""
+    t = _rounds_us({"ours": fn, **_sdpa_fns(b, h, hk, L, d, causal)})
+    return _tc_row(kernel, b, L, h, hk, d, causal, t["ours"], (t.get("flash"), t.get("cudnn")))
 
 
 def _tc_row(kernel, b, L, h, hk, d, causal, us, peers):
@@ -181,11 +201,10 @@ def bench(quick: bool = False) -> tuple[list, object]:
                    (2, 8192, 32, 32, 128), (1, 16384, 32, 32, 128), (8, 1024, 16, 16, 256), (4, 4096, 16, 16, 256),
                    (1, 16384, 16, 16, 256)]
     for b, L, h, hk, d in prefill:
-        us = _prefill_row(attn, rng, b, L, h, hk, d)
-        rows.append(_tc_row("prefill paged f16", b, L, h, hk, d, True, us, _sdpa_us(b, h, hk, L, d, True)))
+        rows.append(_tc_rows("prefill paged f16", _prefill_fn(attn, rng, b, L, h, hk, d), b, L, h, hk, d, True))
     for b, L, h, hk, d, causal in [(4, 4096, 32, 32, 128, True)] + ([] if quick else [(4, 4096, 32, 8, 128, False)]):
-        us = _varlen_us(attn, rng, b, L, h, hk, d, causal)
-        rows.append(_tc_row("varlen f16 (+lse)", b, L, h, hk, d, causal, us, _sdpa_us(b, h, hk, L, d, causal)))
+        rows.append(_tc_rows("varlen f16 (+lse)", _varlen_fn(attn, rng, b, L, h, hk, d, causal), b, L, h, hk, d,
+                             causal))
     if torch is None:
         print("note: torch is not installed here: the peer columns are empty")
     return list(rows), ceil

@@ -55,7 +55,6 @@ struct DecodeShape {
     static constexpr int RED_BYTES = DECODE_WARPS * G * D * 4;      // per-warp O of the final merge
     static constexpr int SMEM = NS * STAGE_BYTES > RED_BYTES ? NS * STAGE_BYTES : RED_BYTES;
     static_assert(D % VEC == 0, "head_dim must be a multiple of the 16-byte vector");
-    static_assert(SMEM >= G * 256 * 4, "the merge's weights (G x 256 splits) must fit in the stages");
 };
 
 // Position of query `qi` and its slot; the visible keys are [lo, hi).
@@ -94,11 +93,9 @@ CUKERN_DEVICE QueryRange decode_range(const int32_t* __restrict__ lengths, const
 // states (sinks added once) and leaves its counter zero for the next launch.
 template <int D, int G, int WARPS>
 CUKERN_DEVICE void decode_finish(
-    float* red,                              // shared [WARPS][G][D], later the merge's [G][n_splits] weights
+    float* red,                              // shared [WARPS][G][D]
     const float (*sm_m)[G],                  // shared [WARPS][G] warp maxima (base 2)
     const float (*sm_l)[G],                  // shared [WARPS][G] warp sums of weights
-    float* sm_mu,                            // shared [G] scratch
-    float* sm_den,                           // shared [G] scratch
     int* sm_last_p,                          // shared flag
     float* __restrict__ o, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part,
     int32_t* __restrict__ counters, const float* __restrict__ sinks, const DecodeParams& p, uint32_t qi,
@@ -149,58 +146,50 @@ CUKERN_DEVICE void decode_finish(
     __syncthreads();
     if (!sm_last) return;
     __threadfence();  // the other blocks' partials, read through L2 (__ldcg) below
+    // one pass per (head, float4 column): the states' LSEs and O columns are loaded MB at a time, all in
+    // flight together, and combined online (a running maximum mu of the natural-log LSEs, the sink's
+    // exp(sink - mu) joining the denominator once)
     const uint32_t ns = p.n_splits, nh = p.n_heads;
-    float* const w = red;  // [G][ns] state weights (red is no longer read)
-    for (int idx = threadIdx.x; idx < n_h * (int)ns; idx += NT) {
-        const int g = idx / ns, s = idx % ns;
-        w[idx] = __ldcg(lse_part + ((uint64_t)qi * ns + s) * nh + h0 + g);
-    }
-    __syncthreads();
-    for (int g = warp; g < n_h; g += WARPS) {  // per head: the maximum, weights exp(LSE_i - M), their sum
-        float mx = p.has_sinks ? sinks[h0 + g] : -INFINITY;
-        for (uint32_t s = lane; s < ns; s += 32) mx = fmaxf(mx, w[g * ns + s]);
-        const float mu = safe_max(warp_max(mx));
-        float den = 0.0f;
-        for (uint32_t s = lane; s < ns; s += 32) {
-            const float x = __expf(w[g * ns + s] - mu);
-            w[g * ns + s] = x;
-            den += x;
-        }
-        den = warp_sum(den);
-        if (p.has_sinks) den += __expf(sinks[h0 + g] - mu);
-        if (lane == 0) {
-            sm_mu[g] = mu;
-            sm_den[g] = den;
-        }
-    }
-    __syncthreads();
     constexpr int D4 = D / 4;
-    constexpr int MB = 16;  // states whose float4 loads are in flight together (an empty state's O is 0)
+    constexpr int MB = 16;  // states in flight together (an empty state has LSE -inf and O 0)
     for (int idx = threadIdx.x; idx < n_h * D4; idx += NT) {
         const int g = idx / D4, c = idx % D4;
         const float4* src = reinterpret_cast<const float4*>(o_part + ((uint64_t)qi * ns * nh + h0 + g) * D) + c;
         const uint64_t stride = (uint64_t)nh * D4;  // float4s between consecutive states
-        const float* wg = w + g * ns;
+        const float* ls = lse_part + (uint64_t)qi * ns * nh + h0 + g;  // state s at ls[s * nh]
+        float mu = p.has_sinks ? sinks[h0 + g] : -INFINITY;
+        float den = p.has_sinks ? 1.0f : 0.0f;  // sum of exp(LSE_s - mu) (and exp(sink - mu))
         float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         for (uint32_t s0 = 0; s0 < ns; s0 += MB) {
             float4 x[MB];
-#pragma unroll
-            for (int u = 0; u < MB; ++u)
-                x[u] = s0 + u < ns ? __ldcg(src + (s0 + u) * stride) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            float ll[MB];
 #pragma unroll
             for (int u = 0; u < MB; ++u) {
-                const float ws = s0 + u < ns ? wg[s0 + u] : 0.0f;
+                const bool ok = s0 + u < ns;
+                ll[u] = ok ? __ldcg(ls + (uint64_t)(s0 + u) * nh) : -INFINITY;
+                x[u] = ok ? __ldcg(src + (s0 + u) * stride) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+            float mx = mu;
+#pragma unroll
+            for (int u = 0; u < MB; ++u) mx = fmaxf(mx, ll[u]);
+            const float f = __expf(mu - safe_max(mx));  // rescales what was summed against the old maximum
+            mu = mx;
+            den *= f;
+            a = make_float4(a.x * f, a.y * f, a.z * f, a.w * f);
+#pragma unroll
+            for (int u = 0; u < MB; ++u) {
+                const float ws = __expf(ll[u] - safe_max(mu));
+                den += ws;
                 a.x = fmaf(ws, x[u].x, a.x);
                 a.y = fmaf(ws, x[u].y, a.y);
                 a.z = fmaf(ws, x[u].z, a.z);
                 a.w = fmaf(ws, x[u].w, a.w);
             }
         }
-        const float den = sm_den[g];
         const float inv = den > 0.0f ? 1.0f / den : 0.0f;
         const uint64_t row = (uint64_t)qi * nh + h0 + g;
         reinterpret_cast<float4*>(o + row * D)[c] = make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
-        if (c == 0 && p.write_lse) lse[row] = den > 0.0f ? sm_mu[g] + logf(den) : -INFINITY;
+        if (c == 0 && p.write_lse) lse[row] = den > 0.0f ? mu + logf(den) : -INFINITY;
     }
     if (threadIdx.x == 0) *counter = 0;  // every block of this row has counted: ready for the next launch
 }
@@ -235,8 +224,6 @@ __global__ void __launch_bounds__(cukern::attn::DECODE_WARPS * 32, 2) decode(
     T* const stages = reinterpret_cast<T*>(smem_raw);
     __shared__ float sm_m[WARPS][G];
     __shared__ float sm_l[WARPS][G];
-    __shared__ float sm_mu[G];
-    __shared__ float sm_den[G];
     __shared__ int sm_last;
 
     uint32_t dyn_smem;  // the host mirrors SMEM (_decode_smem): a mismatch must fail loudly, not overrun
@@ -455,6 +442,6 @@ __global__ void __launch_bounds__(cukern::attn::DECODE_WARPS * 32, 2) decode(
         }
     }
     __syncthreads();
-    decode_finish<D, G, WARPS>(red, sm_m, sm_l, sm_mu, sm_den, &sm_last, o, lse, o_part, lse_part, counters, sinks, p,
+    decode_finish<D, G, WARPS>(red, sm_m, sm_l, &sm_last, o, lse, o_part, lse_part, counters, sinks, p,
                                qi, split, h0, n_h);
 }

@@ -54,7 +54,6 @@ struct DecodeTcShape {
     static_assert(D % 32 == 0 && D <= 256, "head_dim must be a multiple of 32 up to 256");
     static_assert(NW == 4 || (NW == 8 && D <= 128), "8 warps only up to head_dim 128 (shared memory)");
     static_assert(KW * CPR % 32 == 0, "a warp tile must split evenly over the lanes");
-    static_assert(SMEM >= G * 256 * 4, "the merge's weights (G x 256 splits) must fit in the stages");
 };
 
 }  // namespace attn
@@ -85,8 +84,6 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
     extern __shared__ uint4 smem_raw[];  // [WARPS][NS] stages of [2][KW][LD] T, later the merges' scratch
     __shared__ float sm_m[WARPS][G];
     __shared__ float sm_l[WARPS][G];
-    __shared__ float sm_mu[G];
-    __shared__ float sm_den[G];
     __shared__ int sm_last;
 
     uint32_t dyn_smem;  // the host mirrors SMEM (_decode_tc_smem): a mismatch must fail loudly, not overrun
@@ -114,10 +111,11 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
     const uint32_t kv_off = kvh * D;
     T* const ring = reinterpret_cast<T*>(smem_raw) + warp * NS * STAGE;
 
-    // first key of the warp's tile i; the pool row of key (lane % KW) of it (clamped into the chunk)
+    // first key of the warp's tile i; the pool row of key (lane % KW) of it (clamped into the chunk, and to
+    // key 0 when the chunk is empty: then nothing is copied)
     auto key0 = [&](int32_t i) { return c0 + (i * WARPS + warp) * KW; };
     auto lookup = [&](int32_t i) {
-        const uint32_t j = (uint32_t)min(key0(i) + lane % KW, c1 - 1);
+        const uint32_t j = (uint32_t)max(min(key0(i) + lane % KW, c1 - 1), 0);
         return (uint32_t)paged_row(pt, j, p.page_size, p.page_shift);
     };
     // copies of the warp's tile i into stage st; `row` is lookup(i); keys past the chunk are zero-filled
@@ -135,12 +133,17 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
             cp_async16(vs + key * LD + ch * 8, v_pool + off, bytes);
         }
     };
+    // the first NS - 1 tiles are in flight before q is read; their page-table loads (and the one of the
+    // tile after them) are issued together (the lookup clamps into the chunk, so any key is safe to look up)
+    uint32_t rows0[NS];
 #pragma unroll
-    for (int st = 0; st < NS - 1; ++st) {  // the first NS - 1 tiles are in flight before q is read
-        if (st < my_tiles) issue(st, st, lookup(st));
+    for (int st = 0; st < NS; ++st) rows0[st] = lookup(st);
+#pragma unroll
+    for (int st = 0; st < NS - 1; ++st) {
+        if (st < my_tiles) issue(st, st, rows0[st]);
         cp_async_commit();
     }
-    uint32_t next_row = NS - 1 < my_tiles ? lookup(NS - 1) : 0u;  // the next tile to issue
+    uint32_t next_row = rows0[NS - 1];  // the next tile to issue
 
     // Q fragments: lane (g, tq) holds elements 16 kk + 2 tq + {0, 1, 8, 9} of head g, as A rows g (hi) and
     // g + 8 (lo). Q is scaled to base-2 logits and by 2^-e, e chosen per head so that |q| < 2^14 (f16 range).
@@ -278,6 +281,6 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
         }
     }
     __syncthreads();
-    decode_finish<D, G, WARPS>(red, sm_m, sm_l, sm_mu, sm_den, &sm_last, o, lse, o_part, lse_part, counters, sinks, p,
+    decode_finish<D, G, WARPS>(red, sm_m, sm_l, &sm_last, o, lse, o_part, lse_part, counters, sinks, p,
                                qi, split, h0, n_h);
 }

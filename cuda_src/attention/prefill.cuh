@@ -5,9 +5,10 @@
 // Tiles are taken heaviest first (blockIdx.z = 0 is the last query tile of every head and
 // sequence; z varies slowest in the launch order), so the causal diagonal's long tiles start
 // before all the short ones. A block loads its Q tile once, then streams K/V tiles of BN keys
-// through shared memory with cp.async (two stages: tile t + 1 loads while tile t is used). Paged
-// keys: the pool rows of a tile's keys are looked up two tiles ahead (one per thread, kept in
-// shared memory), so no copy waits for a page-table load.
+// through shared memory with cp.async (two stages: tile t + 1 loads while tile t is used; one
+// barrier per tile). Paged keys: the pool rows of a tile's keys are looked up two tiles ahead
+// (one per thread, kept in shared memory), so no copy waits for a page-table load; a tile inside
+// one page takes its rows from one lookup.
 // Per tile and warp: S = Q K^T (Q fragments re-read from shared memory; mma.sync m16n8k16, f32
 // accumulators), masks and the online softmax in registers (the row state of row g and
 // g + 8 lives in the 4 lanes of a quad), P rounded to T and O += P V on the tensor cores.
@@ -128,13 +129,16 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::NT) prefill(
         return threadIdx.x < BN && j < kv_len ? (int32_t)paged_row(pt, (uint32_t)j, p.page_size, p.page_shift) : -1;
     };
     // K/V tile t into stage st (PAGED: its rows in sm_rows[st])
+    // a tile inside one page (page_size a power of two >= BN) has consecutive pool rows: one lookup
+    const bool tile_in_page = PAGED && p.page_shift >= 0 && (1u << p.page_shift) >= (uint32_t)BN;
     auto load_kv = [&](int32_t t, int st) {
         int32_t row[Sh::KV_CHUNKS];  // pool (PAGED) or packed row of each chunk's key, -1 past kv_len
+        const int32_t base = !PAGED ? k_start + t * BN : (tile_in_page ? sm_rows[st][0] : 0);  // row of key 0
 #pragma unroll
         for (int i = 0; i < Sh::KV_CHUNKS; ++i) {
             const int32_t key = (int32_t)(threadIdx.x + i * NT) / CPR;
             const int32_t j = t * BN + key;
-            row[i] = PAGED ? sm_rows[st][key] : (j < kv_len ? k_start + j : -1);
+            row[i] = PAGED && !tile_in_page ? sm_rows[st][key] : (j < kv_len ? base + key : -1);
         }
 #pragma unroll
         for (int i = 0; i < Sh::KV_CHUNKS; ++i) {
@@ -173,15 +177,13 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::NT) prefill(
 
     for (int32_t t = t_begin; t < t_end; ++t) {
         const int st = (t - t_begin) & 1;
-        if (t + 1 < t_end) {
+        cp_async_wait<0>();  // tile t has landed (this thread's copies) ...
+        __syncthreads();     // ... everyone's; and every warp is done with stage st ^ 1 (tile t - 1)
+        if (t + 1 < t_end) {  // tile t + 1 loads while tile t is used
             load_kv(t + 1, st ^ 1);
             cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
         }
-        if (PAGED && t + 2 < t_end) next_row = fetch_row(t + 2);  // in flight while tile t is used
-        __syncthreads();
+        if (PAGED && t + 2 < t_end) next_row = fetch_row(t + 2);
         const int32_t j0 = t * BN;
         // skip tiles this warp sees nothing of (past its causal end, or before its window)
         if (warp_active && j0 < w_hi && j0 + BN - 1 >= w_lo) {
@@ -300,9 +302,9 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::NT) prefill(
                 }
             }
         }
-        // tile t's rows (slot st) were used by its copies: the slot takes tile t + 2's
+        // tile t's rows (slot st) were used by its copies: the slot takes tile t + 2's (read after the
+        // next iteration's barrier)
         if (PAGED && t + 2 < t_end && threadIdx.x < BN) sm_rows[st][threadIdx.x] = next_row;
-        __syncthreads();  // every warp is done with stage st before the next iteration refills it
     }
     cp_async_wait<0>();  // no copy outlives the block (the Q tile when no K/V tile is visible)
 
