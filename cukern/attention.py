@@ -681,7 +681,12 @@ class AttentionDispatch:
         query heads of their group. With ``plan.n_splits > 1`` the chunks write normalised partial
         (O, LSE) into the plan's buffers and, in the same launch, the last block to finish for a
         (query, head block) merges them (as :meth:`merge_states` would), adding the sinks once.
-        out must be 16-byte aligned."""
+        out must be 16-byte aligned.
+
+        f16/bf16 caches up to head_dim 256 run on tensor cores (``decode_tc``): q (scaled to base-2 logits
+        and by a power of two that keeps it in f16 range) and the softmax weights are each split into
+        hi + lo parts of the cache dtype, so S and O keep f32 accuracy (the same tolerance as the SIMT
+        kernel, which serves f32 caches and head_dim 512)."""
         if not isinstance(plan, DecodePlan):
             raise TypeError(f"plan must be a DecodePlan (AttentionDispatch.plan_decode), got {type(plan).__name__}")
         cache = plan.cache
