@@ -53,14 +53,14 @@ for n, H, E in ((8192, 2048, 128), (2048, 2048, 128), (512, 2048, 128), (8192, 4
     fl = 2 * n * E * H
     res = {}
     for label, min_tok in (("gemm", 1), ("old", 1 << 40)):
-        ew._ROUTER_GEMM_MIN_TOKENS = min_tok
+        ew._ROUTER_GEMM_MIN_TOKENS, ew._ROUTER_GEMM_MIN_EXPERTS = min_tok, 1
         res[label] = time_graph_us(lambda: d.router_matvec(xnxt(), W, lg), n_inner=16, n_repeat=10)
         res[label + "+norm"] = time_graph_us(lambda: d.router_rms_norm_matvec(xnxt(), wn, W, lg), n_inner=16,
                                              n_repeat=10)
-    ew._ROUTER_GEMM_MIN_TOKENS = 256
+    ew._ROUTER_GEMM_MIN_TOKENS, ew._ROUTER_GEMM_MIN_EXPERTS = 4096, 64
     res["cublas"] = time_us(lambda: [cupy.matmul(xnxt(), W.T, out=lg2) for _ in range(16)], n_warmup=3,
                             n_repeat=10) / 16
     print(f"router {n}x{H} @ {E}: " + ", ".join(f"{k} {v:.2f} us {fl / v / 1e6:.1f} TF/s" for k, v in res.items())
           + f"; gemm x cuBLAS {res['cublas'] / res['gemm']:.2f}", flush=True)
-for name in ("router_gemm<false>", "router_gemm<true>", "router_matvec<8, 8, 64>"):
+for name in ("router_gemm<false, 32, 4>", "router_gemm<true, 32, 4>", "router_matvec<8, 8, 64>"):
     attrs(name)

@@ -585,22 +585,28 @@ def test_router_matvec(d, rng, n_tok, n_exp, n_embd):
 
 
 @gpu
-@pytest.mark.parametrize("n_tok,n_exp,n_embd", [(256, 128, 2048), (300, 33, 260), (517, 200, 1028), (1000, 1, 4),
-                                                (290, 129, 20)])
+@pytest.mark.parametrize("n_tok,n_exp,n_embd", [(4096, 128, 2048), (4100, 64, 260), (4127, 200, 1028), (4096, 64, 4),
+                                                (4111, 129, 20)])
 def test_router_gemm(d, rng, n_tok, n_exp, n_embd):
     """Token batches from _ROUTER_GEMM_MIN_TOKENS: the register-tiled GEMM, ragged in tokens (last block),
-    experts (past one 128-expert tile) and n_embd (past one 16-column stage)."""
+    experts (past one 128-expert tile) and n_embd (past one stage).
+
+    Accuracy: normwise relative error <= 1e-5; per element, an absolute part scaled to the outputs' rms. Each
+    output is one sequential f32 FMA chain over n_embd columns: at n_embd 2048 with outputs of rms ~6 (the
+    fused case) single elements near zero miss 1e-5 absolute by up to 6e-5 (seen on an H100, and in a CPU
+    emulation of the kernel's arithmetic: max |err| / rms(ref) ~ 1e-5, normwise ~ 9e-7)."""
     x, W, wn = _randn(rng, n_tok, n_embd, scale=2), _randn(rng, n_exp, n_embd, scale=0.05), _randn(rng, n_embd)
+
+    def check(out, want, name):
+        rms = float(np.sqrt(np.mean(want ** 2)))
+        assert_close(out, want, atol=3e-5 * max(rms, 1.0), rtol=1e-4, name=name)
+        assert np.linalg.norm(out.get() - want) <= 1e-5 * np.linalg.norm(want), name
     logits = _empty(n_tok, n_exp)
     d.router_matvec(_dev(x), _dev(W), logits, scale=0.5)
-    want = ref.router_matvec(x, W, scale=0.5)
-    assert_close(logits, want, atol=1e-5, rtol=1e-4)
-    assert np.linalg.norm(logits.get() - want) <= 1e-5 * np.linalg.norm(want)
+    check(logits, ref.router_matvec(x, W, scale=0.5), "router_matvec")
     logits = _empty(n_tok, n_exp)
     d.router_rms_norm_matvec(_dev(x), _dev(wn), _dev(W), logits, eps=1e-6, weight_offset=1.0, scale=2.0)
-    want = ref.router_rms_norm_matvec(x, wn, W, eps=1e-6, weight_offset=1.0, scale=2.0)
-    assert_close(logits, want, atol=1e-5, rtol=1e-4, name="fused norm")
-    assert np.linalg.norm(logits.get() - want) <= 1e-5 * np.linalg.norm(want)
+    check(logits, ref.router_rms_norm_matvec(x, wn, W, eps=1e-6, weight_offset=1.0, scale=2.0), "fused norm")
 
 
 # ---------------------------------------------------------------------------------- SSM / DeltaNet

@@ -464,78 +464,86 @@ __global__ void __launch_bounds__(BLOCK) router_matvec(
 }
 
 // router_matvec for token batches, a small f32 GEMM (logits = x W^T, both operands n_embd-contiguous): a block
-// computes RG_TOKENS tokens x RG_EXPERTS experts, streaming RG_BK columns of x and W per stage through a
-// RG_STAGES-deep cp.async ring in shared memory (rows padded to RG_BK + 4 floats: the 16-byte reads of 8
-// consecutive rows hit distinct banks); thread (tg, eg) accumulates tokens 4 tg + i (i < 4) x experts
-// eg + 16 j (j < 8) in registers: per 4 columns, 4 + 8 16-byte shared reads feed 128 FMAs. NORM: the fused
-// router norm (x scaled by w_norm + weight_offset on its way to the FMAs, sum of squares per token on the
-// side). Same results as router_matvec up to the f32 summation order. n_embd % 4 == 0, 16-byte aligned
-// x, W, w_norm. grid: (ceil(n_tokens / RG_TOKENS), ceil(n_experts / RG_EXPERTS)), block: RG_THREADS.
+// computes RG_TOKENS tokens x RG_EXPERTS experts, streaming BK columns of x and W per stage through a
+// STAGES-deep cp.async ring in dynamic shared memory (rg_smem_bytes; rows padded to BK + 4 floats: the
+// 16-byte reads of 8 consecutive rows hit distinct banks); thread (tg, eg) accumulates tokens 4 tg + i (i < 4)
+// x experts eg + 16 j (j < 8) in registers: per 4 columns, 4 + 8 16-byte shared reads feed 128 FMAs. NORM:
+// the fused router norm (x scaled by w_norm + weight_offset on its way to the FMAs, sum of squares per token
+// on the side). Same results as router_matvec up to the f32 summation order. n_embd % 4 == 0, 16-byte
+// aligned x, W, w_norm. grid: (ceil(n_tokens / RG_TOKENS), ceil(n_experts / RG_EXPERTS)), block: RG_THREADS.
 // Bytes: x once per expert tile, W once per token tile (L2); FLOPs: 2 n_tokens n_experts n_embd.
 namespace cukern {
 namespace ew {
-constexpr int RG_TOKENS = 32, RG_EXPERTS = 128, RG_THREADS = 128, RG_BK = 16, RG_STAGES = 3;
-constexpr int RG_ROW = RG_BK + 4;  // floats per staged row
+constexpr int RG_TOKENS = 32, RG_EXPERTS = 128, RG_THREADS = 128;
 constexpr int RG_TT = 4, RG_TE = 8;  // tokens x experts per thread
 }  // namespace ew
 }  // namespace cukern
 
-template <bool NORM>
+template <bool NORM, int BK, int STAGES>
 __global__ void __launch_bounds__(cukern::ew::RG_THREADS) router_gemm(
     float* __restrict__ logits, const float* __restrict__ x, const float* __restrict__ W,
     const float* __restrict__ w_norm,  // as router_matvec
     const RouterParams p) {
     using namespace cukern;
     using namespace cukern::ew;
-    constexpr int XR = RG_TOKENS, WR = RG_EXPERTS;
-    __shared__ __align__(16) float xs[RG_STAGES][XR][RG_ROW];
-    __shared__ __align__(16) float ws[RG_STAGES][WR][RG_ROW];
-    __shared__ __align__(16) float gs[RG_STAGES][RG_BK];
+    constexpr int XR = RG_TOKENS, WR = RG_EXPERTS, ROW = BK + 4;  // ROW: floats per staged row
+    constexpr int CPR = BK / 4, RP = RG_THREADS / CPR;  // float4s per row, rows per pass of the block
+    static_assert(BK % 4 == 0 && RG_THREADS % CPR == 0 && XR % RP == 0 && WR % RP == 0, "whole passes");
+    // [STAGES][XR][ROW] x, [STAGES][WR][ROW] W, [STAGES][BK] w_norm
+    extern __shared__ float4 rg_smem[];
+    float* xs = reinterpret_cast<float*>(rg_smem);
+    float* ws = xs + STAGES * XR * ROW;
+    float* gs = ws + STAGES * WR * ROW;
     const uint32_t tid = threadIdx.x, tg = tid / 16, eg = tid % 16;
     const uint32_t t0 = blockIdx.x * XR, e0 = blockIdx.y * WR;
-    const uint32_t n_steps = (p.n_embd + RG_BK - 1) / RG_BK;
-    // thread tid copies float4 c = tid % 4 of x row tid / 4 and of W rows tid / 4 + 32 m (m < 4) per step;
-    // zero-filled past n_embd and past the last token / expert (from row 0: a valid address)
-    static_assert(RG_BK == 16 && RG_THREADS == 4 * XR && WR == 4 * XR, "one x row and four W rows per thread");
-    const uint32_t c4 = 4 * (tid % 4), lr = tid / 4;
-    const bool x_in = t0 + lr < p.n_tokens;
-    const float* xsrc = x + (x_in ? (uint64_t)(t0 + lr) * p.n_embd : 0) + c4;
-    const float* wsrc = W + (uint64_t)(e0 + lr) * p.n_embd + c4;  // row e0 + lr; + XR m rows for m > 0
+    const uint32_t n_steps = (p.n_embd + BK - 1) / BK;
+    // thread tid copies float4 tid % CPR of rows tid / CPR + RP h of the x and W tiles per step; zero-filled
+    // past n_embd and past the last token / expert (from the array's start: a valid address)
+    const uint32_t c4 = 4 * (tid % CPR), lr = tid / CPR;
+    const float* xsrc = x + (uint64_t)(t0 + lr) * p.n_embd + c4;
+    const float* wsrc = W + (uint64_t)(e0 + lr) * p.n_embd + c4;
     auto load = [&](uint32_t step, int s) {
-        const uint32_t k0 = step * RG_BK;
+        const uint32_t k0 = step * BK;
         const bool k_in = k0 + c4 < p.n_embd;
-        const uint32_t off = k_in ? k0 : 0;
-        cp_async16(&xs[s][lr][c4], xsrc + off, x_in && k_in ? 16 : 0);
 #pragma unroll
-        for (int m = 0; m < 4; ++m) {
-            const bool in = e0 + lr + XR * m < p.n_experts;
-            cp_async16(&ws[s][lr + XR * m][c4], in ? wsrc + (uint64_t)XR * m * p.n_embd + off : W, in && k_in ? 16 : 0);
+        for (int h = 0; h < XR / RP; ++h) {
+            const bool in = k_in && t0 + lr + RP * h < p.n_tokens;
+            cp_async16(xs + (s * XR + lr + RP * h) * ROW + c4, in ? xsrc + (uint64_t)RP * h * p.n_embd + k0 : x,
+                       in ? 16 : 0);
         }
-        if (NORM && tid < RG_BK / 4) {
+#pragma unroll
+        for (int h = 0; h < WR / RP; ++h) {
+            const bool in = k_in && e0 + lr + RP * h < p.n_experts;
+            cp_async16(ws + (s * WR + lr + RP * h) * ROW + c4, in ? wsrc + (uint64_t)RP * h * p.n_embd + k0 : W,
+                       in ? 16 : 0);
+        }
+        if (NORM && tid < CPR) {
             const uint32_t k = k0 + 4 * tid;
-            cp_async16(&gs[s][4 * tid], w_norm + (k < p.n_embd ? k : 0), k < p.n_embd ? 16 : 0);
+            cp_async16(gs + s * BK + 4 * tid, w_norm + (k < p.n_embd ? k : 0), k < p.n_embd ? 16 : 0);
         }
     };
 #pragma unroll
-    for (int s = 0; s < RG_STAGES - 1; ++s) {
+    for (int s = 0; s < STAGES - 1; ++s) {
         if ((uint32_t)s < n_steps) load(s, s);
         cp_async_commit();
     }
     float acc[RG_TT][RG_TE] = {};
     float ss[RG_TT] = {};
     for (uint32_t step = 0; step < n_steps; ++step) {
-        cp_async_wait<RG_STAGES - 2>();
-        __syncthreads();  // stage step % RG_STAGES is in; every thread is done with the stage reloaded below
-        if (step + RG_STAGES - 1 < n_steps) load(step + RG_STAGES - 1, (step + RG_STAGES - 1) % RG_STAGES);
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // stage step % STAGES is in; every thread is done with the stage reloaded below
+        if (step + STAGES - 1 < n_steps) load(step + STAGES - 1, (step + STAGES - 1) % STAGES);
         cp_async_commit();
-        const int s = step % RG_STAGES;
+        const int s = step % STAGES;
+        const float* xt = xs + (s * XR + RG_TT * tg) * ROW;
+        const float* wt = ws + (s * WR + eg) * ROW;
 #pragma unroll
-        for (int c = 0; c < RG_BK / 4; ++c) {
+        for (int c = 0; c < BK / 4; ++c) {
             float4 xv[RG_TT];
 #pragma unroll
-            for (int i = 0; i < RG_TT; ++i) xv[i] = *reinterpret_cast<const float4*>(&xs[s][RG_TT * tg + i][4 * c]);
+            for (int i = 0; i < RG_TT; ++i) xv[i] = *reinterpret_cast<const float4*>(xt + i * ROW + 4 * c);
             if (NORM) {
-                const float4 g = *reinterpret_cast<const float4*>(&gs[s][4 * c]);
+                const float4 g = *reinterpret_cast<const float4*>(gs + s * BK + 4 * c);
                 const float o = p.weight_offset;
 #pragma unroll
                 for (int i = 0; i < RG_TT; ++i) {
@@ -545,7 +553,7 @@ __global__ void __launch_bounds__(cukern::ew::RG_THREADS) router_gemm(
             }
 #pragma unroll
             for (int j = 0; j < RG_TE; ++j) {
-                const float4 wv = *reinterpret_cast<const float4*>(&ws[s][eg + 16 * j][4 * c]);
+                const float4 wv = *reinterpret_cast<const float4*>(wt + 16 * j * ROW + 4 * c);
 #pragma unroll
                 for (int i = 0; i < RG_TT; ++i) {  // one FMA per product, in column order
                     acc[i][j] = fmaf(xv[i].x, wv.x, acc[i][j]);
