@@ -13,44 +13,65 @@ i.e. a column-major K x N matrix), outputs ``d`` are ``[n, m]``; both may be row
 Paths (:meth:`MatmulDispatch.plan_path` is the rule, :meth:`MatmulDispatch.matmul` applies it,
 ``path=`` overrides it):
 
-* ``"f16"`` (:meth:`gemm`, :meth:`gemm_glu`): the tiled GEMM ``gemm_f16``: raw GGUF super-stages
-  (256 elements) copied to shared memory by coalesced cp.async, W dequantized to f16 tiles there,
-  B converted to f16 tiles, ``mma.sync.m16n8k16`` with f32 accumulation. Token tiles of
-  16/32/64/128 (the smallest that holds N, 128 beyond); when the tile grid cannot fill the GPU
-  (small N), K is split across CTAs whose partial sums are added with atomics into ``d`` (zeroed
-  first by a fill on the same stream). The fused gate+up GEMMs never split K.
+* ``"f16"`` (:meth:`gemm`, :meth:`gemm_glu`), two kernels:
+
+  - ``gemm_wg`` (gemm_wg.cuh; Hopper only, f16 b, N >= ``WG_MIN_N`` = 256, ``wgmma=`` overrides):
+    ``wgmma.mma_async`` m64nNk16 with both operands in shared memory (non-swizzled core-matrix
+    layout), 128 weight rows x 128 or 256 tokens per CTA (``_wg_tile``: fewest tile-weighted waves),
+    2 or 4 warpgroups (4 at 256 tokens), one CTA per SM. Raw GGUF super-stages are copied by
+    cp.async and dequantized to f16 one 64-element stage ahead of the asynchronous MMA;
+    activations come by 16-byte cp.async, 3-4 stages. The f16 units are compiled for sm_90a on an
+    sm_90 device (NVRTC to a cubin, loaded through ``cupy.RawModule(path=)``: CuPy's own compile
+    always appends ``-arch=sm_90``), cached under CUPY_CACHE_DIR.
+  - ``gemm_f16`` (gemm.cuh; any arch, f32 or f16 b): raw GGUF super-stages (256 elements) copied
+    to shared memory by coalesced cp.async, W dequantized to f16 tiles there, B converted to f16
+    tiles, ``mma.sync.m16n8k16`` with f32 accumulation. Token tiles of 16/32/64/128 (the smallest
+    that holds N, 128 beyond); when the tile grid cannot fill the GPU (small N), K is split across
+    CTAs whose partial sums are added with atomics into ``d`` (zeroed first by a fill on the same
+    stream). The fused gate+up GEMMs never split K.
 * ``"int8"`` (:meth:`gemm_q8`, :meth:`gemm_q8_glu`): Q8_1 activations against int8 quants on
   ``mma.sync`` s8 tensor cores (m16n8k32; m16n8k16 for Q6_K's 16-element scales); exact integer
   dot products per 32-block, scales in f32. ``gemm_q8_glu`` can emit Q8_1/Q8_0 for the next one.
   The minimum arch is sm_80 (``runtime.MIN_ARCH``), where int8 ``mma.sync`` always exists, so
   there is no DP4a fallback to select. The s32 dot products start at a 1.5 * 2^23 bias and reach
   f32 by two FMAs (no conversion instructions); 128-token tiles (N > 64) run one CTA per SM with 3
-  activation stages and a whole raw super-stage in flight. Still latency-bound (H100, 2026-11-22,
+  activation stages and a whole raw super-stage in flight. Latency-bound (H100, 2026-11-22,
   14336x4096: 0.27x-0.29x of dequant + cuBLAS at N = 512, 0.20x at N = 2048; ncu at N = 2048: 31%
-  issue-slot use, 78% excess L2 sectors from the 4-byte cp.async of 36-byte Q8_1 blocks, one
-  token per thread pair, and 3-way shared-load bank conflicts): the next step is coalescing the
-  activation copies (32 consecutive words of a warp's tokens per instruction).
+  issue-slot use, 78% excess L2 sectors from the 4-byte cp.async of 36-byte Q8_1 blocks).
 * ``"matvec"``: the dmmv family's batched matvec (``DmmvDispatch.dmmv``), weights read once per
   launch of up to 8 columns.
 
-The rule, from ``profiling/bench_matmul.py`` on an H100 (2026-11-22, 4096x4096, 14336x4096 and
-4096x14336, Q4_K/Q6_K/Q8_0/Q5_0, f16 activations; ratios are peer time / cukern time):
+Measured (H100, 2026-11-22, ``profiling/bench_matmul.py``, f16 activations, ratios = peer time /
+cukern time; 4096x4096, 14336x4096, 4096x14336; Q4_K, Q6_K, Q8_0, Q5_0):
 
-=========  ==========================  ==============================  ============================
-N          f16 GEMM vs dmmv batched    f16 GEMM vs dequant + cuBLAS    int8 (quantize + GEMM) vs f16
-=========  ==========================  ==============================  ============================
-16         2.4x - 4.0x faster          2.6x - 5.1x faster              0.86x - 1.0x
-64         5.2x - 8.6x faster          1.0x - 2.7x faster              0.5x - 0.9x
-128        (not run)                   0.6x - 2.4x                     0.4x - 1.0x
-512        (not run)                   0.33x - 0.53x (slower)          0.5x - 0.7x
-2048       (not run)                   0.28x - 0.43x (slower)          0.45x - 0.55x
-=========  ==========================  ==============================  ============================
+=====  ===================================  ===================================
+N      ``gemm`` vs dmmv batched matvec      ``gemm`` vs dequant + cuBLAS
+=====  ===================================  ===================================
+16     1.8x - 3.1x faster (gemm_f16)        1.9x - 4.1x faster (gemm_f16)
+64     4.6x - 11x faster (gemm_f16)         0.84x - 2.4x (gemm_f16)
+512    (not run)                            0.37x - 0.57x (gemm_wg; slower)
+2048   (not run)                            0.34x - 0.43x (gemm_wg; slower)
+=====  ===================================  ===================================
 
 so: ``"matvec"`` for N <= 8 (one dmmv launch reads the weights once; not measured against the
 GEMM below N = 16), ``"f16"`` above, ``"int8"`` only when the activations already are Q8_1 (it
-never beat the f16 path in these runs). At N >= 512 dequantizing to f16 once and calling cuBLAS
-is faster than either path here (mma.sync tiles at 160-230 TFLOP/s against cuBLAS's wgmma). The Q6_K
-rows of that run came from a raw-copy bug since fixed (same work, wrong bytes): their times stand.
+never beat the f16 path). gemm_wg against gemm_f16 as CUDA-graph replays
+(``profiling/probe_matmul_wg.py``), N = 2048: 4096x4096 Q8_0 304 vs 307 us, Q6_K 327 vs 385,
+Q4_K 294 vs 285, Q5_0 295 vs 282; 14336x4096 Q8_0 1024 vs 1108, Q4_K 986 vs 1078, Q6_K 1103
+vs 1331, Q5_0 1003 vs 1059; N = 512 (4096x4096) within 10% either way.
+
+What limits gemm_wg (probe_matmul_wg.py's variants that skip work, Q8_0 4096x4096 N = 2048, 256
+tokens x 4 warpgroups): the whole kernel 304 us (226 TFLOP/s); the MMAs alone (no copies, no
+dequantization) 92 us (749 TFLOP/s: the wgmma tiles and layout are not the limit); without the
+activation copies 173 us; without dequantization 300 us; without the raw weight copies 276 us;
+without the MMAs 303 us. ncu: L2 throughput 75%, DRAM 6%, SM 32%. So it is bound by L2 -> SM
+traffic, mostly the activation tile, which every 128-row CTA re-reads (32 KB per 64-element
+stage against 8.7 KB of Q8_0 weights). Next steps: 256 weight rows per CTA (halves activation
+reads per FLOP; needs the A operand from registers or fewer f16 W buffers to fit), thread-block
+clusters multicasting the activation tile (TMA ``cp.async.bulk.tensor`` with ``.multicast``) to
+the CTAs of one token tile, and the bulk tensor copy for the activation stages (fewer
+instructions, deeper pipelines). Dequantize + cuBLAS reaches 450-600 TFLOP/s end to end, so the
+target (> 1x at N >= 512) needs roughly 2.5x.
 
 Every method validates its arguments and raises TypeError/ValueError before any launch; nothing
 here synchronises, allocates device memory or reads device values (graph-capturable).
@@ -87,8 +108,10 @@ _ROW_TILE_GLU = 64
 _BK = 64  # K elements per stage
 _SUPER = 256  # K elements per raw super-stage; K splits are multiples of it
 _W_ALIGN = {2: 2, 6: 2, 8: 2, 12: 16, 13: 16, 14: 2}  # bytes: the K4/K5 quants are read as uint4
-# gemm_wg (Hopper wgmma, gemm_wg.cuh): 128 weight rows (GLU: 64 of each matrix) x 128 or 256 tokens
+# gemm_wg (Hopper wgmma, gemm_wg.cuh): 128 weight rows (GLU: 64 of each matrix) x 128 or 256 tokens,
+# 2 or 4 warpgroups
 _WG_TILES = (128, 256)
+_WG_GROUPS = (2, 4)
 _WG_STAGES = {128: 4, 256: 3}  # WgCfg<BT>::kStages
 
 _B_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half"}
@@ -122,7 +145,9 @@ def _smem_q8(bt: int, qt: int) -> int:
 
 def _smem_wg(bt: int, qt: int) -> int:
     """Dynamic shared memory of gemm_wg (gemm_wg_smem_bytes in gemm_wg.cuh; the kernel traps if short)."""
-    return _WG_STAGES[bt] * bt * _BK * 2 + 3 * _ROW_TILE * _BK * 2 + 2 * _ROW_TILE * _raw_stride(qt)
+    raw = _raw_stride(qt)
+    raw += 0 if (raw // 16) % 2 else 16  # RawWg<QT>::kStride: an odd number of 16-byte units
+    return _WG_STAGES[bt] * bt * _BK * 2 + 3 * _ROW_TILE * _BK * 2 + 2 * _ROW_TILE * raw
 
 
 def _raw16(*weights: QWeight) -> int:
@@ -143,7 +168,8 @@ def q8_0_row_bytes(n_cols: int) -> int:
 def _gemm_unit(qt: int) -> FamilySpec:
     kernels = [KernelSpec(f"gemm_f16<{qt}, {bt}, {glu}, {tb}>", "GemmParams")
                for bt in _TOKEN_TILES for glu in ("false", "true") for tb in _B_TYPES.values()]
-    kernels += [KernelSpec(f"gemm_wg<{qt}, {bt}, {glu}>", "GemmParams") for bt in _WG_TILES for glu in ("false", "true")]
+    kernels += [KernelSpec(f"gemm_wg<{qt}, {bt}, {glu}, {wgs}>", "GemmParams")
+                for bt in _WG_TILES for glu in ("false", "true") for wgs in _WG_GROUPS]
     return FamilySpec(f"matmul_f16_{GEMM_QTYPES[qt]}", tuple(kernels), source="matmul/gemm.cu",
                       params_header="matmul/params.cuh")
 
@@ -402,6 +428,7 @@ class MatmulDispatch(Dispatch):
         return d
 
     WG_MIN_N = 256  # gemm_wg from this many columns (sm_90, f16 b)
+    WG_GROUPS = None  # warpgroups per gemm_wg CTA: 2 or 4; None: 4 for 256-token tiles, else 2
 
     def _use_wg(self, qtype: int, b, n: int, wgmma) -> bool:
         if wgmma is not None and not isinstance(wgmma, bool):
@@ -445,7 +472,10 @@ class MatmulDispatch(Dispatch):
             d_stride=d_stride, m=w.m, n=n, k=w.k, k_split=k_split, mode=mode, atomic=int(grid[2] > 1),
             raw16=_raw16(w, w2))
         self._zero_for_split(d, grid, accumulate, stream)
-        self._units[w.qtype]._launch(f"gemm_wg<{w.qtype}, {bt}, {'true' if glu else 'false'}>", grid, _THREADS,
+        # at 128 tokens, four warpgroups would read each weight fragment twice per k step from
+        # shared memory (two 64-token slices): 2 KB of A per 2 KB of B, the bandwidth's limit
+        wgs = self.WG_GROUPS or (4 if bt == 256 else 2)
+        self._units[w.qtype]._launch(f"gemm_wg<{w.qtype}, {bt}, {'true' if glu else 'false'}, {wgs}>", grid, 128 * wgs,
                                      (d, w.buf, w2.buf, b), params, stream=stream, shared_mem=_smem_wg(bt, w.qtype))
         return d
 

@@ -1,7 +1,8 @@
-"""Probe: gemm_wg (Hopper wgmma) against gemm_f16 (mma.sync), cuBLAS and dequantize + cuBLAS at
-prefill sizes, all timed as CUDA-graph replays (device time, no Python launch cost), with
-variants of gemm_wg that skip parts of the work (CUKERN_WG_SKIP in gemm_wg.cuh) to see what
-limits it. Not the benchmark of record (bench_matmul.py is): a table for choosing tiles.
+"""Probe: gemm_wg (Hopper wgmma) with each token tile and warpgroup count, against gemm_f16
+(mma.sync) as CUDA-graph replays (device time, no Python launch cost), and dequantize + cuBLAS
+and cuBLAS alone timed eagerly (cuBLAS cannot be captured through CuPy), plus variants of gemm_wg
+that skip parts of the work (CUKERN_WG_SKIP in gemm_wg.cuh) to see what limits it. Not the
+benchmark of record (bench_matmul.py is): a table for choosing tiles.
 Run: PYTHONPATH=. python profiling/probe_matmul_wg.py
 """
 
@@ -23,9 +24,9 @@ SKIPS = {1: "no dequant", 2: "no raw copy", 4: "no act copy", 8: "no MMA", 3: "n
 
 
 def _variant(mm: MatmulDispatch, q: int, skip: int) -> MatmulDispatch:
-    """A dispatch whose gemm_wg for type q is built with CUKERN_WG_SKIP = skip."""
+    """A dispatch whose gemm_wg for type q (256-token tiles) is built with CUKERN_WG_SKIP = skip."""
     base = M.FAMILIES[f"matmul_f16_{M.GEMM_QTYPES[q]}"]
-    kernels = tuple(k for k in base.kernels if k.name.startswith("gemm_wg") and k.name.endswith("false>"))
+    kernels = tuple(k for k in base.kernels if k.name.startswith("gemm_wg") and "256, false" in k.name)
     spec = dataclasses.replace(base, name=f"{base.name}_skip{skip}", kernels=kernels,
                                defines=(f"CUKERN_WG_SKIP={skip}",))
     v = MatmulDispatch()
@@ -37,7 +38,7 @@ def _variant(mm: MatmulDispatch, q: int, skip: int) -> MatmulDispatch:
 def main() -> None:
     mm = MatmulDispatch()
     rng = cupy.random.default_rng(1)
-    cases = [(4096, 4096, n) for n in (512, 2048)] + [(14336, 4096, 2048), (4096, 14336, 512)]
+    cases = [(4096, 4096, n) for n in (512, 2048)] + [(14336, 4096, 2048)]
     for name in ["Q8_0", "Q4_K", "Q6_K", "Q5_0"]:
         q = _BY_NAME[name]
         for (m, k, n) in cases:
@@ -50,21 +51,24 @@ def main() -> None:
             tf = lambda us: 2 * m * n * k / us / 1e6  # noqa: E731
             t = {}
             t["wg"] = time_graph_us(lambda: mm.gemm(nxt(), b, d), n_inner=10, n_repeat=10)
-            for bt in (128, 256):
-                mm._wg_tile = lambda n_, r_, bt=bt: bt
-                t[f"wg{bt}"] = time_graph_us(lambda: mm.gemm(nxt(), b, d, wgmma=True), n_inner=10, n_repeat=10)
-            del mm._wg_tile
+            for wgs in M._WG_GROUPS:
+                for bt in M._WG_TILES:
+                    mm._wg_tile = lambda n_, r_, bt=bt: bt
+                    mm.WG_GROUPS = wgs
+                    t[f"wg{bt}x{wgs}"] = time_graph_us(lambda: mm.gemm(nxt(), b, d, wgmma=True), n_inner=10, n_repeat=10)
+            del mm._wg_tile, mm.WG_GROUPS
             t["mma.sync"] = time_graph_us(lambda: mm.gemm(nxt(), b, d, wgmma=False), n_inner=10, n_repeat=10)
-            t["deq+cuBLAS"] = time_graph_us(lambda: (mm.dequantize(nxt(), dense), cupy.matmul(b, dense.T, out=d16)),
-                                            n_inner=10, n_repeat=10)
-            t["cuBLAS"] = time_graph_us(lambda: cupy.matmul(b, dense.T, out=d16), n_inner=10, n_repeat=10)
-            if name in ("Q8_0", "Q4_K") and (m, k, n) == (4096, 4096, 2048):
-                t["wg eager (time_us)"] = time_us(lambda: mm.gemm(nxt(), b, d), n_warmup=3, n_repeat=20)
+            t["wg eager"] = time_us(lambda: mm.gemm(nxt(), b, d), n_warmup=3, n_repeat=20)
+            t["deq+cuBLAS eager"] = time_us(lambda: (mm.dequantize(nxt(), dense), cupy.matmul(b, dense.T, out=d16)),
+                                            n_warmup=3, n_repeat=20)
+            t["cuBLAS eager"] = time_us(lambda: cupy.matmul(b, dense.T, out=d16), n_warmup=3, n_repeat=20)
+            if name == "Q8_0" and (m, k, n) == (4096, 4096, 2048):
                 for skip, what in SKIPS.items():
                     v = _variant(mm, q, skip)
+                    v._wg_tile = lambda n_, r_: 256
                     t[f"wg {what}"] = time_graph_us(lambda: v.gemm(nxt(), b, d, wgmma=True), n_inner=10, n_repeat=10)
             print(f"{name} {m}x{k} N={n}: " + " | ".join(f"{key} {us:.1f} us {tf(us):.0f} TF" for key, us in t.items())
-                  + f" | wg vs deq+cuBLAS {t['deq+cuBLAS'] / t['wg']:.2f}x", flush=True)
+                  + f" | eager: wg vs deq+cuBLAS {t['deq+cuBLAS eager'] / t['wg eager']:.2f}x", flush=True)
             ws = dense = None
             cupy.get_default_memory_pool().free_all_blocks()
 

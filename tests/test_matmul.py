@@ -184,11 +184,14 @@ def _needs_wg(mm):
 @pytest.mark.gpu
 @pytest.mark.parametrize("q", TYPES, ids=lambda q: NAMES[q])
 @pytest.mark.parametrize("m,n,bt", [(77, 1, 128), (203, 37, 256), (130, 300, 128), (300, 129, 256)])
-def test_gemm_wg(mm, rng, q, m, n, bt, monkeypatch):
-    """gemm_wg with both token tiles, ragged M and N, 5 super-stages (the raw buffers wrap) and, for
-    the 32-block types, a K tail; rows not 16-byte aligned for most types (synchronous raw copies)."""
+@pytest.mark.parametrize("wgs", M._WG_GROUPS)
+def test_gemm_wg(mm, rng, q, m, n, bt, wgs, monkeypatch):
+    """gemm_wg with both token tiles and warpgroup counts, ragged M and N, 5 super-stages (the raw
+    buffers wrap) and, for the 32-block types, a K tail; rows not 16-byte aligned for most types
+    (synchronous raw copies)."""
     _needs_wg(mm)
     monkeypatch.setattr(mm, "_wg_tile", lambda n_, r_: bt)
+    monkeypatch.setattr(mm, "WG_GROUPS", wgs)
     k = _k(q, 5)
     w, dense = _weight(q, m, k, rng, pad_front=32)
     b = _b(rng, n, k, np.float16)
@@ -199,10 +202,12 @@ def test_gemm_wg(mm, rng, q, m, n, bt, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("q", TYPES, ids=lambda q: NAMES[q])
-def test_gemm_wg_aligned_split_accumulate(mm, rng, q):
+@pytest.mark.parametrize("wgs", M._WG_GROUPS)
+def test_gemm_wg_aligned_split_accumulate(mm, rng, q, wgs, monkeypatch):
     """gemm_wg with 16-byte aligned rows (cp.async raw copies), forced K splits, accumulate mode
     and row-strided b and d views."""
     _needs_wg(mm)
+    monkeypatch.setattr(mm, "WG_GROUPS", wgs)
     m, n, k = 140, 200, 2048
     raw = ref.random_weight(q, m, k, rng)
     dense = ref.dequantize(raw, q, m, k)
@@ -227,10 +232,11 @@ def test_gemm_wg_aligned_split_accumulate(mm, rng, q):
 @pytest.mark.gpu
 @pytest.mark.parametrize("q", TYPES, ids=lambda q: NAMES[q])
 @pytest.mark.parametrize("act", ["swiglu", "geglu"])
-@pytest.mark.parametrize("n,bt", [(100, 128), (300, 256)])
-def test_gemm_glu_wg(mm, rng, q, act, n, bt, monkeypatch):
+@pytest.mark.parametrize("n,bt,wgs", [(100, 128, 2), (300, 256, 4), (130, 128, 4), (257, 256, 2)])
+def test_gemm_glu_wg(mm, rng, q, act, n, bt, wgs, monkeypatch):
     _needs_wg(mm)
     monkeypatch.setattr(mm, "_wg_tile", lambda n_, r_: bt)
+    monkeypatch.setattr(mm, "WG_GROUPS", wgs)
     m, k = 90, _k(q)
     wg, dg = _weight(q, m, k, rng)
     wu, du = _weight(q, m, k, rng)
