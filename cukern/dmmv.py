@@ -62,6 +62,7 @@ _ONE_COL = {0: (2, 1), 1: (2, 1), 30: (2, 1), 2: (4, 0), 6: (4, 0), 8: (2, 0), 3
 # x^ = x rounded per 32 elements to 8 bits (cukern.reference.dmmv.quantize_q8), NMSE ~3e-5 against x.
 Q8_TYPES = (2, 6, 8, 39, 12, 13, 14)
 _Q8_MAX_WARPS = 32  # q8::kMaxWarps
+_Q8_SPLIT_K = 8192  # k up to which the int8 path runs two blocks of 16 warps per SM (_q8_plan)
 # (LU units per lane and iteration, ST ring slots per warp, BULK: Hopper bulk copies) of
 # dmmv_q8<QT, NC, LU, ST, BULK> and moe_dmmv_q8<QT, LU, ST, BULK>, per type, from
 # profiling/tune_dmmv_q8.py on an H100 (14336x4096 and 4096x14336, 32 warps per block).
@@ -345,20 +346,25 @@ class DmmvDispatch(Dispatch):
 
     def _q8_plan(self, unit: Dispatch, kernel: str, qt: int, nc: int, k: int):
         """(warps per block, dynamic shared memory, blocks to launch) for an int8-path kernel, or
-        None when its x does not fit in shared memory (then the f32 path runs). One block per SM
-        of up to 32 warps (fewer when NC columns of x crowd shared memory): each block quantizes
-        x once. Cached per (kernel, k)."""
+        None when its x does not fit in shared memory (then the f32 path runs). Blocks of 16 warps,
+        two per SM, up to k = 8192; beyond, one block of 32 warps per SM, which quantizes the long x
+        once instead of twice (fewer warps when NC columns of x crowd shared memory). Cached per
+        (kernel, k)."""
         key = (unit.family.name, kernel, k)
         got = self._resident.get(key)
         if got is not None:
             return got or None
         limit = self.max_shared_optin()
         plan = ()
-        for nw in (_Q8_MAX_WARPS, 16, 8, 4):
+        first = _Q8_MAX_WARPS // 2 if k <= _Q8_SPLIT_K else _Q8_MAX_WARPS
+        for nw in (first, first // 2, first // 4, first // 8):
             smem = _q8_smem(qt, nw, nc, k)  # the type's _Q8_CONFIG
             if smem <= limit:
                 unit._function(kernel, smem)  # raises the kernel's dynamic shared memory limit
-                plan = (nw, smem, self.sm_count())
+                # per SM: 32 warps at the 64 registers of __launch_bounds__(1024); shared memory of
+                # the SM = the per-block limit + 1 KB the system reserves per block
+                per_sm = max(1, min(_Q8_MAX_WARPS // nw, (limit + 1024) // (smem + 1024)))
+                plan = (nw, smem, self.sm_count() * per_sm)
                 break
         self._resident[key] = plan
         return plan or None

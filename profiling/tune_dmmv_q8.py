@@ -84,11 +84,11 @@ if args.probe:
 qts = [D.qtype_id(t) for t in TYPES]
 unit = D._Unit(FamilySpec("dmmv_q8_tune", tuple(KernelSpec(D._q8_kernel(q, 1, c), "DmmvParams")
                                                for q in qts for c in CFGS),
-                          source="dmmv/dmmv.cu", params_header="dmmv/params.cuh"))
+                          source="dmmv/dmmv.cu", params_header="dmmv/params.cuh")) if qts else None
 mqts = [D.qtype_id(t) for t in MOE]
 moe_unit = D._Unit(FamilySpec("dmmv_moe_q8_tune", tuple(KernelSpec(D._q8_kernel(q, None, c), "MoeParams")
                                                        for q in mqts for c in CFGS),
-                              source="dmmv/moe.cu", params_header="dmmv/params.cuh"))
+                              source="dmmv/moe.cu", params_header="dmmv/params.cuh")) if mqts else None
 ceil = measure_ceilings()
 n_sm = cupy.cuda.Device().attributes["MultiProcessorCount"]
 limit = cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]

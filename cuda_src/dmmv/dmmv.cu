@@ -95,10 +95,10 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dmmv_glu(
 }
 
 // The int8 path (q8.cuh): a persistent grid (the host sizes it to the resident blocks), block b
-// taking rows [b * m / G, (b + 1) * m / G); each block quantizes its NC columns of x into shared
-// memory once, then its warps stream equal shares of those rows (q8::block_rows) with LU units per
-// lane and iteration through rings of ST slots (BULK: Hopper bulk copies, else cp.async).
-// Dynamic shared memory: q8::smem_bytes<QT, LU, ST>(nw, NC, k).
+// taking rows [b m / G, (b + 1) m / G) (q8::Share: m / G each, the first m % G one more); each
+// block quantizes its NC columns of x into shared memory once, then its warps stream equal shares
+// of those rows (q8::block_rows) with LU units per lane and iteration through rings of ST slots
+// (BULK: Hopper bulk copies, else cp.async). Dynamic shared memory: q8::smem_bytes<QT, LU, ST>(nw, NC, k).
 template <int QT, int NC, int LU, int ST, bool BULK>
 __global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8(
     float* __restrict__ y,             // [NC, y_stride] out: y[c * y_stride + i], i < m
@@ -110,20 +110,26 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8(
     const int nw = blockDim.x / 32;
     if (q8::smem_bytes<QT, LU, ST>(nw, NC, p.k) > q8::dynamic_smem_bytes()) __trap();  // a launcher bug
     const q8::Smem<QT, LU, ST, NC> sm(smem, nw, p.k);
-    const uint32_t r0 = (uint32_t)((uint64_t)p.m * blockIdx.x / gridDim.x);
-    const uint32_t r1 = (uint32_t)((uint64_t)p.m * (blockIdx.x + 1) / gridDim.x);
+    const q8::Share rows(p.m, blockIdx.x, gridDim.x);  // this block's rows [r0, r1)
+    const uint32_t r0 = rows.begin, r1 = rows.end;
     const uint8_t* base = w + p.w_offset;
+    float scale[NC];  // the epilogue's factor per column (no division left in the row loop)
+#pragma unroll
+    for (int c = 0; c < NC; ++c) scale[c] = p.mode == 2 ? p.alpha * sigmoid(gate[c]) : p.alpha;
     q8::block_rows<QT, NC, LU, ST, BULK>(
         sm, r1 - r0, [&](uint32_t j) { return base + (size_t)(r0 + j) * p.row_bytes; }, (uint32_t)p.row_bytes,
         base + (size_t)p.m * p.row_bytes, p.k,
         [&] {
             for (int c = 0; c < NC; ++c)
-                q8::quantize_x(x + (size_t)c * p.x_stride, p.k, sm.xq + (size_t)c * p.k, sm.xi + c * (p.k / 32));
+                q8::quantize_x<q8::x_interleaved<QT>()>(x + (size_t)c * p.x_stride, p.k, sm.xq + (size_t)c * p.k, sm.xi + c * (p.k / 32));
             __syncthreads();
         },
         [&](uint32_t j, const float (&v)[NC]) {
 #pragma unroll
-            for (int c = 0; c < NC; ++c) store(y + (size_t)c * p.y_stride + r0 + j, v[c], c, gate, p);
+            for (int c = 0; c < NC; ++c) {
+                float* out = y + (size_t)c * p.y_stride + r0 + j;
+                *out = p.mode == 0 ? scale[c] * v[c] : *out + scale[c] * v[c];
+            }
         });
 }
 

@@ -59,8 +59,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32) moe_dmmv(
 
 // grid: (blocks per slot, n_slots), sized by the host to the resident blocks; block: nw warps.
 // Block b of a slot quantizes the slot's x into shared memory, then its warps stream rows
-// [b * m / G, (b + 1) * m / G) of the expert as dmmv_q8 does (q8::block_rows). Dynamic shared
-// memory: q8::smem_bytes<QT, LU, ST>(nw, 1, k).
+// [b m / G, (b + 1) m / G) of the expert (q8::Share) as dmmv_q8 does (q8::block_rows). Dynamic
+// shared memory: q8::smem_bytes<QT, LU, ST>(nw, 1, k).
 template <int QT, int LU, int ST, bool BULK>
 __global__ void __launch_bounds__(q8::kMaxWarps * 32) moe_dmmv_q8(
     float* __restrict__ y,            // [n_slots, m] out
@@ -73,8 +73,8 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) moe_dmmv_q8(
     const int nw = blockDim.x / 32;
     if (q8::smem_bytes<QT, LU, ST>(nw, 1, p.k) > q8::dynamic_smem_bytes()) __trap();  // a launcher bug
     const uint32_t slot = blockIdx.y;
-    const uint32_t r0 = (uint32_t)((uint64_t)p.m * blockIdx.x / gridDim.x);
-    const uint32_t r1 = (uint32_t)((uint64_t)p.m * (blockIdx.x + 1) / gridDim.x);
+    const q8::Share rows(p.m, blockIdx.x, gridDim.x);  // this block's rows [r0, r1)
+    const uint32_t r0 = rows.begin, r1 = rows.end;
     float* out = y + (size_t)slot * p.m + r0;
     const int e = ids[slot];
     if (!expert_ok(e, p)) {
@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) moe_dmmv_q8(
         sm, r1 - r0, [&](uint32_t j) { return base + (size_t)(r0 + j) * p.row_bytes; }, (uint32_t)p.row_bytes,
         base + (size_t)p.m * p.row_bytes, p.k,
         [&] {
-            q8::quantize_x(xs, p.k, sm.xq, sm.xi);
+            q8::quantize_x<q8::x_interleaved<QT>()>(xs, p.k, sm.xq, sm.xi);
             __syncthreads();
         },
         [&](uint32_t j, const float (&v)[1]) { out[j] = p.alpha * v[0]; });

@@ -9,12 +9,15 @@
 // zero); cukern.reference.dmmv.quantize_q8 emulates x^ bit for bit. Against the exact x the
 // normalised error of y is about 3e-5 for Gaussian x (the tests bound it).
 //
-// Weights reach shared memory through cp.async (16-byte copies, L1 bypassed): each warp owns a
-// ring of ST slots and streams its rows through it, ST - 1 iterations in flight, across row
-// boundaries (the tuned ST is 2: with 32 warps per SM one iteration each is plenty). One iteration = 32 * LU units (LU * 1024 weights) of one row, LU units per lane. A slot
-// holds the 16-byte-aligned window around the iteration's bytes, so any block alignment works
-// (rows of Q4_0 blocks are only 2-byte aligned, MXFP4 1-byte): units are read from the slot at
-// their byte offset, unaligned words by funnel shifts.
+// Work: a block owns a contiguous range of rows; its warps take equal shares of those rows' items
+// (row, chunk of 32 * LU units), so a row may be split between warps (its parts are summed after
+// the block's last barrier, in warp order). Weights reach shared memory by Hopper bulk copies (one
+// cp.async.bulk per item by lane 0, completing on an mbarrier) or 16-byte cp.async by all lanes:
+// each warp streams its share through a ring of ST slots, ST - 1 items in flight, across row
+// boundaries. A slot holds the 16-byte-aligned window around the item's bytes, so any block
+// alignment works (rows of Q4_0 blocks are only 2-byte aligned, MXFP4 1-byte): units are read from
+// the slot at their byte offset, unaligned words by funnel shifts. Lane l computes units l, l + 32,
+// ... of the item; its x comes from two planes (XView) so that a warp's loads are contiguous.
 #pragma once
 
 #include "common/mma.cuh"
@@ -42,9 +45,11 @@ CUKERN_DEVICE float half_bits(uint32_t h) { return __half2float(__ushort_as_half
 // N little-endian words from shared memory at any byte alignment (reads N + 1 aligned words).
 template <int N>
 CUKERN_DEVICE void lds_words(const uint8_t* p, uint32_t (&w)[N]) {
-    const size_t a = reinterpret_cast<size_t>(p);
-    const uint32_t* b = reinterpret_cast<const uint32_t*>(a & ~size_t(3));
-    const uint32_t sh = 8u * (uint32_t)(a & 3);
+    const uint32_t mis = (uint32_t)reinterpret_cast<size_t>(p) & 3u;
+    // aligned by pointer arithmetic, not through an integer: the compiler then still knows p is
+    // shared memory and emits LDS (an integer round trip made these generic loads)
+    const uint32_t* b = reinterpret_cast<const uint32_t*>(p - mis);
+    const uint32_t sh = 8u * mis;
     uint32_t prev = b[0];
 #pragma unroll
     for (int i = 0; i < N; ++i) {
@@ -69,17 +74,12 @@ CUKERN_DEVICE uint32_t prmt_s(uint32_t a, uint32_t b, uint32_t sel) {  // prmt w
     return r;
 }
 
-// MXFP4: the four codes in the nibbles of sel's low 16 bits -> four int8, the doubled E2M1 values
-// (-12...12). 3-bit magnitude lookups in a positive and a negative table, picked per byte by the
-// code's sign bit spread to a byte mask (prmt sign-replicate; see quants.cuh mxfp4_lookup4_biased).
-CUKERN_DEVICE uint32_t mxfp4_lookup4_s8(uint32_t sel) {
-    constexpr uint32_t kPos0 = 0x03020100u, kPos1 = 0x0C080604u;  // 0, 1, 2, 3 | 4, 6, 8, 12
-    constexpr uint32_t kNeg0 = 0xFDFEFF00u, kNeg1 = 0xF4F8FAFCu;  // -0, -1, -2, -3 | -4, -6, -8, -12
-    const uint32_t idx = sel & 0x7777u;
-    const uint32_t pos = __byte_perm(kPos0, kPos1, idx), neg = __byte_perm(kNeg0, kNeg1, idx);
-    const uint32_t mask = prmt_s(sel << 4, sel, 0xD9C8);
-    return (pos & ~mask) | (neg & mask);
-}
+// MXFP4: magnitudes of the four codes in the nibbles of sel's low 16 bits (doubled E2M1: 0, 1,
+// 2, 3, 4, 6, 8, 12), as four int8 -- of the positive codes only: a code with its sign bit (bit 3)
+// set selects prmt's sign-replicate mode, and every magnitude's sign is 0. With sel ^ 0x8888 the
+// same lookup gives the magnitudes of the negative codes only. w . x = pos . x - neg . x.
+CUKERN_DEVICE uint32_t mxfp4_pos4(uint32_t sel) { return prmt_s(0x03020100u, 0x0C080604u, sel); }
+CUKERN_DEVICE uint32_t mxfp4_neg4(uint32_t sel) { return prmt_s(0x03020100u, 0x0C080604u, sel ^ 0x8888u); }
 
 // The 32 int8 of x for one unit of column c, and its XInfo.
 struct XCol {
@@ -87,13 +87,23 @@ struct XCol {
     const XInfo* info;  // [k / 32]
 };
 
+// A column's int8 x is kept in two planes of k/2 bytes: bytes 0...15 of every unit of 32, then
+// bytes 16...31 (xq_offset), so that the 16-byte loads of a warp's 32 consecutive units are
+// contiguous (no bank conflicts; a unit-major layout spaced them 32 bytes apart, two-way).
+CUKERN_DEVICE uint32_t xq_offset(uint32_t k, uint32_t byte) {  // byte: of the column, element order
+    return byte / 32 * 16 + (byte & 16 ? k / 2 : 0) + (byte & 15);
+}
+
 template <int NC>
 struct XView {
-    const int8_t* q;    // [NC][k]
+    const int8_t* q;    // [NC][k] in planes (xq_offset)
     const XInfo* info;  // [NC][k / 32]
     uint32_t k;
     CUKERN_DEVICE void unit(int c, uint32_t u, uint32_t (&v)[8], XInfo& xi) const {
-        lds_32b(reinterpret_cast<const uint8_t*>(q + (size_t)c * k + 32 * u), v);
+        const int8_t* col = q + (size_t)c * k;
+        const uint4 a = reinterpret_cast<const uint4*>(col)[u], b = reinterpret_cast<const uint4*>(col + k / 2)[u];
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+        v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
         xi = info[(size_t)c * (k / 32) + u];
     }
 };
@@ -103,6 +113,11 @@ CUKERN_DEVICE int dot8(const uint32_t (&w)[8], const uint32_t (&x)[8], int from,
     for (int i = from; i < to; ++i) s = __dp4a((int)w[i], (int)x[i], s);
     return s;
 }
+
+// Whether a type keeps x interleaved per 32-element block (byte 2j: element j, byte 2j+1: element
+// 16+j, for j < 16: the order of the nibbles in the block's bytes) rather than in element order.
+template <int QT>
+CUKERN_DEVICE constexpr bool x_interleaved() { return QT == QT_MXFP4; }
 
 // ------------------------------------------------------------------------------------- units
 // Unit<QT>::dot<NC>(blk, s, u, x, acc): acc[c] += (unit s of the block at blk) . x^[c] for the
@@ -170,21 +185,27 @@ template <> struct Unit<QT_MXFP4> {  // w = 2^(e-127) * e2m1(code) = 2^(e-128) *
     static constexpr int kBlockUnits = 1, kBlockBytes = 17;
     template <int NC>
     static CUKERN_DEVICE void dot(const uint8_t* b, int, uint32_t u, const XView<NC>& x, float (&acc)[NC]) {
-        uint32_t q[4], w[8];
+        uint32_t q[4];
         lds_words<4>(b + 1, q);
         const float d = e8m0_to_float_half(b[0]);
+        // the nibbles of bytes 4i, 4i+1 (then 4i+2, 4i+3) in order are elements 4i, 16+4i, 4i+1, 17+4i
+        // (then 4i+2, ...), which is where the interleaved x keeps them: x word 2i (2i+1)
+        auto dot = [&](const uint32_t (&xv)[8]) {
+            int sp = 0, sn = 0;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            // low 16 bits: nibbles (lo, hi) of bytes 4i, 4i+1 -> elements (4i, 16+4i, 4i+1, 17+4i)
-            const uint32_t a = mxfp4_lookup4_s8(q[i]), c = mxfp4_lookup4_s8(q[i] >> 16);
-            w[i] = __byte_perm(a, c, 0x6420);      // elements 4i ... 4i+3
-            w[4 + i] = __byte_perm(a, c, 0x7531);  // elements 16+4i ... 16+4i+3
-        }
+            for (int i = 0; i < 4; ++i) {
+                sp = __dp4a((int)mxfp4_pos4(q[i]), (int)xv[2 * i], sp);
+                sn = __dp4a((int)mxfp4_neg4(q[i]), (int)xv[2 * i], sn);
+                sp = __dp4a((int)mxfp4_pos4(q[i] >> 16), (int)xv[2 * i + 1], sp);
+                sn = __dp4a((int)mxfp4_neg4(q[i] >> 16), (int)xv[2 * i + 1], sn);
+            }
+            return sp - sn;
+        };
 #pragma unroll
-        for (int c = 0; c < NC; ++c) {
+        for (int c = 0; c < NC; ++c) {  // (the lookups are redone per column: kept, they would spill at NC = 8)
             uint32_t xv[8]; XInfo xi;
             x.unit(c, u, xv, xi);
-            acc[c] += xi.d * d * (float)dot8(w, xv, 0, 8, 0);
+            acc[c] += xi.d * d * (float)dot(xv);
         }
     }
 };
@@ -333,6 +354,8 @@ CUKERN_DEVICE void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_
 // Quantize column x (k floats, k % 32 == 0, 16-byte aligned) into q / info; all threads of the
 // block take part (blockDim.x a multiple of 32); the caller syncs afterwards. Each thread issues
 // its loads of up to kBatch float4s before the first shuffle, so a long x costs one L2 round trip.
+// IL: q interleaved per block (x_interleaved), else in element order.
+template <bool IL>
 CUKERN_DEVICE void quantize_x(const float* __restrict__ x, uint32_t k, int8_t* q, XInfo* info) {
     constexpr int kBatch = 4;
     const uint32_t n4 = k / 4;
@@ -345,7 +368,7 @@ CUKERN_DEVICE void quantize_x(const float* __restrict__ x, uint32_t k, int8_t* q
         }
 #pragma unroll
         for (int b = 0; b < kBatch; ++b) {
-            const uint32_t g = g0 + b * blockDim.x + threadIdx.x;
+            const uint32_t g = g0 + b * blockDim.x + threadIdx.x;  // elements 4(g % 8) ... of block g / 8
             float amax = fmaxf(fmaxf(fabsf(v[b].x), fabsf(v[b].y)), fmaxf(fabsf(v[b].z), fabsf(v[b].w)));
 #pragma unroll
             for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));  // 8 lanes = 32 el
@@ -357,11 +380,17 @@ CUKERN_DEVICE void quantize_x(const float* __restrict__ x, uint32_t k, int8_t* q
             s += __shfl_xor_sync(0xffffffffu, s, 1);
             s += __shfl_xor_sync(0xffffffffu, s, 2);  // sum over this half (4 lanes, 16 elements)
             const int other = __shfl_xor_sync(0xffffffffu, s, 4);
-            if (g < n4) {
-                reinterpret_cast<uint32_t*>(q)[g] =
-                    (uint32_t)(q0 & 0xFF) | (uint32_t)(q1 & 0xFF) << 8 | (uint32_t)(q2 & 0xFF) << 16 | (uint32_t)q3 << 24;
-                if ((g & 7) == 0) info[g / 8] = XInfo{d, (short)s, (short)other};
+            const uint32_t packed =
+                (uint32_t)(q0 & 0xFF) | (uint32_t)(q1 & 0xFF) << 8 | (uint32_t)(q2 & 0xFF) << 16 | (uint32_t)q3 << 24;
+            if (IL) {  // lane j < 4 of the block's 8 writes elements 4j...4j+3 and 16+4j... as bytes 8j...8j+7
+                const uint32_t upper = __shfl_xor_sync(0xffffffffu, packed, 4);
+                if (g < n4 && (g & 4) == 0)
+                    *reinterpret_cast<uint2*>(q + xq_offset(k, 32 * (g / 8) + 8 * (g & 3))) =
+                        make_uint2(__byte_perm(packed, upper, 0x5140), __byte_perm(packed, upper, 0x7362));
+            } else if (g < n4) {
+                *reinterpret_cast<uint32_t*>(q + xq_offset(k, 4 * g)) = packed;
             }
+            if (g < n4 && (g & 7) == 0) info[g / 8] = XInfo{d, (short)s, (short)other};
         }
     }
 }
@@ -369,12 +398,15 @@ CUKERN_DEVICE void quantize_x(const float* __restrict__ x, uint32_t k, int8_t* q
 // ------------------------------------------------------------------------------------- rows
 // The block's work: n_rows rows (local 0 ... n_rows-1), each cut into ipr items (row, chunk) of
 // 32 * LU units (the row's last chunk may be shorter), items numbered row-major. Warp w of nw takes
-// the contiguous items [w * items / nw, (w + 1) * items / nw): an equal share to one item, rows
-// split wherever the shares fall (a whole-row split left up to a row per warp of tail).
+// a contiguous share of the items, equal to one item (items / nw, the first items % nw warps one
+// more), rows split wherever the shares fall (a whole-row split left up to a row per warp of tail).
 struct Share {
-    uint32_t begin, end;  // items [begin, end)
-    CUKERN_DEVICE Share(uint32_t items, int w, int nw)
-        : begin((uint32_t)((uint64_t)items * w / nw)), end((uint32_t)((uint64_t)items * (w + 1) / nw)) {}
+    uint32_t begin, end;  // items [begin, end): items / nw each, the first items % nw warps one more
+    CUKERN_DEVICE Share(uint32_t items, int w, int nw) {
+        const uint32_t q = items / nw, r = items % nw;
+        begin = q * w + min((uint32_t)w, r);
+        end = begin + q + ((uint32_t)w < r ? 1 : 0);
+    }
 };
 
 // Streams the block's rows (row_ptr(j): first byte of local row j in global memory) and calls
@@ -410,18 +442,19 @@ CUKERN_DEVICE void block_rows(const Smem<QT, LU, ST, NC>& sm, uint32_t n_rows, R
         }
         __syncwarp();
     }
-    uint32_t ij = first_row, iit = share.begin % ipr;  // next item to copy: row, chunk
+    // the next item to copy: its first byte, the end of its row, its chunk in the row
+    const uint8_t* is = row_ptr(first_row) + (size_t)(share.begin % ipr) * BI;
+    const uint8_t* irow_end = row_ptr(first_row) + row_bytes;
+    uint32_t iit = share.begin % ipr;
     auto issue = [&](int t) {
         if (t < total) {
-            const uint8_t* row = row_ptr(ij);
-            const uint8_t* s = row + (size_t)iit * BI;
-            const uint8_t* e = row + min((iit + 1) * BI, row_bytes);
-            const uint8_t* c0 = reinterpret_cast<const uint8_t*>(reinterpret_cast<size_t>(s) & ~size_t(15));
+            const uint8_t* e = iit + 1 == ipr ? irow_end : is + BI;
+            const uint8_t* c0 = is - (reinterpret_cast<size_t>(is) & 15);
             uint8_t* dst = ring + (t % ST) * SLOT;
             // 16-byte pieces [c0, c0 + 16 n), of which those below `end` are copied asynchronously
             // and the matrix's last bytes (below e) by plain loads
             const int n = (int)((e - c0 + 15) >> 4);
-            const int n_async = (int)min((size_t)n, (size_t)(end - c0) >> 4);
+            const int n_async = c0 + 16 * n <= end ? n : (int)((end - c0) >> 4);
             if (BULK) {
                 if (lane == 0) {
                     mbar_arrive_expect(bars + t % ST, 16u * n_async);
@@ -430,8 +463,15 @@ CUKERN_DEVICE void block_rows(const Smem<QT, LU, ST, NC>& sm, uint32_t n_rows, R
             } else {
                 for (int i = lane; i < n_async; i += 32) cp_async16(dst + 16 * i, c0 + 16 * i, 16);
             }
-            for (int i = n_async * 16 + lane; c0 + i < e; i += 32) dst[i] = __ldg(c0 + i);
-            if (++iit == ipr) { iit = 0; ++ij; }
+            if (n_async < n)
+                for (int i = n_async * 16 + lane; c0 + i < e; i += 32) dst[i] = __ldg(c0 + i);
+            if (++iit == ipr) {
+                iit = 0;
+                is = irow_end;
+                irow_end += row_bytes;
+            } else {
+                is += BI;
+            }
         }
         if (!BULK) cp_async_commit();
     };
@@ -439,16 +479,16 @@ CUKERN_DEVICE void block_rows(const Smem<QT, LU, ST, NC>& sm, uint32_t n_rows, R
     for (int t = 0; t < ST - 1; ++t) issue(t);
     prepare();
     float acc[NC] = {};
-    uint32_t j = first_row, it = share.begin % ipr;  // the item being computed
+    // the item being computed: its row j, chunk it, and its first byte's offset in its 16-byte window
+    uint32_t j = first_row, it = share.begin % ipr;
+    size_t cs = reinterpret_cast<size_t>(row_ptr(first_row)) + (size_t)it * BI;
     for (int t = 0; t < total; ++t) {
         __syncwarp();  // every lane is done with slot (t - 1) % ST, which the next copy refills
         issue(t + ST - 1);
         if (BULK) mbar_wait(bars + t % ST, (uint32_t)(t / ST) & 1u);
         else cp_async_wait<ST - 1>();
         __syncwarp();  // the other lanes' copies (and plain stores) of iteration t are visible
-        const uint8_t* row = row_ptr(j);
-        const size_t s = reinterpret_cast<size_t>(row) + (size_t)it * BI;
-        const uint8_t* base = ring + (t % ST) * SLOT + (s & 15);
+        const uint8_t* base = ring + (t % ST) * SLOT + (cs & 15);
 #pragma unroll
         for (int l = 0; l < LU; ++l) {  // units lane and lane + 32 ... of the iteration
             const uint32_t u = it * kIterUnits + 32 * l + lane;
@@ -457,6 +497,7 @@ CUKERN_DEVICE void block_rows(const Smem<QT, LU, ST, NC>& sm, uint32_t n_rows, R
                                     u, x, acc);
         }
         const bool row_done = ++it == ipr;
+        cs += BI;
         if (row_done || t == total - 1) {  // the warp's part of row j is complete
             float sums[NC];
 #pragma unroll
@@ -471,7 +512,11 @@ CUKERN_DEVICE void block_rows(const Smem<QT, LU, ST, NC>& sm, uint32_t n_rows, R
                     for (int c = 0; c < NC; ++c) part[c] = sums[c];
                 }
             }
-            if (row_done) { it = 0; ++j; }
+            if (row_done) {
+                cs += row_bytes - (size_t)ipr * BI;  // past the last chunk's end to the next row's start
+                it = 0;
+                ++j;
+            }
         }
     }
     if (!BULK) cp_async_wait<0>();
