@@ -66,7 +66,7 @@ _Q8_SPLIT_K = 8192  # k up to which the int8 path runs two blocks of 16 warps pe
 # (LU units per lane and iteration, ST ring slots per warp, BULK: Hopper bulk copies) of
 # dmmv_q8<QT, NC, LU, ST, BULK> and moe_dmmv_q8<QT, LU, ST, BULK>, per type, from
 # profiling/tune_dmmv_q8.py on an H100 (14336x4096 and 4096x14336, 32 warps per block).
-_Q8_CONFIG = {2: (2, 3, 1), 6: (2, 3, 1), 8: (2, 3, 0), 39: (2, 2, 1), 12: (2, 3, 1), 13: (2, 3, 1), 14: (2, 3, 1)}
+_Q8_CONFIG = {2: (2, 3, 1), 6: (2, 3, 1), 8: (2, 3, 0), 39: (2, 2, 1), 12: (2, 2, 1), 13: (2, 2, 1), 14: (2, 3, 1)}
 
 
 def _q8_slot(qt: int, lu: int) -> int:

@@ -113,9 +113,6 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8(
     const q8::Share rows(p.m, blockIdx.x, gridDim.x);  // this block's rows [r0, r1)
     const uint32_t r0 = rows.begin, r1 = rows.end;
     const uint8_t* base = w + p.w_offset;
-    float scale[NC];  // the epilogue's factor per column (no division left in the row loop)
-#pragma unroll
-    for (int c = 0; c < NC; ++c) scale[c] = p.mode == 2 ? p.alpha * sigmoid(gate[c]) : p.alpha;
     q8::block_rows<QT, NC, LU, ST, BULK>(
         sm, r1 - r0, [&](uint32_t j) { return base + (size_t)(r0 + j) * p.row_bytes; }, (uint32_t)p.row_bytes,
         base + (size_t)p.m * p.row_bytes, p.k,
@@ -126,9 +123,11 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8(
         },
         [&](uint32_t j, const float (&v)[NC]) {
 #pragma unroll
-            for (int c = 0; c < NC; ++c) {
+            for (int c = 0; c < NC; ++c) {  // the store epilogue; its sigmoid by a fast division: an IEEE
+                                            // one calls a slow path, and a call in the row loop costs it
+                const float f = p.mode == 2 ? __fdividef(p.alpha, 1.0f + __expf(-gate[c])) : p.alpha;
                 float* out = y + (size_t)c * p.y_stride + r0 + j;
-                *out = p.mode == 0 ? scale[c] * v[c] : *out + scale[c] * v[c];
+                *out = p.mode == 0 ? f * v[c] : *out + f * v[c];
             }
         });
 }

@@ -219,10 +219,14 @@ struct UnitK45 {
     template <int NC>
     static CUKERN_DEVICE void dot(const uint8_t* b, int s, uint32_t u, const XView<NC>& x, float (&acc)[NC]) {
         const uint4 h = *reinterpret_cast<const uint4*>(b);  // d, dmin | 12 scale bytes
-        int sc, m;
-        k4_scale_min(h.y, h.z, h.w, s, sc, m);
+        // the 6-bit scales and mins of sub-blocks 4 (s / 4) ... + 3, one per byte (k4_scale_min for
+        // four at once, selected rather than branched: the lanes of a warp hold both halves)
+        const bool hi = s >= 4;
+        const uint32_t sc4 = hi ? (h.w & 0x0F0F0F0Fu) | ((h.y >> 2) & 0x30303030u) : h.y & 0x3F3F3F3Fu;
+        const uint32_t m4 = hi ? ((h.w >> 4) & 0x0F0F0F0Fu) | ((h.z >> 2) & 0x30303030u) : h.z & 0x3F3F3F3Fu;
+        const int sb = 8 * (s & 3);
         const float2 dm = __half22float2(*reinterpret_cast<const __half2*>(&h.x));
-        const float a = dm.x * (float)sc, bm = dm.y * (float)m;
+        const float a = dm.x * (float)((sc4 >> sb) & 0xFF), bm = dm.y * (float)((m4 >> sb) & 0xFF);
         uint32_t w[8];
         lds_32b(b + (k5 ? 48 : 16) + 32 * (s >> 1), w);
         const int sh = 4 * (s & 1);
