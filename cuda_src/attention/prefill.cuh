@@ -9,7 +9,8 @@
 // barrier per tile). Paged keys: the pool rows of a tile's keys are looked up two tiles ahead
 // (one per thread, kept in shared memory), so no copy waits for a page-table load; a tile inside
 // one page takes its rows from one lookup.
-// Per tile and warp: S = Q K^T (Q fragments re-read from shared memory; mma.sync m16n8k16, f32
+// Per tile and warp: S = Q K^T over KC keys at once (KC = BN = 64 at head_dim 128: each Q fragment read
+// from shared memory feeds 8 mma, and the softmax's reductions run once per tile; mma.sync m16n8k16, f32
 // accumulators), masks and the online softmax in registers (the row state of row g and
 // g + 8 lives in the 4 lanes of a quad), P rounded to T and O += P V on the tensor cores.
 //
@@ -19,6 +20,9 @@
 // j <= that position when causal, and j >= position - window_left when a window is set.
 //
 // FLOPs: 4 * q_len * (visible keys) * D per head. Bytes: Q, O once; K/V once per query tile.
+// Shared addresses are kept as 32-bit integers (ldmatrix / cp.async take base + immediate offsets), and a
+// tile of consecutive rows is copied by one walking pointer per thread: either way fewer registers stay
+// live across the loop (at head_dim 128 the O accumulators alone are 128 per thread).
 // Shared memory rows are padded by 16 bytes, which keeps ldmatrix and cp.async free of
 // bank conflicts for every head_dim that is a multiple of 16.
 #pragma once
@@ -32,12 +36,31 @@
 namespace cukern {
 namespace attn {
 
+// ldmatrix by 32-bit shared address (the kernel keeps its shared addresses as integers, so every
+// fragment load is one base register plus an immediate offset)
+CUKERN_DEVICE void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+CUKERN_DEVICE void cp_async16_addr(uint32_t smem, const void* gmem, uint32_t src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(src_bytes));
+}
+CUKERN_DEVICE void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+// Shapes of prefill<T, D, PAGED> (mirrored by _prefill_shape in cukern/attention.py).
 template <int D>
 struct PrefillShape {
     static constexpr int WARPS = 4;
     static constexpr int MT = D <= 128 ? 2 : 1;        // 16-row m-tiles per warp: K/V fragments serve MT of them
     static constexpr int BM = 16 * MT * WARPS;         // query rows of a block
     static constexpr int BN = D <= 128 ? 64 : 32;      // keys per K/V tile
+    static constexpr int KC = D == 96 ? 32 : BN;       // keys of S at once (BN / KC chunks per tile; 96: no spills)
+    static constexpr int MIN_BLOCKS = 1;               // __launch_bounds__ minimum of resident blocks per SM
     static constexpr int LD = D + 8;                   // shared row stride in elements (16-byte pad)
     static constexpr int NT = WARPS * 32;
     static constexpr int CPR = D / 8;                  // 16-byte chunks per row
@@ -45,13 +68,15 @@ struct PrefillShape {
     static constexpr int SMEM_BYTES = (BM + 4 * BN) * LD * 2;  // Q + two stages of K and V
     static_assert(D % 32 == 0, "head_dim must be a multiple of 32");
     static_assert(BN * CPR % NT == 0, "a K/V tile must split evenly over the threads");
+    static_assert(BN <= NT, "one thread looks up the pool row of each key of a tile");
+    static_assert(BN % KC == 0 && KC % 16 == 0, "a K/V tile must be whole compute chunks");
 };
 
 }  // namespace attn
 }  // namespace cukern
 
 template <typename T, int D, bool PAGED>
-__global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::NT) prefill(
+__global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::NT, cukern::attn::PrefillShape<D>::MIN_BLOCKS) prefill(
     T* __restrict__ o,                       // [n_q_total, n_heads, D]
     float* __restrict__ lse,                 // [n_q_total, n_heads] natural-log LSE (write_lse only)
     const T* __restrict__ q,                 // [n_q_total, n_heads, D]
@@ -66,10 +91,8 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::NT) prefill(
     using namespace cukern;
     using namespace cukern::attn;
     using Sh = PrefillShape<D>;
-    constexpr int MT = Sh::MT, BM = Sh::BM, BN = Sh::BN, LD = Sh::LD, NT = Sh::NT, CPR = Sh::CPR;
+    constexpr int MT = Sh::MT, BM = Sh::BM, BN = Sh::BN, KC = Sh::KC, LD = Sh::LD, NT = Sh::NT, CPR = Sh::CPR;
     constexpr int WROWS = 16 * MT;  // query rows of a warp
-    constexpr int KC = 32;          // keys per compute chunk of a tile
-    static_assert(BN % KC == 0, "a K/V tile must be whole compute chunks");
 
     extern __shared__ uint4 smem_raw[];
     T* const Qs = reinterpret_cast<T*>(smem_raw);  // [BM][LD]
@@ -131,22 +154,45 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::NT) prefill(
     // K/V tile t into stage st (PAGED: its rows in sm_rows[st])
     // a tile inside one page (page_size a power of two >= BN) has consecutive pool rows: one lookup
     const bool tile_in_page = PAGED && p.page_shift >= 0 && (1u << p.page_shift) >= (uint32_t)BN;
+    // Chunk i of this thread is c = tid + i * NT: key c / CPR, column chunk c % CPR. When CPR divides NT
+    // (head_dim 32, 64, 128, 256) the column is the same for every i and the keys step by KSTEP.
+    constexpr bool REGULAR = NT % CPR == 0;
+    constexpr int KSTEP = NT / CPR;
+    const int my_key = (int)threadIdx.x / CPR;
+    const T* const k_col = k + head_off + (threadIdx.x % CPR) * 8;
+    const T* const v_col = v + head_off + (threadIdx.x % CPR) * 8;
+    const uint32_t kv_dst = smem_addr(Ks + my_key * LD + (threadIdx.x % CPR) * 8);  // stage 0, chunk 0
+    constexpr uint32_t E = sizeof(T);
+    constexpr uint32_t V_OFF = 2 * BN * LD * E;  // Ks -> Vs
     auto load_kv = [&](int32_t t, int st) {
-        int32_t row[Sh::KV_CHUNKS];  // pool (PAGED) or packed row of each chunk's key, -1 past kv_len
-        const int32_t base = !PAGED ? k_start + t * BN : (tile_in_page ? sm_rows[st][0] : 0);  // row of key 0
+        const bool consecutive = !PAGED || tile_in_page;  // the tile's keys are consecutive rows from row0
+        const int32_t row0 = !PAGED ? k_start + t * BN : (tile_in_page ? sm_rows[st][0] : 0);
+        if (REGULAR && consecutive) {
+            // one pointer walks the tile (no per-chunk 64-bit offsets kept live across the loop)
+            const uint64_t off = (uint64_t)(row0 + my_key) * row_elems;
+            const T* kp = k_col + off;
+            const T* vp = v_col + off;
+            const int32_t left = kv_len - t * BN - my_key;  // chunk i is a real key when i * KSTEP < left
+            const uint32_t dst = kv_dst + st * (BN * LD * E);
 #pragma unroll
-        for (int i = 0; i < Sh::KV_CHUNKS; ++i) {
-            const int32_t key = (int32_t)(threadIdx.x + i * NT) / CPR;
-            const int32_t j = t * BN + key;
-            row[i] = PAGED && !tile_in_page ? sm_rows[st][key] : (j < kv_len ? base + key : -1);
-        }
+            for (int i = 0; i < Sh::KV_CHUNKS; ++i) {
+                const bool ok = i * KSTEP < left;
+                const uint32_t d = dst + i * KSTEP * LD * E;
+                cp_async16_addr(d, ok ? kp : k, ok ? 16u : 0u);
+                cp_async16_addr(d + V_OFF, ok ? vp : v, ok ? 16u : 0u);
+                kp += KSTEP * row_elems;
+                vp += KSTEP * row_elems;
+            }
+        } else {
 #pragma unroll
-        for (int i = 0; i < Sh::KV_CHUNKS; ++i) {
-            const int c = threadIdx.x + i * NT;
-            const int e = st * BN * LD + (c / CPR) * LD + (c % CPR) * 8;
-            const uint64_t off = (uint64_t)max(row[i], 0) * row_elems + head_off + (c % CPR) * 8;
-            cp_async16(Ks + e, k + off, row[i] >= 0 ? 16u : 0u);
-            cp_async16(Vs + e, v + off, row[i] >= 0 ? 16u : 0u);
+            for (int i = 0; i < Sh::KV_CHUNKS; ++i) {
+                const int c = threadIdx.x + i * NT, key = c / CPR, col = c % CPR;
+                const int32_t row = consecutive ? (t * BN + key < kv_len ? row0 + key : -1) : sm_rows[st][key];
+                const uint64_t off = (uint64_t)max(row, 0) * row_elems + head_off + col * 8;
+                const uint32_t d = smem_addr(Ks + (st * BN + key) * LD + col * 8);
+                cp_async16_addr(d, k + off, row >= 0 ? 16u : 0u);
+                cp_async16_addr(d + V_OFF, v + off, row >= 0 ? 16u : 0u);
+            }
         }
     };
     int32_t next_row = -1;  // PAGED: this thread's row of the tile two ahead, stored at the end of an iteration
@@ -171,9 +217,9 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::NT) prefill(
     const float sl = p.softcap > 0.0f ? 1.0f : p.scale_log2;  // raw score -> base-2 logit factor in the exponent
 
     // ldmatrix row addresses of this lane: A (Q), B (K), B^T (V)
-    const T* q_row = Qs + (warp * WROWS + (lane % 8) + ((lane / 8) % 2) * 8) * LD + (lane / 16) * 8;
-    const int k_row = (lane % 8) + (lane / 16) * 8, k_col = ((lane / 8) % 2) * 8;
-    const int v_row = (lane % 8) + ((lane / 8) % 2) * 8, v_col = (lane / 16) * 8;
+    const uint32_t q_addr = smem_addr(Qs + (warp * WROWS + (lane % 8) + ((lane / 8) % 2) * 8) * LD + (lane / 16) * 8);
+    const uint32_t k_addr = smem_addr(Ks + ((lane % 8) + (lane / 16) * 8) * LD + ((lane / 8) % 2) * 8);
+    const uint32_t v_addr = smem_addr(Vs + ((lane % 8) + ((lane / 8) % 2) * 8) * LD + (lane / 16) * 8);
 
     for (int32_t t = t_begin; t < t_end; ++t) {
         const int st = (t - t_begin) & 1;
@@ -187,8 +233,7 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::NT) prefill(
         const int32_t j0 = t * BN;
         // skip tiles this warp sees nothing of (past its causal end, or before its window)
         if (warp_active && j0 < w_hi && j0 + BN - 1 >= w_lo) {
-            const T* Kt = Ks + st * BN * LD;
-            const T* Vt = Vs + st * BN * LD;
+            const uint32_t kt = k_addr + st * (BN * LD * E), vt = v_addr + st * (BN * LD * E);
             // the tile in chunks of KC keys: S of one chunk is MT * KC / 2 registers, so S, the O
             // accumulators and the fragments in flight fit in the register file without spilling
 #pragma unroll 1
@@ -206,11 +251,11 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::NT) prefill(
                 for (int kk = 0; kk < D / 16; ++kk) {
                     uint32_t a[MT][4];
 #pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(a[mt], q_row + mt * 16 * LD + kk * 16);
+                    for (int mt = 0; mt < MT; ++mt) ldsm_x4(a[mt], q_addr + (mt * 16 * LD + kk * 16) * E);
 #pragma unroll
                     for (int n2 = 0; n2 < KC / 16; ++n2) {
                         uint32_t b[4];
-                        ldmatrix_x4(b, Kt + (kc * KC + n2 * 16 + k_row) * LD + kk * 16 + k_col);
+                        ldsm_x4(b, kt + ((kc * KC + n2 * 16) * LD + kk * 16) * E);
 #pragma unroll
                         for (int mt = 0; mt < MT; ++mt) {
                             mma16816<T>(sacc[mt][2 * n2], a[mt], b[0], b[1]);
@@ -292,7 +337,7 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::NT) prefill(
 #pragma unroll
                     for (int d2 = 0; d2 < D / 16; ++d2) {
                         uint32_t b[4];
-                        ldmatrix_x4_trans(b, Vt + (kc * KC + kk * 16 + v_row) * LD + d2 * 16 + v_col);
+                        ldsm_x4_trans(b, vt + ((kc * KC + kk * 16) * LD + d2 * 16) * E);
 #pragma unroll
                         for (int mt = 0; mt < MT; ++mt) {
                             mma16816<T>(oacc[mt][2 * d2], pa[mt][kk], b[0], b[1]);
