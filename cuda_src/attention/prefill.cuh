@@ -36,22 +36,6 @@
 namespace cukern {
 namespace attn {
 
-// ldmatrix by 32-bit shared address (the kernel keeps its shared addresses as integers, so every
-// fragment load is one base register plus an immediate offset)
-CUKERN_DEVICE void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-CUKERN_DEVICE void cp_async16_addr(uint32_t smem, const void* gmem, uint32_t src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(src_bytes));
-}
-CUKERN_DEVICE void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
 // Shapes of prefill<T, D, PAGED> (mirrored by _prefill_shape in cukern/attention.py).
 template <int D>
 struct PrefillShape {
@@ -178,8 +162,8 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::NT, cukern::att
             for (int i = 0; i < Sh::KV_CHUNKS; ++i) {
                 const bool ok = i * KSTEP < left;
                 const uint32_t d = dst + i * KSTEP * LD * E;
-                cp_async16_addr(d, ok ? kp : k, ok ? 16u : 0u);
-                cp_async16_addr(d + V_OFF, ok ? vp : v, ok ? 16u : 0u);
+                cp_async16(d, ok ? kp : k, ok ? 16u : 0u);
+                cp_async16(d + V_OFF, ok ? vp : v, ok ? 16u : 0u);
                 kp += KSTEP * row_elems;
                 vp += KSTEP * row_elems;
             }
@@ -190,8 +174,8 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::NT, cukern::att
                 const int32_t row = consecutive ? (t * BN + key < kv_len ? row0 + key : -1) : sm_rows[st][key];
                 const uint64_t off = (uint64_t)max(row, 0) * row_elems + head_off + col * 8;
                 const uint32_t d = smem_addr(Ks + (st * BN + key) * LD + col * 8);
-                cp_async16_addr(d, k + off, row >= 0 ? 16u : 0u);
-                cp_async16_addr(d + V_OFF, v + off, row >= 0 ? 16u : 0u);
+                cp_async16(d, k + off, row >= 0 ? 16u : 0u);
+                cp_async16(d + V_OFF, v + off, row >= 0 ? 16u : 0u);
             }
         }
     };
@@ -251,11 +235,11 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::NT, cukern::att
                 for (int kk = 0; kk < D / 16; ++kk) {
                     uint32_t a[MT][4];
 #pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) ldsm_x4(a[mt], q_addr + (mt * 16 * LD + kk * 16) * E);
+                    for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(a[mt], q_addr + (mt * 16 * LD + kk * 16) * E);
 #pragma unroll
                     for (int n2 = 0; n2 < KC / 16; ++n2) {
                         uint32_t b[4];
-                        ldsm_x4(b, kt + ((kc * KC + n2 * 16) * LD + kk * 16) * E);
+                        ldmatrix_x4(b, kt + ((kc * KC + n2 * 16) * LD + kk * 16) * E);
 #pragma unroll
                         for (int mt = 0; mt < MT; ++mt) {
                             mma16816<T>(sacc[mt][2 * n2], a[mt], b[0], b[1]);
@@ -337,7 +321,7 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::NT, cukern::att
 #pragma unroll
                     for (int d2 = 0; d2 < D / 16; ++d2) {
                         uint32_t b[4];
-                        ldsm_x4_trans(b, vt + ((kc * KC + kk * 16) * LD + d2 * 16) * E);
+                        ldmatrix_x4_trans(b, vt + ((kc * KC + kk * 16) * LD + d2 * 16) * E);
 #pragma unroll
                         for (int mt = 0; mt < MT; ++mt) {
                             mma16816<T>(oacc[mt][2 * d2], pa[mt][kk], b[0], b[1]);

@@ -13,10 +13,16 @@ namespace cukern {
 
 CUKERN_DEVICE uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
+// Every shared-memory operand comes in two overloads: a generic pointer, or a 32-bit shared
+// address (kernels that keep their shared addresses as integers get one base register plus an
+// immediate offset per access).
+
 // 16-byte global -> shared copy; src_bytes = 0 fills the destination with zeros (src not read).
+CUKERN_DEVICE void cp_async16(uint32_t smem, const void* gmem, uint32_t src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(src_bytes));
+}
 CUKERN_DEVICE void cp_async16(void* smem, const void* gmem, uint32_t src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
-                 "r"(src_bytes));
+    cp_async16(smem_addr(smem), gmem, src_bytes);
 }
 
 CUKERN_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
@@ -25,17 +31,19 @@ template <int N>
 CUKERN_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i.
-CUKERN_DEVICE void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+CUKERN_DEVICE void ldmatrix_x4(uint32_t (&r)[4], uint32_t row) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(row)));
+                 : "r"(row));
 }
+CUKERN_DEVICE void ldmatrix_x4(uint32_t (&r)[4], const void* row) { ldmatrix_x4(r, smem_addr(row)); }
 
-CUKERN_DEVICE void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
+CUKERN_DEVICE void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t row) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(row)));
+                 : "r"(row));
 }
+CUKERN_DEVICE void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) { ldmatrix_x4_trans(r, smem_addr(row)); }
 
 // c += a * b, m16n8k16, f32 accumulators; T is __half or __nv_bfloat16.
 template <typename T>
