@@ -79,11 +79,6 @@ here synchronises, allocates device memory or reads device values (graph-captura
 
 from __future__ import annotations
 
-import hashlib
-import os
-import threading
-from pathlib import Path
-
 import cupy
 import numpy as np
 
@@ -209,61 +204,10 @@ class _Unit(Dispatch):
     def load(self):
         if self._module is None and self.sm90a and self.is_sm90():
             with cupy.cuda.Device(self.device_id):
-                self._module = _Sm90aModule(self.family)
+                self._module = runtime.load_module_sm90a(
+                    self.family.name, self.family.unit_source(),
+                    tuple(k.name for k in self.family.kernels), self.family.defines)
         return super().load()
-
-
-_sm90a_lock = threading.Lock()
-
-
-class _Sm90aModule:
-    """A unit compiled by NVRTC for sm_90a and loaded as a cubin through ``cupy.RawModule(path=)``
-    (name expressions resolved to their lowered names). The cubin and the names are cached under
-    CUPY_CACHE_DIR, keyed on the unit text (which hashes every header), the options and the NVRTC
-    version."""
-
-    def __init__(self, family: FamilySpec):
-        from cupy.cuda import nvrtc
-        code, names = family.unit_source(), [k.name for k in family.kernels]
-        opts = ["-arch=sm_90a", "-ftz=true", *runtime.compile_options(90, family.defines)]
-        key = hashlib.sha256("\0".join([code, *opts, *names, str(nvrtc.getVersion())]).encode()).hexdigest()
-        base = Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache")) / f"cukern_sm90a_{key}"
-        cubin_path, names_path = base.with_suffix(".cubin"), base.with_suffix(".names")
-        with _sm90a_lock:
-            try:
-                lowered = names_path.read_text().split("\n")
-                ok = cubin_path.is_file() and len(lowered) == len(names)
-            except OSError:
-                ok = False
-            if not ok:
-                cubin, lowered = self._compile(nvrtc, family.name, code, names, opts)
-                base.parent.mkdir(parents=True, exist_ok=True)
-                for path, data in ((cubin_path, cubin), (names_path, "\n".join(lowered).encode())):
-                    tmp = path.with_suffix(f"{path.suffix}.{os.getpid()}")
-                    tmp.write_bytes(data)
-                    os.replace(tmp, path)
-        self._module = cupy.RawModule(path=str(cubin_path))
-        self._lowered = dict(zip(names, lowered))
-
-    @staticmethod
-    def _compile(nvrtc, unit, code, names, opts):
-        prog = nvrtc.createProgram(code, f"{unit}.cu", [], [])
-        try:
-            for name in names:
-                nvrtc.addNameExpression(prog, name)
-            try:
-                nvrtc.compileProgram(prog, opts)
-            except nvrtc.NVRTCError:
-                raise runtime.CompileError(f"NVRTC failed to compile unit {unit!r} for sm_90a:\n"
-                                           f"{nvrtc.getProgramLog(prog).strip()}") from None
-            cubin = nvrtc.getCUBIN(prog)
-            lowered = [nvrtc.getLoweredName(prog, n) for n in names]
-        finally:
-            nvrtc.destroyProgram(prog)
-        return bytes(cubin), [x.decode() if isinstance(x, bytes) else x for x in lowered]
-
-    def get_function(self, name: str):
-        return self._module.get_function(self._lowered[name])
 
 
 def _cols(name: str, a, dtypes, k: int) -> int:

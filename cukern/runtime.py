@@ -35,7 +35,7 @@ from pathlib import Path
 __all__ = [
     "CukernError", "CompileError", "UnsupportedArchError", "UnknownKernelError",
     "KernelSpec", "FamilySpec", "source_root", "parse_arch", "device_arch", "compile_options",
-    "load_module", "compile_ptx", "PtxParam", "ptx_entries", "MIN_ARCH",
+    "load_module", "load_module_sm90a", "Sm90aModule", "compile_ptx", "PtxParam", "ptx_entries", "MIN_ARCH",
 ]
 
 MIN_ARCH = 80  # cp.async, bf16 mma.sync and ldmatrix are used freely from sm_80 on
@@ -250,6 +250,69 @@ def load_module(unit: str, code: str, name_expressions: tuple[str, ...], arch: i
             raise _compile_error(unit, arch, e.get_message() if hasattr(e, "get_message") else str(e)) from None
         _modules[key] = mod
         return mod
+
+
+def load_module_sm90a(unit: str, code: str, name_expressions: tuple[str, ...],
+                      defines: tuple[str, ...] = ()) -> "Sm90aModule":
+    """Like :func:`load_module`, for an sm_90 device, but built for sm_90a (wgmma, setmaxnreg).
+
+    CuPy's RawModule always appends ``-arch=sm_<device>``, so the unit goes through NVRTC here
+    and is loaded as a cubin with ``RawModule(path=)``. The cubin and the lowered kernel names
+    are cached under CUPY_CACHE_DIR, keyed on the unit text (which hashes every header), the
+    options and the NVRTC version."""
+    options = ("-arch=sm_90a", "-ftz=true", *compile_options(90, defines))
+    key = (unit, hashlib.sha256(code.encode()).hexdigest(), options, name_expressions)
+    with _modules_lock:
+        mod = _modules.get(key)
+        if mod is None:
+            mod = _modules[key] = Sm90aModule(unit, code, name_expressions, options)
+        return mod
+
+
+class Sm90aModule:
+    """A cubin built by NVRTC for sm_90a; ``get_function`` takes the name expressions."""
+
+    def __init__(self, unit: str, code: str, names: tuple[str, ...], options: tuple[str, ...]):
+        import cupy
+        nvrtc = _nvrtc()
+        key = hashlib.sha256("\0".join([code, *options, *names, str(nvrtc.getVersion())]).encode()).hexdigest()
+        cache = Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
+        base = cache / f"cukern_sm90a_{key}"
+        cubin_path, names_path = base.with_suffix(".cubin"), base.with_suffix(".names")
+        try:
+            lowered = names_path.read_text().split("\n")
+            cached = cubin_path.is_file() and len(lowered) == len(names)
+        except OSError:
+            cached = False
+        if not cached:
+            cubin, lowered = self._compile(nvrtc, unit, code, names, options)
+            base.parent.mkdir(parents=True, exist_ok=True)
+            for path, data in ((cubin_path, cubin), (names_path, "\n".join(lowered).encode())):
+                tmp = path.with_suffix(f"{path.suffix}.{os.getpid()}")   # atomic for concurrent processes
+                tmp.write_bytes(data)
+                os.replace(tmp, path)
+        self._module = cupy.RawModule(path=str(cubin_path))
+        self._lowered = dict(zip(names, lowered))
+
+    @staticmethod
+    def _compile(nvrtc, unit, code, names, options):
+        prog = nvrtc.createProgram(code, f"{unit}.cu", [], [])
+        try:
+            for name in names:
+                nvrtc.addNameExpression(prog, name)
+            try:
+                nvrtc.compileProgram(prog, list(options))
+            except nvrtc.NVRTCError:
+                raise CompileError(f"NVRTC failed to compile unit {unit!r} for sm_90a:\n"
+                                   f"{nvrtc.getProgramLog(prog).strip()}") from None
+            cubin = nvrtc.getCUBIN(prog)
+            lowered = [nvrtc.getLoweredName(prog, n) for n in names]
+        finally:
+            nvrtc.destroyProgram(prog)
+        return bytes(cubin), [x.decode() if isinstance(x, bytes) else x for x in lowered]
+
+    def get_function(self, name: str):
+        return self._module.get_function(self._lowered[name])
 
 
 # --------------------------------------------------------------------------- CPU: NVRTC alone
