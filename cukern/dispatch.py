@@ -7,7 +7,8 @@ The three tiers of a cukern operation:
    the packed struct is the one the kernel takes, that every other argument is
    a device pointer, and that the grid is legal, then launches on the given
    stream inside an NVTX range (when profiling is on) and between two CUDA
-   events (when a launch timer is set: :func:`set_launch_timer`);
+   events (when a launch timer is set: :func:`set_launch_timer`); ``pdl=True``
+   launches with programmatic dependent launch (``cuLaunchKernelEx``) on sm_90+;
 3. the public method (``ElementwiseDispatch.rms_norm`` ...): it validates the
    caller's arrays (``check_array``), packs the struct and picks the grid.
 
@@ -18,6 +19,7 @@ into CUDA graphs.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 
@@ -111,6 +113,52 @@ def device_attribute(device_id: int, name: str) -> int:
     return int(cupy.cuda.Device(device_id).attributes[name])
 
 
+# ----------------------------------------------------------------------------- programmatic dependent launch
+# CuPy launches through cuLaunchKernel, which takes no launch attributes: a kernel that may overlap
+# the previous one in the stream (common/pdl.cuh) goes through the driver's cuLaunchKernelEx.
+
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, padding, a 64-byte union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)),
+                ("num_attrs", ctypes.c_uint)]
+
+
+@functools.lru_cache(maxsize=1)
+def _cu_launch_kernel_ex():
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = lib.cuLaunchKernelEx
+    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                   ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    return fn, lib.cuGetErrorName
+
+
+def _launch_pdl(kernel: str, fn, grid, block, args, shared_mem: int) -> None:
+    """``fn(grid, block, args)`` with programmatic stream serialisation allowed: the kernel may
+    start before the previous kernel in the stream ends (it waits for it with pdl_wait())."""
+    launch, error_name = _cu_launch_kernel_ex()
+    values = [ctypes.c_void_p(a.data.ptr) if isinstance(a, cupy.ndarray) else ctypes.create_string_buffer(a.tobytes())
+              for a in args]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+    attr = _LaunchAttribute(id=_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value[0] = 1
+    config = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
+                           cupy.cuda.get_current_stream().ptr, ctypes.pointer(attr), 1)
+    err = launch(ctypes.byref(config), fn.ptr, params, None)
+    if err:
+        name = ctypes.c_char_p()
+        error_name(err, ctypes.byref(name))
+        raise runtime.CukernError(f"{kernel}: cuLaunchKernelEx failed with {name.value.decode()} ({err})")
+
+
 def _grid3(name: str, dims, limits) -> tuple[int, int, int]:
     if type(dims) is int:
         if not 1 <= dims <= limits[0]:
@@ -181,8 +229,10 @@ class Dispatch:
         return fn
 
     def _launch(self, kernel: str, grid, block, pointers: tuple, params: np.void, *, stream=None,
-                shared_mem: int = 0) -> None:
-        """Launch ``kernel(*pointers, params)``; see the module docstring for what is checked."""
+                shared_mem: int = 0, pdl: bool = False) -> None:
+        """Launch ``kernel(*pointers, params)``; see the module docstring for what is checked.
+        ``pdl``: the kernel follows common/pdl.cuh's contract and may start before the previous
+        kernel in the stream ends (honoured from sm_90; older devices launch it plainly)."""
         spec = self.family.kernel(kernel)
         struct = self._structs[spec.params]
         if not isinstance(params, np.void) or params.dtype != struct.dtype:
@@ -198,27 +248,33 @@ class Dispatch:
             raise ValueError(f"{kernel}: block {block} has more than 1024 threads")
         fn = self._function(kernel, shared_mem)
         args = (*pointers, params)
+        pdl = pdl and device_attribute(self.device_id, "ComputeCapabilityMajor") >= 9
         if stream is None or stream is cupy.cuda.get_current_stream():
-            self._call(kernel, fn, grid, block, args, shared_mem)
+            self._call(kernel, fn, grid, block, args, shared_mem, pdl)
         else:
             with resolve_stream(stream):
-                self._call(kernel, fn, grid, block, args, shared_mem)
+                self._call(kernel, fn, grid, block, args, shared_mem, pdl)
 
     @staticmethod
-    def _call(kernel, fn, grid, block, args, shared_mem):
+    def _call(kernel, fn, grid, block, args, shared_mem, pdl=False):
         if _nvtx_on or _launch_timer is not None:
-            Dispatch._call_profiled(kernel, fn, grid, block, args, shared_mem)
+            Dispatch._call_profiled(kernel, fn, grid, block, args, shared_mem, pdl)
+        elif pdl:
+            _launch_pdl(kernel, fn, grid, block, args, shared_mem)
         else:
             fn(grid, block, args, shared_mem=shared_mem)
 
     @staticmethod
-    def _call_profiled(kernel, fn, grid, block, args, shared_mem):
+    def _call_profiled(kernel, fn, grid, block, args, shared_mem, pdl=False):
         timer, dom = _launch_timer, (_domain() if _nvtx_on else None)
         if dom is not None:
             dom.push_range(dom.get_event_attributes(message=kernel))
         token = timer.begin(kernel) if timer is not None else None
         try:
-            fn(grid, block, args, shared_mem=shared_mem)
+            if pdl:
+                _launch_pdl(kernel, fn, grid, block, args, shared_mem)
+            else:
+                fn(grid, block, args, shared_mem=shared_mem)
         finally:
             if timer is not None:
                 timer.end(token)

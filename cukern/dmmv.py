@@ -252,13 +252,21 @@ class DmmvDispatch(Dispatch):
     ``int8`` (default True) sends ``dmmv`` and ``moe_dmmv`` without GLU of the ``Q8_TYPES`` through
     the int8 path (x rounded to 8 bits per 32 elements, ``__dp4a``); False keeps every call on the
     f32 path (x exact, the error only the f32 rounding of the sums). The attribute may be changed
-    between calls."""
+    between calls.
+
+    ``pdl`` (default False; sm_90+) launches the int8 ``dmmv`` with programmatic dependent launch:
+    its blocks start while the previous kernel in the stream finishes and stream their first weight
+    chunks before waiting for it (``pdl_wait`` in common/pdl.cuh), which hides the launch gap and
+    the ramp-up of a decode loop's back-to-back matvecs. x, gate and y are touched only after the
+    wait; the weights are read before it, so they must not be written by a kernel still in flight
+    (model weights uploaded once never are)."""
 
     family = FAMILY
 
-    def __init__(self, device: int | None = None, *, int8: bool = True):
+    def __init__(self, device: int | None = None, *, int8: bool = True, pdl: bool = False):
         super().__init__(device)
         self.int8 = bool(int8)
+        self.pdl = bool(pdl)
         self._glu = _Unit(GLU_FAMILY, device)
         self._moe = _Unit(MOE_FAMILY, device)
         self._packed = _Unit(PACKED_FAMILY, device)
@@ -401,7 +409,8 @@ class DmmvDispatch(Dispatch):
                 qw, smem, resident = plan
                 blocks = min(w.m, resident)  # block b: rows [b m / blocks, (b + 1) m / blocks)
                 params = self._params(w, blocks1=blocks, mode=mode, alpha=alpha, y_stride=w.m)
-                self._launch(q8, blocks, qw * 32, (ys, w.buf, xs, g), params, stream=stream, shared_mem=smem)
+                self._launch(q8, blocks, qw * 32, (ys, w.buf, xs, g), params, stream=stream, shared_mem=smem,
+                             pdl=self.pdl)
                 continue
             blocks = -(-w.m // _config(w.qtype, width)[0])
             params = self._params(w, blocks1=blocks, mode=mode, alpha=alpha, y_stride=w.m)

@@ -17,7 +17,7 @@ import cupy
 import numpy as np
 
 from cukern.benchmark import Row, measure_ceilings, rotating, script_main, time_graph_us, time_torch_graph_us
-from cukern.dmmv import QTYPES, DmmvDispatch, QWeight, qtype_id, row_bytes
+from cukern.dmmv import Q8_TYPES, QTYPES, DmmvDispatch, QWeight, qtype_id, row_bytes
 
 try:
     import torch
@@ -65,6 +65,7 @@ def _peer_gemv_us(m: int, k: int) -> float | None:
 
 def bench(quick: bool = False) -> tuple[list, object]:
     d = DmmvDispatch()
+    d_pdl = DmmvDispatch(pdl=True)  # "pdl" rows: each launch overlaps the previous one's tail
     ceil = measure_ceilings()
     rows: list[Row] = []
     shapes = [(14336, 4096), (4096, 14336)] if quick else SHAPES
@@ -86,6 +87,9 @@ def bench(quick: bool = False) -> tuple[list, object]:
             y = cupy.empty(m, cupy.float32)
             us = time_graph_us(lambda: d.dmmv(nxt(), x, y))
             row(f"dmmv {name}", f"{m}x{k}", us, wbytes + 4 * (k + m), peer_us)
+            if qt in Q8_TYPES:  # the int8 path, where pdl applies
+                us = time_graph_us(lambda: d_pdl.dmmv(nxt(), x, y))
+                row(f"dmmv {name} pdl", f"{m}x{k}", us, wbytes + 4 * (k + m), peer_us)
             del sets
             cupy.get_default_memory_pool().free_all_blocks()
 

@@ -8,6 +8,7 @@
 //
 // Grid: one block per R rows (plus the blocks of W2); block: NW warps (host-chosen) that split
 // the 256-element steps of those rows. Traffic: every weight byte once; x from L1/L2.
+#include "common/pdl.cuh"
 #include "dmmv/core.cuh"
 #include "dmmv/params.cuh"
 #include "dmmv/q8.cuh"
@@ -99,6 +100,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dmmv_glu(
 // block quantizes its NC columns of x into shared memory once, then its warps stream equal shares
 // of those rows (q8::block_rows) with LU units per lane and iteration through rings of ST slots
 // (BULK: Hopper bulk copies, else cp.async). Dynamic shared memory: q8::smem_bytes<QT, LU, ST>(nw, NC, k).
+// Under programmatic dependent launch the first ST - 1 weight chunks of every warp are in flight
+// before pdl_wait(); x, gate and y are touched only after it.
 template <int QT, int NC, int LU, int ST, bool BULK>
 __global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8(
     float* __restrict__ y,             // [NC, y_stride] out: y[c * y_stride + i], i < m
@@ -107,6 +110,7 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8(
     const float* __restrict__ gate,    // [NC] gate logits for mode 2; unused otherwise
     const DmmvParams p) {
     extern __shared__ __align__(16) uint8_t smem[];
+    pdl_launch_dependents();
     const int nw = blockDim.x / 32;
     if (q8::smem_bytes<QT, LU, ST>(nw, NC, p.k) > q8::dynamic_smem_bytes()) __trap();  // a launcher bug
     const q8::Smem<QT, LU, ST, NC> sm(smem, nw, p.k);
@@ -117,6 +121,7 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8(
         sm, r1 - r0, [&](uint32_t j) { return base + (size_t)(r0 + j) * p.row_bytes; }, (uint32_t)p.row_bytes,
         base + (size_t)p.m * p.row_bytes, p.k,
         [&] {
+            pdl_wait();
             for (int c = 0; c < NC; ++c)
                 q8::quantize_x<q8::x_interleaved<QT>()>(x + (size_t)c * p.x_stride, p.k, sm.xq + (size_t)c * p.k, sm.xi + c * (p.k / 32));
             __syncthreads();
