@@ -248,7 +248,7 @@ class Dispatch:
             raise ValueError(f"{kernel}: block {block} has more than 1024 threads")
         fn = self._function(kernel, shared_mem)
         args = (*pointers, params)
-        pdl = pdl and device_attribute(self.device_id, "ComputeCapabilityMajor") >= 9
+        pdl = pdl and int(cupy.cuda.Device(self.device_id).compute_capability) >= 90
         if stream is None or stream is cupy.cuda.get_current_stream():
             self._call(kernel, fn, grid, block, args, shared_mem, pdl)
         else:
