@@ -152,7 +152,7 @@ def _launch_pdl(kernel: str, fn, grid, block, args, shared_mem: int) -> None:
     attr.value[0] = 1
     config = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
                            cupy.cuda.get_current_stream().ptr, ctypes.pointer(attr), 1)
-    err = launch(ctypes.byref(config), fn.ptr, params, None)
+    err = launch(ctypes.byref(config), getattr(fn, "kernel", fn).ptr, params, None)  # RawKernel -> Function
     if err:
         name = ctypes.c_char_p()
         error_name(err, ctypes.byref(name))
