@@ -151,3 +151,15 @@ def test_cli_info_runs_anywhere():
 def test_cli_help():
     r = _cli("--help")
     assert r.returncode == 0 and "check" in r.stdout and "info" in r.stdout
+
+
+def test_pdl_launch_structs_match_cuda_h():
+    """cuLaunchKernelEx's CUlaunchConfig / CUlaunchAttribute as cuda.h lays them out on 64-bit hosts."""
+    import ctypes
+
+    from cukern import dispatch
+    assert ctypes.sizeof(dispatch._LaunchAttribute) == 72  # id, pad to 8, a 64-byte value union
+    assert dispatch._LaunchAttribute.value.offset == 8
+    cfg = dispatch._LaunchConfig
+    assert (cfg.shared_mem.offset, cfg.stream.offset, cfg.attrs.offset, cfg.num_attrs.offset) == (24, 32, 40, 48)
+    assert ctypes.sizeof(cfg) == 56
