@@ -73,8 +73,8 @@ def patch(monkeypatch) -> collections.Counter:
     monkeypatch.setattr(cupy.cuda, "Stream", _Stream)
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: current)
     monkeypatch.setattr(dispatch.Dispatch, "_function", lambda self, kernel, shared_mem=0: kernel)
-    monkeypatch.setattr(dispatch.Dispatch, "_call",
-                        staticmethod(lambda kernel, fn, grid, block, args, shared_mem: launches.update([kernel])))
+    monkeypatch.setattr(dispatch.Dispatch, "_call", staticmethod(
+        lambda kernel, fn, grid, block, args, shared_mem, pdl=False: launches.update([kernel])))
     monkeypatch.setattr(dispatch.Dispatch, "device_id", property(lambda self: 0))
     h100 = {"MultiProcessorCount": 132, "MaxSharedMemoryPerBlockOptin": 232448}
     monkeypatch.setattr(dispatch.Dispatch, "sm_count", lambda self: h100["MultiProcessorCount"])
