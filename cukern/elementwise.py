@@ -98,7 +98,7 @@ _ROUTER_GEMM_MIN_TOKENS = 4096
 _ROUTER_GEMM_MIN_EXPERTS = 64
 _ROUTER_GEMM_TILE = (32, 128, 128)  # (tokens, experts, threads) per block: RG_TOKENS, RG_EXPERTS, RG_THREADS
 _ROUTER_GEMM_CONFIGS = ((32, 4),)
-_ROUTER_GEMM_STAGES = (32, 4)
+_ROUTER_GEMM_STAGES = _ROUTER_GEMM_CONFIGS[0]  # the instance dispatched
 
 
 def _kernels() -> list[KernelSpec]:
@@ -878,6 +878,9 @@ class ElementwiseDispatch(Dispatch):
             return logits
         e_tile, t_tile, threads = _ROUTER_SMALL if n_tokens < _ROUTER_BATCH else _ROUTER_LARGE
         grid = (-(-n_experts // e_tile), -(-n_tokens // t_tile))
+        if grid[1] > _MAX_GRID_Y:
+            raise ValueError(f"{what}: at most {_MAX_GRID_Y * t_tile} tokens per call with fewer than "
+                             f"{_ROUTER_GEMM_MIN_EXPERTS} experts, got {n_tokens}")
         self._launch(f"router_matvec<{e_tile}, {t_tile}, {threads}>", grid, threads, args, params, stream=stream)
         return logits
 
