@@ -28,29 +28,4 @@ CUKERN_DEVICE int q8_1_quantize(float x, float inv_d) {
     return __float2int_rn(copysignf(floorf(fabsf(x * inv_d) + 0.5f), x));
 }
 
-// A quarter of a block: 8 consecutive lanes hold one block, lane j = lane % 8 its values 4j..4j+3.
-struct Q8Quarter {
-    float d;          // the block's scale
-    uint32_t packed;  // this lane's four qs, the first in the low byte
-    int sum;          // sum(qs) over the whole block
-};
-
-// Quantize the block that v belongs to. Every lane of the warp must call it (shuffles in groups of 8);
-// lanes holding no data pass zeros and store nothing.
-CUKERN_DEVICE Q8Quarter q8_1_quantize_quarter(float4 v) {
-    float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
-#pragma unroll
-    for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float d = amax / 127.0f;
-    const float inv_d = d > 0.f ? 1.0f / d : 0.0f;
-    const int q0 = q8_1_quantize(v.x, inv_d), q1 = q8_1_quantize(v.y, inv_d);
-    const int q2 = q8_1_quantize(v.z, inv_d), q3 = q8_1_quantize(v.w, inv_d);
-    int sum = q0 + q1 + q2 + q3;
-#pragma unroll
-    for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    const uint32_t packed = (uint32_t)(q0 & 0xff) | ((uint32_t)(q1 & 0xff) << 8) | ((uint32_t)(q2 & 0xff) << 16) |
-                            ((uint32_t)(q3 & 0xff) << 24);
-    return {d, packed, sum};
-}
-
 }  // namespace cukern
