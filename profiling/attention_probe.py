@@ -12,17 +12,23 @@ from cukern.attention import AttentionDispatch, PagedKVCache
 from cukern.benchmark import time_graph_us
 
 
+def _b1_decode_case(rng, kv_len: int, n_layers: int):
+    """A B1 GQA 32/8 D128 f16 decode case: (cache of n_layers random layers, its sequence of kv_len
+    tokens, q, out)."""
+    cache = PagedKVCache(n_layers, -(-kv_len // 16), 16, 8, 128, max_seqs=1)
+    for pool in (*cache.k_pools, *cache.v_pools):
+        pool[...] = rng.standard_normal(pool.shape, dtype=cupy.float32).astype(pool.dtype)
+    seq = cache.add(kv_len)
+    q = rng.standard_normal((1, 32, 128), dtype=cupy.float32)
+    return cache, seq, q, cupy.empty_like(q)
+
+
 def ncu_target(n_splits: int) -> None:
     """A few eager decode steps (B1 KV8192 32/8 D128, n_splits) for ncu --launch-skip 2 --launch-count 1."""
     attn = AttentionDispatch()
     rng = cupy.random.default_rng(0)
     kv_len = int(os.environ.get("PROBE_NCU_KV", "8192"))
-    cache = PagedKVCache(1, -(-kv_len // 16), 16, 8, 128, max_seqs=1)
-    for pool in (*cache.k_pools, *cache.v_pools):
-        pool[...] = rng.standard_normal(pool.shape, dtype=cupy.float32).astype(pool.dtype)
-    s = cache.add(kv_len)
-    q = rng.standard_normal((1, 32, 128), dtype=cupy.float32)
-    out = cupy.empty_like(q)
+    cache, s, q, out = _b1_decode_case(rng, kv_len, 1)
     plan = attn.plan_decode(cache, [s], 32, n_splits=n_splits)
     for _ in range(5):
         attn.flash_attn_decode(plan, 0, q, out)
@@ -86,12 +92,7 @@ def fixed_cost() -> None:
     rng = cupy.random.default_rng(1)
     for kv_len in (64, 1024, 8192):
         n_layers = 16
-        cache = PagedKVCache(n_layers, -(-kv_len // 16), 16, 8, 128, max_seqs=1)
-        for pool in (*cache.k_pools, *cache.v_pools):
-            pool[...] = rng.standard_normal(pool.shape, dtype=cupy.float32).astype(pool.dtype)
-        s = cache.add(kv_len)
-        q = rng.standard_normal((1, 32, 128), dtype=cupy.float32)
-        out = cupy.empty_like(q)
+        cache, s, q, out = _b1_decode_case(rng, kv_len, n_layers)
         for nw in (4, 8):
             attn._tc_warps = nw
             for n_splits in (1, 2, 16):
@@ -127,12 +128,7 @@ def main():
     rng = cupy.random.default_rng(0)
     for kv_len in (8192, 64):
         n_layers = 8
-        cache = PagedKVCache(n_layers, -(-kv_len // 16), 16, 8, 128, max_seqs=1)
-        for pool in (*cache.k_pools, *cache.v_pools):
-            pool[...] = rng.standard_normal(pool.shape, dtype=cupy.float32).astype(pool.dtype)
-        s = cache.add(kv_len)
-        q = rng.standard_normal((1, 32, 128), dtype=cupy.float32)
-        out = cupy.empty_like(q)
+        cache, s, q, out = _b1_decode_case(rng, kv_len, n_layers)
         for n_splits in (1, 8, 16, 32, 64):
             if kv_len < 64 * n_splits and n_splits > 1:
                 continue
