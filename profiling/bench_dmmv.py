@@ -42,6 +42,19 @@ def _weights(qt: int, m: int, k: int, n_experts: int = 0):
     return rotating(n_sets, make), nbytes
 
 
+def _moe_weight(qt: int, n_e: int, m: int, k: int) -> tuple[QWeight, int]:
+    """n_e random experts of m x k in one buffer, and the bytes of one expert."""
+    ebytes = row_bytes(qt, k) * m
+    buf = cupy.random.default_rng(1).integers(0, 256, ebytes * n_e, dtype=cupy.uint8)
+    return QWeight(buf, qt, m, k, n_experts=n_e), ebytes
+
+
+def _rotating_ids(rs: np.random.Generator, n_e: int, top_k: int):
+    """A cursor over 16 routings of one token ([1, top_k] distinct expert ids), so that timed calls
+    read different experts."""
+    return rotating(16, lambda i: cupy.asarray(rs.permutation(n_e)[:top_k].astype(np.int32).reshape(1, top_k)))[1]
+
+
 def _peer_gemv_us(m: int, k: int) -> float | None:
     """cuBLAS f16 GEMV (torch.mv) on an m x k matrix, rotating copies."""
     if torch is None:
@@ -122,16 +135,9 @@ def bench(quick: bool = False) -> tuple[list, object]:
     n_e, top_k, m, k = 128, 8, 2048, 7168
     for name in (["Q4_K", "MXFP4"] if quick else ["Q4_K", "Q8_0", "MXFP4", "Q6_K"]):
         qt = qtype_id(name)
-        ebytes = row_bytes(qt, k) * m
-        buf = cupy.random.default_rng(1).integers(0, 256, ebytes * n_e, dtype=cupy.uint8)
-        w = QWeight(buf, qt, m, k, n_experts=n_e)
+        w, ebytes = _moe_weight(qt, n_e, m, k)
         rs = np.random.default_rng(2)
-        id_sets = [cupy.asarray(rs.permutation(n_e)[:top_k].astype(np.int32).reshape(1, top_k)) for _ in range(16)]
-        it = {"i": 0}
-
-        def ids():
-            it["i"] += 1
-            return id_sets[it["i"] % len(id_sets)]
+        ids = _rotating_ids(rs, n_e, top_k)
         x = cupy.random.standard_normal((1, k), dtype=cupy.float32)
         y = cupy.empty((1, top_k, m), cupy.float32)
         us = time_graph_us(lambda: d.moe_dmmv(w, x, ids(), y))
@@ -158,7 +164,7 @@ def bench(quick: bool = False) -> tuple[list, object]:
         us = time_graph_us(packed_step)
         n_active = sum(len(set(s.get().ravel().tolist())) for s in tid_sets) / len(tid_sets)  # experts read per call
         row(f"moe pack+packed {name} T={T}", f"{m}x{k}", us, n_active * ebytes + 4 * T * (k + top_k * m))
-        del buf, w
+        del w
         cupy.get_default_memory_pool().free_all_blocks()
     d.check_errors()
     return rows, ceil

@@ -13,7 +13,7 @@ import numpy as np
 import cukern.dmmv as D
 from cukern.benchmark import measure_ceilings, time_graph_us
 from cukern.runtime import FamilySpec, KernelSpec
-from profiling.bench_dmmv import _weights
+from profiling.bench_dmmv import _moe_weight, _rotating_ids, _weights
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--types", default="Q4_0,Q5_0,Q8_0,MXFP4,Q4_K,Q5_K,Q6_K")
@@ -131,16 +131,8 @@ for (m, k), name in itertools.product([(14336, 4096), (4096, 14336)], TYPES):
 n_e, top_k, m, k = 128, 8, 2048, 7168
 for name in MOE:
     qt = D.qtype_id(name)
-    ebytes = D.row_bytes(qt, k) * m
-    buf = cupy.random.default_rng(1).integers(0, 256, ebytes * n_e, dtype=cupy.uint8)
-    w = D.QWeight(buf, qt, m, k, n_experts=n_e)
-    rs = np.random.default_rng(2)
-    id_sets = [cupy.asarray(rs.permutation(n_e)[:top_k].astype(np.int32).reshape(1, top_k)) for _ in range(16)]
-    it = {"i": 0}
-
-    def ids():
-        it["i"] += 1
-        return id_sets[it["i"] % len(id_sets)]
+    w, ebytes = _moe_weight(qt, n_e, m, k)
+    ids = _rotating_ids(np.random.default_rng(2), n_e, top_k)
     x = cupy.random.standard_normal((1, k), dtype=cupy.float32)
     y = cupy.empty((1, top_k, m), cupy.float32)
     p = d._moe_params(w, top_k=top_k, n_slots=top_k, x_per_slot=False)
@@ -156,6 +148,6 @@ for name in MOE:
                                                     p, shared_mem=smem))
         res.append((us, f"L{cfg[0]}S{cfg[1]}B{cfg[2]}w{nw}x{bps}"))
     report(f"moe {name:6s}", top_k * ebytes + 4 * (k + top_k * m), res)
-    del buf, w
+    del w
     cupy.get_default_memory_pool().free_all_blocks()
 d.check_errors()
