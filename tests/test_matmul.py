@@ -163,10 +163,11 @@ def test_gemm_glu(mm, rng, q, act, n):
 
 @pytest.mark.gpu
 @pytest.mark.slow
-@pytest.mark.parametrize("q", [12, 14, 8])
-def test_gemm_large(mm, rng, q):
-    """A prefill-sized product (several 128 x 128 tiles, ragged both ways, long K)."""
-    m, n, k = 1000, 300, 4096
+@pytest.mark.parametrize("q, n", [(12, 300), (14, 300), (8, 300), (12, 700), (14, 700), (8, 700), (6, 700)])
+def test_gemm_large(mm, rng, q, n):
+    """A prefill-sized product by the default rule (on Hopper gemm_wg from N = 256, elsewhere gemm_f16):
+    several tiles, ragged both ways, long K."""
+    m, k = 1000, 4096
     w, dense = _weight(q, m, k, rng)
     b = _b(rng, n, k, np.float16)
     d = poison(cupy.empty((n, m), cupy.float32))
@@ -244,19 +245,6 @@ def test_gemm_glu_wg(mm, rng, q, act, n, bt, wgs, monkeypatch):
     d = poison(cupy.empty((n, m), cupy.float32))
     mm.gemm_glu(wg, wu, cupy.asarray(b), d, act=act, wgmma=True)
     _check(d.get(), ref.glu(dg, du, b, act), ref.glu(dg, du, b, act, inputs=ref.gemm_f16_inputs), loose=4e-3)
-
-
-@pytest.mark.gpu
-@pytest.mark.slow
-@pytest.mark.parametrize("q", [12, 14, 8, 6])
-def test_gemm_wg_large(mm, rng, q):
-    """A prefill-sized product by the default rule (gemm_wg on Hopper: several tiles, both ragged)."""
-    m, n, k = 1000, 700, 4096
-    w, dense = _weight(q, m, k, rng)
-    b = _b(rng, n, k, np.float16)
-    d = poison(cupy.empty((n, m), cupy.float32))
-    mm.gemm(w, cupy.asarray(b), d)
-    _check(d.get(), ref.gemm(dense, b), ref.gemm_f16_inputs(dense, b))
 
 
 @pytest.mark.gpu
