@@ -4,6 +4,7 @@ counts. Scratch tool for tuning; PROBE_NCU_SPLITS=n and PROBE_NCU_PREFILL=1 make
 PROBE_ROWS=decode,prefill prints just the benchmark rows of the issue's targets (with their peers)."""
 from __future__ import annotations
 
+import itertools
 import os
 
 import cupy
@@ -21,6 +22,12 @@ def _b1_decode_case(rng, kv_len: int, n_layers: int):
     seq = cache.add(kv_len)
     q = rng.standard_normal((1, 32, 128), dtype=cupy.float32)
     return cache, seq, q, cupy.empty_like(q)
+
+
+def _layer_steps(attn, plan, q, out, n_layers: int):
+    """A decode call that moves to the next layer's K/V each time (so that DRAM, not L2, serves them)."""
+    layer = itertools.count(1)
+    return lambda: attn.flash_attn_decode(plan, next(layer) % n_layers, q, out)
 
 
 def ncu_target(n_splits: int) -> None:
@@ -99,12 +106,7 @@ def fixed_cost() -> None:
                 if kv_len < 32 * n_splits:
                     continue
                 plan = attn.plan_decode(cache, [s], 32, n_splits=n_splits)
-                k = {"i": 0}
-
-                def rot():
-                    k["i"] += 1
-                    attn.flash_attn_decode(plan, k["i"] % n_layers, q, out)
-                t_rot = time_graph_us(rot, n_inner=32)
+                t_rot = time_graph_us(_layer_steps(attn, plan, q, out, n_layers), n_inner=32)
                 t_one = time_graph_us(lambda: attn.flash_attn_decode(plan, 0, q, out), n_inner=32)
                 print(f"KV{kv_len} w{nw} s{n_splits}: rotating {t_rot:.2f} us, one layer {t_one:.2f} us", flush=True)
         attn._tc_warps = None
@@ -133,12 +135,7 @@ def main():
             if kv_len < 64 * n_splits and n_splits > 1:
                 continue
             plan = attn.plan_decode(cache, [s], 32, n_splits=n_splits)
-            k = {"i": 0}
-
-            def step():
-                k["i"] += 1
-                attn.flash_attn_decode(plan, k["i"] % n_layers, q, out)
-            full = time_graph_us(step, n_inner=32)
+            full = time_graph_us(_layer_steps(attn, plan, q, out, n_layers), n_inner=32)
             merge = None
             if n_splits > 1:
                 merge = time_graph_us(lambda: attn.merge_states(plan.o_part, plan.lse_part, out), n_inner=32)
