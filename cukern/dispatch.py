@@ -141,6 +141,19 @@ def _cu_launch_kernel_ex():
     return fn, lib.cuGetErrorName
 
 
+@functools.lru_cache(maxsize=None)
+def _pdl_supported(device_id: int) -> bool:
+    """Programmatic dependent launch needs sm_90 or newer (queried once per device)."""
+    return runtime.device_arch(device_id) >= 90
+
+
+def _raw_launch(kernel: str, fn, grid, block, args, shared_mem: int, pdl: bool) -> None:
+    if pdl:
+        _launch_pdl(kernel, fn, grid, block, args, shared_mem)
+    else:
+        fn(grid, block, args, shared_mem=shared_mem)
+
+
 def _launch_pdl(kernel: str, fn, grid, block, args, shared_mem: int) -> None:
     """``fn(grid, block, args)`` with programmatic stream serialisation allowed: the kernel may
     start before the previous kernel in the stream ends (it waits for it with pdl_wait())."""
@@ -248,7 +261,7 @@ class Dispatch:
             raise ValueError(f"{kernel}: block {block} has more than 1024 threads")
         fn = self._function(kernel, shared_mem)
         args = (*pointers, params)
-        pdl = pdl and int(cupy.cuda.Device(self.device_id).compute_capability) >= 90
+        pdl = pdl and _pdl_supported(self.device_id)
         if stream is None or stream is cupy.cuda.get_current_stream():
             self._call(kernel, fn, grid, block, args, shared_mem, pdl)
         else:
@@ -259,10 +272,8 @@ class Dispatch:
     def _call(kernel, fn, grid, block, args, shared_mem, pdl=False):
         if _nvtx_on or _launch_timer is not None:
             Dispatch._call_profiled(kernel, fn, grid, block, args, shared_mem, pdl)
-        elif pdl:
-            _launch_pdl(kernel, fn, grid, block, args, shared_mem)
         else:
-            fn(grid, block, args, shared_mem=shared_mem)
+            _raw_launch(kernel, fn, grid, block, args, shared_mem, pdl)
 
     @staticmethod
     def _call_profiled(kernel, fn, grid, block, args, shared_mem, pdl=False):
@@ -271,10 +282,7 @@ class Dispatch:
             dom.push_range(dom.get_event_attributes(message=kernel))
         token = timer.begin(kernel) if timer is not None else None
         try:
-            if pdl:
-                _launch_pdl(kernel, fn, grid, block, args, shared_mem)
-            else:
-                fn(grid, block, args, shared_mem=shared_mem)
+            _raw_launch(kernel, fn, grid, block, args, shared_mem, pdl)
         finally:
             if timer is not None:
                 timer.end(token)
