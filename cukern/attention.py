@@ -540,12 +540,23 @@ def _scale_fields(scale: float, head_dim: int, softcap: float, window_left: int)
 class AttentionDispatch:
     """Records attention kernels into a stream. Every method takes ``stream=`` (None: CuPy's
     current stream) and validates its arguments before launching; none synchronises,
-    allocates or reads device memory (``plan_*`` and the cache do the host work)."""
+    allocates or reads device memory (``plan_*`` and the cache do the host work).
+
+    ``pdl`` (default False; sm_90+) launches :meth:`flash_attn_decode` with programmatic dependent
+    launch: its blocks start while the previous kernel in the stream finishes and stream their first
+    K/V tiles before waiting for it (``pdl_wait`` in common/pdl.cuh), which hides the launch gap and
+    the ramp-up of a decode loop's back-to-back attention calls. Before the wait the kernel reads
+    only the plan's ``seq_ids``, the cache's ``lengths`` and ``page_table``, and the K/V rows of the
+    positions below each sequence's last token (``length - 1``); so a kernel still in flight may
+    write q, sinks, the outputs and the newest token's K/V (the decode step's KV write), but must not
+    write the lengths, the page table or older K/V rows (host uploads through
+    :class:`PagedKVCache` are never in flight). The attribute may be changed between calls."""
 
     families = FAMILIES
 
-    def __init__(self, device: int | None = None):
+    def __init__(self, device: int | None = None, *, pdl: bool = False):
         self._device = device
+        self.pdl = bool(pdl)
         self._units = {name: _Unit(spec, device) for name, spec in FAMILIES.items()}
         self._tc_warps: int | None = None  # probes: force decode_tc's warps per block (4 or 8)
 
@@ -718,7 +729,7 @@ class AttentionDispatch:
                      (out, lse if lse is not None else out, plan.o_part if split else out, plan.lse_part,
                       plan.counters, q, cache.k_pools[layer], cache.v_pools[layer], cache.page_table, cache.lengths,
                       plan.seq_ids, plan.seq_ids, sinks if sinks is not None else plan.lse_part), params,
-                     stream=stream, shared_mem=smem)
+                     stream=stream, shared_mem=smem, pdl=self.pdl)
         return out
 
     # ------------------------------------------------------------------ merge

@@ -1,7 +1,8 @@
 """Where does a small decode step spend its time? Graph-timed decode (its split states merged in the same
 launch), the stand-alone merge of the same states, at B1 KV8192 and KV64 32/8 D128 f16, for a few split
 counts. Scratch tool for tuning; PROBE_NCU_SPLITS=n and PROBE_NCU_PREFILL=1 make targets for ncu;
-PROBE_ROWS=decode,prefill prints just the benchmark rows of the issue's targets (with their peers)."""
+PROBE_ROWS=decode,prefill prints just the benchmark rows of the issue's targets (with their peers; decode
+plain and pdl), PROBE_ROWS=sweep block shapes x split counts (PROBE_SWEEP_KV, PROBE_SWEEP_SPLITS)."""
 from __future__ import annotations
 
 import itertools
@@ -74,22 +75,54 @@ def target_rows(which: str) -> None:
         rate = f"{r.gbs:,.0f} GB/s" if r.gbs else f"{r.tflops:.1f} TFLOP/s"
         pct = f" {100 * r.pct_ceiling:.0f}%" if r.pct_ceiling else ""
         print(f"{r.kernel:28s} {r.shape:28s} {r.us:8.2f} us {rate}{pct}{ratio}", flush=True)
+    attn_pdl = AttentionDispatch(pdl=True)
     if "decode" in which:
-        for args in [(1, 8192, 32, 8, 128), (1, 32768, 32, 8, 128), (32, 4096, 32, 8, 128), (1, 8192, 8, 1, 256),
-                     (1, 8192, 4, 1, 256), (1, 512, 4, 1, 256)]:
-            show(b._decode_rows(attn, ceil, rng, *args))
-    if "sweep" in which:  # decode_tc's block shapes x split counts x KV lengths (B1 32/8 D128)
+        for args in [(1, 8192, 32, 8, 128), (1, 32768, 32, 8, 128), (1, 131072, 32, 8, 128), (32, 4096, 32, 8, 128),
+                     (1, 8192, 8, 1, 256), (1, 8192, 4, 1, 256), (1, 512, 4, 1, 256)]:
+            for r in b._decode_rows(attn, ceil, rng, *args, attn_pdl=attn_pdl):
+                show(r)
+    if "sweep" in which:  # decode_tc's block shapes x split counts x KV lengths (B1 32/8 D128), plain and pdl
+        kvs = [int(x) for x in os.environ.get("PROBE_SWEEP_KV", "8192,32768,131072").split(",")]
+        splits = [int(x) for x in os.environ.get("PROBE_SWEEP_SPLITS", "8,16,33,66").split(",")]
         for nw in (4, 8):
             attn._tc_warps = nw
-            for kv in (1024, 8192, 32768):
-                for s in (8, 16, 33, 66):
-                    show(b._decode_rows(attn, ceil, rng, 1, kv, 32, 8, 128, n_splits=s, label=f"w{nw}"))
+            for kv in kvs:
+                for s in splits:
+                    for r in b._decode_rows(attn, ceil, rng, 1, kv, 32, 8, 128, n_splits=s, label=f"w{nw}",
+                                            attn_pdl=attn_pdl):
+                        show(r)
         attn._tc_warps = None
+    if "layout" in which:  # does the distance between a layer's K and V pools change decode's read rate?
+        for kv, nw, n_splits in [(8192, 8, 16), (32768, 8, 16), (131072, 4, 33), (131072, 8, 16)]:
+            attn_pdl._tc_warps = nw
+            for gap in (None, 0, 2048, 34 << 10, (1 << 20) + 6144):
+                us = _kv_gap_us(attn_pdl, rng, kv, n_splits, gap)
+                gbs = kv * 8 * 128 * 4 / us / 1e3
+                print(f"layout KV{kv} w{nw} s{n_splits} pdl, V pool {'as allocated' if gap is None else f'{gap} B after K'}"
+                      f": {us:8.2f} us {gbs:,.0f} GB/s {100 * gbs / ceil.copy_gbs:.0f}%", flush=True)
+        attn_pdl._tc_warps = None
     if "prefill" in which:
         for bb, L, h, hk, d in [(4, 4096, 32, 32, 128), (4, 4096, 16, 16, 256)]:
             show(b._tc_rows("prefill paged f16", b._prefill_fn(attn, rng, bb, L, h, hk, d), bb, L, h, hk, d, True))
             if d == 128:
                 show(b._tc_rows("varlen f16 (+lse)", b._varlen_fn(attn, rng, bb, L, h, hk, d), bb, L, h, hk, d, True))
+
+
+def _kv_gap_us(attn, rng, kv_len: int, n_splits: int, gap) -> float:
+    """Graph time of B1 32/8 D128 decode steps over rotating layers whose V pool starts `gap` bytes after the
+    end of the K pool in one allocation (None: the cache's own separate pools)."""
+    n_layers = max(1, min(16, -(-4 * (50 << 20) // (kv_len * 8 * 128 * 4))))
+    cache, s, q, out = _b1_decode_case(rng, kv_len, n_layers)
+    if gap is not None:
+        n = cache.k_pools[0].size
+        for layer in range(n_layers):
+            buf = cupy.empty(2 * n + gap // 2, cupy.float16)
+            k, v = buf[:n].reshape(cache.k_pools[layer].shape), buf[n + gap // 2:].reshape(cache.v_pools[layer].shape)
+            k[...] = cache.k_pools[layer]
+            v[...] = cache.v_pools[layer]
+            cache.k_pools[layer], cache.v_pools[layer] = k, v
+    plan = attn.plan_decode(cache, [s], 32, n_splits=n_splits)
+    return time_graph_us(_layer_steps(attn, plan, q, out, n_layers), n_inner=max(8, 2 * n_layers))
 
 
 def fixed_cost() -> None:

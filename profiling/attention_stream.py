@@ -6,11 +6,12 @@ so that L2 never holds the one being read. Two access patterns at the same grid:
           8 heads x 128 f16 = 2 KB: one head's slices sit at a 2 KB stride).
 Scratch tool for the decode bandwidth question (is 80% of copy reachable at B1 KV8k at all?).
 
-Run: PYTHONPATH=. python profiling/attention_stream.py
+Run: PYTHONPATH=. python profiling/attention_stream.py  (STREAM_KV=8k,32k,128k, STREAM_GRIDS=128,132,264 blocks)
 """
 from __future__ import annotations
 
 import math
+import os
 
 import cupy
 
@@ -62,12 +63,15 @@ def main() -> None:
     ceil = measure_ceilings()
     print(f"copy ceiling {ceil.copy_gbs:,.0f} GB/s (read + write)")
     sink = cupy.zeros(1, cupy.uint32)
-    for label, nbytes in (("B1 KV8k K+V", 8192 * 8 * 128 * 2 * 2), ("B1 KV32k K+V", 32768 * 8 * 128 * 2 * 2)):
+    sizes = {"8k": 8192, "32k": 32768, "128k": 131072}
+    grids = [(int(g), 256) for g in os.environ.get("STREAM_GRIDS", "128,264,528,1056").split(",")]
+    for kv in os.environ.get("STREAM_KV", "8k,32k").split(","):
+        label, nbytes = f"B1 KV{kv} K+V", sizes[kv] * 8 * 128 * 2 * 2
         n_sets = max(2, math.ceil(200e6 / nbytes) + 1)
         bufs = [cupy.random.default_rng(i).integers(0, 2**31, nbytes // 4, dtype=cupy.int32) for i in range(n_sets)]
         n16 = nbytes // 16
         for mode, name in ((0, "contig"), (1, "head")):
-            for blocks, threads in ((128, 256), (264, 256), (528, 256), (128, 128), (1056, 256)):
+            for blocks, threads in grids:
                 k = {"i": 0}
 
                 def step():

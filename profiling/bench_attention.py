@@ -5,8 +5,10 @@ Counted work:
 * decode: bytes of K and V read (every cached token of every KV head once) + Q read + O written;
   % is of the device-to-device copy bandwidth measured in this run; the peer is
   ``torch.nn.functional.scaled_dot_product_attention`` (its default backend choice, contiguous
-  f16 K/V, ``enable_gqa``), both timed through CUDA graphs; K/V rotate over enough layers to
-  exceed the 50 MB L2 several times;
+  f16 K/V, ``enable_gqa``), both timed through CUDA graphs of back-to-back calls, as a decode loop
+  runs them; K/V rotate over enough layers to exceed the 50 MB L2 several times. "pdl" rows:
+  the same plan launched by ``AttentionDispatch(pdl=True)`` (each call overlaps the previous one's
+  tail);
 * prefill / varlen: causal FLOPs 2 * B * H * L^2 * D (QK^T and PV over the lower triangle), or
   4 * B * H * L^2 * D non-causal; % is of the fastest torch SDPA backend in this run (flash =
   FlashAttention-2, cuDNN), "x peer" is the ratio to the flash backend. Ours and the peers are
@@ -42,7 +44,10 @@ def _fill_pools(cache: PagedKVCache, rng) -> None:
         pool[...] = rng.standard_normal(pool.shape, dtype=cupy.float32).astype(pool.dtype)
 
 
-def _decode_rows(attn, ceil, rng, b, kv_len, h, hk, d, n_splits=None, label=""):
+def _decode_rows(attn, ceil, rng, b, kv_len, h, hk, d, n_splits=None, label="", attn_pdl=None):
+    """Rows of one decode shape: ``attn`` (and ``attn_pdl``, an AttentionDispatch(pdl=True), beside it
+    on the same plan) timed through CUDA graphs of back-to-back calls over rotating layers, with torch
+    SDPA at the same shape as the peer of both (none for labelled sweep rows)."""
     kv_bytes = b * kv_len * hk * d * 2 * 2
     n_layers = max(1, min(16, math.ceil(4 * _L2_BYTES / kv_bytes)))
     page = 16
@@ -53,15 +58,19 @@ def _decode_rows(attn, ceil, rng, b, kv_len, h, hk, d, n_splits=None, label=""):
     plan = attn.plan_decode(cache, slots, h, n_splits=n_splits)
     q = rng.standard_normal((b, h, d), dtype=cupy.float32)
     out = cupy.empty_like(q)
-    k = {"i": 0}
-
-    def step():
-        layer = k["i"] % n_layers
-        k["i"] += 1
-        attn.flash_attn_decode(plan, layer, q, out)
-    us = time_graph_us(step, n_inner=max(8, 2 * n_layers))
     nbytes = kv_bytes + 2 * b * h * d * 4
-    gbs = nbytes / (us * 1e-6) / 1e9
+
+    def timed(a):
+        k = {"i": 0}
+
+        def step():
+            layer = k["i"] % n_layers
+            k["i"] += 1
+            a.flash_attn_decode(plan, layer, q, out)
+        return time_graph_us(step, n_inner=max(8, 2 * n_layers))
+    times = {"": timed(attn)}
+    if attn_pdl is not None:
+        times["pdl"] = timed(attn_pdl)
     peer_us = None
     if torch is not None and not label:
         tq = torch.randn(b, h, 1, d, device="cuda", dtype=torch.float16)
@@ -76,9 +85,14 @@ def _decode_rows(attn, ceil, rng, b, kv_len, h, hk, d, n_splits=None, label=""):
         peer_us = _torch_graph_us(peer, max(8, 2 * n_layers))
         del tkv
     del cache
-    name = "decode" + (f" {label}" if label else "") + " (graph)"
-    return Row("attention", name, f"B{b} KV{kv_len} {h}/{hk} D{d} s{plan.n_splits}", us, gbs=gbs,
-               pct_ceiling=gbs / ceil.copy_gbs, peer="torch SDPA (default)" if peer_us else "", peer_us=peer_us)
+    rows = []
+    for mode, us in times.items():
+        gbs = nbytes / (us * 1e-6) / 1e9
+        name = "decode" + "".join(f" {x}" for x in (label, mode) if x) + " (graph)"
+        rows.append(Row("attention", name, f"B{b} KV{kv_len} {h}/{hk} D{d} s{plan.n_splits} w{plan.warps}", us,
+                        gbs=gbs, pct_ceiling=gbs / ceil.copy_gbs, peer="torch SDPA (default)" if peer_us else "",
+                        peer_us=peer_us))
+    return rows
 
 
 def _torch_graph_us(fn, n_inner):
@@ -185,15 +199,16 @@ def bench(quick: bool = False) -> tuple[list, object]:
     rng = cupy.random.default_rng(0)
     rows = _Rows()
     # ---------------------------------------------------------------- decode
-    decode = [(1, 8192, 32, 8, 128), (1, 32768, 32, 8, 128), (32, 4096, 32, 8, 128), (1, 8192, 8, 1, 256),
-              (1, 8192, 4, 1, 256), (1, 512, 4, 1, 256)]  # the last: Gemma 3 270M's decode step at short KV
-    if not quick:
-        decode = [(1, 1024, 32, 8, 128)] + decode[:2] + [(1, 131072, 32, 8, 128), (8, 4096, 32, 8, 128)] + \
-            decode[2:3] + [(64, 4096, 32, 8, 128), (1, 32768, 8, 1, 256)] + decode[3:] + [(32, 4096, 4, 1, 256)]
+    decode = [(1, 8192, 32, 8, 128), (1, 32768, 32, 8, 128), (1, 131072, 32, 8, 128), (32, 4096, 32, 8, 128),
+              (1, 8192, 8, 1, 256), (1, 8192, 4, 1, 256), (1, 512, 4, 1, 256)]  # the last: Gemma 3 270M's
+    if not quick:                                                                # decode step at short KV
+        decode = [(1, 1024, 32, 8, 128)] + decode[:3] + [(8, 4096, 32, 8, 128)] + decode[3:4] + \
+            [(64, 4096, 32, 8, 128), (1, 32768, 8, 1, 256)] + decode[4:] + [(32, 4096, 4, 1, 256)]
+    attn_pdl = AttentionDispatch(pdl=True)  # "pdl" rows: each launch overlaps the previous one's tail
     for b, L, h, hk, d in decode:
-        rows.append(_decode_rows(attn, ceil, rng, b, L, h, hk, d))
+        rows.extend(_decode_rows(attn, ceil, rng, b, L, h, hk, d, attn_pdl=attn_pdl))
     for s in (16, 48, 64):  # split-count sweep at the headline shape (the default is the row above)
-        rows.append(_decode_rows(attn, ceil, rng, 1, 8192, 32, 8, 128, n_splits=s, label=f"splits={s}"))
+        rows.extend(_decode_rows(attn, ceil, rng, 1, 8192, 32, 8, 128, n_splits=s, label=f"splits={s}"))
     # ---------------------------------------------------------------- prefill (paged cache) and varlen
     prefill = [(4, 4096, 32, 32, 128), (1, 1024, 32, 32, 128), (4, 4096, 16, 16, 256)]
     if not quick:

@@ -291,6 +291,58 @@ def test_decode_split_matches_unsplit_and_graph(attn, rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind, d, h, hk", [("float16", 128, 8, 2), ("bfloat16", 64, 12, 4), ("float32", 96, 4, 2)])
+def test_decode_pdl_chain_matches_plain_launches(rng, kind, d, h, hk, monkeypatch):
+    """AttentionDispatch(pdl=True): a chain of decode steps over two layers, each step's q the previous
+    step's output (the dependency pdl_wait must honour) and most steps preceded by a plain KV write of
+    every sequence's newest token (the rows the kernel must not read before the wait), eager and replayed
+    from a CUDA graph, equals the same chain launched plainly bit for bit (the kernels are deterministic,
+    so a race shows)."""
+    from cukern import dispatch
+    from cukern.streams import capture_graph
+    if int(cupy.cuda.Device().compute_capability) < 90:
+        pytest.skip("programmatic dependent launch needs sm_90")
+    pdl_launches = []
+    real = dispatch._launch_pdl
+    monkeypatch.setattr(dispatch, "_launch_pdl", lambda *a: (pdl_launches.append(a[0]), real(*a)))
+    plain, fast = AttentionDispatch(), AttentionDispatch(pdl=True)
+    lengths = [1, 17, 40, 300, 1500]  # the newest token in a warp's first tiles, split or not
+    cache, slots = _make_cache(rng, lengths, n_kv_heads=hk, head_dim=d, page_size=16, kind=kind, n_layers=2,
+                               attn=plain)
+    b = len(slots)
+    ids = cupy.asarray(np.array(slots, np.int32))
+    newest = cupy.asarray(np.array(lengths, np.int32) - 1)
+    n_steps = 9
+    rows = [(cupy.asarray(rng.standard_normal((b, hk, d)).astype(np.float32)),
+             cupy.asarray(rng.standard_normal((b, hk, d)).astype(np.float32))) for _ in range(n_steps)]
+    sinks = cupy.asarray(rng.standard_normal(h).astype(np.float32))
+    q0 = cupy.asarray(rng.standard_normal((b, h, d)).astype(np.float32))
+    plans = [plain.plan_decode(cache, slots, h, n_splits=n) for n in (None, 5)]
+
+    def chain(a, outs):
+        q = q0
+        for i, out in enumerate(outs):
+            layer = i % 2
+            if i % 3 != 2:  # every third step follows the previous decode directly
+                a.write_kv(cache, layer, rows[i][0], rows[i][1], ids, newest)
+            a.flash_attn_decode(plans[i // 5], layer, q, out, sinks=sinks)
+            q = out
+
+    want = [poison(cupy.empty((b, h, d), cupy.float32)) for _ in range(n_steps)]
+    chain(plain, want)
+    for graph in (False, True):  # eager first: it also compiles outside the capture
+        got = [poison(cupy.empty((b, h, d), cupy.float32)) for _ in range(n_steps)]
+        if graph:
+            capture_graph(lambda stream: chain(fast, got)).replay(cupy.cuda.get_current_stream())
+        else:
+            chain(fast, got)
+        for i, (x, y) in enumerate(zip(got, want)):
+            assert bool(cupy.isfinite(y).all()), f"step {i}: the plain chain went wrong"
+            assert bool((x == y).all()), f"step {i} differs with pdl (graph={graph})"
+    assert len(pdl_launches) >= 2 * n_steps, "the pdl path was not taken"
+
+
+@pytest.mark.gpu
 def test_decode_rejects_bad_input(attn, rng):
     cache, slots = _make_cache(rng, [10], n_kv_heads=2, head_dim=64, attn=attn)
     with pytest.raises(ValueError, match="does not exist"):

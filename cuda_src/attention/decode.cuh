@@ -25,6 +25,7 @@
 
 #include "common/kv_cache.cuh"
 #include "common/mma.cuh"
+#include "common/pdl.cuh"
 #include "common/types.cuh"
 #include "attention/common.cuh"  // before reduce.cuh: defines INFINITY, which NVRTC lacks
 #include "attention/params.cuh"
@@ -229,6 +230,8 @@ __global__ void __launch_bounds__(cukern::attn::DECODE_WARPS * 32, 2) decode(
     uint32_t dyn_smem;  // the host mirrors SMEM (_decode_smem): a mismatch must fail loudly, not overrun
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
     if (dyn_smem < (uint32_t)Sh::SMEM) __trap();
+    pdl_launch_dependents();  // under programmatic dependent launch: nothing is read before the wait
+    pdl_wait();
 
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;

@@ -21,10 +21,16 @@
 //
 // Bytes: every visible K and V row once per (KV head, head block of 8 heads), q once, O once; with
 // splits the partial O / LSE once written and once read back (from L2) by the merging block.
+//
+// Programmatic dependent launch (AttentionDispatch(pdl=True), common/pdl.cuh): a block lets the next
+// kernel launch at once and, before pdl_wait(), reads only seq_ids, lengths, the page table and the K/V
+// rows of keys below each query's own position (len - 1); q, sinks, the outputs, the partial buffers and
+// the counters are touched after it.
 #pragma once
 
 #include "common/kv_cache.cuh"
 #include "common/mma.cuh"
+#include "common/pdl.cuh"
 #include "common/types.cuh"
 #include "attention/common.cuh"
 #include "attention/decode.cuh"
@@ -89,6 +95,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
     uint32_t dyn_smem;  // the host mirrors SMEM (_decode_tc_smem): a mismatch must fail loudly, not overrun
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
     if (dyn_smem < (uint32_t)Sh::SMEM) __trap();
+    pdl_launch_dependents();
 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int g = lane / 4, tq = lane % 4;  // fragment row (the head) 0..7 and column pair 0..3
@@ -134,14 +141,29 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
         }
     };
     // the first NS - 1 tiles are in flight before q is read; their page-table loads (and the one of the
-    // tile after them) are issued together (the lookup clamps into the chunk, so any key is safe to look up)
+    // tile after them) are issued together (the lookup clamps into the chunk, so any key is safe to look up).
+    // Under programmatic dependent launch only the tiles whose keys all precede the query's own token
+    // (r.hi - 1, the one the decode step's KV write may still be writing) are issued before pdl_wait();
+    // `safe` holds for a prefix of the tiles, so the copy groups stay in tile order.
     uint32_t rows0[NS];
 #pragma unroll
     for (int st = 0; st < NS; ++st) rows0[st] = lookup(st);
+    int early = 0;  // prologue tiles issued before the wait
 #pragma unroll
     for (int st = 0; st < NS - 1; ++st) {
-        if (st < my_tiles) issue(st, st, rows0[st]);
-        cp_async_commit();
+        if (st < my_tiles && key0(st) + KW < r.hi) {
+            issue(st, st, rows0[st]);
+            cp_async_commit();
+            early = st + 1;
+        }
+    }
+    pdl_wait();  // the previous kernel in the stream is done: q, sinks, outputs, partials and counters
+#pragma unroll
+    for (int st = 0; st < NS - 1; ++st) {
+        if (st >= early) {
+            if (st < my_tiles) issue(st, st, rows0[st]);
+            cp_async_commit();
+        }
     }
     uint32_t next_row = rows0[NS - 1];  // the next tile to issue
 
