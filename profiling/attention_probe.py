@@ -92,8 +92,20 @@ def target_rows(which: str) -> None:
                                             attn_pdl=attn_pdl):
                         show(r)
         attn._tc_warps = None
+    if "prefetch" in which:  # pdl with decode_tc's L2 prefetch of each warp's next tiles before the wait
+        for kv in (8192, 32768, 131072):
+            for nw, n_splits in ((4, 16), (4, 33), (8, 16)):
+                attn._tc_warps = nw
+                for pf, ef in ((0, False), (0, True), (2, False), (4, False), (4, True), (8, False), (8, True),
+                               (16, True)):
+                    attn_pdl._l2_prefetch, attn_pdl._evict_first = pf, ef
+                    for r in b._decode_rows(attn, ceil, rng, 1, kv, 32, 8, 128, n_splits=n_splits,
+                                            label=f"w{nw} pf{pf}{' ef' if ef else ''}",
+                                            attn_pdl=attn_pdl)[int(pf > 0 or ef):]:
+                        show(r)
+        attn._tc_warps = attn_pdl._l2_prefetch = attn_pdl._evict_first = None
     if "layout" in which:  # does the distance between a layer's K and V pools change decode's read rate?
-        for kv, nw, n_splits in [(8192, 8, 16), (32768, 8, 16), (131072, 4, 33), (131072, 8, 16)]:
+        for kv, nw, n_splits in [(32768, 8, 16), (131072, 4, 33)]:
             attn_pdl._tc_warps = nw
             for gap in (None, 0, 2048, 34 << 10, (1 << 20) + 6144):
                 us = _kv_gap_us(attn_pdl, rng, kv, n_splits, gap)

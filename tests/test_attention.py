@@ -305,7 +305,8 @@ def test_decode_pdl_chain_matches_plain_launches(rng, kind, d, h, hk, monkeypatc
     pdl_launches = []
     real = dispatch._launch_pdl
     monkeypatch.setattr(dispatch, "_launch_pdl", lambda *a: (pdl_launches.append(a[0]), real(*a)))
-    plain, fast = AttentionDispatch(), AttentionDispatch(pdl=True)
+    plain, fast, fast_pf = AttentionDispatch(), AttentionDispatch(pdl=True), AttentionDispatch(pdl=True)
+    fast_pf._l2_prefetch = 5  # the L2 prefetch of a warp's next tiles before the wait, on or off by default
     lengths = [1, 17, 40, 300, 1500]  # the newest token in a warp's first tiles, split or not
     cache, slots = _make_cache(rng, lengths, n_kv_heads=hk, head_dim=d, page_size=16, kind=kind, n_layers=2,
                                attn=plain)
@@ -330,16 +331,16 @@ def test_decode_pdl_chain_matches_plain_launches(rng, kind, d, h, hk, monkeypatc
 
     want = [poison(cupy.empty((b, h, d), cupy.float32)) for _ in range(n_steps)]
     chain(plain, want)
-    for graph in (False, True):  # eager first: it also compiles outside the capture
-        got = [poison(cupy.empty((b, h, d), cupy.float32)) for _ in range(n_steps)]
+    for a, graph in ((fast, False), (fast, True), (fast_pf, False), (fast_pf, True)):  # eager first: it also
+        got = [poison(cupy.empty((b, h, d), cupy.float32)) for _ in range(n_steps)]  # compiles outside the capture
         if graph:
-            capture_graph(lambda stream: chain(fast, got)).replay(cupy.cuda.get_current_stream())
+            capture_graph(lambda stream: chain(a, got)).replay(cupy.cuda.get_current_stream())
         else:
-            chain(fast, got)
+            chain(a, got)
         for i, (x, y) in enumerate(zip(got, want)):
             assert bool(cupy.isfinite(y).all()), f"step {i}: the plain chain went wrong"
-            assert bool((x == y).all()), f"step {i} differs with pdl (graph={graph})"
-    assert len(pdl_launches) >= 2 * n_steps, "the pdl path was not taken"
+            assert bool((x == y).all()), f"step {i} differs with pdl (graph={graph}, l2_prefetch={a._l2_prefetch})"
+    assert len(pdl_launches) >= 4 * n_steps, "the pdl path was not taken"
 
 
 @pytest.mark.gpu

@@ -125,6 +125,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
         const uint32_t j = (uint32_t)max(min(key0(i) + lane % KW, c1 - 1), 0);
         return (uint32_t)paged_row(pt, j, p.page_size, p.page_shift);
     };
+    const uint64_t policy = l2_evict_first_policy();
     // copies of the warp's tile i into stage st; `row` is lookup(i); keys past the chunk are zero-filled
     auto issue = [&](int32_t i, int st, uint32_t row) {
         T* ks = ring + st * STAGE;
@@ -136,8 +137,13 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
             const uint32_t rk = __shfl_sync(0xffffffffu, row, key);
             const uint64_t off = (uint64_t)rk * row_elems + kv_off + ch * 8;
             const uint32_t bytes = key0(i) + key < c1 ? 16u : 0u;
-            cp_async16(ks + key * LD + ch * 8, k_pool + off, bytes);
-            cp_async16(vs + key * LD + ch * 8, v_pool + off, bytes);
+            if (p.evict_first) {
+                cp_async16_policy(ks + key * LD + ch * 8, k_pool + off, bytes, policy);
+                cp_async16_policy(vs + key * LD + ch * 8, v_pool + off, bytes, policy);
+            } else {
+                cp_async16(ks + key * LD + ch * 8, k_pool + off, bytes);
+                cp_async16(vs + key * LD + ch * 8, v_pool + off, bytes);
+            }
         }
     };
     // the first NS - 1 tiles are in flight before q is read; their page-table loads (and the one of the
@@ -156,6 +162,15 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
             cp_async_commit();
             early = st + 1;
         }
+    }
+    // the next p.l2_prefetch tiles of the warp (the same safe keys) into L2 while the previous kernel ends:
+    // lane k of the first KW lanes asks for key k's K row slice, lane KW + k for its V slice
+    const int32_t pf_end = min(my_tiles, (int32_t)(NS - 1 + p.l2_prefetch));
+    for (int32_t i = NS - 1; i < pf_end; ++i) {
+        const uint32_t row = lookup(i);
+        const int32_t key = key0(i) + lane % KW;
+        if (key < c1 && key + 1 < r.hi)
+            prefetch_l2_bulk((lane < KW ? k_pool : v_pool) + (uint64_t)row * row_elems + kv_off, D * sizeof(T));
     }
     pdl_wait();  // the previous kernel in the stream is done: q, sinks, outputs, partials and counters
 #pragma unroll

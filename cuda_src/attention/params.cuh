@@ -48,6 +48,9 @@ struct DecodeParams {
     uint32_t causal;         // batched mode: 1 causal, 0 every query sees all kv_len keys
     uint32_t write_lse;      // 1: write the final lse (the partial LSEs of n_splits > 1 are always written)
     int32_t page_shift;      // log2(page_size) when it is a power of two, else -1
+    uint32_t l2_prefetch;    // decode_tc: warp tiles after the prologue's that each warp asks L2 to prefetch
+                             //    before pdl_wait (0: none; meant for programmatic dependent launch)
+    uint32_t evict_first;    // decode_tc: 1 streams K/V with an L2 evict-first policy (read once per launch)
     uint32_t pad0;           // keeps the struct a multiple of 8 bytes
 };
 
