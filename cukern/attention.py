@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import cupy
 import numpy as np
 
+from cukern import runtime
 from cukern.dispatch import Dispatch, check_array
 from cukern.runtime import FamilySpec, KernelSpec
 
@@ -39,6 +40,7 @@ __all__ = ["AttentionDispatch", "PagedKVCache", "PageAllocator", "DecodePlan", "
 BF16 = "bfloat16"
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256, 512)  # decode and the cache
 PREFILL_HEAD_DIMS = HEAD_DIMS[:-1]  # tensor-core prefill / varlen (512: use f32 queries, SIMT path)
+PREFILL_WG_HEAD_DIMS = (128,)  # prefill_wg (Hopper wgmma) head dims; the others run prefill (mma.sync)
 _GROUPS = (1, 4, 8)  # query heads per decode block (GQA heads beyond 8 take several blocks)
 _CTYPE = {"float16": "__half", BF16: "__nv_bfloat16", "float32": "float"}
 _SHORT = {"float16": "f16", BF16: "bf16", "float32": "f32"}
@@ -113,6 +115,12 @@ def _prefill_shape(d: int) -> tuple[int, int, int]:
     return 128, bm, (bm + 4 * bn) * (d + 8) * 2
 
 
+def _prefill_wg_shape(d: int) -> tuple[int, int, int]:
+    """(threads, query rows per block, dynamic shared bytes) of prefill_wg<T, d> (PrefillWgShape): two
+    warpgroups of 64 rows; 1 KB of alignment slack, the Q tile and two stages of 128-key K and V tiles."""
+    return 256, 128, 1024 + 128 * d * 2 + 4 * 128 * d * 2
+
+
 def _page_shift(page_size: int) -> int:
     return page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
 
@@ -155,9 +163,21 @@ def _prefill_unit(kv: str) -> FamilySpec:
                       params_header="attention/params.cuh")
 
 
-# One RawModule per unit: decode + cache writes + merge per KV dtype, prefill per dtype.
+def _prefill_wg_unit(kv: str) -> FamilySpec:
+    t = _CTYPE[kv]
+    kernels = [KernelSpec(f"prefill_wg<{t}, {d}, {paged}>", "PrefillParams")
+               for d in PREFILL_WG_HEAD_DIMS for paged in ("true", "false")]
+    return FamilySpec(f"attention_prefill_wg_{_SHORT[kv]}", tuple(kernels), source="attention/prefill_wg.cu",
+                      params_header="attention/params.cuh")
+
+
+_SM90A_UNITS = {f"attention_prefill_wg_{_SHORT[kv]}" for kv in ("float16", BF16)}  # built for sm_90a on sm_90
+
+
+# One RawModule per unit: decode + cache writes + merge per KV dtype, prefill and prefill_wg per dtype.
 FAMILIES = {spec.name: spec for spec in (
-    [_decode_unit(kv) for kv in ("float16", BF16, "float32")] + [_prefill_unit(kv) for kv in ("float16", BF16)])}
+    [_decode_unit(kv) for kv in ("float16", BF16, "float32")] + [_prefill_unit(kv) for kv in ("float16", BF16)]
+    + [_prefill_wg_unit(kv) for kv in ("float16", BF16)])}
 FAMILY = FAMILIES["attention"]
 
 
@@ -480,11 +500,28 @@ class BatchedPlan:
 # ============================================================================= dispatch
 
 class _Unit(Dispatch):
-    """One compilation unit of the family (a FamilySpec with its own RawModule)."""
+    """One compilation unit of the family (a FamilySpec with its own RawModule). The units of
+    _SM90A_UNITS are built for sm_90a (wgmma) on an sm_90 device, which CuPy's RawModule cannot be
+    asked for (runtime.load_module_sm90a); elsewhere they compile to stubs that are never launched."""
 
     def __init__(self, spec: FamilySpec, device=None):
         self.family = spec
+        self._sm90: bool | None = None
         super().__init__(device)
+
+    def is_sm90(self) -> bool:
+        if self._sm90 is None:
+            with cupy.cuda.Device(self.device_id):
+                self._sm90 = runtime.device_arch() == 90
+        return self._sm90
+
+    def load(self):
+        if self._module is None and self.family.name in _SM90A_UNITS and self.is_sm90():
+            with cupy.cuda.Device(self.device_id):
+                self._module = runtime.load_module_sm90a(self.family.name, self.family.unit_source(),
+                                                         tuple(k.name for k in self.family.kernels),
+                                                         self.family.defines)
+        return super().load()
 
 
 def _head_block(group: int, d: int) -> int:
@@ -812,13 +849,15 @@ class AttentionDispatch:
     def flash_attn_batched(self, plan: BatchedPlan, layer: int, q: cupy.ndarray, out: cupy.ndarray, *,
                            causal: bool = True, scale: float = 0.0, window_left: int = -1, softcap: float = 0.0,
                            sinks: cupy.ndarray | None = None, lse: cupy.ndarray | None = None,
-                           stream=None) -> cupy.ndarray:
+                           wgmma: bool | None = None, stream=None) -> cupy.ndarray:
         """Many queries per sequence against the paged cache (prefill, or a chunk that extends one).
 
         q, out: [n_q, n_heads, head_dim] with the rows of sequence i at ``q_indptr[i] ...``. Q in the cache
-        dtype (float16 / bfloat16) runs on tensor cores (mma.sync m16n8k16, f32 accumulation; head_dim up
-        to 256); float32 Q runs the SIMT decode kernel over every query row (any cache dtype, head_dim up
-        to 512). lse: optional [n_q, n_heads] f32, natural log."""
+        dtype (float16 / bfloat16) runs on tensor cores (f32 accumulation; head_dim up to 256): on sm_90 at
+        head_dim 128 the wgmma kernel prefill_wg, else mma.sync m16n8k16 (prefill); ``wgmma`` None picks,
+        True forces prefill_wg (ValueError where it cannot run), False prefill. float32 Q runs the SIMT
+        decode kernel over every query row (any cache dtype, head_dim up to 512). lse: optional [n_q,
+        n_heads] f32, natural log."""
         if not isinstance(plan, BatchedPlan):
             raise TypeError(f"plan must be a BatchedPlan (AttentionDispatch.plan_batched), got {type(plan).__name__}")
         cache = plan.cache
@@ -850,7 +889,7 @@ class AttentionDispatch:
         check_array("out", out, align=4)
         self._prefill(qk, d, True, out, lse, q, cache.k_pools[layer], cache.v_pools[layer], plan.q_indptr,
                       cache.lengths, cache.page_table, plan.seq_ids, sinks, len(plan.seq_ids), h, cache.n_kv_heads,
-                      plan.max_q_len, cache.page_size, cache.max_pages_per_seq, bool(causal), fields, stream)
+                      plan.max_q_len, cache.page_size, cache.max_pages_per_seq, bool(causal), fields, wgmma, stream)
         return out
 
     def _batched_simt(self, plan, layer, q, out, causal, fields, sinks, lse, stream):
@@ -877,19 +916,34 @@ class AttentionDispatch:
                      shared_mem=_decode_smem(cache.kind, d, hb))
         return out
 
+    def _use_wg(self, kind: str, d: int, h: int, wgmma) -> bool:
+        """Whether a tensor-core prefill runs prefill_wg (see flash_attn_batched's ``wgmma``)."""
+        if wgmma is not None and not isinstance(wgmma, bool):
+            raise TypeError(f"wgmma must be None, True or False, got {wgmma!r}")
+        if wgmma is False:
+            return False
+        ok = d in PREFILL_WG_HEAD_DIMS and h <= 65535 and self._units[f"attention_prefill_wg_{_SHORT[kind]}"].is_sm90()
+        if wgmma and not ok:
+            raise ValueError(f"wgmma=True needs an sm_90 (Hopper) device, head_dim in {PREFILL_WG_HEAD_DIMS} "
+                             f"and at most 65535 heads")
+        return ok
+
     def _prefill(self, kind, d, paged, out, lse, q, k, v, q_indptr, kv_info, page_table, seq_ids, sinks, n_seqs, h,
-                 n_kv_heads, max_q_len, page_size, max_pages, causal, fields, stream):
-        threads, bm, smem = _prefill_shape(d)
+                 n_kv_heads, max_q_len, page_size, max_pages, causal, fields, wgmma, stream):
+        wg = self._use_wg(kind, d, h, wgmma)
+        threads, bm, smem = _prefill_wg_shape(d) if wg else _prefill_shape(d)
         n_tiles = -(-max_q_len // bm)
-        unit = self._unit(kind, prefill=True)
+        unit = self._units[f"attention_prefill_wg_{_SHORT[kind]}"] if wg else self._unit(kind, prefill=True)
         params = unit.struct("PrefillParams").pack(
             n_seqs=n_seqs, n_heads=h, n_kv_heads=n_kv_heads, group=h // n_kv_heads, n_q_tiles=n_tiles,
             page_size=page_size, max_pages=max_pages, causal=int(causal), has_sinks=int(sinks is not None),
             write_lse=int(lse is not None), page_shift=_page_shift(page_size), pad0=0, **fields)
-        name = f"prefill<{_CTYPE[kind]}, {d}, {'true' if paged else 'false'}>"
-        if n_tiles > 65535:
+        name = f"prefill{'_wg' if wg else ''}<{_CTYPE[kind]}, {d}, {'true' if paged else 'false'}>"
+        if not wg and n_tiles > 65535:
             raise ValueError(f"at most {65535 * bm} query rows per sequence, got {max_q_len}")
-        unit._launch(name, (h, n_seqs, n_tiles), threads,
+        # prefill: grid (heads, sequences, query tiles); prefill_wg: (query tiles, heads, sequences)
+        grid = (n_tiles, h, n_seqs) if wg else (h, n_seqs, n_tiles)
+        unit._launch(name, grid, threads,
                      (out, lse if lse is not None else q_indptr, q, k, v, q_indptr, kv_info, page_table, seq_ids,
                       sinks if sinks is not None else q_indptr), params, stream=stream, shared_mem=smem)
 
@@ -898,7 +952,7 @@ class AttentionDispatch:
                           cu_seqlens_k: cupy.ndarray, out: cupy.ndarray, *, max_seqlen_q: int, causal: bool = False,
                           scale: float = 0.0, window_left: int = -1, softcap: float = 0.0,
                           sinks: cupy.ndarray | None = None, lse: cupy.ndarray | None = None,
-                          stream=None) -> tuple[cupy.ndarray, cupy.ndarray | None]:
+                          wgmma: bool | None = None, stream=None) -> tuple[cupy.ndarray, cupy.ndarray | None]:
         """Packed variable-length attention (FlashAttention's varlen forward) on tensor cores.
 
         q, out: [total_q, n_heads, head_dim]; k, v: [total_k, n_kv_heads, head_dim], float16 or bfloat16
@@ -906,7 +960,7 @@ class AttentionDispatch:
         prefix sums (device values, not read here); max_seqlen_q: host bound on any sequence's q length
         (sizes the grid; rows past it are not computed). Causal masking aligns the last query with the last
         key (query r of a sequence sees keys j <= k_len - q_len + r). lse: optional [total_q, n_heads] f32,
-        natural log. Returns (out, lse)."""
+        natural log. ``wgmma``: as in :meth:`flash_attn_batched`. Returns (out, lse)."""
         kind = _check_kind("q", q, ("float16", BF16))
         for name, a in (("k", k), ("v", v), ("out", out)):
             if _check_kind(name, a, (kind,)) != kind:
@@ -938,5 +992,5 @@ class AttentionDispatch:
             check_array("sinks", sinks, dtype=_F32, shape=(h,))
         fields = _scale_fields(scale, d, softcap, window_left)
         self._prefill(kind, d, False, out, lse, q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k, cu_seqlens_k, sinks,
-                      b, h, hk, int(max_seqlen_q), 1, 1, bool(causal), fields, stream)
+                      b, h, hk, int(max_seqlen_q), 1, 1, bool(causal), fields, wgmma, stream)
         return out, lse

@@ -492,6 +492,87 @@ def test_prefill_long_causal(attn, rng):
     assert_close(out, want, **TC_TOL["float16"])
 
 
+def _hopper() -> bool:
+    return int(cupy.cuda.Device().compute_capability) == 90
+
+
+# (kind, n_heads, n_kv_heads, page_size, lengths, q_lens): 128-key tiles across pages (64), inside one page
+# (256), through the division path (48: not a power of two); ragged around the 128-row / 128-key tiles
+WG_CASES = [
+    ("float16", 4, 2, 64, [700, 129, 1, 128], [700, 40, 1, 128]),
+    ("bfloat16", 6, 2, 256, [300, 513], [257, 2]),
+    ("float16", 2, 1, 48, [385, 127], [385, 127]),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", WG_CASES, ids=lambda c: f"{c[0]}-h{c[1]}/{c[2]}-p{c[3]}")
+@pytest.mark.parametrize("variant", ["causal", "window+sinks", "softcap", "noncausal"])
+def test_prefill_wgmma_matches_mma_sync(attn, rng, case, variant):
+    """Hopper: prefill_wg (wgmma) and prefill (mma.sync) on the same paged batch, each against the
+    reference; the two kernels round P the same way, so they also agree with each other closely."""
+    if not _hopper():
+        pytest.skip("prefill_wg needs sm_90")
+    kind, h, hk, ps, lengths, q_lens = case
+    d = 128
+    cache, slots = _make_cache(rng, lengths, n_kv_heads=hk, head_dim=d, page_size=ps, kind=kind, attn=attn)
+    kw, causal = {}, variant != "noncausal"
+    if variant == "window+sinks":
+        kw = dict(window_left=150, sinks=rng.standard_normal(h).astype(np.float32))
+    elif variant == "softcap":
+        kw = dict(softcap=4.0, scale=0.25)
+    n_q = sum(q_lens)
+    q = _store(rng.standard_normal((n_q, h, d)).astype(np.float32), kind)
+    plan = attn.plan_batched(cache, slots, q_lens)
+    dev_kw = dict(kw, sinks=cupy.asarray(kw["sinks"])) if "sinks" in kw else kw
+    kp, vp, pt, lens = _host(cache)
+    want_o, want_lse = ref.paged_attention(ref.as_float64(q, kind), kp, vp, pt, lens, slots, q_lens, ps,
+                                           causal=causal, **kw)
+    got = {}
+    for wg in (True, False):
+        out = poison(cupy.empty(q.shape, q.dtype))
+        lse = poison(cupy.empty((n_q, h), cupy.float32))
+        attn.flash_attn_batched(plan, 0, q, out, causal=causal, lse=lse, wgmma=wg, **dev_kw)
+        got[wg] = ref.as_float64(out, kind)
+        assert_close(got[wg], want_o, **TC_TOL[kind], name=f"out (wgmma={wg})")
+        assert_close(lse, want_lse, atol=LSE_TOL[kind], rtol=0, name=f"lse (wgmma={wg})")
+    assert_close(got[True], got[False], **TC_TOL[kind], name="wgmma vs mma.sync")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
+def test_varlen_wgmma_matches_mma_sync(attn, rng, kind):
+    """Hopper: the varlen path (contiguous K/V, GQA, ragged q and k lengths, causal) through both kernels."""
+    if not _hopper():
+        pytest.skip("prefill_wg needs sm_90")
+    q_lens, k_lens = [1, 127, 128, 129, 300, 64], [1, 127, 200, 129, 300, 700]
+    cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int32)
+    h, hk, d = 4, 2, 128
+    q, k, v = (_store(rng.standard_normal((n, hh, d)).astype(np.float32), kind)
+               for n, hh in ((cu_q[-1], h), (cu_k[-1], hk), (cu_k[-1], hk)))
+    want_o, want_lse = ref.varlen(ref.as_float64(q, kind), ref.as_float64(k, kind), ref.as_float64(v, kind),
+                                  cu_q, cu_k, causal=True)
+    for wg in (True, False):
+        out = poison(cupy.empty(q.shape, q.dtype))
+        lse = poison(cupy.empty((cu_q[-1], h), cupy.float32))
+        attn.flash_attn_varlen(q, k, v, cupy.asarray(cu_q), cupy.asarray(cu_k), out, max_seqlen_q=max(q_lens),
+                               causal=True, lse=lse, wgmma=wg)
+        assert_close(ref.as_float64(out, kind), want_o, **TC_TOL[kind], name=f"out (wgmma={wg})")
+        assert_close(lse, want_lse, atol=LSE_TOL[kind], rtol=0, name=f"lse (wgmma={wg})")
+
+
+@pytest.mark.gpu
+def test_prefill_wgmma_rejects_what_it_cannot_run(attn, rng):
+    cache, slots = _make_cache(rng, [10], n_kv_heads=1, head_dim=64, attn=attn)
+    plan = attn.plan_batched(cache, slots, [10])
+    q = cupy.zeros((10, 2, 64), cupy.float16)
+    with pytest.raises(ValueError, match="wgmma=True"):  # head_dim 64 (and any non-Hopper device)
+        attn.flash_attn_batched(plan, 0, q, q.copy(), wgmma=True)
+    with pytest.raises(TypeError, match="wgmma"):
+        attn.flash_attn_batched(plan, 0, q, q.copy(), wgmma=1)
+
+
 def test_reference_split_merge_equals_whole(rng):
     """The reference's LSE is a natural log: merging the two halves of the keys gives the whole."""
     q = rng.standard_normal((3, 4, 32))

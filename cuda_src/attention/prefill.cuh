@@ -56,6 +56,119 @@ struct PrefillShape {
     static_assert(BN % KC == 0 && KC % 16 == 0, "a K/V tile must be whole compute chunks");
 };
 
+
+// ---- pieces shared with prefill_wg (prefill_wg.cuh): an S tile of 16 * MT rows per warp in mma.sync's C
+// layout (wgmma's accumulator layout is the same), the lane's rows g and g + 8 of each m-tile.
+
+// Masks of an S tile: entry (mt, nt, e) is query position pos_g + 16 mt + 8 (e >= 2) (pos_g: the position
+// of the lane's row g of m-tile 0) against key j_tq + 8 nt + (e & 1) (j_tq: the tile's first key + 2 tq).
+template <int MT, int NK8>
+CUKERN_DEVICE void mask_scores(float (&s)[MT][NK8][4], int32_t pos_g, int32_t j_tq, int32_t kv_len, bool causal,
+                               bool windowed, int32_t window_left) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NK8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int32_t pos = pos_g + mt * 16 + (e >= 2 ? 8 : 0);
+                const int32_t j = j_tq + nt * 8 + (e & 1);
+                const bool ok = j < kv_len && (!causal || j <= pos) && (!windowed || j >= pos - window_left);
+                s[mt][nt][e] = ok ? s[mt][nt][e] : -INFINITY;
+            }
+}
+
+// Online softmax of an S tile (rows g (i = 0) and g + 8 (i = 1) of each m-tile; l stays a per-lane partial
+// sum): m, l updated, corr = the factor the O rows must be scaled by, P rounded to T in pa (the A fragments
+// of O += P V: n-tiles 2 kk and 2 kk + 1 are k-step kk). sl: raw score -> base-2 logit factor. Returns
+// whether this lane's corr differs from 1.
+template <typename T, int MT, int NK8>
+CUKERN_DEVICE bool online_softmax(const float (&s)[MT][NK8][4], uint32_t (&pa)[MT][NK8 / 2][4], float (&m)[MT][2],
+                                  float (&l)[MT][2], float (&corr)[MT][2], float sl) {
+    bool rescale = false;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        float mu[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            float mx = -INFINITY;
+#pragma unroll
+            for (int nt = 0; nt < NK8; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * i], s[mt][nt][2 * i + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            mx = fmaxf(m[mt][i], mx * sl);  // base 2 (sl > 0 commutes with the max)
+            mu[i] = safe_max(mx);
+            corr[mt][i] = fast_exp2(m[mt][i] - mu[i]);
+            rescale |= corr[mt][i] != 1.0f;
+            m[mt][i] = mx;
+            l[mt][i] *= corr[mt][i];
+        }
+#pragma unroll
+        for (int nt = 0; nt < NK8; ++nt) {
+            float pr[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                pr[e] = fast_exp2(fmaf(s[mt][nt][e], sl, -mu[e / 2]));
+                l[mt][e / 2] += pr[e];
+            }
+            pa[mt][nt / 2][(nt % 2) * 2 + 0] = pack2<T>(pr[0], pr[1]);
+            pa[mt][nt / 2][(nt % 2) * 2 + 1] = pack2<T>(pr[2], pr[3]);
+        }
+    }
+    return rescale;
+}
+
+// O *= corr, row by row.
+template <int MT, int DT8>
+CUKERN_DEVICE void rescale_rows(float (&o)[MT][DT8][4], const float (&corr)[MT][2]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int dt = 0; dt < DT8; ++dt) {
+            o[mt][dt][0] *= corr[mt][0];
+            o[mt][dt][1] *= corr[mt][0];
+            o[mt][dt][2] *= corr[mt][1];
+            o[mt][dt][3] *= corr[mt][1];
+        }
+}
+
+// Normalise O (the sink joins the denominator here, once) and store the lane's rows wr0 + 16 mt + g + 8 i
+// below q_len (wr0: the warp's first row of the sequence), and their natural-log LSE when p.write_lse.
+template <typename T, int MT, int D>
+CUKERN_DEVICE void store_rows(const float (&oacc)[MT][D / 8][4], const float (&m)[MT][2], const float (&l)[MT][2],
+                              T* __restrict__ o, float* __restrict__ lse, const float* __restrict__ sinks,
+                              const PrefillParams& p, uint32_t h, int32_t q_start, int32_t q_len, int32_t wr0, int g,
+                              int tq) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            float L = l[mt][i];
+            L += __shfl_xor_sync(0xffffffffu, L, 1);
+            L += __shfl_xor_sync(0xffffffffu, L, 2);
+            float M = m[mt][i], f = 1.0f;
+            if (p.has_sinks) {
+                const float s2 = sinks[h] * LOG2E;
+                const float m2 = fmaxf(M, s2);
+                f = exp2f(M - m2);
+                L = L * f + exp2f(s2 - m2);
+                M = m2;
+            }
+            const float inv = L > 0.0f ? f / L : 0.0f;
+            const int32_t r = wr0 + mt * 16 + g + 8 * i;
+            if (r < q_len) {
+                T* orow = o + ((uint64_t)(q_start + r) * p.n_heads + h) * D + 2 * tq;
+#pragma unroll
+                for (int dt = 0; dt < D / 8; ++dt)
+                    *reinterpret_cast<uint32_t*>(orow + dt * 8) =
+                        pack2<T>(oacc[mt][dt][2 * i] * inv, oacc[mt][dt][2 * i + 1] * inv);
+                if (p.write_lse && tq == 0)
+                    lse[(uint64_t)(q_start + r) * p.n_heads + h] = L > 0.0f ? (M + log2f(L)) * LN2 : -INFINITY;
+            }
+        }
+    }
+}
+
 }  // namespace attn
 }  // namespace cukern
 
@@ -253,68 +366,15 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::NT, cukern::att
                 // masks only on chunks that cross a boundary
                 const bool need_mask = jc + KC > kv_len || (p.causal && jc + KC - 1 > offset + wr0) ||
                                        (windowed && jc < offset + w_last - p.window_left);
-                if (need_mask) {
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                        for (int nt = 0; nt < KC / 8; ++nt)
-#pragma unroll
-                            for (int e = 0; e < 4; ++e) {
-                                const int32_t pos = offset + wr0 + mt * 16 + g + (e >= 2 ? 8 : 0);
-                                const int32_t j = jc + nt * 8 + 2 * tq + (e & 1);
-                                const bool ok = j < kv_len && (!p.causal || j <= pos) &&
-                                                (!windowed || j >= pos - p.window_left);
-                                sacc[mt][nt][e] = ok ? sacc[mt][nt][e] : -INFINITY;
-                            }
-                }
-                // online softmax (rows g (i = 0) and g + 8 (i = 1) of each m-tile; l stays a per-lane
-                // partial sum); P is rounded to T right away, as the A fragments of O += P V
+                if (need_mask)
+                    mask_scores(sacc, offset + wr0 + g, jc + 2 * tq, kv_len, p.causal, windowed, p.window_left);
+                // online softmax; P is rounded to T right away, as the A fragments of O += P V
                 uint32_t pa[MT][KC / 16][4];
                 float corr[MT][2];
-                bool rescale = false;
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    float mu[2];
-#pragma unroll
-                    for (int i = 0; i < 2; ++i) {
-                        float mx = -INFINITY;
-#pragma unroll
-                        for (int nt = 0; nt < KC / 8; ++nt)
-                            mx = fmaxf(mx, fmaxf(sacc[mt][nt][2 * i], sacc[mt][nt][2 * i + 1]));
-                        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                        mx = fmaxf(m[mt][i], mx * sl);  // base 2 (sl > 0 commutes with the max)
-                        mu[i] = safe_max(mx);
-                        corr[mt][i] = fast_exp2(m[mt][i] - mu[i]);
-                        rescale |= corr[mt][i] != 1.0f;
-                        m[mt][i] = mx;
-                        l[mt][i] *= corr[mt][i];
-                    }
-#pragma unroll
-                    for (int nt = 0; nt < KC / 8; ++nt) {
-                        float pr[4];
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            pr[e] = fast_exp2(fmaf(sacc[mt][nt][e], sl, -mu[e / 2]));
-                            l[mt][e / 2] += pr[e];
-                        }
-                        pa[mt][nt / 2][(nt % 2) * 2 + 0] = pack2<T>(pr[0], pr[1]);
-                        pa[mt][nt / 2][(nt % 2) * 2 + 1] = pack2<T>(pr[2], pr[3]);
-                    }
-                }
+                const bool rescale = online_softmax<T>(sacc, pa, m, l, corr, sl);
                 // O *= corr, skipped when no row of the warp saw a new maximum (the common case
                 // once the first keys are in)
-                if (__any_sync(0xffffffffu, rescale)) {
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                        for (int dt = 0; dt < D / 8; ++dt) {
-                            oacc[mt][dt][0] *= corr[mt][0];
-                            oacc[mt][dt][1] *= corr[mt][0];
-                            oacc[mt][dt][2] *= corr[mt][1];
-                            oacc[mt][dt][3] *= corr[mt][1];
-                        }
-                }
+                if (__any_sync(0xffffffffu, rescale)) rescale_rows(oacc, corr);
                 // O += P V: P of n-tiles 2 kk and 2 kk + 1 is the A fragment of k-step kk
 #pragma unroll
                 for (int kk = 0; kk < KC / 16; ++kk) {
@@ -337,33 +397,5 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::NT, cukern::att
     }
     cp_async_wait<0>();  // no copy outlives the block (the Q tile when no K/V tile is visible)
 
-    // normalise (the sink joins the denominator here, once) and store rows g and g + 8 of each m-tile
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            float L = l[mt][i];
-            L += __shfl_xor_sync(0xffffffffu, L, 1);
-            L += __shfl_xor_sync(0xffffffffu, L, 2);
-            float M = m[mt][i], f = 1.0f;
-            if (p.has_sinks) {
-                const float s2 = sinks[h] * LOG2E;
-                const float m2 = fmaxf(M, s2);
-                f = exp2f(M - m2);
-                L = L * f + exp2f(s2 - m2);
-                M = m2;
-            }
-            const float inv = L > 0.0f ? f / L : 0.0f;
-            const int32_t r = wr0 + mt * 16 + g + 8 * i;
-            if (r < q_len) {
-                T* orow = o + ((uint64_t)(q_start + r) * p.n_heads + h) * D + 2 * tq;
-#pragma unroll
-                for (int dt = 0; dt < D / 8; ++dt)
-                    *reinterpret_cast<uint32_t*>(orow + dt * 8) =
-                        pack2<T>(oacc[mt][dt][2 * i] * inv, oacc[mt][dt][2 * i + 1] * inv);
-                if (p.write_lse && tq == 0)
-                    lse[(uint64_t)(q_start + r) * p.n_heads + h] = L > 0.0f ? (M + log2f(L)) * LN2 : -INFINITY;
-            }
-        }
-    }
+    store_rows<T, MT, D>(oacc, m, l, o, lse, sinks, p, h, q_start, q_len, wr0, g, tq);
 }

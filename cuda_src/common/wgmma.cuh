@@ -1,0 +1,110 @@
+// Hopper warpgroup MMA (wgmma.mma_async, sm_90a) as inline PTX: shared-memory matrix descriptors of the
+// non-swizzled ("interleaved") layout, fence / commit / wait, and the m64n128k16 f16 / bf16 shapes with f32
+// accumulators that flash attention uses (A from shared memory or from registers, B from shared memory).
+//
+// Layouts (8x8 "core matrices" of 8 rows x 16 bytes, each stored as 128 contiguous bytes):
+//   * K-major operand (A = M x K or B = K x N with K contiguous per row): LBO = bytes between the two core
+//     matrices of a k16 step (along K), SBO = bytes between core matrices 8 rows apart (along M / N);
+//   * MN-major B (K x N with N contiguous per row: a core matrix is 8 K-rows of 8 N-elements): LBO = bytes
+//     between core matrices 8 K-rows apart, SBO = bytes between core matrices 8 N-elements apart
+//     (CuTe's canonical form ((8,n),(8,k)):((1,SBO),(8,LBO)) in elements).
+// Fragments (warp w of the warpgroup, g = lane / 4, t = lane % 4): accumulator quad j of an m64nN tile is
+// rows 16 w + g (elements 0, 1) and 16 w + g + 8 (elements 2, 3) x columns 8 j + 2 t + 0, 1, exactly
+// mma.sync m16n8k16's C layout; a register A fragment of a k16 step is mma.sync's A fragment of that
+// warp's 16 rows. So an S tile's quads, rounded in pairs to T, are the A operand of the next product.
+//
+// Accumulator registers are written asynchronously: read them only after wait<0>() (or the wait that
+// covers their group) followed by pin(), which keeps the compiler from moving the reads above the wait.
+#pragma once
+
+#include "common/types.cuh"
+
+namespace cukern {
+namespace wg {
+
+// Shared-memory matrix descriptor: start address, LBO and SBO in bytes (multiples of 16), layout 0: no
+// swizzle, 1: 128-byte swizzle (atoms of 8 rows x 128 bytes, 1024-byte aligned; the 16-byte chunk c of row
+// r stored at chunk c ^ (r % 8); K-major: SBO = bytes between 8-row groups, LBO unused, a k16 step inside
+// an atom advances the start by 32 bytes; MN-major: LBO = bytes between 64-element blocks along M / N,
+// SBO = bytes between 8-row groups along K).
+CUKERN_DEVICE uint64_t desc(uint32_t saddr, uint32_t lbo, uint32_t sbo, uint32_t layout = 0) {
+    return (uint64_t)((saddr & 0x3FFFF) >> 4) | (uint64_t)(lbo >> 4) << 16 | (uint64_t)(sbo >> 4) << 32 |
+           (uint64_t)layout << 62;
+}
+
+CUKERN_DEVICE void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+CUKERN_DEVICE void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+CUKERN_DEVICE void wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// Generic-proxy writes of shared memory (stores, cp.async) made visible to the async proxy (wgmma); each
+// writing thread, after its writes landed and before the barrier that publishes them.
+CUKERN_DEVICE void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Orders register reads after the wait: an empty asm that "writes" each accumulator.
+template <int J>
+CUKERN_DEVICE void pin(float (&d)[J][4]) {
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
+}
+
+#define CUKERN_WG_ACC128 \
+    "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
+    "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
+    "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
+    "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
+    "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), \
+    "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
+    "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
+    "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), \
+    "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), \
+    "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), \
+    "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), \
+    "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), \
+    "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), \
+    "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), \
+    "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), \
+    "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+
+#define CUKERN_WG_D128 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+
+// d (64 x 128, f32) = (accumulate ? d : 0) + A B: A 64 x 16 K-major (desc_a), B 16 x 128 K-major (desc_b).
+template <typename T>
+CUKERN_DEVICE void mma_ss_128(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, bool accumulate);
+// d (64 x 128, f32) += A B: A 64 x 16 in registers (a: this warp's mma.sync-style A fragment), B 16 x 128
+// MN-major (desc_b).
+template <typename T>
+CUKERN_DEVICE void mma_rs_128_mn(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc_b);
+
+#define CUKERN_WG_SS128(CT, TY) \
+    template <> \
+    CUKERN_DEVICE void mma_ss_128<CT>(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, bool accumulate) { \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " CUKERN_WG_D128 \
+                     ", %64, %65, p, 1, 1, 0, 0;\n}\n" \
+                     : CUKERN_WG_ACC128 \
+                     : "l"(desc_a), "l"(desc_b), "r"((int)accumulate)); \
+    }
+#define CUKERN_WG_RS128(CT, TY) \
+    template <> \
+    CUKERN_DEVICE void mma_rs_128_mn<CT>(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc_b) { \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n" \
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " CUKERN_WG_D128 \
+                     ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n" \
+                     : CUKERN_WG_ACC128 \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1)); \
+    }
+
+CUKERN_WG_SS128(__half, "f16")
+CUKERN_WG_SS128(__nv_bfloat16, "bf16")
+CUKERN_WG_RS128(__half, "f16")
+CUKERN_WG_RS128(__nv_bfloat16, "bf16")
+
+#undef CUKERN_WG_SS128
+#undef CUKERN_WG_RS128
+#undef CUKERN_WG_D128
+#undef CUKERN_WG_ACC128
+
+}  // namespace wg
+}  // namespace cukern
