@@ -23,9 +23,10 @@ FAMILY_MODULES = {
                                           "matmul_f16_q4_k", "matmul_f16_q5_k", "matmul_f16_q6_k",
                                           "matmul_i8_q4_0", "matmul_i8_q5_0", "matmul_i8_q8_0",
                                           "matmul_i8_q4_k", "matmul_i8_q5_k", "matmul_i8_q6_k")},  # matmul.FAMILIES
-    # the attention family is five units (FamilySpecs) of one module, listed in its FAMILIES
+    # the attention family is seven units (FamilySpecs) of one module, listed in its FAMILIES
     **{name: "cukern.attention" for name in ("attention", "attention_bf16", "attention_f32",
-                                             "attention_prefill_f16", "attention_prefill_bf16")},
+                                             "attention_prefill_f16", "attention_prefill_bf16",
+                                             "attention_prefill_wg_f16", "attention_prefill_wg_bf16")},
 }
 
 _LAZY = {
