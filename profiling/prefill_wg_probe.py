@@ -6,9 +6,11 @@
    beside torch SDPA's flash and cuDNN backends, timed in alternating rounds (bench_attention's helpers).
 
 With ``--variants``, each entry of VARIANTS (defines of the prefill_wg units, e.g. the profiling switch
-CUKERN_PREFILL_WG_SKIP) is then timed on the paged B4 L4096 row in its own process.
+CUKERN_PREFILL_WG_SKIP) is then timed on the B4 L4096 rows in its own process.
 
-Run: PYTHONPATH=. python profiling/prefill_wg_probe.py [--variants] [--no-time]
+``--bench-rows``: only bench_attention.py --quick's prefill / varlen rows (same helpers, same table).
+
+Run: PYTHONPATH=. python profiling/prefill_wg_probe.py [--variants] [--no-time] [--bench-rows]
 """
 from __future__ import annotations
 
@@ -23,7 +25,10 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # name -> (old, new) text substitutions in attention/prefill_wg.cuh
 # name -> defines of the prefill_wg units (a variant named "*check*" is also checked against the reference)
-VARIANTS: dict[str, tuple[str, ...]] = {f"skip{k}": (f"CUKERN_PREFILL_WG_SKIP={k}",) for k in (2, 12, 1)}
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "no_pingpong": ("CUKERN_PREFILL_WG_PINGPONG=0",),
+    **{f"skip{k}": (f"CUKERN_PREFILL_WG_SKIP={k}",) for k in (2, 1)},
+}
 TOL = {"float16": (1e-3, 2e-3), "bfloat16": (1e-2, 1.6e-2)}
 
 
@@ -110,11 +115,12 @@ def check(attn) -> bool:
 
 
 def timing(attn, short: bool = False) -> None:
-    """The bench rows, ours through both kernels beside SDPA; short: the paged B4 L4096 row, wgmma and flash."""
+    """The bench's B4 L4096 rows (paged, varlen), ours through both kernels beside SDPA; short: wgmma and
+    flash only."""
     import cupy
     b = _bench()
     rng = cupy.random.default_rng(0)
-    for label, make in (("prefill paged", b._prefill_fn), ("varlen (+lse)", b._varlen_fn))[:1 if short else 2]:
+    for label, make in (("prefill paged", b._prefill_fn), ("varlen (+lse)", b._varlen_fn)):
         for bb, L, h, hk, d in ((4, 4096, 32, 32, 128),):
             fn = make(attn, rng, bb, L, h, hk, d)
             fns = {"wgmma": lambda fn=fn: _with(attn, fn, True), "mma": lambda fn=fn: _with(attn, fn, False),
@@ -144,6 +150,21 @@ def _patch(attn):
     def use_wg(kind, d, h, wgmma):
         return orig(kind, d, h, _FORCE["wgmma"] if wgmma is None else wgmma)
     attn._use_wg = use_wg
+
+
+def bench_rows() -> None:
+    """bench_attention.py --quick's prefill and varlen rows (its own helpers and table), default kernels."""
+    import cupy
+    from cukern.attention import AttentionDispatch
+    from cukern.benchmark import measure_ceilings, print_table
+    b = _bench()
+    attn, rng = AttentionDispatch(), cupy.random.default_rng(0)
+    rows = []
+    for bb, L, h, hk, d in [(4, 4096, 32, 32, 128), (1, 1024, 32, 32, 128), (4, 4096, 16, 16, 256)]:
+        rows.append(b._tc_rows("prefill paged f16", b._prefill_fn(attn, rng, bb, L, h, hk, d), bb, L, h, hk, d, True))
+    rows.append(b._tc_rows("varlen f16 (+lse)", b._varlen_fn(attn, rng, 4, 4096, 32, 32, 128, True), 4, 4096, 32, 32,
+                           128, True))
+    print_table(rows, measure_ceilings(), b.TITLE)
 
 
 def ptxas_log() -> None:
@@ -188,6 +209,9 @@ def run(do_time: bool, time_only: bool) -> int:
 
 def main(argv: list[str]) -> int:
     do_time = "--no-time" not in argv
+    if "--bench-rows" in argv:
+        bench_rows()
+        return 0
     if "--child" in argv:
         return run(do_time, "--time-only" in argv)
     rc = subprocess.call([sys.executable, __file__, "--child", *[a for a in argv if a != "--variants"]])

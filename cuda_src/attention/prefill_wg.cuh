@@ -13,6 +13,9 @@
 // Every warpgroup runs every tile of the block's key range (a tile none of its rows sees is masked whole):
 // wgmma under a branch that depends on the thread makes ptxas serialize all of them. The block's range
 // and each warpgroup's rows are made warp-uniform for the compiler (shuffled from lane 0).
+// Pingpong: within a tile, warpgroup 1 issues its S only when warpgroup 0's S has completed (a named
+// barrier), so warpgroup 0's softmax runs beside warpgroup 1's S, and warpgroup 1's softmax beside
+// warpgroup 0's O += P V; the tensor cores idle less than when both do their softmax at once.
 // K/V tiles stream through two shared stages with cp.async (tile t + 1 is copied while tile t is used; one
 // barrier per tile), as in prefill; paged rows are looked up two tiles ahead into shared memory.
 //
@@ -34,9 +37,18 @@
 #ifndef CUKERN_PREFILL_WG_SKIP
 #define CUKERN_PREFILL_WG_SKIP 0
 #endif
+// 1 (default): warpgroup 1 starts S = Q K^T of a tile when warpgroup 0's has completed (a named barrier),
+// so that each warpgroup's softmax runs beside the other's products; 0: both start together.
+#ifndef CUKERN_PREFILL_WG_PINGPONG
+#define CUKERN_PREFILL_WG_PINGPONG 1
+#endif
 
 namespace cukern {
 namespace attn {
+
+// Named barrier `id` of n threads: wait for it, or only arrive at it.
+CUKERN_DEVICE void named_bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+CUKERN_DEVICE void named_bar_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
 
 // Shapes of prefill_wg<T, D, PAGED> (mirrored by _prefill_wg_shape in cukern/attention.py).
 template <int D>
@@ -200,7 +212,19 @@ __global__ void __launch_bounds__(cukern::attn::PrefillWgShape<D>::NT, 1) prefil
         __syncthreads();         // ... everyone's; and both warpgroups are done with the stage tile t + 1 takes
         const int32_t j0 = t * BN;
         const uint32_t kt = k_s + st * Sh::KV_BYTES, vt = v_s + st * Sh::KV_BYTES;
-        // S = Q K^T, issued before this thread's copies of tile t + 1 (which run while tile t is used)
+        // this thread's copies of tile t + 1 (which run while tile t is used), and the pool rows of tile t + 2
+        auto copy_ahead = [&]() {
+            if (t + 1 < t_end && (!(CUKERN_PREFILL_WG_SKIP & 1) || t == t_begin)) load_kv(t + 1, (st + 1) % Sh::STAGES);
+            cp_async_commit();
+            if (PAGED && t + 2 < t_end) next_row = fetch_row(t + 2);
+        };
+        // S = Q K^T. Warpgroup 0 issues it first and then its copies; warpgroup 1 copies first and, with
+        // pingpong, waits for warpgroup 0's S to complete (barrier 1: warpgroup 0 arrives, 1 waits).
+        const bool copy_first = CUKERN_PREFILL_WG_PINGPONG && wgi == 1;
+        if (copy_first) {
+            copy_ahead();
+            named_bar_sync(1, Sh::NT);
+        }
         float sacc[1][BN / 8][4];
         if (CUKERN_PREFILL_WG_SKIP & 4) {
 #pragma unroll
@@ -211,11 +235,10 @@ __global__ void __launch_bounds__(cukern::attn::PrefillWgShape<D>::NT, 1) prefil
             for (int kk = 0; kk < D / 16; ++kk) wg::mma_ss_128<T>(sacc[0], q_desc(kk), k_desc(kt, kk), kk > 0);
             wg::commit();
         }
-        if (t + 1 < t_end && (!(CUKERN_PREFILL_WG_SKIP & 1) || t == t_begin)) load_kv(t + 1, (st + 1) % Sh::STAGES);
-        cp_async_commit();
-        if (PAGED && t + 2 < t_end) next_row = fetch_row(t + 2);
+        if (!copy_first) copy_ahead();
         wg::wait<0>();
         wg::pin(sacc[0]);
+        if (CUKERN_PREFILL_WG_PINGPONG && wgi == 0) named_bar_arrive(1, Sh::NT);
         // Without a softcap the scores stay raw and the scale joins the exponent's FMA; with one they become
         // base-2 logits here. Masks only on tiles that cross a boundary of this warp's rows (a tile none of
         // them sees is one).
