@@ -93,12 +93,13 @@ def target_rows(which: str) -> None:
                         show(r)
         attn._tc_warps = None
     if "prefetch" in which:  # pdl with decode_tc's L2 prefetch of each warp's next tiles before the wait
+        def pairs(name, default):  # "a:b,c:d" -> [(a, b), (c, d)]
+            return [tuple(int(v) for v in x.split(":")) for x in os.environ.get(name, default).split(",")]
         for kv in (8192, 32768, 131072):
-            for nw, n_splits in ((4, 16), (4, 33), (8, 16)):
+            for nw, n_splits in pairs("PROBE_CFG", "4:16,4:33,8:16"):  # warps:splits
                 attn._tc_warps = nw
-                for pf, ef in ((0, False), (0, True), (2, False), (4, False), (4, True), (8, False), (8, True),
-                               (16, True)):
-                    attn_pdl._l2_prefetch, attn_pdl._evict_first = pf, ef
+                for pf, ef in pairs("PROBE_PF", "0:0,0:1,2:0,4:0,4:1,8:0,8:1,16:1"):  # prefetch tiles:evict-first
+                    attn_pdl._l2_prefetch, attn_pdl._evict_first = pf, bool(ef)
                     for r in b._decode_rows(attn, ceil, rng, 1, kv, 32, 8, 128, n_splits=n_splits,
                                             label=f"w{nw} pf{pf}{' ef' if ef else ''}",
                                             attn_pdl=attn_pdl)[int(pf > 0 or ef):]:

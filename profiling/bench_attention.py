@@ -192,6 +192,10 @@ class _Rows(list):
         rate = f"{r.gbs:,.0f} GB/s" if r.gbs else f"{r.tflops:.1f} TFLOP/s"
         print(f"row: {r.kernel} {r.shape}: {r.us:.2f} us {rate}{extra}", flush=True)
 
+    def extend(self, rs) -> None:
+        for r in rs:
+            self.append(r)
+
 
 def bench(quick: bool = False) -> tuple[list, object]:
     attn = AttentionDispatch()
