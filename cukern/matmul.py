@@ -73,6 +73,23 @@ the CTAs of one token tile, and the bulk tensor copy for the activation stages (
 instructions, deeper pipelines). Dequantize + cuBLAS reaches 450-600 TFLOP/s end to end, so the
 target (> 1x at N >= 512) needs roughly 2.5x.
 
+A warp-specialized variant (tried 2026-11-23, not kept): a producer warpgroup (raw cp.async and
+dequantization into two f16 W tiles) feeding two consumer warpgroups (m64n256k16, both operands in
+shared memory) through mbarriers, activations packed once and loaded by one 1-D bulk copy per
+stage, optionally multicast to a 2-CTA cluster along M. No faster than gemm_wg (the cluster 0-15%
+slower than none: L2 traffic is not the limit). Its skip variants (Q8_0 4096x4096 N = 2048, graph
+replays): whole 306 us, no dequantization 188, no raw copies 266, no activation copies 296, no
+MMAs 261, no work at all 105 (mbarrier hand-offs alone, ~0.7 us per stage with two W tiles), three
+W tiles 214. The f16 W round trip through shared memory (dequantize, store, fence, barrier, wgmma
+read) and the 4-way bank conflicts of the 2-byte raw loads cost more than the MMAs.
+Branch ``wip/matmul-wgr`` (not validated, not on main) removes both: ``gemm_wgr`` dequantizes each
+thread's wgmma A-fragment rows straight into registers (conflict-free raw loads, stage t+1 under
+the MMAs of stage t), activations packed by ``pack_act`` and loaded by bulk copies. Its one H100
+run had a raw-ring bug (wrong values; fixed on the branch, not yet run); timings of that run, same
+work: 1.6-2.0x gemm_wg; eager vs dequant + cuBLAS 0.52x-0.90x; device time (graph) vs the eager
+peer: 4096x4096 Q8_0 N = 512 62 / 69 us, N = 2048 148 / 151; 4096x14336 Q8_0 N = 2048 515 / 408;
+14336x4096 Q5_0 N = 2048 521 / 425 (at N = 512, half of its eager time is host launch cost).
+
 Every method validates its arguments and raises TypeError/ValueError before any launch; nothing
 here synchronises, allocates device memory or reads device values (graph-capturable).
 """
