@@ -120,8 +120,8 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8(
     q8::block_rows<QT, NC, LU, ST, BULK>(
         sm, r1 - r0, [&](uint32_t j) { return base + (size_t)(r0 + j) * p.row_bytes; }, (uint32_t)p.row_bytes,
         base + (size_t)p.m * p.row_bytes, p.k,
+        [] { pdl_wait(); },
         [&] {
-            pdl_wait();
             for (int c = 0; c < NC; ++c)
                 q8::quantize_x<q8::x_interleaved<QT>()>(x + (size_t)c * p.x_stride, p.k, sm.xq + (size_t)c * p.k, sm.xi + c * (p.k / 32));
             __syncthreads();

@@ -32,7 +32,7 @@ constexpr int kMaxWarps = 32;  // warps per block: the host picks up to 32 (one 
 constexpr int kUnitElems = 32;
 
 // Per 32-element block of quantized x: the scale and the integer sums of its two halves.
-struct XInfo {
+struct alignas(8) XInfo {  // (8-aligned: one 8-byte shared-memory load)
     float d;     // max|x| / 127 (0 for an all-zero block)
     short s0;    // sum of q over elements 0...15
     short s1;    // sum of q over elements 16...31
@@ -78,8 +78,10 @@ CUKERN_DEVICE uint32_t prmt_s(uint32_t a, uint32_t b, uint32_t sel) {  // prmt w
 // 2, 3, 4, 6, 8, 12), as four int8 -- of the positive codes only: a code with its sign bit (bit 3)
 // set selects prmt's sign-replicate mode, and every magnitude's sign is 0. With sel ^ 0x8888 the
 // same lookup gives the magnitudes of the negative codes only. w . x = pos . x - neg . x.
-CUKERN_DEVICE uint32_t mxfp4_pos4(uint32_t sel) { return prmt_s(0x03020100u, 0x0C080604u, sel); }
-CUKERN_DEVICE uint32_t mxfp4_neg4(uint32_t sel) { return prmt_s(0x03020100u, 0x0C080604u, sel ^ 0x8888u); }
+// lo: the low table word 0x03020100, which the caller keeps in a register (XView::e2m1_lo: as a
+// constant the compiler moved it into a register again before every prmt).
+CUKERN_DEVICE uint32_t mxfp4_pos4(uint32_t lo, uint32_t sel) { return prmt_s(lo, 0x0C080604u, sel); }
+CUKERN_DEVICE uint32_t mxfp4_neg4(uint32_t lo, uint32_t sel) { return prmt_s(lo, 0x0C080604u, sel ^ 0x8888u); }
 
 // The 32 int8 of x for one unit of column c, and its XInfo.
 struct XCol {
@@ -99,18 +101,35 @@ struct XView {
     const int8_t* q;    // [NC][k] in planes (xq_offset)
     const XInfo* info;  // [NC][k / 32]
     uint32_t k;
+    uint32_t e2m1_lo;   // 0x03020100: mxfp4_pos4's low table word in a register
+    CUKERN_DEVICE XView(const int8_t* q_, const XInfo* info_, uint32_t k_) : q(q_), info(info_), k(k_) {
+        // or-ed with threadIdx.y (0: blocks are 1-D), which the compiler cannot fold: as a known
+        // constant it is copied into a register again before every prmt
+        e2m1_lo = 0x03020100u | threadIdx.y;
+    }
     CUKERN_DEVICE void unit(int c, uint32_t u, uint32_t (&v)[8], XInfo& xi) const {
         const int8_t* col = q + (size_t)c * k;
         const uint4 a = reinterpret_cast<const uint4*>(col)[u], b = reinterpret_cast<const uint4*>(col + k / 2)[u];
         v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
         v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-        xi = info[(size_t)c * (k / 32) + u];
+        const uint2 r = reinterpret_cast<const uint2*>(info)[(size_t)c * (k / 32) + u];  // one 8-byte load
+        xi.d = __uint_as_float(r.x);
+        xi.s0 = (short)(r.y & 0xFFFFu);
+        xi.s1 = (short)(r.y >> 16);
     }
 };
 
 CUKERN_DEVICE int dot8(const uint32_t (&w)[8], const uint32_t (&x)[8], int from, int to, int s) {
 #pragma unroll
     for (int i = from; i < to; ++i) s = __dp4a((int)w[i], (int)x[i], s);
+    return s;
+}
+
+// As dot8 over all 8 words with w's bytes unsigned (0...255).
+CUKERN_DEVICE int dot8_u(const uint32_t (&w)[8], const uint32_t (&x)[8]) {
+    int s = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) asm("dp4a.u32.s32 %0, %1, %2, %0;" : "+r"(s) : "r"(w[i]), "r"(x[i]));
     return s;
 }
 
@@ -190,14 +209,15 @@ template <> struct Unit<QT_MXFP4> {  // w = 2^(e-127) * e2m1(code) = 2^(e-128) *
         const float d = e8m0_to_float_half(b[0]);
         // the nibbles of bytes 4i, 4i+1 (then 4i+2, 4i+3) in order are elements 4i, 16+4i, 4i+1, 17+4i
         // (then 4i+2, ...), which is where the interleaved x keeps them: x word 2i (2i+1)
+        const uint32_t lo = x.e2m1_lo;
         auto dot = [&](const uint32_t (&xv)[8]) {
             int sp = 0, sn = 0;
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                sp = __dp4a((int)mxfp4_pos4(q[i]), (int)xv[2 * i], sp);
-                sn = __dp4a((int)mxfp4_neg4(q[i]), (int)xv[2 * i], sn);
-                sp = __dp4a((int)mxfp4_pos4(q[i] >> 16), (int)xv[2 * i + 1], sp);
-                sn = __dp4a((int)mxfp4_neg4(q[i] >> 16), (int)xv[2 * i + 1], sn);
+                sp = __dp4a((int)mxfp4_pos4(lo, q[i]), (int)xv[2 * i], sp);
+                sn = __dp4a((int)mxfp4_neg4(lo, q[i]), (int)xv[2 * i], sn);
+                sp = __dp4a((int)mxfp4_pos4(lo, q[i] >> 16), (int)xv[2 * i + 1], sp);
+                sn = __dp4a((int)mxfp4_neg4(lo, q[i] >> 16), (int)xv[2 * i + 1], sn);
             }
             return sp - sn;
         };
@@ -212,6 +232,8 @@ template <> struct Unit<QT_MXFP4> {  // w = 2^(e-127) * e2m1(code) = 2^(e-128) *
 
 // Q4_K / Q5_K: unit s = sub-block s (elements 32s...32s+31) of the 256-element super-block:
 // qs bytes 32(s/2)...+31, low nibbles for even s, high for odd; w = d*sc*q - dmin*m.
+// Q4_K masks the nibbles in place: an odd sub-block's bytes are then 16 q, dotted as unsigned
+// bytes, and 1/16 goes into its scale (no shifts). Q5_K adds bit s of each qh byte as bit 4.
 template <int QT>
 struct UnitK45 {
     static constexpr bool k5 = QT == QT_Q5_K;
@@ -226,24 +248,29 @@ struct UnitK45 {
         const uint32_t m4 = hi ? ((h.w >> 4) & 0x0F0F0F0Fu) | ((h.z >> 2) & 0x30303030u) : h.z & 0x3F3F3F3Fu;
         const int sb = 8 * (s & 3);
         const float2 dm = __half22float2(*reinterpret_cast<const __half2*>(&h.x));
-        const float a = dm.x * (float)((sc4 >> sb) & 0xFF), bm = dm.y * (float)((m4 >> sb) & 0xFF);
+        const float bm = dm.y * (float)((m4 >> sb) & 0xFF);
+        float a = dm.x * (float)((sc4 >> sb) & 0xFF);
         uint32_t w[8];
         lds_32b(b + (k5 ? 48 : 16) + 32 * (s >> 1), w);
-        const int sh = 4 * (s & 1);
         if (k5) {
             uint32_t qh[8];
             lds_32b(b + 16, qh);
+            const int sh = 4 * (s & 1), r = (s - 4) & 31;  // rotating qh right by s - 4 puts bit s of each byte at bit 4
 #pragma unroll
-            for (int i = 0; i < 8; ++i) w[i] = ((w[i] >> sh) & 0x0F0F0F0Fu) | (((qh[i] >> s) & 0x01010101u) << 4);
+            for (int i = 0; i < 8; ++i)
+                w[i] = ((w[i] >> sh) & 0x0F0F0F0Fu) | (__funnelshift_r(qh[i], qh[i], r) & 0x10101010u);
         } else {
+            const uint32_t mask = s & 1 ? 0xF0F0F0F0u : 0x0F0F0F0Fu;
+            a *= s & 1 ? 0.0625f : 1.0f;
 #pragma unroll
-            for (int i = 0; i < 8; ++i) w[i] = (w[i] >> sh) & 0x0F0F0F0Fu;
+            for (int i = 0; i < 8; ++i) w[i] &= mask;
         }
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
             uint32_t xv[8]; XInfo xi;
             x.unit(c, u, xv, xi);
-            acc[c] += xi.d * (a * (float)dot8(w, xv, 0, 8, 0) - bm * (float)(xi.s0 + xi.s1));
+            const int v = k5 ? dot8(w, xv, 0, 8, 0) : dot8_u(w, xv);
+            acc[c] += xi.d * (a * (float)v - bm * (float)(xi.s0 + xi.s1));
         }
     }
 };
@@ -262,7 +289,8 @@ template <> struct Unit<QT_Q6_K> {
         lds_words<8>(b + 128 + 32 * h, qh);
         const int nsh = 4 * (c4 >> 1), hsh = 2 * c4;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = ((w[i] >> nsh) & 0x0F0F0F0Fu) | (((qh[i] >> hsh) & 0x03030303u) << 4);
+        for (int i = 0; i < 8; ++i)  // rotating qh right by hsh - 4 puts bits hsh, hsh+1 of each byte at bits 4, 5
+            w[i] = ((w[i] >> nsh) & 0x0F0F0F0Fu) | (__funnelshift_r(qh[i], qh[i], (hsh - 4) & 31) & 0x30303030u);
         const int sc0 = (int8_t)b[192 + 2 * s], sc1 = (int8_t)b[193 + 2 * s];
         const float d = half_bits(*reinterpret_cast<const unsigned short*>(b + 208));
 #pragma unroll
@@ -337,13 +365,15 @@ CUKERN_DEVICE void mbar_arrive_expect(uint64_t* bar, uint32_t bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
                  : "memory");
 }
+// The waiting thread may be suspended until the phase completes or the hint (ns) runs out, rather
+// than retrying after a system-dependent time (ncu, 14336x4096: 3-8% fewer instructions issued).
 CUKERN_DEVICE void mbar_wait(uint64_t* bar, uint32_t parity) {
     uint32_t done;
     do {
         asm volatile(
-            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\n selp.u32 %0, 1, 0, p;\n}"
             : "=r"(done)
-            : "r"(smem_addr(bar)), "r"(parity)
+            : "r"(smem_addr(bar)), "r"(parity), "r"(10000000u)
             : "memory");
     } while (!done);
 }
@@ -357,21 +387,22 @@ CUKERN_DEVICE void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_
 // ------------------------------------------------------------------------------------- x
 // Quantize column x (k floats, k % 32 == 0, 16-byte aligned) into q / info; all threads of the
 // block take part (blockDim.x a multiple of 32); the caller syncs afterwards. Each thread issues
-// its loads of up to kBatch float4s before the first shuffle, so a long x costs one L2 round trip.
-// IL: q interleaved per block (x_interleaved), else in element order.
-template <bool IL>
-CUKERN_DEVICE void quantize_x(const float* __restrict__ x, uint32_t k, int8_t* q, XInfo* info) {
-    constexpr int kBatch = 4;
+// its loads of KB float4s before the first shuffle, so a long x costs one L2 round trip, and the
+// KB slots' shuffle chains interleave (with a uniform early exit for empty slots the matvec
+// measured 4 points of copy bandwidth lower at k = 14336). IL: q interleaved per block
+// (x_interleaved), else in element order.
+template <bool IL, int KB>
+CUKERN_DEVICE void quantize_x_batches(const float* __restrict__ x, uint32_t k, int8_t* q, XInfo* info) {
     const uint32_t n4 = k / 4;
-    for (uint32_t g0 = 0; g0 < n4; g0 += kBatch * blockDim.x) {  // uniform per warp: shuffles below
-        float4 v[kBatch];
+    for (uint32_t g0 = 0; g0 < n4; g0 += KB * blockDim.x) {  // uniform per warp: shuffles below
+        float4 v[KB];
 #pragma unroll
-        for (int b = 0; b < kBatch; ++b) {
+        for (int b = 0; b < KB; ++b) {
             const uint32_t g = g0 + b * blockDim.x + threadIdx.x;
             v[b] = g < n4 ? __ldg(reinterpret_cast<const float4*>(x) + g) : make_float4(0.f, 0.f, 0.f, 0.f);
         }
 #pragma unroll
-        for (int b = 0; b < kBatch; ++b) {
+        for (int b = 0; b < KB; ++b) {
             const uint32_t g = g0 + b * blockDim.x + threadIdx.x;  // elements 4(g % 8) ... of block g / 8
             float amax = fmaxf(fmaxf(fabsf(v[b].x), fabsf(v[b].y)), fmaxf(fabsf(v[b].z), fabsf(v[b].w)));
 #pragma unroll
@@ -399,6 +430,13 @@ CUKERN_DEVICE void quantize_x(const float* __restrict__ x, uint32_t k, int8_t* q
     }
 }
 
+// Two float4s per thread where they cover x (k = 4096 on 512 threads: no idle slot), else four.
+template <bool IL>
+CUKERN_DEVICE void quantize_x(const float* __restrict__ x, uint32_t k, int8_t* q, XInfo* info) {
+    if (k / 4 <= 2 * blockDim.x) quantize_x_batches<IL, 2>(x, k, q, info);
+    else quantize_x_batches<IL, 4>(x, k, q, info);
+}
+
 // ------------------------------------------------------------------------------------- rows
 // The block's work: n_rows rows (local 0 ... n_rows-1), each cut into ipr items (row, chunk) of
 // 32 * LU units (the row's last chunk may be shorter), items numbered row-major. Warp w of nw takes
@@ -420,12 +458,15 @@ struct Share {
 // parts in warp order (deterministic). Each warp streams its share through its ring of ST slots,
 // ST - 1 iterations in flight, across row boundaries; BULK: one cp.async.bulk per iteration by
 // lane 0 completing on the slot's mbarrier, else 16-byte cp.async by all lanes.
-// prepare() runs once every warp's first copies are in flight (all threads call it: it quantizes x
-// and syncs the block). end: the end of the weight matrix (copies stop there: reading past a row
-// end inside the matrix is harmless, past the matrix it may leave the allocation).
-template <int QT, int NC, int LU, int ST, bool BULK, class RowPtr, class Prepare, class Store>
+// Start-up: every warp's first ST - 1 copies are issued, then wait() (all threads: the wait for
+// the kernel this one depends on), then prepare() (all threads: it quantizes x and syncs the
+// block); the ring's last slot is filled only after that (issued before prepare(), probe_dmmv_q8.py
+// measured 3-5 points of copy bandwidth lost, presumably its bytes delaying x's). end: the end of
+// the weight matrix (copies stop there: reading past a row end inside the matrix is harmless, past
+// the matrix it may leave the allocation).
+template <int QT, int NC, int LU, int ST, bool BULK, class RowPtr, class Wait, class Prepare, class Store>
 CUKERN_DEVICE void block_rows(const Smem<QT, LU, ST, NC>& sm, uint32_t n_rows, RowPtr row_ptr, uint32_t row_bytes,
-                              const uint8_t* end, uint32_t k, Prepare prepare, Store store) {
+                              const uint8_t* end, uint32_t k, Wait wait, Prepare prepare, Store store) {
     using U = Unit<QT>;
     using S = Stream<QT, LU, ST>;
     constexpr int BI = S::kIterBytes, SLOT = S::kSlotBytes, kIterUnits = S::kUnits;
@@ -481,6 +522,7 @@ CUKERN_DEVICE void block_rows(const Smem<QT, LU, ST, NC>& sm, uint32_t n_rows, R
     };
 #pragma unroll
     for (int t = 0; t < ST - 1; ++t) issue(t);
+    wait();
     prepare();
     float acc[NC] = {};
     // the item being computed: its row j, chunk it, and its first byte's offset in its 16-byte window
@@ -493,6 +535,14 @@ CUKERN_DEVICE void block_rows(const Smem<QT, LU, ST, NC>& sm, uint32_t n_rows, R
         else cp_async_wait<ST - 1>();
         __syncwarp();  // the other lanes' copies (and plain stores) of iteration t are visible
         const uint8_t* base = ring + (t % ST) * SLOT + (cs & 15);
+        // a whole iteration with no per-unit bounds (one column: more columns amortise the bounds
+        // and would spill with a second copy of the loop)
+        if (NC == 1 && (it + 1) * kIterUnits <= units) {
+#pragma unroll
+            for (int l = 0; l < LU; ++l)
+                U::template dot<NC>(base + (32 * l + lane) / U::kBlockUnits * U::kBlockBytes, lane % U::kBlockUnits,
+                                    it * kIterUnits + 32 * l + lane, x, acc);
+        } else
 #pragma unroll
         for (int l = 0; l < LU; ++l) {  // units lane and lane + 32 ... of the iteration
             const uint32_t u = it * kIterUnits + 32 * l + lane;

@@ -1,0 +1,189 @@
+"""Scratch probe (not part of the suite): the int8 dmmv (cuda_src/dmmv/q8.cuh) at the issue's two
+shapes as a decode loop runs it (programmatic dependent launch, graph-replayed, rotating weights),
+% of the copy ceiling measured in the same run.
+
+  --sweep   per type: ring depth ST (LU units per lane), grid (resident blocks "r", or the fewest
+            with the same most rows per block "b", DmmvDispatch's), warps per block at k = 14336
+            (32, DmmvDispatch's, or 16: "w16"); the default shape also without pdl ("plain")
+  --fit     time over m at k = 4096 (plain and pdl): intercept (fixed cost) and slope (GB/s) per type
+  --moe     moe_dmmv top-8/128 2048x7168 as bench_dmmv times it
+  --ncu T   one launch per listed type at 14336x4096 (and T@4096x14336): run under ncu
+  --ncu-summary F   key metrics of each kernel in ncu's raw csv F
+
+What it showed on an H100 (this session; pdl, % of copy): three ring slots beat two by 5-10 points
+(MXFP4 excepted) and four or more lose again, as does an L2 prefetch of later items before the
+wait; the balanced grid gains ~3 points at 4096 rows; 16-warp blocks at k = 14336 and 2-block
+clusters sharing x's quantization lose 1-6; skipping x's quantization altogether (a timing-only
+variant) gains 5-9 points: what is left is mostly that step after the wait.
+
+Run: PYTHONPATH=. python profiling/probe_dmmv_q8.py --sweep [--types Q4_K,MXFP4]"""
+import argparse
+import itertools
+
+import cupy
+import numpy as np
+
+import cukern.dmmv as D
+from cukern.benchmark import measure_ceilings, time_graph_us
+from cukern.runtime import FamilySpec, KernelSpec
+from profiling.bench_dmmv import _weights
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--types", default="Q4_0,Q5_0,Q8_0,MXFP4,Q4_K,Q5_K,Q6_K")
+ap.add_argument("--sweep", action="store_true")
+ap.add_argument("--moe", action="store_true")
+ap.add_argument("--fit", action="store_true")
+ap.add_argument("--ncu", default="")
+ap.add_argument("--ncu-summary", default="", help="a raw ncu csv (--page raw --csv): the key metrics per kernel")
+args = ap.parse_args()
+TYPES = [D.qtype_id(t) for t in args.types.split(",") if t]
+SHAPES = [(14336, 4096), (4096, 14336)]
+d = D.DmmvDispatch()
+
+
+# (LU, ST) configs of dmmv_q8 per variant, and the warps per block at k = 14336 (None: DmmvDispatch's)
+VARIANTS = {"": ([(2, 2), (2, 3), (2, 4)], None), "w16": ([(2, 3)], 16)}
+
+
+def kname(qt, lu, st, bulk=None):
+    bulk = D._Q8_CONFIG[qt][2] if bulk is None else bulk
+    return f"dmmv_q8<{qt}, 1, {lu}, {st}, {'true' if bulk else 'false'}>"
+
+
+def unit(name, kernels, defines=()):
+    return D._Unit(FamilySpec(name, tuple(KernelSpec(k, "DmmvParams") for k in kernels), source="dmmv/dmmv.cu",
+                              params_header="dmmv/params.cuh", defines=defines))
+
+
+def plan(qt, k, lu, st, first=None):
+    """(warps, dynamic smem, resident blocks) as DmmvDispatch._q8_plan picks them for this config."""
+    limit = d.max_shared_optin()
+    first = first or (16 if k <= D._Q8_SPLIT_K else 32)
+    for nw in (first, first // 2, first // 4):
+        smem = D._q8_smem(qt, nw, 1, k, (lu, st, 1))
+        if smem <= limit:
+            return nw, smem, d.sm_count() * max(1, min(32 // nw, (limit + 1024) // (smem + 1024)))
+    return None
+
+
+def timed(u, kern, qt, m, k, lu, st, grid_mode, pdl, first=None):
+    pl = plan(qt, k, lu, st, first)
+    if pl is None:
+        return None, ""
+    nw, smem, resident = pl
+    blocks = min(m, resident) if grid_mode == "res" else D._q8_blocks(m, resident)
+    u._function(kern, smem)
+    (sets, nxt), wb = _weights(qt, m, k)
+    x = cupy.random.standard_normal(k, dtype=cupy.float32)
+    y = cupy.empty(m, cupy.float32)
+    p = d._params(nxt(), blocks1=blocks, y_stride=m)
+    us = time_graph_us(lambda: u._launch(kern, blocks, nw * 32, (y, nxt().buf, x, y), p, shared_mem=smem, pdl=pdl))
+    del sets
+    cupy.get_default_memory_pool().free_all_blocks()
+    return (wb + 4 * (m + k)) / us / 1e3, f"w{nw}x{resident // d.sm_count()}g{blocks}"
+
+
+def sweep():
+    cfgs = sorted({c for cs, _ in VARIANTS.values() for c in cs} | {D._Q8_CONFIG[q][:2] for q in TYPES})
+    u = unit("dmmv_q8_probe", [kname(q, *c) for q in TYPES for c in cfgs])
+    ceil = measure_ceilings()
+    print(f"copy {ceil.copy_gbs:.0f} GB/s, {d.sm_count()} SMs; % of copy, pdl unless 'plain'", flush=True)
+    for (m, k), qt in itertools.product(SHAPES, TYPES):
+        lu, st, _ = D._Q8_CONFIG[qt]
+        g, _ = timed(u, kname(qt, lu, st), qt, m, k, lu, st, "bal", False)
+        out = [f"plain-L{lu}S{st}b:{g / ceil.copy_gbs:.1%}"]
+        for v, (cs, first) in VARIANTS.items():
+            if first and k <= D._Q8_SPLIT_K:
+                continue
+            for (lu, st), gm in itertools.product(cs, ("res", "bal")):
+                g, shape = timed(u, kname(qt, lu, st), qt, m, k, lu, st, gm, True, first)
+                if g is not None:
+                    out.append(f"{v}L{lu}S{st}{gm[0]}:{g / ceil.copy_gbs:.1%}")
+        print(f"{m}x{k} {D.QTYPES[qt][0]:6s} " + " ".join(out), flush=True)
+
+
+def moe():
+    from profiling.bench_dmmv import _moe_weight, _rotating_ids
+    ceil = measure_ceilings()
+    n_e, top_k, m, k = 128, 8, 2048, 7168
+    for qt in TYPES:
+        w, ebytes = _moe_weight(qt, n_e, m, k)
+        ids = _rotating_ids(np.random.default_rng(2), n_e, top_k)
+        x = cupy.random.standard_normal((1, k), dtype=cupy.float32)
+        y = cupy.empty((1, top_k, m), cupy.float32)
+        us = time_graph_us(lambda: d.moe_dmmv(w, x, ids(), y))
+        gbs = (top_k * ebytes + 4 * (k + top_k * m)) / us / 1e3
+        print(f"moe_dmmv {D.QTYPES[qt][0]:6s} top{top_k}/{n_e} {m}x{k}: {us:.1f} us {gbs / ceil.copy_gbs:.1%} of copy",
+              flush=True)
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
+def fit():
+    ceil = measure_ceilings()
+    dp = D.DmmvDispatch(pdl=True)
+    print(f"copy {ceil.copy_gbs:.0f} GB/s", flush=True)
+    for qt in TYPES:
+        for dd, tag in ((d, "plain"), (dp, "pdl")):
+            pts = []
+            for m in (7168, 14336, 28672, 57344):
+                (sets, nxt), wb = _weights(qt, m, 4096)
+                x = cupy.random.standard_normal(4096, dtype=cupy.float32)
+                y = cupy.empty(m, cupy.float32)
+                pts.append((wb, time_graph_us(lambda: dd.dmmv(nxt(), x, y))))
+                del sets
+                cupy.get_default_memory_pool().free_all_blocks()
+            b, a = np.polyfit([q[0] for q in pts], [q[1] for q in pts], 1)
+            print(f"{D.QTYPES[qt][0]:6s} {tag:5s} " + " ".join(f"{q[0] / 1e6:.0f}MB:{q[1]:.1f}us" for q in pts)
+                  + f"  fit {a:.2f} us + bytes / {1e-3 / b:.0f} GB/s", flush=True)
+
+
+def ncu():
+    for spec in args.ncu.split(","):
+        name, _, shape = spec.partition("@")
+        m, k = (int(v) for v in shape.split("x")) if shape else (14336, 4096)
+        qt = D.qtype_id(name)
+        (sets, nxt), _ = _weights(qt, m, k)
+        x = cupy.random.standard_normal(k, dtype=cupy.float32)
+        y = cupy.empty(m, cupy.float32)
+        d.dmmv(nxt(), x, y)
+        cupy.cuda.Device().synchronize()
+        del sets
+
+
+def ncu_summary(path):
+    import csv
+    import re
+    rows = list(csv.reader(open(path)))
+    head = next(i for i, r in enumerate(rows) if "Kernel Name" in r)
+    names, units, data = rows[head], rows[head + 1], rows[head + 2:]
+    keys = [r"gpu__time_duration.sum$", r"dram__throughput.avg.pct_of_peak_sustained_elapsed$",
+            r"dram__bytes_read.sum$", r"smsp__issue_active.avg.pct_of_peak_sustained_active$",
+            r"sm__throughput.avg.pct_of_peak_sustained_elapsed$", r"smsp__inst_executed.sum$",
+            r"smsp__warps_active.avg.per_cycle_active$", r"launch__registers_per_thread$", r"launch__grid_size$",
+            r"launch__block_size$", r"l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum$",
+            r"smsp__average_warps_issue_stalled_.*_per_issue_active.ratio$", r"sm__cycles_elapsed.avg$"]
+    for r in data:
+        if len(r) != len(names):
+            continue
+        print("---", r[names.index("Kernel Name")][:60])
+        for i, n in enumerate(names):
+            if any(re.search(k, n) for k in keys):
+                v = r[i]
+                try:
+                    if "stalled" in n and float(v.replace(",", "")) < 0.05:
+                        continue
+                except ValueError:
+                    pass
+                print(f"  {n.replace('smsp__average_warps_issue_stalled_', 'stall_')}: {v} {units[i]}")
+
+
+if args.ncu_summary:
+    ncu_summary(args.ncu_summary)
+if args.sweep:
+    sweep()
+if args.moe:
+    moe()
+if args.fit:
+    fit()
+if args.ncu:
+    ncu()
