@@ -1,15 +1,24 @@
 #!/usr/bin/env bash
-# One call on a GPU machine: versions, CPU compile check, GPU tests, the same
-# tests under compute-sanitizer memcheck, benchmarks; a one-screen summary last.
+# One call on a GPU machine: versions, CPU compile check, GPU tests, benchmarks, the
+# tests under compute-sanitizer memcheck; a one-screen summary last.
 #
 #   bash profiling/device_check.sh                 # everything
 #   CUKERN_TESTS="tests/test_params.py" CUKERN_BENCH="" bash profiling/device_check.sh
 #   CUKERN_CHECK_ARGS="--arch sm_90 --family attention" ...   # narrow the compile check (default: all, sm_90 + sm_80)
+#   CUKERN_CHECK_ARGS=skip ...                     # no compile check (CI runs it)
+#   CUKERN_JOBS=8 ...                              # pytest-xdist workers for the tests and the sanitizer pass
+#   CUKERN_BENCH_ARGS=--quick ...                  # arguments of every benchmark
+#   CUKERN_STEP_TIMEOUT=240 ...                    # seconds each step may take (default: no limit)
+#   CUKERN_SANITIZE="tests/test_dmmv.py" CUKERN_SANITIZE_K="q8 or moe" ...   # narrow the sanitizer pass
+#
+# The benchmarks run before the sanitizer pass, the slowest step, so that a time limit on the
+# whole call cuts the sanitizer rather than the numbers.
 #
 # Runs from the source tree (PYTHONPATH=.), as on the lent GPU machine, which has
 # CuPy but no package registry: wheels it lacks (gguf, nvtx) are carried in .whl/
 # and installed into /tmp/site. Kernel cache and logs go under /tmp, never into
-# carried folders. Logs are copied to $OUT when that is set.
+# carried folders. When $OUT is set, $OUT/logs.tar.gz holds the logs of every finished step (one
+# file, refreshed after each step, so a call cut off by its time limit still returns them).
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -21,6 +30,11 @@ PY=${PYTHON:-python3}
 TESTS=${CUKERN_TESTS:-tests}
 SANITIZE=${CUKERN_SANITIZE:-$TESTS}
 BENCH=${CUKERN_BENCH-$(ls profiling/bench_*.py 2>/dev/null)}
+BENCH_ARGS=${CUKERN_BENCH_ARGS:-}
+XDIST=${CUKERN_JOBS:+-n $CUKERN_JOBS}
+STEP_TIMEOUT=${CUKERN_STEP_TIMEOUT:-0}
+# every xdist worker draws the same data: one seed for the run, printed in the header
+export CUKERN_TEST_SEED=${CUKERN_TEST_SEED:-$RANDOM$RANDOM}
 
 if ls .whl/*.whl >/dev/null 2>&1; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -32,33 +46,39 @@ step() {  # step NAME CMD...: run, log to $LOG/NAME.log, remember the exit code
     local name=$1; shift
     echo "=== $name: $*"
     local t0=$SECONDS
-    "$@" 2>&1 | tee "$LOG/$name.log"
+    timeout "$STEP_TIMEOUT" "$@" 2>&1 | tee "$LOG/$name.log"
     STATUS[$name]="rc=${PIPESTATUS[0]} ($((SECONDS - t0)) s)"
+    if [ -n "${OUT:-}" ]; then tar -czf "$OUT/logs.tar.gz" -C "$LOG" .; fi
 }
 
 step info $PY -m cukern info
+if [ "${CUKERN_CHECK_ARGS:-}" != skip ]; then
+    # shellcheck disable=SC2086
+    step check $PY -m cukern check ${CUKERN_CHECK_ARGS:---arch sm_90 --arch sm_80}
+fi
 # shellcheck disable=SC2086
-step check $PY -m cukern check ${CUKERN_CHECK_ARGS:---arch sm_90 --arch sm_80}
-step gpu-tests $PY -m pytest -q -m gpu $TESTS
-# memcheck sees out-of-bounds accesses only at allocation granularity: CUKERN_NO_POOL makes
-# the tests allocate every array with its own cudaMalloc instead of carving CuPy's pool.
-CUKERN_NO_POOL=1 step sanitizer compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
-    $PY -m pytest -q -x -m "gpu and not slow" $SANITIZE
+step gpu-tests $PY -m pytest -q -m gpu $XDIST $TESTS
 for b in $BENCH; do
     name=bench-$(basename "$b" .py | sed 's/^bench_//')
-    step "$name" $PY "$b" --json "$LOG/$name.json"
+    # shellcheck disable=SC2086
+    step "$name" $PY "$b" $BENCH_ARGS --json "$LOG/$name.json"
 done
+# memcheck sees out-of-bounds accesses only at allocation granularity: CUKERN_NO_POOL makes
+# the tests allocate every array with its own cudaMalloc instead of carving CuPy's pool.
+# shellcheck disable=SC2086
+CUKERN_NO_POOL=1 step sanitizer compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
+    $PY -m pytest -q -x -m "gpu and not slow" $XDIST ${CUKERN_SANITIZE_K:+-k "$CUKERN_SANITIZE_K"} $SANITIZE
 
-if [ -n "${OUT:-}" ]; then cp "$LOG"/*.log "$LOG"/*.json "$OUT"/ 2>/dev/null; fi
 
 echo
 echo "================================ summary ================================"
 $PY -m cukern info 2>/dev/null | grep -E '^(gpu|cupy|nvrtc|cuda driver)'
 for name in check gpu-tests sanitizer; do
+    [ -f "$LOG/$name.log" ] || continue
     line=$(grep -E '([0-9]+ (passed|failed|errors?))|kernel rows' "$LOG/$name.log" | tail -1)
     printf '%-10s %-16s %s\n' "$name" "${STATUS[$name]}" "$line"
 done
-grep -E 'ERROR SUMMARY' "$LOG/sanitizer.log" | tail -1
+grep -E "ERROR SUMMARY" "$LOG/sanitizer.log" 2>/dev/null | tail -1
 for b in $BENCH; do
     name=bench-$(basename "$b" .py | sed 's/^bench_//')
     echo "--- $name ${STATUS[$name]}"
