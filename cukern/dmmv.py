@@ -15,6 +15,7 @@ matvecs, down + weighted sum, routing) and ``dmmv_moe_packed`` (token-batched ex
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import cupy
@@ -68,6 +69,30 @@ _Q8_SPLIT_K = 8192  # k up to which the int8 path runs two blocks of 16 warps pe
 # profiling/tune_dmmv_q8.py and profiling/probe_dmmv_q8.py on an H100 (14336x4096 and 4096x14336,
 # under programmatic dependent launch: three slots, MXFP4 two).
 _Q8_CONFIG = {2: (2, 3, 1), 6: (2, 3, 1), 8: (2, 3, 0), 39: (2, 2, 1), 12: (2, 3, 1), 13: (2, 3, 1), 14: (2, 3, 1)}
+
+
+def _q8_config_override(text: str, table: dict) -> dict:
+    """``table`` with the (LU, ST) of some types replaced, from ``"MXFP4=4x2,Q6_K=2x4"`` (the
+    environment variable CUKERN_DMMV_Q8_CONFIG, read once at import): a tuning run measures and
+    tests a candidate configuration without editing the table (profiling/probe_dmmv_q8.py
+    --adopt). BULK stays the type's. Kernel names follow the table, so the families declare the
+    overriding instantiations."""
+    out = dict(table)
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        name, _, cfg = item.partition("=")
+        qt = _BY_NAME.get(name.strip().upper())
+        try:
+            lu, st = (int(v) for v in cfg.lower().split("x"))
+        except ValueError:
+            lu = st = 0
+        if qt not in table or lu not in (1, 2, 4) or not 2 <= st <= 8:
+            raise ValueError(f"CUKERN_DMMV_Q8_CONFIG: {item!r} is not TYPE=LUxST with TYPE one of "
+                             f"{', '.join(QTYPES[q][0] for q in table)}, LU 1, 2 or 4 and ST 2...8")
+        out[qt] = (lu, st, table[qt][2])
+    return out
+
+
+_Q8_CONFIG = _q8_config_override(os.environ.get("CUKERN_DMMV_Q8_CONFIG", ""), _Q8_CONFIG)
 
 
 def _q8_slot(qt: int, lu: int) -> int:

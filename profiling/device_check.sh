@@ -6,7 +6,7 @@
 #   CUKERN_TESTS="tests/test_params.py" CUKERN_BENCH="" bash profiling/device_check.sh
 #   CUKERN_CHECK_ARGS="--arch sm_90 --family attention" ...   # narrow the compile check (default: all, sm_90 + sm_80)
 #   CUKERN_CHECK_ARGS=skip ...                     # no compile check (CI runs it)
-#   CUKERN_JOBS=8 ...                              # pytest-xdist workers for the tests and the sanitizer pass
+#   CUKERN_JOBS=8 ...                              # pytest-xdist workers for the GPU tests
 #   CUKERN_BENCH_ARGS=--quick ...                  # arguments of every benchmark
 #   CUKERN_STEP_TIMEOUT=240 ...                    # seconds each step may take (default: no limit)
 #   CUKERN_SANITIZE="tests/test_dmmv.py" CUKERN_SANITIZE_K="q8 or moe" ...   # narrow the sanitizer pass
@@ -65,9 +65,10 @@ for b in $BENCH; do
 done
 # memcheck sees out-of-bounds accesses only at allocation granularity: CUKERN_NO_POOL makes
 # the tests allocate every array with its own cudaMalloc instead of carving CuPy's pool.
-# shellcheck disable=SC2086
+# One process: pytest-xdist workers under compute-sanitizer made no progress in 185 s (H100,
+# 2026-11-24), where the same tests in one process took 6 s.
 CUKERN_NO_POOL=1 step sanitizer compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
-    $PY -m pytest -q -x -m "gpu and not slow" $XDIST ${CUKERN_SANITIZE_K:+-k "$CUKERN_SANITIZE_K"} $SANITIZE
+    $PY -m pytest -q -x -m "gpu and not slow" -p no:xdist ${CUKERN_SANITIZE_K:+-k "$CUKERN_SANITIZE_K"} $SANITIZE
 
 
 echo

@@ -5,6 +5,11 @@ shapes as a decode loop runs it (programmatic dependent launch, graph-replayed, 
   --sweep   per type: ring depth ST (LU units per lane), grid (resident blocks "r", or the fewest
             with the same most rows per block "b", DmmvDispatch's), warps per block at k = 14336
             (32, DmmvDispatch's, or 16: "w16"); the default shape also without pdl ("plain")
+  --configs 1x3,4x2   the sweep's (LU x ST) configurations instead of 2x2, 2x3, 2x4 and w16
+  --grids bal         the sweep's grids only ("res", "bal")
+  --adopt F after the sweep, each type's best configuration (the highest lower of the two shapes'
+            pdl figures) written to F as a value of CUKERN_DMMV_Q8_CONFIG, under which the GPU tests
+            and bench_dmmv can then run in the same call (see cukern/dmmv.py)
   --fit     time over m at k = 4096 (plain and pdl): intercept (fixed cost) and slope (GB/s) per type
   --moe     moe_dmmv top-8/128 2048x7168 as bench_dmmv times it
   --ncu T   one launch per listed type at 14336x4096 (and T@4096x14336): run under ncu
@@ -31,6 +36,9 @@ from profiling.bench_dmmv import _weights
 ap = argparse.ArgumentParser()
 ap.add_argument("--types", default="Q4_0,Q5_0,Q8_0,MXFP4,Q4_K,Q5_K,Q6_K")
 ap.add_argument("--sweep", action="store_true")
+ap.add_argument("--configs", default="")
+ap.add_argument("--grids", default="res,bal")
+ap.add_argument("--adopt", default="", metavar="FILE")
 ap.add_argument("--moe", action="store_true")
 ap.add_argument("--fit", action="store_true")
 ap.add_argument("--ncu", default="")
@@ -43,6 +51,9 @@ d = D.DmmvDispatch()
 
 # (LU, ST) configs of dmmv_q8 per variant, and the warps per block at k = 14336 (None: DmmvDispatch's)
 VARIANTS = {"": ([(2, 2), (2, 3), (2, 4)], None), "w16": ([(2, 3)], 16)}
+if args.configs:
+    VARIANTS = {"": ([tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")], None)}
+GRIDS = tuple(g for g in ("res", "bal") if g in args.grids.split(","))
 
 
 def kname(qt, lu, st, bulk=None):
@@ -83,11 +94,14 @@ def timed(u, kern, qt, m, k, lu, st, grid_mode, pdl, first=None):
     return (wb + 4 * (m + k)) / us / 1e3, f"w{nw}x{resident // d.sm_count()}g{blocks}"
 
 
-def sweep():
+def sweep() -> dict:
+    """Prints a line per (shape, type); returns {(type, (LU, ST)): [% of copy per shape]} of the
+    default warps and the balanced grid under pdl."""
     cfgs = sorted({c for cs, _ in VARIANTS.values() for c in cs} | {D._Q8_CONFIG[q][:2] for q in TYPES})
     u = unit("dmmv_q8_probe", [kname(q, *c) for q in TYPES for c in cfgs])
     ceil = measure_ceilings()
     print(f"copy {ceil.copy_gbs:.0f} GB/s, {d.sm_count()} SMs; % of copy, pdl unless 'plain'", flush=True)
+    found: dict = {}
     for (m, k), qt in itertools.product(SHAPES, TYPES):
         lu, st, _ = D._Q8_CONFIG[qt]
         g, _ = timed(u, kname(qt, lu, st), qt, m, k, lu, st, "bal", False)
@@ -95,11 +109,29 @@ def sweep():
         for v, (cs, first) in VARIANTS.items():
             if first and k <= D._Q8_SPLIT_K:
                 continue
-            for (lu, st), gm in itertools.product(cs, ("res", "bal")):
+            for (lu, st), gm in itertools.product(cs, GRIDS):
                 g, shape = timed(u, kname(qt, lu, st), qt, m, k, lu, st, gm, True, first)
                 if g is not None:
                     out.append(f"{v}L{lu}S{st}{gm[0]}:{g / ceil.copy_gbs:.1%}")
+                    if not v and gm == "bal":
+                        found.setdefault((qt, (lu, st)), []).append(g / ceil.copy_gbs)
         print(f"{m}x{k} {D.QTYPES[qt][0]:6s} " + " ".join(out), flush=True)
+    return found
+
+
+def adopt(found: dict, path: str) -> None:
+    """Each type's best configuration (the highest lower figure of the two shapes) as
+    CUKERN_DMMV_Q8_CONFIG's value, printed and written to ``path``."""
+    picks = []
+    for qt in TYPES:
+        ranked = sorted(((min(v), c) for (q, c), v in found.items() if q == qt and len(v) == len(SHAPES)), reverse=True)
+        if ranked:
+            worst, (lu, st) = ranked[0]
+            print(f"best {D.QTYPES[qt][0]}: L{lu}S{st} (worse shape {worst:.1%}; table {D._Q8_CONFIG[qt][:2]})")
+            picks.append(f"{D.QTYPES[qt][0]}={lu}x{st}")
+    with open(path, "w") as f:
+        f.write(",".join(picks))
+    print("CUKERN_DMMV_Q8_CONFIG=" + ",".join(picks), flush=True)
 
 
 def moe():
@@ -180,7 +212,9 @@ def ncu_summary(path):
 if args.ncu_summary:
     ncu_summary(args.ncu_summary)
 if args.sweep:
-    sweep()
+    found = sweep()
+    if args.adopt:
+        adopt(found, args.adopt)
 if args.moe:
     moe()
 if args.fit:

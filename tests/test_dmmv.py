@@ -90,6 +90,16 @@ def test_families_declared():
         assert D._q8_kernel(q, None) in names and all(D._q8_kernel(q, n) in names for n in (1, 2, 4, 8))
 
 
+def test_q8_config_override():
+    """CUKERN_DMMV_Q8_CONFIG's parser: (LU, ST) replaced per named type, BULK kept, bad items refused."""
+    table = {2: (2, 3, 1), 39: (2, 2, 1), 8: (2, 3, 0)}
+    assert D._q8_config_override("", table) == table
+    assert D._q8_config_override("mxfp4=4x3, Q8_0=1x2", table) == {2: (2, 3, 1), 39: (4, 3, 1), 8: (1, 2, 0)}
+    for bad in ("MXFP4", "MXFP4=3x2", "MXFP4=2x1", "Q4_K=2x3", "F16=2x2", "MXFP4=axb"):
+        with pytest.raises(ValueError, match="CUKERN_DMMV_Q8_CONFIG"):
+            D._q8_config_override(bad, table)
+
+
 def test_quantize_q8_reference():
     """The emulated int8 rounding of x: exact on zeros and on values d * q, within d/2 elsewhere."""
     rng = np.random.default_rng(3)
