@@ -35,6 +35,7 @@ XDIST=${CUKERN_JOBS:+-n $CUKERN_JOBS}
 STEP_TIMEOUT=${CUKERN_STEP_TIMEOUT:-0}
 # every xdist worker draws the same data: one seed for the run, printed in the header
 export CUKERN_TEST_SEED=${CUKERN_TEST_SEED:-$RANDOM$RANDOM}
+echo "CUKERN_TEST_SEED=$CUKERN_TEST_SEED"
 
 if ls .whl/*.whl >/dev/null 2>&1; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
