@@ -8,9 +8,10 @@ references: ``cukern/reference/dmmv.py``; tests: ``tests/test_dmmv.py``; benchma
 A weight is described once by a :class:`QWeight` (buffer of raw GGUF bytes, type, rows, columns,
 byte offset, and for MoE the expert count and stride); everything about it is validated there,
 so the per-call checks are on the activations only. Activations are f32, C-contiguous, 16-byte
-aligned. Four compilation units (each stays under ~10 s of NVRTC): ``dmmv`` (plain, batched,
+aligned. Five compilation units (each stays under ~10 s of NVRTC): ``dmmv`` (plain, batched,
 pair, the epilogues, dequantize), ``dmmv_glu`` (gate + up + activation), ``dmmv_moe`` (expert
-matvecs, down + weighted sum, routing) and ``dmmv_moe_packed`` (token-batched experts).
+matvecs, down + weighted sum, routing), ``dmmv_moe_packed`` (token-batched experts) and
+``dmmv_q8x`` (x quantized once, :class:`QuantizedX`, and the int8 matvecs that read it).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import numpy as np
 from cukern.dispatch import Dispatch, check_array
 from cukern.runtime import FamilySpec, KernelSpec
 
-__all__ = ["DmmvDispatch", "QWeight", "MoeRoute", "QTYPES", "Q8_TYPES", "FAMILY", "GLU_FAMILY", "MOE_FAMILY",
-           "PACKED_FAMILY", "DeviceError"]
+__all__ = ["DmmvDispatch", "QWeight", "QuantizedX", "MoeRoute", "QTYPES", "Q8_TYPES", "FAMILY", "GLU_FAMILY",
+           "MOE_FAMILY", "PACKED_FAMILY", "Q8X_FAMILY", "DeviceError"]
 
 # GGML type id -> (name, elements per block, bytes per block, byte alignment the kernels need)
 QTYPES = {
@@ -111,11 +112,21 @@ def _q8_smem(qt: int, nw: int, nc: int, k: int, cfg=None) -> int:
     return header + nw * st * _q8_slot(qt, lu) + nc * (k + k // 32 * 8)
 
 
-def _q8_kernel(qt: int, nc: int | None, cfg=None) -> str:
-    """dmmv_q8<...> (nc columns) or, with nc None, moe_dmmv_q8<...>."""
+def _q8_kernel(qt: int, nc: int | None, cfg=None, *, pq: bool = False) -> str:
+    """dmmv_q8<...> (nc columns; pq: on pre-quantized x) or, with nc None, moe_dmmv_q8<...>."""
     lu, st, bulk = cfg or _Q8_CONFIG[qt]
     bulk = "true" if bulk else "false"
-    return f"moe_dmmv_q8<{qt}, {lu}, {st}, {bulk}>" if nc is None else f"dmmv_q8<{qt}, {nc}, {lu}, {st}, {bulk}>"
+    if nc is None:
+        return f"moe_dmmv_q8<{qt}, {lu}, {st}, {bulk}>"
+    return f"dmmv_q8<{qt}, {nc}, {lu}, {st}, {bulk}" + (", true>" if pq else ">")
+
+
+def _q8x_col_bytes(k: int) -> int:
+    """Bytes of one pre-quantized column (q8::x_col_bytes): k int8, k / 32 XInfo of 8 bytes, 16-byte rounded."""
+    return (k + k // 4 + 15) // 16 * 16
+
+
+_QX_CHUNK4 = 512  # float4s of a column per block of quantize_x (256 threads, two each)
 
 
 def _q8_blocks(m: int, resident: int) -> int:
@@ -159,7 +170,12 @@ PACKED_FAMILY = FamilySpec(
     name="dmmv_moe_packed", source="dmmv/moe_packed.cu", params_header="dmmv/params.cuh",
     kernels=tuple(KernelSpec(f"moe_dmmv_packed<{q}, {g}>", "MoeParams") for q in QTYPES for g in ("false", "true")),
 )
-FAMILIES = {f.name: f for f in (FAMILY, GLU_FAMILY, MOE_FAMILY, PACKED_FAMILY)}  # cukern.families() lists each unit
+Q8X_FAMILY = FamilySpec(  # the int8 path on pre-quantized x: compiled only by a process that uses it
+    name="dmmv_q8x", source="dmmv/dmmv.cu", params_header="dmmv/params.cuh",
+    kernels=tuple([KernelSpec(_q8_kernel(q, n, pq=True), "DmmvParams") for q in Q8_TYPES for n in _COLS]
+                  + [KernelSpec(f"quantize_x<{il}>", "QuantizeXParams") for il in ("false", "true")]),
+)
+FAMILIES = {f.name: f for f in (FAMILY, GLU_FAMILY, MOE_FAMILY, PACKED_FAMILY, Q8X_FAMILY)}  # cukern.families() lists each unit
 
 
 class DeviceError(RuntimeError):
@@ -250,6 +266,69 @@ class QWeight:
         return self.m * self.row_bytes
 
 
+_MXFP4 = 39
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedX:
+    """x quantized once for the int8 matvec path (:meth:`DmmvDispatch.quantize_x`), so that the
+    matvecs sharing an input (q, k and v; gate and up) each copy 1.25 bytes per element into their
+    thread blocks instead of each block quantizing the f32 x itself. Per 32 elements it holds
+    q = round(x / d) (half away from zero, in [-127, 127]), d = max|x| / 127 in f32, and the sums
+    of q over each half: the x^ the f32-x int8 path computes, so :meth:`DmmvDispatch.dmmv` returns
+    the same bits from a QuantizedX as from the x it was made of.
+
+    buf: [n, col_bytes] uint8 on the device, column c at byte c * col_bytes (layout:
+    ``q8::load_x`` in cuda_src/dmmv/q8.cuh); shape: the shape of the x it holds, (k,) or (n, k);
+    interleaved: MXFP4's element order. A QuantizedX made for MXFP4 weights serves only MXFP4,
+    one made for another int8-path type serves every other int8-path type (:meth:`serves`).
+    Allocate with :meth:`empty` (outside a captured graph)."""
+
+    buf: cupy.ndarray
+    shape: tuple
+    interleaved: bool
+
+    def __post_init__(self):
+        shape = tuple(int(v) for v in self.shape) if isinstance(self.shape, (tuple, list)) else None
+        if not shape or len(shape) > 2 or min(shape) < 1:
+            raise ValueError(f"QuantizedX.shape must be (k,) or (n, k) with n, k >= 1, got {self.shape!r}")
+        object.__setattr__(self, "shape", shape)
+        k = shape[-1]
+        if k % 32 or k >= 2**31:
+            raise ValueError(f"QuantizedX: k={k} must be a multiple of 32 (the int8 path's block) and < 2**31")
+        check_array("QuantizedX.buf", self.buf, dtype=np.uint8, shape=(self.n, _q8x_col_bytes(k)), align=16)
+        object.__setattr__(self, "interleaved", bool(self.interleaved))
+
+    @classmethod
+    def empty(cls, shape, qtype) -> QuantizedX:
+        """Room for x of ``shape`` ((k,) or (n, k)) quantized for ``qtype`` weights, on the current device."""
+        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        if not shape or len(shape) > 2:
+            raise ValueError(f"QuantizedX.empty: shape must be (k,) or (n, k), got {shape!r}")
+        qt = qtype_id(qtype)
+        if qt not in Q8_TYPES:
+            raise ValueError(f"QuantizedX: {QTYPES[qt][0]} weights take f32 x (the int8 path serves "
+                             f"{', '.join(QTYPES[q][0] for q in Q8_TYPES)})")
+        n = shape[0] if len(shape) == 2 else 1
+        k = shape[-1]
+        if k < 32 or k % 32:
+            raise ValueError(f"QuantizedX: k={k} must be a positive multiple of 32")
+        return cls(cupy.empty((n, _q8x_col_bytes(k)), cupy.uint8), shape, qt == _MXFP4)
+
+    @property
+    def k(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def n(self) -> int:
+        return self.shape[0] if len(self.shape) == 2 else 1
+
+    def serves(self, qtype) -> bool:
+        """Whether matvecs of ``qtype`` weights can read this x (an int8-path type of its layout)."""
+        qt = qtype_id(qtype)
+        return qt in Q8_TYPES and (qt == _MXFP4) == self.interleaved
+
+
 @dataclass(frozen=True, eq=False)
 class MoeRoute:
     """Device buffers of a packed routing (see :meth:`DmmvDispatch.plan_moe_route`)."""
@@ -295,7 +374,11 @@ class DmmvDispatch(Dispatch):
     chunks before waiting for it (``pdl_wait`` in common/pdl.cuh), which hides the launch gap and
     the ramp-up of a decode loop's back-to-back matvecs. x, gate and y are touched only after the
     wait; the weights are read before it, so they must not be written by a kernel still in flight
-    (model weights uploaded once never are)."""
+    (model weights uploaded once never are).
+
+    Matvecs that share an input (q, k and v; gate and up) can share its quantization too:
+    ``qx = d.quantize_x(x, QuantizedX.empty(x.shape, qtype))`` once, then ``d.dmmv(w, qx, y)`` for
+    each w (same bits as from x; see :class:`QuantizedX`)."""
 
     family = FAMILY
 
@@ -306,6 +389,7 @@ class DmmvDispatch(Dispatch):
         self._glu = _Unit(GLU_FAMILY, device)
         self._moe = _Unit(MOE_FAMILY, device)
         self._packed = _Unit(PACKED_FAMILY, device)
+        self._q8x = _Unit(Q8X_FAMILY, device)
         self._err = None
         self._resident: dict[tuple, tuple] = {}  # (unit, kernel, k) -> _q8_plan
 
@@ -358,11 +442,13 @@ class DmmvDispatch(Dispatch):
         return a, n
 
     def _params(self, w: QWeight, *, w2: QWeight | None = None, m2: int = 0, blocks1: int = 0,
-                mode: int = 0, act: int = 0, alpha: float = 1.0, y_stride: int = 0, y2_stride: int = 0):
+                mode: int = 0, act: int = 0, alpha: float = 1.0, y_stride: int = 0, y2_stride: int = 0,
+                x_stride: int | None = None):
         return self.struct("DmmvParams").pack(
             w_offset=w.offset, w2_offset=w2.offset if w2 is not None else 0, row_bytes=w.row_bytes,
             m=w.m, m2=m2, k=w.k, n_full=w.k // _STEP, tail=w.k % _STEP, blocks1=blocks1,
-            x_stride=w.k, y_stride=y_stride, y2_stride=y2_stride, mode=mode, act=act, alpha=float(alpha))
+            x_stride=w.k if x_stride is None else x_stride, y_stride=y_stride, y2_stride=y2_stride, mode=mode,
+            act=act, alpha=float(alpha))
 
     @staticmethod
     def _mode(accumulate: bool, gate) -> int:
@@ -423,14 +509,18 @@ class DmmvDispatch(Dispatch):
         self._launch(f"dequantize<{w.qtype}>", blocks, 256, (out, w.buf), params, stream=stream)
         return out
 
-    def dmmv(self, w: QWeight, x: cupy.ndarray, y: cupy.ndarray, *, accumulate: bool = False,
+    def dmmv(self, w: QWeight, x: cupy.ndarray | QuantizedX, y: cupy.ndarray, *, accumulate: bool = False,
              alpha: float = 1.0, gate: cupy.ndarray | None = None, stream=None) -> cupy.ndarray:
         """``y = alpha * W x``; with ``accumulate``, ``y += alpha * W x``; with ``gate``,
         ``y += alpha * sigmoid(gate[c]) * W x[c]`` (the shared-expert path).
 
-        w: QWeight [m, k]; x: [k] or [n, k] f32 (n columns: weights are read once per 8);
-        y: [m] or [n, m] f32 (same leading shape as x); gate: [n] f32 logits on the device."""
+        w: QWeight [m, k]; x: [k] or [n, k] f32 (n columns: weights are read once per 8), or a
+        :class:`QuantizedX` of that shape made for w's type (int8 path only: the same result as
+        from the f32 x it holds, without quantizing it again); y: [m] or [n, m] f32 (same leading
+        shape as x); gate: [n] f32 logits on the device."""
         w = self._check_weight("w", w)
+        if isinstance(x, QuantizedX):
+            return self._dmmv_prequantized(w, x, y, accumulate=accumulate, alpha=alpha, gate=gate, stream=stream)
         x, n = self._cols("x", x, w.k)
         check_array("y", y, dtype=_F32, shape=x.shape[:-1] + (w.m,))
         self._check_gate(gate, n)
@@ -455,6 +545,56 @@ class DmmvDispatch(Dispatch):
         return y
 
     dmmv_batch = dmmv  # the engine's name for the multi-column form
+
+    def quantize_x(self, x: cupy.ndarray, out: QuantizedX, *, stream=None) -> QuantizedX:
+        """``out`` = x quantized for the int8 path (see :class:`QuantizedX`): one launch, 4 bytes
+        read and 1.25 written per element; then ``dmmv(w, out, y)`` for every w that out serves.
+
+        x: [k] or [n, k] f32, C-contiguous, 16-byte aligned, of ``out.shape``. Under ``pdl`` it
+        reads x and writes out only after the previous kernel in the stream has completed."""
+        if not isinstance(out, QuantizedX):
+            raise TypeError(f"out must be a QuantizedX (QuantizedX.empty(shape, qtype)), got {type(out).__name__}")
+        x, n = self._cols("x", x, out.k)
+        if x.shape != out.shape:
+            raise ValueError(f"x has shape {x.shape}, out holds {out.shape}")
+        params = self.struct("QuantizeXParams").pack(k=out.k, x_stride=out.k, out_stride=out.buf.shape[1],
+                                                     chunk4=_QX_CHUNK4)
+        grid = (-(-(out.k // 4) // _QX_CHUNK4), n)
+        self._q8x._launch(f"quantize_x<{'true' if out.interleaved else 'false'}>", grid, 256, (out.buf, x), params,
+                          stream=stream, pdl=self.pdl)
+        return out
+
+    def _dmmv_prequantized(self, w: QWeight, x: QuantizedX, y, *, accumulate, alpha, gate, stream):
+        """dmmv on a QuantizedX: dmmv_q8<..., PQ = true> of the dmmv_q8x unit, whose blocks copy x."""
+        if not self._int8(w):
+            raise ValueError(f"a QuantizedX feeds the int8 path only: {w.name} weights on "
+                             f"DmmvDispatch(int8={self.int8}) take f32 x")
+        if not x.serves(w.qtype):
+            raise ValueError(f"x was quantized for {'MXFP4' if x.interleaved else 'non-MXFP4'} weights (its "
+                             f"element order), {w.name} needs {'MXFP4' if w.qtype == _MXFP4 else 'non-MXFP4'}'s: "
+                             f"QuantizedX.empty(shape, {w.name!r})")
+        if x.k != w.k:
+            raise ValueError(f"x holds k={x.k} elements per column, w has k={w.k}")
+        n = x.n
+        check_array("y", y, dtype=_F32, shape=x.shape[:-1] + (w.m,))
+        self._check_gate(gate, n)
+        mode = self._mode(accumulate, gate)
+        plans = []
+        for c0, width in self._chunks(n):  # every plan before the first launch: nothing half-done
+            kernel = _q8_kernel(w.qtype, width, pq=True)
+            plan = self._q8_plan(self._q8x, kernel, w.qtype, width, w.k)
+            if not plan:
+                raise ValueError(f"k={w.k} with {width} columns does not fit the int8 path's shared memory: "
+                                 f"pass the f32 x (the f32 path then runs)")
+            plans.append((c0, kernel, plan))
+        for c0, kernel, (qw, smem, resident) in plans:
+            xs, ys = (x.buf, y) if n == 1 else (x.buf[c0:], y[c0:])
+            g = ys if gate is None else gate[c0:]
+            blocks = _q8_blocks(w.m, resident)
+            params = self._params(w, blocks1=blocks, mode=mode, alpha=alpha, y_stride=w.m, x_stride=x.buf.shape[1])
+            self._q8x._launch(kernel, blocks, qw * 32, (ys, w.buf, xs, g), params, stream=stream, shared_mem=smem,
+                              pdl=self.pdl)
+        return y
 
     def dmmv_scale_acc(self, w: QWeight, x, y, scale: float, *, stream=None) -> cupy.ndarray:
         """``y += scale * W x`` (fused scale-accumulate)."""

@@ -4,7 +4,10 @@ dequantized matrix (torch.mv, also measured here).
 
 Every kernel is timed as a decode loop runs it: 50 calls captured into one CUDA graph and replayed,
 each call on the next of several weight copies (> 200 MB together) so that the weights come from
-HBM, not from the 50 MB L2. The peer rotates two f16 copies the same way.
+HBM, not from the 50 MB L2. The peer rotates two f16 copies the same way. "pdl" rows launch with
+programmatic dependent launch (each call overlaps the previous one's tail, as in a decode loop);
+"pdl q8x" rows read x already quantized (QuantizedX, bytes counted as read), and the quantize_x
+rows give what that quantization costs once per input the matvecs share.
 
 Run: PYTHONPATH=. python profiling/bench_dmmv.py [--quick] [--json out.json]
 """
@@ -17,7 +20,7 @@ import cupy
 import numpy as np
 
 from cukern.benchmark import Row, measure_ceilings, rotating, script_main, time_graph_us, time_torch_graph_us
-from cukern.dmmv import Q8_TYPES, QTYPES, DmmvDispatch, QWeight, qtype_id, row_bytes
+from cukern.dmmv import Q8_TYPES, QTYPES, DmmvDispatch, QuantizedX, QWeight, qtype_id, row_bytes
 
 try:
     import torch
@@ -103,8 +106,19 @@ def bench(quick: bool = False) -> tuple[list, object]:
             if qt in Q8_TYPES:  # the int8 path, where pdl applies
                 us = time_graph_us(lambda: d_pdl.dmmv(nxt(), x, y))
                 row(f"dmmv {name} pdl", f"{m}x{k}", us, wbytes + 4 * (k + m), peer_us)
+                # x quantized once (QuantizedX) for the matvecs that share it: its bytes are read instead
+                qx = d_pdl.quantize_x(x, QuantizedX.empty(x.shape, qt))
+                us = time_graph_us(lambda: d_pdl.dmmv(nxt(), qx, y))
+                row(f"dmmv {name} pdl q8x", f"{m}x{k}", us, wbytes + qx.buf.nbytes + 4 * m, peer_us)
             del sets
             cupy.get_default_memory_pool().free_all_blocks()
+
+    # the quantization a QuantizedX costs, once per input shared by several matvecs
+    for k in sorted({k for _, k in shapes}):
+        x = cupy.random.standard_normal(k, dtype=cupy.float32)
+        qx = QuantizedX.empty((k,), "Q4_K")
+        us = time_graph_us(lambda: d_pdl.quantize_x(x, qx))
+        row(f"quantize_x pdl k={k}", f"1x{k}", us, 4 * k + qx.buf.nbytes)
 
     # batched columns: weights read once for all of them
     m, k = 4096, 14336

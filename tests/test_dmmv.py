@@ -80,7 +80,7 @@ def d():
 
 # ---------------------------------------------------------------------------- CPU
 def test_families_declared():
-    assert set(D.FAMILIES) == {"dmmv", "dmmv_glu", "dmmv_moe", "dmmv_moe_packed"}
+    assert set(D.FAMILIES) == {"dmmv", "dmmv_glu", "dmmv_moe", "dmmv_moe_packed", "dmmv_q8x"}
     names = {k.name for f in D.FAMILIES.values() for k in f.kernels}
     for q in TYPES:
         for n in (1, 2, 4, 8):
@@ -88,6 +88,8 @@ def test_families_declared():
         assert f"moe_down<{q}>" in names and f"dequantize<{q}>" in names
     for q in D.Q8_TYPES:
         assert D._q8_kernel(q, None) in names and all(D._q8_kernel(q, n) in names for n in (1, 2, 4, 8))
+        assert all(D._q8_kernel(q, n, pq=True) in names for n in (1, 2, 4, 8))
+    assert {"quantize_x<false>", "quantize_x<true>"} <= names
 
 
 def test_q8_config_override():
@@ -479,6 +481,116 @@ def test_moe_bad_expert_ids_are_flagged_and_zeroed(d, rng):
     _check(y, ref.moe_down(dense, h, ids, wts))
     with pytest.raises(DeviceError):
         d.check_errors()
+
+
+# ---------------------------------------------------------------------------- GPU: pre-quantized x
+@pytest.mark.gpu
+@pytest.mark.parametrize("qt", ["Q4_K", "MXFP4"], ids=["planes", "interleaved"])
+def test_quantize_x_matches_reference(d, rng, qt):
+    """quantize_x writes the q, d and half sums of ref.quantize_q8_blocks bit for bit: one block,
+    several columns, a thread block's chunk (2048 elements) with a ragged last one; an all-zero block
+    gives d = 0, q = 0."""
+    for shape in [(32,), (3, 96), (2, 2048 + 32), (5, 4096 + 2080)]:
+        k, n = shape[-1], (shape[0] if len(shape) == 2 else 1)
+        x = _x(rng, *shape)
+        x[..., 32:64] = 0.0
+        qx = D.QuantizedX.empty(shape, qt)
+        poison(qx.buf)
+        d.quantize_x(cupy.asarray(x), qx)
+        q, dd, sums = ref.decode_quantized_x(qx.buf.get(), k, qx.interleaved)
+        want_q, want_d = ref.quantize_q8_blocks(x.reshape(n, k))
+        np.testing.assert_array_equal(q, want_q, err_msg=f"q {shape}")
+        np.testing.assert_array_equal(dd, want_d, err_msg=f"d {shape}")
+        np.testing.assert_array_equal(sums, want_q.reshape(n, -1, 2, 16).astype(np.int64).sum(-1), err_msg=f"sums {shape}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 3, 11])
+@pytest.mark.parametrize("q", D.Q8_TYPES, ids=NAMES.get)
+def test_dmmv_prequantized_matches_f32_x(d, rng, q, n):
+    """dmmv on a QuantizedX returns the bits of dmmv on the f32 x it holds (the same x^, the same
+    arithmetic), for every epilogue and column chunking (11 = 8 + 2 + 1), ragged m, and matches the
+    float64 reference on x^."""
+    m, k = 37, _ks(q)[-1]
+    w, dense = _weight(q, m, k, rng, pad_front=D.QTYPES[q][3] * 5)
+    shape = (n, k) if n > 1 else (k,)
+    x = cupy.asarray(_x(rng, *shape))
+    qx = d.quantize_x(x, D.QuantizedX.empty(shape, q))
+    y0 = cupy.asarray(_x(rng, *shape[:-1], m))
+    g = cupy.asarray(_x(rng, n))
+    for kw in ({}, {"accumulate": True, "alpha": -0.5}, {"gate": g, "alpha": 1.5}):
+        want, got = y0.copy(), y0.copy()
+        if not kw.get("accumulate") and "gate" not in kw:
+            want, got = poison(want), poison(got)
+        d.dmmv(w, x, want, **kw)
+        d.dmmv(w, qx, got, **kw)
+        assert bool((got == want).all()), f"{NAMES[q]} n={n} {sorted(kw)}: differs from the f32-x int8 path"
+    _check(got, y0.get() + 1.5 * ref.sigmoid(g.get().astype(np.float64)).reshape(shape[:-1] + (1,))
+           * ref.matvec(dense, ref.quantize_q8(x.get())), "gated on x^")
+
+
+@pytest.mark.gpu
+def test_prequantized_pdl_chain_and_graph(rng):
+    """Under pdl, quantize_x -> dmmv -> quantize_x of that output -> ... (each step reading what the
+    step before wrote, and quantize_x overwriting x that the matvec before it read), eager and from a
+    CUDA graph, equals the plain launches bit for bit."""
+    from cukern.streams import capture_graph
+    if int(cupy.cuda.Device().compute_capability) < 90:
+        pytest.skip("programmatic dependent launch needs sm_90")
+    q, n = D.qtype_id("Q4_K"), 1536
+    ws = [_weight(q, n, n, rng) for _ in range(4)]
+    alphas = [float(np.sqrt(n) / np.linalg.norm(dense)) for _, dense in ws]
+    x0 = cupy.asarray(_x(rng, n))
+    qx = D.QuantizedX.empty((n,), q)
+
+    def chain(dd, ys):
+        x = x0
+        for (w, _), a, y in zip(ws, alphas, ys):
+            dd.quantize_x(x, qx)
+            dd.dmmv(w, qx, y, alpha=a)
+            x = y
+
+    want = [poison(cupy.empty(n, cupy.float32)) for _ in ws]
+    chain(DmmvDispatch(), want)
+    dp = DmmvDispatch(pdl=True)
+    for graph in (False, True):
+        got = [poison(cupy.empty(n, cupy.float32)) for _ in ws]
+        if graph:
+            capture_graph(lambda stream: chain(dp, got)).replay(cupy.cuda.get_current_stream())
+        else:
+            chain(dp, got)
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert bool(cupy.isfinite(b).all()), f"step {i}: the plain chain overflowed"
+            assert bool((a == b).all()), f"step {i} differs with pdl (graph={graph})"
+
+
+@pytest.mark.gpu
+def test_prequantized_bad_input(d, rng):
+    w = QWeight(cupy.zeros(2 * 144, cupy.uint8), "Q4_K", 2, 256)
+    qx = D.QuantizedX.empty((256,), "Q4_K")
+    y = cupy.full(2, 7.0, cupy.float32)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        D.QuantizedX.empty((3, 48), "Q4_K")
+    with pytest.raises(ValueError, match="take f32 x"):
+        D.QuantizedX.empty((256,), "F16")
+    with pytest.raises(ValueError, match="shape"):
+        D.QuantizedX(cupy.zeros((1, 100), cupy.uint8), (256,), False)
+    with pytest.raises(ValueError, match="MXFP4"):
+        d.dmmv(QWeight(cupy.zeros(2 * 8 * 17, cupy.uint8), "MXFP4", 2, 256), qx, y)
+    with pytest.raises(ValueError, match="k=512"):
+        d.dmmv(QWeight(cupy.zeros(2 * 288, cupy.uint8), "Q4_K", 2, 512), D.QuantizedX.empty((256,), "Q4_K"), y)
+    with pytest.raises(ValueError, match="int8 path only"):
+        DmmvDispatch(int8=False).dmmv(w, qx, y)
+    with pytest.raises(ValueError, match="int8 path only"):
+        d.dmmv(QWeight(cupy.zeros(2 * 512, cupy.uint8), "F16", 2, 256), qx, y)
+    with pytest.raises(ValueError, match="shape"):
+        d.dmmv(w, qx, cupy.zeros((1, 2), cupy.float32))
+    with pytest.raises(ValueError, match="shape"):
+        d.quantize_x(cupy.zeros((2, 256), cupy.float32), qx)
+    with pytest.raises(TypeError, match="QuantizedX"):
+        d.quantize_x(cupy.zeros(256, cupy.float32), cupy.zeros((1, 320), cupy.uint8))
+    cupy.cuda.get_current_stream().synchronize()
+    assert (y.get() == 7.0).all()  # nothing was launched
 
 
 # ---------------------------------------------------------------------------- GPU: validation

@@ -2,7 +2,9 @@
 //   dmmv      y[c] = epilogue(W x[c]) for NC = 1, 2, 4, 8 columns (weights read once for all);
 //             also the pair form (two matrices sharing x: blocks past blocks1 work on W2)
 //   dmmv_glu  y[c] = epilogue(act(Wg x[c]) * (Wu x[c])): fused gate + up + SwiGLU / GEGLU
-//   dmmv_q8   as dmmv (no pair), on the int8 path of the quantized types (q8.cuh)
+//   dmmv_q8   as dmmv (no pair), on the int8 path of the quantized types (q8.cuh); PQ: on x
+//             already quantized by
+//   quantize_x  f32 x into the int8 path's layout, once for every matvec that shares it
 // Epilogues (DmmvParams.mode): store alpha*v, accumulate y += alpha*v, and the sigmoid-gated
 // accumulate y += alpha*sigmoid(gate[c])*v of the shared-expert path.
 //
@@ -102,11 +104,13 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dmmv_glu(
 // (BULK: Hopper bulk copies, else cp.async). Dynamic shared memory: q8::smem_bytes<QT, LU, ST>(nw, NC, k).
 // Under programmatic dependent launch the first ST - 1 weight chunks of every warp are in flight
 // before pdl_wait(); x, gate and y are touched only after it.
-template <int QT, int NC, int LU, int ST, bool BULK>
+// PQ: x is already quantized (quantize_x below): each block copies its columns instead.
+template <int QT, int NC, int LU, int ST, bool BULK, bool PQ = false>
 __global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8(
     float* __restrict__ y,             // [NC, y_stride] out: y[c * y_stride + i], i < m
     const uint8_t* __restrict__ w,     // raw GGUF bytes; m rows from w + w_offset
-    const float* __restrict__ x,       // [NC, x_stride] f32 columns, 16-byte aligned, k used
+    const void* __restrict__ x,        // [NC, x_stride] f32 columns, 16-byte aligned, k used; PQ: [NC]
+                                       // pre-quantized columns of x_stride bytes (q8::load_x)
     const float* __restrict__ gate,    // [NC] gate logits for mode 2; unused otherwise
     const DmmvParams p) {
     extern __shared__ __align__(16) uint8_t smem[];
@@ -122,8 +126,12 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8(
         base + (size_t)p.m * p.row_bytes, p.k,
         [] { pdl_wait(); },
         [&] {
-            for (int c = 0; c < NC; ++c)
-                q8::quantize_x<q8::x_interleaved<QT>()>(x + (size_t)c * p.x_stride, p.k, sm.xq + (size_t)c * p.k, sm.xi + c * (p.k / 32));
+            for (int c = 0; c < NC; ++c) {
+                int8_t* q = sm.xq + (size_t)c * p.k;
+                q8::XInfo* info = sm.xi + c * (p.k / 32);
+                if (PQ) q8::load_x(static_cast<const uint8_t*>(x) + (size_t)c * p.x_stride, p.k, q, info);
+                else q8::quantize_x<q8::x_interleaved<QT>()>(static_cast<const float*>(x) + (size_t)c * p.x_stride, p.k, q, info);
+            }
             __syncthreads();
         },
         [&](uint32_t j, const float (&v)[NC]) {
@@ -135,6 +143,25 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8(
                 *out = p.mode == 0 ? f * v[c] : *out + f * v[c];
             }
         });
+}
+
+// x quantized once for the int8 path (DmmvDispatch.quantize_x -> QuantizedX): column c of out is
+// q8::load_x's image of x[c] (int8 planes, XInfo; IL: interleaved for MXFP4), x_col_bytes(k)
+// bytes. Grid (ceil(k / 4 / chunk4), n): block (b, c) quantizes float4s [b chunk4, (b + 1) chunk4)
+// of column c, 8 lanes per 32 elements. Traffic: 4 bytes read, 1.25 written per element.
+// Programmatic dependent launch: x is read and out written only after pdl_wait (a matvec still
+// reading the previous contents of out has completed by then).
+template <bool IL>
+__global__ void __launch_bounds__(256) quantize_x(
+    uint8_t* __restrict__ out,      // [n, out_stride] bytes, 16-byte aligned
+    const float* __restrict__ x,    // [n, x_stride] f32 columns, 16-byte aligned
+    const QuantizeXParams p) {
+    pdl_launch_dependents();
+    pdl_wait();
+    const uint32_t c = blockIdx.y, g0 = blockIdx.x * p.chunk4, g1 = min(g0 + p.chunk4, p.k / 4);
+    uint8_t* col = out + (size_t)c * p.out_stride;
+    q8::quantize_x_batches<IL, 2>(x + (size_t)c * p.x_stride, p.k, g0, g1, reinterpret_cast<int8_t*>(col),
+                                  reinterpret_cast<q8::XInfo*>(col + p.k));
 }
 
 // out = W in f32, one element per thread (grid-stride): the per-element dequantization of

@@ -16,7 +16,7 @@ struct DmmvParams {
     uint32_t n_full;     // full 256-element steps per row: k / 256
     uint32_t tail;       // elements of the last, partial step: k % 256
     uint32_t blocks1;    // thread blocks working on matrix 1; later blocks work on matrix 2
-    uint32_t x_stride;   // elements between consecutive columns of x
+    uint32_t x_stride;   // elements between consecutive columns of x (pre-quantized x: bytes)
     uint32_t y_stride;   // elements between consecutive columns of y
     uint32_t y2_stride;  // elements between consecutive columns of y2 (pair)
     uint32_t mode;       // 0: y = alpha*v; 1: y += alpha*v; 2: y += alpha*sigmoid(gate[c])*v
@@ -50,6 +50,14 @@ struct RouteParams {
     uint32_t n_experts;  // valid ids are 0 ... n_experts-1 (at most 1023)
     uint32_t cols;       // slots per work item (the packed kernel's NCOLS)
     uint32_t max_items;  // capacity of the work-item list
+};
+
+// quantize_x: f32 columns of x into the int8 path's pre-quantized layout (q8::load_x)
+struct QuantizeXParams {
+    uint32_t k;           // elements per column: a multiple of 32
+    uint32_t x_stride;    // floats between consecutive columns of x
+    uint32_t out_stride;  // bytes between consecutive columns of out: q8::x_col_bytes(k)
+    uint32_t chunk4;      // float4s of a column per thread block: a multiple of 8
 };
 
 // dequantize: out[i, j] = W[i, j] in f32 (the per-element path of common/quants.cuh)

@@ -391,10 +391,13 @@ CUKERN_DEVICE void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_
 // KB slots' shuffle chains interleave (with a uniform early exit for empty slots the matvec
 // measured 4 points of copy bandwidth lower at k = 14336). IL: q interleaved per block
 // (x_interleaved), else in element order.
+// [g_begin, g_end): the float4s of x this block quantizes (g_begin a multiple of 8: whole blocks
+// of 32), g_end <= k / 4.
 template <bool IL, int KB>
-CUKERN_DEVICE void quantize_x_batches(const float* __restrict__ x, uint32_t k, int8_t* q, XInfo* info) {
-    const uint32_t n4 = k / 4;
-    for (uint32_t g0 = 0; g0 < n4; g0 += KB * blockDim.x) {  // uniform per warp: shuffles below
+CUKERN_DEVICE void quantize_x_batches(const float* __restrict__ x, uint32_t k, uint32_t g_begin, uint32_t g_end,
+                                      int8_t* q, XInfo* info) {
+    const uint32_t n4 = g_end;
+    for (uint32_t g0 = g_begin; g0 < n4; g0 += KB * blockDim.x) {  // uniform per warp: shuffles below
         float4 v[KB];
 #pragma unroll
         for (int b = 0; b < KB; ++b) {
@@ -433,8 +436,33 @@ CUKERN_DEVICE void quantize_x_batches(const float* __restrict__ x, uint32_t k, i
 // Two float4s per thread where they cover x (k = 4096 on 512 threads: no idle slot), else four.
 template <bool IL>
 CUKERN_DEVICE void quantize_x(const float* __restrict__ x, uint32_t k, int8_t* q, XInfo* info) {
-    if (k / 4 <= 2 * blockDim.x) quantize_x_batches<IL, 2>(x, k, q, info);
-    else quantize_x_batches<IL, 4>(x, k, q, info);
+    if (k / 4 <= 2 * blockDim.x) quantize_x_batches<IL, 2>(x, k, 0, k / 4, q, info);
+    else quantize_x_batches<IL, 4>(x, k, 0, k / 4, q, info);
+}
+
+// ------------------------------------------------------------------------------------- x, pre-quantized
+// A column of x quantized ahead of the matvecs (cukern.dmmv.QuantizedX; the quantize_x kernel of
+// dmmv.cu writes it) is the shared-memory image of quantize_x: k bytes of q in planes
+// (xq_offset; interleaved per block for x_interleaved types), then k / 32 XInfo, the column padded
+// to x_col_bytes(k). One quantization then serves every matvec that shares x (q, k and v; gate and
+// up), and each block copies 1.25 bytes per element after pdl_wait instead of quantizing 4.
+CUKERN_DEVICE constexpr uint32_t x_col_bytes(uint32_t k) { return (k + k / 4 + 15) / 16 * 16; }
+
+// Copy one pre-quantized column (16-byte aligned) into q / info; all threads of the block take
+// part; the caller syncs afterwards. Each thread issues its three loads of a unit (the unit's two
+// q halves and its XInfo) before storing them.
+CUKERN_DEVICE void load_x(const uint8_t* __restrict__ col, uint32_t k, int8_t* q, XInfo* info) {
+    const uint32_t units = k / 32;
+    const uint4* lo = reinterpret_cast<const uint4*>(col);           // plane 0: bytes 0...15 of each unit
+    const uint4* hi = reinterpret_cast<const uint4*>(col + k / 2);   // plane 1: bytes 16...31
+    const uint2* xi = reinterpret_cast<const uint2*>(col + k);       // XInfo as 8 bytes
+    for (uint32_t u = threadIdx.x; u < units; u += blockDim.x) {
+        const uint4 a = __ldg(lo + u), b = __ldg(hi + u);
+        const uint2 c = __ldg(xi + u);
+        reinterpret_cast<uint4*>(q)[u] = a;
+        reinterpret_cast<uint4*>(q + k / 2)[u] = b;
+        reinterpret_cast<uint2*>(info)[u] = c;
+    }
 }
 
 // ------------------------------------------------------------------------------------- rows

@@ -62,10 +62,10 @@ def dequantize(raw: np.ndarray, qtype: int, m: int, k: int) -> np.ndarray:
     return np.asarray(out, dtype=np.float64).reshape(m, k)
 
 
-def quantize_q8(x: np.ndarray) -> np.ndarray:
-    """x^ as float64: what the int8 path of the matvecs (cuda_src/dmmv/q8.cuh) multiplies, emulated
-    bit for bit in float32. Per 32 elements along the last axis: d = max|x| / 127, q = round(x * (1/d))
-    half away from zero (q = 0 for an all-zero block), x^ = d * q."""
+def quantize_q8_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(q, d) of the int8 path's x^ (cuda_src/dmmv/q8.cuh), emulated bit for bit in float32: per 32
+    elements along the last axis, d = max|x| / 127 (float32 [..., k / 32]) and q = round(x * (1/d))
+    half away from zero, 0 for an all-zero block (int8 [..., k])."""
     x = np.asarray(x, dtype=np.float32)
     b = x.reshape(x.shape[:-1] + (-1, 32))
     amax = np.abs(b).max(axis=-1, keepdims=True)
@@ -73,7 +73,31 @@ def quantize_q8(x: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore"):
         inv = np.where(amax > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
     q = np.floor(np.abs(b * inv) + np.float32(0.5)) * np.sign(b)
-    return (d.astype(np.float64) * q.astype(np.float64)).reshape(x.shape)
+    return q.astype(np.int8).reshape(x.shape), d[..., 0]
+
+
+def quantize_q8(x: np.ndarray) -> np.ndarray:
+    """x^ as float64: what the int8 path of the matvecs multiplies, d * q of :func:`quantize_q8_blocks`."""
+    q, d = quantize_q8_blocks(x)
+    shape = q.shape
+    return (d[..., None].astype(np.float64) * q.reshape(shape[:-1] + (-1, 32)).astype(np.float64)).reshape(shape)
+
+
+def decode_quantized_x(buf: np.ndarray, k: int, interleaved: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(q [n, k] int8 in element order, d [n, k / 32] float32, sums [n, k / 32, 2] int16 of q over each
+    half of a block) from the bytes of a cukern.dmmv.QuantizedX ([n, col_bytes] uint8): per column,
+    k bytes of q in two planes (bytes 0...15 of every 32, then bytes 16...31; interleaved: byte 2j of
+    a block is element j, byte 2j + 1 element 16 + j), then k / 32 records (float32 d, int16 sums)."""
+    buf = np.asarray(buf, dtype=np.uint8)
+    n, nb = buf.shape[0], k // 32
+    planes = buf[:, :k].view(np.int8).reshape(n, 2, nb, 16)
+    blocks = planes.transpose(0, 2, 1, 3).reshape(n, nb, 32)  # bytes of each block in stored order
+    if interleaved:
+        blocks = np.concatenate([blocks[..., 0::2], blocks[..., 1::2]], axis=-1)
+    info = np.ascontiguousarray(buf[:, k:k + 8 * nb]).reshape(n, nb, 8)
+    d = np.ascontiguousarray(info[..., :4]).view(np.float32)[..., 0]
+    sums = np.ascontiguousarray(info[..., 4:]).view(np.int16)
+    return blocks.reshape(n, k), d, sums
 
 
 def matvec(w: np.ndarray, x: np.ndarray) -> np.ndarray:
