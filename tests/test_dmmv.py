@@ -345,7 +345,6 @@ def test_pdl_chain_matches_plain_launches(rng, q, monkeypatch):
     dependency pdl_wait must honour), eager and replayed from a CUDA graph, equals the same chain
     launched plainly bit for bit (the kernel is deterministic, so any race shows)."""
     from cukern import dispatch
-    from cukern.streams import capture_graph
     if int(cupy.cuda.Device().compute_capability) < 90:
         pytest.skip("programmatic dependent launch needs sm_90")
     pdl_launches = []
@@ -363,11 +362,19 @@ def test_pdl_chain_matches_plain_launches(rng, q, monkeypatch):
             x = y
         dd.dmmv(ws[0][0], ys[-2], ys[-1], accumulate=True)  # y read and written after the wait
 
-    want = [poison(cupy.empty(n, cupy.float32)) for _ in ws]
+    _assert_pdl_chain_matches_plain(chain, len(ws), n)
+    assert len(pdl_launches) >= 2 * 7, "the pdl path was not taken"
+
+
+def _assert_pdl_chain_matches_plain(chain, steps: int, n: int):
+    """chain(dispatch, ys) with DmmvDispatch(pdl=True), eager and replayed from a CUDA graph, writes
+    the bits that DmmvDispatch() writes into ``steps`` outputs of n floats."""
+    from cukern.streams import capture_graph
+    want = [poison(cupy.empty(n, cupy.float32)) for _ in range(steps)]
     chain(DmmvDispatch(), want)
     dp = DmmvDispatch(pdl=True)
     for graph in (False, True):  # eager first: it also compiles and plans outside the capture
-        got = [poison(cupy.empty(n, cupy.float32)) for _ in ws]
+        got = [poison(cupy.empty(n, cupy.float32)) for _ in range(steps)]
         if graph:
             capture_graph(lambda stream: chain(dp, got)).replay(cupy.cuda.get_current_stream())
         else:
@@ -375,7 +382,6 @@ def test_pdl_chain_matches_plain_launches(rng, q, monkeypatch):
         for i, (a, b) in enumerate(zip(got, want)):
             assert bool(cupy.isfinite(b).all()), f"step {i}: the plain chain overflowed"
             assert bool((a == b).all()), f"step {i} differs with pdl (graph={graph})"
-    assert len(pdl_launches) >= 2 * 7, "the pdl path was not taken"
 
 
 @pytest.mark.gpu
@@ -534,7 +540,6 @@ def test_prequantized_pdl_chain_and_graph(rng):
     """Under pdl, quantize_x -> dmmv -> quantize_x of that output -> ... (each step reading what the
     step before wrote, and quantize_x overwriting x that the matvec before it read), eager and from a
     CUDA graph, equals the plain launches bit for bit."""
-    from cukern.streams import capture_graph
     if int(cupy.cuda.Device().compute_capability) < 90:
         pytest.skip("programmatic dependent launch needs sm_90")
     q, n = D.qtype_id("Q4_K"), 1536
@@ -550,18 +555,7 @@ def test_prequantized_pdl_chain_and_graph(rng):
             dd.dmmv(w, qx, y, alpha=a)
             x = y
 
-    want = [poison(cupy.empty(n, cupy.float32)) for _ in ws]
-    chain(DmmvDispatch(), want)
-    dp = DmmvDispatch(pdl=True)
-    for graph in (False, True):
-        got = [poison(cupy.empty(n, cupy.float32)) for _ in ws]
-        if graph:
-            capture_graph(lambda stream: chain(dp, got)).replay(cupy.cuda.get_current_stream())
-        else:
-            chain(dp, got)
-        for i, (a, b) in enumerate(zip(got, want)):
-            assert bool(cupy.isfinite(b).all()), f"step {i}: the plain chain overflowed"
-            assert bool((a == b).all()), f"step {i} differs with pdl (graph={graph})"
+    _assert_pdl_chain_matches_plain(chain, len(ws), n)
 
 
 @pytest.mark.gpu
