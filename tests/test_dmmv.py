@@ -102,6 +102,30 @@ def test_q8_config_override():
             D._q8_config_override(bad, table)
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_decode_quantized_x_layout(rng, interleaved):
+    """ref.decode_quantized_x (what the GPU test of quantize_x reads its output with) inverts the layout
+    that q8::load_x documents, written here byte by byte: q planes (bytes 0...15 of every block, then
+    16...31; interleaved: byte 2j = element j, 2j + 1 = element 16 + j), then (f32 d, int16 sums)."""
+    n, k = 3, 96
+    q, d = ref.quantize_q8_blocks(_x(rng, n, k))
+    buf = np.full((n, D._q8x_col_bytes(k)), 0xEE, np.uint8)
+    for c in range(n):
+        for e in range(k):
+            blk, j = divmod(e, 32)
+            byte = (2 * j if j < 16 else 2 * (j - 16) + 1) if interleaved else j
+            buf[c, blk * 16 + (k // 2 if byte & 16 else 0) + (byte & 15)] = np.int8(q[c, e]).view(np.uint8)
+        for blk in range(k // 32):
+            s0, s1 = (int(q[c, 32 * blk + 16 * h:32 * blk + 16 * h + 16].astype(np.int64).sum()) for h in (0, 1))
+            rec = np.float32(d[c, blk]).tobytes() + np.array([s0, s1], np.int16).tobytes()
+            buf[c, k + 8 * blk:k + 8 * blk + 8] = np.frombuffer(rec, np.uint8)
+    got_q, got_d, sums = ref.decode_quantized_x(buf, k, interleaved)
+    np.testing.assert_array_equal(got_q, q)
+    np.testing.assert_array_equal(got_d, d)
+    np.testing.assert_array_equal(sums, q.reshape(n, -1, 2, 16).astype(np.int64).sum(-1))
+    assert D._q8x_col_bytes(k) == 128 and D._q8x_col_bytes(64) == 80  # 16-byte rounded k + k / 4
+
+
 def test_quantize_q8_reference():
     """The emulated int8 rounding of x: exact on zeros and on values d * q, within d/2 elsewhere."""
     rng = np.random.default_rng(3)
