@@ -450,15 +450,17 @@ CUKERN_DEVICE constexpr uint32_t x_col_bytes(uint32_t k) { return (k + k / 4 + 1
 
 // Copy one pre-quantized column (16-byte aligned) into q / info; all threads of the block take
 // part; the caller syncs afterwards. Each thread issues its three loads of a unit (the unit's two
-// q halves and its XInfo) before storing them.
+// q halves and its XInfo) before storing them. The loads bypass L1 (ld.global.cg): the column is
+// rewritten between matvecs (quantize_x of the next input) that may share an SM under pdl, and a
+// block reads it once.
 CUKERN_DEVICE void load_x(const uint8_t* __restrict__ col, uint32_t k, int8_t* q, XInfo* info) {
     const uint32_t units = k / 32;
     const uint4* lo = reinterpret_cast<const uint4*>(col);           // plane 0: bytes 0...15 of each unit
     const uint4* hi = reinterpret_cast<const uint4*>(col + k / 2);   // plane 1: bytes 16...31
     const uint2* xi = reinterpret_cast<const uint2*>(col + k);       // XInfo as 8 bytes
     for (uint32_t u = threadIdx.x; u < units; u += blockDim.x) {
-        const uint4 a = __ldg(lo + u), b = __ldg(hi + u);
-        const uint2 c = __ldg(xi + u);
+        const uint4 a = __ldcg(lo + u), b = __ldcg(hi + u);
+        const uint2 c = __ldcg(xi + u);
         reinterpret_cast<uint4*>(q)[u] = a;
         reinterpret_cast<uint4*>(q + k / 2)[u] = b;
         reinterpret_cast<uint2*>(info)[u] = c;
