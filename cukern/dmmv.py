@@ -274,9 +274,11 @@ class QuantizedX:
     """x quantized once for the int8 matvec path (:meth:`DmmvDispatch.quantize_x`), so that the
     matvecs sharing an input (q, k and v; gate and up) each copy 1.25 bytes per element into their
     thread blocks instead of each block quantizing the f32 x itself. Per 32 elements it holds
-    q = round(x / d) (half away from zero, in [-127, 127]), d = max|x| / 127 in f32, and the sums
+    d = max|x| / 127 in f32, q = round(x * (1/d)) (half away from zero, in [-127, 127]) and the sums
     of q over each half: the x^ the f32-x int8 path computes, so :meth:`DmmvDispatch.dmmv` returns
-    the same bits from a QuantizedX as from the x it was made of.
+    the same bits from a QuantizedX as from the x it was made of. (Where x of that many columns
+    does not fit a thread block's shared memory, k of some tens of thousands, the f32-x call falls
+    back to the f32 path and the QuantizedX call raises.)
 
     buf: [n, col_bytes] uint8 on the device, column c at byte c * col_bytes (layout:
     ``q8::load_x`` in cuda_src/dmmv/q8.cuh); shape: the shape of the x it holds, (k,) or (n, k);
@@ -559,7 +561,7 @@ class DmmvDispatch(Dispatch):
             raise ValueError(f"x has shape {x.shape}, out holds {out.shape}")
         params = self.struct("QuantizeXParams").pack(k=out.k, x_stride=out.k, out_stride=out.buf.shape[1],
                                                      chunk4=_QX_CHUNK4)
-        grid = (-(-(out.k // 4) // _QX_CHUNK4), n)
+        grid = (n, -(-(out.k // 4) // _QX_CHUNK4))  # (columns, 2048-element chunks of a column)
         self._q8x._launch(f"quantize_x<{'true' if out.interleaved else 'false'}>", grid, 256, (out.buf, x), params,
                           stream=stream, pdl=self.pdl)
         return out

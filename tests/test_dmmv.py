@@ -390,15 +390,15 @@ def test_pdl_chain_matches_plain_launches(rng, q, monkeypatch):
     assert len(pdl_launches) >= 2 * 7, "the pdl path was not taken"
 
 
-def _assert_pdl_chain_matches_plain(chain, steps: int, n: int):
+def _assert_pdl_chain_matches_plain(chain, steps: int, shape):
     """chain(dispatch, ys) with DmmvDispatch(pdl=True), eager and replayed from a CUDA graph, writes
-    the bits that DmmvDispatch() writes into ``steps`` outputs of n floats."""
+    the bits that DmmvDispatch() writes into ``steps`` f32 outputs of ``shape``."""
     from cukern.streams import capture_graph
-    want = [poison(cupy.empty(n, cupy.float32)) for _ in range(steps)]
+    want = [poison(cupy.empty(shape, cupy.float32)) for _ in range(steps)]
     chain(DmmvDispatch(), want)
     dp = DmmvDispatch(pdl=True)
     for graph in (False, True):  # eager first: it also compiles and plans outside the capture
-        got = [poison(cupy.empty(n, cupy.float32)) for _ in range(steps)]
+        got = [poison(cupy.empty(shape, cupy.float32)) for _ in range(steps)]
         if graph:
             capture_graph(lambda stream: chain(dp, got)).replay(cupy.cuda.get_current_stream())
         else:
@@ -560,26 +560,33 @@ def test_dmmv_prequantized_matches_f32_x(d, rng, q, n):
 
 
 @pytest.mark.gpu
-def test_prequantized_pdl_chain_and_graph(rng):
-    """Under pdl, quantize_x -> dmmv -> quantize_x of that output -> ... (each step reading what the
-    step before wrote, and quantize_x overwriting x that the matvec before it read), eager and from a
-    CUDA graph, equals the plain launches bit for bit."""
+@pytest.mark.parametrize("q", [D.qtype_id(n) for n in ("Q4_K", "MXFP4")], ids=NAMES.get)
+def test_prequantized_pdl_chain_and_graph(rng, q, monkeypatch):
+    """Under pdl, per step: quantize_x of the previous step's output (overwriting the QuantizedX the
+    matvecs before it read), then two matvecs sharing it (store, then accumulate), two columns;
+    eager and from a CUDA graph, equal to the plain launches bit for bit."""
+    from cukern import dispatch
     if int(cupy.cuda.Device().compute_capability) < 90:
         pytest.skip("programmatic dependent launch needs sm_90")
-    q, n = D.qtype_id("Q4_K"), 1536
-    ws = [_weight(q, n, n, rng) for _ in range(4)]
-    alphas = [float(np.sqrt(n) / np.linalg.norm(dense)) for _, dense in ws]
-    x0 = cupy.asarray(_x(rng, n))
-    qx = D.QuantizedX.empty((n,), q)
+    pdl_launches = []
+    real = dispatch._launch_pdl
+    monkeypatch.setattr(dispatch, "_launch_pdl", lambda *a: (pdl_launches.append(a[0]), real(*a)))
+    n, cols, steps = 1536, 2, 3
+    ws = [(_weight(q, n, n, rng), _weight(q, n, n, rng)) for _ in range(steps)]
+    alphas = [float(np.sqrt(n) / np.linalg.norm(a[1]) / 2) for a, _ in ws]  # keeps |x| about steady
+    x0 = cupy.asarray(_x(rng, cols, n))
+    qx = D.QuantizedX.empty((cols, n), q)
 
     def chain(dd, ys):
         x = x0
-        for (w, _), a, y in zip(ws, alphas, ys):
+        for ((wa, _), (wb, _)), a, y in zip(ws, alphas, ys):
             dd.quantize_x(x, qx)
-            dd.dmmv(w, qx, y, alpha=a)
+            dd.dmmv(wa, qx, y, alpha=a)
+            dd.dmmv(wb, qx, y, alpha=a, accumulate=True)
             x = y
 
-    _assert_pdl_chain_matches_plain(chain, len(ws), n)
+    _assert_pdl_chain_matches_plain(chain, steps, (cols, n))
+    assert len(pdl_launches) >= 2 * 3 * steps, "the pdl path was not taken"
 
 
 @pytest.mark.gpu

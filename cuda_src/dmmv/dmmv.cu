@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8(
 
 // x quantized once for the int8 path (DmmvDispatch.quantize_x -> QuantizedX): column c of out is
 // q8::load_x's image of x[c] (int8 planes, XInfo; IL: interleaved for MXFP4), x_col_bytes(k)
-// bytes. Grid (ceil(k / 4 / chunk4), n): block (b, c) quantizes float4s [b chunk4, (b + 1) chunk4)
+// bytes. Grid (n, ceil(k / 4 / chunk4)): block (c, b) quantizes float4s [b chunk4, (b + 1) chunk4)
 // of column c, 8 lanes per 32 elements. Traffic: 4 bytes read, 1.25 written per element.
 // Programmatic dependent launch: x is read and out written only after pdl_wait (a matvec still
 // reading the previous contents of out has completed by then).
@@ -157,8 +157,9 @@ __global__ void __launch_bounds__(256) quantize_x(
     const float* __restrict__ x,    // [n, x_stride] f32 columns, 16-byte aligned
     const QuantizeXParams p) {
     pdl_launch_dependents();
+    if (p.out_stride < q8::x_col_bytes(p.k) || p.chunk4 % 8) __trap();  // a launcher bug
     pdl_wait();
-    const uint32_t c = blockIdx.y, g0 = blockIdx.x * p.chunk4, g1 = min(g0 + p.chunk4, p.k / 4);
+    const uint32_t c = blockIdx.x, g0 = blockIdx.y * p.chunk4, g1 = min(g0 + p.chunk4, p.k / 4);
     uint8_t* col = out + (size_t)c * p.out_stride;
     q8::quantize_x_batches<IL, 2>(x + (size_t)c * p.x_stride, p.k, g0, g1, reinterpret_cast<int8_t*>(col),
                                   reinterpret_cast<q8::XInfo*>(col + p.k));

@@ -444,8 +444,9 @@ CUKERN_DEVICE void quantize_x(const float* __restrict__ x, uint32_t k, int8_t* q
 // A column of x quantized ahead of the matvecs (cukern.dmmv.QuantizedX; the quantize_x kernel of
 // dmmv.cu writes it) is the shared-memory image of quantize_x: k bytes of q in planes
 // (xq_offset; interleaved per block for x_interleaved types), then k / 32 XInfo, the column padded
-// to x_col_bytes(k). One quantization then serves every matvec that shares x (q, k and v; gate and
-// up), and each block copies 1.25 bytes per element after pdl_wait instead of quantizing 4.
+// to x_col_bytes(k) (cukern/dmmv.py _q8x_col_bytes mirrors it; quantize_x traps on a shorter
+// stride). One quantization then serves every matvec that shares x (q, k and v; gate and up), and
+// each block copies 1.25 bytes per element after pdl_wait instead of quantizing 4.
 CUKERN_DEVICE constexpr uint32_t x_col_bytes(uint32_t k) { return (k + k / 4 + 15) / 16 * 16; }
 
 // Copy one pre-quantized column (16-byte aligned) into q / info; all threads of the block take
