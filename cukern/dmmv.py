@@ -534,11 +534,7 @@ class DmmvDispatch(Dispatch):
             q8 = _q8_kernel(w.qtype, width) if self._int8(w) else ""
             plan = self._q8_plan(self, q8, w.qtype, width, w.k) if q8 else None
             if plan:
-                qw, smem, resident = plan
-                blocks = _q8_blocks(w.m, resident)  # block b: rows [b m / blocks, (b + 1) m / blocks)
-                params = self._params(w, blocks1=blocks, mode=mode, alpha=alpha, y_stride=w.m)
-                self._launch(q8, blocks, qw * 32, (ys, w.buf, xs, g), params, stream=stream, shared_mem=smem,
-                             pdl=self.pdl)
+                self._launch_q8(self, q8, plan, w, ys, xs, g, mode=mode, alpha=alpha, x_stride=w.k, stream=stream)
                 continue
             blocks = -(-w.m // _config(w.qtype, width)[0])
             params = self._params(w, blocks1=blocks, mode=mode, alpha=alpha, y_stride=w.m)
@@ -589,14 +585,20 @@ class DmmvDispatch(Dispatch):
                 raise ValueError(f"k={w.k} with {width} columns does not fit the int8 path's shared memory: "
                                  f"pass the f32 x (the f32 path then runs)")
             plans.append((c0, kernel, plan))
-        for c0, kernel, (qw, smem, resident) in plans:
+        for c0, kernel, plan in plans:
             xs, ys = (x.buf, y) if n == 1 else (x.buf[c0:], y[c0:])
             g = ys if gate is None else gate[c0:]
-            blocks = _q8_blocks(w.m, resident)
-            params = self._params(w, blocks1=blocks, mode=mode, alpha=alpha, y_stride=w.m, x_stride=x.buf.shape[1])
-            self._q8x._launch(kernel, blocks, qw * 32, (ys, w.buf, xs, g), params, stream=stream, shared_mem=smem,
-                              pdl=self.pdl)
+            self._launch_q8(self._q8x, kernel, plan, w, ys, xs, g, mode=mode, alpha=alpha, x_stride=x.buf.shape[1],
+                            stream=stream)
         return y
+
+    def _launch_q8(self, unit: Dispatch, kernel: str, plan, w: QWeight, ys, xs, g, *, mode: int, alpha: float,
+                   x_stride: int, stream) -> None:
+        """One dmmv_q8 launch of ``unit`` on its _q8_plan: block b takes rows [b m / blocks, (b + 1) m / blocks)."""
+        qw, smem, resident = plan
+        blocks = _q8_blocks(w.m, resident)
+        params = self._params(w, blocks1=blocks, mode=mode, alpha=alpha, y_stride=w.m, x_stride=x_stride)
+        unit._launch(kernel, blocks, qw * 32, (ys, w.buf, xs, g), params, stream=stream, shared_mem=smem, pdl=self.pdl)
 
     def dmmv_scale_acc(self, w: QWeight, x, y, scale: float, *, stream=None) -> cupy.ndarray:
         """``y += scale * W x`` (fused scale-accumulate)."""

@@ -126,6 +126,29 @@ def test_decode_quantized_x_layout(rng, interleaved):
     assert D._q8x_col_bytes(k) == 128 and D._q8x_col_bytes(64) == 80  # 16-byte rounded k + k / 4
 
 
+def test_prequantized_host_path(monkeypatch):
+    """The host side of QuantizedX on CPU (tests/host_dispatch.py: host arrays, launches recorded):
+    quantize_x is one launch of the layout's kernel; dmmv on a QuantizedX launches the dmmv_q8x unit's
+    kernels for the same column chunks (8 + 2 + 1) as dmmv on the f32 x launches the dmmv unit's."""
+    from host_dispatch import host_array, patch
+    launches = patch(monkeypatch)
+    d = DmmvDispatch()
+    for name, k in (("Q4_K", 512), ("MXFP4", 96)):
+        q = D.qtype_id(name)
+        w = QWeight(host_array((5 * D.row_bytes(q, k),), np.uint8, 0), q, 5, k)
+        x, y = host_array((11, k)), host_array((11, 5))
+        qx = D.QuantizedX.empty((11, k), q)
+        assert qx.interleaved == (name == "MXFP4") and qx.buf.shape == (11, D._q8x_col_bytes(k))
+        launches.clear()
+        d.quantize_x(x, qx)
+        d.dmmv(w, qx, y)
+        d.dmmv(w, x, y)
+        want = {f"quantize_x<{'true' if qx.interleaved else 'false'}>": 1}
+        for n in (8, 2, 1):
+            want[D._q8_kernel(q, n, pq=True)] = want[D._q8_kernel(q, n)] = 1
+        assert dict(launches) == want
+
+
 def test_quantize_q8_reference():
     """The emulated int8 rounding of x: exact on zeros and on values d * q, within d/2 elsewhere."""
     rng = np.random.default_rng(3)
