@@ -11,7 +11,8 @@ so the per-call checks are on the activations only. Activations are f32, C-conti
 aligned. Five compilation units (each stays under ~10 s of NVRTC): ``dmmv`` (plain, batched,
 pair, the epilogues, dequantize), ``dmmv_glu`` (gate + up + activation), ``dmmv_moe`` (expert
 matvecs, down + weighted sum, routing), ``dmmv_moe_packed`` (token-batched experts) and
-``dmmv_q8x`` (x quantized once, :class:`QuantizedX`, and the int8 matvecs that read it).
+``dmmv_q8x`` (x, or the FFN's act(gate) * up, quantized once into a :class:`QuantizedX`, and the
+int8 matvecs that read it).
 """
 
 from __future__ import annotations
@@ -173,7 +174,9 @@ PACKED_FAMILY = FamilySpec(
 Q8X_FAMILY = FamilySpec(  # the int8 path on pre-quantized x: compiled only by a process that uses it
     name="dmmv_q8x", source="dmmv/dmmv.cu", params_header="dmmv/params.cuh",
     kernels=tuple([KernelSpec(_q8_kernel(q, n, pq=True), "DmmvParams") for q in Q8_TYPES for n in _COLS]
-                  + [KernelSpec(f"quantize_x<{il}>", "QuantizeXParams") for il in ("false", "true")]),
+                  + [KernelSpec(f"quantize_x<{il}>", "QuantizeXParams") for il in ("false", "true")]
+                  + [KernelSpec(f"quantize_glu<{il}, {a}>", "QuantizeXParams")
+                     for il in ("false", "true") for a in sorted(set(_ACTS.values()))]),
 )
 FAMILIES = {f.name: f for f in (FAMILY, GLU_FAMILY, MOE_FAMILY, PACKED_FAMILY, Q8X_FAMILY)}  # cukern.families() lists each unit
 
@@ -271,8 +274,9 @@ _MXFP4 = 39
 
 @dataclass(frozen=True, eq=False)
 class QuantizedX:
-    """x quantized once for the int8 matvec path (:meth:`DmmvDispatch.quantize_x`), so that the
-    matvecs sharing an input (q, k and v; gate and up) each copy 1.25 bytes per element into their
+    """x quantized once for the int8 matvec path (:meth:`DmmvDispatch.quantize_x`; or the FFN's
+    act(gate) * up, :meth:`DmmvDispatch.quantize_glu`), so that the matvecs sharing an input (q, k
+    and v; gate and up) or the down projection each copy 1.25 bytes per element into their
     thread blocks instead of each block quantizing the f32 x itself. Per 32 elements it holds
     d = max|x| / 127 in f32, q = round(x * (1/d)) (half away from zero, in [-127, 127]) and the sums
     of q over each half: the x^ the f32-x int8 path computes, so :meth:`DmmvDispatch.dmmv` returns
@@ -380,7 +384,8 @@ class DmmvDispatch(Dispatch):
 
     Matvecs that share an input (q, k and v; gate and up) can share its quantization too:
     ``qx = d.quantize_x(x, QuantizedX.empty(x.shape, qtype))`` once, then ``d.dmmv(w, qx, y)`` for
-    each w (same bits as from x; see :class:`QuantizedX`)."""
+    each w (same bits as from x; see :class:`QuantizedX`). The FFN's down projection can take its
+    input quantized by :meth:`quantize_glu` (act(gate) * up, in place of the elementwise SwiGLU)."""
 
     family = FAMILY
 
@@ -555,12 +560,35 @@ class DmmvDispatch(Dispatch):
         x, n = self._cols("x", x, out.k)
         if x.shape != out.shape:
             raise ValueError(f"x has shape {x.shape}, out holds {out.shape}")
+        self._quantize_launch(f"quantize_x<{'true' if out.interleaved else 'false'}>", (out.buf, x), out, n, stream)
+        return out
+
+    def quantize_glu(self, gate: cupy.ndarray, up: cupy.ndarray, out: QuantizedX, *, act: str = "swiglu",
+                     stream=None) -> QuantizedX:
+        """``out`` = act(gate) * up quantized for the int8 path: the FFN's gated activation written
+        straight into the down projection's :class:`QuantizedX` (act "swiglu": SiLU, "geglu": GELU in
+        its tanh form, in f32 as :meth:`dmmv_glu` computes them). One launch in place of the elementwise
+        SwiGLU/GEGLU before ``dmmv(w_down, out, y)``: 8 bytes read and 1.25 written per element.
+
+        gate, up: [k] or [n, k] f32, C-contiguous, 16-byte aligned, of ``out.shape`` (e.g. the two
+        outputs of :meth:`dmmv_pair`). Under ``pdl`` as :meth:`quantize_x`."""
+        if not isinstance(out, QuantizedX):
+            raise TypeError(f"out must be a QuantizedX (QuantizedX.empty(shape, qtype)), got {type(out).__name__}")
+        if act not in _ACTS:
+            raise ValueError(f"quantize_glu: act must be one of {', '.join(_ACTS)}, got {act!r}")
+        gate, n = self._cols("gate", gate, out.k)
+        up, _ = self._cols("up", up, out.k)
+        if gate.shape != out.shape or up.shape != out.shape:
+            raise ValueError(f"gate {gate.shape} and up {up.shape} must both have the shape out holds, {out.shape}")
+        kernel = f"quantize_glu<{'true' if out.interleaved else 'false'}, {_ACTS[act]}>"
+        self._quantize_launch(kernel, (out.buf, gate, up), out, n, stream)
+        return out
+
+    def _quantize_launch(self, kernel: str, args: tuple, out: QuantizedX, n: int, stream) -> None:
+        """quantize_x / quantize_glu: grid (columns, 2048-element chunks of a column), 256 threads."""
         params = self.struct("QuantizeXParams").pack(k=out.k, x_stride=out.k, out_stride=out.buf.shape[1],
                                                      chunk4=_QX_CHUNK4)
-        grid = (n, -(-(out.k // 4) // _QX_CHUNK4))  # (columns, 2048-element chunks of a column)
-        self._q8x._launch(f"quantize_x<{'true' if out.interleaved else 'false'}>", grid, 256, (out.buf, x), params,
-                          stream=stream, pdl=self.pdl)
-        return out
+        self._q8x._launch(kernel, (n, -(-(out.k // 4) // _QX_CHUNK4)), 256, args, params, stream=stream, pdl=self.pdl)
 
     def _dmmv_prequantized(self, w: QWeight, x: QuantizedX, y, *, accumulate, alpha, gate, stream):
         """dmmv on a QuantizedX: dmmv_q8<..., PQ = true> of the dmmv_q8x unit, whose blocks copy x."""

@@ -7,7 +7,9 @@ each call on the next of several weight copies (> 200 MB together) so that the w
 HBM, not from the 50 MB L2. The peer rotates two f16 copies the same way. "pdl" rows launch with
 programmatic dependent launch (each call overlaps the previous one's tail, as in a decode loop);
 "pdl q8x" rows read x already quantized (QuantizedX, bytes counted as read), and the quantize_x
-rows give what that quantization costs once per input the matvecs share.
+rows give what that quantization costs once per input the matvecs share. "ffn down" rows time the
+two kernels between the FFN's gate/up and its output: the elementwise SwiGLU and the matvec on f32 x,
+against quantize_glu (SwiGLU written as the QuantizedX) and the matvec on that.
 
 Run: PYTHONPATH=. python profiling/bench_dmmv.py [--quick] [--json out.json]
 """
@@ -21,6 +23,7 @@ import numpy as np
 
 from cukern.benchmark import Row, measure_ceilings, rotating, script_main, time_graph_us, time_torch_graph_us
 from cukern.dmmv import Q8_TYPES, QTYPES, DmmvDispatch, QuantizedX, QWeight, qtype_id, row_bytes
+from cukern.elementwise import ElementwiseDispatch
 
 try:
     import torch
@@ -119,6 +122,25 @@ def bench(quick: bool = False) -> tuple[list, object]:
         qx = QuantizedX.empty((k,), "Q4_K")
         us = time_graph_us(lambda: d_pdl.quantize_x(x, qx))
         row(f"quantize_x pdl k={k}", f"1x{k}", us, 4 * k + qx.buf.nbytes)
+
+    # the FFN's down projection after gate and up, two kernels either way: the elementwise SwiGLU then
+    # the matvec on its f32 output, against quantize_glu (the activation written as a QuantizedX) then
+    # the matvec on it; bytes: the weights, gate and up, y
+    ew = ElementwiseDispatch()
+    m, k = 4096, 14336
+    for name in (["MXFP4", "Q4_K"] if quick else ["MXFP4", "Q4_K", "Q6_K", "Q8_0"]):
+        qt = qtype_id(name)
+        (sets, nxt), wbytes = _weights(qt, m, k)
+        gate, up = (cupy.random.standard_normal(k, dtype=cupy.float32) for _ in range(2))
+        h, y = cupy.empty(k, cupy.float32), cupy.empty(m, cupy.float32)
+        qx = QuantizedX.empty((k,), qt)
+        nbytes = wbytes + 8 * k + 4 * m
+        f32_us = time_graph_us(lambda: (ew.swiglu(gate[None], up[None], h[None]), d_pdl.dmmv(nxt(), h, y)))
+        row(f"ffn down {name} swiglu+dmmv pdl", f"{m}x{k}", f32_us, nbytes)
+        us = time_graph_us(lambda: (d_pdl.quantize_glu(gate, up, qx), d_pdl.dmmv(nxt(), qx, y)))
+        row(f"ffn down {name} quantize_glu+dmmv q8x", f"{m}x{k}", us, nbytes, f32_us, peer="swiglu + f32-x dmmv")
+        del sets
+        cupy.get_default_memory_pool().free_all_blocks()
 
     # batched columns: weights read once for all of them
     m, k = 4096, 14336

@@ -90,6 +90,7 @@ def test_families_declared():
         assert D._q8_kernel(q, None) in names and all(D._q8_kernel(q, n) in names for n in (1, 2, 4, 8))
         assert all(D._q8_kernel(q, n, pq=True) in names for n in (1, 2, 4, 8))
     assert {"quantize_x<false>", "quantize_x<true>"} <= names
+    assert {f"quantize_glu<{il}, {a}>" for il in ("false", "true") for a in (0, 1)} <= names
 
 
 def test_q8_config_override():
@@ -141,9 +142,11 @@ def test_prequantized_host_path(monkeypatch):
         assert qx.interleaved == (name == "MXFP4") and qx.buf.shape == (11, D._q8x_col_bytes(k))
         launches.clear()
         d.quantize_x(x, qx)
+        d.quantize_glu(x, x, qx, act="geglu")
         d.dmmv(w, qx, y)
         d.dmmv(w, x, y)
-        want = {f"quantize_x<{'true' if qx.interleaved else 'false'}>": 1}
+        il = "true" if qx.interleaved else "false"
+        want = {f"quantize_x<{il}>": 1, f"quantize_glu<{il}, 1>": 1}
         for n in (8, 2, 1):
             want[D._q8_kernel(q, n, pq=True)] = want[D._q8_kernel(q, n)] = 1
         assert dict(launches) == want
@@ -557,6 +560,45 @@ def test_quantize_x_matches_reference(d, rng, qt):
         np.testing.assert_array_equal(sums, want_q.reshape(n, -1, 2, 16).astype(np.int64).sum(-1), err_msg=f"sums {shape}")
 
 
+def _glu32(act: str, g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """act(g) * u in float32 as qmv::glu_act computes it (g / (1 + exp(-g)); the tanh form of GELU)."""
+    g, u, one, half = g.astype(np.float32), u.astype(np.float32), np.float32(1), np.float32(0.5)
+    if act == "swiglu":
+        a = g / (one + np.exp(-g))
+    else:
+        a = half * g * (one + np.tanh(np.float32(0.7978845608028654) * (g + np.float32(0.044715) * g * g * g)))
+    return (a * u).astype(np.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", ["swiglu", "geglu"])
+@pytest.mark.parametrize("qt", ["Q4_K", "MXFP4"], ids=["planes", "interleaved"])
+def test_quantize_glu_matches_reference(d, rng, qt, act):
+    """quantize_glu = quantize_x of act(gate) * up: against act in float32 (as the kernel computes it,
+    up to the last bit of expf / tanhf) quantized by ref.quantize_q8_blocks, every q within 1 and
+    almost all equal, every d within 2 ulp; the decoded x^ within d/2 of act(gate) * up in float64;
+    the stored half sums are those of the stored q. Gate up to |8| (SiLU's and GELU's tails), up
+    with zero blocks, ragged chunks."""
+    for shape in [(32,), (3, 96), (2, 2048 + 32), (5, 4096 + 2080)]:
+        k, n = shape[-1], (shape[0] if len(shape) == 2 else 1)
+        g, u = 3.0 * _x(rng, *shape), _x(rng, *shape)
+        u[..., 64:96] = 0.0
+        qx = D.QuantizedX.empty(shape, qt)
+        poison(qx.buf)
+        d.quantize_glu(cupy.asarray(g), cupy.asarray(u), qx, act=act)
+        q, dd, sums = ref.decode_quantized_x(qx.buf.get(), k, qx.interleaved)
+        want_q, want_d = ref.quantize_q8_blocks(_glu32(act, g, u).reshape(n, k))
+        np.testing.assert_allclose(dd, want_d, rtol=2.5e-7, atol=0, err_msg=f"d {shape}")
+        dq = np.abs(q.astype(np.int32) - want_q)
+        assert dq.max() <= 1 and np.count_nonzero(dq) <= max(2, q.size // 1000), f"q {shape}: {np.count_nonzero(dq)} differ"
+        f = ref.gelu_tanh if act == "geglu" else ref.silu
+        exact = (f(g.astype(np.float64)) * u).reshape(n, -1, 32)
+        xhat = q.reshape(n, -1, 32) * dd[..., None].astype(np.float64)
+        assert np.all(np.abs(xhat - exact) <= 0.5 * dd[..., None] * (1 + 1e-5) + 1e-6 * np.abs(exact)), f"x^ {shape}"
+        assert k < 96 or not xhat[:, 2].any(), "a zero block of up gives q = 0"
+        np.testing.assert_array_equal(sums, q.reshape(n, -1, 2, 16).astype(np.int64).sum(-1), err_msg=f"sums {shape}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [1, 3, 11])
 @pytest.mark.parametrize("q", D.Q8_TYPES, ids=NAMES.get)
@@ -637,6 +679,15 @@ def test_prequantized_bad_input(d, rng):
         d.quantize_x(cupy.zeros((2, 256), cupy.float32), qx)
     with pytest.raises(TypeError, match="QuantizedX"):
         d.quantize_x(cupy.zeros(256, cupy.float32), cupy.zeros((1, 320), cupy.uint8))
+    z = cupy.zeros(256, cupy.float32)
+    with pytest.raises(ValueError, match="act must be"):
+        d.quantize_glu(z, z, qx, act="relu")
+    with pytest.raises(ValueError, match="shape"):
+        d.quantize_glu(z, cupy.zeros((2, 256), cupy.float32), qx)
+    with pytest.raises(TypeError, match="dtype"):
+        d.quantize_glu(z, cupy.zeros(256, cupy.float16), qx)
+    with pytest.raises(ValueError, match="aligned"):
+        d.quantize_glu(cupy.zeros(257, cupy.float32)[1:], z, qx)
     cupy.cuda.get_current_stream().synchronize()
     assert (y.get() == 7.0).all()  # nothing was launched
 

@@ -385,24 +385,25 @@ CUKERN_DEVICE void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_
 }
 
 // ------------------------------------------------------------------------------------- x
-// Quantize column x (k floats, k % 32 == 0, 16-byte aligned) into q / info; all threads of the
-// block take part (blockDim.x a multiple of 32); the caller syncs afterwards. Each thread issues
+// Quantize a column of k floats (k % 32 == 0) into q / info; load(g) returns its float4 g (x's, or
+// an activation computed from two inputs: quantize_glu in dmmv.cu). All threads of the block take
+// part (blockDim.x a multiple of 32); the caller syncs afterwards. Each thread issues
 // its loads of KB float4s before the first shuffle, so a long x costs one L2 round trip, and the
 // KB slots' shuffle chains interleave (with a uniform early exit for empty slots the matvec
 // measured 4 points of copy bandwidth lower at k = 14336). IL: q interleaved per block
 // (x_interleaved), else in element order.
 // [g_begin, g_end): the float4s of x this block quantizes (g_begin a multiple of 8: whole blocks
 // of 32), g_end <= k / 4.
-template <bool IL, int KB>
-CUKERN_DEVICE void quantize_x_batches(const float* __restrict__ x, uint32_t k, uint32_t g_begin, uint32_t g_end,
-                                      int8_t* q, XInfo* info) {
+template <bool IL, int KB, class Load>
+CUKERN_DEVICE void quantize_x_batches(Load load, uint32_t k, uint32_t g_begin, uint32_t g_end, int8_t* q,
+                                      XInfo* info) {
     const uint32_t n4 = g_end;
     for (uint32_t g0 = g_begin; g0 < n4; g0 += KB * blockDim.x) {  // uniform per warp: shuffles below
         float4 v[KB];
 #pragma unroll
         for (int b = 0; b < KB; ++b) {
             const uint32_t g = g0 + b * blockDim.x + threadIdx.x;
-            v[b] = g < n4 ? __ldg(reinterpret_cast<const float4*>(x) + g) : make_float4(0.f, 0.f, 0.f, 0.f);
+            v[b] = g < n4 ? load(g) : make_float4(0.f, 0.f, 0.f, 0.f);
         }
 #pragma unroll
         for (int b = 0; b < KB; ++b) {
@@ -436,8 +437,9 @@ CUKERN_DEVICE void quantize_x_batches(const float* __restrict__ x, uint32_t k, u
 // Two float4s per thread where they cover x (k = 4096 on 512 threads: no idle slot), else four.
 template <bool IL>
 CUKERN_DEVICE void quantize_x(const float* __restrict__ x, uint32_t k, int8_t* q, XInfo* info) {
-    if (k / 4 <= 2 * blockDim.x) quantize_x_batches<IL, 2>(x, k, 0, k / 4, q, info);
-    else quantize_x_batches<IL, 4>(x, k, 0, k / 4, q, info);
+    const auto load = [x](uint32_t g) { return __ldg(reinterpret_cast<const float4*>(x) + g); };
+    if (k / 4 <= 2 * blockDim.x) quantize_x_batches<IL, 2>(load, k, 0, k / 4, q, info);
+    else quantize_x_batches<IL, 4>(load, k, 0, k / 4, q, info);
 }
 
 // ------------------------------------------------------------------------------------- x, pre-quantized
