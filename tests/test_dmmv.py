@@ -575,8 +575,8 @@ def _glu32(act: str, g: np.ndarray, u: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("qt", ["Q4_K", "MXFP4"], ids=["planes", "interleaved"])
 def test_quantize_glu_matches_reference(d, rng, qt, act):
     """quantize_glu = quantize_x of act(gate) * up: against act in float32 (as the kernel computes it,
-    up to the last bit of expf / tanhf) quantized by ref.quantize_q8_blocks, every q within 1 and
-    almost all equal, every d within 2 ulp; the decoded x^ within d/2 of act(gate) * up in float64;
+    up to the last bits of expf / tanhf) quantized by ref.quantize_q8_blocks, every q within 1 and
+    almost all equal, every d within 1e-6 relative (8 ulp); the decoded x^ within d/2 of act(gate) * up in float64;
     the stored half sums are those of the stored q. Gate up to |8| (SiLU's and GELU's tails), up
     with zero blocks, ragged chunks."""
     for shape in [(32,), (3, 96), (2, 2048 + 32), (5, 4096 + 2080)]:
@@ -588,7 +588,7 @@ def test_quantize_glu_matches_reference(d, rng, qt, act):
         d.quantize_glu(cupy.asarray(g), cupy.asarray(u), qx, act=act)
         q, dd, sums = ref.decode_quantized_x(qx.buf.get(), k, qx.interleaved)
         want_q, want_d = ref.quantize_q8_blocks(_glu32(act, g, u).reshape(n, k))
-        np.testing.assert_allclose(dd, want_d, rtol=2.5e-7, atol=0, err_msg=f"d {shape}")
+        np.testing.assert_allclose(dd, want_d, rtol=1e-6, atol=0, err_msg=f"d {shape}")  # tanhf / expf vs NumPy: a few ulp
         dq = np.abs(q.astype(np.int32) - want_q)
         assert dq.max() <= 1 and np.count_nonzero(dq) <= max(2, q.size // 1000), f"q {shape}: {np.count_nonzero(dq)} differ"
         f = ref.gelu_tanh if act == "geglu" else ref.silu
