@@ -2,7 +2,8 @@
 launch), the stand-alone merge of the same states, at B1 KV8192 and KV64 32/8 D128 f16, for a few split
 counts. Scratch tool for tuning; PROBE_NCU_SPLITS=n and PROBE_NCU_PREFILL=1 make targets for ncu;
 PROBE_ROWS=decode,prefill prints just the benchmark rows of the issue's targets (with their peers; decode
-plain and pdl), PROBE_ROWS=sweep block shapes x split counts (PROBE_SWEEP_KV, PROBE_SWEEP_SPLITS)."""
+plain and pdl), PROBE_ROWS=sweep block shapes x split counts (PROBE_SWEEP_KV, PROBE_SWEEP_SPLITS),
+PROBE_ROWS=wide head_dim 256 with one KV head by split count (PROBE_WIDE_SPLITS)."""
 from __future__ import annotations
 
 import itertools
@@ -92,6 +93,12 @@ def target_rows(which: str) -> None:
                                             attn_pdl=attn_pdl):
                         show(r)
         attn._tc_warps = None
+    if "wide" in which:  # head_dim 256, one KV head (8/1, Gemma 3's 4/1) at KV8k by split count: the merge's cost
+        for h in (8, 4):
+            for s in [int(x) for x in os.environ.get("PROBE_WIDE_SPLITS", "8,16,24,32,48,64").split(",")]:
+                for r in b._decode_rows(attn, ceil, rng, 1, 8192, h, 1, 256, n_splits=s, label=f"s{s}",
+                                        attn_pdl=attn_pdl):
+                    show(r)
     if "prefetch" in which:  # pdl with decode_tc's L2 prefetch of each warp's next tiles before the wait
         def pairs(name, default):  # "a:b,c:d" -> [(a, b), (c, d)]
             return [tuple(int(v) for v in x.split(":")) for x in os.environ.get(name, default).split(",")]
