@@ -291,6 +291,33 @@ def test_decode_split_matches_unsplit_and_graph(attn, rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d, h, hk, warps, n_splits", [
+    (256, 8, 1, None, 64),    # decode_tc, 8 KB states: 16 per batch of the staged merge, 4 batches
+    (128, 32, 8, 8, 256),     # decode_tc 8 warps, 2 KB states: about 100 per batch, 3 batches
+    (512, 4, 1, None, 200),   # the SIMT decode, 8 KB states in 64 KB of stages: 7 per batch, 29 batches
+])
+def test_decode_merge_in_batches(rng, d, h, hk, warps, n_splits):
+    """The last block's merge stages the split states through shared memory a batch at a time: many
+    batches (with a ragged last one), sinks and the LSE, two sequences (the second shorter than the
+    split count, so some of its chunks are empty), against the float64 reference."""
+    attn = AttentionDispatch()
+    attn._tc_warps = warps
+    cache, slots = _make_cache(rng, [6000, 150], n_kv_heads=hk, head_dim=d, page_size=16, attn=attn)
+    qh, q = _q(rng, (2, h, d))
+    sinks = rng.standard_normal(h).astype(np.float32)
+    plan = attn.plan_decode(cache, slots, h, n_splits=n_splits)
+    assert plan.n_splits == n_splits
+    out = poison(cupy.empty((2, h, d), cupy.float32))
+    lse = poison(cupy.empty((2, h), cupy.float32))
+    for _ in range(2):  # the counters are left zero for the next launch
+        attn.flash_attn_decode(plan, 0, q, out, lse=lse, sinks=cupy.asarray(sinks))
+    kp, vp, pt, lens = _host(cache)
+    want_o, want_lse = ref.paged_attention(qh, kp, vp, pt, lens, slots, [1, 1], 16, sinks=sinks)
+    assert_close(out, want_o, **DECODE_TOL)
+    assert_close(lse, want_lse, atol=1e-4 * max(1.0, float(np.abs(want_lse).max())), rtol=0, name="lse")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind, d, h, hk", [("float16", 128, 8, 2), ("bfloat16", 64, 12, 4), ("float32", 96, 4, 2)])
 def test_decode_pdl_chain_matches_plain_launches(rng, kind, d, h, hk, monkeypatch):
     """AttentionDispatch(pdl=True): a chain of decode steps over two layers, each step's q the previous
