@@ -24,7 +24,6 @@ captured in CUDA graphs (FlashInfer's plan/run split).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -72,13 +71,11 @@ class _SplitModel:
     blocks_per_sm: int  # resident blocks per SM (the kernel's __launch_bounds__ minimum)
     merge_rate: float = 64e3  # partial-state bytes the merging block reads per us
     merge_us: float = 1.0  # the merge's fixed cost (counter, weights)
-    # decode_tc's form of the model (used when merge_trip_us > 0): the merging block stages the states in
-    # batches that fill its stage_bytes of shared memory, one L2 round trip each, and reads them at
-    # merge_rate; the SMs in use share dram_rate
-    merge_trip_us: float = 0.0  # one batch of the merge (copies in flight together, a barrier)
+    # decode_tc's form of the model (used when merge_trip_us > 0): the merging block's threads each combine
+    # float4 columns of 16 states per L2 round trip; the SMs in use share dram_rate
+    merge_trip_us: float = 0.0  # one round trip of the merge's loads
     threads: int = 128  # threads of a block
     dram_rate: float = 0.0  # K/V bytes per us of the whole device
-    stage_bytes: int = 0  # the block's dynamic shared memory (set per head_dim by plan_decode)
 
 
 _SIMT_MODEL = _SplitModel(block_rate=12.5e3, sm_rate=13.5e3, block_us=2.0, blocks_per_sm=_DECODE_BLOCKS_PER_SM)
@@ -544,8 +541,7 @@ def _split_time(n: int, blocks: int, visible: int, row_bytes: int, state_bytes: 
     rate = min(model.block_rate * k, sm_rate)
     t = k * -(-visible // n) * row_bytes / rate + -(-k // model.blocks_per_sm) * model.block_us
     if n > 1 and model.merge_trip_us:
-        batch = max(1, model.stage_bytes // state_bytes) if model.stage_bytes else 16
-        t += model.merge_us + -(-n // batch) * model.merge_trip_us + n * state_bytes / model.merge_rate
+        t += model.merge_us + -(-state_bytes // (16 * model.threads)) * -(-n // 16) * model.merge_trip_us
     elif n > 1:
         t += model.merge_us + n * state_bytes / model.merge_rate
     return t
@@ -713,8 +709,7 @@ class AttentionDispatch:
             models = {0: _SIMT_MODEL}
         else:
             nws = (self._tc_warps,) if self._tc_warps is not None else _tc_warps(cache.head_dim)
-            models = {nw: dataclasses.replace(_TC_MODELS[nw] if cache.head_dim <= 128 else _TC_MODEL_WIDE,
-                                              stage_bytes=_decode_tc_smem(cache.head_dim, nw)) for nw in nws}
+            models = {nw: _TC_MODELS[nw] if cache.head_dim <= 128 else _TC_MODEL_WIDE for nw in nws}
         cands = []  # (modelled us, warps, splits); a given n_splits only leaves the warps to choose
         for nw, model in models.items():
             n = n_splits if n_splits is not None else _choose_splits(blocks, visible, row_bytes, state_bytes, sms,

@@ -92,9 +92,9 @@ CUKERN_DEVICE QueryRange decode_range(const int32_t* __restrict__ lengths, const
 // warps, then writes the final O / LSE (n_splits == 1, sinks added here) or the block's normalised
 // partial state; in split mode the last block of the (query, head block) to finish merges the n_splits
 // states (sinks added once) and leaves its counter zero for the next launch.
-template <int D, int G, int WARPS, int SMEM>
+template <int D, int G, int WARPS>
 CUKERN_DEVICE void decode_finish(
-    float* red,                              // shared [WARPS][G][D], SMEM bytes (the merge's staging)
+    float* red,                              // shared [WARPS][G][D]
     const float (*sm_m)[G],                  // shared [WARPS][G] warp maxima (base 2)
     const float (*sm_l)[G],                  // shared [WARPS][G] warp sums of weights
     int* sm_last_p,                          // shared flag
@@ -146,78 +146,51 @@ CUKERN_DEVICE void decode_finish(
     if (threadIdx.x == 0) sm_last = atomicAdd(counter, 1) == (int32_t)p.n_splits - 1;
     __syncthreads();
     if (!sm_last) return;
-    __threadfence();  // the other blocks' partials, read through L2 (cp.async.cg, __ldcg) below
-    // Batches of sb states staged in shared memory (the stages are free now): every thread issues its
-    // 16-byte copies of the whole batch before waiting, so a batch costs one L2 round trip however many
-    // columns a thread combines (loads through registers took one trip per column and 16 states). Each
-    // thread then combines its float4 columns over the batch online: a running maximum mu of the
-    // natural-log LSEs, the sink's exp(sink - mu) joining the denominator once.
+    __threadfence();  // the other blocks' partials, read through L2 (__ldcg) below
+    // one pass per (head, float4 column): the states' LSEs and O columns are loaded MB at a time, all in
+    // flight together, and combined online (a running maximum mu of the natural-log LSEs, the sink's
+    // exp(sink - mu) joining the denominator once)
     const uint32_t ns = p.n_splits, nh = p.n_heads;
     constexpr int D4 = D / 4;
-    constexpr int CPT = (G * D4 + NT - 1) / NT;  // columns per thread
-    const uint32_t cols = (uint32_t)n_h * D4;    // float4s of one state (heads h0 ... h0 + n_h - 1: contiguous)
-    const uint32_t sb = SMEM / (16u * cols + 4u * n_h);  // states per batch (>= WARPS: SMEM >= RED_BYTES)
-    float4* const st_o = reinterpret_cast<float4*>(red);       // [sb][cols]
-    float* const st_l = reinterpret_cast<float*>(st_o + (size_t)sb * cols);  // [sb][n_h]
-    const float4* const o4 = reinterpret_cast<const float4*>(o_part);
-    const uint64_t first = (uint64_t)qi * ns;  // state s of this query: row first + s of the partial buffers
-    float mu[CPT], den[CPT];
-    float4 acc[CPT];
+    constexpr int MB = 16;  // states in flight together (an empty state has LSE -inf and O 0)
+    for (int idx = threadIdx.x; idx < n_h * D4; idx += NT) {
+        const int g = idx / D4, c = idx % D4;
+        const float4* src = reinterpret_cast<const float4*>(o_part + ((uint64_t)qi * ns * nh + h0 + g) * D) + c;
+        const uint64_t stride = (uint64_t)nh * D4;  // float4s between consecutive states
+        const float* ls = lse_part + (uint64_t)qi * ns * nh + h0 + g;  // state s at ls[s * nh]
+        float mu = p.has_sinks ? sinks[h0 + g] : -INFINITY;
+        float den = p.has_sinks ? 1.0f : 0.0f;  // sum of exp(LSE_s - mu) (and exp(sink - mu))
+        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (uint32_t s0 = 0; s0 < ns; s0 += MB) {
+            float4 x[MB];
+            float ll[MB];
 #pragma unroll
-    for (int k = 0; k < CPT; ++k) {
-        const int g = min((int)((threadIdx.x + k * NT) / D4), n_h - 1);
-        mu[k] = p.has_sinks ? sinks[h0 + g] : -INFINITY;
-        den[k] = p.has_sinks ? 1.0f : 0.0f;  // sum of exp(LSE_s - mu) (and exp(sink - mu))
-        acc[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
-    for (uint32_t s0 = 0; s0 < ns; s0 += sb) {
-        const uint32_t nb = min(sb, ns - s0);
-        for (uint32_t c = threadIdx.x; c < nb * cols; c += NT) {
-            const uint32_t s = c / cols, r = c % cols;
-            cp_async16(st_o + c, o4 + ((first + s0 + s) * nh + h0) * D4 + r, 16);
-        }
-        cp_async_commit();
-        for (uint32_t c = threadIdx.x; c < nb * n_h; c += NT) {
-            const uint32_t s = c / n_h, g = c % n_h;
-            st_l[c] = __ldcg(lse_part + (first + s0 + s) * nh + h0 + g);
-        }
-        cp_async_wait<0>();
-        __syncthreads();
-#pragma unroll
-        for (int k = 0; k < CPT; ++k) {
-            const uint32_t j = threadIdx.x + k * NT;
-            if (j >= cols) continue;
-            const uint32_t g = j / D4;
-            float mx = mu[k];
-            for (uint32_t s = 0; s < nb; ++s) mx = fmaxf(mx, st_l[s * n_h + g]);
-            const float m0 = safe_max(mx);
-            const float f = __expf(mu[k] - m0);  // rescales what was summed against the old maximum
-            mu[k] = mx;
-            den[k] *= f;
-            float4 a = make_float4(acc[k].x * f, acc[k].y * f, acc[k].z * f, acc[k].w * f);
-            for (uint32_t s = 0; s < nb; ++s) {
-                const float ws = __expf(st_l[s * n_h + g] - m0);
-                const float4 x = st_o[s * cols + j];
-                den[k] += ws;
-                a.x = fmaf(ws, x.x, a.x);
-                a.y = fmaf(ws, x.y, a.y);
-                a.z = fmaf(ws, x.z, a.z);
-                a.w = fmaf(ws, x.w, a.w);
+            for (int u = 0; u < MB; ++u) {
+                const bool ok = s0 + u < ns;
+                ll[u] = ok ? __ldcg(ls + (uint64_t)(s0 + u) * nh) : -INFINITY;
+                x[u] = ok ? __ldcg(src + (s0 + u) * stride) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             }
-            acc[k] = a;
-        }
-        __syncthreads();  // the batch is consumed before the next one overwrites it
-    }
+            float mx = mu;
 #pragma unroll
-    for (int k = 0; k < CPT; ++k) {
-        const uint32_t j = threadIdx.x + k * NT;
-        if (j >= cols) continue;
-        const uint32_t g = j / D4, c = j % D4;
-        const float inv = den[k] > 0.0f ? 1.0f / den[k] : 0.0f;
+            for (int u = 0; u < MB; ++u) mx = fmaxf(mx, ll[u]);
+            const float f = __expf(mu - safe_max(mx));  // rescales what was summed against the old maximum
+            mu = mx;
+            den *= f;
+            a = make_float4(a.x * f, a.y * f, a.z * f, a.w * f);
+#pragma unroll
+            for (int u = 0; u < MB; ++u) {
+                const float ws = __expf(ll[u] - safe_max(mu));
+                den += ws;
+                a.x = fmaf(ws, x[u].x, a.x);
+                a.y = fmaf(ws, x[u].y, a.y);
+                a.z = fmaf(ws, x[u].z, a.z);
+                a.w = fmaf(ws, x[u].w, a.w);
+            }
+        }
+        const float inv = den > 0.0f ? 1.0f / den : 0.0f;
         const uint64_t row = (uint64_t)qi * nh + h0 + g;
-        reinterpret_cast<float4*>(o + row * D)[c] =
-            make_float4(acc[k].x * inv, acc[k].y * inv, acc[k].z * inv, acc[k].w * inv);
-        if (c == 0 && p.write_lse) lse[row] = den[k] > 0.0f ? mu[k] + logf(den[k]) : -INFINITY;
+        reinterpret_cast<float4*>(o + row * D)[c] = make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
+        if (c == 0 && p.write_lse) lse[row] = den > 0.0f ? mu + logf(den) : -INFINITY;
     }
     if (threadIdx.x == 0) *counter = 0;  // every block of this row has counted: ready for the next launch
 }
@@ -472,6 +445,6 @@ __global__ void __launch_bounds__(cukern::attn::DECODE_WARPS * 32, 2) decode(
         }
     }
     __syncthreads();
-    decode_finish<D, G, WARPS, Sh::SMEM>(red, sm_m, sm_l, &sm_last, o, lse, o_part, lse_part, counters, sinks, p,
-                                         qi, split, h0, n_h);
+    decode_finish<D, G, WARPS>(red, sm_m, sm_l, &sm_last, o, lse, o_part, lse_part, counters, sinks, p,
+                               qi, split, h0, n_h);
 }

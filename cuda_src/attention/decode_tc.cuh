@@ -318,6 +318,6 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
         }
     }
     __syncthreads();
-    decode_finish<D, G, WARPS, Sh::SMEM>(red, sm_m, sm_l, &sm_last, o, lse, o_part, lse_part, counters, sinks, p,
-                                         qi, split, h0, n_h);
+    decode_finish<D, G, WARPS>(red, sm_m, sm_l, &sm_last, o, lse, o_part, lse_part, counters, sinks, p,
+                               qi, split, h0, n_h);
 }
