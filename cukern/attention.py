@@ -24,6 +24,7 @@ captured in CUDA graphs (FlashInfer's plan/run split).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -76,16 +77,22 @@ class _SplitModel:
     merge_trip_us: float = 0.0  # one round trip of the merge's loads
     threads: int = 128  # threads of a block
     dram_rate: float = 0.0  # K/V bytes per us of the whole device
+    # merge_apart (decode_tc): the states merged by a merge_states launch after the decode (one block per query
+    # and head) instead of by the decode's last block: apart_us fixed, then one merge_trip_us per 8 states of a
+    # thread group (merge.cuh: 128 threads in groups of head_dim / 4)
+    merge_apart: bool = False
+    apart_us: float = 0.0
+    head_dim: int = 128
 
 
 _SIMT_MODEL = _SplitModel(block_rate=12.5e3, sm_rate=13.5e3, block_us=2.0, blocks_per_sm=_DECODE_BLOCKS_PER_SM)
 # decode_tc by warps per block: 4 warps (two blocks per SM up to head_dim 128, else one), 8 warps (one).
 # Fitted to H100 graph timings of B1/B32 32/8 D128 (fixed cost of a launch ~4.4 us, merge ~2 us + trips).
 _TC_MODELS = {nw: _SplitModel(block_rate=33e3 if nw == 4 else 36e3, sm_rate=22e3, block_us=4.6 if nw == 4 else 4.3,
-                              blocks_per_sm=2 if nw == 4 else 1, merge_us=2.0, merge_trip_us=0.6, threads=32 * nw,
+                              blocks_per_sm=2 if nw == 4 else 1, merge_us=2.0, merge_trip_us=0.6, threads=32 * nw, apart_us=2.5,
                               dram_rate=2.9e6) for nw in (4, 8)}
 _TC_MODEL_WIDE = _SplitModel(block_rate=30e3, sm_rate=22e3, block_us=4.6, blocks_per_sm=1, merge_us=2.0,
-                             merge_trip_us=0.6, threads=128, dram_rate=2.9e6)  # head_dim > 128: 4 warps
+                             merge_trip_us=0.6, threads=128, dram_rate=2.9e6, apart_us=2.5)  # head_dim > 128: 4 warps
 
 
 def _groups(d: int) -> tuple[int, ...]:
@@ -477,6 +484,7 @@ class DecodePlan:
     n_splits: int
     head_block: int  # query heads per block (template G)
     warps: int  # decode_tc: warps per block (template NW); 0: the SIMT kernel
+    merge_apart: bool  # n_splits > 1: the states merged by a merge_states launch, not by the decode's last block
     o_part: cupy.ndarray | None  # [batch, n_splits, n_heads, head_dim] f32 (n_splits > 1)
     lse_part: cupy.ndarray  # [batch, n_splits, n_heads] f32
     counters: cupy.ndarray  # [batch * n_kv_heads * head blocks] int32 zeros: blocks done per merge (left zero)
@@ -540,7 +548,10 @@ def _split_time(n: int, blocks: int, visible: int, row_bytes: int, state_bytes: 
         sm_rate = max(sm_rate, model.dram_rate / min(sms, blocks * n))
     rate = min(model.block_rate * k, sm_rate)
     t = k * -(-visible // n) * row_bytes / rate + -(-k // model.blocks_per_sm) * model.block_us
-    if n > 1 and model.merge_trip_us:
+    if n > 1 and model.merge_apart:
+        groups = max(1, _MERGE_THREADS // (model.head_dim // 4))
+        t += model.apart_us + -(-n // (8 * groups)) * model.merge_trip_us
+    elif n > 1 and model.merge_trip_us:
         t += model.merge_us + -(-state_bytes // (16 * model.threads)) * -(-n // 16) * model.merge_trip_us
     elif n > 1:
         t += model.merge_us + n * state_bytes / model.merge_rate
@@ -601,6 +612,7 @@ class AttentionDispatch:
         self._tc_warps: int | None = None  # probes: force decode_tc's warps per block (4 or 8)
         self._l2_prefetch: int | None = None  # probes: force decode_tc's L2 prefetch (warp tiles) under pdl
         self._evict_first: bool | None = None  # probes: force the evict-first K/V policy (None: with the prefetch)
+        self._merge_apart: bool | None = None  # probes / tests: force where split states merge (None: the model)
 
     def _unit(self, kind: str, prefill: bool = False) -> _Unit:
         return self._units[f"attention_prefill_{_SHORT[kind]}" if prefill else
@@ -705,23 +717,29 @@ class AttentionDispatch:
         if n_splits is not None and (not isinstance(n_splits, (int, np.integer)) or not 1 <= n_splits <= _MAX_SPLITS):
             raise ValueError(f"n_splits must be 1 ... {_MAX_SPLITS}, got {n_splits!r}")
         sms = self.sm_count()
+        d = cache.head_dim
         if not tc:
-            models = {0: _SIMT_MODEL}
+            models = [(0, _SIMT_MODEL)]
         else:
-            nws = (self._tc_warps,) if self._tc_warps is not None else _tc_warps(cache.head_dim)
-            models = {nw: _TC_MODELS[nw] if cache.head_dim <= 128 else _TC_MODEL_WIDE for nw in nws}
-        cands = []  # (modelled us, warps, splits); a given n_splits only leaves the warps to choose
-        for nw, model in models.items():
-            n = n_splits if n_splits is not None else _choose_splits(blocks, visible, row_bytes, state_bytes, sms,
-                                                                     model)
-            cands.append((_split_time(n, blocks, visible, row_bytes, state_bytes, sms, model), nw, n))
-        _, warps, n_splits = min(cands)
-        b, d = len(ids), cache.head_dim
+            nws = (self._tc_warps,) if self._tc_warps is not None else _tc_warps(d)
+            models = [(nw, _TC_MODELS[nw] if d <= 128 else _TC_MODEL_WIDE) for nw in nws]
+        aparts = (False, True) if tc else (False,)
+        if self._merge_apart is not None:
+            aparts = (self._merge_apart,)
+        cands = []  # (modelled us, warps, merge apart, splits); a given n_splits leaves the rest to choose
+        for nw, base in models:
+            for apart in aparts:
+                model = dataclasses.replace(base, merge_apart=apart, head_dim=d)
+                n = n_splits if n_splits is not None else _choose_splits(blocks, visible, row_bytes, state_bytes,
+                                                                         sms, model)
+                cands.append((_split_time(n, blocks, visible, row_bytes, state_bytes, sms, model), nw, apart, n))
+        _, warps, apart, n_splits = min(cands)
+        b = len(ids)
         o_part = cupy.empty((b, n_splits, n_heads, d), cupy.float32) if n_splits > 1 else None
         lse_part = cupy.empty((b, n_splits, n_heads), cupy.float32)
         counters = cupy.zeros(blocks, cupy.int32)
         return DecodePlan(cache, cupy.asarray(ids.astype(np.int32)), int(n_heads), max_kv_len, int(n_splits), hb,
-                          int(warps), o_part, lse_part, counters)
+                          int(warps), bool(apart and n_splits > 1), o_part, lse_part, counters)
 
     def flash_attn_decode(self, plan: DecodePlan, layer: int, q: cupy.ndarray, out: cupy.ndarray, *,
                           scale: float = 0.0, window_left: int = -1, softcap: float = 0.0,
@@ -764,8 +782,8 @@ class AttentionDispatch:
             page_size=cache.page_size, max_pages=cache.max_pages_per_seq, n_splits=plan.n_splits,
             chunk=-(-visible // plan.n_splits), has_sinks=int(sinks is not None), causal=1,
             write_lse=int(lse is not None), page_shift=_page_shift(cache.page_size),
-            l2_prefetch=pf, evict_first=int(pf > 0 if self._evict_first is None else self._evict_first), pad0=0,
-            **fields)
+            l2_prefetch=pf, evict_first=int(pf > 0 if self._evict_first is None else self._evict_first),
+            merge_apart=int(plan.merge_apart), **fields)
         if plan.warps:
             name, smem = f"decode_tc<{_CTYPE[cache.kind]}, {d}, {plan.warps}>", _decode_tc_smem(d, plan.warps)
         else:
@@ -775,6 +793,8 @@ class AttentionDispatch:
                       plan.counters, q, cache.k_pools[layer], cache.v_pools[layer], cache.page_table, cache.lengths,
                       plan.seq_ids, plan.seq_ids, sinks if sinks is not None else plan.lse_part), params,
                      stream=stream, shared_mem=smem, pdl=self.pdl)
+        if plan.merge_apart:
+            self._merge(unit, plan.o_part, plan.lse_part, out, lse, sinks, b, plan.n_splits, h, d, stream)
         return out
 
     def _prefetch_tiles(self, plan: DecodePlan, chunk: int, n_head_blocks: int) -> int:
@@ -823,7 +843,7 @@ class AttentionDispatch:
                                                  has_sinks=int(sinks is not None), write_lse=int(lse is not None))
         unit._launch("merge_states", (h, n), _MERGE_THREADS,
                      (out, lse if lse is not None else out, v, s, sinks if sinks is not None else s), params,
-                     stream=stream)
+                     stream=stream, pdl=self.pdl)
 
     # ------------------------------------------------------------------ batched prefill
     def plan_batched(self, cache: PagedKVCache, seq_ids, q_lens) -> BatchedPlan:
@@ -907,7 +927,7 @@ class AttentionDispatch:
             n_head_blocks=nhb, page_size=cache.page_size, max_pages=cache.max_pages_per_seq, n_splits=1,
             chunk=cache.capacity_tokens(), has_sinks=int(sinks is not None), causal=int(causal),
             write_lse=int(lse is not None), page_shift=_page_shift(cache.page_size), l2_prefetch=0,
-            evict_first=0, pad0=0, **fields)
+            evict_first=0, merge_apart=0, **fields)
         lse_arg = lse if lse is not None else out
         unit._launch(f"decode<{_CTYPE[cache.kind]}, {d}, {hb}>", (1, cache.n_kv_heads * nhb, n_q), _DECODE_THREADS,
                      (out, lse_arg, out, lse_arg, plan.seq_ids, q, cache.k_pools[layer], cache.v_pools[layer],

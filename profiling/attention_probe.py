@@ -3,7 +3,8 @@ launch), the stand-alone merge of the same states, at B1 KV8192 and KV64 32/8 D1
 counts. Scratch tool for tuning; PROBE_NCU_SPLITS=n and PROBE_NCU_PREFILL=1 make targets for ncu;
 PROBE_ROWS=decode,prefill prints just the benchmark rows of the issue's targets (with their peers; decode
 plain and pdl), PROBE_ROWS=sweep block shapes x split counts (PROBE_SWEEP_KV, PROBE_SWEEP_SPLITS),
-PROBE_ROWS=wide head_dim 256 with one KV head by split count (PROBE_WIDE_SPLITS)."""
+PROBE_ROWS=wide head_dim 256 with one KV head by split count (PROBE_WIDE_SPLITS); sweep and wide rows with the
+split states merged in the decode's last block and apart (merge_states launched after it), PROBE_APART=0,1."""
 from __future__ import annotations
 
 import itertools
@@ -77,6 +78,7 @@ def target_rows(which: str) -> None:
         pct = f" {100 * r.pct_ceiling:.0f}%" if r.pct_ceiling else ""
         print(f"{r.kernel:28s} {r.shape:28s} {r.us:8.2f} us {rate}{pct}{ratio}", flush=True)
     attn_pdl = AttentionDispatch(pdl=True)
+    aparts = [bool(int(x)) for x in os.environ.get("PROBE_APART", "0,1").split(",")]  # where split states merge
     if "decode" in which:
         for args in [(1, 8192, 32, 8, 128), (1, 32768, 32, 8, 128), (1, 131072, 32, 8, 128), (32, 4096, 32, 8, 128),
                      (1, 8192, 8, 1, 256), (1, 8192, 4, 1, 256), (1, 512, 4, 1, 256)]:
@@ -85,20 +87,22 @@ def target_rows(which: str) -> None:
     if "sweep" in which:  # decode_tc's block shapes x split counts x KV lengths (B1 32/8 D128), plain and pdl
         kvs = [int(x) for x in os.environ.get("PROBE_SWEEP_KV", "8192,32768,131072").split(",")]
         splits = [int(x) for x in os.environ.get("PROBE_SWEEP_SPLITS", "8,16,33,66").split(",")]
-        for nw in (4, 8):
-            attn._tc_warps = nw
+        for nw, apart in itertools.product((4, 8), aparts):
+            attn._tc_warps, attn._merge_apart = nw, apart
             for kv in kvs:
                 for s in splits:
-                    for r in b._decode_rows(attn, ceil, rng, 1, kv, 32, 8, 128, n_splits=s, label=f"w{nw}",
-                                            attn_pdl=attn_pdl):
+                    for r in b._decode_rows(attn, ceil, rng, 1, kv, 32, 8, 128, n_splits=s,
+                                            label=f"w{nw}{' apart' if apart else ''}", attn_pdl=attn_pdl):
                         show(r)
-        attn._tc_warps = None
+        attn._tc_warps = attn._merge_apart = None
     if "wide" in which:  # head_dim 256, one KV head (8/1, Gemma 3's 4/1) at KV8k by split count: the merge's cost
-        for h in (8, 4):
+        for h, apart in itertools.product((8, 4), aparts):
+            attn._merge_apart = apart
             for s in [int(x) for x in os.environ.get("PROBE_WIDE_SPLITS", "8,16,24,32,48,64").split(",")]:
-                for r in b._decode_rows(attn, ceil, rng, 1, 8192, h, 1, 256, n_splits=s, label=f"s{s}",
-                                        attn_pdl=attn_pdl):
+                for r in b._decode_rows(attn, ceil, rng, 1, 8192, h, 1, 256, n_splits=s,
+                                        label=f"s{s}{' apart' if apart else ''}", attn_pdl=attn_pdl):
                     show(r)
+        attn._merge_apart = None
     if "prefetch" in which:  # pdl with decode_tc's L2 prefetch of each warp's next tiles before the wait
         def pairs(name, default):  # "a:b,c:d" -> [(a, b), (c, d)]
             return [tuple(int(v) for v in x.split(":")) for x in os.environ.get(name, default).split(",")]

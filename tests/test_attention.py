@@ -292,21 +292,22 @@ def test_decode_split_matches_unsplit_and_graph(attn, rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d, h, hk, warps, n_splits", [
-    (256, 8, 1, None, 64),    # decode_tc, 8 KB states: 16 per batch of the staged merge, 4 batches
-    (128, 32, 8, 8, 256),     # decode_tc 8 warps, 2 KB states: about 100 per batch, 3 batches
-    (512, 4, 1, None, 200),   # the SIMT decode, 8 KB states in 64 KB of stages: 7 per batch, 29 batches
+    (256, 8, 1, None, 64),    # decode_tc, 8 KB states
+    (128, 32, 8, 8, 256),     # decode_tc 8 warps, the most splits
+    (512, 4, 1, None, 200),   # the SIMT decode
 ])
-def test_decode_merge_in_batches(rng, d, h, hk, warps, n_splits):
-    """The last block's merge stages the split states through shared memory a batch at a time: many
-    batches (with a ragged last one), sinks and the LSE, two sequences (the second shorter than the
-    split count, so some of its chunks are empty), against the float64 reference."""
+@pytest.mark.parametrize("apart", [False, True], ids=["fused", "apart"])
+def test_decode_many_splits(rng, d, h, hk, warps, n_splits, apart):
+    """Many split states merged by the decode's last block (its loads in batches of 16 states) or apart
+    (merge_states launched after the decode): sinks and the LSE, two sequences (the second shorter
+    than the split count, so some of its chunks are empty), against the float64 reference."""
     attn = AttentionDispatch()
-    attn._tc_warps = warps
+    attn._tc_warps, attn._merge_apart = warps, apart
     cache, slots = _make_cache(rng, [6000, 150], n_kv_heads=hk, head_dim=d, page_size=16, attn=attn)
     qh, q = _q(rng, (2, h, d))
     sinks = rng.standard_normal(h).astype(np.float32)
     plan = attn.plan_decode(cache, slots, h, n_splits=n_splits)
-    assert plan.n_splits == n_splits
+    assert plan.n_splits == n_splits and plan.merge_apart == apart
     out = poison(cupy.empty((2, h, d), cupy.float32))
     lse = poison(cupy.empty((2, h), cupy.float32))
     for _ in range(2):  # the counters are left zero for the next launch
@@ -346,6 +347,10 @@ def test_decode_pdl_chain_matches_plain_launches(rng, kind, d, h, hk, monkeypatc
     sinks = cupy.asarray(rng.standard_normal(h).astype(np.float32))
     q0 = cupy.asarray(rng.standard_normal((b, h, d)).astype(np.float32))
     plans = [plain.plan_decode(cache, slots, h, n_splits=n) for n in (None, 5)]
+    plain._merge_apart = True  # the split states merged by a merge_states launch (under pdl too)
+    plans.append(plain.plan_decode(cache, slots, h, n_splits=5))
+    plain._merge_apart = None
+    assert plans[2].merge_apart and not plans[1].merge_apart
 
     def chain(a, outs):
         q = q0
@@ -353,7 +358,7 @@ def test_decode_pdl_chain_matches_plain_launches(rng, kind, d, h, hk, monkeypatc
             layer = i % 2
             if i % 3 != 2:  # every third step follows the previous decode directly
                 a.write_kv(cache, layer, rows[i][0], rows[i][1], ids, newest)
-            a.flash_attn_decode(plans[i // 5], layer, q, out, sinks=sinks)
+            a.flash_attn_decode(plans[i // 3], layer, q, out, sinks=sinks)
             q = out
 
     want = [poison(cupy.empty((b, h, d), cupy.float32)) for _ in range(n_steps)]

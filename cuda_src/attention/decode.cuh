@@ -17,7 +17,9 @@
 // n_splits == 1 writes the final O (and LSE, sinks included). n_splits > 1 writes each chunk's
 // normalised (O_i, LSE_i) to the partial buffers; the last block of a (query, head block) to
 // finish (an atomic counter per grid row, reset by that block, so the launch can be replayed
-// in a CUDA graph) merges the n_splits states of its heads and adds the sinks once.
+// in a CUDA graph) merges the n_splits states of its heads and adds the sinks once; or, with
+// merge_apart, a merge_states launch after this one merges them (one block per query and head, so
+// many SMs share a merge that one block would take long over: many splits, wide heads).
 //
 // Bytes: every visible K and V row once per (KV head, head block), q once, O once; with splits,
 // the partial O / LSE once written and once read back (from L2) by the merging block.
@@ -137,7 +139,7 @@ CUKERN_DEVICE void decode_finish(
             if (d == 0 && p.write_lse) lse[row] = lse2;
         }
     }
-    if (!split_mode) return;
+    if (!split_mode || p.merge_apart) return;  // merge_apart: merge_states, launched next, merges them
 
     // ---- split mode: the last block of this (query, head block) to finish merges the n_splits states
     __threadfence();  // this block's partials are visible device-wide before it is counted

@@ -10,8 +10,11 @@
 // groups of threads each sum a share of the states with float4 loads (many loads in flight per
 // thread), and the groups' sums are added through shared memory.
 // Bytes: n_states * (head_dim + 1) floats read, head_dim (+ 1) written per (token, head).
+// Programmatic dependent launch (decode's merge_apart, after the decode launch): every input is
+// read and the outputs written after pdl_wait.
 #pragma once
 
+#include "common/pdl.cuh"
 #include "common/reduce.cuh"
 #include "common/types.cuh"
 #include "attention/common.cuh"
@@ -37,6 +40,8 @@ extern "C" __global__ void __launch_bounds__(cukern::attn::MERGE_THREADS) merge_
     __shared__ float w[MERGE_CHUNK];
     __shared__ float scratch[NT / WARP];
     __shared__ float4 part[NT];  // per-thread partial sums, reduced over the groups
+    pdl_launch_dependents();
+    pdl_wait();
 
     const uint32_t h = blockIdx.x;
     const uint64_t t = blockIdx.y;

@@ -51,7 +51,8 @@ struct DecodeParams {
     uint32_t l2_prefetch;    // decode_tc: warp tiles after the prologue's that each warp asks L2 to prefetch
                              //    before pdl_wait (0: none; meant for programmatic dependent launch)
     uint32_t evict_first;    // decode_tc: 1 streams K/V with an L2 evict-first policy (read once per launch)
-    uint32_t pad0;           // keeps the struct a multiple of 8 bytes
+    uint32_t merge_apart;    // n_splits > 1: 1 writes the partial states only, merged by a merge_states launch
+                             //    after this one (no counters touched); 0: the last block merges them
 };
 
 // merge_states: combine n_states partial results (O, LSE) per (token, head)
