@@ -89,14 +89,12 @@ _SIMT_MODEL = _SplitModel(block_rate=12.5e3, sm_rate=13.5e3, block_us=2.0, block
 # decode_tc by warps per block: 4 warps (two blocks per SM up to head_dim 128, else one), 8 warps (one).
 # Fitted to H100 graph timings of B1/B32 32/8 D128 (fixed cost of a launch ~4.4 us, merge ~2 us + trips);
 # apart_us to B1 KV8k 8/1 and 4/1 D256 (2026-11-25, pdl: merged apart at 64 splits 15.7 / 13.5 us, in the
-# last block at its best split count 22.5 / 15.9 us; at 32/8 D128 the two places are within a few %);
-# dram_rate 2.8e6 (was 2.9e6) so that 128 busy SMs get no more than sm_rate each: B1 KV128k 32/8 D128 ran
-# 186.4 us on all 132 SMs (4 warps, 33 splits, two blocks per SM) against 191.2 us on 128 (8 warps, 16).
+# last block at its best split count 22.5 / 15.9 us; at 32/8 D128 the two places are within a few %).
 _TC_MODELS = {nw: _SplitModel(block_rate=33e3 if nw == 4 else 36e3, sm_rate=22e3, block_us=4.6 if nw == 4 else 4.3,
                               blocks_per_sm=2 if nw == 4 else 1, merge_us=2.0, merge_trip_us=0.6, threads=32 * nw,
-                              apart_us=2.5, dram_rate=2.8e6) for nw in (4, 8)}
+                              apart_us=2.5, dram_rate=2.9e6) for nw in (4, 8)}
 _TC_MODEL_WIDE = _SplitModel(block_rate=30e3, sm_rate=22e3, block_us=4.6, blocks_per_sm=1, merge_us=2.0,
-                             merge_trip_us=0.6, threads=128, dram_rate=2.8e6, apart_us=2.5)  # head_dim > 128: 4 warps
+                             merge_trip_us=0.6, threads=128, dram_rate=2.9e6, apart_us=2.5)  # head_dim > 128: 4 warps
 
 
 def _groups(d: int) -> tuple[int, ...]:
