@@ -632,3 +632,29 @@ def test_choose_splits_fills_waves_without_needless_partials():
     assert _choose_splits(256, 4096, row, 4 * 128 * 8, 132) == 1     # B32: 256 blocks already fill the wave
     assert _choose_splits(1, 40, row, 4 * 256 * 8, 132) == 1         # chunks stay >= 32 tokens
     assert 1 < _choose_splits(1, 512, 2 * 256 * 2, 4 * 256 * 8, 132) <= 16  # Gemma 3, short KV: a few splits
+
+
+@pytest.mark.parametrize("kind, h, hk, d, kv, force, want", [
+    ("float16", 32, 8, 128, 8192, None, {"decode_tc<__half, 128, 8>": 1}),             # merged in the last block
+    ("float16", 4, 1, 256, 8192, None, {"decode_tc<__half, 256, 4>": 1, "merge_states": 1}),  # Gemma 3: apart
+    ("float32", 4, 1, 96, 4096, True, {"decode<float, 96, 4>": 1, "merge_states": 1}),  # SIMT, forced apart
+    ("float16", 4, 1, 256, 8192, False, {"decode_tc<__half, 256, 4>": 1}),              # forced into the block
+])
+def test_decode_merge_place_host(monkeypatch, kind, h, hk, d, kv, force, want):
+    """On CPU (tests/host_dispatch.py: host arrays, launches recorded, an H100's 132 SMs): the plan's
+    choice of where the split states merge and the launches of a decode call under it (pdl too)."""
+    from host_dispatch import patch
+    from cukern import dispatch
+    launches = patch(monkeypatch)
+    monkeypatch.setattr(dispatch, "_pdl_supported", lambda device_id: True)  # as on an H100
+    for pdl in (False, True):
+        attn = AttentionDispatch(pdl=pdl)
+        attn._merge_apart = force
+        cache = PagedKVCache(1, kv // 16 + 1, 16, hk, d, max_seqs=1, dtype=kind)
+        slot = cache.add(kv)
+        plan = attn.plan_decode(cache, [slot], h)
+        assert plan.n_splits > 1 and plan.merge_apart == ("merge_states" in want)
+        q, out = cupy.empty((1, h, d)), cupy.empty((1, h, d))
+        launches.clear()
+        attn.flash_attn_decode(plan, 0, q, out, lse=cupy.empty((1, h)), sinks=cupy.zeros(h))
+        assert dict(launches) == want
