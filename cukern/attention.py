@@ -594,8 +594,9 @@ class AttentionDispatch:
     current stream) and validates its arguments before launching; none synchronises,
     allocates or reads device memory (``plan_*`` and the cache do the host work).
 
-    ``pdl`` (default False; sm_90+) launches :meth:`flash_attn_decode` with programmatic dependent
-    launch: its blocks start while the previous kernel in the stream finishes and stream their first
+    ``pdl`` (default False; sm_90+) launches :meth:`flash_attn_decode` (and :meth:`merge_states`, which
+    touches memory only after the wait) with programmatic dependent launch: its blocks start while
+    the previous kernel in the stream finishes and stream their first
     K/V tiles before waiting for it (``pdl_wait`` in common/pdl.cuh), which hides the launch gap and
     the ramp-up of a decode loop's back-to-back attention calls (with long chunks it also asks L2 for
     a few more tiles and streams K/V evict-first: :meth:`_prefetch_tiles`). Before the wait the kernel reads
@@ -692,11 +693,10 @@ class AttentionDispatch:
 
         Validates the slots, uploads them, picks the split count (default: :func:`_choose_splits`, chunks
         of at least 32 tokens, at most 256 splits; ``n_splits`` overrides it), with it the tensor-core
-        kernel's warps and where the splits merge (``merge_apart``, see :meth:`flash_attn_decode`),
-        and allocates the partial
-        buffers and the merge counters. ``max_kv_len`` (default: the longest of these sequences now) sizes
-        the chunks; a sequence that later grows past it is still computed right (its last chunk runs to
-        its end), only less parallel. Reuse the plan across steps (and graph replays) while the batch
+        kernel's warps and where the splits merge (``merge_apart``, see :meth:`flash_attn_decode`), and
+        allocates the partial buffers and the merge counters. ``max_kv_len`` (default: the longest of
+        these sequences now) sizes the chunks; a sequence that later grows past it is still computed
+        right (its last chunk runs to its end), only less parallel. Reuse the plan across steps (and graph replays) while the batch
         holds, on one stream at a time (launches of one plan share its partial buffers and counters)."""
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
