@@ -696,8 +696,9 @@ class AttentionDispatch:
         kernel's warps and where the splits merge (``merge_apart``, see :meth:`flash_attn_decode`), and
         allocates the partial buffers and the merge counters. ``max_kv_len`` (default: the longest of
         these sequences now) sizes the chunks; a sequence that later grows past it is still computed
-        right (its last chunk runs to its end), only less parallel. Reuse the plan across steps (and graph replays) while the batch
-        holds, on one stream at a time (launches of one plan share its partial buffers and counters)."""
+        right (its last chunk runs to its end), only less parallel. Reuse the plan across steps (and
+        graph replays) while the batch holds, on one stream at a time (launches of one plan share its
+        partial buffers and counters)."""
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
         ids = _int_list("seq_ids", seq_ids)
