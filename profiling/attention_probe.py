@@ -106,16 +106,18 @@ def target_rows(which: str) -> None:
     if "prefetch" in which:  # pdl with decode_tc's L2 prefetch of each warp's next tiles before the wait
         def pairs(name, default):  # "a:b,c:d" -> [(a, b), (c, d)]
             return [tuple(int(v) for v in x.split(":")) for x in os.environ.get(name, default).split(",")]
-        for kv in (8192, 32768, 131072):
+        kvs = [int(x) for x in os.environ.get("PROBE_PF_KV", "8192,32768,131072").split(",")]
+        for kv, apart in itertools.product(kvs, aparts):
+            attn._merge_apart = apart
             for nw, n_splits in pairs("PROBE_CFG", "4:16,4:33,8:16"):  # warps:splits
                 attn._tc_warps = nw
                 for pf, ef in pairs("PROBE_PF", "0:0,0:1,2:0,4:0,4:1,8:0,8:1,16:1"):  # prefetch tiles:evict-first
                     attn_pdl._l2_prefetch, attn_pdl._evict_first = pf, bool(ef)
                     for r in b._decode_rows(attn, ceil, rng, 1, kv, 32, 8, 128, n_splits=n_splits,
-                                            label=f"w{nw} pf{pf}{' ef' if ef else ''}",
+                                            label=f"w{nw}{' apart' if apart else ''} pf{pf}{' ef' if ef else ''}",
                                             attn_pdl=attn_pdl)[int(pf > 0 or ef):]:
                         show(r)
-        attn._tc_warps = attn_pdl._l2_prefetch = attn_pdl._evict_first = None
+        attn._tc_warps = attn_pdl._l2_prefetch = attn_pdl._evict_first = attn._merge_apart = None
     if "layout" in which:  # does the distance between a layer's K and V pools change decode's read rate?
         for kv, nw, n_splits in [(32768, 8, 16), (131072, 4, 33)]:
             attn_pdl._tc_warps = nw
