@@ -77,9 +77,9 @@ class _SplitModel:
     merge_trip_us: float = 0.0  # one round trip of the merge's loads
     threads: int = 128  # threads of a block
     dram_rate: float = 0.0  # K/V bytes per us of the whole device
-    # merge_apart (decode_tc): the states merged by a merge_states launch after the decode (one block per query
-    # and head) instead of by the decode's last block: apart_us fixed, then one merge_trip_us per 8 states of a
-    # thread group (merge.cuh: 128 threads in groups of head_dim / 4)
+    # merge_apart (decode_tc): the states merged by a merge_states launch after the decode (blocks of columns of
+    # each query and head) instead of by the decode's last block: apart_us fixed, then one merge_trip_us per 8
+    # states of a thread group (merge.cuh: 128 threads in groups of _merge_cols4 columns)
     merge_apart: bool = False
     apart_us: float = 0.0
     head_dim: int = 128
@@ -534,6 +534,15 @@ class _Unit(Dispatch):
         return super().load()
 
 
+def _merge_cols4(rows: int, d: int, sms: int) -> int:
+    """float4 columns per merge_states block (MergeParams.cols4): the whole head where the (token, head)
+    rows fill the SMs, else narrower column blocks (at least 8 columns) until about ``sms`` blocks
+    share the merge (B1 one KV head: 8 rows of head_dim 256 become 64 blocks of 8 columns)."""
+    d4 = d // 4
+    chunks = min(max(1, d4 // 8), max(1, -(-sms // rows)))
+    return -(-d4 // chunks)
+
+
 def _head_block(group: int, d: int) -> int:
     for g in _groups(d):
         if group <= g:
@@ -551,7 +560,8 @@ def _split_time(n: int, blocks: int, visible: int, row_bytes: int, state_bytes: 
     rate = min(model.block_rate * k, sm_rate)
     t = k * -(-visible // n) * row_bytes / rate + -(-k // model.blocks_per_sm) * model.block_us
     if n > 1 and model.merge_apart:
-        groups = max(1, _MERGE_THREADS // (model.head_dim // 4))
+        rows = blocks * max(1, state_bytes // (4 * model.head_dim))  # (query, head) rows of the merge
+        groups = max(1, _MERGE_THREADS // _merge_cols4(rows, model.head_dim, sms))
         t += model.apart_us + -(-n // (8 * groups)) * model.merge_trip_us
     elif n > 1 and model.merge_trip_us:
         t += model.merge_us + -(-state_bytes // (16 * model.threads)) * -(-n // 16) * model.merge_trip_us
@@ -847,9 +857,11 @@ class AttentionDispatch:
         return out
 
     def _merge(self, unit, v, s, out, lse, sinks, n, ns, h, d, stream):
+        cols4 = _merge_cols4(n * h, d, self.sm_count())
         params = unit.struct("MergeParams").pack(n_tokens=n, n_states=ns, n_heads=h, head_dim=d,
-                                                 has_sinks=int(sinks is not None), write_lse=int(lse is not None))
-        unit._launch("merge_states", (h, n), _MERGE_THREADS,
+                                                 has_sinks=int(sinks is not None), write_lse=int(lse is not None),
+                                                 cols4=cols4, pad0=0)
+        unit._launch("merge_states", (h, n, -(-(d // 4) // cols4)), _MERGE_THREADS,
                      (out, lse if lse is not None else out, v, s, sinks if sinks is not None else s), params,
                      stream=stream, pdl=self.pdl)
 

@@ -395,7 +395,9 @@ def test_decode_rejects_bad_input(attn, rng):
 # ----------------------------------------------------------------------------- merge
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,n_states,h,d", [(1, 1, 1, 32), (3, 5, 4, 128), (2, 17, 3, 96)])
+@pytest.mark.parametrize("n,n_states,h,d", [(1, 1, 1, 32), (3, 5, 4, 128), (2, 17, 3, 96),
+                                             (1, 40, 2, 176),    # column blocks of 9, 9, 9, 9, 8 float4s
+                                             (1, 600, 1, 512)])  # 16 column blocks, two chunks of weights
 @pytest.mark.parametrize("sinks", [False, True])
 def test_merge_states(attn, rng, n, n_states, h, d, sinks):
     v = rng.standard_normal((n, n_states, h, d)).astype(np.float32)
@@ -623,6 +625,16 @@ def test_reference_split_merge_equals_whole(rng):
     o, lse0 = ref.attention(q, k, v, pos)
     np.testing.assert_allclose(lse_s, np.logaddexp(lse0, sinks[None]), atol=1e-12)
     np.testing.assert_allclose(o_s, o * np.exp(lse0 - lse_s)[..., None], atol=1e-12)
+
+
+def test_merge_cols4():
+    """merge_states' column blocks: whole heads once the rows fill the SMs, else at least 8 float4s."""
+    from cukern.attention import _merge_cols4
+    assert _merge_cols4(8, 256, 132) == 8      # B1, 8 heads of 256: 8 column blocks per head, 64 blocks
+    assert _merge_cols4(32, 128, 132) == 8     # B1 32 heads of 128: 4 per head
+    assert _merge_cols4(256, 128, 132) == 32   # enough rows: one block per row
+    assert _merge_cols4(2, 176, 132) == 9      # 44 columns in 5 blocks (the last one of 8)
+    assert _merge_cols4(1, 32, 132) == 8       # never narrower than 8
 
 
 def test_choose_splits_fills_waves_without_needless_partials():

@@ -5,10 +5,12 @@
 // where the sink term is present only with has_sinks. States with LSE = -inf (no keys)
 // weigh nothing; a row whose states are all empty (and has no sink) gets O = 0, LSE = -inf.
 //
-// Grid: (n_heads, n_tokens); block: MERGE_THREADS threads. The block first turns the LSEs into
-// weights (in shared memory, MERGE_CHUNK states at a time), then MERGE_THREADS / (head_dim / 4)
-// groups of threads each sum a share of the states with float4 loads (many loads in flight per
-// thread), and the groups' sums are added through shared memory.
+// Grid: (n_heads, n_tokens, ceil(head_dim / 4 / cols4)); block: MERGE_THREADS threads, for cols4
+// float4 columns of one (token, head). The block first turns the LSEs into weights (in shared
+// memory, MERGE_CHUNK states at a time; every column block of a row does this), then
+// MERGE_THREADS / cols4 groups of threads each sum a share of the states with float4 loads (many
+// loads in flight per thread), and the groups' sums are added through shared memory. Narrow column
+// blocks spread a merge of few rows (one query, few heads) over many SMs.
 // Bytes: n_states * (head_dim + 1) floats read, head_dim (+ 1) written per (token, head).
 // Programmatic dependent launch (decode's merge_apart, after the decode launch): every input is
 // read and the outputs written after pdl_wait.
@@ -53,7 +55,9 @@ extern "C" __global__ void __launch_bounds__(cukern::attn::MERGE_THREADS) merge_
     mx = block_max<NT>(mx, scratch);
     const float mu = safe_max(mx);
 
-    const int dv = (int)p.head_dim / 4;             // float4 columns: 8 ... 128
+    const int d4 = (int)p.head_dim / 4;             // float4 columns of a head: 8 ... 128
+    const int col0 = (int)(blockIdx.z * p.cols4);   // this block's columns [col0, col0 + dv)
+    const int dv = min((int)p.cols4, d4 - col0);
     const int groups = NT / dv > 0 ? NT / dv : 1;   // thread groups splitting the states
     const int grp = threadIdx.x / dv, col = threadIdx.x % dv;
     const bool has_col = threadIdx.x < groups * dv;
@@ -69,8 +73,9 @@ extern "C" __global__ void __launch_bounds__(cukern::attn::MERGE_THREADS) merge_
         }
         __syncthreads();
         if (has_col) {
-            const float4* src = reinterpret_cast<const float4*>(o_in + ((t * ns + c0) * nh + h) * p.head_dim) + col;
-            const uint64_t stride = (uint64_t)nh * dv;  // float4s between consecutive states
+            const float4* src =
+                reinterpret_cast<const float4*>(o_in + ((t * ns + c0) * nh + h) * p.head_dim) + col0 + col;
+            const uint64_t stride = (uint64_t)nh * d4;  // float4s between consecutive states
 #pragma unroll 8
             for (uint32_t s = grp; s < cn; s += groups) {
                 const float ws = w[s];
@@ -98,8 +103,8 @@ extern "C" __global__ void __launch_bounds__(cukern::attn::MERGE_THREADS) merge_
             sum.w += x.w;
         }
         const float inv = den > 0.0f ? 1.0f / den : 0.0f;
-        reinterpret_cast<float4*>(o + (t * nh + h) * p.head_dim)[threadIdx.x] =
+        reinterpret_cast<float4*>(o + (t * nh + h) * p.head_dim)[col0 + threadIdx.x] =
             make_float4(sum.x * inv, sum.y * inv, sum.z * inv, sum.w * inv);
     }
-    if (p.write_lse && threadIdx.x == 0) lse[t * nh + h] = den > 0.0f ? mu + logf(den) : -INFINITY;
+    if (p.write_lse && blockIdx.z == 0 && threadIdx.x == 0) lse[t * nh + h] = den > 0.0f ? mu + logf(den) : -INFINITY;
 }

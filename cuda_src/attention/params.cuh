@@ -63,6 +63,8 @@ struct MergeParams {
     uint32_t head_dim;       // elements per head
     uint32_t has_sinks;      // 1: sinks[n_heads] (natural-log logits) join the denominator once
     uint32_t write_lse;      // 1: write the merged LSE
+    uint32_t cols4;          // float4 columns per block (grid.z = ceil(head_dim / 4 / cols4))
+    uint32_t pad0;           // keeps the struct a multiple of 8 bytes
 };
 
 // prefill: tensor-core flash attention of many queries per sequence, over the paged cache
