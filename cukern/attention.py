@@ -88,7 +88,8 @@ class _SplitModel:
 _SIMT_MODEL = _SplitModel(block_rate=12.5e3, sm_rate=13.5e3, block_us=2.0, blocks_per_sm=_DECODE_BLOCKS_PER_SM)
 # decode_tc by warps per block: 4 warps (two blocks per SM up to head_dim 128, else one), 8 warps (one).
 # Fitted to H100 graph timings of B1/B32 32/8 D128 (fixed cost of a launch ~4.4 us, merge ~2 us + trips);
-# apart_us to B1 KV8k 8/1 and 4/1 D256 (2026-11-25, pdl: merged apart at 64 splits 15.7 / 13.5 us, in the
+# apart_us to B1 KV8k 8/1 and 4/1 D256 (2026-11-25, pdl: merged apart at 64 splits 15.7 / 13.5 us with one
+# merge block per head, 13.2 / 10.9 us with column blocks (_merge_cols4; 128 splits 13.6 / 11.3 us), in the
 # last block at its best split count 22.5 / 15.9 us; at 32/8 D128 the two places are within a few %).
 _TC_MODELS = {nw: _SplitModel(block_rate=33e3 if nw == 4 else 36e3, sm_rate=22e3, block_us=4.6 if nw == 4 else 4.3,
                               blocks_per_sm=2 if nw == 4 else 1, merge_us=2.0, merge_trip_us=0.6, threads=32 * nw,
@@ -767,9 +768,9 @@ class AttentionDispatch:
         query heads of their group. With ``plan.n_splits > 1`` the chunks write normalised partial
         (O, LSE) into the plan's buffers and, in the same launch, the last block to finish for a
         (query, head block) merges them (as :meth:`merge_states` would), adding the sinks once; or,
-        with ``plan.merge_apart``, a :meth:`merge_states` launch after the decode merges them (one
-        block per query and head instead of one per head block: the plan's choice where that single
-        block's merge would be long, e.g. head_dim 256 with one KV head).
+        with ``plan.merge_apart``, a :meth:`merge_states` launch after the decode merges them (blocks
+        of columns of each query and head instead of one block per head block: the plan's choice where
+        that single block's merge would be long, e.g. head_dim 256 with one KV head).
         out must be 16-byte aligned.
 
         f16/bf16 caches up to head_dim 256 run on tensor cores (``decode_tc``): q (scaled to base-2 logits
