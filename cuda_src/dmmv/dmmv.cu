@@ -151,19 +151,28 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8(
 // of column c, 8 lanes per 32 elements. Traffic: 4 bytes read, 1.25 written per element.
 // Programmatic dependent launch: x is read and out written only after pdl_wait (a matvec still
 // reading the previous contents of out has completed by then).
-template <bool IL>
-__global__ void __launch_bounds__(256) quantize_x(
-    uint8_t* __restrict__ out,      // [n, out_stride] bytes, 16-byte aligned
-    const float* __restrict__ x,    // [n, x_stride] f32 columns, 16-byte aligned
-    const QuantizeXParams p) {
+// The body of quantize_x and quantize_glu: block (c, b) quantizes float4s [b chunk4, (b + 1) chunk4)
+// of column c, whose float4 g column(c * x_stride)(g) returns (after pdl_wait).
+template <bool IL, class Column>
+CUKERN_DEVICE void quantize_chunk(uint8_t* __restrict__ out, const QuantizeXParams& p, Column column) {
     pdl_launch_dependents();
     if (p.out_stride < q8::x_col_bytes(p.k) || p.chunk4 % 8) __trap();  // a launcher bug
     pdl_wait();
     const uint32_t c = blockIdx.x, g0 = blockIdx.y * p.chunk4, g1 = min(g0 + p.chunk4, p.k / 4);
     uint8_t* col = out + (size_t)c * p.out_stride;
-    const float4* xc = reinterpret_cast<const float4*>(x + (size_t)c * p.x_stride);
-    q8::quantize_x_batches<IL, 2>([xc](uint32_t g) { return __ldg(xc + g); }, p.k, g0, g1,
-                                  reinterpret_cast<int8_t*>(col), reinterpret_cast<q8::XInfo*>(col + p.k));
+    q8::quantize_x_batches<IL, 2>(column((size_t)c * p.x_stride), p.k, g0, g1, reinterpret_cast<int8_t*>(col),
+                                  reinterpret_cast<q8::XInfo*>(col + p.k));
+}
+
+template <bool IL>
+__global__ void __launch_bounds__(256) quantize_x(
+    uint8_t* __restrict__ out,      // [n, out_stride] bytes, 16-byte aligned
+    const float* __restrict__ x,    // [n, x_stride] f32 columns, 16-byte aligned
+    const QuantizeXParams p) {
+    quantize_chunk<IL>(out, p, [x](size_t off) {
+        const float4* xc = reinterpret_cast<const float4*>(x + off);
+        return [xc](uint32_t g) { return __ldg(xc + g); };
+    });
 }
 
 // The gated activation of the FFN quantized for the down projection's int8 matvec
@@ -178,20 +187,15 @@ __global__ void __launch_bounds__(256) quantize_glu(
     const float* __restrict__ gate, // [n, x_stride] f32 columns, 16-byte aligned
     const float* __restrict__ up,   // [n, x_stride] f32 columns, 16-byte aligned
     const QuantizeXParams p) {
-    pdl_launch_dependents();
-    if (p.out_stride < q8::x_col_bytes(p.k) || p.chunk4 % 8) __trap();  // a launcher bug
-    pdl_wait();
-    const uint32_t c = blockIdx.x, g0 = blockIdx.y * p.chunk4, g1 = min(g0 + p.chunk4, p.k / 4);
-    uint8_t* col = out + (size_t)c * p.out_stride;
-    const float4* gc = reinterpret_cast<const float4*>(gate + (size_t)c * p.x_stride);
-    const float4* uc = reinterpret_cast<const float4*>(up + (size_t)c * p.x_stride);
-    const auto load = [gc, uc](uint32_t g) {
-        const float4 a = __ldg(gc + g), b = __ldg(uc + g);
-        return make_float4(qmv::glu_act(ACT, a.x) * b.x, qmv::glu_act(ACT, a.y) * b.y,
-                           qmv::glu_act(ACT, a.z) * b.z, qmv::glu_act(ACT, a.w) * b.w);
-    };
-    q8::quantize_x_batches<IL, 2>(load, p.k, g0, g1, reinterpret_cast<int8_t*>(col),
-                                  reinterpret_cast<q8::XInfo*>(col + p.k));
+    quantize_chunk<IL>(out, p, [gate, up](size_t off) {
+        const float4* gc = reinterpret_cast<const float4*>(gate + off);
+        const float4* uc = reinterpret_cast<const float4*>(up + off);
+        return [gc, uc](uint32_t g) {
+            const float4 a = __ldg(gc + g), b = __ldg(uc + g);
+            return make_float4(qmv::glu_act(ACT, a.x) * b.x, qmv::glu_act(ACT, a.y) * b.y,
+                               qmv::glu_act(ACT, a.z) * b.z, qmv::glu_act(ACT, a.w) * b.w);
+        };
+    });
 }
 
 // out = W in f32, one element per thread (grid-stride): the per-element dequantization of
