@@ -12,6 +12,8 @@ shapes as a decode loop runs it (programmatic dependent launch, graph-replayed, 
             and bench_dmmv can then run in the same call (see cukern/dmmv.py)
   --fit     time over m at k = 4096 (plain and pdl): intercept (fixed cost) and slope (GB/s) per type
   --moe     moe_dmmv top-8/128 2048x7168 as bench_dmmv times it
+  --l2 0,1,2  per type and shape (pdl, the table's configuration, balanced grid): % of copy with
+            each listed CUKERN_DMMV_Q8_L2 (items per warp L2-prefetched while x is quantized)
   --ncu T   one launch per listed type at 14336x4096 (and T@4096x14336): run under ncu
   --ncu-summary F   key metrics of each kernel in ncu's raw csv F
 
@@ -19,7 +21,10 @@ What it showed on an H100 (this session; pdl, % of copy): three ring slots beat 
 (MXFP4 excepted) and four or more lose again, as does an L2 prefetch of later items before the
 wait; the balanced grid gains ~3 points at 4096 rows; 16-warp blocks at k = 14336 and 2-block
 clusters sharing x's quantization lose 1-6; skipping x's quantization altogether (a timing-only
-variant) gains 5-9 points: what is left is mostly that step after the wait.
+variant) gains 5-9 points: what is left is mostly that step after the wait. 2026-11-25: an L2
+prefetch of each warp's next 1/2/4 items issued after the wait, while x is quantized (--l2), lost
+3-12 points at both shapes, monotonically in the items; a quantizer with a quarter of the
+conversions and one scale division per block (bit-identical x^) gained ~2% of time at k = 14336.
 
 Run: PYTHONPATH=. python profiling/probe_dmmv_q8.py --sweep [--types Q4_K,MXFP4]"""
 import argparse
@@ -40,6 +45,7 @@ ap.add_argument("--configs", default="")
 ap.add_argument("--grids", default="res,bal")
 ap.add_argument("--adopt", default="", metavar="FILE")
 ap.add_argument("--moe", action="store_true")
+ap.add_argument("--l2", default="", help="L2 items per warp prefetched while x is quantized, e.g. 0,1,2")
 ap.add_argument("--fit", action="store_true")
 ap.add_argument("--ncu", default="")
 ap.add_argument("--ncu-summary", default="", help="a raw ncu csv (--page raw --csv): the key metrics per kernel")
@@ -117,6 +123,18 @@ def sweep() -> dict:
                         found.setdefault((qt, (lu, st)), []).append(g / ceil.copy_gbs)
         print(f"{m}x{k} {D.QTYPES[qt][0]:6s} " + " ".join(out), flush=True)
     return found
+
+
+def l2_sweep():
+    values = [int(v) for v in args.l2.split(",")]
+    units = {v: unit(f"dmmv_q8_l2_{v}", [kname(q, *D._Q8_CONFIG[q][:2]) for q in TYPES], (f"CUKERN_DMMV_Q8_L2={v}",))
+             for v in values}
+    ceil = measure_ceilings()
+    print(f"copy {ceil.copy_gbs:.0f} GB/s; % of copy under pdl by CUKERN_DMMV_Q8_L2 = {values}", flush=True)
+    for (m, k), qt in itertools.product(SHAPES, TYPES):
+        lu, st, _ = D._Q8_CONFIG[qt]
+        figs = [timed(units[v], kname(qt, lu, st), qt, m, k, lu, st, "bal", True)[0] / ceil.copy_gbs for v in values]
+        print(f"{m}x{k} {D.QTYPES[qt][0]:6s} " + " ".join(f"L2={v}:{f:.1%}" for v, f in zip(values, figs)), flush=True)
 
 
 def adopt(found: dict, path: str) -> None:
@@ -215,6 +233,8 @@ if args.sweep:
     found = sweep()
     if args.adopt:
         adopt(found, args.adopt)
+if args.l2:
+    l2_sweep()
 if args.moe:
     moe()
 if args.fit:

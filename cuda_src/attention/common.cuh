@@ -89,13 +89,6 @@ CUKERN_DEVICE void to_logits2(float* x, float scale_log2, float softcap, float i
     }
 }
 
-// Ask L2 to fetch `bytes` (a multiple of 16, 16-byte aligned) at src (a Hopper bulk prefetch; nothing before sm_90).
-CUKERN_DEVICE void prefetch_l2_bulk(const void* src, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-#endif
-}
-
 // An L2 policy that evicts the lines it touches first (data read once), for cp_async16_policy.
 CUKERN_DEVICE uint64_t l2_evict_first_policy() {
     uint64_t policy;

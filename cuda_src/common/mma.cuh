@@ -25,6 +25,13 @@ CUKERN_DEVICE void cp_async16(void* smem, const void* gmem, uint32_t src_bytes) 
     cp_async16(smem_addr(smem), gmem, src_bytes);
 }
 
+// Ask L2 to fetch `bytes` (a multiple of 16, 16-byte aligned) at src (a Hopper bulk prefetch; nothing before sm_90).
+CUKERN_DEVICE void prefetch_l2_bulk(const void* src, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+#endif
+}
+
 CUKERN_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 template <int N>

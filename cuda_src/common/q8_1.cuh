@@ -23,9 +23,12 @@ struct BlockQ8_1 {
 };
 static_assert(sizeof(BlockQ8_1) == Q8_1_BLOCK_BYTES, "BlockQ8_1 must match GGUF's block_q8_1");
 
-// Quantize one value with the block's reciprocal scale (0 when d == 0).
+// Quantize one value with the block's reciprocal scale (0 when d == 0): round(x / d) half away
+// from zero, as sign(x) * floor(|x * inv_d| + 0.5). a = |x * inv_d| + 0.5 is at least 0.5, so
+// truncating copysign(a, x) gives the same integer with one conversion instead of a floor and a
+// conversion (both in the SM's slow conversion pipe).
 CUKERN_DEVICE int q8_1_quantize(float x, float inv_d) {
-    return __float2int_rn(copysignf(floorf(fabsf(x * inv_d) + 0.5f), x));
+    return __float2int_rz(copysignf(fabsf(x * inv_d) + 0.5f, x));
 }
 
 }  // namespace cukern

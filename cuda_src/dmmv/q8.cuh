@@ -390,14 +390,18 @@ CUKERN_DEVICE void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_
 // part (blockDim.x a multiple of 32); the caller syncs afterwards. Each thread issues
 // its loads of KB float4s before the first shuffle, so a long x costs one L2 round trip, and the
 // KB slots' shuffle chains interleave (with a uniform early exit for empty slots the matvec
-// measured 4 points of copy bandwidth lower at k = 14336). IL: q interleaved per block
-// (x_interleaved), else in element order.
+// measured 4 points of copy bandwidth lower at k = 14336). A warp's KB batches hold 4 * KB blocks
+// of 32 (8 lanes each): their scales are computed once each, by lane 4b + j for block j of batch
+// b, and shuffled back, instead of by every lane (a correctly rounded division and reciprocal are
+// some 17 instructions). IL: q interleaved per block (x_interleaved), else in element order.
 // [g_begin, g_end): the float4s of x this block quantizes (g_begin a multiple of 8: whole blocks
 // of 32), g_end <= k / 4.
 template <bool IL, int KB, class Load>
 CUKERN_DEVICE void quantize_x_batches(Load load, uint32_t k, uint32_t g_begin, uint32_t g_end, int8_t* q,
                                       XInfo* info) {
+    static_assert(4 * KB <= 32, "a lane per block of the warp's batches");
     const uint32_t n4 = g_end;
+    const int lane = threadIdx.x % 32, my_batch = (lane >> 2) % KB;
     for (uint32_t g0 = g_begin; g0 < n4; g0 += KB * blockDim.x) {  // uniform per warp: shuffles below
         float4 v[KB];
 #pragma unroll
@@ -405,22 +409,34 @@ CUKERN_DEVICE void quantize_x_batches(Load load, uint32_t k, uint32_t g_begin, u
             const uint32_t g = g0 + b * blockDim.x + threadIdx.x;
             v[b] = g < n4 ? load(g) : make_float4(0.f, 0.f, 0.f, 0.f);
         }
+        float amax[KB];
+#pragma unroll
+        for (int b = 0; b < KB; ++b) {
+            amax[b] = fmaxf(fmaxf(fabsf(v[b].x), fabsf(v[b].y)), fmaxf(fabsf(v[b].z), fabsf(v[b].w)));
+#pragma unroll
+            for (int o = 1; o < 8; o <<= 1) amax[b] = fmaxf(amax[b], __shfl_xor_sync(0xffffffffu, amax[b], o));
+        }
+        // lane l: the scale of block l % 4 (lanes 8(l % 4)...) of batch (l / 4) % KB
+        float am = 0.0f;
+#pragma unroll
+        for (int b = 0; b < KB; ++b) {
+            const float t = __shfl_sync(0xffffffffu, amax[b], 8 * (lane & 3));
+            if (my_batch == b) am = t;
+        }
+        const float dl = __fdiv_rn(am, 127.0f);
+        const float il = am > 0.0f ? __frcp_rn(dl) : 0.0f;
 #pragma unroll
         for (int b = 0; b < KB; ++b) {
             const uint32_t g = g0 + b * blockDim.x + threadIdx.x;  // elements 4(g % 8) ... of block g / 8
-            float amax = fmaxf(fmaxf(fabsf(v[b].x), fabsf(v[b].y)), fmaxf(fabsf(v[b].z), fabsf(v[b].w)));
-#pragma unroll
-            for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));  // 8 lanes = 32 el
-            const float d = __fdiv_rn(amax, 127.0f);
-            const float inv = amax > 0.0f ? __frcp_rn(d) : 0.0f;
+            const float d = __shfl_sync(0xffffffffu, dl, 4 * b + (lane >> 3));
+            const float inv = __shfl_sync(0xffffffffu, il, 4 * b + (lane >> 3));
             const int q0 = q8_1_quantize(v[b].x, inv), q1 = q8_1_quantize(v[b].y, inv);
             const int q2 = q8_1_quantize(v[b].z, inv), q3 = q8_1_quantize(v[b].w, inv);
-            int s = q0 + q1 + q2 + q3;
+            const uint32_t packed = __byte_perm(__byte_perm(q0, q1, 0x0040), __byte_perm(q2, q3, 0x0040), 0x5410);
+            int s = __dp4a((int)packed, 0x01010101, 0);
             s += __shfl_xor_sync(0xffffffffu, s, 1);
             s += __shfl_xor_sync(0xffffffffu, s, 2);  // sum over this half (4 lanes, 16 elements)
             const int other = __shfl_xor_sync(0xffffffffu, s, 4);
-            const uint32_t packed =
-                (uint32_t)(q0 & 0xFF) | (uint32_t)(q1 & 0xFF) << 8 | (uint32_t)(q2 & 0xFF) << 16 | (uint32_t)q3 << 24;
             if (IL) {  // lane j < 4 of the block's 8 writes elements 4j...4j+3 and 16+4j... as bytes 8j...8j+7
                 const uint32_t upper = __shfl_xor_sync(0xffffffffu, packed, 4);
                 if (g < n4 && (g & 4) == 0)
