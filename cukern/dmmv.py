@@ -113,6 +113,12 @@ def _q8_smem(qt: int, nw: int, nc: int, k: int, cfg=None) -> int:
     return header + nw * st * _q8_slot(qt, lu) + nc * (k + k // 32 * 8)
 
 
+def _q8_two_kernel(qt: int, nc: int, glu: bool) -> str:
+    """dmmv_q8_two<...>: the int8 path of dmmv_pair (glu False) and dmmv_glu (True), nc columns."""
+    lu, st, bulk = _Q8_CONFIG[qt]
+    return f"dmmv_q8_two<{qt}, {nc}, {lu}, {st}, {'true' if bulk else 'false'}, {'true' if glu else 'false'}>"
+
+
 def _q8_kernel(qt: int, nc: int | None, cfg=None, *, pq: bool = False) -> str:
     """dmmv_q8<...> (nc columns; pq: on pre-quantized x) or, with nc None, moe_dmmv_q8<...>."""
     lu, st, bulk = cfg or _Q8_CONFIG[qt]
@@ -137,6 +143,15 @@ def _q8_blocks(m: int, resident: int) -> int:
     (3% over the mean), 128 blocks of 32 do the same in the same time with no tail."""
     per_block = -(-m // max(1, resident))
     return -(-m // per_block)
+
+
+def _q8_pair_blocks(m1: int, m2: int, resident: int) -> tuple[int, int]:
+    """(W1 blocks, W2 blocks) of a dmmv_q8_two pair launch within ``resident`` blocks: the split of the
+    blocks near m1 : m2 whose fullest block has the fewest rows, each side then balanced by _q8_blocks."""
+    near = round(resident * m1 / (m1 + m2))
+    s1 = min((s for s in range(near - 2, near + 3) if 0 < s < resident),
+             key=lambda s: max(-(-m1 // s), -(-m2 // (resident - s))))
+    return _q8_blocks(m1, s1), _q8_blocks(m2, resident - s1)
 
 
 def _config(qt: int, n: int) -> tuple[int, int]:
@@ -178,7 +193,12 @@ Q8X_FAMILY = FamilySpec(  # the int8 path on pre-quantized x: compiled only by a
                   + [KernelSpec(f"quantize_glu<{il}, {a}>", "QuantizeXParams")
                      for il in ("false", "true") for a in sorted(set(_ACTS.values()))]),
 )
-FAMILIES = {f.name: f for f in (FAMILY, GLU_FAMILY, MOE_FAMILY, PACKED_FAMILY, Q8X_FAMILY)}  # cukern.families() lists each unit
+TWO_FAMILY = FamilySpec(  # dmmv_pair and dmmv_glu on the int8 path: compiled only by a process that uses them
+    name="dmmv_two", source="dmmv/dmmv.cu", params_header="dmmv/params.cuh",
+    kernels=tuple(KernelSpec(_q8_two_kernel(q, n, g), "DmmvParams") for q in Q8_TYPES for n in _COLS
+                  for g in (False, True)),
+)
+FAMILIES = {f.name: f for f in (FAMILY, GLU_FAMILY, MOE_FAMILY, PACKED_FAMILY, Q8X_FAMILY, TWO_FAMILY)}  # cukern.families() lists each unit
 
 
 class DeviceError(RuntimeError):
@@ -397,6 +417,7 @@ class DmmvDispatch(Dispatch):
         self._moe = _Unit(MOE_FAMILY, device)
         self._packed = _Unit(PACKED_FAMILY, device)
         self._q8x = _Unit(Q8X_FAMILY, device)
+        self._two = _Unit(TWO_FAMILY, device)
         self._err = None
         self._resident: dict[tuple, tuple] = {}  # (unit, kernel, k) -> _q8_plan
 
@@ -502,6 +523,31 @@ class DmmvDispatch(Dispatch):
                 # the SM = the per-block limit + 1 KB the system reserves per block
                 per_sm = max(1, min(_Q8_MAX_WARPS // nw, (limit + 1024) // (smem + 1024)))
                 plan = (nw, smem, self.sm_count() * per_sm)
+                break
+        self._resident[key] = plan
+        return plan or None
+
+    def _q8_plan_glu(self, kernel: str, qt: int, nc: int, k: int, m: int):
+        """_q8_plan for dmmv_q8_two's GLU form, whose blocks also keep 2 nc floats per output in
+        shared memory: (warps, dynamic shared memory, resident blocks) with that included for the
+        ceil(m / resident) outputs of the fullest block, or None. Cached per (kernel, k, m)."""
+        key = (self._two.family.name, kernel, k, m)
+        got = self._resident.get(key)
+        if got is not None:
+            return got or None
+        limit = self.max_shared_optin()
+        plan = ()
+        first = _Q8_MAX_WARPS // 2 if k <= _Q8_SPLIT_K else _Q8_MAX_WARPS
+        for nw in (first, first // 2, first // 4, first // 8):
+            base = _q8_smem(qt, nw, nc, k)
+            for per_sm in range(min(_Q8_MAX_WARPS // nw, (limit + 1024) // (base + 1024)), 0, -1):
+                resident = self.sm_count() * per_sm
+                smem = base + (8 * nc * -(-m // resident) + 15) // 16 * 16
+                if smem <= limit and per_sm <= (limit + 1024) // (smem + 1024):
+                    plan = (nw, smem, resident)
+                    break
+            if plan:
+                self._two._function(kernel, plan[1])
                 break
         self._resident[key] = plan
         return plan or None
@@ -650,10 +696,20 @@ class DmmvDispatch(Dispatch):
         check_array("y2", y2, dtype=_F32, shape=x.shape[:-1] + (w2.m,))
         nw = _warps(w1.k)
         for c0, width in self._chunks(n):
+            xs, ya, yb = (x, y1, y2) if n == 1 else (x[c0:], y1[c0:], y2[c0:])
+            q8 = _q8_two_kernel(w1.qtype, width, False) if self._int8(w1) else ""
+            plan = self._q8_plan(self._two, q8, w1.qtype, width, w1.k) if q8 else None
+            if plan:  # the resident blocks split by the matrices' rows, each matrix's share balanced
+                qw, smem, resident = plan
+                b1, b2 = _q8_pair_blocks(w1.m, w2.m, resident)
+                blocks = b1 + b2
+                params = self._params(w1, w2=w2, m2=w2.m, blocks1=b1, y_stride=w1.m, y2_stride=w2.m)
+                self._two._launch(q8, blocks, qw * 32, (ya, yb, w1.buf, w2.buf, xs), params, stream=stream,
+                                  shared_mem=smem, pdl=self.pdl)
+                continue
             rows = _config(w1.qtype, width)[0]
             b1, b2 = -(-w1.m // rows), -(-w2.m // rows)
             params = self._params(w1, w2=w2, m2=w2.m, blocks1=b1, y_stride=w1.m, y2_stride=w2.m)
-            xs, ya, yb = (x, y1, y2) if n == 1 else (x[c0:], y1[c0:], y2[c0:])
             self._launch(_kernel(w1.qtype, width), b1 + b2, nw * 32, (ya, yb, w1.buf, w2.buf, xs, ya), params,
                          stream=stream)
         return y1, y2
@@ -675,9 +731,19 @@ class DmmvDispatch(Dispatch):
         nw = _warps(wg.k)
         blocks = -(-wg.m // _ROWS)
         for c0, width in self._chunks(n):
+            xs, ys = (x, y) if n == 1 else (x[c0:], y[c0:])
+            q8 = _q8_two_kernel(wg.qtype, width, True) if self._int8(wg) else ""
+            plan = self._q8_plan_glu(q8, wg.qtype, width, wg.k, wg.m) if q8 else None
+            if plan:
+                qw, smem, resident = plan
+                grid = _q8_blocks(wg.m, resident)
+                params = self._params(wg, w2=wu, mode=1 if accumulate else 0, act=_ACTS[act], alpha=alpha,
+                                      y_stride=wg.m, blocks1=grid)
+                self._two._launch(q8, grid, qw * 32, (ys, ys, wg.buf, wu.buf, xs), params, stream=stream,
+                                  shared_mem=smem, pdl=self.pdl)
+                continue
             params = self._params(wg, w2=wu, mode=1 if accumulate else 0, act=_ACTS[act], alpha=alpha,
                                   y_stride=wg.m, blocks1=blocks)
-            xs, ys = (x, y) if n == 1 else (x[c0:], y[c0:])
             self._glu._launch(f"dmmv_glu<{wg.qtype}, {width}>", blocks, nw * 32, (ys, wg.buf, wu.buf, xs, ys),
                               params, stream=stream)
         return y

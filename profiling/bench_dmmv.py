@@ -155,15 +155,22 @@ def bench(quick: bool = False) -> tuple[list, object]:
         del sets
         cupy.get_default_memory_pool().free_all_blocks()
 
-    # fused gate + up + SwiGLU (two matrices, one input)
+    # fused gate + up + SwiGLU (two matrices, one input): the int8 path (dmmv_q8_two) against the
+    # f32 path's fused kernel (DmmvDispatch(int8=False), what dmmv_glu ran before 2026-11-25)
     m, k = 14336, 4096
-    for name in (["Q4_K"] if quick else ["Q4_K", "Q8_0"]):
+    d_f32 = DmmvDispatch(int8=False)
+    for name in (["Q4_K", "MXFP4"] if quick else ["Q4_K", "Q8_0", "Q6_K", "MXFP4"]):
         qt = qtype_id(name)
         (sets, nxt), wbytes = _weights(qt, m, k)
         x = cupy.random.standard_normal(k, dtype=cupy.float32)
         y = cupy.empty(m, cupy.float32)
+        nbytes = 2 * wbytes + 4 * (k + m)
+        f32_us = time_graph_us(lambda: d_f32.dmmv_glu(nxt(), nxt(), x, y, act="swiglu"))
+        row(f"dmmv_glu {name} f32 path", f"2x{m}x{k}", f32_us, nbytes)
         us = time_graph_us(lambda: d.dmmv_glu(nxt(), nxt(), x, y, act="swiglu"))
-        row(f"dmmv_glu {name}", f"2x{m}x{k}", us, 2 * wbytes + 4 * (k + m))
+        row(f"dmmv_glu {name}", f"2x{m}x{k}", us, nbytes, f32_us, peer="f32-path dmmv_glu")
+        us = time_graph_us(lambda: d_pdl.dmmv_glu(nxt(), nxt(), x, y, act="swiglu"))
+        row(f"dmmv_glu {name} pdl", f"2x{m}x{k}", us, nbytes, f32_us, peer="f32-path dmmv_glu")
         del sets
         cupy.get_default_memory_pool().free_all_blocks()
 

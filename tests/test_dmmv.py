@@ -80,7 +80,7 @@ def d():
 
 # ---------------------------------------------------------------------------- CPU
 def test_families_declared():
-    assert set(D.FAMILIES) == {"dmmv", "dmmv_glu", "dmmv_moe", "dmmv_moe_packed", "dmmv_q8x"}
+    assert set(D.FAMILIES) == {"dmmv", "dmmv_glu", "dmmv_moe", "dmmv_moe_packed", "dmmv_q8x", "dmmv_two"}
     names = {k.name for f in D.FAMILIES.values() for k in f.kernels}
     for q in TYPES:
         for n in (1, 2, 4, 8):
@@ -89,6 +89,7 @@ def test_families_declared():
     for q in D.Q8_TYPES:
         assert D._q8_kernel(q, None) in names and all(D._q8_kernel(q, n) in names for n in (1, 2, 4, 8))
         assert all(D._q8_kernel(q, n, pq=True) in names for n in (1, 2, 4, 8))
+        assert all(D._q8_two_kernel(q, n, g) in names for n in (1, 2, 4, 8) for g in (False, True))
     assert {"quantize_x<false>", "quantize_x<true>"} <= names
     assert {f"quantize_glu<{il}, {a}>" for il in ("false", "true") for a in (0, 1)} <= names
 
@@ -150,6 +151,46 @@ def test_prequantized_host_path(monkeypatch):
         for n in (8, 2, 1):
             want[D._q8_kernel(q, n, pq=True)] = want[D._q8_kernel(q, n)] = 1
         assert dict(launches) == want
+
+
+def test_two_matrix_int8_host_path(monkeypatch):
+    """dmmv_pair and dmmv_glu on CPU (tests/host_dispatch.py): on the int8 path each column chunk (8 + 2 + 1)
+    is one dmmv_q8_two launch within the resident blocks; the pair's grid is split by the matrices'
+    rows (blocks1 W1 blocks of at most ceil(m1 / blocks1) rows); the GLU plan's shared memory holds
+    2 floats per column and output of the fullest block; int8=False keeps the f32 kernels."""
+    from cukern import dispatch
+    from host_dispatch import host_array, patch
+    patch(monkeypatch)
+    calls = []
+    monkeypatch.setattr(dispatch.Dispatch, "_call", staticmethod(
+        lambda kernel, fn, grid, block, args, shared_mem, pdl=False: calls.append((kernel, grid, shared_mem, args))))
+    d = DmmvDispatch()
+    q, k = D.qtype_id("Q4_K"), 4096
+    w1 = QWeight(host_array((14336 * D.row_bytes(q, k),), np.uint8, 0), q, 14336, k)
+    w2 = QWeight(host_array((1024 * D.row_bytes(q, k),), np.uint8, 0), q, 1024, k)
+    x = host_array((11, k))
+    d.dmmv_pair(w1, w2, x, host_array((11, 14336)), host_array((11, 1024)))
+    assert [c[0] for c in calls] == [D._q8_two_kernel(q, n, False) for n in (8, 2, 1)]
+    for kernel, grid, smem, args in calls:
+        _, plan_smem, resident = d._resident[("dmmv_two", kernel, k)]
+        p = args[-1]
+        b1, blocks = int(p["blocks1"]), grid[0]
+        assert smem == plan_smem and blocks <= resident and 0 < b1 < blocks
+        assert max(-(-14336 // b1), -(-1024 // (blocks - b1))) <= -(-15360 // resident) + 1  # balanced
+    calls.clear()
+    d.dmmv_glu(w1, w1, x, host_array((11, 14336)), act="geglu", accumulate=True)
+    assert [c[0] for c in calls] == [D._q8_two_kernel(q, n, True) for n in (8, 2, 1)]
+    for kernel, grid, smem, args in calls:
+        nc = int(kernel.split(", ")[1])
+        nw, plan_smem, resident = d._resident[("dmmv_two", kernel, k, 14336)]
+        assert grid[0] == D._q8_blocks(14336, resident) and int(args[-1]["mode"]) == 1
+        assert smem == plan_smem >= D._q8_smem(q, nw, nc, k) + 8 * nc * -(-14336 // resident)
+        assert smem <= d.max_shared_optin()
+    calls.clear()
+    d32 = DmmvDispatch(int8=False)
+    d32.dmmv_glu(w1, w1, x[:1], host_array((1, 14336)))
+    d32.dmmv_pair(w1, w2, x[:1], host_array((1, 14336)), host_array((1, 1024)))
+    assert [c[0] for c in calls] == [f"dmmv_glu<{q}, 1>", D._kernel(q, 1)]
 
 
 def test_quantize_q8_reference():
@@ -285,30 +326,79 @@ def test_dmmv_batched(d, rng, q, n):
 @pytest.mark.gpu
 @pytest.mark.parametrize("q", TYPES, ids=NAMES.get)
 def test_dmmv_pair(d, rng, q):
+    """Two matrices on one x (int8 path: dmmv_q8_two, the grid split by the matrices' rows): a few rows,
+    and rows enough for every block of the grid, ragged; 1, 2 and 11 (8 + 2 + 1) columns."""
     k = _ks(q)[-1]
-    w1, d1 = _weight(q, 9, k, rng)
-    w2, d2 = _weight(q, 4, k, rng)
-    for n in (1, 2):
-        x = _x(rng, n, k) if n > 1 else _x(rng, k)
-        y1 = poison(cupy.empty(x.shape[:-1] + (9,), cupy.float32))
-        y2 = poison(cupy.empty(x.shape[:-1] + (4,), cupy.float32))
-        d.dmmv_pair(w1, w2, cupy.asarray(x), y1, y2)
-        _check(y1, ref.matvec(d1, x), "y1")
-        _check(y2, ref.matvec(d2, x), "y2")
+    for m1, m2, cols in ((9, 4, (1, 2)), (1301, 267, (1, 11))):
+        w1, d1 = _weight(q, m1, k, rng, pad_front=D.QTYPES[q][3] * 3)
+        w2, d2 = _weight(q, m2, k, rng)
+        for n in cols:
+            x = _x(rng, n, k) if n > 1 else _x(rng, k)
+            y1 = poison(cupy.empty(x.shape[:-1] + (m1,), cupy.float32))
+            y2 = poison(cupy.empty(x.shape[:-1] + (m2,), cupy.float32))
+            d.dmmv_pair(w1, w2, cupy.asarray(x), y1, y2)
+            _check_q(y1, q, lambda v: ref.matvec(d1, v), x, f"y1 {m1} n={n}")
+            _check_q(y2, q, lambda v: ref.matvec(d2, v), x, f"y2 {m2} n={n}")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("act", ["swiglu", "geglu"])
 @pytest.mark.parametrize("q", TYPES, ids=NAMES.get)
 def test_dmmv_glu(d, rng, q, act):
-    m, k = 11, _ks(q)[1]
-    wg, dg = _weight(q, m, k, rng)
-    wu, du = _weight(q, m, k, rng)
-    for n in (1, 3):
-        x = _x(rng, n, k) if n > 1 else _x(rng, k)
-        y = poison(cupy.empty(x.shape[:-1] + (m,), cupy.float32))
-        d.dmmv_glu(wg, wu, cupy.asarray(x), y, act=act)
-        _check(y, ref.glu(dg, du, x, act))
+    """act(Wg x) * (Wu x) (int8 path: dmmv_q8_two's interleaved gate/up rows): a few outputs, and more
+    outputs than blocks (ragged); 1, 3 and 11 columns; the accumulate epilogue with alpha."""
+    k = _ks(q)[1]
+    for m, cols in ((11, (1, 3)), (1037, (1, 11))):
+        wg, dg = _weight(q, m, k, rng)
+        wu, du = _weight(q, m, k, rng, pad_front=D.QTYPES[q][3] * 7)
+        for n in cols:
+            x = _x(rng, n, k) if n > 1 else _x(rng, k)
+            y = poison(cupy.empty(x.shape[:-1] + (m,), cupy.float32))
+            d.dmmv_glu(wg, wu, cupy.asarray(x), y, act=act)
+            _check_q(y, q, lambda v: ref.glu(dg, du, v, act), x, f"{m} n={n}")
+        y0 = _x(rng, 2, m)
+        y = cupy.asarray(y0)
+        x = _x(rng, 2, k)
+        d.dmmv_glu(wg, wu, cupy.asarray(x), y, act=act, accumulate=True, alpha=-0.75)
+        _check(y, y0 - 0.75 * ref.glu(dg, du, _xhat(q, x), act), f"{m} accumulate")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q", D.Q8_TYPES, ids=NAMES.get)
+def test_q8_two_rows_split_between_warps(d, rng, q):
+    """dmmv_q8_two with small forced grids: gate/up rows longer than a warp's share (parts summed after
+    the barrier), an output's gate and up rows in different warps, a pair whose grid has one block per
+    matrix; k = 6400 (6 iterations and a partial one per row at LU = 1)."""
+    k = 6400
+    wg, dg = _weight(q, 7, k, rng, pad_front=D.QTYPES[q][3] * 3)
+    wu, du = _weight(q, 7, k, rng)
+    x = _x(rng, 2, k)
+    for nc, nw, resident in ((1, 8, 1), (2, 4, 3), (1, 2, 2)):
+        kern = D._q8_two_kernel(q, nc, True)
+        key = ("dmmv_two", kern, k, 7)
+        saved = d._resident.get(key)
+        smem = D._q8_smem(q, nw, nc, k) + (8 * nc * -(-7 // resident) + 15) // 16 * 16
+        d._resident[key] = (nw, smem, resident)
+        d._two._function(kern, smem)
+        try:
+            y = poison(cupy.empty((nc, 7), cupy.float32))
+            d.dmmv_glu(wg, wu, cupy.asarray(x[:nc]), y, act="swiglu")
+            _check(y, ref.glu(dg, du, _xhat(q, x[:nc]), "swiglu"), f"{NAMES[q]} glu nw={nw} blocks={resident}")
+        finally:
+            d._resident.pop(key) if saved is None else d._resident.__setitem__(key, saved)
+        kern = D._q8_two_kernel(q, nc, False)
+        key = ("dmmv_two", kern, k)
+        saved = d._resident.get(key)
+        d._resident[key] = (nw, D._q8_smem(q, nw, nc, k), max(2, resident))
+        d._two._function(kern, D._q8_smem(q, nw, nc, k))
+        try:
+            y1 = poison(cupy.empty((nc, 7), cupy.float32))
+            y2 = poison(cupy.empty((nc, 7), cupy.float32))
+            d.dmmv_pair(wg, wu, cupy.asarray(x[:nc]), y1, y2)
+            _check(y1, ref.matvec(dg, _xhat(q, x[:nc])), f"{NAMES[q]} pair y1 nw={nw}")
+            _check(y2, ref.matvec(du, _xhat(q, x[:nc])), f"{NAMES[q]} pair y2 nw={nw}")
+        finally:
+            d._resident.pop(key) if saved is None else d._resident.__setitem__(key, saved)
 
 
 @pytest.mark.gpu
@@ -450,6 +540,13 @@ def test_f32_path_of_int8_types(rng, q):
         y = cupy.asarray(y0)
         d32.dmmv(w, cupy.asarray(x), y, accumulate=True, alpha=-0.5)
         _check(y, y0 - 0.5 * ref.matvec(dense, x), "accumulate")
+        wu, dense_u = _weight(q, m, k, rng)
+        y = poison(cupy.empty((n, m), cupy.float32))
+        d32.dmmv_glu(w, wu, cupy.asarray(x), y, act="geglu")
+        _check(y, ref.glu(dense, dense_u, x, "geglu"), "glu")
+        y2 = poison(cupy.empty((n, m), cupy.float32))
+        d32.dmmv_pair(w, wu, cupy.asarray(x), y, y2)
+        _check(y2, ref.matvec(dense_u, x), "pair")
     n_e, m, T, top_k = 4, 9, 3, 2
     w, dense = _weight(q, m, k, rng, n_experts=n_e)
     ids = _ids(rng, T, top_k, n_e)

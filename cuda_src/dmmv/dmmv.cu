@@ -5,6 +5,7 @@
 //   dmmv_q8   as dmmv (no pair), on the int8 path of the quantized types (q8.cuh); PQ: on x
 //             already quantized by
 //   quantize_x  f32 x into the int8 path's layout, once for every matvec that shares it
+//   dmmv_q8_two  the pair form and dmmv_glu on the int8 path
 // Epilogues (DmmvParams.mode): store alpha*v, accumulate y += alpha*v, and the sigmoid-gated
 // accumulate y += alpha*sigmoid(gate[c])*v of the shared-expert path.
 //
@@ -123,7 +124,7 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8(
     const uint8_t* base = w + p.w_offset;
     q8::block_rows<QT, NC, LU, ST, BULK>(
         sm, r1 - r0, [&](uint32_t j) { return base + (size_t)(r0 + j) * p.row_bytes; }, (uint32_t)p.row_bytes,
-        base + (size_t)p.m * p.row_bytes, p.k,
+        [&](uint32_t) { return base + (size_t)p.m * p.row_bytes; }, p.k,
         [] { pdl_wait(); },
         [&] {
             for (int c = 0; c < NC; ++c) {
@@ -143,6 +144,75 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8(
                 *out = p.mode == 0 ? f * v[c] : *out + f * v[c];
             }
         });
+}
+
+// The int8 path of the two-matrix forms (DmmvDispatch.dmmv_pair / dmmv_glu), grid and x as dmmv_q8:
+//   GLU false (pair): y = W1 x, y2 = W2 x; blocks [0, blocks1) take balanced row ranges of W1, the
+//     others of W2 (the host splits the grid by the matrices' rows);
+//   GLU true: y = epilogue(act(Wg x) * (Wu x)) (act: p.act, epilogue: p.mode 0 store, 1 accumulate,
+//     times alpha); block b takes outputs [b m / G, (b + 1) m / G) and streams their gate and up rows
+//     as one sequence (local row 2i: gate row i, 2i + 1: up row i), so the two dot products of an
+//     output come from one pass over the block's bytes; they land in shared memory after x's
+//     (2 NC floats per output: the host adds them to the dynamic size) and are combined after the
+//     block's last barrier.
+template <int QT, int NC, int LU, int ST, bool BULK, bool GLU>
+__global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8_two(
+    float* __restrict__ y,             // [NC, y_stride] out (pair: of W1)
+    float* __restrict__ y2,            // pair: [NC, y2_stride] out of W2; GLU: unused
+    const uint8_t* __restrict__ w,     // W1 / the gate matrix: rows from w + w_offset
+    const uint8_t* __restrict__ w2,    // W2 / the up matrix: rows from w2 + w2_offset, same type and k
+    const float* __restrict__ x,       // [NC, x_stride] f32 columns, 16-byte aligned, k used
+    const DmmvParams p) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    pdl_launch_dependents();
+    const int nw = blockDim.x / 32;
+    const bool second = !GLU && blockIdx.x >= p.blocks1;  // pair: a block of W2
+    const q8::Share rows = GLU ? q8::Share(p.m, blockIdx.x, gridDim.x)
+                         : second ? q8::Share(p.m2, blockIdx.x - p.blocks1, gridDim.x - p.blocks1)
+                                  : q8::Share(p.m, blockIdx.x, p.blocks1);
+    const uint32_t r0 = rows.begin, n_out = rows.end - rows.begin;
+    const uint32_t x_end = q8::smem_bytes<QT, LU, ST>(nw, NC, p.k);
+    if (x_end + (GLU ? 8u * n_out * NC : 0u) > q8::dynamic_smem_bytes()) __trap();  // a launcher bug
+    const q8::Smem<QT, LU, ST, NC> sm(smem, nw, p.k);
+    const auto prepare = [&] {
+        for (int c = 0; c < NC; ++c)
+            q8::quantize_x<q8::x_interleaved<QT>()>(x + (size_t)c * p.x_stride, p.k, sm.xq + (size_t)c * p.k,
+                                                    sm.xi + c * (p.k / 32));
+        __syncthreads();
+    };
+    const uint8_t* const mat1 = w + p.w_offset;
+    const uint8_t* const mat2 = w2 + p.w2_offset;
+    if (GLU) {
+        float* dots = reinterpret_cast<float*>(smem + x_end);  // [2 n_out][NC]
+        const uint8_t* const end1 = mat1 + (size_t)p.m * p.row_bytes;
+        const uint8_t* const end2 = mat2 + (size_t)p.m * p.row_bytes;
+        q8::block_rows<QT, NC, LU, ST, BULK>(
+            sm, 2 * n_out, [&](uint32_t j) { return (j & 1 ? mat2 : mat1) + (size_t)(r0 + j / 2) * p.row_bytes; },
+            (uint32_t)p.row_bytes, [&](uint32_t j) { return j & 1 ? end2 : end1; }, p.k, [] { pdl_wait(); }, prepare,
+            [&](uint32_t j, const float (&v)[NC]) {
+#pragma unroll
+                for (int c = 0; c < NC; ++c) dots[j * NC + c] = v[c];
+            });
+        __syncthreads();  // every row's dot products are in shared memory
+        for (uint32_t i = threadIdx.x; i < n_out * NC; i += blockDim.x) {
+            const uint32_t c = i / n_out, r = i % n_out;
+            const float v = p.alpha * (glu_act(p.act, dots[2 * r * NC + c]) * dots[(2 * r + 1) * NC + c]);
+            float* out = y + (size_t)c * p.y_stride + r0 + r;
+            *out = p.mode == 1 ? *out + v : v;
+        }
+    } else {
+        const uint8_t* const mat = second ? mat2 : mat1;
+        const uint8_t* const end = mat + (size_t)(second ? p.m2 : p.m) * p.row_bytes;
+        float* const out = second ? y2 : y;
+        const uint32_t stride = second ? p.y2_stride : p.y_stride;
+        q8::block_rows<QT, NC, LU, ST, BULK>(
+            sm, n_out, [&](uint32_t j) { return mat + (size_t)(r0 + j) * p.row_bytes; }, (uint32_t)p.row_bytes,
+            [&](uint32_t) { return end; }, p.k, [] { pdl_wait(); }, prepare,
+            [&](uint32_t j, const float (&v)[NC]) {
+#pragma unroll
+                for (int c = 0; c < NC; ++c) out[(size_t)c * stride + r0 + j] = v[c];
+            });
+    }
 }
 
 // x quantized once for the int8 path (DmmvDispatch.quantize_x -> QuantizedX): column c of out is

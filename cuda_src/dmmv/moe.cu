@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) moe_dmmv_q8(
     const float* xs = x + (size_t)(p.x_per_slot ? slot : slot / p.top_k) * p.k;
     q8::block_rows<QT, 1, LU, ST, BULK>(
         sm, r1 - r0, [&](uint32_t j) { return base + (size_t)(r0 + j) * p.row_bytes; }, (uint32_t)p.row_bytes,
-        base + (size_t)p.m * p.row_bytes, p.k, [] {},
+        [&](uint32_t) { return base + (size_t)p.m * p.row_bytes; }, p.k, [] {},
         [&] {
             q8::quantize_x<q8::x_interleaved<QT>()>(xs, p.k, sm.xq, sm.xi);
             __syncthreads();

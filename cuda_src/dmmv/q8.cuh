@@ -510,12 +510,13 @@ struct Share {
 // Start-up: every warp's first ST - 1 copies are issued, then wait() (all threads: the wait for
 // the kernel this one depends on), then prepare() (all threads: it quantizes x and syncs the
 // block); the ring's last slot is filled only after that (issued before prepare(), probe_dmmv_q8.py
-// measured 3-5 points of copy bandwidth lost, presumably its bytes delaying x's). end: the end of
-// the weight matrix (copies stop there: reading past a row end inside the matrix is harmless, past
-// the matrix it may leave the allocation).
-template <int QT, int NC, int LU, int ST, bool BULK, class RowPtr, class Wait, class Prepare, class Store>
+// measured 3-5 points of copy bandwidth lost, presumably its bytes delaying x's). end(j): the end
+// of the weight matrix that holds local row j (copies stop there: reading past a row end inside the
+// matrix is harmless, past the matrix it may leave the allocation); rows may come from several
+// matrices (dmmv_q8_two interleaves the gate and up rows of dmmv_glu).
+template <int QT, int NC, int LU, int ST, bool BULK, class RowPtr, class End, class Wait, class Prepare, class Store>
 CUKERN_DEVICE void block_rows(const Smem<QT, LU, ST, NC>& sm, uint32_t n_rows, RowPtr row_ptr, uint32_t row_bytes,
-                              const uint8_t* end, uint32_t k, Wait wait, Prepare prepare, Store store) {
+                              End end_of, uint32_t k, Wait wait, Prepare prepare, Store store) {
     using U = Unit<QT>;
     using S = Stream<QT, LU, ST>;
     constexpr int BI = S::kIterBytes, SLOT = S::kSlotBytes, kIterUnits = S::kUnits;
@@ -536,12 +537,14 @@ CUKERN_DEVICE void block_rows(const Smem<QT, LU, ST, NC>& sm, uint32_t n_rows, R
         }
         __syncwarp();
     }
-    // the next item to copy: its first byte, the end of its row, its chunk in the row
+    // the next item to copy: its row, first byte, the end of its row, its chunk in the row
+    uint32_t irow = first_row;
     const uint8_t* is = row_ptr(first_row) + (size_t)(share.begin % ipr) * BI;
     const uint8_t* irow_end = row_ptr(first_row) + row_bytes;
     uint32_t iit = share.begin % ipr;
     auto issue = [&](int t) {
         if (t < total) {
+            const uint8_t* end = end_of(irow);
             const uint8_t* e = iit + 1 == ipr ? irow_end : is + BI;
             const uint8_t* c0 = is - (reinterpret_cast<size_t>(is) & 15);
             uint8_t* dst = ring + (t % ST) * SLOT;
@@ -559,10 +562,10 @@ CUKERN_DEVICE void block_rows(const Smem<QT, LU, ST, NC>& sm, uint32_t n_rows, R
             }
             if (n_async < n)
                 for (int i = n_async * 16 + lane; c0 + i < e; i += 32) dst[i] = __ldg(c0 + i);
-            if (++iit == ipr) {
+            if (++iit == ipr) {  // the next row's first chunk
                 iit = 0;
-                is = irow_end;
-                irow_end += row_bytes;
+                is = row_ptr(++irow);
+                irow_end = is + row_bytes;
             } else {
                 is += BI;
             }
@@ -616,9 +619,8 @@ CUKERN_DEVICE void block_rows(const Smem<QT, LU, ST, NC>& sm, uint32_t n_rows, R
                 }
             }
             if (row_done) {
-                cs += row_bytes - (size_t)ipr * BI;  // past the last chunk's end to the next row's start
                 it = 0;
-                ++j;
+                cs = reinterpret_cast<size_t>(row_ptr(++j));  // the next row's start
             }
         }
     }
