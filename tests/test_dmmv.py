@@ -24,6 +24,10 @@ TYPES = list(ref.TYPES)  # every GGML type id the family supports
 NAMES = {q: ref.TYPES[q][0] for q in TYPES}
 RTOL = 2e-3
 Q8_NMSE = 2e-4  # int8 path against the exact x (expected ~3e-5 for Gaussian x; one wrong unit of 32 is ~1e-2)
+# act(g) * u of two int8-path dots: g's error passes through act's log-derivative (1 + |g| on SiLU's
+# negative tail), so the product's NMSE is a few times a dot's; over 33 outputs it measured up to
+# 5.2e-4 (H100, 2026-11-25). Element-wise against x^, the kernel's own math, the bound stays RTOL.
+Q8_NMSE_GLU = 2e-3
 
 
 def _ks(q):
@@ -48,12 +52,12 @@ def _xhat(q, x, int8_path=True):
     return ref.quantize_q8(x) if int8_path and q in D.Q8_TYPES else x
 
 
-def _check_q(out, q, f, x, name="out"):
+def _check_q(out, q, f, x, name="out", bound=Q8_NMSE):
     """out against f(x^) element-wise; on the int8 path also its error against f(x), by NMSE."""
     _check(out, f(_xhat(q, x)), name)
     if q in D.Q8_TYPES and out.size >= 32:  # a norm over a handful of outputs is noise
         err = nmse(out, f(x))
-        assert err < Q8_NMSE, f"{name}: NMSE {err:.3g} against the exact x"
+        assert err < bound, f"{name}: NMSE {err:.3g} against the exact x"
 
 
 def _weight(q, m, k, rng, *, pad_front=0, n_experts=0):
@@ -355,7 +359,7 @@ def test_dmmv_glu(d, rng, q, act):
             x = _x(rng, n, k) if n > 1 else _x(rng, k)
             y = poison(cupy.empty(x.shape[:-1] + (m,), cupy.float32))
             d.dmmv_glu(wg, wu, cupy.asarray(x), y, act=act)
-            _check_q(y, q, lambda v: ref.glu(dg, du, v, act), x, f"{m} n={n}")
+            _check_q(y, q, lambda v: ref.glu(dg, du, v, act), x, f"{m} n={n}", bound=Q8_NMSE_GLU)
         y0 = _x(rng, 2, m)
         y = cupy.asarray(y0)
         x = _x(rng, 2, k)
