@@ -162,8 +162,9 @@ def test_two_matrix_int8_host_path(monkeypatch):
     is one dmmv_q8_two launch within the resident blocks; the pair's grid is split by the matrices'
     rows (blocks1 W1 blocks of at most ceil(m1 / blocks1) rows); the GLU plan's shared memory holds
     2 floats per column and output of the fullest block; int8=False keeps the f32 kernels."""
-    from cukern import dispatch
     from host_dispatch import host_array, patch
+
+    from cukern import dispatch
     patch(monkeypatch)
     calls = []
     monkeypatch.setattr(dispatch.Dispatch, "_call", staticmethod(
@@ -341,8 +342,8 @@ def test_dmmv_pair(d, rng, q):
             y1 = poison(cupy.empty(x.shape[:-1] + (m1,), cupy.float32))
             y2 = poison(cupy.empty(x.shape[:-1] + (m2,), cupy.float32))
             d.dmmv_pair(w1, w2, cupy.asarray(x), y1, y2)
-            _check_q(y1, q, lambda v: ref.matvec(d1, v), x, f"y1 {m1} n={n}")
-            _check_q(y2, q, lambda v: ref.matvec(d2, v), x, f"y2 {m2} n={n}")
+            _check_q(y1, q, lambda v, d1=d1: ref.matvec(d1, v), x, f"y1 {m1} n={n}")
+            _check_q(y2, q, lambda v, d2=d2: ref.matvec(d2, v), x, f"y2 {m2} n={n}")
 
 
 @pytest.mark.gpu
@@ -359,7 +360,7 @@ def test_dmmv_glu(d, rng, q, act):
             x = _x(rng, n, k) if n > 1 else _x(rng, k)
             y = poison(cupy.empty(x.shape[:-1] + (m,), cupy.float32))
             d.dmmv_glu(wg, wu, cupy.asarray(x), y, act=act)
-            _check_q(y, q, lambda v: ref.glu(dg, du, v, act), x, f"{m} n={n}", bound=Q8_NMSE_GLU)
+            _check_q(y, q, lambda v, dg=dg, du=du: ref.glu(dg, du, v, act), x, f"{m} n={n}", bound=Q8_NMSE_GLU)
         y0 = _x(rng, 2, m)
         y = cupy.asarray(y0)
         x = _x(rng, 2, k)
