@@ -61,7 +61,8 @@ _ONE_COL = {0: (2, 1), 1: (2, 1), 30: (2, 1), 2: (4, 0), 6: (4, 0), 8: (2, 0), 3
 
 # The int8 path (cuda_src/dmmv/q8.cuh): x quantized per block to Q8_1-style int8, __dp4a dot products.
 # It serves dmmv (every column count, every epilogue), dmmv_pair, dmmv_glu (dmmv_q8_two) and moe_dmmv
-# without GLU for these types; the f32 path serves the float types, MoE GLU, packed MoE and moe_down.
+# (moe_dmmv_q8, with GLU moe_dmmv_q8_glu) for these types; the f32 path serves the float types, packed
+# MoE and moe_down.
 # Accuracy: exact W . x^ with
 # x^ = x rounded per 32 elements to 8 bits (cukern.reference.dmmv.quantize_q8), NMSE ~3e-5 against x.
 Q8_TYPES = (2, 6, 8, 39, 12, 13, 14)
@@ -118,6 +119,12 @@ def _q8_two_kernel(qt: int, nc: int, glu: bool) -> str:
     """dmmv_q8_two<...>: the int8 path of dmmv_pair (glu False) and dmmv_glu (True), nc columns."""
     lu, st, bulk = _Q8_CONFIG[qt]
     return f"dmmv_q8_two<{qt}, {nc}, {lu}, {st}, {'true' if bulk else 'false'}, {'true' if glu else 'false'}>"
+
+
+def _q8_moe_glu_kernel(qt: int) -> str:
+    """moe_dmmv_q8_glu<...>: moe_dmmv with GLU on the int8 path."""
+    lu, st, bulk = _Q8_CONFIG[qt]
+    return f"moe_dmmv_q8_glu<{qt}, {lu}, {st}, {'true' if bulk else 'false'}>"
 
 
 def _q8_kernel(qt: int, nc: int | None, cfg=None, *, pq: bool = False) -> str:
@@ -179,6 +186,7 @@ MOE_FAMILY = FamilySpec(
     kernels=tuple(
         [KernelSpec(f"moe_dmmv<{q}, {g}>", "MoeParams") for q in QTYPES for g in ("false", "true")]
         + [KernelSpec(_q8_kernel(q, None), "MoeParams") for q in Q8_TYPES]
+        + [KernelSpec(_q8_moe_glu_kernel(q), "MoeParams") for q in Q8_TYPES]
         + [KernelSpec(f"moe_down<{q}>", "MoeParams") for q in QTYPES]
         + [KernelSpec("moe_route_pack", "RouteParams"), KernelSpec("moe_count_experts", "RouteParams")]
     ),
@@ -391,8 +399,8 @@ class DmmvDispatch(Dispatch):
     allocates or reads device memory (the MoE error flag is allocated on first use: make one MoE
     call before capturing a graph).
 
-    ``int8`` (default True) sends ``dmmv``, ``dmmv_pair``, ``dmmv_glu`` and ``moe_dmmv`` without GLU
-    of the ``Q8_TYPES`` through the int8 path (x rounded to 8 bits per 32 elements, ``__dp4a``); False keeps every call on the
+    ``int8`` (default True) sends ``dmmv``, ``dmmv_pair``, ``dmmv_glu`` and ``moe_dmmv`` of the
+    ``Q8_TYPES`` through the int8 path (x rounded to 8 bits per 32 elements, ``__dp4a``); False keeps every call on the
     f32 path (x exact, the error only the f32 rounding of the sums). The attribute may be changed
     between calls.
 
@@ -528,11 +536,12 @@ class DmmvDispatch(Dispatch):
         self._resident[key] = plan
         return plan or None
 
-    def _q8_plan_glu(self, kernel: str, qt: int, nc: int, k: int, m: int):
-        """_q8_plan for dmmv_q8_two's GLU form, whose blocks also keep 2 nc floats per output in
-        shared memory: (warps, dynamic shared memory, resident blocks) with that included for the
-        ceil(m / resident) outputs of the fullest block, or None. Cached per (kernel, k, m)."""
-        key = (self._two.family.name, kernel, k, m)
+    def _q8_plan_glu(self, unit: Dispatch, kernel: str, qt: int, nc: int, k: int, m: int, slots: int = 1):
+        """_q8_plan for the GLU forms of the int8 path (dmmv_q8_two, moe_dmmv_q8_glu), whose blocks
+        also keep 2 nc floats per output in shared memory: (warps, dynamic shared memory, resident
+        blocks) with that included for the outputs of the fullest block (ceil(m / blocks per
+        slot), the resident blocks shared by ``slots``), or None. Cached per (kernel, k, m, slots)."""
+        key = (unit.family.name, kernel, k, m, slots)
         got = self._resident.get(key)
         if got is not None:
             return got or None
@@ -543,12 +552,12 @@ class DmmvDispatch(Dispatch):
             base = _q8_smem(qt, nw, nc, k)
             for per_sm in range(min(_Q8_MAX_WARPS // nw, (limit + 1024) // (base + 1024)), 0, -1):
                 resident = self.sm_count() * per_sm
-                smem = base + (8 * nc * -(-m // resident) + 15) // 16 * 16
+                smem = base + (8 * nc * -(-m // max(1, resident // slots)) + 15) // 16 * 16
                 if smem <= limit and per_sm <= (limit + 1024) // (smem + 1024):
                     plan = (nw, smem, resident)
                     break
             if plan:
-                self._two._function(kernel, plan[1])
+                unit._function(kernel, plan[1])
                 break
         self._resident[key] = plan
         return plan or None
@@ -740,7 +749,7 @@ class DmmvDispatch(Dispatch):
         for c0, width in self._chunks(n):
             xs, ys = (x, y) if n == 1 else (x[c0:], y[c0:])
             q8 = _q8_two_kernel(wg.qtype, width, True) if self._int8(wg) else ""
-            plan = self._q8_plan_glu(q8, wg.qtype, width, wg.k, wg.m) if q8 else None
+            plan = self._q8_plan_glu(self._two, q8, wg.qtype, width, wg.k, wg.m) if q8 else None
             if plan:
                 qw, smem, resident = plan
                 grid = _q8_blocks(wg.m, resident)
@@ -793,7 +802,9 @@ class DmmvDispatch(Dispatch):
                  w_up: QWeight | None = None, act: str = "swiglu", alpha: float = 1.0, stream=None) -> cupy.ndarray:
         """For every token t and slot j: ``y[t, j] = alpha * W[ids[t, j]] x[t]`` (x [n_tokens, k]) or
         ``... x[t, j]`` (x [n_tokens, top_k, k]); with ``w_up``, ``act(Wg x) * (Wu x)``. All slots in one
-        launch; expert ids are read on the device (out of range: zeros and the error flag).
+        launch; expert ids are read on the device (out of range: zeros and the error flag). On the
+        int8 path a block quantizes its slot's x and streams rows of the slot's expert (with GLU its
+        outputs' gate and up rows as one sequence, as :meth:`dmmv_glu`).
 
         w (, w_up): expert QWeight [n_experts, m, k]; ids: [n_tokens, top_k] int32; y: [n_tokens, top_k, m]."""
         w, n_tokens, top_k, per_slot = self._moe_inputs(w, w_up, x, ids, act)
@@ -803,13 +814,20 @@ class DmmvDispatch(Dispatch):
             raise ValueError(f"moe_dmmv: at most 65535 slots per launch, got {n_slots} (use moe_dmmv_packed)")
         params = self._moe_params(w, w2=w_up, top_k=top_k, n_slots=n_slots, x_per_slot=per_slot,
                                   act=_ACTS[act], alpha=alpha)
-        q8 = _q8_kernel(w.qtype, None) if self._int8(w) and w_up is None else ""
-        plan = self._q8_plan(self._moe, q8, w.qtype, 1, w.k) if q8 else None
+        if self._int8(w) and w_up is None:
+            q8 = _q8_kernel(w.qtype, None)
+            plan = self._q8_plan(self._moe, q8, w.qtype, 1, w.k)
+            args = (y, self.error_flag, w.buf, x, ids)
+        elif self._int8(w):
+            q8 = _q8_moe_glu_kernel(w.qtype)
+            plan = self._q8_plan_glu(self._moe, q8, w.qtype, 1, w.k, w.m, n_slots)
+            args = (y, self.error_flag, w.buf, w_up.buf, x, ids)
+        else:
+            plan = None
         if plan:
             qw, smem, resident = plan
             per_slot_blocks = _q8_blocks(w.m, resident // n_slots)
-            self._moe._launch(q8, (per_slot_blocks, n_slots), qw * 32, (y, self.error_flag, w.buf, x, ids), params,
-                              stream=stream, shared_mem=smem)
+            self._moe._launch(q8, (per_slot_blocks, n_slots), qw * 32, args, params, stream=stream, shared_mem=smem)
             return y
         glu = "true" if w_up is not None else "false"
         self._moe._launch(f"moe_dmmv<{w.qtype}, {glu}>", (-(-w.m // _ROWS), n_slots), _warps(w.k) * 32,

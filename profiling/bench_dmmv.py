@@ -85,6 +85,7 @@ def _peer_gemv_us(m: int, k: int) -> float | None:
 def bench(quick: bool = False) -> tuple[list, object]:
     d = DmmvDispatch()
     d_pdl = DmmvDispatch(pdl=True)  # "pdl" rows: each launch overlaps the previous one's tail
+    d_f32 = DmmvDispatch(int8=False)  # the f32 path, the peer of the fused rows it used to run
     ceil = measure_ceilings()
     rows: list[Row] = []
     shapes = [(14336, 4096), (4096, 14336)] if quick else SHAPES
@@ -158,7 +159,6 @@ def bench(quick: bool = False) -> tuple[list, object]:
     # fused gate + up + SwiGLU (two matrices, one input): the int8 path (dmmv_q8_two) against the
     # f32 path's fused kernel (DmmvDispatch(int8=False), what dmmv_glu ran before 2026-11-25)
     m, k = 14336, 4096
-    d_f32 = DmmvDispatch(int8=False)
     for name in (["Q4_K", "MXFP4"] if quick else ["Q4_K", "Q8_0", "Q6_K", "MXFP4"]):
         qt = qtype_id(name)
         (sets, nxt), wbytes = _weights(qt, m, k)
@@ -185,6 +185,15 @@ def bench(quick: bool = False) -> tuple[list, object]:
         y = cupy.empty((1, top_k, m), cupy.float32)
         us = time_graph_us(lambda: d.moe_dmmv(w, x, ids(), y))
         row(f"moe_dmmv {name} top{top_k}/{n_e}", f"{m}x{k}", us, top_k * ebytes + 4 * (k + top_k * m))
+        # gate + up + SwiGLU of the same slots: the int8 path (moe_dmmv_q8_glu) against the f32 path's
+        # fused kernel (DmmvDispatch(int8=False), what moe_dmmv with w_up ran before 2026-11-25)
+        wu, _ = _moe_weight(qt, n_e, m, k)
+        nbytes = 2 * top_k * ebytes + 4 * (k + top_k * m)
+        f32_us = time_graph_us(lambda: d_f32.moe_dmmv(w, x, ids(), y, w_up=wu))
+        row(f"moe_dmmv glu {name} f32 path", f"2x{m}x{k}", f32_us, nbytes)
+        us = time_graph_us(lambda: d.moe_dmmv(w, x, ids(), y, w_up=wu))
+        row(f"moe_dmmv glu {name}", f"2x{m}x{k}", us, nbytes, f32_us, peer="f32-path moe_dmmv glu")
+        del wu
         h = cupy.random.standard_normal((1, top_k, k), dtype=cupy.float32)
         wts = cupy.full((1, top_k), 0.125, cupy.float32)
         yd = cupy.empty((1, m), cupy.float32)

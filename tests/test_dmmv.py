@@ -187,7 +187,7 @@ def test_two_matrix_int8_host_path(monkeypatch):
     assert [c[0] for c in calls] == [D._q8_two_kernel(q, n, True) for n in (8, 2, 1)]
     for kernel, grid, smem, args in calls:
         nc = int(kernel.split(", ")[1])
-        nw, plan_smem, resident = d._resident[("dmmv_two", kernel, k, 14336)]
+        nw, plan_smem, resident = d._resident[("dmmv_two", kernel, k, 14336, 1)]
         assert grid[0] == D._q8_blocks(14336, resident) and int(args[-1]["mode"]) == 1
         assert smem == plan_smem >= D._q8_smem(q, nw, nc, k) + 8 * nc * -(-14336 // resident)
         assert smem <= d.max_shared_optin()
@@ -380,7 +380,7 @@ def test_q8_two_rows_split_between_warps(d, rng, q):
     x = _x(rng, 2, k)
     for nc, nw, resident in ((1, 8, 1), (2, 4, 3), (1, 2, 2)):
         kern = D._q8_two_kernel(q, nc, True)
-        key = ("dmmv_two", kern, k, 7)
+        key = ("dmmv_two", kern, k, 7, 1)
         saved = d._resident.get(key)
         smem = D._q8_smem(q, nw, nc, k) + (8 * nc * -(-7 // resident) + 15) // 16 * 16
         d._resident[key] = (nw, smem, resident)
@@ -469,17 +469,21 @@ def _ids(rng, T, top_k, n_e):
 @pytest.mark.gpu
 @pytest.mark.parametrize("q", TYPES, ids=NAMES.get)
 def test_moe_dmmv(d, rng, q):
-    n_e, m, k, T, top_k = 6, 7, _ks(q)[1], 3, 2
-    w, dense = _weight(q, m, k, rng, n_experts=n_e)
-    wu, dense_u = _weight(q, m, k, rng, n_experts=n_e)
-    ids = _ids(rng, T, top_k, n_e)
-    for x in (_x(rng, T, k), _x(rng, T, top_k, k)):
-        y = poison(cupy.empty((T, top_k, m), cupy.float32))
-        d.moe_dmmv(w, cupy.asarray(x), cupy.asarray(ids), y)
-        _check_q(y, q, lambda v: ref.moe(dense, v, ids), x)
-        y = poison(cupy.empty((T, top_k, m), cupy.float32))
-        d.moe_dmmv(w, cupy.asarray(x), cupy.asarray(ids), y, w_up=wu, act="swiglu")
-        _check(y, ref.moe(dense, x, ids, w_up=dense_u, act="swiglu"))
+    """Every slot's expert matvec, with and without GLU (int8 path: moe_dmmv_q8 / moe_dmmv_q8_glu): a few
+    rows, and rows enough for several blocks per slot (ragged); x per token and per slot."""
+    k = _ks(q)[1]
+    for n_e, m, T, top_k in ((6, 7, 3, 2), (5, 301, 2, 3)):
+        w, dense = _weight(q, m, k, rng, n_experts=n_e)
+        wu, dense_u = _weight(q, m, k, rng, n_experts=n_e)
+        ids = _ids(rng, T, top_k, n_e)
+        for x in (_x(rng, T, k), _x(rng, T, top_k, k)):
+            y = poison(cupy.empty((T, top_k, m), cupy.float32))
+            d.moe_dmmv(w, cupy.asarray(x), cupy.asarray(ids), y)
+            _check_q(y, q, lambda v, dense=dense, ids=ids: ref.moe(dense, v, ids), x, f"{m} rows")
+            y = poison(cupy.empty((T, top_k, m), cupy.float32))
+            d.moe_dmmv(w, cupy.asarray(x), cupy.asarray(ids), y, w_up=wu, act="swiglu", alpha=0.5)
+            _check_q(y, q, lambda v, dense=dense, dense_u=dense_u, ids=ids:
+                     0.5 * ref.moe(dense, v, ids, w_up=dense_u, act="swiglu"), x, f"{m} rows glu", bound=Q8_NMSE_GLU)
     d.check_errors()
 
 

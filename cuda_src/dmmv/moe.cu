@@ -6,6 +6,7 @@
 //   moe_dmmv          every (token, slot) in one launch: y[slot] = W[ids[slot]] x[token or slot]
 //                     (optionally gate + up + activation fused, as dmmv_glu)
 //   moe_dmmv_q8       as moe_dmmv without GLU, on the int8 path of the quantized types (q8.cuh)
+//   moe_dmmv_q8_glu   as moe_dmmv with GLU, on the int8 path
 //   moe_route_pack    groups the slots by expert: counts, offsets, packed slot ids and a list of
 //                     work items (expert, first packed slot, n <= kPackCols); count on the device
 //   moe_count_experts per-expert slot counts only
@@ -93,6 +94,53 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) moe_dmmv_q8(
             __syncthreads();
         },
         [&](uint32_t j, const float (&v)[1]) { out[j] = p.alpha * v[0]; });
+}
+
+// moe_dmmv_q8 with GLU: y[slot] = alpha * act(Wg[e] x) * (Wu[e] x), e = ids[slot]. Block b of a slot
+// takes outputs [b m / G, (b + 1) m / G) and streams their gate and up rows of expert e as one row
+// sequence (local row 2i: gate row i, 2i + 1: up row i), as dmmv_q8_two does for dmmv_glu; the two
+// dot products of an output meet in shared memory after x (2 floats per output: the host adds them
+// to the dynamic size). Dynamic shared memory: q8::smem_bytes<QT, LU, ST>(nw, 1, k) + 8 * outputs.
+template <int QT, int LU, int ST, bool BULK>
+__global__ void __launch_bounds__(q8::kMaxWarps * 32) moe_dmmv_q8_glu(
+    float* __restrict__ y,            // [n_slots, m] out
+    int* __restrict__ err,            // [1] error bits, or-ed in
+    const uint8_t* __restrict__ w,    // gate expert weights
+    const uint8_t* __restrict__ w2,   // up expert weights, same type, shape and expert stride
+    const float* __restrict__ x,      // [n_slots or n_tokens, k] f32 (x_per_slot)
+    const int* __restrict__ ids,      // [n_slots] expert of each slot (token-major)
+    const MoeParams p) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    const int nw = blockDim.x / 32;
+    const uint32_t slot = blockIdx.y;
+    const q8::Share rows(p.m, blockIdx.x, gridDim.x);  // this block's outputs [r0, r0 + n_out)
+    const uint32_t r0 = rows.begin, n_out = rows.end - rows.begin;
+    const uint32_t x_end = q8::smem_bytes<QT, LU, ST>(nw, 1, p.k);
+    if (x_end + 8u * n_out > q8::dynamic_smem_bytes()) __trap();  // a launcher bug
+    float* out = y + (size_t)slot * p.m + r0;
+    const int e = ids[slot];
+    if (!expert_ok(e, p)) {
+        for (uint32_t r = threadIdx.x; r < n_out; r += blockDim.x) out[r] = 0.0f;
+        if (threadIdx.x == 0 && blockIdx.x == 0) atomicOr(err, kErrExpertId);
+        return;
+    }
+    const q8::Smem<QT, LU, ST, 1> sm(smem, nw, p.k);
+    float* dots = reinterpret_cast<float*>(smem + x_end);  // [2 n_out]
+    const uint8_t* const gate = w + p.w_offset + (size_t)e * p.expert_bytes;
+    const uint8_t* const up = w2 + p.w2_offset + (size_t)e * p.expert_bytes;
+    const size_t mat_bytes = (size_t)p.m * p.row_bytes;
+    const float* xs = x + (size_t)(p.x_per_slot ? slot : slot / p.top_k) * p.k;
+    q8::block_rows<QT, 1, LU, ST, BULK>(
+        sm, 2 * n_out, [&](uint32_t j) { return (j & 1 ? up : gate) + (size_t)(r0 + j / 2) * p.row_bytes; },
+        (uint32_t)p.row_bytes, [&](uint32_t j) { return (j & 1 ? up : gate) + mat_bytes; }, p.k, [] {},
+        [&] {
+            q8::quantize_x<q8::x_interleaved<QT>()>(xs, p.k, sm.xq, sm.xi);
+            __syncthreads();
+        },
+        [&](uint32_t j, const float (&v)[1]) { dots[j] = v[0]; });
+    __syncthreads();  // every row's dot product is in shared memory
+    for (uint32_t i = threadIdx.x; i < n_out; i += blockDim.x)
+        out[i] = p.alpha * (glu_act(p.act, dots[2 * i]) * dots[2 * i + 1]);
 }
 
 // grid: (ceil(m / kRows), n_tokens); block: NW warps
