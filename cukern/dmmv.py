@@ -804,7 +804,8 @@ class DmmvDispatch(Dispatch):
         ``... x[t, j]`` (x [n_tokens, top_k, k]); with ``w_up``, ``act(Wg x) * (Wu x)``. All slots in one
         launch; expert ids are read on the device (out of range: zeros and the error flag). On the
         int8 path a block quantizes its slot's x and streams rows of the slot's expert (with GLU its
-        outputs' gate and up rows as one sequence, as :meth:`dmmv_glu`).
+        outputs' gate and up rows as one sequence, as :meth:`dmmv_glu`; H100, top-8 of 128 Q4_K
+        experts of 2x2048x7168: 52.9 us, 84% of copy, where the f32 path takes 111.9 us).
 
         w (, w_up): expert QWeight [n_experts, m, k]; ids: [n_tokens, top_k] int32; y: [n_tokens, top_k, m]."""
         w, n_tokens, top_k, per_slot = self._moe_inputs(w, w_up, x, ids, act)
