@@ -61,8 +61,8 @@ _ONE_COL = {0: (2, 1), 1: (2, 1), 30: (2, 1), 2: (4, 0), 6: (4, 0), 8: (2, 0), 3
 
 # The int8 path (cuda_src/dmmv/q8.cuh): x quantized per block to Q8_1-style int8, __dp4a dot products.
 # It serves dmmv (every column count, every epilogue), dmmv_pair, dmmv_glu (dmmv_q8_two) and moe_dmmv
-# (moe_dmmv_q8, with GLU moe_dmmv_q8_glu) for these types; the f32 path serves the float types, packed
-# MoE and moe_down.
+# (moe_dmmv_q8, with GLU moe_dmmv_q8_glu) and moe_down (moe_down_q8, top_k <= 16) for these types; the
+# f32 path serves the float types and packed MoE.
 # Accuracy: exact W . x^ with
 # x^ = x rounded per 32 elements to 8 bits (cukern.reference.dmmv.quantize_q8), NMSE ~3e-5 against x.
 Q8_TYPES = (2, 6, 8, 39, 12, 13, 14)
@@ -127,6 +127,15 @@ def _q8_moe_glu_kernel(qt: int) -> str:
     return f"moe_dmmv_q8_glu<{qt}, {lu}, {st}, {'true' if bulk else 'false'}>"
 
 
+def _q8_down_kernel(qt: int) -> str:
+    """moe_down_q8<...>: moe_down on the int8 path."""
+    lu, st, bulk = _Q8_CONFIG[qt]
+    return f"moe_down_q8<{qt}, {lu}, {st}, {'true' if bulk else 'false'}>"
+
+
+_Q8_MAX_TOP_K = 16  # moe_down_q8's kMaxTopK (more slots per token: the f32 path)
+
+
 def _q8_kernel(qt: int, nc: int | None, cfg=None, *, pq: bool = False) -> str:
     """dmmv_q8<...> (nc columns; pq: on pre-quantized x) or, with nc None, moe_dmmv_q8<...>."""
     lu, st, bulk = cfg or _Q8_CONFIG[qt]
@@ -187,6 +196,7 @@ MOE_FAMILY = FamilySpec(
         [KernelSpec(f"moe_dmmv<{q}, {g}>", "MoeParams") for q in QTYPES for g in ("false", "true")]
         + [KernelSpec(_q8_kernel(q, None), "MoeParams") for q in Q8_TYPES]
         + [KernelSpec(_q8_moe_glu_kernel(q), "MoeParams") for q in Q8_TYPES]
+        + [KernelSpec(_q8_down_kernel(q), "MoeParams") for q in Q8_TYPES]
         + [KernelSpec(f"moe_down<{q}>", "MoeParams") for q in QTYPES]
         + [KernelSpec("moe_route_pack", "RouteParams"), KernelSpec("moe_count_experts", "RouteParams")]
     ),
@@ -399,8 +409,8 @@ class DmmvDispatch(Dispatch):
     allocates or reads device memory (the MoE error flag is allocated on first use: make one MoE
     call before capturing a graph).
 
-    ``int8`` (default True) sends ``dmmv``, ``dmmv_pair``, ``dmmv_glu`` and ``moe_dmmv`` of the
-    ``Q8_TYPES`` through the int8 path (x rounded to 8 bits per 32 elements, ``__dp4a``); False keeps every call on the
+    ``int8`` (default True) sends ``dmmv``, ``dmmv_pair``, ``dmmv_glu``, ``moe_dmmv`` and ``moe_down``
+    of the ``Q8_TYPES`` through the int8 path (x rounded to 8 bits per 32 elements, ``__dp4a``); False keeps every call on the
     f32 path (x exact, the error only the f32 rounding of the sums). The attribute may be changed
     between calls.
 
@@ -536,23 +546,28 @@ class DmmvDispatch(Dispatch):
         self._resident[key] = plan
         return plan or None
 
-    def _q8_plan_glu(self, unit: Dispatch, kernel: str, qt: int, nc: int, k: int, m: int, slots: int = 1):
-        """_q8_plan for the GLU forms of the int8 path (dmmv_q8_two, moe_dmmv_q8_glu), whose blocks
-        also keep 2 nc floats per output in shared memory: (warps, dynamic shared memory, resident
-        blocks) with that included for the outputs of the fullest block (ceil(m / blocks per
-        slot), the resident blocks shared by ``slots``), or None. Cached per (kernel, k, m, slots)."""
+    def _q8_plan_dots(self, unit: Dispatch, kernel: str, qt: int, nc: int, k: int, m: int, slots: int = 1, *,
+                      per_output: int | None = None, x_cols: int | None = None):
+        """_q8_plan for the int8 kernels that keep their dot products in shared memory until the
+        block's barrier (dmmv_q8_two's GLU, moe_dmmv_q8_glu: 2 nc floats per output; moe_down_q8:
+        top_k, ``per_output``) and may hold more quantized x columns than nc (moe_down_q8: top_k,
+        ``x_cols``): (warps, dynamic shared memory, resident blocks) with those included for the
+        outputs of the fullest block (ceil(m / blocks per slot), the resident blocks shared by
+        ``slots``), or None. Cached per (kernel, k, m, slots)."""
         key = (unit.family.name, kernel, k, m, slots)
         got = self._resident.get(key)
         if got is not None:
             return got or None
         limit = self.max_shared_optin()
+        per_output = 2 * nc if per_output is None else per_output
+        extra_x = ((x_cols or nc) - nc) * (k + k // 4)
         plan = ()
         first = _Q8_MAX_WARPS // 2 if k <= _Q8_SPLIT_K else _Q8_MAX_WARPS
         for nw in (first, first // 2, first // 4, first // 8):
-            base = _q8_smem(qt, nw, nc, k)
+            base = _q8_smem(qt, nw, nc, k) + extra_x
             for per_sm in range(min(_Q8_MAX_WARPS // nw, (limit + 1024) // (base + 1024)), 0, -1):
                 resident = self.sm_count() * per_sm
-                smem = base + (8 * nc * -(-m // max(1, resident // slots)) + 15) // 16 * 16
+                smem = base + (4 * per_output * -(-m // max(1, resident // slots)) + 15) // 16 * 16
                 if smem <= limit and per_sm <= (limit + 1024) // (smem + 1024):
                     plan = (nw, smem, resident)
                     break
@@ -749,7 +764,7 @@ class DmmvDispatch(Dispatch):
         for c0, width in self._chunks(n):
             xs, ys = (x, y) if n == 1 else (x[c0:], y[c0:])
             q8 = _q8_two_kernel(wg.qtype, width, True) if self._int8(wg) else ""
-            plan = self._q8_plan_glu(self._two, q8, wg.qtype, width, wg.k, wg.m) if q8 else None
+            plan = self._q8_plan_dots(self._two, q8, wg.qtype, width, wg.k, wg.m) if q8 else None
             if plan:
                 qw, smem, resident = plan
                 grid = _q8_blocks(wg.m, resident)
@@ -821,7 +836,7 @@ class DmmvDispatch(Dispatch):
             args = (y, self.error_flag, w.buf, x, ids)
         elif self._int8(w):
             q8 = _q8_moe_glu_kernel(w.qtype)
-            plan = self._q8_plan_glu(self._moe, q8, w.qtype, 1, w.k, w.m, n_slots)
+            plan = self._q8_plan_dots(self._moe, q8, w.qtype, 1, w.k, w.m, n_slots)
             args = (y, self.error_flag, w.buf, w_up.buf, x, ids)
         else:
             plan = None
@@ -904,7 +919,9 @@ class DmmvDispatch(Dispatch):
                  accumulate: bool = False, alpha: float = 1.0, stream=None) -> cupy.ndarray:
         """``y[t] (+)= alpha * sum_j weights[t, j] * W[ids[t, j]] h[t, j]``: the MoE down projection and the
         weighted sum over each token's experts in one launch (no atomics; an out-of-range id drops its term
-        and sets the error flag).
+        and sets the error flag). On the int8 path (top_k <= 16) a block quantizes the h of each of its
+        token's slots, streams its outputs' rows of every slot's expert as one sequence and sums the
+        dot products over the slots in slot order.
 
         w: expert QWeight [n_experts, m, k]; h: [n_tokens, top_k, k]; ids: [n_tokens, top_k] int32;
         weights: [n_tokens, top_k] f32; y: [n_tokens, m]."""
@@ -918,6 +935,14 @@ class DmmvDispatch(Dispatch):
         check_array("y", y, dtype=_F32, shape=(n_tokens, w.m))
         params = self._moe_params(w, top_k=top_k, n_slots=n_tokens * top_k, x_per_slot=True,
                                   mode=1 if accumulate else 0, alpha=alpha)
+        if self._int8(w) and top_k <= _Q8_MAX_TOP_K:
+            q8 = _q8_down_kernel(w.qtype)
+            plan = self._q8_plan_dots(self._moe, q8, w.qtype, 1, w.k, w.m, n_tokens, per_output=top_k, x_cols=top_k)
+            if plan:
+                qw, smem, resident = plan
+                self._moe._launch(q8, (_q8_blocks(w.m, resident // n_tokens), n_tokens), qw * 32,
+                                  (y, self.error_flag, w.buf, h, ids, weights), params, stream=stream, shared_mem=smem)
+                return y
         self._moe._launch(f"moe_down<{w.qtype}>", (-(-w.m // _ROWS), n_tokens), _warps(w.k) * 32,
                           (y, self.error_flag, w.buf, h, ids, weights), params, stream=stream)
         return y

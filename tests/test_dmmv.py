@@ -91,6 +91,8 @@ def test_families_declared():
             assert D._kernel(q, n) in names and f"dmmv_glu<{q}, {n}>" in names
         assert f"moe_down<{q}>" in names and f"dequantize<{q}>" in names
     for q in D.Q8_TYPES:
+        assert D._q8_moe_glu_kernel(q) in names and D._q8_down_kernel(q) in names
+    for q in D.Q8_TYPES:
         assert D._q8_kernel(q, None) in names and all(D._q8_kernel(q, n) in names for n in (1, 2, 4, 8))
         assert all(D._q8_kernel(q, n, pq=True) in names for n in (1, 2, 4, 8))
         assert all(D._q8_two_kernel(q, n, g) in names for n in (1, 2, 4, 8) for g in (False, True))
@@ -563,6 +565,13 @@ def test_f32_path_of_int8_types(rng, q):
     y = poison(cupy.empty((T, top_k, m), cupy.float32))
     d32.moe_dmmv(w, cupy.asarray(x), cupy.asarray(ids), y)
     _check(y, ref.moe(dense, x, ids))
+    d32.moe_dmmv(w, cupy.asarray(x), cupy.asarray(ids), y, w_up=w, act="geglu")
+    _check(y, ref.moe(dense, x, ids, w_up=dense, act="geglu"), "glu")
+    h = _x(rng, T, top_k, k)
+    wts = rng.uniform(0, 1, (T, top_k)).astype(np.float32)
+    yd = poison(cupy.empty((T, m), cupy.float32))
+    d32.moe_down(w, cupy.asarray(h), cupy.asarray(ids), cupy.asarray(wts), yd)
+    _check(yd, ref.moe_down(dense, h, ids, wts), "down")
     d32.check_errors()
 
 
@@ -599,20 +608,35 @@ def test_moe_packed_and_route(d, rng, q):
 @pytest.mark.gpu
 @pytest.mark.parametrize("q", TYPES, ids=NAMES.get)
 def test_moe_down(d, rng, q):
-    n_e, m, k, T, top_k = 6, 10, _ks(q)[1], 2, 4
-    w, dense = _weight(q, m, k, rng, n_experts=n_e)
-    ids = _ids(rng, T, top_k, n_e)
-    h = _x(rng, T, top_k, k)
-    wts = rng.uniform(0, 1, (T, top_k)).astype(np.float32)
-    y = poison(cupy.empty((T, m), cupy.float32))
-    d.moe_down(w, cupy.asarray(h), cupy.asarray(ids), cupy.asarray(wts), y)
-    want = ref.moe_down(dense, h, ids, wts)
-    _check(y, want)
-    y0 = _x(rng, T, m)
-    y = cupy.asarray(y0)
-    d.moe_down(w, cupy.asarray(h), cupy.asarray(ids), cupy.asarray(wts), y, accumulate=True)
-    _check(y, y0 + want)
+    """y[t] (+)= sum_j weights[t, j] W[ids[t, j]] h[t, j] (int8 path: moe_down_q8): a few rows, rows enough
+    for several blocks per token (ragged), the accumulate epilogue with alpha; a token whose ids are all
+    out of range gets an empty sum (0; accumulate: y unchanged) and the error flag."""
+    for n_e, m, T, top_k in ((6, 10, 2, 4), (5, 301, 3, 3)):
+        k = _ks(q)[1]
+        w, dense = _weight(q, m, k, rng, n_experts=n_e)
+        ids = _ids(rng, T, top_k, n_e)
+        h = _x(rng, T, top_k, k)
+        wts = rng.uniform(0, 1, (T, top_k)).astype(np.float32)
+        y = poison(cupy.empty((T, m), cupy.float32))
+        d.moe_down(w, cupy.asarray(h), cupy.asarray(ids), cupy.asarray(wts), y)
+        def f(v, dense=dense, ids=ids, wts=wts):
+            return ref.moe_down(dense, v, ids, wts)
+        _check_q(y, q, f, h, f"{m} rows")
+        y0 = _x(rng, T, m)
+        y = cupy.asarray(y0)
+        d.moe_down(w, cupy.asarray(h), cupy.asarray(ids), cupy.asarray(wts), y, accumulate=True, alpha=-1.5)
+        _check(y, y0 - 1.5 * f(_xhat(q, h)), f"{m} rows accumulate")
     d.check_errors()
+    bad = np.full((T, top_k), -1, np.int32)
+    bad[1] = ids[1]
+    y = poison(cupy.empty((T, m), cupy.float32))
+    d.moe_down(w, cupy.asarray(h), cupy.asarray(bad), cupy.asarray(wts), y)
+    _check(y, ref.moe_down(dense, _xhat(q, h), bad, wts), "invalid ids")
+    y = cupy.asarray(y0)
+    d.moe_down(w, cupy.asarray(h), cupy.asarray(bad), cupy.asarray(wts), y, accumulate=True)
+    _check(y, y0 + ref.moe_down(dense, _xhat(q, h), bad, wts), "invalid ids, accumulate")
+    with pytest.raises(DeviceError, match="expert id"):
+        d.check_errors()
 
 
 @pytest.mark.gpu
@@ -640,7 +664,7 @@ def test_moe_bad_expert_ids_are_flagged_and_zeroed(d, rng):
     wts = np.ones((T, top_k), np.float32)
     y = poison(cupy.empty((T, m), cupy.float32))
     d.moe_down(w, cupy.asarray(h), cupy.asarray(ids), cupy.asarray(wts), y)
-    _check(y, ref.moe_down(dense, h, ids, wts))
+    _check(y, ref.moe_down(dense, _xhat(q, h), ids, wts))
     with pytest.raises(DeviceError):
         d.check_errors()
 

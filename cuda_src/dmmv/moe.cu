@@ -13,6 +13,7 @@
 //   moe_dmmv_packed   (moe_packed.cu, its own unit) one block per (row block, work item)
 //   moe_down          y[t] (+)= sum_k weight[t, k] * W[ids[t, k]] h[t, k]: the down projection
 //                     and the weighted sum over the token's experts in one pass, no atomics
+//   moe_down_q8       as moe_down, on the int8 path
 //
 // An expert id outside [0, n_experts) is never dereferenced: its outputs are written as zeros
 // (moe_down: its term is dropped) and bit 0 of err[0] is set; DmmvDispatch.check_errors()
@@ -179,6 +180,82 @@ __global__ void __launch_bounds__(kMaxWarps * 32) moe_down(
     if (threadIdx.x < kRows && row0 + threadIdx.x < p.m) {
         float* out = y + (size_t)t * p.m + row0 + threadIdx.x;
         const float v = p.alpha * red[threadIdx.x];
+        *out = p.mode == 0 ? v : *out + v;
+    }
+}
+
+// moe_down on the int8 path. grid: (blocks per token, n_tokens), sized by the host to the resident
+// blocks. Block b of token t takes outputs [b m / G, (b + 1) m / G): it quantizes the h of each of
+// the token's slots with a valid expert id (n_valid <= kMaxTopK) into shared memory, streams the rows
+// of those outputs for every such slot as one row sequence (slot-major: local row v is output
+// v % n_out of valid slot v / n_out, dotted with that slot's x^), keeps the dot products in shared
+// memory, and sums them over the slots in slot order after the block's last barrier (no atomics).
+// Dynamic shared memory: q8::smem_bytes<QT, LU, ST>(nw, 1, k) + (top_k - 1) (k + k / 4) x bytes
+// + 4 top_k outputs (the host's _q8_down_smem).
+constexpr int kMaxTopK = 16;
+template <int QT, int LU, int ST, bool BULK>
+__global__ void __launch_bounds__(q8::kMaxWarps * 32) moe_down_q8(
+    float* __restrict__ y,               // [n_tokens, m] out (mode 0) or accumulated into (mode 1)
+    int* __restrict__ err,               // [1] error bits, or-ed in
+    const uint8_t* __restrict__ w,       // down-projection experts
+    const float* __restrict__ h,         // [n_slots, k] f32: the activated expert outputs
+    const int* __restrict__ ids,         // [n_tokens, top_k] expert ids
+    const float* __restrict__ weights,   // [n_tokens, top_k] routing weights
+    const MoeParams p) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    __shared__ int valid[kMaxTopK];  // the token's slots (0 ... top_k - 1) with a valid expert, in order
+    __shared__ int n_valid;
+    const int nw = blockDim.x / 32;
+    const uint32_t t = blockIdx.y;
+    const q8::Share rows(p.m, blockIdx.x, gridDim.x);  // this block's outputs [r0, r0 + n_out)
+    const uint32_t r0 = rows.begin, n_out = rows.end - rows.begin;
+    const uint32_t xb = p.k + p.k / 4;  // shared bytes of one quantized column
+    const uint32_t x_end = q8::smem_bytes<QT, LU, ST>(nw, 1, p.k) + (p.top_k - 1) * xb;
+    if (p.top_k > kMaxTopK || x_end + 4u * p.top_k * n_out > q8::dynamic_smem_bytes()) __trap();  // a launcher bug
+    if (threadIdx.x == 0) {
+        int n = 0;
+        for (uint32_t j = 0; j < p.top_k; ++j) {
+            if (expert_ok(ids[t * p.top_k + j], p)) valid[n++] = (int)j;
+            else if (blockIdx.x == 0) atomicOr(err, kErrExpertId);
+        }
+        n_valid = n;
+    }
+    __syncthreads();
+    const q8::Smem<QT, LU, ST, 1> sm(smem, nw, p.k);
+    int8_t* const xq = sm.xq;                                                  // [top_k][k]
+    q8::XInfo* const xi = reinterpret_cast<q8::XInfo*>(sm.xq + p.top_k * p.k);  // [top_k][k / 32]
+    float* const dots = reinterpret_cast<float*>(smem + x_end);                 // [n_valid][n_out]
+    const uint32_t nv = (uint32_t)n_valid;
+    if (nv == 0) {  // no valid expert: the sum is empty
+        for (uint32_t i = threadIdx.x; i < n_out; i += blockDim.x)
+            if (p.mode == 0) y[(size_t)t * p.m + r0 + i] = 0.0f;
+        return;
+    }
+    const size_t mat_bytes = (size_t)p.m * p.row_bytes;
+    auto expert = [&](uint32_t v) {  // the expert matrix of local row v (block_rows also asks for row nv * n_out)
+        return w + p.w_offset + (size_t)ids[t * p.top_k + valid[min(v / n_out, nv - 1)]] * p.expert_bytes;
+    };
+    q8::block_rows_x<QT, 1, LU, ST, BULK>(
+        sm, nv * n_out, [&](uint32_t v) { return expert(v) + (size_t)(r0 + v % n_out) * p.row_bytes; },
+        (uint32_t)p.row_bytes, [&](uint32_t v) { return expert(v) + mat_bytes; },
+        [&](uint32_t v) {
+            const uint32_t c = min(v / n_out, nv - 1);
+            return q8::XView<1>{xq + (size_t)c * p.k, xi + c * (p.k / 32), p.k};
+        },
+        p.k, [] {},
+        [&] {
+            for (uint32_t c = 0; c < nv; ++c)
+                q8::quantize_x<q8::x_interleaved<QT>()>(h + (size_t)(t * p.top_k + valid[c]) * p.k, p.k,
+                                                        xq + (size_t)c * p.k, xi + c * (p.k / 32));
+            __syncthreads();
+        },
+        [&](uint32_t v, const float (&d)[1]) { dots[v] = d[0]; });
+    __syncthreads();  // every row's dot product is in shared memory
+    for (uint32_t i = threadIdx.x; i < n_out; i += blockDim.x) {
+        float acc = 0.0f;
+        for (uint32_t c = 0; c < nv; ++c) acc += weights[t * p.top_k + valid[c]] * dots[c * n_out + i];
+        float* out = y + (size_t)t * p.m + r0 + i;
+        const float v = p.alpha * acc;
         *out = p.mode == 0 ? v : *out + v;
     }
 }

@@ -514,14 +514,16 @@ struct Share {
 // of the weight matrix that holds local row j (copies stop there: reading past a row end inside the
 // matrix is harmless, past the matrix it may leave the allocation); rows may come from several
 // matrices (dmmv_q8_two interleaves the gate and up rows of dmmv_glu).
-template <int QT, int NC, int LU, int ST, bool BULK, class RowPtr, class End, class Wait, class Prepare, class Store>
-CUKERN_DEVICE void block_rows(const Smem<QT, LU, ST, NC>& sm, uint32_t n_rows, RowPtr row_ptr, uint32_t row_bytes,
-                              End end_of, uint32_t k, Wait wait, Prepare prepare, Store store) {
+// x_of(j): the quantized x that local row j is dotted with (block_rows_x; block_rows: the block's
+// NC columns, sm.xq / sm.xi, for every row; moe_down_q8 gives each slot's rows that slot's x).
+template <int QT, int NC, int LU, int ST, bool BULK, class RowPtr, class End, class XOf, class Wait, class Prepare,
+          class Store>
+CUKERN_DEVICE void block_rows_x(const Smem<QT, LU, ST, NC>& sm, uint32_t n_rows, RowPtr row_ptr, uint32_t row_bytes,
+                                End end_of, XOf x_of, uint32_t k, Wait wait, Prepare prepare, Store store) {
     using U = Unit<QT>;
     using S = Stream<QT, LU, ST>;
     constexpr int BI = S::kIterBytes, SLOT = S::kSlotBytes, kIterUnits = S::kUnits;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
-    const XView<NC> x{sm.xq, sm.xi, k};
     uint8_t* ring = sm.ring(warp);
     uint64_t* bars = sm.bars + warp * ST;
     const uint32_t units = k / kUnitElems;
@@ -579,6 +581,7 @@ CUKERN_DEVICE void block_rows(const Smem<QT, LU, ST, NC>& sm, uint32_t n_rows, R
     float acc[NC] = {};
     // the item being computed: its row j, chunk it, and its first byte's offset in its 16-byte window
     uint32_t j = first_row, it = share.begin % ipr;
+    XView<NC> x = x_of(j);
     size_t cs = reinterpret_cast<size_t>(row_ptr(first_row)) + (size_t)it * BI;
     for (int t = 0; t < total; ++t) {
         __syncwarp();  // every lane is done with slot (t - 1) % ST, which the next copy refills
@@ -621,6 +624,7 @@ CUKERN_DEVICE void block_rows(const Smem<QT, LU, ST, NC>& sm, uint32_t n_rows, R
             if (row_done) {
                 it = 0;
                 cs = reinterpret_cast<size_t>(row_ptr(++j));  // the next row's start
+                x = x_of(j);
             }
         }
     }
@@ -648,6 +652,13 @@ CUKERN_DEVICE void block_rows(const Smem<QT, LU, ST, NC>& sm, uint32_t n_rows, R
             }
         }
     }
+}
+
+template <int QT, int NC, int LU, int ST, bool BULK, class RowPtr, class End, class Wait, class Prepare, class Store>
+CUKERN_DEVICE void block_rows(const Smem<QT, LU, ST, NC>& sm, uint32_t n_rows, RowPtr row_ptr, uint32_t row_bytes,
+                              End end_of, uint32_t k, Wait wait, Prepare prepare, Store store) {
+    block_rows_x<QT, NC, LU, ST, BULK>(sm, n_rows, row_ptr, row_bytes, end_of,
+                                       [&](uint32_t) { return XView<NC>{sm.xq, sm.xi, k}; }, k, wait, prepare, store);
 }
 
 }  // namespace q8
