@@ -197,8 +197,11 @@ def bench(quick: bool = False) -> tuple[list, object]:
         h = cupy.random.standard_normal((1, top_k, k), dtype=cupy.float32)
         wts = cupy.full((1, top_k), 0.125, cupy.float32)
         yd = cupy.empty((1, m), cupy.float32)
+        nbytes = top_k * ebytes + 4 * top_k * (k + 1) + 4 * m
+        f32_us = time_graph_us(lambda: d_f32.moe_down(w, h, ids(), wts, yd))
+        row(f"moe_down {name} top{top_k}/{n_e} f32 path", f"{m}x{k}", f32_us, nbytes)
         us = time_graph_us(lambda: d.moe_down(w, h, ids(), wts, yd))
-        row(f"moe_down {name} top{top_k}/{n_e}", f"{m}x{k}", us, top_k * ebytes + 4 * top_k * (k + 1) + 4 * m)
+        row(f"moe_down {name} top{top_k}/{n_e}", f"{m}x{k}", us, nbytes, f32_us, peer="f32-path moe_down")
         # token-batched: 16 tokens (128 slots) through route packing, weights once per expert chunk
         T = 16
         tid_sets = [cupy.asarray(np.stack([rs.permutation(n_e)[:top_k] for _ in range(T)]).astype(np.int32))
