@@ -562,7 +562,8 @@ class DmmvDispatch(Dispatch):
         per_output = 2 * nc if per_output is None else per_output
         extra_x = ((x_cols or nc) - nc) * (k + k // 4)
         plan = ()
-        first = _Q8_MAX_WARPS // 2 if k <= _Q8_SPLIT_K else _Q8_MAX_WARPS
+        # one block of 32 warps per SM once the x to quantize (all columns: moe_down_q8's top_k) is long
+        first = _Q8_MAX_WARPS // 2 if k * (x_cols or 1) <= _Q8_SPLIT_K else _Q8_MAX_WARPS
         for nw in (first, first // 2, first // 4, first // 8):
             base = _q8_smem(qt, nw, nc, k) + extra_x
             for per_sm in range(min(_Q8_MAX_WARPS // nw, (limit + 1024) // (base + 1024)), 0, -1):
