@@ -190,8 +190,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32) moe_down(
 // of those outputs for every such slot as one row sequence (slot-major: local row v is output
 // v % n_out of valid slot v / n_out, dotted with that slot's x^), keeps the dot products in shared
 // memory, and sums them over the slots in slot order after the block's last barrier (no atomics).
-// Dynamic shared memory: q8::smem_bytes<QT, LU, ST>(nw, 1, k) + (top_k - 1) (k + k / 4) x bytes
-// + 4 top_k outputs (the host's _q8_down_smem).
+// Dynamic shared memory: q8::smem_bytes<QT, LU, ST>(nw, 1, k) + (top_k - 1) (k + k / 4) bytes of x
+// + 4 top_k bytes per output of the block (DmmvDispatch._q8_plan_dots).
 constexpr int kMaxTopK = 16;
 template <int QT, int LU, int ST, bool BULK>
 __global__ void __launch_bounds__(q8::kMaxWarps * 32) moe_down_q8(
