@@ -62,9 +62,8 @@ _ONE_COL = {0: (2, 1), 1: (2, 1), 30: (2, 1), 2: (4, 0), 6: (4, 0), 8: (2, 0), 3
 # The int8 path (cuda_src/dmmv/q8.cuh): x quantized per block to Q8_1-style int8, __dp4a dot products.
 # It serves dmmv (every column count, every epilogue), dmmv_pair, dmmv_glu (dmmv_q8_two) and moe_dmmv
 # (moe_dmmv_q8, with GLU moe_dmmv_q8_glu) and moe_down (moe_down_q8, top_k <= 16) for these types; the
-# f32 path serves the float types and packed MoE.
-# Accuracy: exact W . x^ with
-# x^ = x rounded per 32 elements to 8 bits (cukern.reference.dmmv.quantize_q8), NMSE ~3e-5 against x.
+# f32 path serves the float types and packed MoE. Accuracy: exact W . x^ with x^ = x rounded per 32
+# elements to 8 bits (cukern.reference.dmmv.quantize_q8), NMSE ~3e-5 against x.
 Q8_TYPES = (2, 6, 8, 39, 12, 13, 14)
 _Q8_MAX_WARPS = 32  # q8::kMaxWarps
 _Q8_SPLIT_K = 8192  # k up to which the int8 path runs two blocks of 16 warps per SM (_q8_plan)
@@ -410,9 +409,9 @@ class DmmvDispatch(Dispatch):
     call before capturing a graph).
 
     ``int8`` (default True) sends ``dmmv``, ``dmmv_pair``, ``dmmv_glu``, ``moe_dmmv`` and ``moe_down``
-    of the ``Q8_TYPES`` through the int8 path (x rounded to 8 bits per 32 elements, ``__dp4a``); False keeps every call on the
-    f32 path (x exact, the error only the f32 rounding of the sums). The attribute may be changed
-    between calls.
+    of the ``Q8_TYPES`` through the int8 path (x rounded to 8 bits per 32 elements, ``__dp4a``);
+    False keeps every call on the f32 path (x exact, the error only the f32 rounding of the sums).
+    The attribute may be changed between calls.
 
     ``pdl`` (default False; sm_90+) launches the int8 ``dmmv`` with programmatic dependent launch:
     its blocks start while the previous kernel in the stream finishes and stream their first weight
@@ -438,7 +437,7 @@ class DmmvDispatch(Dispatch):
         self._q8x = _Unit(Q8X_FAMILY, device)
         self._two = _Unit(TWO_FAMILY, device)
         self._err = None
-        self._resident: dict[tuple, tuple] = {}  # (unit, kernel, k) -> _q8_plan
+        self._resident: dict[tuple, tuple] = {}  # (unit, kernel, k[, m, slots]) -> _q8_plan / _q8_plan_dots
 
     # ------------------------------------------------------------------ errors
     @property
@@ -558,7 +557,7 @@ class DmmvDispatch(Dispatch):
         got = self._resident.get(key)
         if got is not None:
             return got or None
-        limit = self.max_shared_optin()
+        limit = self.max_shared_optin() - (128 if x_cols else 0)  # moe_down_q8's static slot list
         per_output = 2 * nc if per_output is None else per_output
         extra_x = ((x_cols or nc) - nc) * (k + k // 4)
         plan = ()
