@@ -114,22 +114,25 @@ def _q8_smem(qt: int, nw: int, nc: int, k: int, cfg=None) -> int:
     return header + nw * st * _q8_slot(qt, lu) + nc * (k + k // 32 * 8)
 
 
+def _q8_stream_args(qt: int, cfg=None) -> str:
+    """The "LU, ST, BULK" template arguments of an int8-path kernel (the type's _Q8_CONFIG)."""
+    lu, st, bulk = cfg or _Q8_CONFIG[qt]
+    return f"{lu}, {st}, {'true' if bulk else 'false'}"
+
+
 def _q8_two_kernel(qt: int, nc: int, glu: bool) -> str:
     """dmmv_q8_two<...>: the int8 path of dmmv_pair (glu False) and dmmv_glu (True), nc columns."""
-    lu, st, bulk = _Q8_CONFIG[qt]
-    return f"dmmv_q8_two<{qt}, {nc}, {lu}, {st}, {'true' if bulk else 'false'}, {'true' if glu else 'false'}>"
+    return f"dmmv_q8_two<{qt}, {nc}, {_q8_stream_args(qt)}, {'true' if glu else 'false'}>"
 
 
 def _q8_moe_glu_kernel(qt: int) -> str:
     """moe_dmmv_q8_glu<...>: moe_dmmv with GLU on the int8 path."""
-    lu, st, bulk = _Q8_CONFIG[qt]
-    return f"moe_dmmv_q8_glu<{qt}, {lu}, {st}, {'true' if bulk else 'false'}>"
+    return f"moe_dmmv_q8_glu<{qt}, {_q8_stream_args(qt)}>"
 
 
 def _q8_down_kernel(qt: int) -> str:
     """moe_down_q8<...>: moe_down on the int8 path."""
-    lu, st, bulk = _Q8_CONFIG[qt]
-    return f"moe_down_q8<{qt}, {lu}, {st}, {'true' if bulk else 'false'}>"
+    return f"moe_down_q8<{qt}, {_q8_stream_args(qt)}>"
 
 
 _Q8_MAX_TOP_K = 16  # moe_down_q8's kMaxTopK (more slots per token: the f32 path)
@@ -137,11 +140,10 @@ _Q8_MAX_TOP_K = 16  # moe_down_q8's kMaxTopK (more slots per token: the f32 path
 
 def _q8_kernel(qt: int, nc: int | None, cfg=None, *, pq: bool = False) -> str:
     """dmmv_q8<...> (nc columns; pq: on pre-quantized x) or, with nc None, moe_dmmv_q8<...>."""
-    lu, st, bulk = cfg or _Q8_CONFIG[qt]
-    bulk = "true" if bulk else "false"
+    args = _q8_stream_args(qt, cfg)
     if nc is None:
-        return f"moe_dmmv_q8<{qt}, {lu}, {st}, {bulk}>"
-    return f"dmmv_q8<{qt}, {nc}, {lu}, {st}, {bulk}" + (", true>" if pq else ">")
+        return f"moe_dmmv_q8<{qt}, {args}>"
+    return f"dmmv_q8<{qt}, {nc}, {args}" + (", true>" if pq else ">")
 
 
 def _q8x_col_bytes(k: int) -> int:
@@ -525,25 +527,8 @@ class DmmvDispatch(Dispatch):
         None when its x does not fit in shared memory (then the f32 path runs). Blocks of 16 warps,
         two per SM, up to k = 8192; beyond, one block of 32 warps per SM, which quantizes the long x
         once instead of twice (fewer warps when NC columns of x crowd shared memory). Cached per
-        (kernel, k)."""
-        key = (unit.family.name, kernel, k)
-        got = self._resident.get(key)
-        if got is not None:
-            return got or None
-        limit = self.max_shared_optin()
-        plan = ()
-        first = _Q8_MAX_WARPS // 2 if k <= _Q8_SPLIT_K else _Q8_MAX_WARPS
-        for nw in (first, first // 2, first // 4, first // 8):
-            smem = _q8_smem(qt, nw, nc, k)  # the type's _Q8_CONFIG
-            if smem <= limit:
-                unit._function(kernel, smem)  # raises the kernel's dynamic shared memory limit
-                # per SM: 32 warps at the 64 registers of __launch_bounds__(1024); shared memory of
-                # the SM = the per-block limit + 1 KB the system reserves per block
-                per_sm = max(1, min(_Q8_MAX_WARPS // nw, (limit + 1024) // (smem + 1024)))
-                plan = (nw, smem, self.sm_count() * per_sm)
-                break
-        self._resident[key] = plan
-        return plan or None
+        (kernel, k). _q8_plan_dots with nothing kept per output."""
+        return self._q8_plan_dots(unit, kernel, qt, nc, k, 0, per_output=0)
 
     def _q8_plan_dots(self, unit: Dispatch, kernel: str, qt: int, nc: int, k: int, m: int, slots: int = 1, *,
                       per_output: int | None = None, x_cols: int | None = None):
@@ -552,13 +537,13 @@ class DmmvDispatch(Dispatch):
         top_k, ``per_output``) and may hold more quantized x columns than nc (moe_down_q8: top_k,
         ``x_cols``): (warps, dynamic shared memory, resident blocks) with those included for the
         outputs of the fullest block (ceil(m / blocks per slot), the resident blocks shared by
-        ``slots``), or None. Cached per (kernel, k, m, slots)."""
-        key = (unit.family.name, kernel, k, m, slots)
+        ``slots``), or None. Cached per (kernel, k), and m and slots where outputs are kept."""
+        per_output = 2 * nc if per_output is None else per_output
+        key = (unit.family.name, kernel, k) + ((m, slots) if per_output else ())
         got = self._resident.get(key)
         if got is not None:
             return got or None
         limit = self.max_shared_optin() - (128 if x_cols else 0)  # moe_down_q8's static slot list
-        per_output = 2 * nc if per_output is None else per_output
         extra_x = ((x_cols or nc) - nc) * (k + k // 4)
         plan = ()
         # one block of 32 warps per SM once the x to quantize (all columns: moe_down_q8's top_k) is long

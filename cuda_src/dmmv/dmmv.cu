@@ -184,15 +184,8 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8_two(
     const uint8_t* const mat2 = w2 + p.w2_offset;
     if (GLU) {
         float* dots = reinterpret_cast<float*>(smem + x_end);  // [2 n_out][NC]
-        const uint8_t* const end1 = mat1 + (size_t)p.m * p.row_bytes;
-        const uint8_t* const end2 = mat2 + (size_t)p.m * p.row_bytes;
-        q8::block_rows<QT, NC, LU, ST, BULK>(
-            sm, 2 * n_out, [&](uint32_t j) { return (j & 1 ? mat2 : mat1) + (size_t)(r0 + j / 2) * p.row_bytes; },
-            (uint32_t)p.row_bytes, [&](uint32_t j) { return j & 1 ? end2 : end1; }, p.k, [] { pdl_wait(); }, prepare,
-            [&](uint32_t j, const float (&v)[NC]) {
-#pragma unroll
-                for (int c = 0; c < NC; ++c) dots[j * NC + c] = v[c];
-            });
+        q8::glu_rows<QT, NC, LU, ST, BULK>(sm, r0, n_out, mat1, mat2, p.row_bytes, p.m, p.k, [] { pdl_wait(); },
+                                           prepare, dots);
         __syncthreads();  // every row's dot products are in shared memory
         for (uint32_t i = threadIdx.x; i < n_out * NC; i += blockDim.x) {
             const uint32_t c = i / n_out, r = i % n_out;

@@ -99,7 +99,7 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) moe_dmmv_q8(
 
 // moe_dmmv_q8 with GLU: y[slot] = alpha * act(Wg[e] x) * (Wu[e] x), e = ids[slot]. Block b of a slot
 // takes outputs [b m / G, (b + 1) m / G) and streams their gate and up rows of expert e as one row
-// sequence (local row 2i: gate row i, 2i + 1: up row i), as dmmv_q8_two does for dmmv_glu; the two
+// sequence (q8::glu_rows, as dmmv_q8_two does for dmmv_glu); the two
 // dot products of an output meet in shared memory after x (2 floats per output: the host adds them
 // to the dynamic size). Dynamic shared memory: q8::smem_bytes<QT, LU, ST>(nw, 1, k) + 8 * outputs.
 template <int QT, int LU, int ST, bool BULK>
@@ -129,16 +129,13 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) moe_dmmv_q8_glu(
     float* dots = reinterpret_cast<float*>(smem + x_end);  // [2 n_out]
     const uint8_t* const gate = w + p.w_offset + (size_t)e * p.expert_bytes;
     const uint8_t* const up = w2 + p.w2_offset + (size_t)e * p.expert_bytes;
-    const size_t mat_bytes = (size_t)p.m * p.row_bytes;
     const float* xs = x + (size_t)(p.x_per_slot ? slot : slot / p.top_k) * p.k;
-    q8::block_rows<QT, 1, LU, ST, BULK>(
-        sm, 2 * n_out, [&](uint32_t j) { return (j & 1 ? up : gate) + (size_t)(r0 + j / 2) * p.row_bytes; },
-        (uint32_t)p.row_bytes, [&](uint32_t j) { return (j & 1 ? up : gate) + mat_bytes; }, p.k, [] {},
-        [&] {
-            q8::quantize_x<q8::x_interleaved<QT>()>(xs, p.k, sm.xq, sm.xi);
-            __syncthreads();
-        },
-        [&](uint32_t j, const float (&v)[1]) { dots[j] = v[0]; });
+    q8::glu_rows<QT, 1, LU, ST, BULK>(sm, r0, n_out, gate, up, p.row_bytes, p.m, p.k, [] {},
+                                      [&] {
+                                          q8::quantize_x<q8::x_interleaved<QT>()>(xs, p.k, sm.xq, sm.xi);
+                                          __syncthreads();
+                                      },
+                                      dots);
     __syncthreads();  // every row's dot product is in shared memory
     for (uint32_t i = threadIdx.x; i < n_out; i += blockDim.x)
         out[i] = p.alpha * (glu_act(p.act, dots[2 * i]) * dots[2 * i + 1]);

@@ -661,5 +661,25 @@ CUKERN_DEVICE void block_rows(const Smem<QT, LU, ST, NC>& sm, uint32_t n_rows, R
                                        [&](uint32_t) { return XView<NC>{sm.xq, sm.xi, k}; }, k, wait, prepare, store);
 }
 
+// The gate and up rows of outputs [r0, r0 + n_out) of two matrices (gate, up: their row 0; each m
+// rows of row_bytes) streamed as one row sequence through block_rows, local row 2i the gate row and
+// 2i + 1 the up row of output i, so that both dot products of an output come from one pass over the
+// block's bytes; dots[j * NC + c] gets row j's products. The caller syncs before reading dots
+// (dmmv_q8_two's GLU form, moe_dmmv_q8_glu).
+template <int QT, int NC, int LU, int ST, bool BULK, class Wait, class Prepare>
+CUKERN_DEVICE void glu_rows(const Smem<QT, LU, ST, NC>& sm, uint32_t r0, uint32_t n_out, const uint8_t* gate,
+                            const uint8_t* up, uint64_t row_bytes, uint32_t m, uint32_t k, Wait wait, Prepare prepare,
+                            float* dots) {
+    const uint8_t* const gate_end = gate + (size_t)m * row_bytes;
+    const uint8_t* const up_end = up + (size_t)m * row_bytes;
+    block_rows<QT, NC, LU, ST, BULK>(
+        sm, 2 * n_out, [&](uint32_t j) { return (j & 1 ? up : gate) + (size_t)(r0 + j / 2) * row_bytes; },
+        (uint32_t)row_bytes, [&](uint32_t j) { return j & 1 ? up_end : gate_end; }, k, wait, prepare,
+        [&](uint32_t j, const float (&v)[NC]) {
+#pragma unroll
+            for (int c = 0; c < NC; ++c) dots[j * NC + c] = v[c];
+        });
+}
+
 }  // namespace q8
 }  // namespace cukern
