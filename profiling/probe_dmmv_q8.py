@@ -5,7 +5,8 @@ shapes as a decode loop runs it (programmatic dependent launch, graph-replayed, 
   --sweep   per type: ring depth ST (LU units per lane), grid (resident blocks "r", or the fewest
             with the same most rows per block "b", DmmvDispatch's), warps per block at k = 14336
             (32, DmmvDispatch's, or 16: "w16"); the default shape also without pdl ("plain")
-  --configs 1x3,4x2   the sweep's (LU x ST) configurations instead of 2x2, 2x3, 2x4 and w16
+  --configs 1x3,4x2,7x2@16   the sweep's (LU x ST[@warps at k = 14336]) configurations instead of
+            2x2, 2x3, 2x4 and w16
   --grids bal         the sweep's grids only ("res", "bal")
   --adopt F after the sweep, each type's best configuration (the highest lower of the two shapes'
             pdl figures) written to F as a value of CUKERN_DMMV_Q8_CONFIG, under which the GPU tests
@@ -57,8 +58,12 @@ d = D.DmmvDispatch()
 
 # (LU, ST) configs of dmmv_q8 per variant, and the warps per block at k = 14336 (None: DmmvDispatch's)
 VARIANTS = {"": ([(2, 2), (2, 3), (2, 4)], None), "w16": ([(2, 3)], 16)}
-if args.configs:
-    VARIANTS = {"": ([tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")], None)}
+if args.configs:  # LUxST, or LUxST@W for W warps per block at k = 14336
+    VARIANTS = {}
+    for c in args.configs.split(","):
+        cfg, _, w = c.partition("@")
+        VARIANTS.setdefault(f"w{w}" if w else "", ([], int(w) if w else None))[0].append(
+            tuple(int(v) for v in cfg.split("x")))
 GRIDS = tuple(g for g in ("res", "bal") if g in args.grids.split(","))
 
 
@@ -126,9 +131,10 @@ def sweep() -> dict:
 
 
 def l2_sweep():
-    values = [int(v) for v in args.l2.split(",")]
-    units = {v: unit(f"dmmv_q8_l2_{v}", [kname(q, *D._Q8_CONFIG[q][:2]) for q in TYPES], (f"CUKERN_DMMV_Q8_L2={v}",))
-             for v in values}
+    values = [v for v in args.l2.split(",")]
+    units = {v: unit(f"dmmv_q8_l2_{i}", [kname(q, *D._Q8_CONFIG[q][:2]) for q in TYPES],
+                     (v if "=" in v else f"CUKERN_DMMV_Q8_L2={v}",))
+             for i, v in enumerate(values)}
     ceil = measure_ceilings()
     print(f"copy {ceil.copy_gbs:.0f} GB/s; % of copy under pdl by CUKERN_DMMV_Q8_L2 = {values}", flush=True)
     for (m, k), qt in itertools.product(SHAPES, TYPES):

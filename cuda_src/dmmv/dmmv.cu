@@ -211,7 +211,7 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8_two(
 // x quantized once for the int8 path (DmmvDispatch.quantize_x -> QuantizedX): column c of out is
 // q8::load_x's image of x[c] (int8 planes, XInfo; IL: interleaved for MXFP4), x_col_bytes(k)
 // bytes. Grid (n, ceil(k / 4 / chunk4)): block (c, b) quantizes float4s [b chunk4, (b + 1) chunk4)
-// of column c, 8 lanes per 32 elements. Traffic: 4 bytes read, 1.25 written per element.
+// of column c, 4 lanes per 32 elements (q8::quantize_x_range). Traffic: 4 bytes read, 1.25 written per element.
 // Programmatic dependent launch: x is read and out written only after pdl_wait (a matvec still
 // reading the previous contents of out has completed by then).
 // The body of quantize_x and quantize_glu: block (c, b) quantizes float4s [b chunk4, (b + 1) chunk4)
@@ -223,8 +223,8 @@ CUKERN_DEVICE void quantize_chunk(uint8_t* __restrict__ out, const QuantizeXPara
     pdl_wait();
     const uint32_t c = blockIdx.x, g0 = blockIdx.y * p.chunk4, g1 = min(g0 + p.chunk4, p.k / 4);
     uint8_t* col = out + (size_t)c * p.out_stride;
-    q8::quantize_x_batches<IL, 2>(column((size_t)c * p.x_stride), p.k, g0, g1, reinterpret_cast<int8_t*>(col),
-                                  reinterpret_cast<q8::XInfo*>(col + p.k));
+    q8::quantize_x_range<IL>(column((size_t)c * p.x_stride), p.k, g0, g1, reinterpret_cast<int8_t*>(col),
+                             reinterpret_cast<q8::XInfo*>(col + p.k));
 }
 
 template <bool IL>

@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8_probe(
             const uint32_t u = it * kIterUnits + 32 * l + lane;
             if (u < units) {
                 const uint8_t* blk = b + (32 * l + lane) / U::kBlockUnits * U::kBlockBytes;
-                if (COMPUTE) U::template dot<1>(blk, lane % U::kBlockUnits, u, xv, acc);
+                if (COMPUTE) U::template dot<1>(blk, q8::misalign4(blk), lane % U::kBlockUnits, u, xv, acc);
                 else acc[0] += (float)blk[0];
             }
         }

@@ -42,10 +42,14 @@ static_assert(sizeof(XInfo) == 8, "XInfo");
 // ------------------------------------------------------------------------------------- helpers
 CUKERN_DEVICE float half_bits(uint32_t h) { return __half2float(__ushort_as_half((unsigned short)h)); }
 
-// N little-endian words from shared memory at any byte alignment (reads N + 1 aligned words).
+// A shared-memory pointer's misalignment to 4 bytes.
+CUKERN_DEVICE uint32_t misalign4(const uint8_t* p) { return (uint32_t)reinterpret_cast<size_t>(p) & 3u; }
+
+// N little-endian words from shared memory at any byte alignment (reads N + 1 aligned words);
+// mis: misalign4(p), which the caller may know for many p at once (a lane's units are a multiple
+// of 4 bytes apart: one computation per warp iteration instead of one per unit).
 template <int N>
-CUKERN_DEVICE void lds_words(const uint8_t* p, uint32_t (&w)[N]) {
-    const uint32_t mis = (uint32_t)reinterpret_cast<size_t>(p) & 3u;
+CUKERN_DEVICE void lds_words(const uint8_t* p, uint32_t mis, uint32_t (&w)[N]) {
     // aligned by pointer arithmetic, not through an integer: the compiler then still knows p is
     // shared memory and emits LDS (an integer round trip made these generic loads)
     const uint32_t* b = reinterpret_cast<const uint32_t*>(p - mis);
@@ -107,6 +111,14 @@ struct XView {
         // constant it is copied into a register again before every prmt
         e2m1_lo = 0x03020100u | threadIdx.y;
     }
+    // The view whose unit u is this one's unit u0 + u (a warp iteration's lane-relative view: its
+    // units' addresses are then one base register plus immediate offsets).
+    CUKERN_DEVICE XView at(uint32_t u0) const {
+        XView v = *this;
+        v.q += 16 * (size_t)u0;
+        v.info += u0;
+        return v;
+    }
     CUKERN_DEVICE void unit(int c, uint32_t u, uint32_t (&v)[8], XInfo& xi) const {
         const int8_t* col = q + (size_t)c * k;
         const uint4 a = reinterpret_cast<const uint4*>(col)[u], b = reinterpret_cast<const uint4*>(col + k / 2)[u];
@@ -139,17 +151,22 @@ template <int QT>
 CUKERN_DEVICE constexpr bool x_interleaved() { return QT == QT_MXFP4; }
 
 // ------------------------------------------------------------------------------------- units
-// Unit<QT>::dot<NC>(blk, s, u, x, acc): acc[c] += (unit s of the block at blk) . x^[c] for the
-// unit's 32 weights (unit u of the row). blk: the block's first byte in shared memory.
+// Unit<QT>::dot<NC>(blk, mis, s, u, x, acc): acc[c] += (unit s of the block at blk) . x^[c] for
+// the unit's 32 weights (unit u of the row). blk: the block's first byte in shared memory, mis:
+// misalign4(blk).
 //   kBlockUnits: units per GGUF block; kBlockBytes: its size.
+//   kHoist: whole one-column iterations address a lane's units from one base computed once (fewer
+//     instructions per unit); measured (H100, pdl, 2026-11-26) it gains MXFP4 1.3 points of copy
+//     bandwidth at 4096x14336 and loses the other types 0-3, so only MXFP4 takes it.
 template <int QT> struct Unit;
 
 template <> struct Unit<QT_Q4_0> {  // w = d * (q - 8), q = nibble
     static constexpr int kBlockUnits = 1, kBlockBytes = 18;
+    static constexpr bool kHoist = false;
     template <int NC>
-    static CUKERN_DEVICE void dot(const uint8_t* b, int, uint32_t u, const XView<NC>& x, float (&acc)[NC]) {
+    static CUKERN_DEVICE void dot(const uint8_t* b, uint32_t mis, int, uint32_t u, const XView<NC>& x, float (&acc)[NC]) {
         uint32_t q[4], w[8];
-        lds_words<4>(b + 2, q);
+        lds_words<4>(b + 2, (mis + 2) & 3u, q);
         const float d = half_bits(*reinterpret_cast<const unsigned short*>(b));
 #pragma unroll
         for (int i = 0; i < 4; ++i) { w[i] = q[i] & 0x0F0F0F0Fu; w[4 + i] = (q[i] >> 4) & 0x0F0F0F0Fu; }
@@ -164,11 +181,12 @@ template <> struct Unit<QT_Q4_0> {  // w = d * (q - 8), q = nibble
 
 template <> struct Unit<QT_Q5_0> {  // w = d * (q - 16), q = nibble | bit j of qh << 4
     static constexpr int kBlockUnits = 1, kBlockBytes = 22;
+    static constexpr bool kHoist = false;
     template <int NC>
-    static CUKERN_DEVICE void dot(const uint8_t* b, int, uint32_t u, const XView<NC>& x, float (&acc)[NC]) {
+    static CUKERN_DEVICE void dot(const uint8_t* b, uint32_t mis, int, uint32_t u, const XView<NC>& x, float (&acc)[NC]) {
         uint32_t q[4], qh[1], w[8];
-        lds_words<1>(b + 2, qh);
-        lds_words<4>(b + 6, q);
+        lds_words<1>(b + 2, (mis + 2) & 3u, qh);
+        lds_words<4>(b + 6, (mis + 2) & 3u, q);
         const float d = half_bits(*reinterpret_cast<const unsigned short*>(b));
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -186,10 +204,11 @@ template <> struct Unit<QT_Q5_0> {  // w = d * (q - 16), q = nibble | bit j of q
 
 template <> struct Unit<QT_Q8_0> {  // w = d * q, q int8
     static constexpr int kBlockUnits = 1, kBlockBytes = 34;
+    static constexpr bool kHoist = false;
     template <int NC>
-    static CUKERN_DEVICE void dot(const uint8_t* b, int, uint32_t u, const XView<NC>& x, float (&acc)[NC]) {
+    static CUKERN_DEVICE void dot(const uint8_t* b, uint32_t mis, int, uint32_t u, const XView<NC>& x, float (&acc)[NC]) {
         uint32_t w[8];
-        lds_words<8>(b + 2, w);
+        lds_words<8>(b + 2, (mis + 2) & 3u, w);
         const float d = half_bits(*reinterpret_cast<const unsigned short*>(b));
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
@@ -202,11 +221,14 @@ template <> struct Unit<QT_Q8_0> {  // w = d * q, q int8
 
 template <> struct Unit<QT_MXFP4> {  // w = 2^(e-127) * e2m1(code) = 2^(e-128) * doubled code
     static constexpr int kBlockUnits = 1, kBlockBytes = 17;
+    static constexpr bool kHoist = true;
     template <int NC>
-    static CUKERN_DEVICE void dot(const uint8_t* b, int, uint32_t u, const XView<NC>& x, float (&acc)[NC]) {
+    static CUKERN_DEVICE void dot(const uint8_t* b, uint32_t mis, int, uint32_t u, const XView<NC>& x, float (&acc)[NC]) {
         uint32_t q[4];
-        lds_words<4>(b + 1, q);
-        const float d = e8m0_to_float_half(b[0]);
+        lds_words<4>(b + 1, (mis + 1) & 3u, q);
+        // 2^(e - 128): e8m0_to_float_half without its denormals (e < 2), which the kernels' FTZ
+        // arithmetic flushes to zero in the first product anyway (two instructions instead of five)
+        const float d = __uint_as_float((max((uint32_t)b[0], 1u) - 1u) << 23);
         // the nibbles of bytes 4i, 4i+1 (then 4i+2, 4i+3) in order are elements 4i, 16+4i, 4i+1, 17+4i
         // (then 4i+2, ...), which is where the interleaved x keeps them: x word 2i (2i+1)
         const uint32_t lo = x.e2m1_lo;
@@ -238,8 +260,9 @@ template <int QT>
 struct UnitK45 {
     static constexpr bool k5 = QT == QT_Q5_K;
     static constexpr int kBlockUnits = 8, kBlockBytes = k5 ? 176 : 144;
+    static constexpr bool kHoist = false;
     template <int NC>
-    static CUKERN_DEVICE void dot(const uint8_t* b, int s, uint32_t u, const XView<NC>& x, float (&acc)[NC]) {
+    static CUKERN_DEVICE void dot(const uint8_t* b, uint32_t mis, int s, uint32_t u, const XView<NC>& x, float (&acc)[NC]) {
         const uint4 h = *reinterpret_cast<const uint4*>(b);  // d, dmin | 12 scale bytes
         // the 6-bit scales and mins of sub-blocks 4 (s / 4) ... + 3, one per byte (k4_scale_min for
         // four at once, selected rather than branched: the lanes of a warp hold both halves)
@@ -281,12 +304,13 @@ template <> struct Unit<QT_Q5_K> : UnitK45<QT_Q5_K> {};
 // nibble c/2; qh bytes 32h..., bits 2c, 2c+1; scales[2s] for elements 0...15, [2s+1] for 16...31.
 template <> struct Unit<QT_Q6_K> {
     static constexpr int kBlockUnits = 8, kBlockBytes = 210;
+    static constexpr bool kHoist = false;
     template <int NC>
-    static CUKERN_DEVICE void dot(const uint8_t* b, int s, uint32_t u, const XView<NC>& x, float (&acc)[NC]) {
+    static CUKERN_DEVICE void dot(const uint8_t* b, uint32_t mis, int s, uint32_t u, const XView<NC>& x, float (&acc)[NC]) {
         const int h = s >> 2, c4 = s & 3;
         uint32_t w[8], qh[8];
-        lds_words<8>(b + 64 * h + 32 * (c4 & 1), w);
-        lds_words<8>(b + 128 + 32 * h, qh);
+        lds_words<8>(b + 64 * h + 32 * (c4 & 1), mis, w);
+        lds_words<8>(b + 128 + 32 * h, mis, qh);
         const int nsh = 4 * (c4 >> 1), hsh = 2 * c4;
 #pragma unroll
         for (int i = 0; i < 8; ++i)  // rotating qh right by hsh - 4 puts bits hsh, hsh+1 of each byte at bits 4, 5
@@ -313,6 +337,8 @@ struct Stream {
     static constexpr int kSlotBytes = (kIterBytes + 32 + 15) / 16 * 16;
     static constexpr int kRingBytes = ST * kSlotBytes;  // per warp
     static_assert(32 % Unit<QT>::kBlockUnits == 0, "a lane's units start on block boundaries every 32 units");
+    static_assert(32 / Unit<QT>::kBlockUnits * Unit<QT>::kBlockBytes % 4 == 0,
+                  "a lane's units of one iteration share their misalignment (block_rows_x's whole iterations)");
 };
 
 // Dynamic shared memory of a block of nw warps: a header (ST mbarriers per warp, then the
@@ -385,77 +411,71 @@ CUKERN_DEVICE void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_
 }
 
 // ------------------------------------------------------------------------------------- x
-// Quantize a column of k floats (k % 32 == 0) into q / info; load(g) returns its float4 g (x's, or
-// an activation computed from two inputs: quantize_glu in dmmv.cu). All threads of the block take
-// part (blockDim.x a multiple of 32); the caller syncs afterwards. Each thread issues
-// its loads of KB float4s before the first shuffle, so a long x costs one L2 round trip, and the
-// KB slots' shuffle chains interleave (with a uniform early exit for empty slots the matvec
-// measured 4 points of copy bandwidth lower at k = 14336). A warp's KB batches hold 4 * KB blocks
-// of 32 (8 lanes each): their scales are computed once each, by lane 4b + j for block j of batch
-// b, and shuffled back, instead of by every lane (a correctly rounded division and reciprocal are
-// some 17 instructions). IL: q interleaved per block (x_interleaved), else in element order.
-// [g_begin, g_end): the float4s of x this block quantizes (g_begin a multiple of 8: whole blocks
-// of 32), g_end <= k / 4.
-template <bool IL, int KB, class Load>
-CUKERN_DEVICE void quantize_x_batches(Load load, uint32_t k, uint32_t g_begin, uint32_t g_end, int8_t* q,
-                                      XInfo* info) {
-    static_assert(4 * KB <= 32, "a lane per block of the warp's batches");
-    const uint32_t n4 = g_end;
-    const int lane = threadIdx.x % 32, my_batch = (lane >> 2) % KB;
-    for (uint32_t g0 = g_begin; g0 < n4; g0 += KB * blockDim.x) {  // uniform per warp: shuffles below
-        float4 v[KB];
+// Quantize float4s [g_begin, g_end) of a column of k floats (k % 32 == 0; g_begin and g_end
+// multiples of 8: whole blocks of 32, g_end <= k / 4) into q / info; load(g) returns its float4 g
+// (x's, or an activation computed from two inputs: quantize_glu in dmmv.cu). All threads of the
+// block take part (blockDim.x a multiple of 32); the caller syncs afterwards.
+// Four lanes per block of 32 (lane j of the four: elements 8j...8j+7, two float4s), so a warp
+// quantizes 8 blocks per round and a thread's two rounds' four loads are in flight together.
+// The block's max|x| takes two shuffles, its scale one correctly rounded division and reciprocal
+// (every lane: a SIMT warp pays for one per round whichever lanes compute it), its half sums two.
+// Per element that is about 11 instructions; the former 8-lanes-per-block layout paid about 30
+// (shuffles and per-lane bounds), which at k = 14336 was a quarter of the int8 matvec's
+// instructions, all of them on the critical path between pdl_wait and the first dot product.
+// IL: q interleaved per block (x_interleaved), else in element order.
+template <bool IL, class Load>
+CUKERN_DEVICE void quantize_x_range(Load load, uint32_t k, uint32_t g_begin, uint32_t g_end, int8_t* q,
+                                    XInfo* info) {
+    constexpr int R = 2;                                          // rounds per iteration
+    const uint32_t p_end = g_end / 2;                             // float4 pairs
+    const int lane = threadIdx.x % 32, j = lane & 3;
+    for (uint32_t p0 = g_begin / 2 + threadIdx.x - lane; p0 < p_end; p0 += R * blockDim.x) {  // warp-uniform
+        float4 v[R][2];
 #pragma unroll
-        for (int b = 0; b < KB; ++b) {
-            const uint32_t g = g0 + b * blockDim.x + threadIdx.x;
-            v[b] = g < n4 ? load(g) : make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int r = 0; r < R; ++r) {  // all loads first
+            const uint32_t pr = p0 + r * blockDim.x + lane;
+            const bool ok = pr < p_end;
+            v[r][0] = ok ? load(2 * pr) : make_float4(0.f, 0.f, 0.f, 0.f);
+            v[r][1] = ok ? load(2 * pr + 1) : make_float4(0.f, 0.f, 0.f, 0.f);
         }
-        float amax[KB];
 #pragma unroll
-        for (int b = 0; b < KB; ++b) {
-            amax[b] = fmaxf(fmaxf(fabsf(v[b].x), fabsf(v[b].y)), fmaxf(fabsf(v[b].z), fabsf(v[b].w)));
-#pragma unroll
-            for (int o = 1; o < 8; o <<= 1) amax[b] = fmaxf(amax[b], __shfl_xor_sync(0xffffffffu, amax[b], o));
-        }
-        // lane l: the scale of block l % 4 (lanes 8(l % 4)...) of batch (l / 4) % KB
-        float am = 0.0f;
-#pragma unroll
-        for (int b = 0; b < KB; ++b) {
-            const float t = __shfl_sync(0xffffffffu, amax[b], 8 * (lane & 3));
-            if (my_batch == b) am = t;
-        }
-        const float dl = __fdiv_rn(am, 127.0f);
-        const float il = am > 0.0f ? __frcp_rn(dl) : 0.0f;
-#pragma unroll
-        for (int b = 0; b < KB; ++b) {
-            const uint32_t g = g0 + b * blockDim.x + threadIdx.x;  // elements 4(g % 8) ... of block g / 8
-            const float d = __shfl_sync(0xffffffffu, dl, 4 * b + (lane >> 3));
-            const float inv = __shfl_sync(0xffffffffu, il, 4 * b + (lane >> 3));
-            const int q0 = q8_1_quantize(v[b].x, inv), q1 = q8_1_quantize(v[b].y, inv);
-            const int q2 = q8_1_quantize(v[b].z, inv), q3 = q8_1_quantize(v[b].w, inv);
-            const uint32_t packed = __byte_perm(__byte_perm(q0, q1, 0x0040), __byte_perm(q2, q3, 0x0040), 0x5410);
-            int s = __dp4a((int)packed, 0x01010101, 0);
-            s += __shfl_xor_sync(0xffffffffu, s, 1);
-            s += __shfl_xor_sync(0xffffffffu, s, 2);  // sum over this half (4 lanes, 16 elements)
-            const int other = __shfl_xor_sync(0xffffffffu, s, 4);
-            if (IL) {  // lane j < 4 of the block's 8 writes elements 4j...4j+3 and 16+4j... as bytes 8j...8j+7
-                const uint32_t upper = __shfl_xor_sync(0xffffffffu, packed, 4);
-                if (g < n4 && (g & 4) == 0)
-                    *reinterpret_cast<uint2*>(q + xq_offset(k, 32 * (g / 8) + 8 * (g & 3))) =
-                        make_uint2(__byte_perm(packed, upper, 0x5140), __byte_perm(packed, upper, 0x7362));
-            } else if (g < n4) {
-                *reinterpret_cast<uint32_t*>(q + xq_offset(k, 4 * g)) = packed;
+        for (int r = 0; r < R; ++r) {
+            if (p0 + r * blockDim.x >= p_end) break;  // the warp's round is empty (warp-uniform)
+            const uint32_t pr = p0 + r * blockDim.x + lane, blk = pr / 4;  // (groups of four lanes are
+            const bool ok = pr < p_end;                                    // wholly in or out)
+            const float4 a = v[r][0], b = v[r][1];
+            float am = fmaxf(fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w))),
+                             fmaxf(fmaxf(fabsf(b.x), fabsf(b.y)), fmaxf(fabsf(b.z), fabsf(b.w))));
+            am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 1));
+            am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 2));
+            const float d = __fdiv_rn(am, 127.0f);
+            const float inv = am > 0.0f ? __frcp_rn(d) : 0.0f;
+            const uint32_t w0 = __byte_perm(__byte_perm(q8_1_quantize(a.x, inv), q8_1_quantize(a.y, inv), 0x0040),
+                                            __byte_perm(q8_1_quantize(a.z, inv), q8_1_quantize(a.w, inv), 0x0040), 0x5410);
+            const uint32_t w1 = __byte_perm(__byte_perm(q8_1_quantize(b.x, inv), q8_1_quantize(b.y, inv), 0x0040),
+                                            __byte_perm(q8_1_quantize(b.z, inv), q8_1_quantize(b.w, inv), 0x0040), 0x5410);
+            int s = __dp4a((int)w0, 0x01010101, __dp4a((int)w1, 0x01010101, 0));
+            s += __shfl_xor_sync(0xffffffffu, s, 1);            // half sum: lanes 0, 1 (0...15) or 2, 3
+            const int other = __shfl_xor_sync(0xffffffffu, s, 2);
+            if (IL) {  // lanes 0 (1) and 2 (3) hold elements i and 16 + i of the block's first (last) 16 bytes
+                const uint32_t u0 = __shfl_xor_sync(0xffffffffu, w0, 2), u1 = __shfl_xor_sync(0xffffffffu, w1, 2);
+                if (ok && j < 2)
+                    *reinterpret_cast<uint4*>(q + xq_offset(k, 32 * blk + 16 * j)) =
+                        make_uint4(__byte_perm(w0, u0, 0x5140), __byte_perm(w0, u0, 0x7362),
+                                   __byte_perm(w1, u1, 0x5140), __byte_perm(w1, u1, 0x7362));
+            } else if (ok) {
+                *reinterpret_cast<uint2*>(q + xq_offset(k, 32 * blk + 8 * j)) = make_uint2(w0, w1);
             }
-            if (g < n4 && (g & 7) == 0) info[g / 8] = XInfo{d, (short)s, (short)other};
+            if (ok && j == 0) info[blk] = XInfo{d, (short)s, (short)other};
         }
     }
 }
 
-// Two float4s per thread where they cover x (k = 4096 on 512 threads: no idle slot), else four.
+// The whole column x (quantize_x_range over all of it).
 template <bool IL>
 CUKERN_DEVICE void quantize_x(const float* __restrict__ x, uint32_t k, int8_t* q, XInfo* info) {
-    const auto load = [x](uint32_t g) { return __ldg(reinterpret_cast<const float4*>(x) + g); };
-    if (k / 4 <= 2 * blockDim.x) quantize_x_batches<IL, 2>(load, k, 0, k / 4, q, info);
-    else quantize_x_batches<IL, 4>(load, k, 0, k / 4, q, info);
+    quantize_x_range<IL>([x](uint32_t g) { return __ldg(reinterpret_cast<const float4*>(x) + g); }, k, 0, k / 4, q,
+                         info);
 }
 
 // ------------------------------------------------------------------------------------- x, pre-quantized
@@ -593,17 +613,30 @@ CUKERN_DEVICE void block_rows_x(const Smem<QT, LU, ST, NC>& sm, uint32_t n_rows,
         // a whole iteration with no per-unit bounds (one column: more columns amortise the bounds
         // and would spill with a second copy of the loop)
         if (NC == 1 && (it + 1) * kIterUnits <= units) {
+            if (U::kHoist) {  // the lane's first block, misalignment and x view once, its units at constant offsets
+                const uint8_t* lb = base + lane / U::kBlockUnits * U::kBlockBytes;
+                const uint32_t mis = misalign4(lb);  // the same for every unit: 32 / kBlockUnits blocks apart
+                const XView<NC> xl = x.at(it * kIterUnits + lane);
 #pragma unroll
-            for (int l = 0; l < LU; ++l)
-                U::template dot<NC>(base + (32 * l + lane) / U::kBlockUnits * U::kBlockBytes, lane % U::kBlockUnits,
-                                    it * kIterUnits + 32 * l + lane, x, acc);
+                for (int l = 0; l < LU; ++l)
+                    U::template dot<NC>(lb + 32 * l / U::kBlockUnits * U::kBlockBytes, mis, lane % U::kBlockUnits,
+                                        32 * l, xl, acc);
+            } else {
+#pragma unroll
+                for (int l = 0; l < LU; ++l) {
+                    const uint8_t* blk = base + (32 * l + lane) / U::kBlockUnits * U::kBlockBytes;
+                    U::template dot<NC>(blk, misalign4(blk), lane % U::kBlockUnits, it * kIterUnits + 32 * l + lane, x,
+                                        acc);
+                }
+            }
         } else
 #pragma unroll
         for (int l = 0; l < LU; ++l) {  // units lane and lane + 32 ... of the iteration
             const uint32_t u = it * kIterUnits + 32 * l + lane;
-            if (u < units)
-                U::template dot<NC>(base + (32 * l + lane) / U::kBlockUnits * U::kBlockBytes, lane % U::kBlockUnits,
-                                    u, x, acc);
+            if (u < units) {
+                const uint8_t* blk = base + (32 * l + lane) / U::kBlockUnits * U::kBlockBytes;
+                U::template dot<NC>(blk, misalign4(blk), lane % U::kBlockUnits, u, x, acc);
+            }
         }
         const bool row_done = ++it == ipr;
         cs += BI;
