@@ -14,7 +14,8 @@ shapes as a decode loop runs it (programmatic dependent launch, graph-replayed, 
   --fit     time over m at k = 4096 (plain and pdl): intercept (fixed cost) and slope (GB/s) per type
   --moe     moe_dmmv top-8/128 2048x7168 as bench_dmmv times it
   --l2 0,1,2  per type and shape (pdl, the table's configuration, balanced grid): % of copy with
-            each listed CUKERN_DMMV_Q8_L2 (items per warp L2-prefetched while x is quantized)
+            each listed CUKERN_DMMV_Q8_L2 (items per warp L2-prefetched while x is quantized), or
+            with each listed NAME=VALUE define (an A/B of a macro-guarded variant)
   --ncu T   one launch per listed type at 14336x4096 (and T@4096x14336): run under ncu
   --ncu-summary F   key metrics of each kernel in ncu's raw csv F
 
@@ -26,6 +27,13 @@ variant) gains 5-9 points: what is left is mostly that step after the wait. 2026
 prefetch of each warp's next 1/2/4 items issued after the wait, while x is quantized (--l2), lost
 3-12 points at both shapes, monotonically in the items; a quantizer with a quarter of the
 conversions and one scale division per block (bit-identical x^) gained ~2% of time at k = 14336.
+2026-11-26 (ncu source counters, MXFP4 4096x14336): the kernel issues ~70% of its cycles, and x's
+quantization was ~600 of the instructions of every warp (a quarter of the kernel); four lanes per
+32-block (q8::quantize_x_range, ~295) gained 1-2 points at 4096x14336 for every type and MXFP4's
+once-per-item addressing (Unit::kHoist, measured with --l2 CUKERN_Q8_HOIST=0,1 while it was a
+macro) 1.3 more, while it lost the other types 0-3; 2- and 4-block clusters multicasting f32 x
+(one L2 read per cluster) lost 7-9 and 25-36 points (H200); --configs 7x2@16, 7x2@24, 4x2@24,
+14x2@8 (no half-item row tails at k = 14336) all lost 5-16 points to 4x2 on 32 warps.
 
 Run: PYTHONPATH=. python profiling/probe_dmmv_q8.py --sweep [--types Q4_K,MXFP4]"""
 import argparse
@@ -46,7 +54,8 @@ ap.add_argument("--configs", default="")
 ap.add_argument("--grids", default="res,bal")
 ap.add_argument("--adopt", default="", metavar="FILE")
 ap.add_argument("--moe", action="store_true")
-ap.add_argument("--l2", default="", help="L2 items per warp prefetched while x is quantized, e.g. 0,1,2")
+ap.add_argument("--l2", default="", help="L2 items per warp prefetched while x is quantized, e.g. 0,1,2, "
+                                        "or NAME=VALUE defines to compare")
 ap.add_argument("--fit", action="store_true")
 ap.add_argument("--ncu", default="")
 ap.add_argument("--ncu-summary", default="", help="a raw ncu csv (--page raw --csv): the key metrics per kernel")

@@ -23,7 +23,12 @@ from cukern.testing import assert_close, nmse, poison  # noqa: E402
 TYPES = list(ref.TYPES)  # every GGML type id the family supports
 NAMES = {q: ref.TYPES[q][0] for q in TYPES}
 RTOL = 2e-3
-Q8_NMSE = 2e-4  # int8 path against the exact x (expected ~3e-5 for Gaussian x; one wrong unit of 32 is ~1e-2)
+# The int8 path against the exact x: the NMSE of x's 8-bit rounding alone, from the float64
+# reference at these tests' shapes (2026-11-26, 300-4000 random draws per type and k): median ~3e-5,
+# heavy-tailed at few blocks per row (max 8.7e-4, MXFP4 k = 32; Q4_K/Q5_K k = 256 up to 4.4e-4),
+# so the former 2e-4 failed about 0.1-0.5% of checks. One wrong unit of 32 among a row's <= 41 is
+# >= 2e-2; the element-wise check against x^ comes first in any case.
+Q8_NMSE = 1e-3
 # act(g) * u of two int8-path dots: g's error passes through act's log-derivative (1 + |g| on SiLU's
 # negative tail), so the product's NMSE is a few times a dot's; over 33 outputs it measured up to
 # 5.2e-4 (H100, 2026-11-25). Element-wise against x^, the kernel's own math, the bound stays RTOL.
