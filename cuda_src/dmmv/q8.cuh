@@ -419,9 +419,10 @@ CUKERN_DEVICE void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_
 // quantizes 8 blocks per round and a thread's two rounds' four loads are in flight together.
 // The block's max|x| takes two shuffles, its scale one correctly rounded division and reciprocal
 // (every lane: a SIMT warp pays for one per round whichever lanes compute it), its half sums two.
-// Per element that is about 11 instructions; the former 8-lanes-per-block layout paid about 30
-// (shuffles and per-lane bounds), which at k = 14336 was a quarter of the int8 matvec's
-// instructions, all of them on the critical path between pdl_wait and the first dot product.
+// At k = 14336 on 32 warps that is ~295 instructions per warp (SASS, one iteration); the former
+// 8-lanes-per-block layout (three shuffles per reduction, per-lane bounds) took ~500, a quarter of
+// the int8 matvec's instructions there (ncu source counters), all of them on the critical path
+// between pdl_wait and the first dot product.
 // IL: q interleaved per block (x_interleaved), else in element order.
 template <bool IL, class Load>
 CUKERN_DEVICE void quantize_x_range(Load load, uint32_t k, uint32_t g_begin, uint32_t g_end, int8_t* q,
