@@ -4,7 +4,14 @@ counts. Scratch tool for tuning; PROBE_NCU_SPLITS=n and PROBE_NCU_PREFILL=1 make
 PROBE_ROWS=decode,prefill prints just the benchmark rows of the issue's targets (with their peers; decode
 plain and pdl), PROBE_ROWS=sweep block shapes x split counts (PROBE_SWEEP_KV, PROBE_SWEEP_SPLITS),
 PROBE_ROWS=wide head_dim 256 with one KV head by split count (PROBE_WIDE_SPLITS); sweep and wide rows with the
-split states merged in the decode's last block and apart (merge_states launched after it), PROBE_APART=0,1."""
+split states merged in the decode's last block and apart (merge_states launched after it), PROBE_APART=0,1.
+
+2026-11-26 (H100, ncu on the PROBE_NCU_SPLITS=16 target, B1 KV8192 32/8 D128, decode_tc w8): 176 registers
+and 210 KB of shared memory hold it to 8 warps per SM; issue active 22%; about half of the warp stall samples
+fall before the first tile is computed: the seq_ids -> lengths -> page-table load chain, and q's load after
+pdl_wait (16% of all samples on its first use), which queues behind the prologue's K/V copies. Taking the
+page-table loads off the length (clamped to the page-table row without a window) changed nothing measurable
+(pdl 17.16/17.21 -> 17.30/17.06 us); not kept."""
 from __future__ import annotations
 
 import itertools

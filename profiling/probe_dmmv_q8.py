@@ -33,7 +33,12 @@ quantization was ~600 of the instructions of every warp (a quarter of the kernel
 once-per-item addressing (Unit::kHoist, measured with --l2 CUKERN_Q8_HOIST=0,1 while it was a
 macro) 1.3 more, while it lost the other types 0-3; 2- and 4-block clusters multicasting f32 x
 (one L2 read per cluster) lost 7-9 and 25-36 points (H200); --configs 7x2@16, 7x2@24, 4x2@24,
-14x2@8 (no half-item row tails at k = 14336) all lost 5-16 points to 4x2 on 32 warps.
+14x2@8 (no half-item row tails at k = 14336) all lost 5-16 points to 4x2 on 32 warps. Also lost
+(macro-guarded variants side by side, not kept): the ring's last slot filled before pdl_wait too
+(MXFP4 -5, others -0 to -6), the ring's first items issued after pdl_wait (-8 to -12) or after x's
+quantization (-12 to -20), an L2 prefetch of the first 1/2/4 items in place of the copies before
+pdl_wait (-10 to -15), MXFP4's selector shifts by __umulhi on the FMA pipe (-1.5), MXFP4's row
+tails (k % 1024 == 0) by the hoisted path (-1), 32-bit item window arithmetic (within +-1).
 
 Run: PYTHONPATH=. python profiling/probe_dmmv_q8.py --sweep [--types Q4_K,MXFP4]"""
 import argparse

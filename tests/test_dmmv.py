@@ -377,6 +377,20 @@ def test_dmmv_glu(d, rng, q, act):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("q", D.Q8_TYPES, ids=NAMES.get)
+def test_q8_row_tail_of_whole_lane_units(d, rng, q):
+    """One column, k a multiple of 1024 (a row's units a multiple of 32, so every lane of a row's
+    last, partial warp iteration has the same number of units: 1, 2 and 3 at LU = 4, the shape of
+    4096x14336 included)."""
+    for m, k in ((37, 1024), (3, 14336), (130, 7168)):
+        w, dense = _weight(q, m, k, rng)
+        x = _x(rng, k)
+        y = poison(cupy.empty(m, cupy.float32))
+        d.dmmv(w, cupy.asarray(x), y)
+        _check_q(y, q, lambda v: ref.matvec(dense, v), x, name=f"{NAMES[q]} {m}x{k}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q", D.Q8_TYPES, ids=NAMES.get)
 def test_q8_two_rows_split_between_warps(d, rng, q):
     """dmmv_q8_two with small forced grids: gate/up rows longer than a warp's share (parts summed after
     the barrier), an output's gate and up rows in different warps, a pair whose grid has one block per
