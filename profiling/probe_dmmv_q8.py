@@ -38,7 +38,10 @@ macro) 1.3 more, while it lost the other types 0-3; 2- and 4-block clusters mult
 (MXFP4 -5, others -0 to -6), the ring's first items issued after pdl_wait (-8 to -12) or after x's
 quantization (-12 to -20), an L2 prefetch of the first 1/2/4 items in place of the copies before
 pdl_wait (-10 to -15), MXFP4's selector shifts by __umulhi on the FMA pipe (-1.5), MXFP4's row
-tails (k % 1024 == 0) by the hoisted path (-1), 32-bit item window arithmetic (within +-1).
+tails (k % 1024 == 0) by the hoisted path (-1), 32-bit item window arithmetic (within +-1); half
+of each prologue item's bulk copy before pdl_wait and the rest once x's loads are in flight: MXFP4
++0.7 to +0.9 (78.5 at 4096x14336), the other types -0 to -5 (a prepare() hook through every int8
+kernel for under a point on one type: not kept).
 
 Run: PYTHONPATH=. python profiling/probe_dmmv_q8.py --sweep [--types Q4_K,MXFP4]"""
 import argparse
