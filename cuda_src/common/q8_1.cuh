@@ -31,4 +31,10 @@ CUKERN_DEVICE int q8_1_quantize(float x, float inv_d) {
     return __float2int_rz(copysignf(fabsf(x * inv_d) + 0.5f, x));
 }
 
+// The four values of v quantized (q8_1_quantize) and packed as int8 bytes, v.x in the low byte.
+CUKERN_DEVICE uint32_t q8_1_quantize4(float4 v, float inv_d) {
+    return __byte_perm(__byte_perm(q8_1_quantize(v.x, inv_d), q8_1_quantize(v.y, inv_d), 0x0040),
+                       __byte_perm(q8_1_quantize(v.z, inv_d), q8_1_quantize(v.w, inv_d), 0x0040), 0x5410);
+}
+
 }  // namespace cukern

@@ -451,10 +451,7 @@ CUKERN_DEVICE void quantize_x_range(Load load, uint32_t k, uint32_t g_begin, uin
             am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 2));
             const float d = __fdiv_rn(am, 127.0f);
             const float inv = am > 0.0f ? __frcp_rn(d) : 0.0f;
-            const uint32_t w0 = __byte_perm(__byte_perm(q8_1_quantize(a.x, inv), q8_1_quantize(a.y, inv), 0x0040),
-                                            __byte_perm(q8_1_quantize(a.z, inv), q8_1_quantize(a.w, inv), 0x0040), 0x5410);
-            const uint32_t w1 = __byte_perm(__byte_perm(q8_1_quantize(b.x, inv), q8_1_quantize(b.y, inv), 0x0040),
-                                            __byte_perm(q8_1_quantize(b.z, inv), q8_1_quantize(b.w, inv), 0x0040), 0x5410);
+            const uint32_t w0 = q8_1_quantize4(a, inv), w1 = q8_1_quantize4(b, inv);
             int s = __dp4a((int)w0, 0x01010101, __dp4a((int)w1, 0x01010101, 0));
             s += __shfl_xor_sync(0xffffffffu, s, 1);            // half sum: lanes 0, 1 (0...15) or 2, 3
             const int other = __shfl_xor_sync(0xffffffffu, s, 2);
