@@ -11,7 +11,24 @@ and 210 KB of shared memory hold it to 8 warps per SM; issue active 22%; about h
 fall before the first tile is computed: the seq_ids -> lengths -> page-table load chain, and q's load after
 pdl_wait (16% of all samples on its first use), which queues behind the prologue's K/V copies. Taking the
 page-table loads off the length (clamped to the page-table row without a window) changed nothing measurable
-(pdl 17.16/17.21 -> 17.30/17.06 us); not kept."""
+(pdl 17.16/17.21 -> 17.30/17.06 us); not kept.
+
+2026-11-26, later (H100, pdl, graph; each comparison from one run):
+  * K/V by bulk copies (one 256-byte cp.async.bulk per key slice and lane, an mbarrier per ring stage) in
+    place of 16-byte cp.async, so that q's loads after pdl_wait are not queued behind the prologue's
+    copies: B1 KV8k 32/8 D128 16.99 vs 17.04 us, KV32k 50.46 vs 49.13, KV128k 190.25 vs 191.16, B32 KV4k
+    190.96 vs 184.18, 8/1 D256 13.34 vs 13.44, 4/1 D256 10.89 vs 11.22. Not kept.
+  * Where B1 KV8k 32/8 D128 (w8 s16, 17.2 us) goes, by variants that skip work: without the split merge
+    14.17 us (80% of copy), without the tiles' S/softmax/PV 15.42, without both 12.76 (89%: the rate of
+    a plain read stream of those bytes, attention_stream.py, 12.7 us). w4 s33: 18.88 -> 13.77 without the
+    merge. KV128k w4 s33: 188.46 -> 183.85 without the merge, 182.73 without both (SDPA 180.4 in an
+    earlier run). So the merge (fence, counter, the last block's loads: L2 round trips after the last
+    tile) is the largest cost at 8k, ~3 us.
+  * The split states merged inside a cluster of the n_splits blocks through distributed shared memory (no
+    partials in global memory, no counter): correct (GPU tests passed), but slower under pdl: w8 s8 KV8k
+    18.66 us against 17.77 (s8, last-block merge) and 17.2 (s16), KV32k s8 57.7 against 49.1; plain
+    19.55 against 19.16. H100 cluster capacity (cuOccupancyMaxActiveClusters, one 209 KB block per SM):
+    15 clusters of 8, 7 of 16, so a 16-split grid of 8 KV heads does not fit one wave. Not kept."""
 from __future__ import annotations
 
 import itertools

@@ -6,7 +6,14 @@ so that L2 never holds the one being read. Two access patterns at the same grid:
           8 heads x 128 f16 = 2 KB: one head's slices sit at a 2 KB stride).
 Scratch tool for the decode bandwidth question (is 80% of copy reachable at B1 KV8k at all?).
 
-Run: PYTHONPATH=. python profiling/attention_stream.py  (STREAM_KV=8k,32k,128k, STREAM_GRIDS=128,132,264 blocks)
+H100, 2026-11-26 (copy 2,966 GB/s; best grid of 132 ... 1056 blocks x 256 threads, % of copy):
+  B1 KV2k 32/8 D128 = B1 KV8k 8/1 D256, 8.4 MB:   contig 4.31 us (66%), head 4.76 us (59%); 132 blocks 56% / 53%
+  B1 KV8k 32/8 D128, 33.6 MB:                     contig 12.71 us (89%), head 12.80 us (88%); 132 blocks 77% / 69%
+  B1 KV32k 32/8 D128, 134 MB:                     contig 45.34 us (100%), head 45.59 us (99%); 132 blocks 83% / 77%
+So at 8.4 MB (one KV head of 256 at 8k keys) no kernel reads its bytes at 80% of copy; at 33.6 MB a bare
+stream reaches 88-89%; from ~134 MB reads run at the copy rate (torch SDPA's B1 KV128k decode: 100.5%).
+
+Run: PYTHONPATH=. python profiling/attention_stream.py  (STREAM_KV=2k,8k,32k,128k; 2k is the bytes of 8/1 D256 at KV8k; STREAM_GRIDS=128,132,264 blocks)
 """
 from __future__ import annotations
 
@@ -63,7 +70,7 @@ def main() -> None:
     ceil = measure_ceilings()
     print(f"copy ceiling {ceil.copy_gbs:,.0f} GB/s (read + write)")
     sink = cupy.zeros(1, cupy.uint32)
-    sizes = {"8k": 8192, "32k": 32768, "128k": 131072}
+    sizes = {"2k": 2048, "8k": 8192, "32k": 32768, "128k": 131072}
     grids = [(int(g), 256) for g in os.environ.get("STREAM_GRIDS", "128,264,528,1056").split(",")]
     for kv in os.environ.get("STREAM_KV", "8k,32k").split(","):
         label, nbytes = f"B1 KV{kv} K+V", sizes[kv] * 8 * 128 * 2 * 2

@@ -41,7 +41,12 @@ pdl_wait (-10 to -15), MXFP4's selector shifts by __umulhi on the FMA pipe (-1.5
 tails (k % 1024 == 0) by the hoisted path (-1), 32-bit item window arithmetic (within +-1); half
 of each prologue item's bulk copy before pdl_wait and the rest once x's loads are in flight: MXFP4
 +0.7 to +0.9 (78.5 at 4096x14336), the other types -0 to -5 (a prepare() hook through every int8
-kernel for under a point on one type: not kept).
+kernel for under a point on one type: not kept). 2026-11-26, later: x quantized progressively (chunks of
+one item along k, each warp quantizing its share of a chunk before its first item of that chunk, one
+chunk ahead after, an mbarrier per chunk) so that the first dot products wait for one chunk of x, not
+all of it: correct (238 GPU tests passed) but far slower (--l2 CUKERN_Q8_XPIPE=0,1): 4096x14336 MXFP4
+77.4 -> 53.0, Q4_0 84.5 -> 48.9; 14336x4096 Q4_K 89.9 -> 66.8 (MXFP4 there: one item per row, unchanged)
+-- the warps wait for each other at every item and each chunk's x loads cost an L2 round trip. Not kept.
 
 Run: PYTHONPATH=. python profiling/probe_dmmv_q8.py --sweep [--types Q4_K,MXFP4]"""
 import argparse
