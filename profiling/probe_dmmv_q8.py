@@ -47,6 +47,11 @@ chunk ahead after, an mbarrier per chunk) so that the first dot products wait fo
 all of it: correct (238 GPU tests passed) but far slower (--l2 CUKERN_Q8_XPIPE=0,1): 4096x14336 MXFP4
 77.4 -> 53.0, Q4_0 84.5 -> 48.9; 14336x4096 Q4_K 89.9 -> 66.8 (MXFP4 there: one item per row, unchanged)
 -- the warps wait for each other at every item and each chunk's x loads cost an L2 round trip. Not kept.
+Row balance (would splitting rows across blocks so that all 132 SMs share 4096 rows pay?): the default
+path at k = 14336 by row count, pdl, copy 2,895 GB/s that run: MXFP4 3968 rows 13.99 us, 4096 13.62
+(79.1% of that run's copy), 4224 (32 rows on every SM) 14.58, 4352 15.61; Q4_0 13.15 / 13.27 / 13.84 /
+14.61. 4224 rows take 7% longer than 4096 with the same most rows per SM, so the time is not set by the
+busiest SM's rows and the 4 idle SMs are not where the missing points are. Not built.
 
 Run: PYTHONPATH=. python profiling/probe_dmmv_q8.py --sweep [--types Q4_K,MXFP4]"""
 import argparse
