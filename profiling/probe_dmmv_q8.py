@@ -52,6 +52,12 @@ path at k = 14336 by row count, pdl, copy 2,895 GB/s that run: MXFP4 3968 rows 1
 (79.1% of that run's copy), 4224 (32 rows on every SM) 14.58, 4352 15.61; Q4_0 13.15 / 13.27 / 13.84 /
 14.61. 4224 rows take 7% longer than 4096 with the same most rows per SM, so the time is not set by the
 busiest SM's rows and the 4 idle SMs are not where the missing points are. Not built.
+Ring depth against what is in flight while x is quantized (a prefill-count macro, same run per line):
+MXFP4 4x3 (fits 32 warps at k = 14336 with 1.5 KB to spare) 68.9% at 4096x14336 with two items
+prefilled, 72.0% with one, against 78.8% for the table's 4x2; 4x2 with nothing prefilled 65.7%. Q4_0 /
+Q4_K / Q5_K / Q5_0 at 2x4: 81.4 / 80.3 / 75.8 / 80.1% with three prefilled, 83.4 / 83.7 / 83.5 / 83.9 with
+two (the 2x3 amount; 2x3 itself measured 84.5 / 85.1 / 85.4 / 87.4 in another run), 72-76 with one. A
+deeper ring does not pay at either prefill count. Not kept.
 
 Run: PYTHONPATH=. python profiling/probe_dmmv_q8.py --sweep [--types Q4_K,MXFP4]"""
 import argparse
