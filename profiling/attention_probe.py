@@ -28,7 +28,10 @@ page-table loads off the length (clamped to the page-table row without a window)
     partials in global memory, no counter): correct (GPU tests passed), but slower under pdl: w8 s8 KV8k
     18.66 us against 17.77 (s8, last-block merge) and 17.2 (s16), KV32k s8 57.7 against 49.1; plain
     19.55 against 19.16. H100 cluster capacity (cuOccupancyMaxActiveClusters, one 209 KB block per SM):
-    15 clusters of 8, 7 of 16, so a 16-split grid of 8 KV heads does not fit one wave. Not kept."""
+    15 clusters of 8, 7 of 16, so a 16-split grid of 8 KV heads does not fit one wave. Not kept.
+  * Every ring stage filled in the prologue (NS tiles in flight before q is read, a stage refilled after its
+    tile is computed) instead of NS - 1: correct, but B1 KV8k 17.82 against 17.14 us, 8/1 D256 14.12
+    against 13.17, 4/1 D256 11.58 against 10.98 (KV128k and B32 KV4k unchanged). Not kept."""
 from __future__ import annotations
 
 import itertools
