@@ -10,6 +10,8 @@
 #   CUKERN_BENCH_ARGS=--quick ...                  # arguments of every benchmark
 #   CUKERN_STEP_TIMEOUT=240 ...                    # seconds each step may take (default: no limit)
 #   CUKERN_SANITIZE="tests/test_dmmv.py" CUKERN_SANITIZE_K="q8 or moe" ...   # narrow the sanitizer pass
+#   CUKERN_RACECHECK_K="test_decode_tc_warps" ...  # the racecheck pass's -k (default: the shared-memory-heavy
+#                                                  # kernels below, ~3 min on an H100); "skip": none
 #
 # The benchmarks run before the sanitizer pass, the slowest step, so that a time limit on the
 # whole call cuts the sanitizer rather than the numbers.
@@ -70,17 +72,27 @@ done
 # 2026-11-24), where the same tests in one process took 6 s.
 CUKERN_NO_POOL=1 step sanitizer compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
     $PY -m pytest -q -x -m "gpu and not slow" -p no:xdist ${CUKERN_SANITIZE_K:+-k "$CUKERN_SANITIZE_K"} $SANITIZE
+# shared-memory races (racecheck) in the kernels that stage through shared memory: decode_tc and its split
+# merge, merge_states, the mma.sync and wgmma prefills, the int8 matvec rings, the wgmma and int8 GEMMs
+RACE_K=${CUKERN_RACECHECK_K:-"(test_decode and softcap and (d128 or d256)) or test_decode_tc_warps or test_merge_states \
+or (test_prefill_wgmma_matches_mma_sync and (causal-float16-h4 or window)) or test_varlen_wgmma_matches_mma_sync \
+or row_tail or (test_gemm_wg and Q4_K) or (test_gemm_q8 and Q6_K)"}
+if [ "$RACE_K" != skip ]; then
+    CUKERN_NO_POOL=1 step racecheck compute-sanitizer --tool racecheck --error-exitcode 99 --print-limit 20 \
+        $PY -m pytest -q -m gpu -p no:xdist -k "$RACE_K" tests/test_attention.py tests/test_dmmv.py tests/test_matmul.py
+fi
 
 
 echo
 echo "================================ summary ================================"
 $PY -m cukern info 2>/dev/null | grep -E '^(gpu|cupy|nvrtc|cuda driver)'
-for name in check gpu-tests sanitizer; do
+for name in check gpu-tests sanitizer racecheck; do
     [ -f "$LOG/$name.log" ] || continue
     line=$(grep -E '([0-9]+ (passed|failed|errors?))|kernel rows' "$LOG/$name.log" | tail -1)
     printf '%-10s %-16s %s\n' "$name" "${STATUS[$name]}" "$line"
 done
 grep -E "ERROR SUMMARY" "$LOG/sanitizer.log" 2>/dev/null | tail -1
+grep -E "RACECHECK SUMMARY" "$LOG/racecheck.log" 2>/dev/null | tail -1
 for b in $BENCH; do
     name=bench-$(basename "$b" .py | sed 's/^bench_//')
     echo "--- $name ${STATUS[$name]}"
