@@ -37,4 +37,27 @@ CUKERN_DEVICE uint32_t q8_1_quantize4(float4 v, float inv_d) {
                        __byte_perm(q8_1_quantize(v.z, inv_d), q8_1_quantize(v.w, inv_d), 0x0040), 0x5410);
 }
 
+// A quarter of a block: 8 consecutive lanes hold one block, lane j = lane % 8 its values 4j..4j+3.
+struct Q8Quarter {
+    float d;          // the block's scale
+    uint32_t packed;  // this lane's four qs, the first in the low byte
+    int sum;          // sum(qs) over the whole block
+};
+
+// Quantize the block that v belongs to (d = max|x| / 127 by an f32 division, its reciprocal by
+// another). Every lane of the warp must call it (shuffles in groups of 8); lanes holding no data
+// pass zeros and store nothing.
+CUKERN_DEVICE Q8Quarter q8_1_quantize_quarter(float4 v) {
+    float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float d = amax / 127.0f;
+    const float inv_d = d > 0.f ? 1.0f / d : 0.0f;
+    const uint32_t packed = q8_1_quantize4(v, inv_d);
+    int sum = __dp4a((int)packed, 0x01010101, 0);
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    return {d, packed, sum};
+}
+
 }  // namespace cukern

@@ -192,24 +192,13 @@ __global__ void __launch_bounds__(BLOCK) residual_rms_norm_q8_1_reg(
     uint8_t* qrow = q + (uint64_t)blockIdx.x * (p.n_cols / Q8_1_BLOCK) * Q8_1_BLOCK_BYTES;
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
-        const float4 v = t.v[k];  // zeros past the row end: whole 8-thread groups, never stored
-        float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
-#pragma unroll
-        for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-        const float d = amax / 127.0f;
-        const float inv_d = d > 0.f ? 1.0f / d : 0.0f;
-        const int q0 = q8_1_quantize(v.x, inv_d), q1 = q8_1_quantize(v.y, inv_d);
-        const int q2 = q8_1_quantize(v.z, inv_d), q3 = q8_1_quantize(v.w, inv_d);
-        int sum = q0 + q1 + q2 + q3;
-#pragma unroll
-        for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        // t.v[k] is zeros past the row end: whole 8-thread groups, never stored
+        const Q8Quarter b = q8_1_quantize_quarter(t.v[k]);
         if (t.has(k)) {
             const uint32_t i4 = t.at(k);  // float4 index in the row; block i4 / 8, quarter i4 % 8
             uint8_t* blk = qrow + (uint64_t)(i4 / 8) * Q8_1_BLOCK_BYTES;
-            const uint32_t packed = (uint32_t)(q0 & 0xff) | ((uint32_t)(q1 & 0xff) << 8) |
-                                    ((uint32_t)(q2 & 0xff) << 16) | ((uint32_t)(q3 & 0xff) << 24);
-            reinterpret_cast<uint32_t*>(blk + 4)[i4 % 8] = packed;
-            if (i4 % 8 == 0) *reinterpret_cast<__half2*>(blk) = __floats2half2_rn(d, d * (float)sum);
+            reinterpret_cast<uint32_t*>(blk + 4)[i4 % 8] = b.packed;
+            if (i4 % 8 == 0) *reinterpret_cast<__half2*>(blk) = __floats2half2_rn(b.d, b.d * (float)b.sum);
         }
     }
 }
@@ -236,22 +225,11 @@ __global__ void __launch_bounds__(256) quantize_q8_1(
     for (int k = 0; k < QUANT_UNROLL; ++k) {
         const uint64_t u = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x + k * stride;
         const bool live = u < p.n_values / 4;  // whole 8-thread groups: n_values % 32 == 0, stride % 8 == 0
-        const float4 v = vs[k];
-        float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
-#pragma unroll
-        for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-        const float d = amax / 127.0f;
-        const float inv_d = d > 0.f ? 1.0f / d : 0.0f;
-        const int q0 = q8_1_quantize(v.x, inv_d), q1 = q8_1_quantize(v.y, inv_d);
-        const int q2 = q8_1_quantize(v.z, inv_d), q3 = q8_1_quantize(v.w, inv_d);
-        int sum = q0 + q1 + q2 + q3;
-#pragma unroll
-        for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        const Q8Quarter b = q8_1_quantize_quarter(vs[k]);
         if (!live) continue;
         uint8_t* blk = q + (u / 8) * Q8_1_BLOCK_BYTES;
-        reinterpret_cast<uint32_t*>(blk + 4)[u % 8] = (uint32_t)(q0 & 0xff) | ((uint32_t)(q1 & 0xff) << 8) |
-                                                       ((uint32_t)(q2 & 0xff) << 16) | ((uint32_t)(q3 & 0xff) << 24);
-        if (u % 8 == 0) *reinterpret_cast<__half2*>(blk) = __floats2half2_rn(d, d * (float)sum);
+        reinterpret_cast<uint32_t*>(blk + 4)[u % 8] = b.packed;
+        if (u % 8 == 0) *reinterpret_cast<__half2*>(blk) = __floats2half2_rn(b.d, b.d * (float)b.sum);
     }
 }
 
