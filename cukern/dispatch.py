@@ -31,7 +31,7 @@ from cukern.params import ParamStruct, load_header
 from cukern.runtime import FamilySpec
 from cukern.streams import resolve_stream
 
-__all__ = ["Dispatch", "check_array", "enable_nvtx", "nvtx_enabled", "set_launch_timer"]
+__all__ = ["Dispatch", "check_array", "enable_nvtx", "nvtx_enabled", "set_launch_timer", "tensor_map_2d"]
 
 _MAX_GRID = (2**31 - 1, 65535, 65535)
 
@@ -172,6 +172,56 @@ def _launch_pdl(kernel: str, fn, grid, block, args, shared_mem: int) -> None:
         raise runtime.CukernError(f"{kernel}: cuLaunchKernelEx failed with {name.value.decode()} ({err})")
 
 
+# ----------------------------------------------------------------------------- tensor maps
+# The copy engine's 2-D tiled loads (common/mbarrier.cuh tma_load_2d) read a CUtensorMap that the
+# driver encodes on the host (cuTensorMapEncodeTiled); it travels by value as a kernel argument.
+
+TENSOR_MAP_DTYPE = np.dtype([("opaque", "<u8", (16,))])  # CUtensorMap: 128 opaque bytes
+_TMA_DATA_TYPES = {np.dtype(np.float16): 6, np.dtype(np.float32): 7}  # CU_TENSOR_MAP_DATA_TYPE_*
+_TMA_SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}  # bytes -> CU_TENSOR_MAP_SWIZZLE_*
+_TMA_L2_PROMOTION_256B = 3
+
+
+@functools.lru_cache(maxsize=1)
+def _cu_tensor_map_encode_tiled():
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = lib.cuTensorMapEncodeTiled
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64),
+                   ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def tensor_map_2d(a: cupy.ndarray, box: tuple[int, int], swizzle: int = 128) -> np.void:
+    """A tensor map of the 2-D row-strided view ``a`` ([rows, cols], unit stride along a row) for
+    boxes of ``box = (cols, rows)`` elements, out-of-range elements zero-filled: 128 bytes to pass
+    as a ``const __grid_constant__ cukern::TensorMap`` argument. The driver's rules hold: base
+    16-byte aligned, row stride a multiple of 16 bytes, box sides 1..256, ``box[0]`` times the
+    element size a multiple of 16 (and at most ``swizzle`` bytes when swizzled)."""
+    dt = _TMA_DATA_TYPES.get(a.dtype)
+    if dt is None or a.ndim != 2 or a.strides[1] != a.itemsize:
+        raise ValueError(f"tensor_map_2d takes a 2-D f16/f32 view with unit row stride, got {a.dtype} {a.shape} "
+                         f"strides {a.strides}")
+    rows, cols = a.shape
+    pitch = a.strides[0] if rows > 1 else cols * a.itemsize
+    pitch = -(-pitch // 16) * 16 if rows == 1 else pitch
+    if a.data.ptr % 16 or pitch % 16:
+        raise ValueError(f"tensor_map_2d: base {a.data.ptr:#x} and row stride {pitch} bytes must be 16-byte aligned")
+    dims = (ctypes.c_uint64 * 2)(cols, rows)
+    strides = (ctypes.c_uint64 * 1)(pitch)
+    boxes = (ctypes.c_uint32 * 2)(*box)
+    ones = (ctypes.c_uint32 * 2)(1, 1)
+    buf = ctypes.create_string_buffer(128 + 64)
+    addr = -(-ctypes.addressof(buf) // 64) * 64  # CUtensorMap is 64-byte aligned
+    err = _cu_tensor_map_encode_tiled()(addr, dt, 2, a.data.ptr, dims, strides, boxes, ones, 0,
+                                        _TMA_SWIZZLE[swizzle], _TMA_L2_PROMOTION_256B, 0)
+    if err:
+        raise runtime.CukernError(f"cuTensorMapEncodeTiled failed ({err}) for a {a.dtype} {a.shape} view, "
+                                  f"row stride {pitch} bytes, box {box}, swizzle {swizzle}")
+    return np.frombuffer(ctypes.string_at(addr, 128), TENSOR_MAP_DTYPE)[0]
+
+
 def _grid3(name: str, dims, limits) -> tuple[int, int, int]:
     if type(dims) is int:
         if not 1 <= dims <= limits[0]:
@@ -252,9 +302,10 @@ class Dispatch:
             raise TypeError(f"{kernel} takes a packed {struct.name} (use struct('{struct.name}').pack(...)), "
                             f"got {type(params).__name__}")
         for i, p in enumerate(pointers):
-            if type(p) is not cupy.ndarray and not isinstance(p, cupy.ndarray):
-                raise TypeError(f"{kernel}: argument {i} must be a cupy.ndarray (a device pointer), "
-                                f"got {type(p).__name__}")
+            if type(p) is not cupy.ndarray and not isinstance(p, cupy.ndarray) and not (
+                    isinstance(p, np.void) and p.dtype == TENSOR_MAP_DTYPE):
+                raise TypeError(f"{kernel}: argument {i} must be a cupy.ndarray (a device pointer) or a "
+                                f"tensor map, got {type(p).__name__}")
         grid = _grid3(f"{kernel}: grid", grid, _MAX_GRID)
         block = _grid3(f"{kernel}: block", block, (1024, 1024, 64))
         if block[0] * block[1] * block[2] > 1024:

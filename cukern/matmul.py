@@ -100,7 +100,7 @@ import cupy
 import numpy as np
 
 from cukern import runtime
-from cukern.dispatch import Dispatch, check_array
+from cukern.dispatch import Dispatch, check_array, tensor_map_2d
 from cukern.dmmv import QTYPES, QWeight
 from cukern.runtime import FamilySpec, KernelSpec
 from cukern.streams import resolve_stream
@@ -125,6 +125,9 @@ _W_ALIGN = {2: 2, 6: 2, 8: 2, 12: 16, 13: 16, 14: 2}  # bytes: the K4/K5 quants 
 _WG_TILES = (128, 256)
 _WG_GROUPS = (2, 4)
 _WG_STAGES = {128: 4, 256: 3}  # WgCfg<BT>::kStages
+# gemm_wgr (gemm_wgr.cuh): 128 weight rows (GLU: 64 of each matrix) x 128 or 256 tokens, three warpgroups
+_WGR_THREADS = 384
+_WGR_STAGES = 4  # kWgrStages
 
 _B_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half"}
 _ACTS = {"swiglu": 2, "silu": 2, "geglu": 3, "gelu": 3}  # GemmParams.mode
@@ -162,6 +165,13 @@ def _smem_wg(bt: int, qt: int) -> int:
     return _WG_STAGES[bt] * bt * _BK * 2 + 3 * _ROW_TILE * _BK * 2 + 2 * _ROW_TILE * raw
 
 
+def _smem_wgr(bt: int, qt: int) -> int:
+    """Dynamic shared memory of gemm_wgr (gemm_wgr_smem_bytes in gemm_wgr.cuh; the kernel traps if short)."""
+    raw = _raw_stride(qt)
+    raw += 0 if (raw // 16) % 2 else 16  # RawWg<QT>::kStride
+    return 1024 + _WGR_STAGES * bt * _BK * 2 + 2 * _ROW_TILE * raw + 2 * (_WGR_STAGES + 2) * 8
+
+
 def _raw16(*weights: QWeight) -> int:
     """1 when every row of these weights starts 16-byte aligned (raw super-stages go by cp.async)."""
     return int(all((w.buf.data.ptr + w.offset) % 16 == 0 and w.row_bytes % 16 == 0 for w in weights))
@@ -182,6 +192,8 @@ def _gemm_unit(qt: int) -> FamilySpec:
                for bt in _TOKEN_TILES for glu in ("false", "true") for tb in _B_TYPES.values()]
     kernels += [KernelSpec(f"gemm_wg<{qt}, {bt}, {glu}, {wgs}>", "GemmParams")
                 for bt in _WG_TILES for glu in ("false", "true") for wgs in _WG_GROUPS]
+    kernels += [KernelSpec(f"gemm_wgr<{qt}, {bt}, {glu}>", "GemmParams")
+                for bt in _WG_TILES for glu in ("false", "true")]
     return FamilySpec(f"matmul_f16_{GEMM_QTYPES[qt]}", tuple(kernels), source="matmul/gemm.cu",
                       params_header="matmul/params.cuh")
 
@@ -376,7 +388,7 @@ class MatmulDispatch(Dispatch):
         w = self._weight("w", w)
         n, b_stride, d_stride = self._float_activations(b, d, w)
         if self._use_wg(w.qtype, b, n, wgmma):
-            return self._gemm_wg(w, w, b, d, b_stride, d_stride, n, accumulate, split_k, None, stream)
+            return self._hopper(w, w, b, d, b_stride, d_stride, n, accumulate, split_k, None, stream)
         bt, grid, k_split = self._grid(n, w, split_k, "gemm")
         params = self.struct_of(w.qtype).pack(
             w_offset=w.offset, w2_offset=0, row_bytes=w.row_bytes, b_stride=b_stride, d_stride=d_stride,
@@ -407,8 +419,10 @@ class MatmulDispatch(Dispatch):
         cost = {bt: -(-(-(-n // bt) * row_tiles) // sm) * bt for bt in _WG_TILES}
         return min(reversed(_WG_TILES), key=lambda bt: cost[bt])
 
-    def _gemm_wg(self, w, w2, b, d, b_stride, d_stride, n, accumulate, split_k, act, stream):
-        """gemm_wg launch: ``act`` None (d = W b, or += with accumulate) or a GLU activation."""
+    WG_KERNEL = "wgr"  # the Hopper kernel: "wgr" (gemm_wgr) or "wg" (gemm_wg)
+
+    def _hopper(self, w, w2, b, d, b_stride, d_stride, n, accumulate, split_k, act, stream):
+        """gemm_wgr or gemm_wg launch: ``act`` None (d = W b, or += with accumulate) or a GLU activation."""
         glu = act is not None
         rows = _ROW_TILE_GLU if glu else _ROW_TILE
         grid_r = -(-w.m // rows)
@@ -433,6 +447,13 @@ class MatmulDispatch(Dispatch):
             d_stride=d_stride, m=w.m, n=n, k=w.k, k_split=k_split, mode=mode, atomic=int(grid[2] > 1),
             raw16=_raw16(w, w2))
         self._zero_for_split(d, grid, accumulate, stream)
+        glu_s = "true" if glu else "false"
+        if self.WG_KERNEL == "wgr":
+            tmap = tensor_map_2d(b, (_BK, bt))
+            self._units[w.qtype]._launch(f"gemm_wgr<{w.qtype}, {bt}, {glu_s}>", grid, _WGR_THREADS,
+                                         (d, w.buf, w2.buf, tmap), params, stream=stream,
+                                         shared_mem=_smem_wgr(bt, w.qtype))
+            return d
         # at 128 tokens, four warpgroups would read each weight fragment twice per k step from
         # shared memory (two 64-token slices): 2 KB of A per 2 KB of B, the bandwidth's limit
         wgs = self.WG_GROUPS or (4 if bt == 256 else 2)
@@ -554,7 +575,7 @@ class MatmulDispatch(Dispatch):
         w_gate, w_up = self._glu_weights(w_gate, w_up, act)
         n, b_stride, d_stride = self._float_activations(b, d, w_gate)
         if self._use_wg(w_gate.qtype, b, n, wgmma):
-            return self._gemm_wg(w_gate, w_up, b, d, b_stride, d_stride, n, False, None, act, stream)
+            return self._hopper(w_gate, w_up, b, d, b_stride, d_stride, n, False, None, act, stream)
         bt = self._tile(n)
         grid_t, grid_r = -(-n // bt), -(-w_gate.m // _ROW_TILE_GLU)
         if grid_t > 2**31 - 1 or grid_r > 65535:

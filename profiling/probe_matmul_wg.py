@@ -9,6 +9,7 @@ Run: PYTHONPATH=. python profiling/probe_matmul_wg.py
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 
 import cupy
@@ -20,6 +21,7 @@ from cukern.matmul import MatmulDispatch
 sys.path.insert(0, "profiling")
 from bench_matmul import _BY_NAME, random_weight_device  # noqa: E402
 
+SKIP_VARIANTS = "--skips" in sys.argv  # gemm_wg's variants that skip parts of the work
 SKIPS = {1: "no dequant", 2: "no raw copy", 4: "no act copy", 8: "no MMA", 3: "no weights", 7: "MMA only"}
 
 
@@ -30,6 +32,7 @@ def _variant(mm: MatmulDispatch, q: int, skip: int) -> MatmulDispatch:
     spec = dataclasses.replace(base, name=f"{base.name}_skip{skip}", kernels=kernels,
                                defines=(f"CUKERN_WG_SKIP={skip}",))
     v = MatmulDispatch()
+    v.WG_KERNEL = "wg"
     v._units = dict(mm._units)
     v._units[q] = M._Unit(spec, sm90a=True)
     return v
@@ -39,7 +42,7 @@ def main() -> None:
     mm = MatmulDispatch()
     rng = cupy.random.default_rng(1)
     cases = [(4096, 4096, n) for n in (512, 2048)] + [(14336, 4096, 2048)]
-    for name in ["Q8_0", "Q4_K", "Q6_K", "Q5_0"]:
+    for name in os.environ.get("PROBE_TYPES", "Q8_0,Q4_K,Q6_K,Q5_0").split(","):
         q = _BY_NAME[name]
         for (m, k, n) in cases:
             ws = [random_weight_device(name, m, k, rng) for _ in range(3)]
@@ -50,19 +53,22 @@ def main() -> None:
             _, nxt = rotating(3, lambda i: ws[i])
             tf = lambda us: 2 * m * n * k / us / 1e6  # noqa: E731
             t = {}
-            t["wg"] = time_graph_us(lambda: mm.gemm(nxt(), b, d), n_inner=10, n_repeat=10)
-            for wgs in M._WG_GROUPS:
-                for bt in M._WG_TILES:
-                    mm._wg_tile = lambda n_, r_, bt=bt: bt
-                    mm.WG_GROUPS = wgs
-                    t[f"wg{bt}x{wgs}"] = time_graph_us(lambda: mm.gemm(nxt(), b, d, wgmma=True), n_inner=10, n_repeat=10)
-            del mm._wg_tile, mm.WG_GROUPS
+            t["default"] = time_graph_us(lambda: mm.gemm(nxt(), b, d), n_inner=10, n_repeat=10)
+            for kern, groups in (("wgr", (None,)), ("wg", M._WG_GROUPS)):
+                mm.WG_KERNEL = kern
+                for wgs in groups:
+                    for bt in M._WG_TILES:
+                        mm._wg_tile = lambda n_, r_, bt=bt: bt
+                        mm.WG_GROUPS = wgs
+                        t[f"{kern}{bt}x{wgs or 3}"] = time_graph_us(lambda: mm.gemm(nxt(), b, d, wgmma=True),
+                                                                   n_inner=10, n_repeat=10)
+            del mm._wg_tile, mm.WG_GROUPS, mm.WG_KERNEL
             t["mma.sync"] = time_graph_us(lambda: mm.gemm(nxt(), b, d, wgmma=False), n_inner=10, n_repeat=10)
             t["wg eager"] = time_us(lambda: mm.gemm(nxt(), b, d), n_warmup=3, n_repeat=20)
             t["deq+cuBLAS eager"] = time_us(lambda: (mm.dequantize(nxt(), dense), cupy.matmul(b, dense.T, out=d16)),
                                             n_warmup=3, n_repeat=20)
             t["cuBLAS eager"] = time_us(lambda: cupy.matmul(b, dense.T, out=d16), n_warmup=3, n_repeat=20)
-            if name == "Q8_0" and (m, k, n) == (4096, 4096, 2048):
+            if name == "Q8_0" and (m, k, n) == (4096, 4096, 2048) and SKIP_VARIANTS:
                 for skip, what in SKIPS.items():
                     v = _variant(mm, q, skip)
                     v._wg_tile = lambda n_, r_: 256

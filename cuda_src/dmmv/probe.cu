@@ -45,8 +45,8 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8_probe(
         }
     }
     if (lane == 0) {
-        for (int s = 0; s < ST; ++s) q8::mbar_init(bars + s);
-        q8::mbar_init_fence();
+        for (int s = 0; s < ST; ++s) mbar_init(bars + s);
+        mbar_init_fence();
     }
     __syncwarp();
     auto item_ptr = [&](uint32_t t) { const uint32_t i = first + t * stride; return base + (size_t)(i / ipr) * p.row_bytes + (size_t)(i % ipr) * BI; };
@@ -59,8 +59,8 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8_probe(
             const uint8_t* c0 = reinterpret_cast<const uint8_t*>(reinterpret_cast<size_t>(s) & ~size_t(15));
             const int n = (int)min((size_t)((e - c0 + 15) >> 4), (size_t)(end - c0) >> 4);
             if (lane == 0) {
-                q8::mbar_arrive_expect(bars + t % ST, 16u * n);
-                if (n > 0) q8::bulk_copy(ring + (t % ST) * SLOT, c0, 16u * n, bars + t % ST);
+                mbar_arrive_expect(bars + t % ST, 16u * n);
+                if (n > 0) bulk_copy(ring + (t % ST) * SLOT, c0, 16u * n, bars + t % ST);
             }
         }
     };
@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8_probe(
     for (uint32_t t = 0; t < total; ++t) {
         __syncwarp();
         issue(t + ST - 1);
-        q8::mbar_wait(bars + t % ST, (t / ST) & 1u);
+        mbar_wait(bars + t % ST, (t / ST) & 1u);
         const uint32_t i = first + t * stride, it = i % ipr;
         const uint8_t* b = ring + (t % ST) * SLOT + (reinterpret_cast<size_t>(item_ptr(t)) & 15);
 #pragma unroll

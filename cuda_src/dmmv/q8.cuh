@@ -20,6 +20,7 @@
 // ... of the item; its x comes from two planes (XView) so that a warp's loads are contiguous.
 #pragma once
 
+#include "common/mbarrier.cuh"
 #include "common/mma.cuh"
 #include "common/q8_1.cuh"
 #include "common/quants.cuh"
@@ -378,36 +379,6 @@ CUKERN_DEVICE uint32_t dynamic_smem_bytes() {
     uint32_t r;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
     return r;
-}
-
-// ------------------------------------------------------------------------------------- bulk copies
-// Hopper's 1-D bulk copy (one instruction per copy, completion counted in bytes on an mbarrier).
-CUKERN_DEVICE void mbar_init(uint64_t* bar) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
-}
-CUKERN_DEVICE void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
-// Arrive (the barrier's one arrival per phase) and expect `bytes` more of copies.
-CUKERN_DEVICE void mbar_arrive_expect(uint64_t* bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
-                 : "memory");
-}
-// The waiting thread may be suspended until the phase completes or the hint (ns) runs out, rather
-// than retrying after a system-dependent time (ncu, 14336x4096: 3-8% fewer instructions issued).
-CUKERN_DEVICE void mbar_wait(uint64_t* bar, uint32_t parity) {
-    uint32_t done;
-    do {
-        asm volatile(
-            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\n selp.u32 %0, 1, 0, p;\n}"
-            : "=r"(done)
-            : "r"(smem_addr(bar)), "r"(parity), "r"(10000000u)
-            : "memory");
-    } while (!done);
-}
-// bytes (a multiple of 16) from 16-byte-aligned global src to 16-byte-aligned shared dst.
-CUKERN_DEVICE void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar))
-                 : "memory");
 }
 
 // ------------------------------------------------------------------------------------- x

@@ -3,3 +3,4 @@
 // in the same unit, gemm_wg (Hopper wgmma, gemm_wg.cuh; the unit is built for sm_90a on sm_90).
 #include "matmul/gemm.cuh"
 #include "matmul/gemm_wg.cuh"
+#include "matmul/gemm_wgr.cuh"

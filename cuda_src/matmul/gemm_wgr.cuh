@@ -1,0 +1,392 @@
+// gemm_wgr: D = W B for N token columns on Hopper's warpgroup tensor cores (wgmma, sm_90a only;
+// other targets compile a stub that traps, and the host never launches it there), with the weight
+// operand dequantized straight into registers.
+//
+// Roles: wgmma's A operand (64 weight rows per instruction) comes from registers, its B operand (BN
+// tokens, 128 or 256) from shared memory, f32 accumulators in registers. CTA: three warpgroups,
+// 128 weight rows x BN tokens, one CTA per SM:
+//   * warpgroup 0, the producer (40 registers per thread after setmaxnreg): thread 0 loads each
+//     64-element stage of the activation tile with the tensor copy engine (a TMA box of 64 x BN f16,
+//     128-byte swizzle, out-of-range elements zero-filled) into a ring of kWgrStages slots; all 128
+//     threads copy the raw GGUF bytes of each 256-element super-stage of the 128 rows (gemm.cuh's
+//     copy_raw, 16-byte cp.async) into a ring of two raw slots;
+//   * warpgroups 1 and 2, the consumers (232 registers): consumer c multiplies rows 64c .. 64c+63 by
+//     the BN tokens. Per stage it issues four m64nBNk16 (A: registers, B: the swizzled slot), and
+//     while they run dequantizes the next stage's A fragments (FragDeq) from the raw slot into the
+//     other register set; one stage of MMAs in flight per consumer.
+// Full/empty mbarriers hand each slot over: full_act by the copy engine's byte count, full_raw by
+// the producers' cp.async arrivals (count 128), empty_* by one arrival per consumer warp (count 8).
+//
+// A fragments (wgmma m64k16, f16, per warp w of the consumer, g = lane / 4, c = lane % 4): rows
+// R = 16w + g and R + 8; registers (R, 2c..2c+1), (R+8, 2c..), (R, 2c+8..), (R+8, 2c+8..). Over a
+// 64-element stage a lane therefore holds the element pairs 8j + 2c, j = 0..7, of its two rows:
+// FragDeq<QT>::stage produces exactly those 8 f16 pairs per row from the raw bytes, each value rounded
+// once from exact integer quants (_0 types: (q - offset) exact in f16, times d; K-quants: the f16 of
+// the f32 sub-block scale d * sc (and d_min * m), so a value may carry two roundings).
+// Raw rows are an odd number of 16-byte units apart (RawWg), so the 8 rows x 4 lanes of a warp's
+// 2-byte raw loads hit distinct banks.
+// Ragged M (rows past m read row m-1, never stored), ragged N (zero-filled tokens, never stored), K
+// tails (segments past the split's end zeroed in A; the activations there are zero or finite) and
+// split K (blockIdx.z slices, atomics) as in gemm_wg; the fused GLU interleaves gate and up rows by
+// 8-row groups as gemm_wg does, so rows R and R+8 of a lane are the gate and up of one output.
+#pragma once
+
+#include "common/mbarrier.cuh"
+#include "matmul/gemm_wg.cuh"
+
+namespace cukern {
+namespace mm {
+
+constexpr int kWgrStages = 4;        // activation ring slots (64 K elements each)
+constexpr int kWgrThreads = 384;     // producer + two consumer warpgroups
+constexpr int kWgrProducerRegs = 40, kWgrConsumerRegs = 232;
+
+// Dynamic shared memory of gemm_wgr<., BN, .>: 1 KB of alignment slack (swizzled slots sit on 1 KB
+// boundaries), the activation ring, two raw super-stages (raw_stride = RawWg<QT>::kStride), the barriers.
+__host__ __device__ constexpr uint32_t gemm_wgr_smem_bytes(int bn, int raw_stride) {
+    return 1024u + (uint32_t)kWgrStages * bn * kTileBytes + 2u * kRows * raw_stride + 2u * (kWgrStages + 2) * 8u;
+}
+
+// wgmma B descriptor: K-major, 128-byte swizzle, rows 128 bytes apart, 8-row groups 1 KB apart.
+CUKERN_DEVICE uint64_t wg_desc_sw128(uint32_t saddr) {
+    return (uint64_t)((saddr & 0x3FFFF) >> 4) | (uint64_t)1 << 16 | (uint64_t)(1024 >> 4) << 32 | (uint64_t)1 << 62;
+}
+CUKERN_DEVICE void wg_pin(uint32_t& x) { asm volatile("" : "+r"(x)::"memory"); }
+
+template <int N>
+CUKERN_DEVICE void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
+template <int N>
+CUKERN_DEVICE void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
+
+// d += A B: A 64x16 f16 in registers (the m64k16 fragment), B 16xN K-major in shared memory
+// (desc_b); d: N / 2 f32.
+template <int N> struct WgmmaRs;
+template <> struct WgmmaRs<128> {
+    static CUKERN_DEVICE void run(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint64_t desc_b) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+            "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+            "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+            "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+              "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+              "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+              "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+              "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "r"(1));
+    }
+};
+template <> struct WgmmaRs<256> {
+    static CUKERN_DEVICE void run(float (&d)[128], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint64_t desc_b) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {"
+            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+            "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+            "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
+            "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"
+            "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
+            "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
+            "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+            "}, {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+              "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+              "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+              "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+              "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+              "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+              "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+              "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+              "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+              "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+              "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+              "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+              "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "r"(1));
+    }
+};
+
+// ---------------------------------------------------------------------------- A fragments
+// FragDeq<QT>::stage(o, row, st, c): o[j] = the f16 pair of elements (8j + 2c, 8j + 2c + 1) of
+// stage st (0..3: elements 64 st .. 64 st + 63) of one weight row's raw super-stage at `row` (shared
+// memory, the super-stage's first byte; 2-byte reads except the K4/K5 headers, 16-byte aligned).
+CUKERN_DEVICE uint32_t pair_lanes(uint32_t u16) { return __byte_perm(u16, 0, 0x4140); }  // bytes 0, 1 -> 16-bit lanes
+CUKERN_DEVICE uint32_t h2_const(uint32_t bits) { return bits | bits << 16; }
+// ((lanes | 0x6400) - off) * d: lanes < 1024 hold quants, off = 1024 + the format's zero point.
+CUKERN_DEVICE uint32_t q_scaled(uint32_t lanes, uint32_t off, __half2 d2) {
+    return as_u32(__hmul2(__hsub2(h2_from_lanes(lanes), as_h2(off)), d2));
+}
+// (q * a - c) in f16 for quants q < 1024 in the lanes.
+CUKERN_DEVICE uint32_t q_affine(uint32_t lanes, __half2 a2, __half2 c2) {
+    return as_u32(__hfma2(__hsub2(h2_from_lanes(lanes), as_h2(0x64006400u)), a2, __hneg2(c2)));
+}
+
+template <int QT> struct FragDeq;
+
+template <> struct FragDeq<QT_Q8_0> {
+    static CUKERN_DEVICE void stage(uint32_t (&o)[8], const uint8_t* row, int st, int c) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const uint8_t* blk = row + (2 * st + h) * 34;
+            const __half2 d2 = as_h2(h2_const(ld_u16(blk)));
+#pragma unroll
+            for (int j = 0; j < 4; ++j)  // signed byte b -> lane b + 128 -> half 1152 + b
+                o[4 * h + j] = q_scaled(__byte_perm(ld_u16(blk + 2 + 8 * j + 2 * c) ^ 0x8080u, 0, 0x4140), 0x64806480u, d2);
+        }
+    }
+};
+
+template <> struct FragDeq<QT_Q4_0> {
+    static CUKERN_DEVICE void stage(uint32_t (&o)[8], const uint8_t* row, int st, int c) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // element e < 16: low nibble of qs[e], else high nibble of qs[e - 16]
+            const uint8_t* blk = row + (2 * st + h) * 18;
+            const __half2 d2 = as_h2(h2_const(ld_u16(blk)));
+            const uint32_t l0 = pair_lanes(ld_u16(blk + 2 + 2 * c)), l1 = pair_lanes(ld_u16(blk + 10 + 2 * c));
+            o[4 * h + 0] = q_scaled(l0 & 0x000F000Fu, 0x64086408u, d2);
+            o[4 * h + 1] = q_scaled(l1 & 0x000F000Fu, 0x64086408u, d2);
+            o[4 * h + 2] = q_scaled((l0 >> 4) & 0x000F000Fu, 0x64086408u, d2);
+            o[4 * h + 3] = q_scaled((l1 >> 4) & 0x000F000Fu, 0x64086408u, d2);
+        }
+    }
+};
+
+template <> struct FragDeq<QT_Q5_0> {
+    static CUKERN_DEVICE void stage(uint32_t (&o)[8], const uint8_t* row, int st, int c) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // as Q4_0, plus bit e of qh as the fifth bit of element e
+            const uint8_t* blk = row + (2 * st + h) * 22;
+            const __half2 d2 = as_h2(h2_const(ld_u16(blk)));
+            const uint32_t qh = ld_u32_a2(blk + 2);
+            const uint32_t l0 = pair_lanes(ld_u16(blk + 6 + 2 * c)), l1 = pair_lanes(ld_u16(blk + 14 + 2 * c));
+            auto hb = [&](int e) { const uint32_t t = qh >> e; return (t & 1u) << 4 | (t & 2u) << 19; };
+            o[4 * h + 0] = q_scaled((l0 & 0x000F000Fu) | hb(2 * c), 0x64106410u, d2);
+            o[4 * h + 1] = q_scaled((l1 & 0x000F000Fu) | hb(8 + 2 * c), 0x64106410u, d2);
+            o[4 * h + 2] = q_scaled(((l0 >> 4) & 0x000F000Fu) | hb(16 + 2 * c), 0x64106410u, d2);
+            o[4 * h + 3] = q_scaled(((l1 >> 4) & 0x000F000Fu) | hb(24 + 2 * c), 0x64106410u, d2);
+        }
+    }
+};
+
+// Q4_K / Q5_K: stage st holds sub-blocks 2 st (low nibbles of qs[32 st ..]) and 2 st + 1 (high
+// nibbles); Q5_K's fifth bits are bits 2 st and 2 st + 1 of qh[l].
+template <bool HIGH> struct FragDeqK45 {
+    static constexpr int kQs = HIGH ? 48 : 16;
+    static CUKERN_DEVICE void stage(uint32_t (&o)[8], const uint8_t* row, int st, int c) {
+        const uint4 head = *reinterpret_cast<const uint4*>(row);  // d, dmin, scales[12]
+        const float d = __half2float(__ushort_as_half(head.x & 0xFFFF)), dmin = __half2float(__ushort_as_half(head.x >> 16));
+        int sc0, m0, sc1, m1;
+        k4_scale_min(head.y, head.z, head.w, 2 * st, sc0, m0);
+        k4_scale_min(head.y, head.z, head.w, 2 * st + 1, sc1, m1);
+        const __half2 a0 = __float2half2_rn(d * sc0), c0 = __float2half2_rn(dmin * m0);
+        const __half2 a1 = __float2half2_rn(d * sc1), c1 = __float2half2_rn(dmin * m1);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int l = 8 * j + 2 * c;
+            const uint32_t q = pair_lanes(ld_u16(row + kQs + 32 * st + l));
+            uint32_t lo = q & 0x000F000Fu, hi = (q >> 4) & 0x000F000Fu;
+            if (HIGH) {
+                const uint32_t h = pair_lanes(ld_u16(row + 16 + l)) >> (2 * st);
+                lo |= (h & 0x00010001u) << 4;
+                hi |= (h & 0x00020002u) << 3;
+            }
+            o[j] = q_affine(lo, a0, c0);
+            o[4 + j] = q_affine(hi, a1, c1);
+        }
+    }
+};
+template <> struct FragDeq<QT_Q4_K> : FragDeqK45<false> {};
+template <> struct FragDeq<QT_Q5_K> : FragDeqK45<true> {};
+
+// Q6_K: half h = st / 2 of the super-block; stage elements e < 32 are quants ql[64h + e] and
+// e >= 32 are ql[64h + e] (same byte index, second 32), low nibbles in even stages and high nibbles
+// in odd ones, two bits of qh[32h + e % 32] each (shift 0/2 in even stages, 4/6 in odd ones), and
+// four int8 scales (scales[8h + 4 (st % 2) + 2 (e >= 32) + (e % 32) / 16]) times d; q - 32.
+template <> struct FragDeq<QT_Q6_K> {
+    static CUKERN_DEVICE void stage(uint32_t (&o)[8], const uint8_t* row, int st, int c) {
+        const int h = st >> 1, odd = st & 1;
+        const float d = __half2float(__ushort_as_half(ld_u16(row + 208)));
+        const uint32_t sc = ld_u32_a2(row + 192 + 8 * h + 4 * odd);
+        __half2 a[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[i] = __float2half2_rn(d * (float)(int8_t)(sc >> (8 * i)));
+        const int nsh = 4 * odd, qsh = 4 * odd;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int l = 8 * j + 2 * c;
+            const uint32_t qh = pair_lanes(ld_u16(row + 128 + 32 * h + l));
+            const uint32_t q0 = pair_lanes(ld_u16(row + 64 * h + l)), q1 = pair_lanes(ld_u16(row + 64 * h + 32 + l));
+            const uint32_t v0 = ((q0 >> nsh) & 0x000F000Fu) | ((qh >> qsh) & 0x00030003u) << 4;
+            const uint32_t v1 = ((q1 >> nsh) & 0x000F000Fu) | ((qh >> (qsh + 2)) & 0x00030003u) << 4;
+            o[j] = q_scaled(v0, 0x64206420u, a[j / 2]);
+            o[4 + j] = q_scaled(v1, 0x64206420u, a[2 + j / 2]);
+        }
+    }
+};
+
+}  // namespace mm
+}  // namespace cukern
+
+template <int QT, int BN, bool GLU>
+__global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(
+    float* __restrict__ d,             // [n, d_stride] f32 out: d[c * d_stride + r], r < m
+    const uint8_t* __restrict__ w,     // raw GGUF bytes: W (glu: gate) = m rows from w + w_offset
+    const uint8_t* __restrict__ w2,    // glu: the up matrix, m rows from w2 + w2_offset; else unused
+    const __grid_constant__ cukern::TensorMap tb,  // B: f16 [n, b_stride] as a 2-D map (k, n), box 64 x BN, 128-byte swizzle
+    const GemmParams p) {              // dynamic shared memory: gemm_wgr_smem_bytes(BN, RawWg<QT>::kStride)
+    using namespace cukern;
+    using namespace cukern::mm;
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int S = kWgrStages, RSTRIDE = RawWg<QT>::kStride, SPS = SUPER / BK;
+    constexpr uint32_t ACT_BYTES = BN * kTileBytes, RAW_BYTES = kRows * RSTRIDE;
+    static_assert(BN == 128 || BN == 256, "token tile");
+
+    extern __shared__ __align__(16) uint8_t smem_raw[];
+    uint8_t* smem = smem_raw + ((1024u - smem_addr(smem_raw) % 1024u) % 1024u);  // swizzle atoms: 1 KB aligned
+    uint8_t* sact = smem;                          // [S][BN rows x 128 bytes], 128-byte swizzle
+    uint8_t* sraw = sact + S * ACT_BYTES;          // [2][kRows][RSTRIDE]
+    uint64_t* bars = reinterpret_cast<uint64_t*>(sraw + 2 * RAW_BYTES);
+    uint64_t *full_act = bars, *empty_act = bars + S, *full_raw = bars + 2 * S, *empty_raw = bars + 2 * S + 2;
+    if (threadIdx.x == 0 && dynamic_smem_size() < gemm_wgr_smem_bytes(BN, RSTRIDE)) __trap();
+
+    const int tid = threadIdx.x, wg = tid / 128;
+    const uint32_t t0 = blockIdx.x * BN, r0 = blockIdx.y * (GLU ? kRows / 2 : kRows);
+    const uint32_t kbeg = blockIdx.z * p.k_split, kend = min(p.k, kbeg + p.k_split);
+    const uint32_t n_segs = (kend - kbeg) / SEG;
+    const int n_stages = (int)((n_segs + 1) / 2);
+    // byte offset of super-stage s in a raw row (copy_raw's lead there: its value % 16)
+    auto raw_off = [&](int s) { return (kbeg + SUPER * s) / QTraits<QT>::kElems * QTraits<QT>::kBytes; };
+
+    if (tid == 0) {
+        for (int i = 0; i < S; ++i) mbar_init(full_act + i, 1), mbar_init(empty_act + i, 8);
+        for (int i = 0; i < 2; ++i) mbar_init(full_raw + i, 128), mbar_init(empty_raw + i, 8);
+        mbar_init_fence();
+        tma_prefetch_map(&tb);
+    }
+    __syncthreads();
+
+    if (wg == 0) {  // ------------------------------------------------------------ producer
+        setmaxnreg_dec<kWgrProducerRegs>();
+        auto rowptr = [&](int row) {  // row of the tile -> its raw GGUF row (past m: row m-1)
+            const int mat = GLU ? (row >> 3) & 1 : 0, out = GLU ? (row >> 4) * 8 + (row & 7) : row;
+            const uint32_t grow = min(r0 + out, p.m - 1);
+            return (mat ? w2 + p.w2_offset : w + p.w_offset) + (size_t)grow * p.row_bytes;
+        };
+        for (int t = 0; t < n_stages; ++t) {
+            if (t % SPS == 0) {  // all producers: the raw super-stage of stages t .. t+3
+                const int s = t / SPS, slot = s & 1;
+                if (s >= 2) mbar_wait(empty_raw + slot, ((s >> 1) - 1) & 1);
+                const uint32_t e0 = kbeg + SUPER * s, nel = min((uint32_t)SUPER, kend - e0);
+                copy_raw<RSTRIDE, 128>(sraw + slot * RAW_BYTES, rowptr, raw_off(s),
+                                       nel / QTraits<QT>::kElems * QTraits<QT>::kBytes, p.raw16 != 0, false);
+                if (p.raw16) mbar_arrive_cp_async(full_raw + slot);
+                else mbar_arrive(full_raw + slot);
+            }
+            if (tid == 0) {  // the activation stage t
+                const int slot = t % S;
+                if (t >= S) mbar_wait(empty_act + slot, ((t / S) - 1) & 1);
+                mbar_arrive_expect(full_act + slot, ACT_BYTES);
+                tma_load_2d(sact + slot * ACT_BYTES, &tb, (int32_t)(kbeg + BK * t), (int32_t)t0, full_act + slot);
+            }
+        }
+        cp_async_commit();
+        cp_async_wait<0>();  // nothing of this thread's still in flight when it exits
+        return;
+    }
+
+    // ------------------------------------------------------------------------------ consumers
+    setmaxnreg_inc<kWgrConsumerRegs>();
+    const int cw = wg - 1, lane = tid % 32, warp = (tid % 128) / 32, c = lane % 4;
+    const int R = 64 * cw + 16 * warp + lane / 4;  // this lane's rows R, R + 8 of the tile
+    float acc[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
+
+    // A fragments of stage t: a[4 kk + i] = register i of k step kk
+    auto dequant = [&](int t, uint32_t (&a)[16]) {
+        const int s = t / SPS, st = t % SPS;
+        if (st == 0) mbar_wait(full_raw + (s & 1), (s >> 1) & 1);
+        const uint8_t* base = sraw + (s & 1) * RAW_BYTES + raw_off(s) % 16;
+        uint32_t x0[8], x1[8];
+        FragDeq<QT>::stage(x0, base + R * RSTRIDE, st, c);
+        FragDeq<QT>::stage(x1, base + (R + 8) * RSTRIDE, st, c);
+        const bool seg0 = 2u * t < n_segs, seg1 = 2u * t + 1 < n_segs;  // K tail: zero A there
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const bool ok = j < 4 ? seg0 : seg1;
+            a[4 * (j / 2) + 2 * (j % 2)] = ok ? x0[j] : 0u;
+            a[4 * (j / 2) + 2 * (j % 2) + 1] = ok ? x1[j] : 0u;
+        }
+        if (st == SPS - 1 || t == n_stages - 1) {  // the raw slot's last reader in this warp
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty_raw + (s & 1));
+        }
+    };
+    // stage t's MMAs from register set a; then release stage t-1's slot and dequantize t+1 into b
+    auto step = [&](int t, uint32_t (&a)[16], uint32_t (&b)[16]) {
+        const int slot = t % S;
+        mbar_wait(full_act + slot, (t / S) & 1);
+        wg_fence();
+        const uint32_t base = smem_addr(sact + slot * ACT_BYTES);
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            WgmmaRs<BN>::run(acc, a[4 * kk], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3], wg_desc_sw128(base + 32 * kk));
+        }
+        wg_commit();
+        wg_wait<1>();  // stage t-1's MMAs are done: its slot and register set b are free
+#pragma unroll
+        for (int i = 0; i < 16; ++i) wg_pin(b[i]);
+        if (t > 0) {
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty_act + (t - 1) % S);
+        }
+        if (t + 1 < n_stages) dequant(t + 1, b);
+    };
+
+    uint32_t fa[16], fb[16];
+    dequant(0, fa);
+    int t = 0;
+    for (; t + 1 < n_stages; t += 2) {
+        step(t, fa, fb);
+        step(t + 1, fb, fa);
+    }
+    if (t < n_stages) step(t, fa, fb);
+    wg_wait<0>();
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) wg_pin(acc[i]);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) wg_pin(fa[i]), wg_pin(fb[i]);
+
+    // epilogue: quad j = rows (R, R+8) x tokens (tc, tc+1)
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+        const uint32_t tc = t0 + 8 * j + 2 * c;
+        const float* q = &acc[4 * j];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const uint32_t tok = tc + e;
+            if (tok >= p.n) continue;
+            float* col = d + (size_t)tok * p.d_stride;
+            if (GLU) {
+                const uint32_t row = r0 + (R >> 4) * 8 + (R & 7);
+                if (row < p.m) col[row] = (p.mode == 3 ? gelu_tanh(q[e]) : silu(q[e])) * q[2 + e];
+            } else {
+                if (r0 + R < p.m) put1(col + r0 + R, q[e], p);
+                if (r0 + R + 8 < p.m) put1(col + r0 + R + 8, q[2 + e], p);
+            }
+        }
+    }
+#else
+    __trap();  // sm_90a only
+#endif
+}
