@@ -21,8 +21,8 @@
 // R = 16w + g and R + 8; registers (R, 2c..2c+1), (R+8, 2c..), (R, 2c+8..), (R+8, 2c+8..). Over a
 // 64-element stage a lane therefore holds the element pairs 8j + 2c, j = 0..7, of its two rows:
 // FragDeq<QT>::stage produces exactly those 8 f16 pairs per row from the raw bytes, each value rounded
-// once from exact integer quants (_0 types: (q - offset) exact in f16, times d; K-quants: the f16 of
-// the f32 sub-block scale d * sc (and d_min * m), so a value may carry two roundings).
+// once from exact integer quants (_0 types: (q - offset) exact in f16, times d; K-quants: exact in
+// f32, one f32 rounding at most, then f16): the values dequantize_f16 writes.
 // Raw rows are an odd number of 16-byte units apart (RawWg), so the 8 rows x 4 lanes of a warp's
 // 2-byte raw loads hit distinct banks.
 // Ragged M (rows past m read row m-1, never stored), ragged N (zero-filled tokens, never stored), K
@@ -36,6 +36,12 @@
 
 namespace cukern {
 namespace mm {
+
+// Profiling only (profiling/probe_matmul_wg.py builds variants): skip parts of the work to see what
+// limits the kernel. 1: dequantization (A = 1.0), 2: raw weight copies, 4: activation copies, 8: the MMAs.
+#ifndef CUKERN_WGR_SKIP
+#define CUKERN_WGR_SKIP 0
+#endif
 
 constexpr int kWgrStages = 4;        // activation ring slots (64 K elements each)
 constexpr int kWgrThreads = 384;     // producer + two consumer warpgroups
@@ -126,11 +132,6 @@ CUKERN_DEVICE uint32_t h2_const(uint32_t bits) { return bits | bits << 16; }
 CUKERN_DEVICE uint32_t q_scaled(uint32_t lanes, uint32_t off, __half2 d2) {
     return as_u32(__hmul2(__hsub2(h2_from_lanes(lanes), as_h2(off)), d2));
 }
-// (q * a - c) in f16 for quants q < 1024 in the lanes.
-CUKERN_DEVICE uint32_t q_affine(uint32_t lanes, __half2 a2, __half2 c2) {
-    return as_u32(__hfma2(__hsub2(h2_from_lanes(lanes), as_h2(0x64006400u)), a2, __hneg2(c2)));
-}
-
 template <int QT> struct FragDeq;
 
 template <> struct FragDeq<QT_Q8_0> {
@@ -178,6 +179,17 @@ template <> struct FragDeq<QT_Q5_0> {
     }
 };
 
+// K-quants: values a * q - c with a = d * sc, c = d_min * m exact in f32 and a * q exact, so the
+// one f32 rounding of the difference and the f16 conversion give what dequantize_f16 writes.
+// f32 of the quant in byte 0 (B = 0) or byte 2 (B = 1) of the lanes: (2^23 + q) - 2^23, exact.
+template <int B>
+CUKERN_DEVICE float lane_f32(uint32_t lanes) {
+    return __int_as_float(__byte_perm(lanes, 0x4B000000u, B ? 0x7652 : 0x7650)) - 8388608.0f;
+}
+CUKERN_DEVICE uint32_t affine_pair(uint32_t lanes, float a, float c) {
+    return as_u32(__floats2half2_rn(fmaf(a, lane_f32<0>(lanes), -c), fmaf(a, lane_f32<1>(lanes), -c)));
+}
+
 // Q4_K / Q5_K: stage st holds sub-blocks 2 st (low nibbles of qs[32 st ..]) and 2 st + 1 (high
 // nibbles); Q5_K's fifth bits are bits 2 st and 2 st + 1 of qh[l].
 template <bool HIGH> struct FragDeqK45 {
@@ -188,8 +200,7 @@ template <bool HIGH> struct FragDeqK45 {
         int sc0, m0, sc1, m1;
         k4_scale_min(head.y, head.z, head.w, 2 * st, sc0, m0);
         k4_scale_min(head.y, head.z, head.w, 2 * st + 1, sc1, m1);
-        const __half2 a0 = __float2half2_rn(d * sc0), c0 = __float2half2_rn(dmin * m0);
-        const __half2 a1 = __float2half2_rn(d * sc1), c1 = __float2half2_rn(dmin * m1);
+        const float a0 = d * sc0, c0 = dmin * m0, a1 = d * sc1, c1 = dmin * m1;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int l = 8 * j + 2 * c;
@@ -200,8 +211,8 @@ template <bool HIGH> struct FragDeqK45 {
                 lo |= (h & 0x00010001u) << 4;
                 hi |= (h & 0x00020002u) << 3;
             }
-            o[j] = q_affine(lo, a0, c0);
-            o[4 + j] = q_affine(hi, a1, c1);
+            o[j] = affine_pair(lo, a0, c0);
+            o[4 + j] = affine_pair(hi, a1, c1);
         }
     }
 };
@@ -211,25 +222,25 @@ template <> struct FragDeq<QT_Q5_K> : FragDeqK45<true> {};
 // Q6_K: half h = st / 2 of the super-block; stage elements e < 32 are quants ql[64h + e] and
 // e >= 32 are ql[64h + e] (same byte index, second 32), low nibbles in even stages and high nibbles
 // in odd ones, two bits of qh[32h + e % 32] each (shift 0/2 in even stages, 4/6 in odd ones), and
-// four int8 scales (scales[8h + 4 (st % 2) + 2 (e >= 32) + (e % 32) / 16]) times d; q - 32.
+// four int8 scales (scales[8h + 4 (st % 2) + 2 (e >= 32) + (e % 32) / 16]) times d; a (q - 32).
 template <> struct FragDeq<QT_Q6_K> {
     static CUKERN_DEVICE void stage(uint32_t (&o)[8], const uint8_t* row, int st, int c) {
         const int h = st >> 1, odd = st & 1;
         const float d = __half2float(__ushort_as_half(ld_u16(row + 208)));
         const uint32_t sc = ld_u32_a2(row + 192 + 8 * h + 4 * odd);
-        __half2 a[4];
+        float a[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) a[i] = __float2half2_rn(d * (float)(int8_t)(sc >> (8 * i)));
-        const int nsh = 4 * odd, qsh = 4 * odd;
+        for (int i = 0; i < 4; ++i) a[i] = d * (float)(int8_t)(sc >> (8 * i));
+        const int sh = 4 * odd;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int l = 8 * j + 2 * c;
             const uint32_t qh = pair_lanes(ld_u16(row + 128 + 32 * h + l));
             const uint32_t q0 = pair_lanes(ld_u16(row + 64 * h + l)), q1 = pair_lanes(ld_u16(row + 64 * h + 32 + l));
-            const uint32_t v0 = ((q0 >> nsh) & 0x000F000Fu) | ((qh >> qsh) & 0x00030003u) << 4;
-            const uint32_t v1 = ((q1 >> nsh) & 0x000F000Fu) | ((qh >> (qsh + 2)) & 0x00030003u) << 4;
-            o[j] = q_scaled(v0, 0x64206420u, a[j / 2]);
-            o[4 + j] = q_scaled(v1, 0x64206420u, a[2 + j / 2]);
+            const uint32_t v0 = ((q0 >> sh) & 0x000F000Fu) | ((qh >> sh) & 0x00030003u) << 4;
+            const uint32_t v1 = ((q1 >> sh) & 0x000F000Fu) | ((qh >> (sh + 2)) & 0x00030003u) << 4;
+            o[j] = affine_pair(v0, a[j / 2], 32.0f * a[j / 2]);
+            o[4 + j] = affine_pair(v1, a[2 + j / 2], 32.0f * a[2 + j / 2]);
         }
     }
 };
@@ -287,16 +298,21 @@ __global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(
                 const int s = t / SPS, slot = s & 1;
                 if (s >= 2) mbar_wait(empty_raw + slot, ((s >> 1) - 1) & 1);
                 const uint32_t e0 = kbeg + SUPER * s, nel = min((uint32_t)SUPER, kend - e0);
-                copy_raw<RSTRIDE, 128>(sraw + slot * RAW_BYTES, rowptr, raw_off(s),
-                                       nel / QTraits<QT>::kElems * QTraits<QT>::kBytes, p.raw16 != 0, false);
-                if (p.raw16) mbar_arrive_cp_async(full_raw + slot);
+                if (!(CUKERN_WGR_SKIP & 2))
+                    copy_raw<RSTRIDE, 128>(sraw + slot * RAW_BYTES, rowptr, raw_off(s),
+                                           nel / QTraits<QT>::kElems * QTraits<QT>::kBytes, p.raw16 != 0, false);
+                if (p.raw16 && !(CUKERN_WGR_SKIP & 2)) mbar_arrive_cp_async(full_raw + slot);
                 else mbar_arrive(full_raw + slot);
             }
             if (tid == 0) {  // the activation stage t
                 const int slot = t % S;
                 if (t >= S) mbar_wait(empty_act + slot, ((t / S) - 1) & 1);
-                mbar_arrive_expect(full_act + slot, ACT_BYTES);
-                tma_load_2d(sact + slot * ACT_BYTES, &tb, (int32_t)(kbeg + BK * t), (int32_t)t0, full_act + slot);
+                if (CUKERN_WGR_SKIP & 4) {
+                    mbar_arrive(full_act + slot);
+                } else {
+                    mbar_arrive_expect(full_act + slot, ACT_BYTES);
+                    tma_load_2d(sact + slot * ACT_BYTES, &tb, (int32_t)(kbeg + BK * t), (int32_t)t0, full_act + slot);
+                }
             }
         }
         cp_async_commit();
@@ -318,8 +334,13 @@ __global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(
         if (st == 0) mbar_wait(full_raw + (s & 1), (s >> 1) & 1);
         const uint8_t* base = sraw + (s & 1) * RAW_BYTES + raw_off(s) % 16;
         uint32_t x0[8], x1[8];
-        FragDeq<QT>::stage(x0, base + R * RSTRIDE, st, c);
-        FragDeq<QT>::stage(x1, base + (R + 8) * RSTRIDE, st, c);
+        if (CUKERN_WGR_SKIP & 1) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) x0[j] = x1[j] = 0x3C003C00u;
+        } else {
+            FragDeq<QT>::stage(x0, base + R * RSTRIDE, st, c);
+            FragDeq<QT>::stage(x1, base + (R + 8) * RSTRIDE, st, c);
+        }
         const bool seg0 = 2u * t < n_segs, seg1 = 2u * t + 1 < n_segs;  // K tail: zero A there
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -339,7 +360,7 @@ __global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(
         wg_fence();
         const uint32_t base = smem_addr(sact + slot * ACT_BYTES);
 #pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) {
+        for (int kk = 0; kk < BK / 16 * !(CUKERN_WGR_SKIP & 8); ++kk) {
             WgmmaRs<BN>::run(acc, a[4 * kk], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3], wg_desc_sw128(base + 32 * kk));
         }
         wg_commit();
