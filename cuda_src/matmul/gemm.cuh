@@ -62,14 +62,15 @@ __host__ __device__ constexpr uint32_t gemm_smem_bytes(int bt, int b_bytes, int 
 // 16-byte boundary; returns lead. Rows 16-byte aligned with a 16-byte multiple of row bytes
 // (aligned16): whole 16-byte cp.async chunks up to the next boundary, which never passes the row's
 // end (committed as one group: the caller waits); otherwise synchronous 2-byte copies.
+// THREADS threads take part, this one as `thread` (0 .. THREADS-1).
 template <int STRIDE, int THREADS = kThreads, typename RowPtr>
 CUKERN_DEVICE uint32_t copy_raw(uint8_t* sraw, RowPtr rowptr, uint32_t boff, uint32_t nbytes, bool aligned16,
-                                bool commit = true) {
+                                bool commit = true, int thread = threadIdx.x) {
     const uint32_t lead = boff % 16, start = boff - lead, span = lead + nbytes;  // boff, lead even
     if (aligned16) {
         constexpr int CPR = STRIDE / 16, TOTAL = kRows * CPR;
 #pragma unroll 1
-        for (int c = threadIdx.x; c < TOTAL; c += THREADS) {
+        for (int c = thread; c < TOTAL; c += THREADS) {
             const int row = c / CPR, off = 16 * (c % CPR);
             const bool live = (uint32_t)off < span;
             cp_async16(sraw + row * STRIDE + off, rowptr(row) + (live ? start + off : 0), live ? 16u : 0u);
@@ -77,7 +78,7 @@ CUKERN_DEVICE uint32_t copy_raw(uint8_t* sraw, RowPtr rowptr, uint32_t boff, uin
         if (commit) cp_async_commit();  // else the caller's next commit closes the group
     } else {
         constexpr int WPR = STRIDE / 2, TOTAL = kRows * WPR;
-        for (int c = threadIdx.x; c < TOTAL; c += THREADS) {
+        for (int c = thread; c < TOTAL; c += THREADS) {
             const int row = c / WPR, off = 2 * (c % WPR);
             const uint16_t v = (uint32_t)off >= lead && (uint32_t)off < span
                                    ? *reinterpret_cast<const uint16_t*>(rowptr(row) + start + off) : 0;

@@ -45,6 +45,7 @@ namespace mm {
 
 constexpr int kWgrStages = 4;        // activation ring slots (64 K elements each)
 constexpr int kWgrThreads = 384;     // producer + two consumer warpgroups
+constexpr int kWgrRawThreads = 96;   // producer warps 1-3 copy the raw super-stages
 constexpr int kWgrProducerRegs = 40, kWgrConsumerRegs = 232;
 
 // Dynamic shared memory of gemm_wgr<., BN, .>: 1 KB of alignment slack (swizzled slots sit on 1 KB
@@ -274,13 +275,13 @@ __global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(
     const uint32_t t0 = blockIdx.x * BN, r0 = blockIdx.y * (GLU ? kRows / 2 : kRows);
     const uint32_t kbeg = blockIdx.z * p.k_split, kend = min(p.k, kbeg + p.k_split);
     const uint32_t n_segs = (kend - kbeg) / SEG;
-    const int n_stages = (int)((n_segs + 1) / 2);
+    const int n_stages = (int)((n_segs + 1) / 2), n_super = (n_stages + SPS - 1) / SPS;
     // byte offset of super-stage s in a raw row (copy_raw's lead there: its value % 16)
     auto raw_off = [&](int s) { return (kbeg + SUPER * s) / QTraits<QT>::kElems * QTraits<QT>::kBytes; };
 
     if (tid == 0) {
         for (int i = 0; i < S; ++i) mbar_init(full_act + i, 1), mbar_init(empty_act + i, 8);
-        for (int i = 0; i < 2; ++i) mbar_init(full_raw + i, 128), mbar_init(empty_raw + i, 8);
+        for (int i = 0; i < 2; ++i) mbar_init(full_raw + i, kWgrRawThreads), mbar_init(empty_raw + i, 8);
         mbar_init_fence();
         tma_prefetch_map(&tb);
     }
@@ -293,27 +294,31 @@ __global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(
             const uint32_t grow = min(r0 + out, p.m - 1);
             return (mat ? w2 + p.w2_offset : w + p.w_offset) + (size_t)grow * p.row_bytes;
         };
-        for (int t = 0; t < n_stages; ++t) {
-            if (t % SPS == 0) {  // all producers: the raw super-stage of stages t .. t+3
-                const int s = t / SPS, slot = s & 1;
-                if (s >= 2) mbar_wait(empty_raw + slot, ((s >> 1) - 1) & 1);
-                const uint32_t e0 = kbeg + SUPER * s, nel = min((uint32_t)SUPER, kend - e0);
-                if (!(CUKERN_WGR_SKIP & 2))
-                    copy_raw<RSTRIDE, 128>(sraw + slot * RAW_BYTES, rowptr, raw_off(s),
-                                           nel / QTraits<QT>::kElems * QTraits<QT>::kBytes, p.raw16 != 0, false);
-                if (p.raw16 && !(CUKERN_WGR_SKIP & 2)) mbar_arrive_cp_async(full_raw + slot);
-                else mbar_arrive(full_raw + slot);
-            }
-            if (tid == 0) {  // the activation stage t
-                const int slot = t % S;
-                if (t >= S) mbar_wait(empty_act + slot, ((t / S) - 1) & 1);
-                if (CUKERN_WGR_SKIP & 4) {
-                    mbar_arrive(full_act + slot);
-                } else {
-                    mbar_arrive_expect(full_act + slot, ACT_BYTES);
-                    tma_load_2d(sact + slot * ACT_BYTES, &tb, (int32_t)(kbeg + BK * t), (int32_t)t0, full_act + slot);
+        if (tid < 32) {  // warp 0: the activation stages (lane 0 issues them)
+            if (tid == 0) {
+                for (int t = 0; t < n_stages; ++t) {
+                    const int slot = t % S;
+                    if (t >= S) mbar_wait(empty_act + slot, ((t / S) - 1) & 1);
+                    if (CUKERN_WGR_SKIP & 4) {
+                        mbar_arrive(full_act + slot);
+                    } else {
+                        mbar_arrive_expect(full_act + slot, ACT_BYTES);
+                        tma_load_2d(sact + slot * ACT_BYTES, &tb, (int32_t)(kbeg + BK * t), (int32_t)t0, full_act + slot);
+                    }
                 }
             }
+            return;
+        }
+        for (int s = 0; s < n_super; ++s) {  // warps 1-3: the raw super-stages
+            const int slot = s & 1;
+            if (s >= 2) mbar_wait(empty_raw + slot, ((s >> 1) - 1) & 1);
+            const uint32_t e0 = kbeg + SUPER * s, nel = min((uint32_t)SUPER, kend - e0);
+            if (!(CUKERN_WGR_SKIP & 2))
+                copy_raw<RSTRIDE, kWgrRawThreads>(sraw + slot * RAW_BYTES, rowptr, raw_off(s),
+                                                  nel / QTraits<QT>::kElems * QTraits<QT>::kBytes, p.raw16 != 0, false,
+                                                  tid - 32);
+            if (p.raw16 && !(CUKERN_WGR_SKIP & 2)) mbar_arrive_cp_async(full_raw + slot);
+            else mbar_arrive(full_raw + slot);
         }
         cp_async_commit();
         cp_async_wait<0>();  // nothing of this thread's still in flight when it exits
@@ -353,40 +358,42 @@ __global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(
             if (lane == 0) mbar_arrive(empty_raw + (s & 1));
         }
     };
-    // stage t's MMAs from register set a; then release stage t-1's slot and dequantize t+1 into b
+    // stage t's MMAs from register set a (stage t % 3's); then, with stage t-2's MMAs done, release
+    // its activation slot and dequantize stage t+1 into its register set b
     auto step = [&](int t, uint32_t (&a)[16], uint32_t (&b)[16]) {
         const int slot = t % S;
         mbar_wait(full_act + slot, (t / S) & 1);
         wg_fence();
         const uint32_t base = smem_addr(sact + slot * ACT_BYTES);
 #pragma unroll
-        for (int kk = 0; kk < BK / 16 * !(CUKERN_WGR_SKIP & 8); ++kk) {
+        for (int kk = 0; kk < BK / 16 * !(CUKERN_WGR_SKIP & 8); ++kk)
             WgmmaRs<BN>::run(acc, a[4 * kk], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3], wg_desc_sw128(base + 32 * kk));
-        }
         wg_commit();
-        wg_wait<1>();  // stage t-1's MMAs are done: its slot and register set b are free
+        wg_wait<2>();  // stage t-2's MMAs are done: its slot and register set (b) are free
 #pragma unroll
         for (int i = 0; i < 16; ++i) wg_pin(b[i]);
-        if (t > 0) {
+        if (t >= 2) {
             __syncwarp();
-            if (lane == 0) mbar_arrive(empty_act + (t - 1) % S);
+            if (lane == 0) mbar_arrive(empty_act + (t - 2) % S);
         }
         if (t + 1 < n_stages) dequant(t + 1, b);
     };
 
-    uint32_t fa[16], fb[16];
-    dequant(0, fa);
+    uint32_t f0[16], f1[16], f2[16];
+    dequant(0, f0);
     int t = 0;
-    for (; t + 1 < n_stages; t += 2) {
-        step(t, fa, fb);
-        step(t + 1, fb, fa);
+    for (; t + 2 < n_stages; t += 3) {
+        step(t, f0, f1);
+        step(t + 1, f1, f2);
+        step(t + 2, f2, f0);
     }
-    if (t < n_stages) step(t, fa, fb);
+    if (t < n_stages) step(t, f0, f1);
+    if (t + 1 < n_stages) step(t + 1, f1, f2);
     wg_wait<0>();
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) wg_pin(acc[i]);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) wg_pin(fa[i]), wg_pin(fb[i]);
+    for (int i = 0; i < 16; ++i) wg_pin(f0[i]), wg_pin(f1[i]), wg_pin(f2[i]);
 
     // epilogue: quad j = rows (R, R+8) x tokens (tc, tc+1)
 #pragma unroll
