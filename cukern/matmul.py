@@ -127,7 +127,7 @@ _WG_GROUPS = (2, 4)
 _WG_STAGES = {128: 4, 256: 3}  # WgCfg<BT>::kStages
 # gemm_wgr (gemm_wgr.cuh): 128 weight rows (GLU: 64 of each matrix) x 128 or 256 tokens, three warpgroups
 _WGR_THREADS = 384
-_WGR_STAGES = 4  # kWgrStages
+_WGR_MAX_STAGES, _WGR_SMEM_LIMIT = 6, 227 * 1024  # kWgrMaxStages, kWgrSmemLimit
 
 _B_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half"}
 _ACTS = {"swiglu": 2, "silu": 2, "geglu": 3, "gelu": 3}  # GemmParams.mode
@@ -166,10 +166,13 @@ def _smem_wg(bt: int, qt: int) -> int:
 
 
 def _smem_wgr(bt: int, qt: int) -> int:
-    """Dynamic shared memory of gemm_wgr (gemm_wgr_smem_bytes in gemm_wgr.cuh; the kernel traps if short)."""
+    """Dynamic shared memory of gemm_wgr (gemm_wgr_smem_bytes with gemm_wgr_stages slots in
+    gemm_wgr.cuh; the kernel traps if short)."""
     raw = _raw_stride(qt)
     raw += 0 if (raw // 16) % 2 else 16  # RawWg<QT>::kStride
-    return 1024 + _WGR_STAGES * bt * _BK * 2 + 2 * _ROW_TILE * raw + 2 * (_WGR_STAGES + 2) * 8
+    size = lambda s: 1024 + s * bt * _BK * 2 + 2 * _ROW_TILE * raw + 2 * (s + 2) * 8  # noqa: E731
+    stages = next(s for s in range(_WGR_MAX_STAGES, 1, -1) if s == 2 or size(s) <= _WGR_SMEM_LIMIT)
+    return size(stages)
 
 
 def _raw16(*weights: QWeight) -> int:

@@ -7,7 +7,7 @@
 // 128 weight rows x BN tokens, one CTA per SM:
 //   * warpgroup 0, the producer (40 registers per thread after setmaxnreg): thread 0 loads each
 //     64-element stage of the activation tile with the tensor copy engine (a TMA box of 64 x BN f16,
-//     128-byte swizzle, out-of-range elements zero-filled) into a ring of kWgrStages slots; all 128
+//     128-byte swizzle, out-of-range elements zero-filled) into a ring of 4-6 slots (gemm_wgr_stages); all 128
 //     threads copy the raw GGUF bytes of each 256-element super-stage of the 128 rows (gemm.cuh's
 //     copy_raw, 16-byte cp.async) into a ring of two raw slots;
 //   * warpgroups 1 and 2, the consumers (232 registers): consumer c multiplies rows 64c .. 64c+63 by
@@ -25,9 +25,10 @@
 // f32, one f32 rounding at most, then f16): the values dequantize_f16 writes.
 // Raw rows are an odd number of 16-byte units apart (RawWg), so the 8 rows x 4 lanes of a warp's
 // 2-byte raw loads hit distinct banks.
-// Ragged M (rows past m read row m-1, never stored), ragged N (zero-filled tokens, never stored), K
-// tails (segments past the split's end zeroed in A; the activations there are zero or finite) and
-// split K (blockIdx.z slices, atomics) as in gemm_wg; the fused GLU interleaves gate and up rows by
+// Ragged M (rows past m read row m-1, never stored), ragged N (zero-filled tokens, never stored) and
+// split K (blockIdx.z slices of whole super-stages, atomics) as in gemm_wg. A K tail (k % 64 = 32:
+// the last stage's second segment lies past k) needs no masking: the copy engine zero-fills the
+// activations there and the raw bytes past the row's end are zeros (copy_raw), so A is 0 x 0. the fused GLU interleaves gate and up rows by
 // 8-row groups as gemm_wg does, so rows R and R+8 of a lane are the gate and up of one output.
 #pragma once
 
@@ -43,15 +44,23 @@ namespace mm {
 #define CUKERN_WGR_SKIP 0
 #endif
 
-constexpr int kWgrStages = 4;        // activation ring slots (64 K elements each)
+constexpr uint32_t kWgrSmemLimit = 227 * 1024;  // dynamic shared memory one block may opt in to (sm_90)
+constexpr int kWgrMaxStages = 6;
 constexpr int kWgrThreads = 384;     // producer + two consumer warpgroups
 constexpr int kWgrRawThreads = 96;   // producer warps 1-3 copy the raw super-stages
 constexpr int kWgrProducerRegs = 40, kWgrConsumerRegs = 232;
 
-// Dynamic shared memory of gemm_wgr<., BN, .>: 1 KB of alignment slack (swizzled slots sit on 1 KB
-// boundaries), the activation ring, two raw super-stages (raw_stride = RawWg<QT>::kStride), the barriers.
-__host__ __device__ constexpr uint32_t gemm_wgr_smem_bytes(int bn, int raw_stride) {
-    return 1024u + (uint32_t)kWgrStages * bn * kTileBytes + 2u * kRows * raw_stride + 2u * (kWgrStages + 2) * 8u;
+// Dynamic shared memory of gemm_wgr with `stages` activation slots: 1 KB of alignment slack
+// (swizzled slots sit on 1 KB boundaries), the activation ring, two raw super-stages (raw_stride =
+// RawWg<QT>::kStride), the barriers.
+__host__ __device__ constexpr uint32_t gemm_wgr_smem_bytes(int bn, int raw_stride, int stages) {
+    return 1024u + (uint32_t)stages * bn * kTileBytes + 2u * kRows * raw_stride + 2u * (stages + 2) * 8u;
+}
+// Activation slots: as many as fit beside the raw ring (4 for Q8_0 at 256 tokens, 5 for the others), at most 6.
+__host__ __device__ constexpr int gemm_wgr_stages(int bn, int raw_stride) {
+    int s = kWgrMaxStages;
+    while (s > 2 && gemm_wgr_smem_bytes(bn, raw_stride, s) > kWgrSmemLimit) --s;
+    return s;
 }
 
 // wgmma B descriptor: K-major, 128-byte swizzle, rows 128 bytes apart, 8-row groups 1 KB apart.
@@ -182,13 +191,14 @@ template <> struct FragDeq<QT_Q5_0> {
 
 // K-quants: values a * q - c with a = d * sc, c = d_min * m exact in f32 and a * q exact, so the
 // one f32 rounding of the difference and the f16 conversion give what dequantize_f16 writes.
-// f32 of the quant in byte 0 (B = 0) or byte 2 (B = 1) of the lanes: (2^23 + q) - 2^23, exact.
-template <int B>
-CUKERN_DEVICE float lane_f32(uint32_t lanes) {
-    return __int_as_float(__byte_perm(lanes, 0x4B000000u, B ? 0x7652 : 0x7650)) - 8388608.0f;
+// f32 of byte I of x: (2^23 + byte) - 2^23, exact.
+template <int I>
+CUKERN_DEVICE float byte_f32(uint32_t x) {
+    return __int_as_float(__byte_perm(x, 0x4B000000u, 0x7650 | I)) - 8388608.0f;
 }
-CUKERN_DEVICE uint32_t affine_pair(uint32_t lanes, float a, float c) {
-    return as_u32(__floats2half2_rn(fmaf(a, lane_f32<0>(lanes), -c), fmaf(a, lane_f32<1>(lanes), -c)));
+// Bytes 0 and 1 of x (quants) -> the f16 pair a * q - c.
+CUKERN_DEVICE uint32_t affine_pair(uint32_t x, float a, float c) {
+    return as_u32(__floats2half2_rn(fmaf(a, byte_f32<0>(x), -c), fmaf(a, byte_f32<1>(x), -c)));
 }
 
 // Q4_K / Q5_K: stage st holds sub-blocks 2 st (low nibbles of qs[32 st ..]) and 2 st + 1 (high
@@ -203,17 +213,17 @@ template <bool HIGH> struct FragDeqK45 {
         k4_scale_min(head.y, head.z, head.w, 2 * st + 1, sc1, m1);
         const float a0 = d * sc0, c0 = dmin * m0, a1 = d * sc1, c1 = dmin * m1;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
+        for (int j = 0; j < 4; ++j) {  // bytes l, l+1 of the stage's 32 quant bytes
             const int l = 8 * j + 2 * c;
-            const uint32_t q = pair_lanes(ld_u16(row + kQs + 32 * st + l));
-            uint32_t lo = q & 0x000F000Fu, hi = (q >> 4) & 0x000F000Fu;
+            const uint32_t q = ld_u16(row + kQs + 32 * st + l);
             if (HIGH) {
-                const uint32_t h = pair_lanes(ld_u16(row + 16 + l)) >> (2 * st);
-                lo |= (h & 0x00010001u) << 4;
-                hi |= (h & 0x00020002u) << 3;
+                const uint32_t h = ld_u16(row + 16 + l) >> (2 * st);
+                o[j] = affine_pair((q & 0x0F0Fu) | (h & 0x0101u) << 4, a0, c0);
+                o[4 + j] = affine_pair(((q >> 4) & 0x0F0Fu) | (h & 0x0202u) << 3, a1, c1);
+            } else {  // high nibbles in place, 16 q: a1 / 16 is exact
+                o[j] = affine_pair(q & 0x0F0Fu, a0, c0);
+                o[4 + j] = affine_pair(q & 0xF0F0u, a1 * 0.0625f, c1);
             }
-            o[j] = affine_pair(lo, a0, c0);
-            o[4 + j] = affine_pair(hi, a1, c1);
         }
     }
 };
@@ -236,10 +246,10 @@ template <> struct FragDeq<QT_Q6_K> {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int l = 8 * j + 2 * c;
-            const uint32_t qh = pair_lanes(ld_u16(row + 128 + 32 * h + l));
-            const uint32_t q0 = pair_lanes(ld_u16(row + 64 * h + l)), q1 = pair_lanes(ld_u16(row + 64 * h + 32 + l));
-            const uint32_t v0 = ((q0 >> sh) & 0x000F000Fu) | ((qh >> sh) & 0x00030003u) << 4;
-            const uint32_t v1 = ((q1 >> sh) & 0x000F000Fu) | ((qh >> (sh + 2)) & 0x00030003u) << 4;
+            const uint32_t qh = ld_u16(row + 128 + 32 * h + l);
+            const uint32_t q0 = ld_u16(row + 64 * h + l), q1 = ld_u16(row + 64 * h + 32 + l);
+            const uint32_t v0 = ((q0 >> sh) & 0x0F0Fu) | ((qh >> sh) & 0x0303u) << 4;
+            const uint32_t v1 = ((q1 >> sh) & 0x0F0Fu) | ((qh >> (sh + 2)) & 0x0303u) << 4;
             o[j] = affine_pair(v0, a[j / 2], 32.0f * a[j / 2]);
             o[4 + j] = affine_pair(v1, a[2 + j / 2], 32.0f * a[2 + j / 2]);
         }
@@ -255,11 +265,11 @@ __global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(
     const uint8_t* __restrict__ w,     // raw GGUF bytes: W (glu: gate) = m rows from w + w_offset
     const uint8_t* __restrict__ w2,    // glu: the up matrix, m rows from w2 + w2_offset; else unused
     const __grid_constant__ cukern::TensorMap tb,  // B: f16 [n, b_stride] as a 2-D map (k, n), box 64 x BN, 128-byte swizzle
-    const GemmParams p) {              // dynamic shared memory: gemm_wgr_smem_bytes(BN, RawWg<QT>::kStride)
+    const GemmParams p) {              // dynamic shared memory: gemm_wgr_smem_bytes(BN, RawWg<QT>::kStride, stages)
     using namespace cukern;
     using namespace cukern::mm;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int S = kWgrStages, RSTRIDE = RawWg<QT>::kStride, SPS = SUPER / BK;
+    constexpr int RSTRIDE = RawWg<QT>::kStride, S = gemm_wgr_stages(BN, RSTRIDE), SPS = SUPER / BK;
     constexpr uint32_t ACT_BYTES = BN * kTileBytes, RAW_BYTES = kRows * RSTRIDE;
     static_assert(BN == 128 || BN == 256, "token tile");
 
@@ -269,7 +279,7 @@ __global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(
     uint8_t* sraw = sact + S * ACT_BYTES;          // [2][kRows][RSTRIDE]
     uint64_t* bars = reinterpret_cast<uint64_t*>(sraw + 2 * RAW_BYTES);
     uint64_t *full_act = bars, *empty_act = bars + S, *full_raw = bars + 2 * S, *empty_raw = bars + 2 * S + 2;
-    if (threadIdx.x == 0 && dynamic_smem_size() < gemm_wgr_smem_bytes(BN, RSTRIDE)) __trap();
+    if (threadIdx.x == 0 && dynamic_smem_size() < gemm_wgr_smem_bytes(BN, RSTRIDE, S)) __trap();
 
     const int tid = threadIdx.x, wg = tid / 128;
     const uint32_t t0 = blockIdx.x * BN, r0 = blockIdx.y * (GLU ? kRows / 2 : kRows);
@@ -346,12 +356,10 @@ __global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(
             FragDeq<QT>::stage(x0, base + R * RSTRIDE, st, c);
             FragDeq<QT>::stage(x1, base + (R + 8) * RSTRIDE, st, c);
         }
-        const bool seg0 = 2u * t < n_segs, seg1 = 2u * t + 1 < n_segs;  // K tail: zero A there
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            const bool ok = j < 4 ? seg0 : seg1;
-            a[4 * (j / 2) + 2 * (j % 2)] = ok ? x0[j] : 0u;
-            a[4 * (j / 2) + 2 * (j % 2) + 1] = ok ? x1[j] : 0u;
+            a[4 * (j / 2) + 2 * (j % 2)] = x0[j];
+            a[4 * (j / 2) + 2 * (j % 2) + 1] = x1[j];
         }
         if (st == SPS - 1 || t == n_stages - 1) {  // the raw slot's last reader in this warp
             __syncwarp();
