@@ -133,37 +133,58 @@ template <> struct WgmmaRs<256> {
 };
 
 // ---------------------------------------------------------------------------- A fragments
-// FragDeq<QT>::stage(o, row, st, c): o[j] = the f16 pair of elements (8j + 2c, 8j + 2c + 1) of
-// stage st (0..3: elements 64 st .. 64 st + 63) of one weight row's raw super-stage at `row` (shared
-// memory, the super-stage's first byte; 2-byte reads except the K4/K5 headers, 16-byte aligned).
+// FragDeq<QT>: the 8 f16 pairs of one weight row that a lane (quad position c) holds in stage st
+// (0..3: elements 64 st .. 64 st + 63) of a 256-element super-stage, o[j] = elements (8j + 2c,
+// 8j + 2c + 1) of the stage, in two steps so that the shared-memory loads of the next stage can be
+// in flight while this one converts: load(r, row, st, c) reads the raw bytes (row: the
+// super-stage's first byte in shared memory; 2-byte reads, the K4/K5 headers 16-byte reads) into
+// registers, convert(o, r, st) turns them into halves.
 CUKERN_DEVICE uint32_t pair_lanes(uint32_t u16) { return __byte_perm(u16, 0, 0x4140); }  // bytes 0, 1 -> 16-bit lanes
 CUKERN_DEVICE uint32_t h2_const(uint32_t bits) { return bits | bits << 16; }
 // ((lanes | 0x6400) - off) * d: lanes < 1024 hold quants, off = 1024 + the format's zero point.
 CUKERN_DEVICE uint32_t q_scaled(uint32_t lanes, uint32_t off, __half2 d2) {
     return as_u32(__hmul2(__hsub2(h2_from_lanes(lanes), as_h2(off)), d2));
 }
+
 template <int QT> struct FragDeq;
 
+// The 32-element blocks: the stage is blocks 2 st and 2 st + 1 (h = 0, 1).
 template <> struct FragDeq<QT_Q8_0> {
-    static CUKERN_DEVICE void stage(uint32_t (&o)[8], const uint8_t* row, int st, int c) {
+    struct Raw { uint32_t d[2], q[2][4]; };
+    static CUKERN_DEVICE void load(Raw& r, const uint8_t* row, int st, int c) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const uint8_t* blk = row + (2 * st + h) * 34;
-            const __half2 d2 = as_h2(h2_const(ld_u16(blk)));
+            r.d[h] = ld_u16(blk);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) r.q[h][j] = ld_u16(blk + 2 + 8 * j + 2 * c);
+        }
+    }
+    static CUKERN_DEVICE void convert(uint32_t (&o)[8], const Raw& r, int) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
 #pragma unroll
             for (int j = 0; j < 4; ++j)  // signed byte b -> lane b + 128 -> half 1152 + b
-                o[4 * h + j] = q_scaled(__byte_perm(ld_u16(blk + 2 + 8 * j + 2 * c) ^ 0x8080u, 0, 0x4140), 0x64806480u, d2);
-        }
+                o[4 * h + j] = q_scaled(__byte_perm(r.q[h][j] ^ 0x8080u, 0, 0x4140), 0x64806480u, as_h2(h2_const(r.d[h])));
     }
 };
 
-template <> struct FragDeq<QT_Q4_0> {
-    static CUKERN_DEVICE void stage(uint32_t (&o)[8], const uint8_t* row, int st, int c) {
+template <> struct FragDeq<QT_Q4_0> {  // element e < 16: low nibble of qs[e], else high nibble of qs[e - 16]
+    struct Raw { uint32_t d[2], q[2][2]; };
+    static CUKERN_DEVICE void load(Raw& r, const uint8_t* row, int st, int c) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {  // element e < 16: low nibble of qs[e], else high nibble of qs[e - 16]
+        for (int h = 0; h < 2; ++h) {
             const uint8_t* blk = row + (2 * st + h) * 18;
-            const __half2 d2 = as_h2(h2_const(ld_u16(blk)));
-            const uint32_t l0 = pair_lanes(ld_u16(blk + 2 + 2 * c)), l1 = pair_lanes(ld_u16(blk + 10 + 2 * c));
+            r.d[h] = ld_u16(blk);
+            r.q[h][0] = ld_u16(blk + 2 + 2 * c);
+            r.q[h][1] = ld_u16(blk + 10 + 2 * c);
+        }
+    }
+    static CUKERN_DEVICE void convert(uint32_t (&o)[8], const Raw& r, int) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const __half2 d2 = as_h2(h2_const(r.d[h]));
+            const uint32_t l0 = pair_lanes(r.q[h][0]), l1 = pair_lanes(r.q[h][1]);
             o[4 * h + 0] = q_scaled(l0 & 0x000F000Fu, 0x64086408u, d2);
             o[4 * h + 1] = q_scaled(l1 & 0x000F000Fu, 0x64086408u, d2);
             o[4 * h + 2] = q_scaled((l0 >> 4) & 0x000F000Fu, 0x64086408u, d2);
@@ -172,19 +193,29 @@ template <> struct FragDeq<QT_Q4_0> {
     }
 };
 
-template <> struct FragDeq<QT_Q5_0> {
-    static CUKERN_DEVICE void stage(uint32_t (&o)[8], const uint8_t* row, int st, int c) {
+template <> struct FragDeq<QT_Q5_0> {  // as Q4_0, plus bit e of qh as the fifth bit of element e
+    struct Raw { uint32_t d[2], qh[2], q[2][2]; int c; };
+    static CUKERN_DEVICE void load(Raw& r, const uint8_t* row, int st, int c) {
+        r.c = c;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {  // as Q4_0, plus bit e of qh as the fifth bit of element e
+        for (int h = 0; h < 2; ++h) {
             const uint8_t* blk = row + (2 * st + h) * 22;
-            const __half2 d2 = as_h2(h2_const(ld_u16(blk)));
-            const uint32_t qh = ld_u32_a2(blk + 2);
-            const uint32_t l0 = pair_lanes(ld_u16(blk + 6 + 2 * c)), l1 = pair_lanes(ld_u16(blk + 14 + 2 * c));
+            r.d[h] = ld_u16(blk);
+            r.qh[h] = ld_u32_a2(blk + 2);
+            r.q[h][0] = ld_u16(blk + 6 + 2 * c);
+            r.q[h][1] = ld_u16(blk + 14 + 2 * c);
+        }
+    }
+    static CUKERN_DEVICE void convert(uint32_t (&o)[8], const Raw& r, int) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const __half2 d2 = as_h2(h2_const(r.d[h]));
+            const uint32_t l0 = pair_lanes(r.q[h][0]), l1 = pair_lanes(r.q[h][1]), qh = r.qh[h] >> (2 * r.c);
             auto hb = [&](int e) { const uint32_t t = qh >> e; return (t & 1u) << 4 | (t & 2u) << 19; };
-            o[4 * h + 0] = q_scaled((l0 & 0x000F000Fu) | hb(2 * c), 0x64106410u, d2);
-            o[4 * h + 1] = q_scaled((l1 & 0x000F000Fu) | hb(8 + 2 * c), 0x64106410u, d2);
-            o[4 * h + 2] = q_scaled(((l0 >> 4) & 0x000F000Fu) | hb(16 + 2 * c), 0x64106410u, d2);
-            o[4 * h + 3] = q_scaled(((l1 >> 4) & 0x000F000Fu) | hb(24 + 2 * c), 0x64106410u, d2);
+            o[4 * h + 0] = q_scaled((l0 & 0x000F000Fu) | hb(0), 0x64106410u, d2);
+            o[4 * h + 1] = q_scaled((l1 & 0x000F000Fu) | hb(8), 0x64106410u, d2);
+            o[4 * h + 2] = q_scaled(((l0 >> 4) & 0x000F000Fu) | hb(16), 0x64106410u, d2);
+            o[4 * h + 3] = q_scaled(((l1 >> 4) & 0x000F000Fu) | hb(24), 0x64106410u, d2);
         }
     }
 };
@@ -201,23 +232,31 @@ CUKERN_DEVICE uint32_t affine_pair(uint32_t x, float a, float c) {
     return as_u32(__floats2half2_rn(fmaf(a, byte_f32<0>(x), -c), fmaf(a, byte_f32<1>(x), -c)));
 }
 
-// Q4_K / Q5_K: stage st holds sub-blocks 2 st (low nibbles of qs[32 st ..]) and 2 st + 1 (high
-// nibbles); Q5_K's fifth bits are bits 2 st and 2 st + 1 of qh[l].
+// Q4_K / Q5_K: stage st holds sub-blocks 2 st (low nibbles of qs[32 st + l]) and 2 st + 1 (high
+// nibbles); Q5_K's fifth bits are bits 2 st and 2 st + 1 of qh[l]; l = 8j + 2c, 8j + 2c + 1.
 template <bool HIGH> struct FragDeqK45 {
     static constexpr int kQs = HIGH ? 48 : 16;
-    static CUKERN_DEVICE void stage(uint32_t (&o)[8], const uint8_t* row, int st, int c) {
-        const uint4 head = *reinterpret_cast<const uint4*>(row);  // d, dmin, scales[12]
-        const float d = __half2float(__ushort_as_half(head.x & 0xFFFF)), dmin = __half2float(__ushort_as_half(head.x >> 16));
+    struct Raw { uint4 head; uint32_t q[4], h[4]; };
+    static CUKERN_DEVICE void load(Raw& r, const uint8_t* row, int st, int c) {
+        r.head = *reinterpret_cast<const uint4*>(row);  // d, dmin, scales[12]
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            r.q[j] = ld_u16(row + kQs + 32 * st + 8 * j + 2 * c);
+            if (HIGH) r.h[j] = ld_u16(row + 16 + 8 * j + 2 * c);
+        }
+    }
+    static CUKERN_DEVICE void convert(uint32_t (&o)[8], const Raw& r, int st) {
+        const float d = __half2float(__ushort_as_half(r.head.x & 0xFFFF));
+        const float dmin = __half2float(__ushort_as_half(r.head.x >> 16));
         int sc0, m0, sc1, m1;
-        k4_scale_min(head.y, head.z, head.w, 2 * st, sc0, m0);
-        k4_scale_min(head.y, head.z, head.w, 2 * st + 1, sc1, m1);
+        k4_scale_min(r.head.y, r.head.z, r.head.w, 2 * st, sc0, m0);
+        k4_scale_min(r.head.y, r.head.z, r.head.w, 2 * st + 1, sc1, m1);
         const float a0 = d * sc0, c0 = dmin * m0, a1 = d * sc1, c1 = dmin * m1;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {  // bytes l, l+1 of the stage's 32 quant bytes
-            const int l = 8 * j + 2 * c;
-            const uint32_t q = ld_u16(row + kQs + 32 * st + l);
+        for (int j = 0; j < 4; ++j) {
+            const uint32_t q = r.q[j];
             if (HIGH) {
-                const uint32_t h = ld_u16(row + 16 + l) >> (2 * st);
+                const uint32_t h = r.h[j] >> (2 * st);
                 o[j] = affine_pair((q & 0x0F0Fu) | (h & 0x0101u) << 4, a0, c0);
                 o[4 + j] = affine_pair(((q >> 4) & 0x0F0Fu) | (h & 0x0202u) << 3, a1, c1);
             } else {  // high nibbles in place, 16 q: a1 / 16 is exact
@@ -235,21 +274,29 @@ template <> struct FragDeq<QT_Q5_K> : FragDeqK45<true> {};
 // in odd ones, two bits of qh[32h + e % 32] each (shift 0/2 in even stages, 4/6 in odd ones), and
 // four int8 scales (scales[8h + 4 (st % 2) + 2 (e >= 32) + (e % 32) / 16]) times d; a (q - 32).
 template <> struct FragDeq<QT_Q6_K> {
-    static CUKERN_DEVICE void stage(uint32_t (&o)[8], const uint8_t* row, int st, int c) {
+    struct Raw { uint32_t d, sc, qh[4], q0[4], q1[4]; };
+    static CUKERN_DEVICE void load(Raw& r, const uint8_t* row, int st, int c) {
         const int h = st >> 1, odd = st & 1;
-        const float d = __half2float(__ushort_as_half(ld_u16(row + 208)));
-        const uint32_t sc = ld_u32_a2(row + 192 + 8 * h + 4 * odd);
-        float a[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) a[i] = d * (float)(int8_t)(sc >> (8 * i));
-        const int sh = 4 * odd;
+        r.d = ld_u16(row + 208);
+        r.sc = ld_u32_a2(row + 192 + 8 * h + 4 * odd);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int l = 8 * j + 2 * c;
-            const uint32_t qh = ld_u16(row + 128 + 32 * h + l);
-            const uint32_t q0 = ld_u16(row + 64 * h + l), q1 = ld_u16(row + 64 * h + 32 + l);
-            const uint32_t v0 = ((q0 >> sh) & 0x0F0Fu) | ((qh >> sh) & 0x0303u) << 4;
-            const uint32_t v1 = ((q1 >> sh) & 0x0F0Fu) | ((qh >> (sh + 2)) & 0x0303u) << 4;
+            r.qh[j] = ld_u16(row + 128 + 32 * h + l);
+            r.q0[j] = ld_u16(row + 64 * h + l);
+            r.q1[j] = ld_u16(row + 64 * h + 32 + l);
+        }
+    }
+    static CUKERN_DEVICE void convert(uint32_t (&o)[8], const Raw& r, int st) {
+        const float d = __half2float(__ushort_as_half(r.d));
+        float a[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[i] = d * (float)(int8_t)(r.sc >> (8 * i));
+        const int sh = 4 * (st & 1);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const uint32_t v0 = ((r.q0[j] >> sh) & 0x0F0Fu) | ((r.qh[j] >> sh) & 0x0303u) << 4;
+            const uint32_t v1 = ((r.q1[j] >> sh) & 0x0F0Fu) | ((r.qh[j] >> (sh + 2)) & 0x0303u) << 4;
             o[j] = affine_pair(v0, a[j / 2], 32.0f * a[j / 2]);
             o[4 + j] = affine_pair(v1, a[2 + j / 2], 32.0f * a[2 + j / 2]);
         }
@@ -343,31 +390,40 @@ __global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
 
-    // A fragments of stage t: a[4 kk + i] = register i of k step kk
-    auto dequant = [&](int t, uint32_t (&a)[16]) {
+    // Raw bytes of stage t (both rows) into registers; the raw slot is released after the last
+    // stage of its super-stage has been loaded
+    using Frag = FragDeq<QT>;
+    auto load = [&](int t, typename Frag::Raw (&r)[2]) {
         const int s = t / SPS, st = t % SPS;
         if (st == 0) mbar_wait(full_raw + (s & 1), (s >> 1) & 1);
         const uint8_t* base = sraw + (s & 1) * RAW_BYTES + raw_off(s) % 16;
+        Frag::load(r[0], base + R * RSTRIDE, st, c);
+        Frag::load(r[1], base + (R + 8) * RSTRIDE, st, c);
+        if (st == SPS - 1 || t == n_stages - 1) {  // the raw slot's last reader in this warp
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty_raw + (s & 1));
+        }
+    };
+    // A fragments of stage t from its raw registers: a[4 kk + i] = register i of k step kk
+    auto convert = [&](int t, const typename Frag::Raw (&r)[2], uint32_t (&a)[16]) {
         uint32_t x0[8], x1[8];
         if (CUKERN_WGR_SKIP & 1) {
 #pragma unroll
             for (int j = 0; j < 8; ++j) x0[j] = x1[j] = 0x3C003C00u;
         } else {
-            FragDeq<QT>::stage(x0, base + R * RSTRIDE, st, c);
-            FragDeq<QT>::stage(x1, base + (R + 8) * RSTRIDE, st, c);
+            Frag::convert(x0, r[0], t % SPS);
+            Frag::convert(x1, r[1], t % SPS);
         }
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             a[4 * (j / 2) + 2 * (j % 2)] = x0[j];
             a[4 * (j / 2) + 2 * (j % 2) + 1] = x1[j];
         }
-        if (st == SPS - 1 || t == n_stages - 1) {  // the raw slot's last reader in this warp
-            __syncwarp();
-            if (lane == 0) mbar_arrive(empty_raw + (s & 1));
-        }
     };
     // stage t's MMAs from register set a (stage t % 3's); then, with stage t-2's MMAs done, release
-    // its activation slot and dequantize stage t+1 into its register set b
+    // its activation slot, convert stage t+1 (raw registers loaded one step ago) into its register
+    // set b, and load stage t+2's raw bytes
+    typename Frag::Raw raw[2];
     auto step = [&](int t, uint32_t (&a)[16], uint32_t (&b)[16]) {
         const int slot = t % S;
         mbar_wait(full_act + slot, (t / S) & 1);
@@ -384,11 +440,14 @@ __global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(
             __syncwarp();
             if (lane == 0) mbar_arrive(empty_act + (t - 2) % S);
         }
-        if (t + 1 < n_stages) dequant(t + 1, b);
+        if (t + 1 < n_stages) convert(t + 1, raw, b);
+        if (t + 2 < n_stages) load(t + 2, raw);
     };
 
     uint32_t f0[16], f1[16], f2[16];
-    dequant(0, f0);
+    load(0, raw);
+    convert(0, raw, f0);
+    if (n_stages > 1) load(1, raw);
     int t = 0;
     for (; t + 2 < n_stages; t += 3) {
         step(t, f0, f1);
