@@ -422,26 +422,53 @@ class MatmulDispatch(Dispatch):
         cost = {bt: -(-(-(-n // bt) * row_tiles) // sm) * bt for bt in _WG_TILES}
         return min(reversed(_WG_TILES), key=lambda bt: cost[bt])
 
-    WG_KERNEL = "wgr"  # the Hopper kernel: "wgr" (gemm_wgr) or "wg" (gemm_wg)
+    # gemm_wgr's time per 64-element stage at 128 tokens relative to 256 (H100: the dequantization
+    # per stage is the same, the MMAs half), and a CTA's fixed cost (pipeline fill, epilogue) and a
+    # K split's (the zero fill, atomics), in 256-token stages
+    _WGR_STAGE_COST = {128: 0.84, 256: 1.0}
+    _WGR_CTA_COST, _WGR_SPLIT_COST = 4.0, 4.0
+
+    def _wgr_plan(self, n: int, row_tiles: int, k: int, splittable: bool, tiles=_WG_TILES) -> tuple[int, int]:
+        """(token tile, K slices) of gemm_wgr: the fewest modelled stage-times over the waves of CTAs
+        (one CTA per SM), over the tiles and 1-16 slices of whole super-stages."""
+        sm, best = self.sm_count(), None
+        for bt in sorted(tiles, reverse=True):
+            ctas = -(-n // bt) * row_tiles
+            for split in range(1, 17 if splittable else 2):
+                k_split = -(-(-(-k // split)) // _SUPER) * _SUPER
+                slices = -(-k // k_split)
+                if split > 1 and slices < split:
+                    break
+                cost = (-(-ctas * slices // sm) * (k_split / _BK * self._WGR_STAGE_COST[bt] + self._WGR_CTA_COST)
+                        + (self._WGR_SPLIT_COST if slices > 1 else 0.0))
+                if best is None or cost < best[0]:
+                    best = (cost, bt, slices)
+        return best[1], best[2]
+
+    WG_TILE = None  # force the Hopper kernels' token tile (128 or 256); None: chosen per call
 
     def _hopper(self, w, w2, b, d, b_stride, d_stride, n, accumulate, split_k, act, stream):
         """gemm_wgr or gemm_wg launch: ``act`` None (d = W b, or += with accumulate) or a GLU activation."""
         glu = act is not None
         rows = _ROW_TILE_GLU if glu else _ROW_TILE
         grid_r = -(-w.m // rows)
-        bt = self._wg_tile(n, grid_r)
+        wgr = self.WG_KERNEL == "wgr"
+        if split_k is not None and (not isinstance(split_k, (int, np.integer)) or isinstance(split_k, bool)
+                                    or split_k < 1):
+            raise ValueError(f"split_k must be an int >= 1, got {split_k!r}")
+        if wgr:
+            bt, split = self._wgr_plan(n, grid_r, w.k, not glu and split_k is None,
+                                       (self.WG_TILE,) if self.WG_TILE else _WG_TILES)
+        else:
+            bt = self._wg_tile(n, grid_r)
+            ctas, sm = -(-n // bt) * grid_r, self.sm_count()
+            split = 1 if glu or 2 * ctas >= sm else max(1, min(-(-sm // ctas), w.k // 512, 16))
+        bt = self.WG_TILE or bt
+        if split_k is not None and not glu:
+            split = int(split_k)
         grid_t = -(-n // bt)
         if grid_t > 2**31 - 1 or grid_r > 65535:
             raise ValueError(f"gemm_wg: {n} columns x {w.m} rows exceed the grid limits")
-        if glu:
-            split = 1
-        elif split_k is None:
-            ctas, sm = grid_t * grid_r, self.sm_count()
-            split = 1 if 2 * ctas >= sm else max(1, min(-(-sm // ctas), w.k // 512, 16))
-        else:
-            if not isinstance(split_k, (int, np.integer)) or isinstance(split_k, bool) or split_k < 1:
-                raise ValueError(f"split_k must be an int >= 1, got {split_k!r}")
-            split = int(split_k)
         k_split = -(-(-(-w.k // split)) // _SUPER) * _SUPER
         grid = (grid_t, grid_r, -(-w.k // k_split))
         mode = _ACTS[act] if glu else (1 if accumulate else 0)
@@ -451,7 +478,7 @@ class MatmulDispatch(Dispatch):
             raw16=_raw16(w, w2))
         self._zero_for_split(d, grid, accumulate, stream)
         glu_s = "true" if glu else "false"
-        if self.WG_KERNEL == "wgr":
+        if wgr:
             tmap = tensor_map_2d(b, (_BK, bt))
             self._units[w.qtype]._launch(f"gemm_wgr<{w.qtype}, {bt}, {glu_s}>", grid, _WGR_THREADS,
                                          (d, w.buf, w2.buf, tmap), params, stream=stream,

@@ -63,11 +63,11 @@ def main() -> None:
                 mm.WG_KERNEL = kern
                 for wgs in groups:
                     for bt in M._WG_TILES:
-                        mm._wg_tile = lambda n_, r_, bt=bt: bt
+                        mm.WG_TILE = bt
                         mm.WG_GROUPS = wgs
                         t[f"{kern}{bt}x{wgs or 3}"] = time_graph_us(lambda: mm.gemm(nxt(), b, d, wgmma=True),
                                                                    n_inner=10, n_repeat=10)
-            del mm._wg_tile, mm.WG_GROUPS, mm.WG_KERNEL
+            del mm.WG_TILE, mm.WG_GROUPS, mm.WG_KERNEL
             t["mma.sync"] = time_graph_us(lambda: mm.gemm(nxt(), b, d, wgmma=False), n_inner=10, n_repeat=10)
             t["wg eager"] = time_us(lambda: mm.gemm(nxt(), b, d), n_warmup=3, n_repeat=20)
             t["deq+cuBLAS eager"] = time_us(lambda: (mm.dequantize(nxt(), dense), cupy.matmul(b, dense.T, out=d16)),
@@ -76,7 +76,7 @@ def main() -> None:
             if n == 2048 and SKIP_VARIANTS:
                 for skip, what in SKIPS.items():
                     v = _variant(mm, q, skip, SKIP_VARIANTS)
-                    v._wg_tile = lambda n_, r_: 256
+                    v.WG_TILE = 256
                     t[f"{SKIP_VARIANTS} {what}"] = time_graph_us(lambda: v.gemm(nxt(), b, d, wgmma=True),
                                                                  n_inner=10, n_repeat=10)
             print(f"{name} {m}x{k} N={n}: " + " | ".join(f"{key} {us:.1f} us {tf(us):.0f} TF" for key, us in t.items())

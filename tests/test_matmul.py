@@ -201,7 +201,7 @@ def test_gemm_wg(mm, rng, q, m, n, bt, kern, wgs, monkeypatch):
     5 super-stages (the raw rings wrap) and, for the 32-block types, a K tail; rows not 16-byte
     aligned for most types (synchronous raw copies)."""
     _hopper(mm, monkeypatch, kern, wgs)
-    monkeypatch.setattr(mm, "_wg_tile", lambda n_, r_: bt)
+    monkeypatch.setattr(mm, "WG_TILE", bt)
     k = _k(q, 5)
     w, dense = _weight(q, m, k, rng, pad_front=32)
     b = _b(rng, n, k, np.float16)
@@ -245,7 +245,7 @@ def test_gemm_wg_aligned_split_accumulate(mm, rng, q, kern, wgs, monkeypatch):
                                             (257, 256, "wg", 2), (100, 128, "wgr", None), (300, 256, "wgr", None)])
 def test_gemm_glu_wg(mm, rng, q, act, n, bt, kern, wgs, monkeypatch):
     _hopper(mm, monkeypatch, kern, wgs)
-    monkeypatch.setattr(mm, "_wg_tile", lambda n_, r_: bt)
+    monkeypatch.setattr(mm, "WG_TILE", bt)
     m, k = 90, _k(q)
     wg, dg = _weight(q, m, k, rng)
     wu, du = _weight(q, m, k, rng)
