@@ -446,6 +446,7 @@ class MatmulDispatch(Dispatch):
         return best[1], best[2]
 
     WG_TILE = None  # force the Hopper kernels' token tile (128 or 256); None: chosen per call
+    WG_KERNEL = "wgr"  # the Hopper kernel: "wgr" (gemm_wgr) or "wg" (gemm_wg)
 
     def _hopper(self, w, w2, b, d, b_stride, d_stride, n, accumulate, split_k, act, stream):
         """gemm_wgr or gemm_wg launch: ``act`` None (d = W b, or += with accumulate) or a GLU activation."""
