@@ -193,12 +193,21 @@ def _cu_tensor_map_encode_tiled():
     return fn
 
 
+_TMA_CACHE: dict = {}
+_TMA_CACHE_SIZE = 256  # encoded maps kept (a dict lookup instead of a driver call per launch)
+
+
 def tensor_map_2d(a: cupy.ndarray, box: tuple[int, int], swizzle: int = 128) -> np.void:
     """A tensor map of the 2-D row-strided view ``a`` ([rows, cols], unit stride along a row) for
     boxes of ``box = (cols, rows)`` elements, out-of-range elements zero-filled: 128 bytes to pass
-    as a ``const __grid_constant__ cukern::TensorMap`` argument. The driver's rules hold: base
+    as a ``const __grid_constant__ cukern::TensorMap`` argument. Maps are cached by address, shape,
+    strides and box (the last 256), so a repeated call costs a dict lookup. The driver's rules hold: base
     16-byte aligned, row stride a multiple of 16 bytes, box sides 1..256, ``box[0]`` times the
     element size a multiple of 16 (and at most ``swizzle`` bytes when swizzled)."""
+    key = (a.data.ptr, a.shape, a.strides, a.dtype.char, box, swizzle)
+    hit = _TMA_CACHE.get(key)
+    if hit is not None:
+        return hit
     dt = _TMA_DATA_TYPES.get(a.dtype)
     if dt is None or a.ndim != 2 or a.strides[1] != a.itemsize:
         raise ValueError(f"tensor_map_2d takes a 2-D f16/f32 view with unit row stride, got {a.dtype} {a.shape} "
@@ -219,7 +228,11 @@ def tensor_map_2d(a: cupy.ndarray, box: tuple[int, int], swizzle: int = 128) -> 
     if err:
         raise runtime.CukernError(f"cuTensorMapEncodeTiled failed ({err}) for a {a.dtype} {a.shape} view, "
                                   f"row stride {pitch} bytes, box {box}, swizzle {swizzle}")
-    return np.frombuffer(ctypes.string_at(addr, 128), TENSOR_MAP_DTYPE)[0]
+    tmap = np.frombuffer(ctypes.string_at(addr, 128), TENSOR_MAP_DTYPE)[0]
+    if len(_TMA_CACHE) >= _TMA_CACHE_SIZE:
+        _TMA_CACHE.pop(next(iter(_TMA_CACHE)))
+    _TMA_CACHE[key] = tmap
+    return tmap
 
 
 def _grid3(name: str, dims, limits) -> tuple[int, int, int]:

@@ -278,6 +278,7 @@ class MatmulDispatch(Dispatch):
         self._units = {q: _Unit(FAMILIES[f"matmul_f16_{s}"], device, sm90a=True) for q, s in GEMM_QTYPES.items()}
         self._units_i8 = {q: _Unit(FAMILIES[f"matmul_i8_{s}"], device) for q, s in GEMM_QTYPES.items()}
         self._dmmv = None  # DmmvDispatch for the matvec path, made on first use
+        self._plans: dict = {}  # _wgr_plan's choices
 
     # ------------------------------------------------------------------ validation
     @staticmethod
@@ -424,13 +425,20 @@ class MatmulDispatch(Dispatch):
 
     # gemm_wgr's time per 64-element stage at 128 tokens relative to 256 (H100: the dequantization
     # per stage is the same, the MMAs half), and a CTA's fixed cost (pipeline fill, epilogue) and a
-    # K split's (the zero fill, atomics), in 256-token stages
+    # K split's (the zero fill's launch, the atomics), in 256-token stages (~0.8 us each)
     _WGR_STAGE_COST = {128: 0.84, 256: 1.0}
-    _WGR_CTA_COST, _WGR_SPLIT_COST = 4.0, 4.0
+    _WGR_CTA_COST, _WGR_SPLIT_COST = 4.0, 12.0
 
     def _wgr_plan(self, n: int, row_tiles: int, k: int, splittable: bool, tiles=_WG_TILES) -> tuple[int, int]:
         """(token tile, K slices) of gemm_wgr: the fewest modelled stage-times over the waves of CTAs
         (one CTA per SM), over the tiles and 1-16 slices of whole super-stages."""
+        key = (n, row_tiles, k, splittable, tuple(tiles))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._wgr_plan_uncached(n, row_tiles, k, splittable, tiles)
+        return plan
+
+    def _wgr_plan_uncached(self, n, row_tiles, k, splittable, tiles) -> tuple[int, int]:
         sm, best = self.sm_count(), None
         for bt in sorted(tiles, reverse=True):
             ctas = -(-n // bt) * row_tiles
