@@ -25,7 +25,7 @@ import cupy
 from cukern.streams import benchmark as _time
 from cukern.streams import capture_graph
 
-__all__ = ["Row", "Ceilings", "measure_ceilings", "measure_gemm_tflops", "rotating", "time_us", "time_graph_us",
+__all__ = ["Row", "Ceilings", "measure_ceilings", "measure_gemm_tflops", "rotating", "time_us", "time_stream_us", "time_graph_us",
            "time_torch_graph_us", "host_us_per_call", "print_table", "format_table", "rows_to_json"]
 
 
@@ -101,6 +101,13 @@ def time_us(fn, *, n_warmup: int = 10, n_repeat: int = 100) -> float:
     """Median device time of one ``fn()`` between two events. For kernels shorter than the
     Python launch cost (~10 us) this measures the host, not the GPU: use :func:`time_graph_us`."""
     return _time(fn, n_warmup=n_warmup, n_repeat=n_repeat).median_us
+
+
+def time_stream_us(fn, *, n_inner: int = 10, n_warmup: int = 3, n_repeat: int = 20) -> float:
+    """Device time per ``fn()`` over ``n_inner`` eager calls issued back to back between two
+    events, as a prefill loop issues them: the host's launch cost is hidden wherever it is
+    shorter than the GPU work (unlike :func:`time_us`, where it idles the GPU before every call)."""
+    return _time(lambda: [fn() for _ in range(n_inner)], n_warmup=n_warmup, n_repeat=n_repeat).median_us / n_inner
 
 
 def time_graph_us(fn, *, n_inner: int = 50, n_repeat: int = 20) -> float:

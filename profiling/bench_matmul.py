@@ -13,7 +13,10 @@ path from f32 activations.
 
 FLOPs counted: 2 M N K per product. %ceil: of the cuBLAS f16 GEMM rate (8192^3) measured in this
 run. Weights are rotated over enough copies to exceed the 50 MB L2; times below ~50 us are
-replayed from a CUDA graph (launch cost excluded), both for cukern and for the dmmv peer.
+replayed from a CUDA graph (launch cost excluded), both for cukern and for the dmmv peer; longer
+ones, and the cuBLAS peers (which CuPy cannot capture), are timed over 10 eager calls issued back
+to back between two events (``time_stream_us``: the host's launch cost is hidden where the GPU
+work is longer, as in a prefill loop, instead of idling the GPU before each call).
 Run: PYTHONPATH=. python profiling/bench_matmul.py [--quick] [--json out.json]
 """
 
@@ -24,7 +27,7 @@ import sys
 import cupy
 
 from cukern.benchmark import (Ceilings, Row, measure_ceilings, measure_gemm_tflops, rotating, script_main,
-                              time_graph_us, time_us)
+                              time_graph_us, time_stream_us)
 from cukern.dmmv import QTYPES, DmmvDispatch, QWeight
 from cukern.matmul import MatmulDispatch
 
@@ -56,7 +59,7 @@ def random_weight_device(name: str, m: int, k: int, rng: cupy.random.Generator) 
 
 
 def _timer(us_hint: float):
-    return time_graph_us if us_hint < 50 else time_us
+    return time_graph_us if us_hint < 50 else time_stream_us
 
 
 def bench(quick: bool = False) -> tuple[list, Ceilings]:
@@ -86,8 +89,8 @@ def bench(quick: bool = False) -> tuple[list, Ceilings]:
                 timer = _timer(guess)
                 us = timer(lambda: mm.gemm(nxt(), b16, d))
                 # peers
-                peer_deq = time_us(lambda: (mm.dequantize(nxt(), dense), cupy.matmul(b16, dense.T, out=d16)))
-                peer_blas = time_us(lambda: cupy.matmul(b16, dense.T, out=d16))
+                peer_deq = time_stream_us(lambda: (mm.dequantize(nxt(), dense), cupy.matmul(b16, dense.T, out=d16)))
+                peer_blas = time_stream_us(lambda: cupy.matmul(b16, dense.T, out=d16))
                 peers = {"cuBLAS f16 (pre-deq)": peer_blas}
                 if n <= 64:
                     peers["dmmv batched (f32 x)"] = time_graph_us(lambda: dm.dmmv(nxt(), b32, d))
