@@ -423,11 +423,12 @@ class MatmulDispatch(Dispatch):
         cost = {bt: -(-(-(-n // bt) * row_tiles) // sm) * bt for bt in _WG_TILES}
         return min(reversed(_WG_TILES), key=lambda bt: cost[bt])
 
-    # gemm_wgr's time per 64-element stage at 128 tokens relative to 256 (H100: the dequantization
-    # per stage is the same, the MMAs half), and a CTA's fixed cost (pipeline fill, epilogue) and a
-    # K split's (the zero fill's launch, the atomics), in 256-token stages (~0.8 us each)
-    _WGR_STAGE_COST = {128: 0.84, 256: 1.0}
-    _WGR_CTA_COST, _WGR_SPLIT_COST = 4.0, 12.0
+    # gemm_wgr's time per 64-element stage at 128 tokens relative to 256 (H100, every SM busy:
+    # 0.72 against 1.05 us; the dequantization per stage is the same, the MMAs half), and a CTA's
+    # fixed cost (pipeline fill, epilogue) and a K split's (the zero fill's launch, which an eager
+    # caller's host also pays, and the atomics), in 256-token stages
+    _WGR_STAGE_COST = {128: 0.69, 256: 1.0}
+    _WGR_CTA_COST, _WGR_SPLIT_COST = 4.0, 14.0
 
     def _wgr_plan(self, n: int, row_tiles: int, k: int, splittable: bool, tiles=_WG_TILES) -> tuple[int, int]:
         """(token tile, K slices) of gemm_wgr: the fewest modelled stage-times over the waves of CTAs
