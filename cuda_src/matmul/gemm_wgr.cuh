@@ -5,31 +5,46 @@
 // Roles: wgmma's A operand (64 weight rows per instruction) comes from registers, its B operand (BN
 // tokens, 128 or 256) from shared memory, f32 accumulators in registers. CTA: three warpgroups,
 // 128 weight rows x BN tokens, one CTA per SM:
-//   * warpgroup 0, the producer (40 registers per thread after setmaxnreg): thread 0 loads each
+//   * warpgroup 0, the producer (40 registers per thread after setmaxnreg): its thread 0 loads each
 //     64-element stage of the activation tile with the tensor copy engine (a TMA box of 64 x BN f16,
-//     128-byte swizzle, out-of-range elements zero-filled) into a ring of 4-6 slots (gemm_wgr_stages); all 128
-//     threads copy the raw GGUF bytes of each 256-element super-stage of the 128 rows (gemm.cuh's
-//     copy_raw, 16-byte cp.async) into a ring of two raw slots;
+//     128-byte swizzle, out-of-range elements zero-filled) into a ring of 4-6 slots
+//     (gemm_wgr_stages); warps 1-3 copy the raw GGUF bytes of each 256-element super-stage of the
+//     128 rows (gemm.cuh's copy_raw: 16-byte cp.async, or 2-byte copies for rows that are not
+//     16-byte aligned) into a ring of two raw slots;
 //   * warpgroups 1 and 2, the consumers (232 registers): consumer c multiplies rows 64c .. 64c+63 by
-//     the BN tokens. Per stage it issues four m64nBNk16 (A: registers, B: the swizzled slot), and
-//     while they run dequantizes the next stage's A fragments (FragDeq) from the raw slot into the
-//     other register set; one stage of MMAs in flight per consumer.
+//     the BN tokens. Per stage t it issues four m64nBNk16 (A: register set t % 3, B: the swizzled
+//     slot) and, once wgmma.wait has retired stage t-2's MMAs, converts stage t+1's raw registers
+//     into that set and loads stage t+2's raw bytes (FragDeq::load, ::convert): two stages of MMAs
+//     in flight per consumer while it dequantizes.
 // Full/empty mbarriers hand each slot over: full_act by the copy engine's byte count, full_raw by
-// the producers' cp.async arrivals (count 128), empty_* by one arrival per consumer warp (count 8).
+// the raw copiers' arrivals (count 96; cp.async arrivals when the rows are 16-byte aligned),
+// empty_act by one arrival per consumer warp once wgmma.wait has retired the stage's MMAs (count 8),
+// empty_raw by every consumer thread after its last shared-memory read of the super-stage (count
+// 256: each thread's own release orders its reads before the slot is refilled).
 //
 // A fragments (wgmma m64k16, f16, per warp w of the consumer, g = lane / 4, c = lane % 4): rows
 // R = 16w + g and R + 8; registers (R, 2c..2c+1), (R+8, 2c..), (R, 2c+8..), (R+8, 2c+8..). Over a
 // 64-element stage a lane therefore holds the element pairs 8j + 2c, j = 0..7, of its two rows:
-// FragDeq<QT>::stage produces exactly those 8 f16 pairs per row from the raw bytes, each value rounded
-// once from exact integer quants (_0 types: (q - offset) exact in f16, times d; K-quants: exact in
-// f32, one f32 rounding at most, then f16): the values dequantize_f16 writes.
+// FragDeq<QT> produces exactly those 8 f16 pairs per row from the raw bytes, each value rounded once
+// from exact integer quants (_0 types: (q - offset) exact in f16, times d; K-quants: exact in f32,
+// one f32 rounding at most, then f16): the values dequantize_f16 writes.
 // Raw rows are an odd number of 16-byte units apart (RawWg), so the 8 rows x 4 lanes of a warp's
 // 2-byte raw loads hit distinct banks.
 // Ragged M (rows past m read row m-1, never stored), ragged N (zero-filled tokens, never stored) and
 // split K (blockIdx.z slices of whole super-stages, atomics) as in gemm_wg. A K tail (k % 64 = 32:
 // the last stage's second segment lies past k) needs no masking: the copy engine zero-fills the
-// activations there and the raw bytes past the row's end are zeros (copy_raw), so A is 0 x 0. the fused GLU interleaves gate and up rows by
-// 8-row groups as gemm_wg does, so rows R and R+8 of a lane are the gate and up of one output.
+// activations there and the raw bytes past the row's end are zeros (copy_raw), so A is 0 x 0. The
+// fused GLU interleaves gate and up rows by 8-row groups as gemm_wg does, so rows R and R+8 of a
+// lane are the gate and up of one output.
+//
+// Measured (H100, profiling/probe_matmul_wg.py, CUDA-graph replays, 14336x4096 N = 2048, 256-token
+// tiles; ncu on Q4_K): 1.7-2x gemm_wg. The MMAs alone (CUKERN_WGR_SKIP=7) take 296 us (812
+// TFLOP/s); the whole kernel 440-500 us for Q8_0 / Q4_K, 530-560 us for Q6_K. The consumers are
+// latency-bound: 0.37 instructions issued per cycle and scheduler, 7.4 cycles per instruction
+// (stalls: fixed-latency dependencies 1.9, shared-memory loads 1.3, dispatch 1.2, math pipe 0.7),
+// tensor pipe 57% busy; Q4_K's dequantization is ~330 instructions per warp and stage, Q8_0's ~200.
+// Neither loading a stage's raw bytes one step ahead nor a third register set (two stages of MMAs
+// in flight instead of one) changed the time by more than the run-to-run spread.
 #pragma once
 
 #include "common/mbarrier.cuh"
@@ -338,7 +353,7 @@ __global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(
 
     if (tid == 0) {
         for (int i = 0; i < S; ++i) mbar_init(full_act + i, 1), mbar_init(empty_act + i, 8);
-        for (int i = 0; i < 2; ++i) mbar_init(full_raw + i, kWgrRawThreads), mbar_init(empty_raw + i, 8);
+        for (int i = 0; i < 2; ++i) mbar_init(full_raw + i, kWgrRawThreads), mbar_init(empty_raw + i, 256);
         mbar_init_fence();
         tma_prefetch_map(&tb);
     }
@@ -399,10 +414,7 @@ __global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(
         const uint8_t* base = sraw + (s & 1) * RAW_BYTES + raw_off(s) % 16;
         Frag::load(r[0], base + R * RSTRIDE, st, c);
         Frag::load(r[1], base + (R + 8) * RSTRIDE, st, c);
-        if (st == SPS - 1 || t == n_stages - 1) {  // the raw slot's last reader in this warp
-            __syncwarp();
-            if (lane == 0) mbar_arrive(empty_raw + (s & 1));
-        }
+        if (st == SPS - 1 || t == n_stages - 1) mbar_arrive(empty_raw + (s & 1));  // this thread's last read of the slot
     };
     // A fragments of stage t from its raw registers: a[4 kk + i] = register i of k step kk
     auto convert = [&](int t, const typename Frag::Raw (&r)[2], uint32_t (&a)[16]) {
