@@ -3,8 +3,9 @@
 For each arch: compile every family unit with NVRTC (no GPU, no driver), then
 for each declared kernel read its ``.entry`` from the PTX and check the
 calling convention: every parameter but the last is a device pointer
-(``.u64``), the last is the declared struct, of the dtype's size and
-alignment. Entries in the PTX that no FamilySpec declares are errors too
+(``.u64``) or a tensor map (``cukern::TensorMap``: 128 bytes, 64-byte
+aligned, from ``dispatch.tensor_map_2d``), the last is the declared struct,
+of the dtype's size and alignment. Entries in the PTX that no FamilySpec declares are errors too
 (an undeclared kernel could never be launched through a Dispatch). Each
 params header is also compiled as a layout probe (``cukern.params``), whose
 ``static_assert``\\ s pin every offset to the NumPy dtype.
@@ -33,6 +34,11 @@ class Row:
         return not self.error
 
 
+def _tensor_map(p) -> bool:
+    """A by-value cukern::TensorMap (common/mbarrier.cuh): 128 bytes, 64-byte aligned."""
+    return p.kind == ".b8" and p.size == 128 and p.align >= 64
+
+
 def check_family(spec: runtime.FamilySpec, arch: int) -> list[Row]:
     structs = params.load_header(spec.params_header)
     names = tuple(k.name for k in spec.kernels)
@@ -56,10 +62,10 @@ def check_family(spec: runtime.FamilySpec, arch: int) -> list[Row]:
             row.error = (f"last parameter is {ps[-1].kind}[{ps[-1].size}] align {ps[-1].align}; "
                          f"{k.params} is {size} bytes, align {align}")
         else:
-            bad = [p for p in ps[:-1] if p.kind not in (".u64", ".b64")]
+            bad = [p for p in ps[:-1] if p.kind not in (".u64", ".b64") and not _tensor_map(p)]
             if bad:
-                row.error = (f"parameter {bad[0].index} is {bad[0].kind}: only device pointers may precede "
-                             f"the struct (no bare scalars in a launch)")
+                row.error = (f"parameter {bad[0].index} is {bad[0].kind}: only device pointers and tensor maps "
+                             f"may precede the struct (no bare scalars in a launch)")
         rows.append(row)
     declared = set(compiled.lowered.values())
     for entry in runtime.ptx_entries(compiled.ptx):
