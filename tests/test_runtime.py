@@ -95,7 +95,7 @@ def test_check_flags_bare_scalar_argument(scratch_root):
     scratch_root('extern "C" __global__ void k(float* y, int n, const P p) { y[0] = n + p.n; }\n')
     spec = runtime.FamilySpec("bad", (runtime.KernelSpec("k", "P"),))
     rows = check.check_family(spec, 90)
-    assert len(rows) == 1 and "only device pointers may precede the struct" in rows[0].error
+    assert len(rows) == 1 and "only device pointers and tensor maps may precede the struct" in rows[0].error
 
 
 def test_check_flags_wrong_struct_and_undeclared_kernel(scratch_root):
