@@ -7,7 +7,7 @@ against the pipelines a user would otherwise run, all measured in this run:
   quantized kernel is expected to beat at large N: it reads 2-4x the weight bytes but runs wgmma);
 * ``dmmv batched`` (N <= 64): the dmmv family's matvec, 8 columns per launch.
 
-Rows: ``gemm`` (f16 activations, f16 tensor cores: gemm_wg on Hopper from N = 256, else gemm_f16), ``quantize+gemm_q8`` (f32 activations
+Rows: ``gemm`` (f16 activations, f16 tensor cores: gemm_wgr on Hopper from N = 256, else gemm_f16), ``quantize+gemm_q8`` (f32 activations
 quantized to Q8_1, then the int8 tensor-core GEMM; both launches timed), and at N = 512 the f16
 path from f32 activations.
 

@@ -69,7 +69,7 @@ def test_families_declared():
     assert set(M.FAMILIES) <= names
     for q, s in M.GEMM_QTYPES.items():
         unit = M.FAMILIES[f"matmul_f16_{s}"]
-        assert all(k.name.startswith((f"gemm_f16<{q}, ", f"gemm_wg<{q}, ", f"gemm_wgr<{q}, ")) for k in unit.kernels)
+        assert all(k.name.startswith((f"gemm_f16<{q}, ", f"gemm_wgr<{q}, ")) for k in unit.kernels)
 
 
 def test_reference_quantizer_rule():
@@ -165,7 +165,7 @@ def test_gemm_glu(mm, rng, q, act, n):
 @pytest.mark.slow
 @pytest.mark.parametrize("q, n", [(12, 300), (14, 300), (8, 300), (12, 700), (14, 700), (8, 700), (6, 700)])
 def test_gemm_large(mm, rng, q, n):
-    """A prefill-sized product by the default rule (on Hopper gemm_wg from N = 256, elsewhere gemm_f16):
+    """A prefill-sized product by the default rule (on Hopper gemm_wgr from N = 256, elsewhere gemm_f16):
     several tiles, ragged both ways, long K."""
     m, k = 1000, 4096
     w, dense = _weight(q, m, k, rng)
@@ -179,28 +179,16 @@ def test_gemm_large(mm, rng, q, n):
 
 def _needs_wg(mm):
     if not mm._units[8].is_sm90():
-        pytest.skip("gemm_wg runs on sm_90 (Hopper) only")
-
-
-# the Hopper kernels: gemm_wg at both warpgroup counts, gemm_wgr (three warpgroups, fixed)
-HOPPER = [("wg", 2), ("wg", 4), ("wgr", None)]
-
-
-def _hopper(mm, monkeypatch, kern, wgs):
-    _needs_wg(mm)
-    monkeypatch.setattr(mm, "WG_KERNEL", kern)
-    monkeypatch.setattr(mm, "WG_GROUPS", wgs)
+        pytest.skip("gemm_wgr runs on sm_90 (Hopper) only")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("q", TYPES, ids=lambda q: NAMES[q])
 @pytest.mark.parametrize("m,n,bt", [(77, 1, 128), (203, 37, 256), (130, 300, 128), (300, 129, 256)])
-@pytest.mark.parametrize("kern,wgs", HOPPER)
-def test_gemm_wg(mm, rng, q, m, n, bt, kern, wgs, monkeypatch):
-    """gemm_wg / gemm_wgr with both token tiles (and gemm_wg's warpgroup counts), ragged M and N,
-    5 super-stages (the raw rings wrap) and, for the 32-block types, a K tail; rows not 16-byte
-    aligned for most types (synchronous raw copies)."""
-    _hopper(mm, monkeypatch, kern, wgs)
+def test_gemm_wg(mm, rng, q, m, n, bt, monkeypatch):
+    """gemm_wgr with both token tiles, ragged M and N, 5 super-stages (the raw ring wraps) and, for
+    the 32-block types, a K tail; rows not 16-byte aligned for most types (synchronous raw copies)."""
+    _needs_wg(mm)
     monkeypatch.setattr(mm, "WG_TILE", bt)
     k = _k(q, 5)
     w, dense = _weight(q, m, k, rng, pad_front=32)
@@ -212,11 +200,10 @@ def test_gemm_wg(mm, rng, q, m, n, bt, kern, wgs, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("q", TYPES, ids=lambda q: NAMES[q])
-@pytest.mark.parametrize("kern,wgs", HOPPER)
-def test_gemm_wg_aligned_split_accumulate(mm, rng, q, kern, wgs, monkeypatch):
-    """gemm_wg / gemm_wgr with 16-byte aligned rows (cp.async raw copies), forced K splits,
-    accumulate mode and row-strided b and d views."""
-    _hopper(mm, monkeypatch, kern, wgs)
+def test_gemm_wg_aligned_split_accumulate(mm, rng, q):
+    """gemm_wgr with 16-byte aligned rows (cp.async raw copies), forced K splits, accumulate mode
+    and row-strided b and d views."""
+    _needs_wg(mm)
     m, n, k = 140, 200, 2048
     raw = ref.random_weight(q, m, k, rng)
     dense = ref.dequantize(raw, q, m, k)
@@ -241,10 +228,9 @@ def test_gemm_wg_aligned_split_accumulate(mm, rng, q, kern, wgs, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("q", TYPES, ids=lambda q: NAMES[q])
 @pytest.mark.parametrize("act", ["swiglu", "geglu"])
-@pytest.mark.parametrize("n,bt,kern,wgs", [(100, 128, "wg", 2), (300, 256, "wg", 4), (130, 128, "wg", 4),
-                                            (257, 256, "wg", 2), (100, 128, "wgr", None), (300, 256, "wgr", None)])
-def test_gemm_glu_wg(mm, rng, q, act, n, bt, kern, wgs, monkeypatch):
-    _hopper(mm, monkeypatch, kern, wgs)
+@pytest.mark.parametrize("n,bt", [(100, 128), (300, 256), (130, 128), (257, 256)])
+def test_gemm_glu_wg(mm, rng, q, act, n, bt, monkeypatch):
+    _needs_wg(mm)
     monkeypatch.setattr(mm, "WG_TILE", bt)
     m, k = 90, _k(q)
     wg, dg = _weight(q, m, k, rng)

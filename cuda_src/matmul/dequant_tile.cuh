@@ -5,8 +5,8 @@
 // sub-block of a K-quant super-block (s = kb % 8). A thread dequantizes a "unit", half a segment
 // of one row (part p = 0, 1), in two steps: Deq<QT>::load pulls the raw bytes into registers
 // (from global memory, or from a GEMM's shared copy of the raw super-stage), Deq<QT>::store
-// converts them and writes 16 halves of the segment (Deq<QT>::emit hands each 8-half chunk,
-// at its element offset in the segment, to a functor instead: gemm_wg.cuh's tiles).
+// converts them and writes 16 halves of the segment (through Deq<QT>::emit, which hands each 8-half chunk,
+// at its element offset in the segment, to a functor).
 //   Q4_0 / Q5_0: part p holds qs[8p..8p+7]: elements 8p..8p+7 (low nibbles) and 16+8p..16+8p+7
 //   Q8_0, Q4_K, Q5_K, Q6_K: part p holds elements 16p..16p+15
 // Every value is the exact product rounded once to f16: the _0 types in half2 arithmetic (the

@@ -28,17 +28,18 @@
 // FragDeq<QT> produces exactly those 8 f16 pairs per row from the raw bytes, each value rounded once
 // from exact integer quants (_0 types: (q - offset) exact in f16, times d; K-quants: exact in f32,
 // one f32 rounding at most, then f16): the values dequantize_f16 writes.
-// Raw rows are an odd number of 16-byte units apart (RawWg), so the 8 rows x 4 lanes of a warp's
+// Raw rows are an odd number of 16-byte units apart (RawWgr), so the 8 rows x 4 lanes of a warp's
 // 2-byte raw loads hit distinct banks.
 // Ragged M (rows past m read row m-1, never stored), ragged N (zero-filled tokens, never stored) and
-// split K (blockIdx.z slices of whole super-stages, atomics) as in gemm_wg. A K tail (k % 64 = 32:
+// split K (blockIdx.z slices of whole super-stages, atomics) as in gemm_f16. A K tail (k % 64 = 32:
 // the last stage's second segment lies past k) needs no masking: the copy engine zero-fills the
 // activations there and the raw bytes past the row's end are zeros (copy_raw), so A is 0 x 0. The
-// fused GLU interleaves gate and up rows by 8-row groups as gemm_wg does, so rows R and R+8 of a
-// lane are the gate and up of one output.
+// fused GLU interleaves gate and up rows by 8-row groups (tile row r: matrix (r / 8) % 2, output row
+// 8 (r / 16) + r % 8), so rows R and R+8 of a lane are the gate and up of one output.
 //
-// Measured (H100, profiling/probe_matmul_wg.py, CUDA-graph replays, 14336x4096 N = 2048, 256-token
-// tiles; ncu on Q4_K): 1.7-2x gemm_wg. The MMAs alone (CUKERN_WGR_SKIP=7) take 296 us (812
+// Measured (H100, profiling/probe_matmul_wgr.py, CUDA-graph replays, 14336x4096 N = 2048, 256-token
+// tiles; ncu on Q4_K): 1.7-2x gemm_wg, which it replaced (both operands in shared memory, every
+// warp dequantizing into f16 tiles, 16-byte cp.async activations). The MMAs alone (CUKERN_WGR_SKIP=7) take 296 us (812
 // TFLOP/s); the whole kernel 440-500 us for Q8_0 / Q4_K, 530-560 us for Q6_K. The consumers are
 // latency-bound: 0.37 instructions issued per cycle and scheduler, 7.4 cycles per instruction
 // (stalls: fixed-latency dependencies 1.9, shared-memory loads 1.3, dispatch 1.2, math pipe 0.7),
@@ -48,17 +49,19 @@
 #pragma once
 
 #include "common/mbarrier.cuh"
-#include "matmul/gemm_wg.cuh"
+#include "common/wgmma.cuh"
+#include "matmul/gemm.cuh"
 
 namespace cukern {
 namespace mm {
 
-// Profiling only (profiling/probe_matmul_wg.py builds variants): skip parts of the work to see what
+// Profiling only (profiling/probe_matmul_wgr.py builds variants): skip parts of the work to see what
 // limits the kernel. 1: dequantization (A = 1.0), 2: raw weight copies, 4: activation copies, 8: the MMAs.
 #ifndef CUKERN_WGR_SKIP
 #define CUKERN_WGR_SKIP 0
 #endif
 
+constexpr uint32_t kTileBytes = BK * 2;  // bytes per token row of a 64-element f16 activation stage
 constexpr uint32_t kWgrSmemLimit = 227 * 1024;  // dynamic shared memory one block may opt in to (sm_90)
 constexpr int kWgrMaxStages = 6;
 constexpr int kWgrThreads = 384;     // producer + two consumer warpgroups
@@ -67,7 +70,7 @@ constexpr int kWgrProducerRegs = 40, kWgrConsumerRegs = 232;
 
 // Dynamic shared memory of gemm_wgr with `stages` activation slots: 1 KB of alignment slack
 // (swizzled slots sit on 1 KB boundaries), the activation ring, two raw super-stages (raw_stride =
-// RawWg<QT>::kStride), the barriers.
+// RawWgr<QT>::kStride), the barriers.
 __host__ __device__ constexpr uint32_t gemm_wgr_smem_bytes(int bn, int raw_stride, int stages) {
     return 1024u + (uint32_t)stages * bn * kTileBytes + 2u * kRows * raw_stride + 2u * (stages + 2) * 8u;
 }
@@ -78,74 +81,20 @@ __host__ __device__ constexpr int gemm_wgr_stages(int bn, int raw_stride) {
     return s;
 }
 
-// wgmma B descriptor: K-major, 128-byte swizzle, rows 128 bytes apart, 8-row groups 1 KB apart.
-CUKERN_DEVICE uint64_t wg_desc_sw128(uint32_t saddr) {
-    return (uint64_t)((saddr & 0x3FFFF) >> 4) | (uint64_t)1 << 16 | (uint64_t)(1024 >> 4) << 32 | (uint64_t)1 << 62;
+// Shared bytes per raw row: Raw<QT>::kStride made an odd number of 16-byte units, so that the 8
+// rows x 4 lanes of a warp's 2-byte fragment loads hit distinct banks (Q6_K: 224 -> 240).
+template <int QT> struct RawWgr {
+    static constexpr int kStride = Raw<QT>::kStride + ((Raw<QT>::kStride / 16) % 2 ? 0 : 16);
+};
+
+// wgmma B descriptor of an activation slot: K-major, 128-byte swizzle, 8-row groups 1 KB apart.
+CUKERN_DEVICE uint64_t act_desc(uint32_t saddr) { return wg::desc(saddr, 16, 1024, 1); }
+
+// One output of the epilogue: plain store, accumulate (mode 1) or atomic add (split K).
+CUKERN_DEVICE void put1(float* o, float v, const GemmParams& p) {
+    if (p.atomic) atomicAdd(o, v);
+    else *o = p.mode == 1 ? *o + v : v;
 }
-CUKERN_DEVICE void wg_pin(uint32_t& x) { asm volatile("" : "+r"(x)::"memory"); }
-
-template <int N>
-CUKERN_DEVICE void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
-template <int N>
-CUKERN_DEVICE void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
-
-// d += A B: A 64x16 f16 in registers (the m64k16 fragment), B 16xN K-major in shared memory
-// (desc_b); d: N / 2 f32.
-template <int N> struct WgmmaRs;
-template <> struct WgmmaRs<128> {
-    static CUKERN_DEVICE void run(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint64_t desc_b) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
-            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
-            "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
-            "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-            "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-              "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-              "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-              "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-              "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "r"(1));
-    }
-};
-template <> struct WgmmaRs<256> {
-    static CUKERN_DEVICE void run(float (&d)[128], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint64_t desc_b) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {"
-            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
-            "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
-            "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
-            "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"
-            "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
-            "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
-            "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-            "}, {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-              "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-              "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-              "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-              "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-              "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-              "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-              "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-              "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-              "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-              "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-              "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
-              "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "r"(1));
-    }
-};
 
 // ---------------------------------------------------------------------------- A fragments
 // FragDeq<QT>: the 8 f16 pairs of one weight row that a lane (quad position c) holds in stage st
@@ -327,11 +276,11 @@ __global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(
     const uint8_t* __restrict__ w,     // raw GGUF bytes: W (glu: gate) = m rows from w + w_offset
     const uint8_t* __restrict__ w2,    // glu: the up matrix, m rows from w2 + w2_offset; else unused
     const __grid_constant__ cukern::TensorMap tb,  // B: f16 [n, b_stride] as a 2-D map (k, n), box 64 x BN, 128-byte swizzle
-    const GemmParams p) {              // dynamic shared memory: gemm_wgr_smem_bytes(BN, RawWg<QT>::kStride, stages)
+    const GemmParams p) {              // dynamic shared memory: gemm_wgr_smem_bytes(BN, RawWgr<QT>::kStride, stages)
     using namespace cukern;
     using namespace cukern::mm;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int RSTRIDE = RawWg<QT>::kStride, S = gemm_wgr_stages(BN, RSTRIDE), SPS = SUPER / BK;
+    constexpr int RSTRIDE = RawWgr<QT>::kStride, S = gemm_wgr_stages(BN, RSTRIDE), SPS = SUPER / BK;
     constexpr uint32_t ACT_BYTES = BN * kTileBytes, RAW_BYTES = kRows * RSTRIDE;
     static_assert(BN == 128 || BN == 256, "token tile");
 
@@ -360,7 +309,7 @@ __global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(
     __syncthreads();
 
     if (wg == 0) {  // ------------------------------------------------------------ producer
-        setmaxnreg_dec<kWgrProducerRegs>();
+        wg::setmaxnreg_dec<kWgrProducerRegs>();
         auto rowptr = [&](int row) {  // row of the tile -> its raw GGUF row (past m: row m-1)
             const int mat = GLU ? (row >> 3) & 1 : 0, out = GLU ? (row >> 4) * 8 + (row & 7) : row;
             const uint32_t grow = min(r0 + out, p.m - 1);
@@ -398,7 +347,7 @@ __global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(
     }
 
     // ------------------------------------------------------------------------------ consumers
-    setmaxnreg_inc<kWgrConsumerRegs>();
+    wg::setmaxnreg_inc<kWgrConsumerRegs>();
     const int cw = wg - 1, lane = tid % 32, warp = (tid % 128) / 32, c = lane % 4;
     const int R = 64 * cw + 16 * warp + lane / 4;  // this lane's rows R, R + 8 of the tile
     float acc[BN / 2];
@@ -439,15 +388,15 @@ __global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(
     auto step = [&](int t, uint32_t (&a)[16], uint32_t (&b)[16]) {
         const int slot = t % S;
         mbar_wait(full_act + slot, (t / S) & 1);
-        wg_fence();
+        wg::fence();
         const uint32_t base = smem_addr(sact + slot * ACT_BYTES);
 #pragma unroll
         for (int kk = 0; kk < BK / 16 * !(CUKERN_WGR_SKIP & 8); ++kk)
-            WgmmaRs<BN>::run(acc, a[4 * kk], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3], wg_desc_sw128(base + 32 * kk));
-        wg_commit();
-        wg_wait<2>();  // stage t-2's MMAs are done: its slot and register set (b) are free
+            wg::MmaRsK<BN>::run(acc, a[4 * kk], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3], act_desc(base + 32 * kk));
+        wg::commit();
+        wg::wait<2>();  // stage t-2's MMAs are done: its slot and register set (b) are free
 #pragma unroll
-        for (int i = 0; i < 16; ++i) wg_pin(b[i]);
+        for (int i = 0; i < 16; ++i) wg::pin(b[i]);
         if (t >= 2) {
             __syncwarp();
             if (lane == 0) mbar_arrive(empty_act + (t - 2) % S);
@@ -468,11 +417,11 @@ __global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(
     }
     if (t < n_stages) step(t, f0, f1);
     if (t + 1 < n_stages) step(t + 1, f1, f2);
-    wg_wait<0>();
+    wg::wait<0>();
 #pragma unroll
-    for (int i = 0; i < BN / 2; ++i) wg_pin(acc[i]);
+    for (int i = 0; i < BN / 2; ++i) wg::pin(acc[i]);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) wg_pin(f0[i]), wg_pin(f1[i]), wg_pin(f2[i]);
+    for (int i = 0; i < 16; ++i) wg::pin(f0[i]), wg::pin(f1[i]), wg::pin(f2[i]);
 
     // epilogue: quad j = rows (R, R+8) x tokens (tc, tc+1)
 #pragma unroll

@@ -1,0 +1,87 @@
+"""Probe: gemm_wgr (Hopper wgmma, weights dequantized into registers) at each token tile against
+gemm_f16 (mma.sync) as CUDA-graph replays (device time, no Python launch cost), and dequantize +
+cuBLAS and cuBLAS alone over back-to-back eager calls (cuBLAS cannot be captured through CuPy),
+plus variants of gemm_wgr that skip parts of the work (CUKERN_WGR_SKIP in gemm_wgr.cuh) to see what
+limits it. Not the benchmark of record (bench_matmul.py is): a table for choosing tiles.
+Run: PYTHONPATH=. python profiling/probe_matmul_wgr.py [--skips]
+(PROBE_TYPES=Q8_0,Q4_K; PROBE_CASES=4096x4096x2048,...)
+
+Measured (H100, 2026-11-26, graph replays; the eager peers in the same run):
+  14336x4096 N = 2048, 256-token tiles: Q8_0 427-486 us, Q4_K 460-518, Q6_K 527-561; deq + cuBLAS
+  385-413, cuBLAS alone on the f16 matrix 328-343. Skip variants (Q4_K / Q8_0 / Q6_K): MMAs only
+  296 / 295 / 297 us, no weights (MMAs + activation copies) 311 / 312 / 312, no dequantization
+  346 / 383 / 371, no raw copies 434 / 402 / 447, no activation copies 449 / 415 / 508, no MMAs
+  272 / 347 / 319.
+  4096x4096 N = 512: 128-token tiles Q8_0 46 us, Q4_K 52-58, Q6_K 60-61; 256-token tiles (64 CTAs)
+  55 / 58-64 / 64-66.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import cupy
+
+from cukern import matmul as M
+from cukern.benchmark import rotating, time_graph_us, time_stream_us
+from cukern.matmul import MatmulDispatch
+
+sys.path.insert(0, "profiling")
+from bench_matmul import _BY_NAME, random_weight_device  # noqa: E402
+
+SKIPS = {1: "no dequant", 2: "no raw copy", 4: "no act copy", 8: "no MMA", 3: "no weights", 7: "MMA only"}
+
+
+def _variant(mm: MatmulDispatch, q: int, skip: int) -> MatmulDispatch:
+    """A dispatch whose gemm_wgr for type q (256-token tiles) is built with CUKERN_WGR_SKIP = skip."""
+    base = M.FAMILIES[f"matmul_f16_{M.GEMM_QTYPES[q]}"]
+    kernels = tuple(k for k in base.kernels if k.name.startswith("gemm_wgr<") and "256, false" in k.name)
+    spec = dataclasses.replace(base, name=f"{base.name}_wgrskip{skip}", kernels=kernels,
+                               defines=(f"CUKERN_WGR_SKIP={skip}",))
+    v = MatmulDispatch()
+    v._units = dict(mm._units)
+    v._units[q] = M._Unit(spec, sm90a=True)
+    v.WG_TILE = 256
+    return v
+
+
+def main() -> None:
+    mm = MatmulDispatch()
+    rng = cupy.random.default_rng(1)
+    cases = [(4096, 4096, n) for n in (512, 2048)] + [(14336, 4096, 2048)]
+    if os.environ.get("PROBE_CASES"):  # "MxKxN,..."
+        cases = [tuple(int(v) for v in c.split("x")) for c in os.environ["PROBE_CASES"].split(",")]
+    for name in os.environ.get("PROBE_TYPES", "Q8_0,Q4_K,Q6_K,Q5_0").split(","):
+        q = _BY_NAME[name]
+        for (m, k, n) in cases:
+            ws = [random_weight_device(name, m, k, rng) for _ in range(3)]
+            dense = cupy.empty((m, k), cupy.float16)
+            b = rng.standard_normal((n, k), dtype=cupy.float32).astype(cupy.float16)
+            d = cupy.empty((n, m), cupy.float32)
+            d16 = cupy.empty((n, m), cupy.float16)
+            _, nxt = rotating(3, lambda i: ws[i])
+            tf = lambda us: 2 * m * n * k / us / 1e6  # noqa: E731
+            t = {"default": time_graph_us(lambda: mm.gemm(nxt(), b, d), n_inner=10, n_repeat=10)}
+            for bt in M._WG_TILES:
+                mm.WG_TILE = bt
+                t[f"wgr{bt}"] = time_graph_us(lambda: mm.gemm(nxt(), b, d, wgmma=True), n_inner=10, n_repeat=10)
+            mm.WG_TILE = None
+            t["mma.sync"] = time_graph_us(lambda: mm.gemm(nxt(), b, d, wgmma=False), n_inner=10, n_repeat=10)
+            t["default eager"] = time_stream_us(lambda: mm.gemm(nxt(), b, d))
+            t["deq+cuBLAS eager"] = time_stream_us(lambda: (mm.dequantize(nxt(), dense),
+                                                            cupy.matmul(b, dense.T, out=d16)))
+            t["cuBLAS eager"] = time_stream_us(lambda: cupy.matmul(b, dense.T, out=d16))
+            if n == 2048 and "--skips" in sys.argv:
+                for skip, what in SKIPS.items():
+                    v = _variant(mm, q, skip)
+                    t[f"wgr {what}"] = time_graph_us(lambda: v.gemm(nxt(), b, d, wgmma=True), n_inner=10, n_repeat=10)
+            print(f"{name} {m}x{k} N={n}: " + " | ".join(f"{key} {us:.1f} us {tf(us):.0f} TF" for key, us in t.items())
+                  + f" | eager: gemm vs deq+cuBLAS {t['deq+cuBLAS eager'] / t['default eager']:.2f}x", flush=True)
+            ws = dense = None
+            cupy.get_default_memory_pool().free_all_blocks()
+
+
+if __name__ == "__main__":
+    main()
