@@ -90,6 +90,22 @@ def test_plan_path_rule():
 
 # ---------------------------------------------------------------------------- GPU: tiled f16 GEMM
 
+def test_wgr_plan():
+    """gemm_wgr's tile and K split on a 132-SM device: whole super-stages per slice, no split when
+    the tiles fill the machine, a split when they cannot, no split for the GLU (not splittable)."""
+    mm = MatmulDispatch()
+    mm.sm_count = lambda: 132
+    for (m, k, n) in [(4096, 4096, 512), (4096, 14336, 512), (14336, 4096, 512), (4096, 4096, 2048),
+                      (14336, 4096, 2048), (1000, 4096, 300), (64, 1024, 256)]:
+        bt, split = mm._wgr_plan(n, -(-m // 128), k, True)
+        k_split = -(-(-(-k // split)) // 256) * 256
+        assert bt in (128, 256) and 1 <= split <= 16 and -(-k // k_split) == split, (m, k, n, bt, split)
+        assert mm._wgr_plan(n, -(-m // 128), k, False)[1] == 1
+    assert mm._wgr_plan(2048, 112, 4096, True) == (256, 1)   # 896 CTAs: no split
+    assert mm._wgr_plan(512, 32, 14336, True) == (256, 2)    # 64 CTAs of 224 stages: two slices
+    assert mm._wgr_plan(256, 32, 4096, True)[1] > 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("q", TYPES, ids=lambda q: NAMES[q])
 @pytest.mark.parametrize("m,n", [(77, 1), (203, 37), (130, 129), (64, 16)])
