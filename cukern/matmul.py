@@ -393,10 +393,11 @@ class MatmulDispatch(Dispatch):
 
     # gemm_wgr's time per 64-element stage at 128 tokens relative to 256 (H100, every SM busy:
     # 0.72 against 1.05 us; the dequantization per stage is the same, the MMAs half), and a CTA's
-    # fixed cost (pipeline fill, epilogue) and a K split's (the zero fill's launch, which an eager
-    # caller's host also pays, and the atomics), in 256-token stages
+    # fixed cost (pipeline fill, epilogue) and a K split's (the memset of d, the atomics), in
+    # 256-token stages. 4096x4096 N = 512 (graph replays): 256 tokens x 2 slices 41-49 us against
+    # 128 tokens unsplit 48-60 us.
     _WGR_STAGE_COST = {128: 0.69, 256: 1.0}
-    _WGR_CTA_COST, _WGR_SPLIT_COST = 4.0, 14.0
+    _WGR_CTA_COST, _WGR_SPLIT_COST = 4.0, 6.0
 
     def _wgr_plan(self, n: int, row_tiles: int, k: int, splittable: bool, tiles=_WG_TILES) -> tuple[int, int]:
         """(token tile, K slices) of gemm_wgr: the fewest modelled stage-times over the waves of CTAs
