@@ -133,15 +133,21 @@ template <> struct FragDeq<QT_Q8_0> {
     }
 };
 
-template <> struct FragDeq<QT_Q4_0> {  // element e < 16: low nibble of qs[e], else high nibble of qs[e - 16]
-    struct Raw { uint32_t d[2], q[2][2]; };
+// Q4_0 / Q5_0: element e < 16 is the low nibble of qs[e], e >= 16 the high nibble of qs[e - 16];
+// Q5_0 (HIGH) adds bit e of qh as the fifth bit. Value d * (q - 8) or d * (q - 16).
+template <bool HIGH> struct FragDeqQ0 {
+    static constexpr int kBlock = HIGH ? 22 : 18, kQs = HIGH ? 6 : 2;
+    static constexpr uint32_t kOff = HIGH ? 0x64106410u : 0x64086408u;  // 1024 + the zero point
+    struct Raw { uint32_t d[2], qh[2], q[2][2]; int c; };
     static CUKERN_DEVICE void load(Raw& r, const uint8_t* row, int st, int c) {
+        r.c = c;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const uint8_t* blk = row + (2 * st + h) * 18;
+            const uint8_t* blk = row + (2 * st + h) * kBlock;
             r.d[h] = ld_u16(blk);
-            r.q[h][0] = ld_u16(blk + 2 + 2 * c);
-            r.q[h][1] = ld_u16(blk + 10 + 2 * c);
+            if (HIGH) r.qh[h] = ld_u32_a2(blk + 2);
+            r.q[h][0] = ld_u16(blk + kQs + 2 * c);
+            r.q[h][1] = ld_u16(blk + kQs + 8 + 2 * c);
         }
     }
     static CUKERN_DEVICE void convert(uint32_t (&o)[8], const Raw& r, int) {
@@ -149,40 +155,17 @@ template <> struct FragDeq<QT_Q4_0> {  // element e < 16: low nibble of qs[e], e
         for (int h = 0; h < 2; ++h) {
             const __half2 d2 = as_h2(h2_const(r.d[h]));
             const uint32_t l0 = pair_lanes(r.q[h][0]), l1 = pair_lanes(r.q[h][1]);
-            o[4 * h + 0] = q_scaled(l0 & 0x000F000Fu, 0x64086408u, d2);
-            o[4 * h + 1] = q_scaled(l1 & 0x000F000Fu, 0x64086408u, d2);
-            o[4 * h + 2] = q_scaled((l0 >> 4) & 0x000F000Fu, 0x64086408u, d2);
-            o[4 * h + 3] = q_scaled((l1 >> 4) & 0x000F000Fu, 0x64086408u, d2);
-        }
-    }
-};
-
-template <> struct FragDeq<QT_Q5_0> {  // as Q4_0, plus bit e of qh as the fifth bit of element e
-    struct Raw { uint32_t d[2], qh[2], q[2][2]; int c; };
-    static CUKERN_DEVICE void load(Raw& r, const uint8_t* row, int st, int c) {
-        r.c = c;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const uint8_t* blk = row + (2 * st + h) * 22;
-            r.d[h] = ld_u16(blk);
-            r.qh[h] = ld_u32_a2(blk + 2);
-            r.q[h][0] = ld_u16(blk + 6 + 2 * c);
-            r.q[h][1] = ld_u16(blk + 14 + 2 * c);
-        }
-    }
-    static CUKERN_DEVICE void convert(uint32_t (&o)[8], const Raw& r, int) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const __half2 d2 = as_h2(h2_const(r.d[h]));
-            const uint32_t l0 = pair_lanes(r.q[h][0]), l1 = pair_lanes(r.q[h][1]), qh = r.qh[h] >> (2 * r.c);
+            const uint32_t qh = HIGH ? r.qh[h] >> (2 * r.c) : 0u;
             auto hb = [&](int e) { const uint32_t t = qh >> e; return (t & 1u) << 4 | (t & 2u) << 19; };
-            o[4 * h + 0] = q_scaled((l0 & 0x000F000Fu) | hb(0), 0x64106410u, d2);
-            o[4 * h + 1] = q_scaled((l1 & 0x000F000Fu) | hb(8), 0x64106410u, d2);
-            o[4 * h + 2] = q_scaled(((l0 >> 4) & 0x000F000Fu) | hb(16), 0x64106410u, d2);
-            o[4 * h + 3] = q_scaled(((l1 >> 4) & 0x000F000Fu) | hb(24), 0x64106410u, d2);
+            o[4 * h + 0] = q_scaled((l0 & 0x000F000Fu) | hb(0), kOff, d2);
+            o[4 * h + 1] = q_scaled((l1 & 0x000F000Fu) | hb(8), kOff, d2);
+            o[4 * h + 2] = q_scaled(((l0 >> 4) & 0x000F000Fu) | hb(16), kOff, d2);
+            o[4 * h + 3] = q_scaled(((l1 >> 4) & 0x000F000Fu) | hb(24), kOff, d2);
         }
     }
 };
+template <> struct FragDeq<QT_Q4_0> : FragDeqQ0<false> {};
+template <> struct FragDeq<QT_Q5_0> : FragDeqQ0<true> {};
 
 // K-quants: values a * q - c with a = d * sc, c = d_min * m exact in f32 and a * q exact, so the
 // one f32 rounding of the difference and the f16 conversion give what dequantize_f16 writes.
