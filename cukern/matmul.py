@@ -52,11 +52,15 @@ Q4_K, Q6_K, Q8_0, Q5_0):
 =====  ===================================  ===================================
 N      ``gemm`` vs dmmv batched matvec      ``gemm`` vs dequant + cuBLAS
 =====  ===================================  ===================================
-16     1.4x - 3.0x faster (gemm_f16)        1.6x - 3.2x faster (gemm_f16)
-64     1.1x - 5x faster (gemm_f16)          0.89x - 1.8x (gemm_f16)
-512    (not run)                            0.86x - 1.45x (gemm_wgr)
-2048   (not run)                            0.72x - 1.03x (gemm_wgr; mostly slower)
+16     1.2x - 2.5x faster (gemm_f16)        1.6x - 2.9x faster (gemm_f16)
+64     3.4x - 7.2x faster (gemm_f16)        1.06x - 1.8x faster (gemm_f16)
+512    (not run)                            0.91x - 1.43x (gemm_wgr; 4096x4096 Q4_K, Q6_K,
+                                            Q5_0 0.91x-0.92x, the rest faster)
+2048   (not run)                            0.76x - 0.94x (gemm_wgr; slower)
 =====  ===================================  ===================================
+
+From f32 activations ``gemm`` takes gemm_f16 (0.24x-0.33x at N = 512): gemm_wgr reads f16 through
+its tensor map, and converting b would need a buffer a dispatch does not allocate.
 
 so: ``"matvec"`` for N <= 8 (one dmmv launch reads the weights once; not measured against the
 GEMM below N = 16), ``"f16"`` above, ``"int8"`` only when the activations already are Q8_1 (it
