@@ -46,8 +46,8 @@ Paths (:meth:`MatmulDispatch.plan_path` is the rule, :meth:`MatmulDispatch.matmu
   launch of up to 8 columns.
 
 Measured (H100, 2026-11-26, ``profiling/bench_matmul.py``, f16 activations, ratios = peer time /
-cukern time, 10 back-to-back calls per timing on both sides; 4096x4096, 14336x4096, 4096x14336;
-Q4_K, Q6_K, Q8_0, Q5_0):
+cukern time; eager timings over 10 back-to-back calls on both sides, graph replays below ~50 us;
+4096x4096, 14336x4096, 4096x14336; Q4_K, Q6_K, Q8_0, Q5_0):
 
 =====  ===================================  ===================================
 N      ``gemm`` vs dmmv batched matvec      ``gemm`` vs dequant + cuBLAS
