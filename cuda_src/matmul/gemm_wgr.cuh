@@ -109,6 +109,10 @@ CUKERN_DEVICE uint32_t h2_const(uint32_t bits) { return bits | bits << 16; }
 CUKERN_DEVICE uint32_t q_scaled(uint32_t lanes, uint32_t off, __half2 d2) {
     return as_u32(__hmul2(__hsub2(h2_from_lanes(lanes), as_h2(off)), d2));
 }
+// The same from halves already 1024 + quant.
+CUKERN_DEVICE uint32_t h_scaled(uint32_t h, uint32_t off, __half2 d2) {
+    return as_u32(__hmul2(__hsub2(as_h2(h), as_h2(off)), d2));
+}
 
 template <int QT> struct FragDeq;
 
@@ -128,8 +132,9 @@ template <> struct FragDeq<QT_Q8_0> {
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
-            for (int j = 0; j < 4; ++j)  // signed byte b -> lane b + 128 -> half 1152 + b
-                o[4 * h + j] = q_scaled(__byte_perm(r.q[h][j] ^ 0x8080u, 0, 0x4140), 0x64806480u, as_h2(h2_const(r.d[h])));
+            for (int j = 0; j < 4; ++j)  // signed byte b -> b + 128 -> half 1152 + b (the 0x64 bytes by the same permute)
+                o[4 * h + j] = h_scaled(__byte_perm(r.q[h][j] ^ 0x8080u, 0x6464u, 0x5140), 0x64806480u,
+                                        as_h2(h2_const(r.d[h])));
     }
 };
 
@@ -195,10 +200,14 @@ template <bool HIGH> struct FragDeqK45 {
     static CUKERN_DEVICE void convert(uint32_t (&o)[8], const Raw& r, int st) {
         const float d = __half2float(__ushort_as_half(r.head.x & 0xFFFF));
         const float dmin = __half2float(__ushort_as_half(r.head.x >> 16));
-        int sc0, m0, sc1, m1;
-        k4_scale_min(r.head.y, r.head.z, r.head.w, 2 * st, sc0, m0);
-        k4_scale_min(r.head.y, r.head.z, r.head.w, 2 * st + 1, sc1, m1);
-        const float a0 = d * sc0, c0 = dmin * m0, a1 = d * sc1, c1 = dmin * m1;
+        // the 6-bit scales and mins of sub-blocks 2 st, 2 st + 1 (k4_scale_min's rule for both at
+        // once, without a branch): the two bytes of each scale word that hold them, as byte pairs
+        const int sh = 16 * (st & 1);
+        const uint32_t w0 = (r.head.y >> sh) & 0xFFFFu, w1 = (r.head.z >> sh) & 0xFFFFu, w2 = (r.head.w >> sh) & 0xFFFFu;
+        const uint32_t scp = st >= 2 ? (w2 & 0x0F0Fu) | ((w0 >> 2) & 0x3030u) : w0 & 0x3F3Fu;
+        const uint32_t mp = st >= 2 ? ((w2 >> 4) & 0x0F0Fu) | ((w1 >> 2) & 0x3030u) : w1 & 0x3F3Fu;
+        const float a0 = d * (float)(scp & 0xFFu), c0 = dmin * (float)(mp & 0xFFu);
+        const float a1 = d * (float)(scp >> 8), c1 = dmin * (float)(mp >> 8);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const uint32_t q = r.q[j];
@@ -372,10 +381,10 @@ __global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(
         const int slot = t % S;
         mbar_wait(full_act + slot, (t / S) & 1);
         wg::fence();
-        const uint32_t base = smem_addr(sact + slot * ACT_BYTES);
+        const uint64_t desc = act_desc(smem_addr(sact + slot * ACT_BYTES));
 #pragma unroll
-        for (int kk = 0; kk < BK / 16 * !(CUKERN_WGR_SKIP & 8); ++kk)
-            wg::MmaRsK<BN>::run(acc, a[4 * kk], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3], act_desc(base + 32 * kk));
+        for (int kk = 0; kk < BK / 16 * !(CUKERN_WGR_SKIP & 8); ++kk)  // k step kk: 32 bytes on, 2 in the address field
+            wg::MmaRsK<BN>::run(acc, a[4 * kk], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3], desc + 2 * kk);
         wg::commit();
         wg::wait<2>();  // stage t-2's MMAs are done: its slot and register set (b) are free
 #pragma unroll
