@@ -52,11 +52,11 @@ cukern time; eager timings over 10 back-to-back calls on both sides, graph repla
 =====  ===================================  ===================================
 N      ``gemm`` vs dmmv batched matvec      ``gemm`` vs dequant + cuBLAS
 =====  ===================================  ===================================
-16     1.2x - 2.5x faster (gemm_f16)        1.6x - 2.9x faster (gemm_f16)
-64     3.4x - 7.2x faster (gemm_f16)        1.06x - 1.8x faster (gemm_f16)
-512    (not run)                            0.91x - 1.43x (gemm_wgr; 4096x4096 Q4_K, Q6_K,
-                                            Q5_0 0.91x-0.92x, the rest faster)
-2048   (not run)                            0.76x - 0.94x (gemm_wgr; slower)
+16     1.2x - 2.5x faster (gemm_f16)        1.6x - 2.8x faster (gemm_f16)
+64     3.4x - 7.4x faster (gemm_f16)        1.07x - 1.8x faster (gemm_f16)
+512    (not run)                            0.90x - 1.40x (gemm_wgr; 4096x4096 Q4_K, Q6_K,
+                                            Q5_0 0.90x-0.93x, the rest 1.06x-1.40x)
+2048   (not run)                            0.75x - 0.96x (gemm_wgr; slower)
 =====  ===================================  ===================================
 
 From f32 activations ``gemm`` takes gemm_f16 (0.24x-0.33x at N = 512): gemm_wgr reads f16 through
