@@ -213,8 +213,7 @@ def tensor_map_2d(a: cupy.ndarray, box: tuple[int, int], swizzle: int = 128) -> 
         raise ValueError(f"tensor_map_2d takes a 2-D f16/f32 view with unit row stride, got {a.dtype} {a.shape} "
                          f"strides {a.strides}")
     rows, cols = a.shape
-    pitch = a.strides[0] if rows > 1 else cols * a.itemsize
-    pitch = -(-pitch // 16) * 16 if rows == 1 else pitch
+    pitch = a.strides[0] if rows > 1 else -(-cols * a.itemsize // 16) * 16  # one row: any legal stride
     if a.data.ptr % 16 or pitch % 16:
         raise ValueError(f"tensor_map_2d: base {a.data.ptr:#x} and row stride {pitch} bytes must be 16-byte aligned")
     dims = (ctypes.c_uint64 * 2)(cols, rows)

@@ -156,6 +156,20 @@ def _smem_wgr(bt: int, qt: int) -> int:
     return size(stages)
 
 
+def _k_slice(k: int, split: int, unit: int = _SUPER) -> int:
+    """Elements of K per slice when K is cut into ``split`` slices: ceil(k / split) rounded up to
+    ``unit`` (a raw super-stage), so that every slice but the last is whole super-stages."""
+    return -(-(-(-k // split)) // unit) * unit
+
+
+def _split_arg(split_k) -> int | None:
+    """``split_k`` as given (None: chosen per call), validated: an int >= 1."""
+    if split_k is not None and (not isinstance(split_k, (int, np.integer)) or isinstance(split_k, bool)
+                                or split_k < 1):
+        raise ValueError(f"split_k must be an int >= 1, got {split_k!r}")
+    return None if split_k is None else int(split_k)
+
+
 def _raw16(*weights: QWeight) -> int:
     """1 when every row of these weights starts 16-byte aligned (raw super-stages go by cp.async)."""
     return int(all((w.buf.data.ptr + w.offset) % 16 == 0 and w.row_bytes % 16 == 0 for w in weights))
@@ -417,7 +431,7 @@ class MatmulDispatch(Dispatch):
         for bt in sorted(tiles, reverse=True):
             ctas = -(-n // bt) * row_tiles
             for split in range(1, 17 if splittable else 2):
-                k_split = -(-(-(-k // split)) // _SUPER) * _SUPER
+                k_split = _k_slice(k, split)
                 slices = -(-k // k_split)
                 if split > 1 and slices < split:
                     break
@@ -434,17 +448,15 @@ class MatmulDispatch(Dispatch):
         glu = act is not None
         rows = _ROW_TILE_GLU if glu else _ROW_TILE
         grid_r = -(-w.m // rows)
-        if split_k is not None and (not isinstance(split_k, (int, np.integer)) or isinstance(split_k, bool)
-                                    or split_k < 1):
-            raise ValueError(f"split_k must be an int >= 1, got {split_k!r}")
+        split_k = _split_arg(split_k)
         bt, split = self._wgr_plan(n, grid_r, w.k, not glu and split_k is None,
                                    (self.WG_TILE,) if self.WG_TILE else _WG_TILES)
         if split_k is not None and not glu:
-            split = int(split_k)
+            split = split_k
         grid_t = -(-n // bt)
         if grid_t > 2**31 - 1 or grid_r > 65535:
             raise ValueError(f"gemm_wgr: {n} columns x {w.m} rows exceed the grid limits")
-        k_split = -(-(-(-w.k // split)) // _SUPER) * _SUPER
+        k_split = _k_slice(w.k, split)
         grid = (grid_t, grid_r, -(-w.k // k_split))
         mode = _ACTS[act] if glu else (1 if accumulate else 0)
         params = self.struct_of(w.qtype).pack(
@@ -464,13 +476,10 @@ class MatmulDispatch(Dispatch):
         grid_t, grid_r = -(-n // bt), -(-w.m // _ROW_TILE)
         if grid_t > 2**31 - 1 or grid_r > 65535:
             raise ValueError(f"{what}: {n} columns x {w.m} rows exceed the grid limits")
-        if split_k is None:
+        split = _split_arg(split_k)
+        if split is None:
             split = self._split(grid_t * grid_r, w.k)
-        else:
-            if not isinstance(split_k, (int, np.integer)) or isinstance(split_k, bool) or split_k < 1:
-                raise ValueError(f"split_k must be an int >= 1, got {split_k!r}")
-            split = int(split_k)
-        k_split = -(-(-(-w.k // split)) // unit) * unit  # ceil(k / split), rounded up to a super-stage
+        k_split = _k_slice(w.k, split, unit)
         return bt, (grid_t, grid_r, -(-w.k // k_split)), k_split
 
     @staticmethod

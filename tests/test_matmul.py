@@ -88,8 +88,6 @@ def test_plan_path_rule():
     assert MatmulDispatch.plan_path(12, 512, q8_1=True) == "int8"
 
 
-# ---------------------------------------------------------------------------- GPU: tiled f16 GEMM
-
 def test_wgr_plan():
     """gemm_wgr's tile and K split on a 132-SM device: whole super-stages per slice, no split when
     the tiles fill the machine, a split when they cannot, no split for the GLU (not splittable)."""
@@ -105,6 +103,8 @@ def test_wgr_plan():
     assert mm._wgr_plan(512, 32, 14336, True) == (256, 2)    # 64 CTAs of 224 stages: two slices
     assert mm._wgr_plan(256, 32, 4096, True)[1] > 1
 
+
+# ---------------------------------------------------------------------------- GPU: tiled f16 GEMM
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("q", TYPES, ids=lambda q: NAMES[q])

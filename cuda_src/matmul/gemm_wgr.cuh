@@ -103,7 +103,6 @@ CUKERN_DEVICE void put1(float* o, float v, const GemmParams& p) {
 // in flight while this one converts: load(r, row, st, c) reads the raw bytes (row: the
 // super-stage's first byte in shared memory; 2-byte reads, the K4/K5 headers 16-byte reads) into
 // registers, convert(o, r, st) turns them into halves.
-CUKERN_DEVICE uint32_t pair_lanes(uint32_t u16) { return __byte_perm(u16, 0, 0x4140); }  // bytes 0, 1 -> 16-bit lanes
 CUKERN_DEVICE uint32_t h2_const(uint32_t bits) { return bits | bits << 16; }
 // ((lanes | 0x6400) - off) * d: lanes < 1024 hold quants, off = 1024 + the format's zero point.
 CUKERN_DEVICE uint32_t q_scaled(uint32_t lanes, uint32_t off, __half2 d2) {
@@ -143,14 +142,13 @@ template <> struct FragDeq<QT_Q8_0> {
 template <bool HIGH> struct FragDeqQ0 {
     static constexpr int kBlock = HIGH ? 22 : 18, kQs = HIGH ? 6 : 2;
     static constexpr uint32_t kOff = HIGH ? 0x64106410u : 0x64086408u;  // 1024 + the zero point
-    struct Raw { uint32_t d[2], qh[2], q[2][2]; int c; };
+    struct Raw { uint32_t d[2], qh[2], q[2][2]; };  // qh shifted by 2c: bit e is element 2c + e's
     static CUKERN_DEVICE void load(Raw& r, const uint8_t* row, int st, int c) {
-        r.c = c;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const uint8_t* blk = row + (2 * st + h) * kBlock;
             r.d[h] = ld_u16(blk);
-            if (HIGH) r.qh[h] = ld_u32_a2(blk + 2);
+            if (HIGH) r.qh[h] = ld_u32_a2(blk + 2) >> (2 * c);
             r.q[h][0] = ld_u16(blk + kQs + 2 * c);
             r.q[h][1] = ld_u16(blk + kQs + 8 + 2 * c);
         }
@@ -159,8 +157,8 @@ template <bool HIGH> struct FragDeqQ0 {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const __half2 d2 = as_h2(h2_const(r.d[h]));
-            const uint32_t l0 = pair_lanes(r.q[h][0]), l1 = pair_lanes(r.q[h][1]);
-            const uint32_t qh = HIGH ? r.qh[h] >> (2 * r.c) : 0u;
+            const uint32_t l0 = lanes2<0>(r.q[h][0]), l1 = lanes2<0>(r.q[h][1]);
+            const uint32_t qh = HIGH ? r.qh[h] : 0u;
             auto hb = [&](int e) { const uint32_t t = qh >> e; return (t & 1u) << 4 | (t & 2u) << 19; };
             o[4 * h + 0] = q_scaled((l0 & 0x000F000Fu) | hb(0), kOff, d2);
             o[4 * h + 1] = q_scaled((l1 & 0x000F000Fu) | hb(8), kOff, d2);
@@ -174,14 +172,9 @@ template <> struct FragDeq<QT_Q5_0> : FragDeqQ0<true> {};
 
 // K-quants: values a * q - c with a = d * sc, c = d_min * m exact in f32 and a * q exact, so the
 // one f32 rounding of the difference and the f16 conversion give what dequantize_f16 writes.
-// f32 of byte I of x: (2^23 + byte) - 2^23, exact.
-template <int I>
-CUKERN_DEVICE float byte_f32(uint32_t x) {
-    return __int_as_float(__byte_perm(x, 0x4B000000u, 0x7650 | I)) - 8388608.0f;
-}
-// Bytes 0 and 1 of x (quants) -> the f16 pair a * q - c.
+// Bytes 0 and 1 of x (quants) -> the f16 pair a * q - c (byte_to_float: exact).
 CUKERN_DEVICE uint32_t affine_pair(uint32_t x, float a, float c) {
-    return as_u32(__floats2half2_rn(fmaf(a, byte_f32<0>(x), -c), fmaf(a, byte_f32<1>(x), -c)));
+    return as_u32(__floats2half2_rn(fmaf(a, byte_to_float<0>(x), -c), fmaf(a, byte_to_float<1>(x), -c)));
 }
 
 // Q4_K / Q5_K: stage st holds sub-blocks 2 st (low nibbles of qs[32 st + l]) and 2 st + 1 (high
