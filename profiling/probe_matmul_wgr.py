@@ -3,8 +3,9 @@ gemm_f16 (mma.sync) as CUDA-graph replays (device time, no Python launch cost), 
 cuBLAS and cuBLAS alone over back-to-back eager calls (cuBLAS cannot be captured through CuPy),
 plus variants of gemm_wgr that skip parts of the work (CUKERN_WGR_SKIP in gemm_wgr.cuh) to see what
 limits it. Not the benchmark of record (bench_matmul.py is): a table for choosing tiles.
-Run: PYTHONPATH=. python profiling/probe_matmul_wgr.py [--skips]
-(PROBE_TYPES=Q8_0,Q4_K; PROBE_CASES=4096x4096x2048,...)
+Run: PYTHONPATH=. python profiling/probe_matmul_wgr.py [--skips | --ab]
+(PROBE_TYPES=Q8_0,Q4_K; PROBE_CASES=4096x4096x2048,...; PROBE_DEFINES=NAME=1;NAME2=0,NAME=2: one
+variant of gemm_wgr<QT, 256> per comma-separated set of defines, timed beside the default)
 
 Measured (H100, 2026-11-26, graph replays; the eager peers in the same run):
   14336x4096 N = 2048, 256-token tiles: Q8_0 427-486 us, Q4_K 460-518, Q6_K 527-561; deq + cuBLAS
@@ -34,17 +35,45 @@ from bench_matmul import _BY_NAME, random_weight_device  # noqa: E402
 SKIPS = {1: "no dequant", 2: "no raw copy", 4: "no act copy", 8: "no MMA", 3: "no weights", 7: "MMA only"}
 
 
-def _variant(mm: MatmulDispatch, q: int, skip: int) -> MatmulDispatch:
-    """A dispatch whose gemm_wgr for type q (256-token tiles) is built with CUKERN_WGR_SKIP = skip."""
+def _variant(mm: MatmulDispatch, q: int, defines: tuple[str, ...]) -> MatmulDispatch:
+    """A dispatch whose gemm_wgr for type q (256-token tiles) is built with these defines."""
     base = M.FAMILIES[f"matmul_f16_{M.GEMM_QTYPES[q]}"]
     kernels = tuple(k for k in base.kernels if k.name.startswith("gemm_wgr<") and "256, false" in k.name)
-    spec = dataclasses.replace(base, name=f"{base.name}_wgrskip{skip}", kernels=kernels,
-                               defines=(f"CUKERN_WGR_SKIP={skip}",))
+    tag = "_".join(x.replace("=", "") for x in defines)
+    spec = dataclasses.replace(base, name=f"{base.name}_{tag}", kernels=kernels, defines=defines)
     v = MatmulDispatch()
     v._units = dict(mm._units)
     v._units[q] = M._Unit(spec, sm90a=True)
     v.WG_TILE = 256
     return v
+
+
+def ab(mm: MatmulDispatch, cases, rounds: int = 6) -> None:
+    """--ab: gemm_wgr<QT, 256> as built by default against each PROBE_DEFINES variant, measured in
+    turns (the order rotating every round, so that clock drift under load spreads over all of them);
+    median and best of the rounds."""
+    rng = cupy.random.default_rng(1)
+    mm.WG_TILE = 256
+    M._smem_wgr = lambda bt, qt: 227 * 1024  # every variant's ring fits (defines may change its size)
+    sets = [()] + [tuple(x.split(";")) for x in os.environ.get("PROBE_DEFINES", "").split(",") if x]
+    for name in os.environ.get("PROBE_TYPES", "Q8_0,Q4_K,Q6_K,Q5_0").split(","):
+        q = _BY_NAME[name]
+        variants = [_variant(mm, q, s) if s else mm for s in sets]
+        for (m, k, n) in cases:
+            ws = [random_weight_device(name, m, k, rng) for _ in range(3)]
+            b = rng.standard_normal((n, k), dtype=cupy.float32).astype(cupy.float16)
+            d = cupy.empty((n, m), cupy.float32)
+            _, nxt = rotating(3, lambda i: ws[i])
+            times: list[list[float]] = [[] for _ in sets]
+            for r in range(rounds):
+                for i in [(r + j) % len(sets) for j in range(len(sets))]:
+                    v = variants[i]
+                    times[i].append(time_graph_us(lambda: v.gemm(nxt(), b, d, wgmma=True), n_inner=10, n_repeat=5))
+            cells = [f"{';'.join(s) or 'default'} {sorted(t)[len(t) // 2]:.1f} (best {min(t):.1f})"
+                     for s, t in zip(sets, times)]
+            print(f"{name} {m}x{k} N={n}: " + " | ".join(cells) + " us", flush=True)
+            ws = None
+            cupy.get_default_memory_pool().free_all_blocks()
 
 
 def main() -> None:
@@ -53,6 +82,8 @@ def main() -> None:
     cases = [(4096, 4096, n) for n in (512, 2048)] + [(14336, 4096, 2048)]
     if os.environ.get("PROBE_CASES"):  # "MxKxN,..."
         cases = [tuple(int(v) for v in c.split("x")) for c in os.environ["PROBE_CASES"].split(",")]
+    if "--ab" in sys.argv:
+        return ab(mm, cases)
     for name in os.environ.get("PROBE_TYPES", "Q8_0,Q4_K,Q6_K,Q5_0").split(","):
         q = _BY_NAME[name]
         for (m, k, n) in cases:
@@ -75,8 +106,11 @@ def main() -> None:
             t["cuBLAS eager"] = time_stream_us(lambda: cupy.matmul(b, dense.T, out=d16))
             if n == 2048 and "--skips" in sys.argv:
                 for skip, what in SKIPS.items():
-                    v = _variant(mm, q, skip)
+                    v = _variant(mm, q, (f"CUKERN_WGR_SKIP={skip}",))
                     t[f"wgr {what}"] = time_graph_us(lambda: v.gemm(nxt(), b, d, wgmma=True), n_inner=10, n_repeat=10)
+            for defs in filter(None, os.environ.get("PROBE_DEFINES", "").split(",")):  # "A=1;B=2,C=1"
+                v = _variant(mm, q, tuple(defs.split(";")))
+                t[defs] = time_graph_us(lambda: v.gemm(nxt(), b, d, wgmma=True), n_inner=10, n_repeat=10)
             print(f"{name} {m}x{k} N={n}: " + " | ".join(f"{key} {us:.1f} us {tf(us):.0f} TF" for key, us in t.items())
                   + f" | eager: gemm vs deq+cuBLAS {t['deq+cuBLAS eager'] / t['default eager']:.2f}x", flush=True)
             ws = dense = None

@@ -10,7 +10,7 @@
 //     128-byte swizzle, out-of-range elements zero-filled) into a ring of 4-6 slots
 //     (gemm_wgr_stages); warps 1-3 copy the raw GGUF bytes of each 256-element super-stage of the
 //     128 rows (gemm.cuh's copy_raw: 16-byte cp.async, or 2-byte copies for rows that are not
-//     16-byte aligned) into a ring of two raw slots;
+//     16-byte aligned) into a ring of two raw slots (a third measured no faster);
 //   * warpgroups 1 and 2, the consumers (232 registers): consumer c multiplies rows 64c .. 64c+63 by
 //     the BN tokens. Per stage t it issues four m64nBNk16 (A: register set t % 3, B: the swizzled
 //     slot) and, once wgmma.wait has retired stage t-2's MMAs, converts stage t+1's raw registers
@@ -25,9 +25,9 @@
 // A fragments (wgmma m64k16, f16, per warp w of the consumer, g = lane / 4, c = lane % 4): rows
 // R = 16w + g and R + 8; registers (R, 2c..2c+1), (R+8, 2c..), (R, 2c+8..), (R+8, 2c+8..). Over a
 // 64-element stage a lane therefore holds the element pairs 8j + 2c, j = 0..7, of its two rows:
-// FragDeq<QT> produces exactly those 8 f16 pairs per row from the raw bytes, each value rounded once
-// from exact integer quants (_0 types: (q - offset) exact in f16, times d; K-quants: exact in f32,
-// one f32 rounding at most, then f16): the values dequantize_f16 writes.
+// FragDeq<QT> produces exactly those 8 f16 pairs per row from the raw bytes in f16 arithmetic on
+// exact integer quants: _0 types (q - offset) times d, rounded once (the values dequantize_f16
+// writes); K-quants with one rounding more (see spread64).
 // Raw rows are an odd number of 16-byte units apart (RawWgr), so the 8 rows x 4 lanes of a warp's
 // 2-byte raw loads hit distinct banks.
 // Ragged M (rows past m read row m-1, never stored), ragged N (zero-filled tokens, never stored) and
@@ -46,6 +46,15 @@
 // tensor pipe 57% busy; Q4_K's dequantization is ~330 instructions per warp and stage, Q8_0's ~200.
 // Neither loading a stage's raw bytes one step ahead nor a third register set (two stages of MMAs
 // in flight instead of one) changed the time by more than the run-to-run spread.
+// 2026-11-26 (ncu source counters, Q4_K): the consumers' dispatch and math-pipe stalls sit on the
+// integer-pipe instructions of the conversion (LOP3, PRMT, SHF), hardly any samples on wgmma.wait:
+// the tensor core waits for the consumers' instruction stream. The K-quants' f16 arithmetic (above,
+// SASS per warp and stage Q4_K 270 -> 229, Q5_K 318 -> 290, Q6_K 358 -> 339) measured, against
+// the exact f32 decoders in turns in one run (probe_matmul_wgr.py --ab): Q4_K 14336x4096 N = 2048
+// 507 -> 453 us, 4096x4096 N = 512 48.0 -> 42.3; Q6_K 568 -> 557 and unchanged. Not kept: the
+// K-quant constants computed by the producer into a shared table beside each raw super-stage (10%
+// slower: the producer's global loads of the headers then set the raw ring's pace), a third raw
+// slot (same time).
 #pragma once
 
 #include "common/mbarrier.cuh"
@@ -170,11 +179,35 @@ template <bool HIGH> struct FragDeqQ0 {
 template <> struct FragDeq<QT_Q4_0> : FragDeqQ0<false> {};
 template <> struct FragDeq<QT_Q5_0> : FragDeqQ0<true> {};
 
-// K-quants: values a * q - c with a = d * sc, c = d_min * m exact in f32 and a * q exact, so the
-// one f32 rounding of the difference and the f16 conversion give what dequantize_f16 writes.
-// Bytes 0 and 1 of x (quants) -> the f16 pair a * q - c (byte_to_float: exact).
-CUKERN_DEVICE uint32_t affine_pair(uint32_t x, float a, float c) {
-    return as_u32(__floats2half2_rn(fmaf(a, byte_to_float<0>(x), -c), fmaf(a, byte_to_float<1>(x), -c)));
+// K-quants in f16 arithmetic on exact integers. Q4_K / Q5_K: x = sc * q exactly (fma(1024 + q, sc,
+// -1024 sc), at most 63 * 31 < 2048; high nibbles in place as 1024 + 16 q against sc / 16), then
+// fma(x, d, hi(-c)) + lo(-c) with c = d_min * m split into two halves (hi its f16 rounding, lo the
+// f16 rounding of the rest): two roundings where dequantize_f16 has one. Q6_K: (q - 32) exactly,
+// then fma(q - 32, hi(a), (q - 32) lo(a)) with a = d * sc split the same way.
+// cukern.reference.matmul.wgr_values is this arithmetic in float64.
+
+// [0x64, b1, 0x64, b0]: bytes 0 and 1 of x as the f16 pair 1024 + b.
+CUKERN_DEVICE uint32_t spread64(uint32_t x) { return __byte_perm(x, 0x64646464u, 0x5140); }
+
+// Q4_K / Q5_K: the constants of stage st's sub-blocks 2 st and 2 st + 1 from the super-block's
+// header (d, dmin, 12 scale bytes): {(sc_2st, sc_2st+1 / 16), hi(-c) pair, lo(-c) pair, (d, d)}. The
+// 6-bit scales and mins come as byte pairs (k4_scale_min's rule for both at once, no branch).
+CUKERN_DEVICE uint4 k45_constants(const uint4& head, int st) {
+    const int sh = 16 * (st & 1);
+    const uint32_t w0 = (head.y >> sh) & 0xFFFFu, w1 = (head.z >> sh) & 0xFFFFu, w2 = (head.w >> sh) & 0xFFFFu;
+    const uint32_t scp = st >= 2 ? (w2 & 0x0F0Fu) | ((w0 >> 2) & 0x3030u) : w0 & 0x3F3Fu;
+    const uint32_t mp = st >= 2 ? ((w2 >> 4) & 0x0F0Fu) | ((w1 >> 2) & 0x3030u) : w1 & 0x3F3Fu;
+    const __half2 sc = __hmul2(__hsub2(as_h2(spread64(scp)), as_h2(0x64006400u)), __floats2half2_rn(1.0f, 0.0625f));
+    const float dmin = __half2float(__ushort_as_half(head.x >> 16));
+    const float c0 = dmin * (float)(mp & 0xFFu), c1 = dmin * (float)(mp >> 8);  // exact
+    const __half2 nc_hi = __floats2half2_rn(-c0, -c1);
+    const __half2 nc_lo = __floats2half2_rn(-c0 - __low2float(nc_hi), -c1 - __high2float(nc_hi));
+    return make_uint4(as_u32(sc), as_u32(nc_hi), as_u32(nc_lo), h2_const(head.x & 0xFFFFu));
+}
+// Q6_K: a = d * sc as (hi(a), lo(a)).
+CUKERN_DEVICE uint32_t q6_split(float a) {
+    const __half hi = __float2half_rn(a);
+    return as_u32(__halves2half2(hi, __float2half_rn(a - __half2float(hi))));
 }
 
 // Q4_K / Q5_K: stage st holds sub-blocks 2 st (low nibbles of qs[32 st + l]) and 2 st + 1 (high
@@ -191,27 +224,27 @@ template <bool HIGH> struct FragDeqK45 {
         }
     }
     static CUKERN_DEVICE void convert(uint32_t (&o)[8], const Raw& r, int st) {
-        const float d = __half2float(__ushort_as_half(r.head.x & 0xFFFF));
-        const float dmin = __half2float(__ushort_as_half(r.head.x >> 16));
-        // the 6-bit scales and mins of sub-blocks 2 st, 2 st + 1 (k4_scale_min's rule for both at
-        // once, without a branch): the two bytes of each scale word that hold them, as byte pairs
-        const int sh = 16 * (st & 1);
-        const uint32_t w0 = (r.head.y >> sh) & 0xFFFFu, w1 = (r.head.z >> sh) & 0xFFFFu, w2 = (r.head.w >> sh) & 0xFFFFu;
-        const uint32_t scp = st >= 2 ? (w2 & 0x0F0Fu) | ((w0 >> 2) & 0x3030u) : w0 & 0x3F3Fu;
-        const uint32_t mp = st >= 2 ? ((w2 >> 4) & 0x0F0Fu) | ((w1 >> 2) & 0x3030u) : w1 & 0x3F3Fu;
-        const float a0 = d * (float)(scp & 0xFFu), c0 = dmin * (float)(mp & 0xFFu);
-        const float a1 = d * (float)(scp >> 8), c1 = dmin * (float)(mp >> 8);
+        const uint4 e = k45_constants(r.head, st);
+        const __half2 sc = as_h2(e.x), sc_off = __hmul2(sc, __float2half2_rn(-1024.0f));  // exact
+        const __half2 nc_hi = as_h2(e.y), nc_lo = as_h2(e.z), d2 = as_h2(e.w);
+        // sub-block s (0: low nibbles, 1: high nibbles) of halves h = 1024 + q (1024 + 16 q)
+        auto value = [&](uint32_t h, int s) {
+            const __half2 x = __hfma2(as_h2(h), s ? __high2half2(sc) : __low2half2(sc),
+                                      s ? __high2half2(sc_off) : __low2half2(sc_off));
+            const __half2 v = __hfma2(x, d2, s ? __high2half2(nc_hi) : __low2half2(nc_hi));
+            return as_u32(__hadd2(v, s ? __high2half2(nc_lo) : __low2half2(nc_lo)));
+        };
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            const uint32_t q = r.q[j];
-            if (HIGH) {
-                const uint32_t h = r.h[j] >> (2 * st);
-                o[j] = affine_pair((q & 0x0F0Fu) | (h & 0x0101u) << 4, a0, c0);
-                o[4 + j] = affine_pair(((q >> 4) & 0x0F0Fu) | (h & 0x0202u) << 3, a1, c1);
-            } else {  // high nibbles in place, 16 q: a1 / 16 is exact
-                o[j] = affine_pair(q & 0x0F0Fu, a0, c0);
-                o[4 + j] = affine_pair(q & 0xF0F0u, a1 * 0.0625f, c1);
+            const uint32_t t = spread64(r.q[j]);
+            uint32_t lo = t & 0xFF0FFF0Fu, hi = t & 0xFFF0FFF0u;
+            if (HIGH) {  // the fifth bits: 16 (low), 16 * 16 (high)
+                const uint32_t th = lanes2<0>(r.h[j] >> (2 * st));
+                lo |= (th & 0x00010001u) << 4;
+                hi |= (th & 0x00020002u) << 7;
             }
+            o[j] = value(lo, 0);
+            o[4 + j] = value(hi, 1);
         }
     }
 };
@@ -225,9 +258,9 @@ template <> struct FragDeq<QT_Q5_K> : FragDeqK45<true> {};
 template <> struct FragDeq<QT_Q6_K> {
     struct Raw { uint32_t d, sc, qh[4], q0[4], q1[4]; };
     static CUKERN_DEVICE void load(Raw& r, const uint8_t* row, int st, int c) {
-        const int h = st >> 1, odd = st & 1;
+        const int h = st >> 1;
         r.d = ld_u16(row + 208);
-        r.sc = ld_u32_a2(row + 192 + 8 * h + 4 * odd);
+        r.sc = ld_u32_a2(row + 192 + 4 * st);  // scales 8 h + 4 (st % 2) .. + 3
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int l = 8 * j + 2 * c;
@@ -237,17 +270,22 @@ template <> struct FragDeq<QT_Q6_K> {
         }
     }
     static CUKERN_DEVICE void convert(uint32_t (&o)[8], const Raw& r, int st) {
-        const float d = __half2float(__ushort_as_half(r.d));
-        float a[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) a[i] = d * (float)(int8_t)(r.sc >> (8 * i));
         const int sh = 4 * (st & 1);
+        const float d = __half2float(__ushort_as_half(r.d));
+        uint32_t a[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[i] = q6_split(d * (float)(int8_t)(r.sc >> (8 * i)));
+        // (1024 + q) - 1056 = q - 32 exactly, then fma(q - 32, hi(a), (q - 32) lo(a))
+        auto value = [&](uint32_t v, int i) {
+            const __half2 q = __hsub2(as_h2(spread64(v)), as_h2(0x64206420u));
+            return as_u32(__hfma2(q, __low2half2(as_h2(a[i])), __hmul2(q, __high2half2(as_h2(a[i])))));
+        };
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const uint32_t v0 = ((r.q0[j] >> sh) & 0x0F0Fu) | ((r.qh[j] >> sh) & 0x0303u) << 4;
             const uint32_t v1 = ((r.q1[j] >> sh) & 0x0F0Fu) | ((r.qh[j] >> (sh + 2)) & 0x0303u) << 4;
-            o[j] = affine_pair(v0, a[j / 2], 32.0f * a[j / 2]);
-            o[4 + j] = affine_pair(v1, a[2 + j / 2], 32.0f * a[2 + j / 2]);
+            o[j] = value(v0, j / 2);
+            o[4 + j] = value(v1, 2 + j / 2);
         }
     }
 };

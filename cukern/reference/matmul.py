@@ -4,7 +4,9 @@ Weights: random valid GGUF blocks and gguf's own dequantization, shared with the
 (:func:`random_weight`, :func:`dequantize` are ``cukern.reference.dmmv``'s). A GEMM reference is
 the float64 product of the dequantized matrix with the activations; :func:`gemm_f16_inputs` is the
 same product on the f16-rounded operands the tensor-core path multiplies, which separates the
-f16 input rounding (bounded by the issue's 2e-3) from kernel error (f32 accumulation only).
+f16 input rounding (bounded by the issue's 2e-3) from kernel error (f32 accumulation only);
+gemm_wgr's K-quant weights come from f16 arithmetic (:func:`wgr_values`), so its products are
+checked against those values.
 
 Activation quantizers: :func:`quantize_q8_f32` repeats the kernel's f32 arithmetic (absmax / 127,
 reciprocal, multiply, round half away from zero) so that the int8 values must agree exactly;
@@ -34,6 +36,46 @@ def gemm_f16_inputs(w: np.ndarray, b: np.ndarray) -> np.ndarray:
     """The product of the f16-rounded operands in float64: what the f16 tensor-core path computes
     up to its f32 accumulation."""
     return gemm(f16(w), f16(b))
+
+
+def k_scales(raw: np.ndarray, qtype: int, m: int, k: int) -> np.ndarray:
+    """a[i, sub] = d * sc of every sub-block of a K-quant matrix (Q4_K / Q5_K: 32 elements, 6-bit
+    sc; Q6_K: 16 elements, int8 sc), float64 [m, k / 32] or [m, k / 16]."""
+    name, _, bb = TYPES[qtype]
+    blk = np.asarray(raw, np.uint8).reshape(m, k // 256, bb)
+    if name == "Q6_K":
+        d = blk[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float64)
+        return (d[..., None] * blk[..., 192:208].view(np.int8)).reshape(m, k // 16)
+    if name not in ("Q4_K", "Q5_K"):
+        raise ValueError(f"{name} is not a K-quant")
+    d = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
+    s = blk[..., 4:16].astype(np.int64)
+    sc = np.empty((m, k // 256, 8), np.int64)
+    for j in range(8):
+        sc[..., j] = (s[..., j] & 63) if j < 4 else ((s[..., j + 4] & 15) | ((s[..., j - 4] >> 6) << 4))
+    return (d[..., None] * sc).reshape(m, k // 32)
+
+
+def wgr_values(raw: np.ndarray, qtype: int, m: int, k: int) -> np.ndarray:
+    """The f16 weights gemm_wgr multiplies, float64 [m, k]: the _0 types as dequantize_f16 writes
+    them (d (q - offset) rounded once); the K-quants as its f16 arithmetic makes them from the exact
+    quants: Q4_K / Q5_K f16(f16(a q + hi) + lo) with a = d * sc exact, hi = f16(-c) and lo =
+    f16(-c - hi) (c = dmin * m); Q6_K f16((q - 32) hi(a) + f16((q - 32) lo(a))), a split the
+    same way."""
+    dense = dequantize(raw, qtype, m, k)
+    name = TYPES[qtype][0]
+    if name not in ("Q4_K", "Q5_K", "Q6_K"):
+        return f16(dense)
+    a = k_scales(raw, qtype, m, k)
+    a = np.repeat(a, k // a.shape[1], axis=1)
+    q = np.rint(dense / np.where(a == 0, 1.0, a)) * (a != 0)
+    if name == "Q6_K":  # q is q - 32 here
+        a_hi = f16(a)
+        return f16(q * a_hi + f16(q * f16(a - a_hi)))
+    c = np.repeat(k_mins(raw, qtype, m, k), 32, axis=1)
+    q = np.rint((dense + c) / np.where(a == 0, 1.0, a)) * (a != 0)
+    hi = f16(-c)
+    return f16(f16(a * q + hi) + f16(-c - hi))  # a q + hi exact in float64, then each f16 rounding
 
 
 def glu(w_gate, w_up, b, act: str = "swiglu", *, inputs=gemm) -> np.ndarray:
