@@ -304,10 +304,11 @@ class Dispatch:
         return fn
 
     def _launch(self, kernel: str, grid, block, pointers: tuple, params: np.void, *, stream=None,
-                shared_mem: int = 0, pdl: bool = False) -> None:
+                shared_mem: int = 0, pdl: bool = False) -> tuple:
         """Launch ``kernel(*pointers, params)``; see the module docstring for what is checked.
         ``pdl``: the kernel follows common/pdl.cuh's contract and may start before the previous
-        kernel in the stream ends (honoured from sm_90; older devices launch it plainly)."""
+        kernel in the stream ends (honoured from sm_90; older devices launch it plainly).
+        Returns the checked launch, which :meth:`relaunch` issues again without the checks."""
         spec = self.family.kernel(kernel)
         struct = self._structs[spec.params]
         if not isinstance(params, np.void) or params.dtype != struct.dtype:
@@ -323,13 +324,19 @@ class Dispatch:
         if block[0] * block[1] * block[2] > 1024:
             raise ValueError(f"{kernel}: block {block} has more than 1024 threads")
         fn = self._function(kernel, shared_mem)
-        args = (*pointers, params)
-        pdl = pdl and _pdl_supported(self.device_id)
+        launch = (kernel, fn, grid, block, (*pointers, params), shared_mem, pdl and _pdl_supported(self.device_id))
+        self.relaunch(launch, stream)
+        return launch
+
+    @staticmethod
+    def relaunch(launch: tuple, stream=None) -> None:
+        """Issue a launch that :meth:`_launch` checked (same kernel, arguments and sizes) on
+        ``stream``: what a dispatch method's cache of its own calls replays."""
         if stream is None or stream is cupy.cuda.get_current_stream():
-            self._call(kernel, fn, grid, block, args, shared_mem, pdl)
+            Dispatch._call(*launch)
         else:
             with resolve_stream(stream):
-                self._call(kernel, fn, grid, block, args, shared_mem, pdl)
+                Dispatch._call(*launch)
 
     @staticmethod
     def _call(kernel, fn, grid, block, args, shared_mem, pdl=False):

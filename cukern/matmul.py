@@ -272,6 +272,7 @@ class MatmulDispatch(Dispatch):
         self._units_i8 = {q: _Unit(FAMILIES[f"matmul_i8_{s}"], device) for q, s in GEMM_QTYPES.items()}
         self._dmmv = None  # DmmvDispatch for the matvec path, made on first use
         self._plans: dict = {}  # _wgr_plan's choices
+        self._calls: dict = {}  # checked launches of gemm / gemm_glu calls (_replay)
 
     # ------------------------------------------------------------------ validation
     @staticmethod
@@ -382,19 +383,61 @@ class MatmulDispatch(Dispatch):
         sums with atomics (float addition order then varies from run to run). ``wgmma``: None
         picks the kernel (gemm_wgr on sm_90 for f16 b and n >= WG_MIN_N, else gemm_f16); True
         forces gemm_wgr (ValueError where it cannot run), False gemm_f16."""
+        key = self._call_key(w, w, b, d, accumulate, split_k, wgmma, None)
+        if self._replay(key, d, stream):
+            return d
         w = self._weight("w", w)
         n, b_stride, d_stride = self._float_activations(b, d, w)
         if self._use_wg(w.qtype, b, n, wgmma):
-            return self._hopper(w, w, b, d, b_stride, d_stride, n, accumulate, split_k, None, stream)
+            return self._remember(key, self._hopper(w, w, b, d, b_stride, d_stride, n, accumulate, split_k, None,
+                                                    stream), d)
         bt, grid, k_split = self._grid(n, w, split_k, "gemm")
         params = self.struct_of(w.qtype).pack(
             w_offset=w.offset, w2_offset=0, row_bytes=w.row_bytes, b_stride=b_stride, d_stride=d_stride,
             m=w.m, n=n, k=w.k, k_split=k_split, mode=1 if accumulate else 0, atomic=int(grid[2] > 1),
             raw16=_raw16(w))
         name = f"gemm_f16<{w.qtype}, {bt}, false, {_B_TYPES[b.dtype]}>"
-        self._zero_for_split(d, grid, accumulate, stream)
-        self._units[w.qtype]._launch(name, grid, _THREADS, (d, w.buf, w.buf, b), params,
-                                     stream=stream, shared_mem=_smem(bt, b.itemsize, w.qtype))
+        zero = self._zero_for_split(d, grid, accumulate, stream)
+        launch = self._units[w.qtype]._launch(name, grid, _THREADS, (d, w.buf, w.buf, b), params,
+                                              stream=stream, shared_mem=_smem(bt, b.itemsize, w.qtype))
+        return self._remember(key, (zero, launch), d)
+
+    # ------------------------------------------------------------------ repeated calls
+    # A prefill loop issues the same GEMMs (same weights, activation and output buffers) layer after
+    # layer; validation, planning and packing them again cost more host time than a 4096x4096 N = 512
+    # product takes on an H100 (~40 us). gemm and gemm_glu therefore keep each call's checked launch,
+    # keyed by everything the checks and the plan read (pointers, shapes, strides, dtypes, options),
+    # and replay it when the same call comes again.
+    _REPLAYS = 256  # calls remembered per dispatch
+
+    def _call_key(self, w, w2, b, d, accumulate, split_k, wgmma, act):
+        """The key of a gemm / gemm_glu call, or None when an argument is not what the checks take
+        (the call then goes through them and raises)."""
+        try:
+            key = (w.buf.data.ptr, w.offset, w.qtype, w.m, w.k, w.n_experts, w2.buf.data.ptr, w2.offset, w2.qtype,
+                   w2.m, w2.k, w2.n_experts, b.data.ptr, b.shape, b.strides, b.dtype.char, d.data.ptr, d.shape,
+                   d.strides, d.dtype.char, accumulate, split_k, wgmma, act, self.WG_TILE, self.WG_MIN_N)
+            hash(key)
+        except (AttributeError, TypeError):
+            return None
+        return key if type(w) is QWeight and type(w2) is QWeight and type(b) is cupy.ndarray \
+            and type(d) is cupy.ndarray else None
+
+    def _replay(self, key, d, stream) -> bool:
+        rec = self._calls.get(key) if key is not None else None
+        if rec is None:
+            return False
+        zero, launch = rec
+        if zero:
+            self._zero(d, stream)
+        Dispatch.relaunch(launch, stream)
+        return True
+
+    def _remember(self, key, rec: tuple, d):
+        if key is not None:
+            if len(self._calls) >= self._REPLAYS:
+                self._calls.pop(next(iter(self._calls)))
+            self._calls[key] = rec
         return d
 
     WG_MIN_N = 256  # gemm_wgr from this many columns (sm_90, f16 b)
@@ -464,11 +507,11 @@ class MatmulDispatch(Dispatch):
             d_stride=d_stride, m=w.m, n=n, k=w.k, k_split=k_split, mode=mode, atomic=int(grid[2] > 1),
             raw16=_raw16(w, w2))
         tmap = tensor_map_2d(b, (_BK, bt))
-        self._zero_for_split(d, grid, accumulate, stream)
-        self._units[w.qtype]._launch(f"gemm_wgr<{w.qtype}, {bt}, {'true' if glu else 'false'}>", grid,
-                                     _WGR_THREADS, (d, w.buf, w2.buf, tmap), params, stream=stream,
-                                     shared_mem=_smem_wgr(bt, w.qtype))
-        return d
+        zero = self._zero_for_split(d, grid, accumulate, stream)
+        launch = self._units[w.qtype]._launch(f"gemm_wgr<{w.qtype}, {bt}, {'true' if glu else 'false'}>", grid,
+                                              _WGR_THREADS, (d, w.buf, w2.buf, tmap), params, stream=stream,
+                                              shared_mem=_smem_wgr(bt, w.qtype))
+        return zero, launch
 
     def _grid(self, n: int, w: QWeight, split_k, what: str, max_tile: int = _TOKEN_TILES[-1], unit: int = _SUPER):
         """(token tile, grid (token tiles, row tiles, K slices), K elements per slice)."""
@@ -483,13 +526,20 @@ class MatmulDispatch(Dispatch):
         return bt, (grid_t, grid_r, -(-w.k // k_split)), k_split
 
     @staticmethod
-    def _zero_for_split(d, grid, accumulate: bool, stream) -> None:
-        if grid[2] > 1 and not accumulate:  # K slices add into d with atomics
-            with resolve_stream(stream) as s:
-                if d.flags.c_contiguous:  # a memset node (a few us less host time than a kernel launch)
-                    cupy.cuda.runtime.memsetAsync(d.data.ptr, 0, d.nbytes, s.ptr)
-                else:
-                    d.fill(0)  # an elementwise kernel on the launch stream: no allocation, capturable
+    def _zero_for_split(d, grid, accumulate: bool, stream) -> bool:
+        """Zero d on the launch stream when K slices will add into it with atomics; returns whether."""
+        if grid[2] == 1 or accumulate:
+            return False
+        MatmulDispatch._zero(d, stream)
+        return True
+
+    @staticmethod
+    def _zero(d, stream) -> None:
+        with resolve_stream(stream) as s:
+            if d.flags.c_contiguous:  # a memset node (a few us less host time than a kernel launch)
+                cupy.cuda.runtime.memsetAsync(d.data.ptr, 0, d.nbytes, s.ptr)
+            else:
+                d.fill(0)  # an elementwise kernel on the launch stream: no allocation, capturable
 
     def gemm_q8(self, w: QWeight, a: cupy.ndarray, d: cupy.ndarray, *, accumulate: bool = False,
                 split_k: int | None = None, stream=None) -> cupy.ndarray:
@@ -581,10 +631,14 @@ class MatmulDispatch(Dispatch):
 
         w_gate, w_up: QWeight [m, k] of the same type; b: [n, k] f32 or f16; d: [n, m] f32.
         ``wgmma`` as in :meth:`gemm`."""
+        key = self._call_key(w_gate, w_up, b, d, False, None, wgmma, act)
+        if self._replay(key, d, stream):
+            return d
         w_gate, w_up = self._glu_weights(w_gate, w_up, act)
         n, b_stride, d_stride = self._float_activations(b, d, w_gate)
         if self._use_wg(w_gate.qtype, b, n, wgmma):
-            return self._hopper(w_gate, w_up, b, d, b_stride, d_stride, n, False, None, act, stream)
+            return self._remember(key, self._hopper(w_gate, w_up, b, d, b_stride, d_stride, n, False, None, act,
+                                                    stream), d)
         bt = self._tile(n)
         grid_t, grid_r = -(-n // bt), -(-w_gate.m // _ROW_TILE_GLU)
         if grid_t > 2**31 - 1 or grid_r > 65535:
@@ -594,9 +648,10 @@ class MatmulDispatch(Dispatch):
             d_stride=d_stride, m=w_gate.m, n=n, k=w_gate.k, k_split=w_gate.k, mode=_ACTS[act], atomic=0,
             raw16=_raw16(w_gate, w_up))
         name = f"gemm_f16<{w_gate.qtype}, {bt}, true, {_B_TYPES[b.dtype]}>"
-        self._units[w_gate.qtype]._launch(name, (grid_t, grid_r, 1), _THREADS, (d, w_gate.buf, w_up.buf, b),
-                                          params, stream=stream, shared_mem=_smem(bt, b.itemsize, w_gate.qtype))
-        return d
+        launch = self._units[w_gate.qtype]._launch(name, (grid_t, grid_r, 1), _THREADS,
+                                                   (d, w_gate.buf, w_up.buf, b), params, stream=stream,
+                                                   shared_mem=_smem(bt, b.itemsize, w_gate.qtype))
+        return self._remember(key, (False, launch), d)
 
     def struct_of(self, qtype: int):
         return self._units[qtype].struct("GemmParams")

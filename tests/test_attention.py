@@ -283,6 +283,9 @@ def test_decode_split_matches_unsplit_and_graph(attn, rng):
         pos = cache.extend(s, 1)
         kv = cupy.asarray(rng.standard_normal((1, 2, 128)).astype(np.float32))
         attn.write_kv_run(cache, 0, kv, kv, s, pos)
+    # the writes and the lengths' upload ran on the current stream, the graph replays on its own
+    # non-blocking capture stream: nothing orders them but a synchronisation
+    cupy.cuda.get_current_stream().synchronize()
     graph.replay()
     graph.stream.synchronize()
     kp, vp, pt, lens = _host(cache)

@@ -120,6 +120,40 @@ def test_wgr_values(q):
     assert err.max() < 0.75, err.max()
 
 
+def test_gemm_replays_repeated_calls(monkeypatch):
+    """On CPU (tests/host_dispatch.py: host arrays, launches recorded): a repeated gemm / gemm_glu
+    call (same weights, buffers and options) replays its checked launch, so the checks and the plan
+    run once per distinct call; a call that differs in any argument goes through them again, and
+    bad input still raises before a launch."""
+    from host_dispatch import host_array, patch
+    launches = patch(monkeypatch)
+    checks = []
+    orig = MatmulDispatch._float_activations
+    monkeypatch.setattr(MatmulDispatch, "_float_activations", lambda self, *a: checks.append(1) or orig(self, *a))
+    mm = MatmulDispatch()
+    m, n, k = 64, 40, 512
+    raw = [ref.random_weight(12, m, k, np.random.default_rng(i)).ravel() for i in range(2)]
+    w, w2 = (QWeight(host_array(r.shape, np.uint8, r), 12, m, k) for r in raw)
+    b, d = host_array((n, k), np.float32, 0.5), host_array((n, m))
+    for _ in range(3):
+        mm.gemm(w, b, d)
+    assert (sum(launches.values()), len(checks)) == (3, 1)
+    mm.gemm(w, b, d, accumulate=True)
+    mm.gemm(w, b, d, split_k=2)
+    mm.gemm(w, b, d, split_k=2)
+    mm.gemm(w2, b, d)
+    assert (sum(launches.values()), len(checks)) == (7, 4)
+    mm.gemm_glu(w, w2, b, d)
+    mm.gemm_glu(w, w2, b, d)
+    mm.gemm_glu(w, w2, b, d, act="geglu")
+    assert (sum(launches.values()), len(checks)) == (10, 6)
+    with pytest.raises(ValueError):
+        mm.gemm(w, b, host_array((n + 1, m)))
+    with pytest.raises(TypeError):
+        mm.gemm(w, b, d, wgmma="yes")
+    assert sum(launches.values()) == 10
+
+
 def test_wgr_plan():
     """gemm_wgr's tile and K split on a 132-SM device: whole super-stages per slice, no split when
     the tiles fill the machine, a split when they cannot, no split for the GLU (not splittable)."""
@@ -221,6 +255,25 @@ def test_gemm_large(mm, rng, q, n):
     d = poison(cupy.empty((n, m), cupy.float32))
     mm.gemm(w, cupy.asarray(b), d)
     _check(d.get(), ref.gemm(dense, b), ref.gemm_f16_inputs(_kernel_w(mm, w, dense, b), b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q", [12, 8], ids=lambda q: NAMES[q])
+def test_gemm_replay(mm, rng, q):
+    """A repeated call replays the first one's launch: it reads the buffers' new contents and, with K
+    slices, zeroes d again first (gemm_wgr on Hopper at this N, gemm_f16 elsewhere)."""
+    m, n, k = 200, 300, 1024
+    w, dense = _weight(q, m, k, rng)
+    b = cupy.asarray(_b(rng, n, k, np.float16))
+    d = cupy.empty((n, m), cupy.float32)
+    for split in (None, 3):
+        mm.gemm(w, b, d, split_k=split)
+        b_new = _b(rng, n, k, np.float16)
+        b[...] = cupy.asarray(b_new)
+        poison(d)
+        mm.gemm(w, b, d, split_k=split)
+        _check(d.get(), ref.gemm(dense, b_new), ref.gemm_f16_inputs(_kernel_w(mm, w, dense, b_new), b_new),
+               name=f"replay split {split}")
 
 
 # ---------------------------------------------------------------------------- GPU: Hopper wgmma GEMM
