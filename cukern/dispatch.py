@@ -329,9 +329,18 @@ class Dispatch:
         return launch
 
     @staticmethod
+    def detach(launch: tuple) -> tuple:
+        """The launch with its array arguments as bare device pointers (np.uint64, the same
+        argument bytes), so that keeping it keeps no caller's array alive."""
+        kernel, fn, grid, block, args, shared_mem, pdl = launch
+        args = tuple(np.uint64(a.data.ptr) if isinstance(a, cupy.ndarray) else a for a in args)
+        return kernel, fn, grid, block, args, shared_mem, pdl
+
+    @staticmethod
     def relaunch(launch: tuple, stream=None) -> None:
         """Issue a launch that :meth:`_launch` checked (same kernel, arguments and sizes) on
-        ``stream``: what a dispatch method's cache of its own calls replays."""
+        ``stream``: what a dispatch method's cache of its own calls replays (detached: the caller
+        must pass the same arrays again, which the cache's key makes sure of)."""
         if stream is None or stream is cupy.cuda.get_current_stream():
             Dispatch._call(*launch)
         else:

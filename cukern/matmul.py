@@ -15,7 +15,8 @@ Paths (:meth:`MatmulDispatch.plan_path` is the rule, :meth:`MatmulDispatch.matmu
 
 * ``"f16"`` (:meth:`gemm`, :meth:`gemm_glu`), two kernels:
 
-  - ``gemm_wgr`` (gemm_wgr.cuh; Hopper only, f16 b, N >= ``WG_MIN_N`` = 256, ``wgmma=`` overrides):
+  - ``gemm_wgr`` (gemm_wgr.cuh; Hopper only, N >= ``WG_MIN_N`` = 256, ``wgmma=`` overrides; an
+    f32 b is first rounded to f16 into the dispatch's staging buffer, see below):
     ``wgmma.mma_async`` m64nNk16 with the weights dequantized straight into the A-operand
     registers and the activations (B) in shared memory. CTA: a producer warpgroup (the tensor
     copy engine loads 64-element activation stages through a tensor map, 128-byte swizzle, 4-6
@@ -23,6 +24,9 @@ Paths (:meth:`MatmulDispatch.plan_path` is the rule, :meth:`MatmulDispatch.matmu
     weight rows x 128 or 256 tokens each, mbarrier rings between them, one CTA per SM. Token tile
     and K split (whole 256-element super-stages, atomics into a zeroed ``d``) come from a
     stage-cost model over the waves of CTAs (``_wgr_plan``; ``WG_TILE`` forces the tile). The
+    A fragments come from f16 arithmetic on the exact integer quants: the _0 types are the values
+    :meth:`dequantize` writes, the K-quants carry one more f16 rounding (their scale and min split
+    into two halves; ``cukern.reference.matmul.wgr_values`` is the same arithmetic in float64). The
     activations' tensor map (:func:`cukern.dispatch.tensor_map_2d`) is cached per array. The f16
     units are compiled for sm_90a on an sm_90 device (NVRTC to a cubin, loaded through
     ``cupy.RawModule(path=)``: CuPy's own compile always appends ``-arch=sm_90``), cached under
@@ -82,7 +86,13 @@ two warps per scheduler. The N = 2048 target needs ~20-35% more; fewer dequantiz
 instructions per element is the lever (the register budget allows no more consumer warps).
 
 Every method validates its arguments and raises TypeError/ValueError before any launch; nothing
-here synchronises, allocates device memory or reads device values (graph-capturable).
+here synchronises or reads device values (graph-capturable), and nothing allocates device memory
+but the f16 staging buffer of f32 activations on the gemm_wgr path: one per (k, stream), allocated
+by the first such call and regrown by a call with more rows (so run one call of each shape
+before capturing a graph of them). :meth:`gemm`
+and :meth:`gemm_glu` replay a repeated call's checked launch (same weights, buffers, shapes, dtypes
+and options; the last 256 distinct calls), so an eager prefill loop pays the checks once per call
+site: host time per call 9-16 us instead of 40-58 on the H100 machine (profiling/probe_host_cost.py).
 """
 
 from __future__ import annotations
@@ -273,6 +283,7 @@ class MatmulDispatch(Dispatch):
         self._dmmv = None  # DmmvDispatch for the matvec path, made on first use
         self._plans: dict = {}  # _wgr_plan's choices
         self._calls: dict = {}  # checked launches of gemm / gemm_glu calls (_replay)
+        self._stage: dict = {}  # (k, stream) -> f16 staging buffer of f32 activations for gemm_wgr (_as_f16)
 
     # ------------------------------------------------------------------ validation
     @staticmethod
@@ -381,16 +392,19 @@ class MatmulDispatch(Dispatch):
         16-byte aligned; d: [n, m] f32 (row-strided views allowed, must not overlap b).
         ``split_k``: K slices (None: chosen from the grid size; 1: no split). A split adds partial
         sums with atomics (float addition order then varies from run to run). ``wgmma``: None
-        picks the kernel (gemm_wgr on sm_90 for f16 b and n >= WG_MIN_N, else gemm_f16); True
-        forces gemm_wgr (ValueError where it cannot run), False gemm_f16."""
-        key = self._call_key(w, w, b, d, accumulate, split_k, wgmma, None)
-        if self._replay(key, d, stream):
+        picks the kernel (gemm_wgr on sm_90 for n >= WG_MIN_N, an f32 b rounded to f16 into the
+        dispatch's staging buffer first; else gemm_f16); True forces gemm_wgr (ValueError where it
+        cannot run), False gemm_f16."""
+        key = self._call_key(w, w, b, d, accumulate, split_k, wgmma, None, stream)
+        if self._replay(key, b, d, stream):
             return d
         w = self._weight("w", w)
         n, b_stride, d_stride = self._float_activations(b, d, w)
         if self._use_wg(w.qtype, b, n, wgmma):
-            return self._remember(key, self._hopper(w, w, b, d, b_stride, d_stride, n, accumulate, split_k, None,
-                                                    stream), d)
+            b16, stage = self._as_f16(b, stream)
+            zero, launch = self._hopper(w, w, b16, d, b16.strides[0] // 2, d_stride, n, accumulate, split_k, None,
+                                        stream)
+            return self._remember(key, (zero, launch, stage), d)
         bt, grid, k_split = self._grid(n, w, split_k, "gemm")
         params = self.struct_of(w.qtype).pack(
             w_offset=w.offset, w2_offset=0, row_bytes=w.row_bytes, b_stride=b_stride, d_stride=d_stride,
@@ -400,44 +414,50 @@ class MatmulDispatch(Dispatch):
         zero = self._zero_for_split(d, grid, accumulate, stream)
         launch = self._units[w.qtype]._launch(name, grid, _THREADS, (d, w.buf, w.buf, b), params,
                                               stream=stream, shared_mem=_smem(bt, b.itemsize, w.qtype))
-        return self._remember(key, (zero, launch), d)
+        return self._remember(key, (zero, launch, None), d)
 
     # ------------------------------------------------------------------ repeated calls
     # A prefill loop issues the same GEMMs (same weights, activation and output buffers) layer after
     # layer; validation, planning and packing them again cost more host time than a 4096x4096 N = 512
     # product takes on an H100 (~40 us). gemm and gemm_glu therefore keep each call's checked launch,
     # keyed by everything the checks and the plan read (pointers, shapes, strides, dtypes, options),
-    # and replay it when the same call comes again.
+    # and replay it when the same call comes again. A kept launch holds bare pointers, not arrays.
     _REPLAYS = 256  # calls remembered per dispatch
 
-    def _call_key(self, w, w2, b, d, accumulate, split_k, wgmma, act):
+    def _call_key(self, w, w2, b, d, accumulate, split_k, wgmma, act, stream):
         """The key of a gemm / gemm_glu call, or None when an argument is not what the checks take
         (the call then goes through them and raises)."""
         try:
             key = (w.buf.data.ptr, w.offset, w.qtype, w.m, w.k, w.n_experts, w2.buf.data.ptr, w2.offset, w2.qtype,
                    w2.m, w2.k, w2.n_experts, b.data.ptr, b.shape, b.strides, b.dtype.char, d.data.ptr, d.shape,
-                   d.strides, d.dtype.char, accumulate, split_k, wgmma, act, self.WG_TILE, self.WG_MIN_N)
+                   d.strides, d.dtype.char, accumulate, split_k, wgmma, act, self.WG_TILE, self.WG_MIN_N,
+                   resolve_stream(stream).ptr if b.dtype.char == "f" else None)  # f32 b: staged per stream
             hash(key)
         except (AttributeError, TypeError):
             return None
         return key if type(w) is QWeight and type(w2) is QWeight and type(b) is cupy.ndarray \
             and type(d) is cupy.ndarray else None
 
-    def _replay(self, key, d, stream) -> bool:
+    def _replay(self, key, b, d, stream) -> bool:
         rec = self._calls.get(key) if key is not None else None
         if rec is None:
             return False
-        zero, launch = rec
+        zero, launch, stage = rec
+        if stage is not None:
+            self._convert(b, stage, stream)
         if zero:
             self._zero(d, stream)
         Dispatch.relaunch(launch, stream)
         return True
 
     def _remember(self, key, rec: tuple, d):
+        """Keep (zero d first, launch, staging view) for key: the launch detached (pointers only),
+        so the cache holds none of the caller's arrays."""
         if key is not None:
             if len(self._calls) >= self._REPLAYS:
                 self._calls.pop(next(iter(self._calls)))
-            self._calls[key] = rec
+            zero, launch, stage = rec
+            self._calls[key] = (zero, Dispatch.detach(launch), stage)
         return d
 
     WG_MIN_N = 256  # gemm_wgr from this many columns (sm_90, f16 b)
@@ -445,12 +465,35 @@ class MatmulDispatch(Dispatch):
     def _use_wg(self, qtype: int, b, n: int, wgmma) -> bool:
         if wgmma is not None and not isinstance(wgmma, bool):
             raise TypeError(f"wgmma must be None, True or False, got {wgmma!r}")
-        if wgmma is False:
+        if wgmma is False or (wgmma is None and n < self.WG_MIN_N):
             return False
-        ok = b.dtype == np.float16 and self._units[qtype].is_sm90()
+        ok = self._units[qtype].is_sm90()
         if wgmma and not ok:
-            raise ValueError("wgmma=True needs an sm_90 (Hopper) device and f16 b")
-        return ok and (wgmma or n >= self.WG_MIN_N)
+            raise ValueError("wgmma=True needs an sm_90 (Hopper) device")
+        return ok
+
+    def _as_f16(self, b: cupy.ndarray, stream) -> tuple[cupy.ndarray, cupy.ndarray | None]:
+        """(b as gemm_wgr reads it, the staging view or None): an f16 b itself; an f32 b converted
+        (rounded to nearest) into rows of the dispatch's staging buffer for its k and stream, which
+        the first such call allocates and a call with more rows regrows (dropping the kept replays,
+        whose pointers it invalidates)."""
+        if b.dtype == np.float16:
+            return b, None
+        n, k = b.shape
+        key = (k, resolve_stream(stream).ptr)
+        buf = self._stage.get(key)
+        if buf is None or buf.shape[0] < n:
+            with cupy.cuda.Device(self.device_id):
+                buf = self._stage[key] = cupy.empty((n, k), cupy.float16)
+            self._calls.clear()
+        view = buf[:n]
+        self._convert(b, view, stream)
+        return view, view
+
+    @staticmethod
+    def _convert(b, view, stream) -> None:
+        with resolve_stream(stream):
+            view[...] = b  # an elementwise cast on the launch stream
 
     # gemm_wgr's time per 64-element stage at 128 tokens relative to 256 (H100, every SM busy:
     # 0.72 against 1.05 us; the dequantization per stage is the same, the MMAs half), and a CTA's
@@ -631,14 +674,16 @@ class MatmulDispatch(Dispatch):
 
         w_gate, w_up: QWeight [m, k] of the same type; b: [n, k] f32 or f16; d: [n, m] f32.
         ``wgmma`` as in :meth:`gemm`."""
-        key = self._call_key(w_gate, w_up, b, d, False, None, wgmma, act)
-        if self._replay(key, d, stream):
+        key = self._call_key(w_gate, w_up, b, d, False, None, wgmma, act, stream)
+        if self._replay(key, b, d, stream):
             return d
         w_gate, w_up = self._glu_weights(w_gate, w_up, act)
         n, b_stride, d_stride = self._float_activations(b, d, w_gate)
         if self._use_wg(w_gate.qtype, b, n, wgmma):
-            return self._remember(key, self._hopper(w_gate, w_up, b, d, b_stride, d_stride, n, False, None, act,
-                                                    stream), d)
+            b16, stage = self._as_f16(b, stream)
+            zero, launch = self._hopper(w_gate, w_up, b16, d, b16.strides[0] // 2, d_stride, n, False, None, act,
+                                        stream)
+            return self._remember(key, (zero, launch, stage), d)
         bt = self._tile(n)
         grid_t, grid_r = -(-n // bt), -(-w_gate.m // _ROW_TILE_GLU)
         if grid_t > 2**31 - 1 or grid_r > 65535:
@@ -651,7 +696,7 @@ class MatmulDispatch(Dispatch):
         launch = self._units[w_gate.qtype]._launch(name, (grid_t, grid_r, 1), _THREADS,
                                                    (d, w_gate.buf, w_up.buf, b), params, stream=stream,
                                                    shared_mem=_smem(bt, b.itemsize, w_gate.qtype))
-        return self._remember(key, (False, launch), d)
+        return self._remember(key, (False, launch, None), d)
 
     def struct_of(self, qtype: int):
         return self._units[qtype].struct("GemmParams")

@@ -16,6 +16,9 @@ and s to their f16 rounding.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
@@ -152,6 +155,14 @@ def test_gemm_replays_repeated_calls(monkeypatch):
     with pytest.raises(TypeError):
         mm.gemm(w, b, d, wgmma="yes")
     assert sum(launches.values()) == 10
+    # the kept launches hold bare pointers: no caller's array stays alive through them
+    assert not any(isinstance(a, cupy.ndarray) for _, launch, _ in mm._calls.values() for a in launch[4])
+    d2 = host_array((n, m))
+    mm.gemm(w, b, d2)
+    ref_d2 = weakref.ref(d2)
+    del d2
+    gc.collect()
+    assert ref_d2() is None
 
 
 def test_wgr_plan():
@@ -297,6 +308,33 @@ def test_gemm_wg(mm, rng, q, m, n, bt, monkeypatch):
     d = poison(cupy.empty((n, m), cupy.float32))
     mm.gemm(w, cupy.asarray(b), d, wgmma=True)
     _check(d.get(), ref.gemm(dense, b), ref.gemm_f16_inputs(_kernel_w(mm, w, dense, b, True), b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q", [12, 14, 2], ids=lambda q: NAMES[q])
+def test_gemm_wg_f32_activations(mm, rng, q):
+    """f32 activations on the gemm_wgr path (the default rule from WG_MIN_N columns on Hopper):
+    rounded to f16 into the dispatch's staging buffer from a row-strided b, at an n that fits the
+    buffer and one that regrows it, a replay converting new contents, and the fused GLU."""
+    _needs_wg(mm)
+    m, k = 150, _k(q)
+    w, dense = _weight(q, m, k, rng)
+    wu, du = _weight(q, m, k, rng)
+    for n in (300, 260, 520):
+        b_full = _b(rng, n, k + 8, np.float32)  # row stride k + 8 floats
+        b = cupy.asarray(b_full)[:, :k]
+        d = poison(cupy.empty((n, m), cupy.float32))
+        for _ in range(2):  # the second call replays (b's new contents converted again)
+            b_full = _b(rng, n, k + 8, np.float32)
+            b[...] = cupy.asarray(b_full)[:, :k]
+            poison(d)
+            mm.gemm(w, b, d)
+            bb = b_full[:, :k]
+            _check(d.get(), ref.gemm(dense, bb), ref.gemm_f16_inputs(_kernel_w(mm, w, dense, bb), bb), name=f"n {n}")
+    mm.gemm_glu(w, wu, b, poison(d), act="swiglu")
+    kg, ku = _kernel_w(mm, w, dense, bb), _kernel_w(mm, wu, du, bb)
+    _check(d.get(), ref.glu(dense, du, bb, "swiglu"), ref.glu(kg, ku, bb, "swiglu", inputs=ref.gemm_f16_inputs),
+           loose=4e-3)
 
 
 @pytest.mark.gpu
