@@ -49,22 +49,25 @@ Paths (:meth:`MatmulDispatch.plan_path` is the rule, :meth:`MatmulDispatch.matmu
 * ``"matvec"``: the dmmv family's batched matvec (``DmmvDispatch.dmmv``), weights read once per
   launch of up to 8 columns.
 
-Measured (H100, 2026-11-26, ``profiling/bench_matmul.py``, f16 activations, ratios = peer time /
-cukern time; eager timings over 10 back-to-back calls on both sides, graph replays below ~50 us;
-4096x4096, 14336x4096, 4096x14336; Q4_K, Q6_K, Q8_0, Q5_0):
+Measured (H100, 2026-11-26, two runs of ``profiling/bench_matmul.py`` in one session, f16
+activations, ratios = peer time / cukern time; eager timings over 10 back-to-back calls on both
+sides, graph replays below ~50 us; 4096x4096, 14336x4096, 4096x14336; Q4_K, Q6_K, Q8_0, Q5_0):
 
 =====  ===================================  ===================================
 N      ``gemm`` vs dmmv batched matvec      ``gemm`` vs dequant + cuBLAS
 =====  ===================================  ===================================
 16     1.2x - 2.5x faster (gemm_f16)        1.6x - 2.8x faster (gemm_f16)
-64     3.4x - 7.4x faster (gemm_f16)        1.07x - 1.8x faster (gemm_f16)
-512    (not run)                            0.90x - 1.40x (gemm_wgr; 4096x4096 Q4_K, Q6_K,
-                                            Q5_0 0.90x-0.93x, the rest 1.06x-1.40x)
-2048   (not run)                            0.75x - 0.96x (gemm_wgr; slower)
+64     3.4x - 7.5x faster (gemm_f16)        1.08x - 2.05x faster (gemm_f16)
+512    (not run)                            1.03x - 1.45x in one run, 0.97x - 1.44x in the
+                                            other (gemm_wgr; 4096x4096 Q6_K and Q5_0 sit at
+                                            0.97x - 1.20x, the rest 1.04x or more)
+2048   (not run)                            0.72x - 1.05x (gemm_wgr; Q4_K 0.86x - 1.05x,
+                                            Q8_0 0.92x - 0.99x, Q5_0 0.81x - 0.91x, Q6_K
+                                            0.72x - 0.79x: slower but for one row)
 =====  ===================================  ===================================
 
-From f32 activations ``gemm`` takes gemm_f16 (0.24x-0.33x at N = 512): gemm_wgr reads f16 through
-its tensor map, and converting b would need a buffer a dispatch does not allocate.
+From f32 activations the same rows run at 0.80x - 1.26x (N = 512): gemm_wgr after an f16 cast
+into the staging buffer (before 2026-11-26 they took gemm_f16, 0.24x - 0.33x).
 
 so: ``"matvec"`` for N <= 8 (one dmmv launch reads the weights once; not measured against the
 GEMM below N = 16), ``"f16"`` above, ``"int8"`` only when the activations already are Q8_1 (it
@@ -80,10 +83,13 @@ What limits gemm_wgr (``profiling/probe_matmul_wgr.py --skips``, 14336x4096 N = 
 replays): the MMAs alone take 296 us (812 TFLOP/s), the MMAs and activation copies 311, without
 the dequantization 346-383, the whole kernel 440-500 (Q8_0, Q4_K) and 530-560 (Q6_K), where
 dequantize + cuBLAS takes ~390-410. ncu (Q4_K): tensor pipe 57% busy, 0.37 instructions issued
-per cycle and scheduler at 7.4 cycles each; the consumers' dequantization (~330 instructions per
-warp and stage for Q4_K, ~200 for Q8_0, K-quants exact in f32) does not hide under the MMAs with
-two warps per scheduler. The N = 2048 target needs ~20-35% more; fewer dequantization
-instructions per element is the lever (the register budget allows no more consumer warps).
+per cycle and scheduler at 7.4 cycles each; the consumers' dequantization does not hide under the
+MMAs with two warps per scheduler. Its stalls sit on the integer-pipe instructions (dispatch and
+math-pipe stalls on LOP3/PRMT/SHF), almost none on wgmma.wait: the tensor core waits for the
+consumers. The K-quants' f16 arithmetic (2026-11-26) cut their instructions per warp and stage
+(Q4_K 270 -> 229) and Q4_K's time by ~11%; Q6_K (339) and Q5_0 stay the furthest from the target,
+which needs fewer conversion instructions per element still (the register budget allows no more
+consumer warps).
 
 Every method validates its arguments and raises TypeError/ValueError before any launch; nothing
 here synchronises or reads device values (graph-capturable), and nothing allocates device memory
