@@ -95,10 +95,10 @@ Every method validates its arguments and raises TypeError/ValueError before any 
 here synchronises or reads device values (graph-capturable), and nothing allocates device memory
 but the f16 staging buffer of f32 activations on the gemm_wgr path: one per (k, stream), allocated
 by the first such call and regrown by a call with more rows (so run one call of each shape
-before capturing a graph of them). :meth:`gemm`
-and :meth:`gemm_glu` replay a repeated call's checked launch (same weights, buffers, shapes, dtypes
-and options; the last 256 distinct calls), so an eager prefill loop pays the checks once per call
-site: host time per call 9-16 us instead of 40-58 on the H100 machine (profiling/probe_host_cost.py).
+before capturing a graph of them). :meth:`gemm` and :meth:`gemm_glu` replay a repeated call's
+checked launch (same weights, buffers, shapes, dtypes and options; the last 256 distinct calls),
+so an eager prefill loop pays the checks once per call site: host time per call 9-16 us instead
+of 40-58 on the H100 machine (profiling/probe_host_cost.py).
 """
 
 from __future__ import annotations
@@ -407,10 +407,7 @@ class MatmulDispatch(Dispatch):
         w = self._weight("w", w)
         n, b_stride, d_stride = self._float_activations(b, d, w)
         if self._use_wg(w.qtype, b, n, wgmma):
-            b16, stage = self._as_f16(b, stream)
-            zero, launch = self._hopper(w, w, b16, d, b16.strides[0] // 2, d_stride, n, accumulate, split_k, None,
-                                        stream)
-            return self._remember(key, (zero, launch, stage), d)
+            return self._remember(key, self._hopper(w, w, b, d, d_stride, n, accumulate, split_k, None, stream), d)
         bt, grid, k_split = self._grid(n, w, split_k, "gemm")
         params = self.struct_of(w.qtype).pack(
             w_offset=w.offset, w2_offset=0, row_bytes=w.row_bytes, b_stride=b_stride, d_stride=d_stride,
@@ -466,7 +463,7 @@ class MatmulDispatch(Dispatch):
             self._calls[key] = (zero, Dispatch.detach(launch), stage)
         return d
 
-    WG_MIN_N = 256  # gemm_wgr from this many columns (sm_90, f16 b)
+    WG_MIN_N = 256  # gemm_wgr from this many columns (sm_90; f16 b, or f32 b through the staging buffer)
 
     def _use_wg(self, qtype: int, b, n: int, wgmma) -> bool:
         if wgmma is not None and not isinstance(wgmma, bool):
@@ -489,8 +486,8 @@ class MatmulDispatch(Dispatch):
         key = (k, resolve_stream(stream).ptr)
         buf = self._stage.get(key)
         if buf is None or buf.shape[0] < n:
-            with cupy.cuda.Device(self.device_id):
-                buf = self._stage[key] = cupy.empty((n, k), cupy.float16)
+            with cupy.cuda.Device(self.device_id):  # rows in steps of 256: fewer regrows as n varies
+                buf = self._stage[key] = cupy.empty((-(-n // 256) * 256, k), cupy.float16)
             self._calls.clear()
         view = buf[:n]
         self._convert(b, view, stream)
@@ -535,8 +532,11 @@ class MatmulDispatch(Dispatch):
 
     WG_TILE = None  # force gemm_wgr's token tile (128 or 256); None: chosen per call (_wgr_plan)
 
-    def _hopper(self, w, w2, b, d, b_stride, d_stride, n, accumulate, split_k, act, stream):
-        """gemm_wgr launch: ``act`` None (d = W b, or += with accumulate) or a GLU activation."""
+    def _hopper(self, w, w2, b, d, d_stride, n, accumulate, split_k, act, stream) -> tuple:
+        """gemm_wgr launch: ``act`` None (d = W b, or += with accumulate) or a GLU activation.
+        Returns (d zeroed first, the launch, the staging view of an f32 b or None)."""
+        b, stage = self._as_f16(b, stream)
+        b_stride = b.strides[0] // 2
         glu = act is not None
         rows = _ROW_TILE_GLU if glu else _ROW_TILE
         grid_r = -(-w.m // rows)
@@ -560,7 +560,7 @@ class MatmulDispatch(Dispatch):
         launch = self._units[w.qtype]._launch(f"gemm_wgr<{w.qtype}, {bt}, {'true' if glu else 'false'}>", grid,
                                               _WGR_THREADS, (d, w.buf, w2.buf, tmap), params, stream=stream,
                                               shared_mem=_smem_wgr(bt, w.qtype))
-        return zero, launch
+        return zero, launch, stage
 
     def _grid(self, n: int, w: QWeight, split_k, what: str, max_tile: int = _TOKEN_TILES[-1], unit: int = _SUPER):
         """(token tile, grid (token tiles, row tiles, K slices), K elements per slice)."""
@@ -686,10 +686,7 @@ class MatmulDispatch(Dispatch):
         w_gate, w_up = self._glu_weights(w_gate, w_up, act)
         n, b_stride, d_stride = self._float_activations(b, d, w_gate)
         if self._use_wg(w_gate.qtype, b, n, wgmma):
-            b16, stage = self._as_f16(b, stream)
-            zero, launch = self._hopper(w_gate, w_up, b16, d, b16.strides[0] // 2, d_stride, n, False, None, act,
-                                        stream)
-            return self._remember(key, (zero, launch, stage), d)
+            return self._remember(key, self._hopper(w_gate, w_up, b, d, d_stride, n, False, None, act, stream), d)
         bt = self._tile(n)
         grid_t, grid_r = -(-n // bt), -(-w_gate.m // _ROW_TILE_GLU)
         if grid_t > 2**31 - 1 or grid_r > 65535:
