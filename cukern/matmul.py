@@ -49,24 +49,25 @@ Paths (:meth:`MatmulDispatch.plan_path` is the rule, :meth:`MatmulDispatch.matmu
 * ``"matvec"``: the dmmv family's batched matvec (``DmmvDispatch.dmmv``), weights read once per
   launch of up to 8 columns.
 
-Measured (H100, 2026-11-26, two runs of ``profiling/bench_matmul.py`` in one session, f16
+Measured (H100, 2026-11-26, ``profiling/bench_matmul.py``, the session's last run, f16
 activations, ratios = peer time / cukern time; eager timings over 10 back-to-back calls on both
 sides, graph replays below ~50 us; 4096x4096, 14336x4096, 4096x14336; Q4_K, Q6_K, Q8_0, Q5_0):
 
 =====  ===================================  ===================================
 N      ``gemm`` vs dmmv batched matvec      ``gemm`` vs dequant + cuBLAS
 =====  ===================================  ===================================
-16     1.2x - 2.5x faster (gemm_f16)        1.6x - 2.8x faster (gemm_f16)
-64     3.4x - 7.5x faster (gemm_f16)        1.08x - 2.05x faster (gemm_f16)
-512    (not run)                            1.03x - 1.45x in one run, 0.97x - 1.44x in the
-                                            other (gemm_wgr; 4096x4096 Q6_K and Q5_0 sit at
-                                            0.97x - 1.20x, the rest 1.04x or more)
-2048   (not run)                            0.72x - 1.05x (gemm_wgr; Q4_K 0.86x - 1.05x,
-                                            Q8_0 0.92x - 0.99x, Q5_0 0.81x - 0.91x, Q6_K
-                                            0.72x - 0.79x: slower but for one row)
+16     1.2x - 2.6x faster (gemm_f16)        1.6x - 5.0x faster (gemm_f16)
+64     3.4x - 7.5x faster (gemm_f16)        1.06x - 2.2x faster (gemm_f16)
+512    (not run)                            0.97x - 1.49x (gemm_wgr; 4096x4096 Q6_K 0.97x,
+                                            Q5_0 1.02x, the rest 1.05x or more)
+2048   (not run)                            0.77x - 1.03x (gemm_wgr; Q4_K 0.86x - 1.03x,
+                                            Q8_0 0.88x - 1.02x, Q5_0 0.79x - 0.92x, Q6_K
+                                            0.77x - 0.84x: slower but for two rows)
 =====  ===================================  ===================================
 
-From f32 activations the same rows run at 0.80x - 1.26x (N = 512): gemm_wgr after an f16 cast
+The session's two earlier runs put N = 512 at 1.03x - 1.45x and 0.97x - 1.44x (4096x4096 Q6_K and
+Q5_0 are the rows that move around 1.0) and N = 2048 at 0.72x - 1.05x.
+From f32 activations the same rows run at 0.75x - 1.36x (N = 512): gemm_wgr after an f16 cast
 into the staging buffer (before 2026-11-26 they took gemm_f16, 0.24x - 0.33x).
 
 so: ``"matvec"`` for N <= 8 (one dmmv launch reads the weights once; not measured against the
@@ -86,10 +87,10 @@ dequantize + cuBLAS takes ~390-410. ncu (Q4_K): tensor pipe 57% busy, 0.37 instr
 per cycle and scheduler at 7.4 cycles each; the consumers' dequantization does not hide under the
 MMAs with two warps per scheduler. Its stalls sit on the integer-pipe instructions (dispatch and
 math-pipe stalls on LOP3/PRMT/SHF), almost none on wgmma.wait: the tensor core waits for the
-consumers. The K-quants' f16 arithmetic (2026-11-26) cut their instructions per warp and stage
-(Q4_K 270 -> 229) and Q4_K's time by ~11%; Q6_K (339) and Q5_0 stay the furthest from the target,
-which needs fewer conversion instructions per element still (the register budget allows no more
-consumer warps).
+consumers. The K-quants' f16 arithmetic and fewer instructions per stage (2026-11-26: Q4_K 270 ->
+227, Q8_0 181 -> 153, Q6_K 358 -> 312 per warp and stage) took ~11% off Q4_K and ~5% off Q8_0 and
+Q6_K; Q6_K and Q5_0 stay the furthest from the target, which needs fewer conversion instructions
+per element still (the register budget allows no more consumer warps).
 
 Every method validates its arguments and raises TypeError/ValueError before any launch; nothing
 here synchronises or reads device values (graph-capturable), and nothing allocates device memory
