@@ -191,8 +191,10 @@ template <> struct FragDeq<QT_Q5_0> : FragDeqQ0<true> {};
 // then fma(q - 32, hi(a), (q - 32) lo(a)) with a = d * sc split the same way.
 // cukern.reference.matmul.wgr_values is this arithmetic in float64.
 
-// [0x64, b1, 0x64, b0]: bytes 0 and 1 of x as the f16 pair 1024 + b.
-CUKERN_DEVICE uint32_t spread64(uint32_t x) { return __byte_perm(x, 0x64646464u, 0x5140); }
+// [0x64, b1, 0x64, b0]: bytes 0 and 1 of x (HI: bytes 2 and 3) as the f16 pair 1024 + b.
+template <int HI = 0> CUKERN_DEVICE uint32_t spread64(uint32_t x) {
+    return __byte_perm(x, 0x64646464u, HI ? 0x5342 : 0x5140);
+}
 
 // Q4_K / Q5_K: the constants of stage st's sub-blocks 2 st and 2 st + 1 from the super-block's
 // header (d, dmin, 12 scale bytes): {(sc_2st, sc_2st+1 / 16), hi(-c) pair, lo(-c) pair, (d, dmin)}. The
@@ -277,8 +279,7 @@ template <> struct FragDeq<QT_Q6_K> {
         const __half2 hi[2] = {__floats2half2_rn(a[0], a[1]), __floats2half2_rn(a[2], a[3])};
         const float2 h01 = __half22float2(hi[0]), h23 = __half22float2(hi[1]);
         const __half2 lo[2] = {__floats2half2_rn(a[0] - h01.x, a[1] - h01.y), __floats2half2_rn(a[2] - h23.x, a[3] - h23.y)};
-        // halves 1024 + q (bytes 0, 1 of v from spread64, bytes 2, 3 from spread64_hi): (q - 32) exactly,
-        // then fma(q - 32, hi(a), (q - 32) lo(a)) with scale i
+        // halves 1024 + q: (q - 32) exactly, then fma(q - 32, hi(a), (q - 32) lo(a)) with scale i
         auto value = [&](uint32_t h, int i) {
             const __half2 q = __hsub2(as_h2(h), as_h2(0x64206420u));
             const __half2 ah = i & 1 ? __high2half2(hi[i / 2]) : __low2half2(hi[i / 2]);
@@ -290,8 +291,8 @@ template <> struct FragDeq<QT_Q6_K> {
             const uint32_t q = __byte_perm(r.q0[j], r.q1[j], 0x5410);
             const uint32_t h = __byte_perm(r.qh[j], r.qh[j] >> 2, 0x5410);  // their two high bits at sh, sh + 1
             const uint32_t v = ((q >> sh) & 0x0F0F0F0Fu) | ((h >> sh) & 0x03030303u) << 4;
-            o[j] = value(spread64(v), j / 2);
-            o[4 + j] = value(__byte_perm(v, 0x64646464u, 0x5342), 2 + j / 2);
+            o[j] = value(spread64<0>(v), j / 2);
+            o[4 + j] = value(spread64<1>(v), 2 + j / 2);
         }
     }
 };
