@@ -193,6 +193,14 @@ def _cu_tensor_map_encode_tiled():
     return fn
 
 
+def bounded_put(cache: dict, key, value, limit: int):
+    """``cache[key] = value`` in a dict kept to ``limit`` entries, the oldest leaving first; returns value."""
+    if len(cache) >= limit:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
+    return value
+
+
 _TMA_CACHE: dict = {}
 _TMA_CACHE_SIZE = 256  # encoded maps kept (a dict lookup instead of a driver call per launch)
 
@@ -227,11 +235,8 @@ def tensor_map_2d(a: cupy.ndarray, box: tuple[int, int], swizzle: int = 128) -> 
     if err:
         raise runtime.CukernError(f"cuTensorMapEncodeTiled failed ({err}) for a {a.dtype} {a.shape} view, "
                                   f"row stride {pitch} bytes, box {box}, swizzle {swizzle}")
-    tmap = np.frombuffer(ctypes.string_at(addr, 128), TENSOR_MAP_DTYPE)[0]
-    if len(_TMA_CACHE) >= _TMA_CACHE_SIZE:
-        _TMA_CACHE.pop(next(iter(_TMA_CACHE)))
-    _TMA_CACHE[key] = tmap
-    return tmap
+    return bounded_put(_TMA_CACHE, key, np.frombuffer(ctypes.string_at(addr, 128), TENSOR_MAP_DTYPE)[0],
+                       _TMA_CACHE_SIZE)
 
 
 def _grid3(name: str, dims, limits) -> tuple[int, int, int]:

@@ -108,7 +108,7 @@ import cupy
 import numpy as np
 
 from cukern import runtime
-from cukern.dispatch import Dispatch, check_array, tensor_map_2d
+from cukern.dispatch import Dispatch, bounded_put, check_array, tensor_map_2d
 from cukern.dmmv import QTYPES, QWeight
 from cukern.runtime import FamilySpec, KernelSpec
 from cukern.streams import resolve_stream
@@ -458,10 +458,8 @@ class MatmulDispatch(Dispatch):
         """Keep (zero d first, launch, staging view) for key: the launch detached (pointers only),
         so the cache holds none of the caller's arrays."""
         if key is not None:
-            if len(self._calls) >= self._REPLAYS:
-                self._calls.pop(next(iter(self._calls)))
             zero, launch, stage = rec
-            self._calls[key] = (zero, Dispatch.detach(launch), stage)
+            bounded_put(self._calls, key, (zero, Dispatch.detach(launch), stage), self._REPLAYS)
         return d
 
     WG_MIN_N = 256  # gemm_wgr from this many columns (sm_90; f16 b, or f32 b through the staging buffer)

@@ -27,7 +27,7 @@
 // 64-element stage a lane therefore holds the element pairs 8j + 2c, j = 0..7, of its two rows:
 // FragDeq<QT> produces exactly those 8 f16 pairs per row from the raw bytes in f16 arithmetic on
 // exact integer quants: _0 types (q - offset) times d, rounded once (the values dequantize_f16
-// writes); K-quants with one rounding more (see spread64).
+// writes); K-quants with one rounding more (the note above spread64).
 // Raw rows are an odd number of 16-byte units apart (RawWgr), so the 8 rows x 4 lanes of a warp's
 // 2-byte raw loads hit distinct banks.
 // Ragged M (rows past m read row m-1, never stored), ragged N (zero-filled tokens, never stored) and
@@ -196,21 +196,6 @@ template <int HI = 0> CUKERN_DEVICE uint32_t spread64(uint32_t x) {
     return __byte_perm(x, 0x64646464u, HI ? 0x5342 : 0x5140);
 }
 
-// Q4_K / Q5_K: the constants of stage st's sub-blocks 2 st and 2 st + 1 from the super-block's
-// header (d, dmin, 12 scale bytes): {(sc_2st, sc_2st+1 / 16), hi(-c) pair, lo(-c) pair, (d, dmin)}. The
-// 6-bit scales and mins come as byte pairs (k4_scale_min's rule for both at once, no branch).
-CUKERN_DEVICE uint4 k45_constants(const uint4& head, int st) {
-    const int sh = 16 * (st & 1);
-    const uint32_t w0 = (head.y >> sh) & 0xFFFFu, w1 = (head.z >> sh) & 0xFFFFu, w2 = (head.w >> sh) & 0xFFFFu;
-    const uint32_t scp = st >= 2 ? (w2 & 0x0F0Fu) | ((w0 >> 2) & 0x3030u) : w0 & 0x3F3Fu;
-    const uint32_t mp = st >= 2 ? ((w2 >> 4) & 0x0F0Fu) | ((w1 >> 2) & 0x3030u) : w1 & 0x3F3Fu;
-    const __half2 sc = __hmul2(__hsub2(as_h2(spread64(scp)), as_h2(0x64006400u)), __floats2half2_rn(1.0f, 0.0625f));
-    const float dmin = __half2float(__ushort_as_half(head.x >> 16));
-    const float c0 = dmin * (float)(mp & 0xFFu), c1 = dmin * (float)(mp >> 8);  // exact
-    const __half2 nc_hi = __floats2half2_rn(-c0, -c1);
-    const __half2 nc_lo = __floats2half2_rn(-c0 - __low2float(nc_hi), -c1 - __high2float(nc_hi));
-    return make_uint4(as_u32(sc), as_u32(nc_hi), as_u32(nc_lo), head.x);  // d: the low half of .w
-}
 // Q4_K / Q5_K: stage st holds sub-blocks 2 st (low nibbles of qs[32 st + l]) and 2 st + 1 (high
 // nibbles); Q5_K's fifth bits are bits 2 st and 2 st + 1 of qh[l]; l = 8j + 2c, 8j + 2c + 1.
 template <bool HIGH> struct FragDeqK45 {
@@ -225,9 +210,19 @@ template <bool HIGH> struct FragDeqK45 {
         }
     }
     static CUKERN_DEVICE void convert(uint32_t (&o)[8], const Raw& r, int st) {
-        const uint4 e = k45_constants(r.head, st);
-        const __half2 sc = as_h2(e.x), sc_off = __hmul2(sc, __float2half2_rn(-1024.0f));  // exact
-        const __half2 nc_hi = as_h2(e.y), nc_lo = as_h2(e.z), d2 = h2_low(e.w);
+        // the 6-bit scales and mins of sub-blocks 2 st, 2 st + 1 from the header (d, dmin, 12 scale
+        // bytes) as byte pairs (k4_scale_min's rule for both at once, no branch)
+        const int sh = 16 * (st & 1);
+        const uint32_t w0 = (r.head.y >> sh) & 0xFFFFu, w1 = (r.head.z >> sh) & 0xFFFFu, w2 = (r.head.w >> sh) & 0xFFFFu;
+        const uint32_t scp = st >= 2 ? (w2 & 0x0F0Fu) | ((w0 >> 2) & 0x3030u) : w0 & 0x3F3Fu;
+        const uint32_t mp = st >= 2 ? ((w2 >> 4) & 0x0F0Fu) | ((w1 >> 2) & 0x3030u) : w1 & 0x3F3Fu;
+        // (sc_2st, sc_2st+1 / 16) and -1024 times them, exact; -c split into two halves
+        const __half2 sc = __hmul2(__hsub2(as_h2(spread64(scp)), as_h2(0x64006400u)), __floats2half2_rn(1.0f, 0.0625f));
+        const float dmin = __half2float(__ushort_as_half(r.head.x >> 16));
+        const float c0 = dmin * (float)(mp & 0xFFu), c1 = dmin * (float)(mp >> 8);  // exact
+        const __half2 nc_hi = __floats2half2_rn(-c0, -c1);
+        const __half2 nc_lo = __floats2half2_rn(-c0 - __low2float(nc_hi), -c1 - __high2float(nc_hi));
+        const __half2 sc_off = __hmul2(sc, __float2half2_rn(-1024.0f)), d2 = h2_low(r.head.x);
         // sub-block s (0: low nibbles, 1: high nibbles) of halves h = 1024 + q (1024 + 16 q)
         auto value = [&](uint32_t h, int s) {
             const __half2 x = __hfma2(as_h2(h), s ? __high2half2(sc) : __low2half2(sc),

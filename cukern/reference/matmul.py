@@ -38,22 +38,33 @@ def gemm_f16_inputs(w: np.ndarray, b: np.ndarray) -> np.ndarray:
     return gemm(f16(w), f16(b))
 
 
+def _k45_scaled(raw: np.ndarray, qtype: int, m: int, k: int, mins: bool) -> np.ndarray:
+    """d * sc (mins: dmin * m) of every 32-element sub-block of a Q4_K / Q5_K matrix, float64
+    [m, k / 32]: the 6-bit scales and mins of the 12-byte field by k4_scale_min's rule."""
+    blk = np.asarray(raw, np.uint8).reshape(m, k // 256, TYPES[qtype][2])
+    scale = blk[..., 2:4] if mins else blk[..., 0:2]  # dmin or d (f16)
+    scale = scale.copy().view(np.float16)[..., 0].astype(np.float64)
+    s = blk[..., 4:16].astype(np.int64)
+    v = np.empty((m, k // 256, 8), np.int64)
+    for j in range(8):
+        if j < 4:
+            v[..., j] = s[..., j + 4 * mins] & 63
+        else:
+            v[..., j] = ((s[..., j + 4] >> 4 * mins) & 15) | ((s[..., j - 4 + 4 * mins] >> 6) << 4)
+    return (scale[..., None] * v).reshape(m, k // 32)
+
+
 def k_scales(raw: np.ndarray, qtype: int, m: int, k: int) -> np.ndarray:
     """a[i, sub] = d * sc of every sub-block of a K-quant matrix (Q4_K / Q5_K: 32 elements, 6-bit
     sc; Q6_K: 16 elements, int8 sc), float64 [m, k / 32] or [m, k / 16]."""
     name, _, bb = TYPES[qtype]
-    blk = np.asarray(raw, np.uint8).reshape(m, k // 256, bb)
     if name == "Q6_K":
+        blk = np.asarray(raw, np.uint8).reshape(m, k // 256, bb)
         d = blk[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float64)
         return (d[..., None] * blk[..., 192:208].view(np.int8)).reshape(m, k // 16)
     if name not in ("Q4_K", "Q5_K"):
         raise ValueError(f"{name} is not a K-quant")
-    d = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
-    s = blk[..., 4:16].astype(np.int64)
-    sc = np.empty((m, k // 256, 8), np.int64)
-    for j in range(8):
-        sc[..., j] = (s[..., j] & 63) if j < 4 else ((s[..., j + 4] & 15) | ((s[..., j - 4] >> 6) << 4))
-    return (d[..., None] * sc).reshape(m, k // 32)
+    return _k45_scaled(raw, qtype, m, k, mins=False)
 
 
 def wgr_values(raw: np.ndarray, qtype: int, m: int, k: int) -> np.ndarray:
@@ -68,12 +79,11 @@ def wgr_values(raw: np.ndarray, qtype: int, m: int, k: int) -> np.ndarray:
         return f16(dense)
     a = k_scales(raw, qtype, m, k)
     a = np.repeat(a, k // a.shape[1], axis=1)
-    q = np.rint(dense / np.where(a == 0, 1.0, a)) * (a != 0)
-    if name == "Q6_K":  # q is q - 32 here
+    c = np.repeat(k_mins(raw, qtype, m, k), 32, axis=1)  # zeros for Q6_K
+    q = np.rint((dense + c) / np.where(a == 0, 1.0, a)) * (a != 0)  # Q6_K: q - 32
+    if name == "Q6_K":
         a_hi = f16(a)
         return f16(q * a_hi + f16(q * f16(a - a_hi)))
-    c = np.repeat(k_mins(raw, qtype, m, k), 32, axis=1)
-    q = np.rint((dense + c) / np.where(a == 0, 1.0, a)) * (a != 0)
     hi = f16(-c)
     return f16(f16(a * q + hi) + f16(-c - hi))  # a q + hi exact in float64, then each f16 rounding
 
@@ -121,16 +131,9 @@ def dequantize_q8(d: np.ndarray, qs: np.ndarray) -> np.ndarray:
 def k_mins(raw: np.ndarray, qtype: int, m: int, k: int) -> np.ndarray:
     """c[i, seg] = dmin * m_seg of each 32-element sub-block of a Q4_K / Q5_K matrix (the offset
     the int8 path folds in through the activations' s), float64 [m, k / 32]; zeros for other types."""
-    name, _, bb = TYPES[qtype]
-    if name not in ("Q4_K", "Q5_K"):
+    if TYPES[qtype][0] not in ("Q4_K", "Q5_K"):
         return np.zeros((m, k // 32))
-    blk = np.asarray(raw, np.uint8).reshape(m, k // 256, bb).astype(np.int64)
-    dmin = blk[..., 2:4].astype(np.uint8).copy().view(np.float16)[..., 0].astype(np.float64)
-    s = blk[..., 4:16]
-    mins = np.empty((m, k // 256, 8), np.int64)
-    for j in range(8):
-        mins[..., j] = (s[..., j + 4] & 63) if j < 4 else ((s[..., j + 4] >> 4) | ((s[..., j] >> 6) << 4))
-    return (dmin[..., None] * mins).reshape(m, k // 32)
+    return _k45_scaled(raw, qtype, m, k, mins=True)
 
 
 def gemm_q8_1(w_dense: np.ndarray, mins: np.ndarray, d: np.ndarray, s: np.ndarray, qs: np.ndarray) -> np.ndarray:
