@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8(
                 int8_t* q = sm.xq + (size_t)c * p.k;
                 q8::XInfo* info = sm.xi + c * (p.k / 32);
                 if (PQ) q8::load_x(static_cast<const uint8_t*>(x) + (size_t)c * p.x_stride, p.k, q, info);
-                else q8::quantize_x<q8::x_interleaved<QT>()>(static_cast<const float*>(x) + (size_t)c * p.x_stride, p.k, q, info);
+                else q8::quantize_x<QT>(static_cast<const float*>(x) + (size_t)c * p.x_stride, p.k, q, info);
             }
             __syncthreads();
         },
@@ -176,7 +176,7 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8_two(
     const q8::Smem<QT, LU, ST, NC> sm(smem, nw, p.k);
     const auto prepare = [&] {
         for (int c = 0; c < NC; ++c)
-            q8::quantize_x<q8::x_interleaved<QT>()>(x + (size_t)c * p.x_stride, p.k, sm.xq + (size_t)c * p.k,
+            q8::quantize_x<QT>(x + (size_t)c * p.x_stride, p.k, sm.xq + (size_t)c * p.k,
                                                     sm.xi + c * (p.k / 32));
         __syncthreads();
     };
@@ -223,8 +223,8 @@ CUKERN_DEVICE void quantize_chunk(uint8_t* __restrict__ out, const QuantizeXPara
     pdl_wait();
     const uint32_t c = blockIdx.x, g0 = blockIdx.y * p.chunk4, g1 = min(g0 + p.chunk4, p.k / 4);
     uint8_t* col = out + (size_t)c * p.out_stride;
-    q8::quantize_x_range<IL>(column((size_t)c * p.x_stride), p.k, g0, g1, reinterpret_cast<int8_t*>(col),
-                             reinterpret_cast<q8::XInfo*>(col + p.k));
+    q8::quantize_x_range<IL, true>(column((size_t)c * p.x_stride), p.k, g0, g1, reinterpret_cast<int8_t*>(col),
+                                   reinterpret_cast<q8::XInfo*>(col + p.k));
 }
 
 template <bool IL>

@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) moe_dmmv_q8(
         sm, r1 - r0, [&](uint32_t j) { return base + (size_t)(r0 + j) * p.row_bytes; }, (uint32_t)p.row_bytes,
         [&](uint32_t) { return base + (size_t)p.m * p.row_bytes; }, p.k, [] {},
         [&] {
-            q8::quantize_x<q8::x_interleaved<QT>()>(xs, p.k, sm.xq, sm.xi);
+            q8::quantize_x<QT>(xs, p.k, sm.xq, sm.xi);
             __syncthreads();
         },
         [&](uint32_t j, const float (&v)[1]) { out[j] = p.alpha * v[0]; });
@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) moe_dmmv_q8_glu(
     const float* xs = x + (size_t)(p.x_per_slot ? slot : slot / p.top_k) * p.k;
     q8::glu_rows<QT, 1, LU, ST, BULK>(sm, r0, n_out, gate, up, p.row_bytes, p.m, p.k, [] {},
                                       [&] {
-                                          q8::quantize_x<q8::x_interleaved<QT>()>(xs, p.k, sm.xq, sm.xi);
+                                          q8::quantize_x<QT>(xs, p.k, sm.xq, sm.xi);
                                           __syncthreads();
                                       },
                                       dots);
@@ -242,7 +242,7 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) moe_down_q8(
         p.k, [] {},
         [&] {
             for (uint32_t c = 0; c < nv; ++c)
-                q8::quantize_x<q8::x_interleaved<QT>()>(h + (size_t)(t * p.top_k + valid[c]) * p.k, p.k,
+                q8::quantize_x<QT>(h + (size_t)(t * p.top_k + valid[c]) * p.k, p.k,
                                                         xq + (size_t)c * p.k, xi + c * (p.k / 32));
             __syncthreads();
         },

@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8_probe(
         }
     };
     for (int t = 0; t < ST - 1; ++t) issue(t);
-    for (int c = 0; c < 1; ++c) q8::quantize_x<q8::x_interleaved<QT>()>(x, p.k, sm.xq, sm.xi);
+    for (int c = 0; c < 1; ++c) q8::quantize_x<QT>(x, p.k, sm.xq, sm.xi);
     __syncthreads();
     float acc[1] = {};
     for (uint32_t t = 0; t < total; ++t) {

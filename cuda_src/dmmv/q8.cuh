@@ -5,9 +5,10 @@
 // path (core.cuh) needs a conversion and an FMA per weight; the f32 path was instruction-bound.
 //
 // Accuracy: the kernel computes W . x^ exactly up to f32 rounding, where x^ is x rounded per
-// 32 elements to d * q, d = max|x| / 127 (f32), q = round(x / d) in [-127, 127] (ties away from
-// zero); cukern.reference.dmmv.quantize_q8 emulates x^ bit for bit. Against the exact x the
-// normalised error of y is about 3e-5 for Gaussian x (the tests bound it).
+// 32 elements to d * q, d = max|x| * f32(1/127), q = x * (1/d) rounded once to the nearest
+// integer (ties to even) in [-127, 127]; cukern.reference.dmmv.quantize_q8 emulates x^ bit for
+// bit. Against the exact x the normalised error of y is about 3e-5 for Gaussian x (the tests
+// bound it).
 //
 // Work: a block owns a contiguous range of rows; its warps take equal shares of those rows' items
 // (row, chunk of 32 * LU units), so a row may be split between warps (its parts are summed after
@@ -22,7 +23,6 @@
 
 #include "common/mbarrier.cuh"
 #include "common/mma.cuh"
-#include "common/q8_1.cuh"
 #include "common/quants.cuh"
 #include "common/reduce.cuh"
 
@@ -382,25 +382,49 @@ CUKERN_DEVICE uint32_t dynamic_smem_bytes() {
 }
 
 // ------------------------------------------------------------------------------------- x
+// The int8 of x * inv rounded once to the nearest integer, ties to even (|x * inv| <= 127.5), in
+// the low byte: the FMA with 1.5 * 2^23 leaves the integer in the low mantissa bits. One FMA on
+// the full-rate pipe where a float-to-int conversion takes the quarter-rate one: at k = 14336 the
+// conversions alone held that pipe ~900 cycles per SM while x was quantized.
+CUKERN_DEVICE uint32_t q8_round_bits(float x, float inv) { return __float_as_uint(fmaf(x, inv, 12582912.0f)); }
+
+// The four values of v rounded (q8_round_bits) and packed as int8, v.x in the low byte.
+CUKERN_DEVICE uint32_t q8_quantize4(float4 v, float inv) {
+    return __byte_perm(__byte_perm(q8_round_bits(v.x, inv), q8_round_bits(v.y, inv), 0x0040),
+                       __byte_perm(q8_round_bits(v.z, inv), q8_round_bits(v.w, inv), 0x0040), 0x5410);
+}
+
+// 1/d correctly rounded for a normal d below 2^126: __frcp_rn's fast path (one approximation and
+// one Newton step) without its range check and slow-path branch, which such a d never takes.
+CUKERN_DEVICE float rcp_normal(float d) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+    return fmaf(r, fmaf(-d, r, 1.0f), r);
+}
+
 // Quantize float4s [g_begin, g_end) of a column of k floats (k % 32 == 0; g_begin and g_end
 // multiples of 8: whole blocks of 32, g_end <= k / 4) into q / info; load(g) returns its float4 g
 // (x's, or an activation computed from two inputs: quantize_glu in dmmv.cu). All threads of the
 // block take part (blockDim.x a multiple of 32); the caller syncs afterwards.
 // Four lanes per block of 32 (lane j of the four: elements 8j...8j+7, two float4s), so a warp
 // quantizes 8 blocks per round and a thread's two rounds' four loads are in flight together.
-// The block's max|x| takes two shuffles, its scale one correctly rounded division and reciprocal
-// (every lane: a SIMT warp pays for one per round whichever lanes compute it), its half sums two.
-// At k = 14336 on 32 warps that is ~295 instructions per warp (SASS, one iteration); the former
-// 8-lanes-per-block layout (three shuffles per reduction, per-lane bounds) took ~500, a quarter of
-// the int8 matvec's instructions there (ncu source counters), all of them on the critical path
-// between pdl_wait and the first dot product.
+// The block's max|x| takes two shuffles, its scale a multiplication and a reciprocal (every lane:
+// a SIMT warp pays for one per round whichever lanes compute it), each value an FMA
+// (q8_round_bits), its half sums two shuffles (SUMS; without, XInfo's sums are 0: for types whose
+// dot products never read them, x_sums).
+// At k = 14336 on 32 warps that is ~200 instructions per warp (SASS, one iteration, MXFP4); the
+// 8-lanes-per-block layout with a division per block and a conversion per value took ~500, a
+// quarter of the int8 matvec's instructions there (ncu source counters), all of them on the
+// critical path between pdl_wait and the first dot product.
 // IL: q interleaved per block (x_interleaved), else in element order.
-template <bool IL, class Load>
+template <bool IL, bool SUMS, class Load>
 CUKERN_DEVICE void quantize_x_range(Load load, uint32_t k, uint32_t g_begin, uint32_t g_end, int8_t* q,
                                     XInfo* info) {
     constexpr int R = 2;                                          // rounds per iteration
     const uint32_t p_end = g_end / 2;                             // float4 pairs
     const int lane = threadIdx.x % 32, j = lane & 3;
+    // where lane j's bytes of block b go: qj + 16 b (xq_offset of byte 32 b + 16 j, IL, or 32 b + 8 j)
+    int8_t* const qj = q + (IL ? (size_t)(j & 1) * (k / 2) : (size_t)(j >> 1) * (k / 2) + 8 * (j & 1));
     for (uint32_t p0 = g_begin / 2 + threadIdx.x - lane; p0 < p_end; p0 += R * blockDim.x) {  // warp-uniform
         float4 v[R][2];
 #pragma unroll
@@ -420,31 +444,40 @@ CUKERN_DEVICE void quantize_x_range(Load load, uint32_t k, uint32_t g_begin, uin
                              fmaxf(fmaxf(fabsf(b.x), fabsf(b.y)), fmaxf(fabsf(b.z), fabsf(b.w))));
             am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 1));
             am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 2));
-            const float d = __fdiv_rn(am, 127.0f);
-            const float inv = am > 0.0f ? __frcp_rn(d) : 0.0f;
-            const uint32_t w0 = q8_1_quantize4(a, inv), w1 = q8_1_quantize4(b, inv);
-            int s = __dp4a((int)w0, 0x01010101, __dp4a((int)w1, 0x01010101, 0));
-            s += __shfl_xor_sync(0xffffffffu, s, 1);            // half sum: lanes 0, 1 (0...15) or 2, 3
-            const int other = __shfl_xor_sync(0xffffffffu, s, 2);
+            // d < 2^121 for any finite x; flushed to 0 below 2^-126 (then inv and q are 0 too)
+            const float d = am * (1.0f / 127.0f);
+            const float inv = d > 0.0f ? rcp_normal(d) : 0.0f;
+            const uint32_t w0 = q8_quantize4(a, inv), w1 = q8_quantize4(b, inv);
+            int s = 0, other = 0;
+            if (SUMS) {
+                s = __dp4a((int)w0, 0x01010101, __dp4a((int)w1, 0x01010101, 0));
+                s += __shfl_xor_sync(0xffffffffu, s, 1);            // half sum: lanes 0, 1 (0...15) or 2, 3
+                other = __shfl_xor_sync(0xffffffffu, s, 2);
+            }
             if (IL) {  // lanes 0 (1) and 2 (3) hold elements i and 16 + i of the block's first (last) 16 bytes
                 const uint32_t u0 = __shfl_xor_sync(0xffffffffu, w0, 2), u1 = __shfl_xor_sync(0xffffffffu, w1, 2);
                 if (ok && j < 2)
-                    *reinterpret_cast<uint4*>(q + xq_offset(k, 32 * blk + 16 * j)) =
+                    *reinterpret_cast<uint4*>(qj + 16 * (size_t)blk) =
                         make_uint4(__byte_perm(w0, u0, 0x5140), __byte_perm(w0, u0, 0x7362),
                                    __byte_perm(w1, u1, 0x5140), __byte_perm(w1, u1, 0x7362));
             } else if (ok) {
-                *reinterpret_cast<uint2*>(q + xq_offset(k, 32 * blk + 8 * j)) = make_uint2(w0, w1);
+                *reinterpret_cast<uint2*>(qj + 16 * (size_t)blk) = make_uint2(w0, w1);
             }
             if (ok && j == 0) info[blk] = XInfo{d, (short)s, (short)other};
         }
     }
 }
 
-// The whole column x (quantize_x_range over all of it).
-template <bool IL>
+// Whether a type's dot products read XInfo's half sums (Q4_0, Q5_0, the K-quants: their offsets
+// and minimums), or only d (Q8_0, MXFP4).
+template <int QT>
+CUKERN_DEVICE constexpr bool x_sums() { return QT != QT_Q8_0 && QT != QT_MXFP4; }
+
+// The whole column x (quantize_x_range over all of it), for a matvec of type QT.
+template <int QT>
 CUKERN_DEVICE void quantize_x(const float* __restrict__ x, uint32_t k, int8_t* q, XInfo* info) {
-    quantize_x_range<IL>([x](uint32_t g) { return __ldg(reinterpret_cast<const float4*>(x) + g); }, k, 0, k / 4, q,
-                         info);
+    quantize_x_range<x_interleaved<QT>(), x_sums<QT>()>(
+        [x](uint32_t g) { return __ldg(reinterpret_cast<const float4*>(x) + g); }, k, 0, k / 4, q, info);
 }
 
 // ------------------------------------------------------------------------------------- x, pre-quantized

@@ -63,16 +63,19 @@ def dequantize(raw: np.ndarray, qtype: int, m: int, k: int) -> np.ndarray:
 
 
 def quantize_q8_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(q, d) of the int8 path's x^ (cuda_src/dmmv/q8.cuh), emulated bit for bit in float32: per 32
-    elements along the last axis, d = max|x| / 127 (float32 [..., k / 32]) and q = round(x * (1/d))
-    half away from zero, 0 for an all-zero block (int8 [..., k])."""
+    """(q, d) of the int8 path's x^ (cuda_src/dmmv/q8.cuh), emulated bit for bit: per 32 elements
+    along the last axis, d = max|x| * float32(1/127) in float32 (flushed to 0 below the smallest
+    normal, as the kernels' FTZ arithmetic does; float32 [..., k / 32]), inv = 1/d in float32, and
+    q = the exact product x * inv rounded once to the nearest integer, ties to even (the kernel's
+    FMA), 0 for an all-zero block (int8 [..., k])."""
     x = np.asarray(x, dtype=np.float32)
     b = x.reshape(x.shape[:-1] + (-1, 32))
     amax = np.abs(b).max(axis=-1, keepdims=True)
-    d = amax / np.float32(127)
+    d = amax * (np.float32(1) / np.float32(127))
+    d = np.where(d < np.finfo(np.float32).tiny, np.float32(0), d).astype(np.float32)
     with np.errstate(divide="ignore"):
-        inv = np.where(amax > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
-    q = np.floor(np.abs(b * inv) + np.float32(0.5)) * np.sign(b)
+        inv = np.where(d > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    q = np.rint(b.astype(np.float64) * inv.astype(np.float64))  # f32 x f32 is exact in float64
     return q.astype(np.int8).reshape(x.shape), d[..., 0]
 
 
