@@ -58,6 +58,20 @@ prefilled, 72.0% with one, against 78.8% for the table's 4x2; 4x2 with nothing p
 Q4_K / Q5_K / Q5_0 at 2x4: 81.4 / 80.3 / 75.8 / 80.1% with three prefilled, 83.4 / 83.7 / 83.5 / 83.9 with
 two (the 2x3 amount; 2x3 itself measured 84.5 / 85.1 / 85.4 / 87.4 in another run), 72-76 with one. A
 deeper ring does not pay at either prefill count. Not kept.
+2026-11-26, sixth session (--l2 A/B against the previous q8.cuh, macro-guarded, same run; H100):
+x's quantizer rounding by an FMA with 1.5 * 2^23 instead of a quarter-rate F2I per value, d by a
+multiplication, 1/d by __frcp_rn's fast path, no half sums for MXFP4 / Q8_0 (kept): MXFP4 4096x14336
+77.7 -> 78.9 (FMA alone) -> 79.2-79.5, the other types +1 to +1.5 at 4096x14336. Not kept, each
+against that: two lanes per block (16 values each, one shuffle per reduction, ~30% fewer prologue
+instructions) -1 to -3 at both shapes for every type (MXFP4 79.1 -> 76.6); four lanes holding float4s
+j and 4 + j (every load whole 64-byte halves, interleaving without shuffles) -1.5 to -2 (Q8_0, no sums,
+equal); issue() taking a row's non-last items without the matrix-end arithmetic (~22 fewer
+instructions per item) MXFP4 equal, Q4_0 14336x4096 -1.8. ncu (MXFP4 vs Q4_0 at 4096x14336, no pdl):
+MXFP4 executes fewer instructions (7.9 M vs 8.2 M) but stalls more on MIO throttle (1.47 vs 0.65 per
+issue; LSU wavefronts 47% vs 41% of peak): its 17-byte stride makes the weight words' shared loads
+3-way bank conflicted (2-way for the other 32-blocks). A timing-only variant reading each lane's
+four units from one 68-byte run (conflict-free; x left unmatched) gained 2 points at 14336x4096 and
+lost 0.6 at 4096x14336, so the missing points there are not the weights' loads. Not built.
 
 Run: PYTHONPATH=. python profiling/probe_dmmv_q8.py --sweep [--types Q4_K,MXFP4]"""
 import argparse
