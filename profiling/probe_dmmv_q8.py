@@ -72,6 +72,8 @@ issue; LSU wavefronts 47% vs 41% of peak): its 17-byte stride makes the weight w
 3-way bank conflicted (2-way for the other 32-blocks). A timing-only variant reading each lane's
 four units from one 68-byte run (conflict-free; x left unmatched) gained 2 points at 14336x4096 and
 lost 0.6 at 4096x14336, so the missing points there are not the weights' loads. Not built.
+x by bulk copies after pdl_wait (2 KB per warp into its free ring slot, quantized from shared
+memory) in place of the float4 loads: MXFP4 4096x14336 79.2 -> 71.8, 14336x4096 83.8 -> 82.7. Not kept.
 
 Run: PYTHONPATH=. python profiling/probe_dmmv_q8.py --sweep [--types Q4_K,MXFP4]"""
 import argparse
