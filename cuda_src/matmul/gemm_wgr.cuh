@@ -59,7 +59,10 @@
 // register), Q6_K's two quant words assembled as one and its scales split two at a time: SASS per
 // warp and stage Q8_0 181 -> 153, Q5_0 266 -> 246, Q6_K 339 -> 312; in turns against the version
 // before, 14336x4096 N = 2048 Q8_0 505.6 -> 480.7 us, Q6_K 577.9 -> 551.7 (medians of six; the
-// best of six within 3% either way).
+// best of six within 3% either way). Then the K-quants' scale splits in f16 arithmetic (the same
+// values, no f32 conversions): SASS per warp and stage Q6_K 312 -> 280-295, Q4_K / Q5_K -15; in turns
+// against the version before, 14336x4096 N = 2048 Q6_K 563.7 -> 547.4 us, Q4_K 460.8 -> 453.8, Q5_K
+// 511.1 -> 521.3 (within the spread); 4096x4096 N = 512 Q6_K 50.9 -> 50.0.
 #pragma once
 
 #include "common/mbarrier.cuh"
@@ -218,10 +221,11 @@ template <bool HIGH> struct FragDeqK45 {
         const uint32_t mp = st >= 2 ? ((w2 >> 4) & 0x0F0Fu) | ((w1 >> 2) & 0x3030u) : w1 & 0x3F3Fu;
         // (sc_2st, sc_2st+1 / 16) and -1024 times them, exact; -c split into two halves
         const __half2 sc = __hmul2(__hsub2(as_h2(spread64(scp)), as_h2(0x64006400u)), __floats2half2_rn(1.0f, 0.0625f));
-        const float dmin = __half2float(__ushort_as_half(r.head.x >> 16));
-        const float c0 = dmin * (float)(mp & 0xFFu), c1 = dmin * (float)(mp >> 8);  // exact
-        const __half2 nc_hi = __floats2half2_rn(-c0, -c1);
-        const __half2 nc_lo = __floats2half2_rn(-c0 - __low2float(nc_hi), -c1 - __high2float(nc_hi));
+        // c = dmin * m and its halves in f16 arithmetic: c_hi = f16(c), c_lo = f16(c - c_hi) (the
+        // FMA's exact residual rounded once), the values the f32 split gives, without its conversions
+        const __half2 m2 = __hsub2(as_h2(spread64(mp)), as_h2(0x64006400u)), dmin2 = __high2half2(as_h2(r.head.x));
+        const __half2 c_hi = __hmul2(dmin2, m2), c_lo = __hfma2(dmin2, m2, __hneg2(c_hi));
+        const __half2 nc_hi = __hneg2(c_hi), nc_lo = __hneg2(c_lo);
         const __half2 sc_off = __hmul2(sc, __float2half2_rn(-1024.0f)), d2 = h2_low(r.head.x);
         // sub-block s (0: low nibbles, 1: high nibbles) of halves h = 1024 + q (1024 + 16 q)
         auto value = [&](uint32_t h, int s) {
@@ -267,13 +271,14 @@ template <> struct FragDeq<QT_Q6_K> {
     }
     static CUKERN_DEVICE void convert(uint32_t (&o)[8], const Raw& r, int st) {
         const int sh = 4 * (st & 1);
-        const float d = __half2float(__ushort_as_half(r.d));
-        float a[4];  // the four scales a = d * sc (exact in f32), split into halves two at a time
-#pragma unroll
-        for (int i = 0; i < 4; ++i) a[i] = d * (float)(int8_t)(r.sc >> (8 * i));
-        const __half2 hi[2] = {__floats2half2_rn(a[0], a[1]), __floats2half2_rn(a[2], a[3])};
-        const float2 h01 = __half22float2(hi[0]), h23 = __half22float2(hi[1]);
-        const __half2 lo[2] = {__floats2half2_rn(a[0] - h01.x, a[1] - h01.y), __floats2half2_rn(a[2] - h23.x, a[3] - h23.y)};
+        // the four scales a = d * sc split into halves two at a time in f16 arithmetic: the int8 sc
+        // exact as halves (byte b -> 0x64 | (b ^ 0x80) = 1152 + b), hi = f16(a), lo = f16(a - hi)
+        // (the FMA's exact residual rounded once): the f32 split's values, without its conversions
+        const __half2 d2 = h2_low(r.d);
+        const __half2 sc[2] = {__hsub2(as_h2(lanes2<0>(r.sc) ^ 0x64806480u), as_h2(0x64806480u)),
+                               __hsub2(as_h2(lanes2<1>(r.sc) ^ 0x64806480u), as_h2(0x64806480u))};
+        const __half2 hi[2] = {__hmul2(d2, sc[0]), __hmul2(d2, sc[1])};
+        const __half2 lo[2] = {__hfma2(d2, sc[0], __hneg2(hi[0])), __hfma2(d2, sc[1], __hneg2(hi[1]))};
         // halves 1024 + q: (q - 32) exactly, then fma(q - 32, hi(a), (q - 32) lo(a)) with scale i
         auto value = [&](uint32_t h, int i) {
             const __half2 q = __hsub2(as_h2(h), as_h2(0x64206420u));
