@@ -216,6 +216,13 @@ def test_quantize_q8_reference():
     assert np.all(np.abs(bh - b) <= d / 2 * (1 + 1e-6))
     assert np.all(xh[1, 32:64] == 0.0)
     np.testing.assert_allclose(np.abs(bh).max(-1), np.abs(b).max(-1), rtol=1e-6)
+    # max|x| = 127 gives d = 127 * f32(1/127) = 1 exactly: halves round to even (the kernel's FMA
+    # with 1.5 * 2^23), not away from zero
+    ties = np.zeros(32, np.float32)
+    ties[:8] = [127, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5]
+    q, d1 = ref.quantize_q8_blocks(ties)
+    assert d1[0] == 1.0
+    np.testing.assert_array_equal(q[:8], [127, 0, 2, 2, 0, -2, -2, 126])
 
 
 def test_rejects_host_buffers_and_unknown_types():

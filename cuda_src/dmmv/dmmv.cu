@@ -176,8 +176,7 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8_two(
     const q8::Smem<QT, LU, ST, NC> sm(smem, nw, p.k);
     const auto prepare = [&] {
         for (int c = 0; c < NC; ++c)
-            q8::quantize_x<QT>(x + (size_t)c * p.x_stride, p.k, sm.xq + (size_t)c * p.k,
-                                                    sm.xi + c * (p.k / 32));
+            q8::quantize_x<QT>(x + (size_t)c * p.x_stride, p.k, sm.xq + (size_t)c * p.k, sm.xi + c * (p.k / 32));
         __syncthreads();
     };
     const uint8_t* const mat1 = w + p.w_offset;

@@ -242,8 +242,8 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) moe_down_q8(
         p.k, [] {},
         [&] {
             for (uint32_t c = 0; c < nv; ++c)
-                q8::quantize_x<QT>(h + (size_t)(t * p.top_k + valid[c]) * p.k, p.k,
-                                                        xq + (size_t)c * p.k, xi + c * (p.k / 32));
+                q8::quantize_x<QT>(h + (size_t)(t * p.top_k + valid[c]) * p.k, p.k, xq + (size_t)c * p.k,
+                                   xi + c * (p.k / 32));
             __syncthreads();
         },
         [&](uint32_t v, const float (&d)[1]) { dots[v] = d[0]; });

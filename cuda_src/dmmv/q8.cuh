@@ -412,7 +412,7 @@ CUKERN_DEVICE float rcp_normal(float d) {
 // a SIMT warp pays for one per round whichever lanes compute it), each value an FMA
 // (q8_round_bits), its half sums two shuffles (SUMS; without, XInfo's sums are 0: for types whose
 // dot products never read them, x_sums).
-// At k = 14336 on 32 warps that is ~200 instructions per warp (SASS, one iteration, MXFP4); the
+// At k = 14336 on 32 warps that is ~160 instructions per warp (SASS, one iteration, MXFP4); the
 // 8-lanes-per-block layout with a division per block and a conversion per value took ~500, a
 // quarter of the int8 matvec's instructions there (ncu source counters), all of them on the
 // critical path between pdl_wait and the first dot product.
