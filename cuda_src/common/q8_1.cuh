@@ -31,10 +31,15 @@ CUKERN_DEVICE int q8_1_quantize(float x, float inv_d) {
     return __float2int_rz(copysignf(fabsf(x * inv_d) + 0.5f, x));
 }
 
+// The low bytes of a, b, c, d as one word, a's in the low byte (four int8 from their 32-bit forms).
+CUKERN_DEVICE uint32_t pack_low_bytes4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+    return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
+}
+
 // The four values of v quantized (q8_1_quantize) and packed as int8 bytes, v.x in the low byte.
 CUKERN_DEVICE uint32_t q8_1_quantize4(float4 v, float inv_d) {
-    return __byte_perm(__byte_perm(q8_1_quantize(v.x, inv_d), q8_1_quantize(v.y, inv_d), 0x0040),
-                       __byte_perm(q8_1_quantize(v.z, inv_d), q8_1_quantize(v.w, inv_d), 0x0040), 0x5410);
+    return pack_low_bytes4(q8_1_quantize(v.x, inv_d), q8_1_quantize(v.y, inv_d), q8_1_quantize(v.z, inv_d),
+                           q8_1_quantize(v.w, inv_d));
 }
 
 // A quarter of a block: 8 consecutive lanes hold one block, lane j = lane % 8 its values 4j..4j+3.

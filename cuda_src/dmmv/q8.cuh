@@ -23,6 +23,7 @@
 
 #include "common/mbarrier.cuh"
 #include "common/mma.cuh"
+#include "common/q8_1.cuh"
 #include "common/quants.cuh"
 #include "common/reduce.cuh"
 
@@ -390,8 +391,8 @@ CUKERN_DEVICE uint32_t q8_round_bits(float x, float inv) { return __float_as_uin
 
 // The four values of v rounded (q8_round_bits) and packed as int8, v.x in the low byte.
 CUKERN_DEVICE uint32_t q8_quantize4(float4 v, float inv) {
-    return __byte_perm(__byte_perm(q8_round_bits(v.x, inv), q8_round_bits(v.y, inv), 0x0040),
-                       __byte_perm(q8_round_bits(v.z, inv), q8_round_bits(v.w, inv), 0x0040), 0x5410);
+    return pack_low_bytes4(q8_round_bits(v.x, inv), q8_round_bits(v.y, inv), q8_round_bits(v.z, inv),
+                           q8_round_bits(v.w, inv));
 }
 
 // 1/d correctly rounded for a normal d below 2^126: __frcp_rn's fast path (one approximation and

@@ -194,6 +194,14 @@ template <> struct FragDeq<QT_Q5_0> : FragDeqQ0<true> {};
 // then fma(q - 32, hi(a), (q - 32) lo(a)) with a = d * sc split the same way.
 // cukern.reference.matmul.wgr_values is this arithmetic in float64.
 
+// a * b as two halves, hi = f16(a b) and lo = f16(a b - hi) (the FMA's exact residual rounded
+// once): for a b exact in f32, the values of its f32 split, without conversions.
+CUKERN_DEVICE __half2 split_product(__half2 a, __half2 b, __half2& lo) {
+    const __half2 hi = __hmul2(a, b);
+    lo = __hfma2(a, b, __hneg2(hi));
+    return hi;
+}
+
 // [0x64, b1, 0x64, b0]: bytes 0 and 1 of x (HI: bytes 2 and 3) as the f16 pair 1024 + b.
 template <int HI = 0> CUKERN_DEVICE uint32_t spread64(uint32_t x) {
     return __byte_perm(x, 0x64646464u, HI ? 0x5342 : 0x5140);
@@ -221,10 +229,10 @@ template <bool HIGH> struct FragDeqK45 {
         const uint32_t mp = st >= 2 ? ((w2 >> 4) & 0x0F0Fu) | ((w1 >> 2) & 0x3030u) : w1 & 0x3F3Fu;
         // (sc_2st, sc_2st+1 / 16) and -1024 times them, exact; -c split into two halves
         const __half2 sc = __hmul2(__hsub2(as_h2(spread64(scp)), as_h2(0x64006400u)), __floats2half2_rn(1.0f, 0.0625f));
-        // c = dmin * m and its halves in f16 arithmetic: c_hi = f16(c), c_lo = f16(c - c_hi) (the
-        // FMA's exact residual rounded once), the values the f32 split gives, without its conversions
+        // c = dmin * m split into halves (split_product)
         const __half2 m2 = __hsub2(as_h2(spread64(mp)), as_h2(0x64006400u)), dmin2 = __high2half2(as_h2(r.head.x));
-        const __half2 c_hi = __hmul2(dmin2, m2), c_lo = __hfma2(dmin2, m2, __hneg2(c_hi));
+        __half2 c_lo;
+        const __half2 c_hi = split_product(dmin2, m2, c_lo);
         const __half2 nc_hi = __hneg2(c_hi), nc_lo = __hneg2(c_lo);
         const __half2 sc_off = __hmul2(sc, __float2half2_rn(-1024.0f)), d2 = h2_low(r.head.x);
         // sub-block s (0: low nibbles, 1: high nibbles) of halves h = 1024 + q (1024 + 16 q)
@@ -271,14 +279,12 @@ template <> struct FragDeq<QT_Q6_K> {
     }
     static CUKERN_DEVICE void convert(uint32_t (&o)[8], const Raw& r, int st) {
         const int sh = 4 * (st & 1);
-        // the four scales a = d * sc split into halves two at a time in f16 arithmetic: the int8 sc
-        // exact as halves (byte b -> 0x64 | (b ^ 0x80) = 1152 + b), hi = f16(a), lo = f16(a - hi)
-        // (the FMA's exact residual rounded once): the f32 split's values, without its conversions
+        // the four scales a = d * sc split into halves two at a time (split_product), the int8 sc
+        // exact as halves (byte b -> 0x64 | (b ^ 0x80) = 1152 + b)
         const __half2 d2 = h2_low(r.d);
-        const __half2 sc[2] = {__hsub2(as_h2(lanes2<0>(r.sc) ^ 0x64806480u), as_h2(0x64806480u)),
-                               __hsub2(as_h2(lanes2<1>(r.sc) ^ 0x64806480u), as_h2(0x64806480u))};
-        const __half2 hi[2] = {__hmul2(d2, sc[0]), __hmul2(d2, sc[1])};
-        const __half2 lo[2] = {__hfma2(d2, sc[0], __hneg2(hi[0])), __hfma2(d2, sc[1], __hneg2(hi[1]))};
+        __half2 hi[2], lo[2];
+        hi[0] = split_product(d2, __hsub2(as_h2(lanes2<0>(r.sc) ^ 0x64806480u), as_h2(0x64806480u)), lo[0]);
+        hi[1] = split_product(d2, __hsub2(as_h2(lanes2<1>(r.sc) ^ 0x64806480u), as_h2(0x64806480u)), lo[1]);
         // halves 1024 + q: (q - 32) exactly, then fma(q - 32, hi(a), (q - 32) lo(a)) with scale i
         auto value = [&](uint32_t h, int i) {
             const __half2 q = __hsub2(as_h2(h), as_h2(0x64206420u));
