@@ -2,7 +2,7 @@
 launch), the stand-alone merge of the same states, at B1 KV8192 and KV64 32/8 D128 f16, for a few split
 counts. Scratch tool for tuning; PROBE_NCU_SPLITS=n and PROBE_NCU_PREFILL=1 make targets for ncu;
 PROBE_ROWS=decode,prefill prints just the benchmark rows of the issue's targets (with their peers; decode
-plain and pdl), PROBE_ROWS=sweep block shapes x split counts (PROBE_SWEEP_KV, PROBE_SWEEP_SPLITS),
+plain and pdl; PROBE_DECODE=1x8192x32x8x128,... a subset of the decode rows), PROBE_ROWS=sweep block shapes x split counts (PROBE_SWEEP_KV, PROBE_SWEEP_SPLITS),
 PROBE_ROWS=wide head_dim 256 with one KV head by split count (PROBE_WIDE_SPLITS); sweep and wide rows with the
 split states merged in the decode's last block and apart (merge_states launched after it), PROBE_APART=0,1.
 
@@ -31,7 +31,18 @@ page-table loads off the length (clamped to the page-table row without a window)
     15 clusters of 8, 7 of 16, so a 16-split grid of 8 KV heads does not fit one wave. Not kept.
   * Every ring stage filled in the prologue (NS tiles in flight before q is read, a stage refilled after its
     tile is computed) instead of NS - 1: correct, but B1 KV8k 17.82 against 17.14 us, 8/1 D256 14.12
-    against 13.17, 4/1 D256 11.58 against 10.98 (KV128k and B32 KV4k unchanged). Not kept."""
+    against 13.17, 4/1 D256 11.58 against 10.98 (KV128k and B32 KV4k unchanged). Not kept.
+
+2026-11-26, seventh session (H100, pdl, graph; old and new sources in turns, PROBE_DECODE rows):
+  * The split states as flagged words (each f32 beside a per-launch flag in one 64-bit relaxed store; the
+    flag a per-(query, head block) counter + 1 read after pdl_wait and advanced by the merger), merged by
+    the block of the last split, which waits for the flags: no fence, no atomic, no last-block election.
+    Correct (56 decode/merge GPU tests passed, plus a test that stale words are never merged), but slower:
+    B1 KV8k 32/8 D128 17.71-17.98 us against 17.20-17.23, KV32k 51.1-51.5 against 49.4-49.9; and the
+    merge_apart row 8/1 D256, which takes none of it, 14.35-14.45 against 13.58-13.70 (decode_tc<256, 4>
+    at the 255-register cap with the flag live across its main loop). So the fence and the counter are
+    not where the ~3 us of the merge go; the merging block's 64 KB of L2 reads (doubled by the flags)
+    and its single-SM combine are the likelier cost. Not kept."""
 from __future__ import annotations
 
 import itertools
@@ -107,8 +118,11 @@ def target_rows(which: str) -> None:
     attn_pdl = AttentionDispatch(pdl=True)
     aparts = [bool(int(x)) for x in os.environ.get("PROBE_APART", "0,1").split(",")]  # where split states merge
     if "decode" in which:
-        for args in [(1, 8192, 32, 8, 128), (1, 32768, 32, 8, 128), (1, 131072, 32, 8, 128), (32, 4096, 32, 8, 128),
-                     (1, 8192, 8, 1, 256), (1, 8192, 4, 1, 256), (1, 512, 4, 1, 256)]:
+        cases = [(1, 8192, 32, 8, 128), (1, 32768, 32, 8, 128), (1, 131072, 32, 8, 128), (32, 4096, 32, 8, 128),
+                 (1, 8192, 8, 1, 256), (1, 8192, 4, 1, 256), (1, 512, 4, 1, 256)]
+        if os.environ.get("PROBE_DECODE"):  # a subset, e.g. 1x8192x32x8x128,1x32768x32x8x128 (batch x kv x h x hk x d)
+            cases = [tuple(int(v) for v in c.split("x")) for c in os.environ["PROBE_DECODE"].split(",")]
+        for args in cases:
             for r in b._decode_rows(attn, ceil, rng, *args, attn_pdl=attn_pdl):
                 show(r)
     if "sweep" in which:  # decode_tc's block shapes x split counts x KV lengths (B1 32/8 D128), plain and pdl
