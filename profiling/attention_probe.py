@@ -39,10 +39,10 @@ page-table loads off the length (clamped to the page-table row without a window)
     the block of the last split, which waits for the flags: no fence, no atomic, no last-block election.
     Correct (56 decode/merge GPU tests passed, plus a test that stale words are never merged), but slower:
     B1 KV8k 32/8 D128 17.71-17.98 us against 17.20-17.23, KV32k 51.1-51.5 against 49.4-49.9; and the
-    merge_apart row 8/1 D256, which takes none of it, 14.35-14.45 against 13.58-13.70 (decode_tc<256, 4>
-    at the 255-register cap with the flag live across its main loop). So the fence and the counter are
-    not where the ~3 us of the merge go; the merging block's 64 KB of L2 reads (doubled by the flags)
-    and its single-SM combine are the likelier cost. Not kept."""
+    merge_apart row 8/1 D256, which takes none of it, 14.35-14.45 against 13.58-13.70 (not explained; one
+    guess: decode_tc<256, 4> went from 254 to 255 registers with the flag live across its main loop). So the
+    fence and the counter are not where the ~3 us of the merge go; the merging block's 64 KB of L2 reads
+    (doubled by the flags) and its single-SM combine are the likelier cost. Not kept."""
 from __future__ import annotations
 
 import itertools
