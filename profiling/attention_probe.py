@@ -42,7 +42,19 @@ page-table loads off the length (clamped to the page-table row without a window)
     merge_apart row 8/1 D256, which takes none of it, 14.35-14.45 against 13.58-13.70 (not explained; one
     guess: decode_tc<256, 4> went from 254 to 255 registers with the flag live across its main loop). So the
     fence and the counter are not where the ~3 us of the merge go; the merging block's 64 KB of L2 reads
-    (doubled by the flags) and its single-SM combine are the likelier cost. Not kept."""
+    (doubled by the flags) and its single-SM combine are the likelier cost. Not kept.
+  * Where the fused merge's ~3 us go at B1 KV8k 32/8 D128 (macro-guarded variants of decode_finish, two
+    rounds in turns): whole 17.13 us; without the merge's loads and combine (the elected block writes
+    zeros) 15.20; without the two fences (timing only) 16.1; without anything after the partial writes
+    14.1. So ~1.9 us are the merging block's own work and ~1 us the fences. Kept: the election by one
+    acq_rel atomic of thread 0 after the barrier (one MEMBAR.ALL + the atomic + an L1 invalidate, where
+    every thread's fence.sc, the atomic and a second fence were), and the merge's columns split over
+    pairs of threads where the block has twice as many threads as (head, float4 column)s (each merging
+    every other state, combined by shuffles): KV8k 17.18-17.23 -> 16.41-16.47 us (66 -> 69% of copy),
+    KV32k 49.1 -> 48.8-48.9, KV128k unchanged (191.0-191.6).
+  * Layout: B8 with one KV head each (every head's page rows contiguous, 4 KB per page) against B1 with
+    8 KV heads (a head's 256-byte rows 2 KB apart), the same bytes: KV128k 193.2 / 191.3 us, KV32k
+    49.7 / 49.6 (pdl). The interleaved page layout costs nothing measurable."""
 from __future__ import annotations
 
 import itertools

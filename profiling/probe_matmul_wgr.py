@@ -3,7 +3,7 @@ gemm_f16 (mma.sync) as CUDA-graph replays (device time, no Python launch cost), 
 cuBLAS and cuBLAS alone over back-to-back eager calls (cuBLAS cannot be captured through CuPy),
 plus variants of gemm_wgr that skip parts of the work (CUKERN_WGR_SKIP in gemm_wgr.cuh) to see what
 limits it. Not the benchmark of record (bench_matmul.py is): a table for choosing tiles.
-Run: PYTHONPATH=. python profiling/probe_matmul_wgr.py [--skips | --ab]
+Run: PYTHONPATH=. python profiling/probe_matmul_wgr.py [--skips | --ab | --plans]
 (PROBE_TYPES=Q8_0,Q4_K; PROBE_CASES=4096x4096x2048,...; PROBE_DEFINES=NAME=1;NAME2=0,NAME=2: one
 variant of gemm_wgr<QT, 256> per comma-separated set of defines, timed beside the default)
 
@@ -15,6 +15,11 @@ Measured (H100, 2026-11-26, graph replays; the eager peers in the same run):
   272 / 347 / 319.
   4096x4096 N = 512: 128-token tiles Q8_0 46 us, Q4_K 52-58, Q6_K 60-61; 256-token tiles (64 CTAs)
   55 / 58-64 / 64-66.
+  2026-11-26, seventh session (--plans, 4096x4096 N = 512, medians of 4 rounds in turns, eager as the
+  benchmark times them): _wgr_plan's 256/2 (tile / K slices) is the fastest plan for Q6_K (49.4 us,
+  0.98x deq + cuBLAS), Q5_0 (45.7, 0.98x) and Q4_K (43.1, 1.05x); then 128/1 (54.9 / 49.4 / 42.7),
+  256/4 (59.2 / 55.5 / 52.5), 256/1 (70.8 / 62.1 / 55.7). The two rows short of the peer need a faster
+  kernel, not another plan.
 """
 
 from __future__ import annotations
@@ -76,6 +81,45 @@ def ab(mm: MatmulDispatch, cases, rounds: int = 6) -> None:
             cupy.get_default_memory_pool().free_all_blocks()
 
 
+def plans(mm: MatmulDispatch, cases, rounds: int = 4) -> None:
+    """--plans: gemm_wgr at every (token tile, K slices) of PROBE_SPLITS (default 1-4) beside the plan
+    _wgr_plan picks and dequantize + cuBLAS, all as the benchmark times them (10 eager calls back to
+    back), in turns; medians of the rounds."""
+    rng = cupy.random.default_rng(1)
+    splits = [int(x) for x in os.environ.get("PROBE_SPLITS", "1,2,3,4").split(",")]
+    for name in os.environ.get("PROBE_TYPES", "Q6_K,Q5_0").split(","):
+        q = _BY_NAME[name]
+        for (m, k, n) in cases:
+            ws = [random_weight_device(name, m, k, rng) for _ in range(3)]
+            dense = cupy.empty((m, k), cupy.float16)
+            b = rng.standard_normal((n, k), dtype=cupy.float32).astype(cupy.float16)
+            d = cupy.empty((n, m), cupy.float32)
+            d16 = cupy.empty((n, m), cupy.float16)
+            _, nxt = rotating(3, lambda i: ws[i])
+            picked = mm._wgr_plan(n, -(-m // M._ROW_TILE), k, True)
+
+            def run(bt, split):
+                mm.WG_TILE = bt
+                try:
+                    return time_stream_us(lambda: mm.gemm(nxt(), b, d, wgmma=True, split_k=split))
+                finally:
+                    mm.WG_TILE = None
+            fns = {f"{bt}/{s}": (lambda bt=bt, s=s: run(bt, s)) for bt in M._WG_TILES for s in splits}
+            fns["deq+cuBLAS"] = lambda: time_stream_us(lambda: (mm.dequantize(nxt(), dense),
+                                                                cupy.matmul(b, dense.T, out=d16)))
+            times = {key: [] for key in fns}
+            for r in range(rounds):
+                keys = list(fns)
+                for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+                    times[key].append(fns[key]())
+            med = {key: sorted(t)[len(t) // 2] for key, t in times.items()}
+            peer = med.pop("deq+cuBLAS")
+            print(f"{name} {m}x{k} N={n} (plan {picked[0]}/{picked[1]}): deq+cuBLAS {peer:.1f} us | "
+                  + " | ".join(f"{key} {us:.1f} ({peer / us:.2f}x)" for key, us in med.items()), flush=True)
+            ws = dense = None
+            cupy.get_default_memory_pool().free_all_blocks()
+
+
 def main() -> None:
     mm = MatmulDispatch()
     rng = cupy.random.default_rng(1)
@@ -84,6 +128,8 @@ def main() -> None:
         cases = [tuple(int(v) for v in c.split("x")) for c in os.environ["PROBE_CASES"].split(",")]
     if "--ab" in sys.argv:
         return ab(mm, cases)
+    if "--plans" in sys.argv:
+        return plans(mm, cases)
     for name in os.environ.get("PROBE_TYPES", "Q8_0,Q4_K,Q6_K,Q5_0").split(","):
         q = _BY_NAME[name]
         for (m, k, n) in cases:

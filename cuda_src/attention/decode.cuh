@@ -89,6 +89,67 @@ CUKERN_DEVICE QueryRange decode_range(const int32_t* __restrict__ lengths, const
     return r;
 }
 
+// An online merge of states of one (head, float4 column): the running maximum mu of their
+// natural-log LSEs, den = sum of exp(LSE_s - mu), a = sum of exp(LSE_s - mu) O_s.
+struct MergeAcc {
+    float mu = -INFINITY, den = 0.0f;
+    float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    // this lane's and its neighbour's (lane ^ 1) merges combined, in both lanes
+    CUKERN_DEVICE void combine_pair() {
+        const float mu1 = __shfl_xor_sync(0xffffffffu, mu, 1), den1 = __shfl_xor_sync(0xffffffffu, den, 1);
+        float4 a1;
+        a1.x = __shfl_xor_sync(0xffffffffu, a.x, 1);
+        a1.y = __shfl_xor_sync(0xffffffffu, a.y, 1);
+        a1.z = __shfl_xor_sync(0xffffffffu, a.z, 1);
+        a1.w = __shfl_xor_sync(0xffffffffu, a.w, 1);
+        const float m = fmaxf(mu, mu1), f0 = __expf(mu - safe_max(m)), f1 = __expf(mu1 - safe_max(m));
+        mu = m;
+        den = den * f0 + den1 * f1;
+        a = make_float4(a.x * f0 + a1.x * f1, a.y * f0 + a1.y * f1, a.z * f0 + a1.z * f1, a.w * f0 + a1.w * f1);
+    }
+};
+
+// Adds states first, first + step, ... (< ns) of one column to m: their LSEs (ls[s * nh]) and O columns
+// (src[s * stride]) loaded MB at a time, all in flight together (an empty state has LSE -inf and O 0).
+template <int MB>
+CUKERN_DEVICE void merge_column(MergeAcc& m, const float4* src, uint64_t stride, const float* ls, uint32_t nh,
+                                uint32_t first, uint32_t step, uint32_t ns) {
+    for (uint32_t s0 = first; s0 < ns; s0 += MB * step) {
+        float4 x[MB];
+        float ll[MB];
+#pragma unroll
+        for (int u = 0; u < MB; ++u) {
+            const uint32_t s = s0 + u * step;
+            const bool ok = s < ns;
+            ll[u] = ok ? __ldcg(ls + (uint64_t)s * nh) : -INFINITY;
+            x[u] = ok ? __ldcg(src + s * stride) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+        float mx = m.mu;
+#pragma unroll
+        for (int u = 0; u < MB; ++u) mx = fmaxf(mx, ll[u]);
+        const float f = __expf(m.mu - safe_max(mx));  // rescales what was summed against the old maximum
+        m.mu = mx;
+        m.den *= f;
+        m.a = make_float4(m.a.x * f, m.a.y * f, m.a.z * f, m.a.w * f);
+#pragma unroll
+        for (int u = 0; u < MB; ++u) {
+            const float ws = __expf(ll[u] - safe_max(mx));
+            m.den += ws;
+            m.a.x = fmaf(ws, x[u].x, m.a.x);
+            m.a.y = fmaf(ws, x[u].y, m.a.y);
+            m.a.z = fmaf(ws, x[u].z, m.a.z);
+            m.a.w = fmaf(ws, x[u].w, m.a.w);
+        }
+    }
+}
+
+// atomicAdd with acquire-release semantics at device scope (the old value).
+CUKERN_DEVICE int32_t atomic_add_acq_rel_gpu(int32_t* p, int32_t v) {
+    int32_t old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
+
 // The end of every decode block. On entry (after a barrier) red[w][g][0..D) holds warp w's output of
 // head g relative to its maximum sm_m[w][g] (base 2), with the sum of weights sm_l[w][g]. Combines the
 // warps, then writes the final O / LSE (n_splits == 1, sinks added here) or the block's normalised
@@ -141,58 +202,43 @@ CUKERN_DEVICE void decode_finish(
     }
     if (!split_mode || p.merge_apart) return;  // merge_apart: merge_states, launched next, merges them
 
-    // ---- split mode: the last block of this (query, head block) to finish merges the n_splits states
-    __threadfence();  // this block's partials are visible device-wide before it is counted
+    // ---- split mode: the last block of this (query, head block) to count merges the n_splits states.
+    // Thread 0's acq_rel add publishes the block's partials (every thread's stores, ordered before it by
+    // the barrier: a release is cumulative) and, in the last block, acquires the other blocks' (the
+    // barrier after it orders every thread's loads below): one atomic where a fence in every thread,
+    // the atomic and a second fence were.
     __syncthreads();
     int32_t* const counter = counters + (uint64_t)qi * gridDim.y + blockIdx.y;
-    if (threadIdx.x == 0) sm_last = atomicAdd(counter, 1) == (int32_t)p.n_splits - 1;
+    if (threadIdx.x == 0) sm_last = atomic_add_acq_rel_gpu(counter, 1) == (int32_t)p.n_splits - 1;
     __syncthreads();
     if (!sm_last) return;
-    __threadfence();  // the other blocks' partials, read through L2 (__ldcg) below
-    // one pass per (head, float4 column): the states' LSEs and O columns are loaded MB at a time, all in
-    // flight together, and combined online (a running maximum mu of the natural-log LSEs, the sink's
-    // exp(sink - mu) joining the denominator once)
+    // One (head, float4 column) per thread, or per pair of threads where the block has twice as many
+    // threads as columns (each pair member merging every other state, the pair combined by a shuffle:
+    // half the dependent chain after the loads).
     const uint32_t ns = p.n_splits, nh = p.n_heads;
     constexpr int D4 = D / 4;
-    constexpr int MB = 16;  // states in flight together (an empty state has LSE -inf and O 0)
-    for (int idx = threadIdx.x; idx < n_h * D4; idx += NT) {
-        const int g = idx / D4, c = idx % D4;
+    const int items = n_h * D4, parts = 2 * items <= NT ? 2 : 1;
+    for (int base = 0; base < items * parts; base += NT) {  // the same trip count in every thread (shuffles)
+        const int t = base + (int)threadIdx.x, part = t % parts, idx = t / parts;
+        const bool active = idx < items;
+        const int g = active ? idx / D4 : 0, c = idx % D4;
         const float4* src = reinterpret_cast<const float4*>(o_part + ((uint64_t)qi * ns * nh + h0 + g) * D) + c;
-        const uint64_t stride = (uint64_t)nh * D4;  // float4s between consecutive states
         const float* ls = lse_part + (uint64_t)qi * ns * nh + h0 + g;  // state s at ls[s * nh]
-        float mu = p.has_sinks ? sinks[h0 + g] : -INFINITY;
-        float den = p.has_sinks ? 1.0f : 0.0f;  // sum of exp(LSE_s - mu) (and exp(sink - mu))
-        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        for (uint32_t s0 = 0; s0 < ns; s0 += MB) {
-            float4 x[MB];
-            float ll[MB];
-#pragma unroll
-            for (int u = 0; u < MB; ++u) {
-                const bool ok = s0 + u < ns;
-                ll[u] = ok ? __ldcg(ls + (uint64_t)(s0 + u) * nh) : -INFINITY;
-                x[u] = ok ? __ldcg(src + (s0 + u) * stride) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            }
-            float mx = mu;
-#pragma unroll
-            for (int u = 0; u < MB; ++u) mx = fmaxf(mx, ll[u]);
-            const float f = __expf(mu - safe_max(mx));  // rescales what was summed against the old maximum
-            mu = mx;
-            den *= f;
-            a = make_float4(a.x * f, a.y * f, a.z * f, a.w * f);
-#pragma unroll
-            for (int u = 0; u < MB; ++u) {
-                const float ws = __expf(ll[u] - safe_max(mu));
-                den += ws;
-                a.x = fmaf(ws, x[u].x, a.x);
-                a.y = fmaf(ws, x[u].y, a.y);
-                a.z = fmaf(ws, x[u].z, a.z);
-                a.w = fmaf(ws, x[u].w, a.w);
-            }
+        MergeAcc m;  // the sink's exp(sink - mu) joins the denominator once
+        m.mu = p.has_sinks && part == 0 && active ? sinks[h0 + g] : -INFINITY;
+        m.den = p.has_sinks && part == 0 && active ? 1.0f : 0.0f;
+        if (active) {
+            if (parts == 2) merge_column<8>(m, src, (uint64_t)nh * D4, ls, nh, part, 2, ns);
+            else merge_column<16>(m, src, (uint64_t)nh * D4, ls, nh, 0, 1, ns);
         }
-        const float inv = den > 0.0f ? 1.0f / den : 0.0f;
-        const uint64_t row = (uint64_t)qi * nh + h0 + g;
-        reinterpret_cast<float4*>(o + row * D)[c] = make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
-        if (c == 0 && p.write_lse) lse[row] = den > 0.0f ? mu + logf(den) : -INFINITY;
+        if (parts == 2) m.combine_pair();
+        if (active && part == 0) {
+            const float inv = m.den > 0.0f ? 1.0f / m.den : 0.0f;
+            const uint64_t row = (uint64_t)qi * nh + h0 + g;
+            reinterpret_cast<float4*>(o + row * D)[c] =
+                make_float4(m.a.x * inv, m.a.y * inv, m.a.z * inv, m.a.w * inv);
+            if (c == 0 && p.write_lse) lse[row] = m.den > 0.0f ? m.mu + logf(m.den) : -INFINITY;
+        }
     }
     if (threadIdx.x == 0) *counter = 0;  // every block of this row has counted: ready for the next launch
 }
