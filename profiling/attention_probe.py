@@ -54,7 +54,13 @@ page-table loads off the length (clamped to the page-table row without a window)
     KV32k 49.1 -> 48.8-48.9, KV128k unchanged (191.0-191.6).
   * Layout: B8 with one KV head each (every head's page rows contiguous, 4 KB per page) against B1 with
     8 KV heads (a head's 256-byte rows 2 KB apart), the same bytes: KV128k 193.2 / 191.3 us, KV32k
-    49.7 / 49.6 (pdl). The interleaved page layout costs nothing measurable."""
+    49.7 / 49.6 (pdl). The interleaved page layout costs nothing measurable.
+  * Sweep after the merge change (PROBE_ROWS=sweep, fused merge, pdl; the plan's pick w8 s16 at all three):
+    KV8k w8 s8/16/24/33 17.6/16.5/20.8/24.8 us, w4 22.1/17.6/18.6/18.2; KV32k w8 53.3/49.0/57.5/61.9, w4
+    68.6/51.8/55.5/51.8; KV128k w8 202.0/191.4/199.2/197.1, w4 250.8/205.6/206.7/188.2. Only KV128k has a
+    better configuration than the split model's (w4 s33, 1.7%: the model puts w4 s16 at 192 us where it
+    takes 206, two blocks per SM overlapping each other's tails); still 0.96x SDPA (180.6), so the model
+    was left as it is. memcheck (25 decode split tests) 0 errors; racecheck (7) 0 hazards."""
 from __future__ import annotations
 
 import itertools
