@@ -127,7 +127,7 @@ def main() -> None:
     if os.environ.get("PROBE_CASES"):  # "MxKxN,..."
         cases = [tuple(int(v) for v in c.split("x")) for c in os.environ["PROBE_CASES"].split(",")]
     if "--ab" in sys.argv:
-        return ab(mm, cases)
+        return ab(mm, cases, int(os.environ.get("PROBE_ROUNDS", "6")))
     if "--plans" in sys.argv:
         return plans(mm, cases)
     for name in os.environ.get("PROBE_TYPES", "Q8_0,Q4_K,Q6_K,Q5_0").split(","):

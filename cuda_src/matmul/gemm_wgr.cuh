@@ -62,7 +62,13 @@
 // best of six within 3% either way). Then the K-quants' scale splits in f16 arithmetic (the same
 // values, no f32 conversions): SASS per warp and stage Q6_K 312 -> 280-295, Q4_K / Q5_K -15; in turns
 // against the version before, 14336x4096 N = 2048 Q6_K 563.7 -> 547.4 us, Q4_K 460.8 -> 453.8, Q5_K
-// 511.1 -> 521.3 (within the spread); 4096x4096 N = 512 Q6_K 50.9 -> 50.0.
+// 511.1 -> 521.3 (within the spread); 4096x4096 N = 512 Q6_K 50.9 -> 50.0. Then Q5_0's fifth bits by
+// one permute per pair of halves (with the 0x6400 bits, FragDeqQ0) and spread64's 0x64646464 in a
+// register (bytes64): SASS per warp and stage Q5_0 195-266 -> 171-242, Q6_K 220-295 -> 203-280, Q4_K /
+// Q5_K -7 to -12; in turns against the version before (medians of 6-10 graph replays), 4096x4096 N =
+// 512 Q5_0 42.9 -> 42.0 and 44.8 -> 43.8 us, Q5_K 44.3 -> 43.5, 14336x4096 N = 2048 Q5_0 475 -> 466 and
+// 496 -> 481; Q6_K and Q4_K unchanged at both sizes (Q6_K 4096^2 N = 512 46.1 / 46.3, 48.0 / 48.1): at
+// N = 512 Q6_K is not bound by the conversion's instruction count.
 #pragma once
 
 #include "common/mbarrier.cuh"
@@ -175,12 +181,18 @@ template <bool HIGH> struct FragDeqQ0 {
         for (int h = 0; h < 2; ++h) {
             const __half2 d2 = h2_low(r.d[h]);
             const uint32_t l0 = lanes2<0>(r.q[h][0]), l1 = lanes2<0>(r.q[h][1]);
-            const uint32_t qh = HIGH ? r.qh[h] : 0u;
-            auto hb = [&](int e) { const uint32_t t = qh >> e; return (t & 1u) << 4 | (t & 2u) << 19; };
-            o[4 * h + 0] = q_scaled((l0 & 0x000F000Fu) | hb(0), kOff, d2);
-            o[4 * h + 1] = q_scaled((l1 & 0x000F000Fu) | hb(8), kOff, d2);
-            o[4 * h + 2] = q_scaled(((l0 >> 4) & 0x000F000Fu) | hb(16), kOff, d2);
-            o[4 * h + 3] = q_scaled(((l1 >> 4) & 0x000F000Fu) | hb(24), kOff, d2);
+            // the bits each pair of halves has beside its nibbles: 0x6400 (1024) and, Q5_0, bit 8k of qh
+            // at bit 4 of lane 0 and bit 8k + 1 at bit 4 of lane 1 (pair k: elements 8k + 2c, + 1), taken
+            // as byte k of qh << 4 and of qh << 3 side by side by one permute (its other bytes masked)
+            uint32_t hi[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+                hi[k] = HIGH ? (__byte_perm(r.qh[h] << 4, r.qh[h] << 3, 0x4400u + 0x1111u * k) & 0x00100010u) | 0x64006400u
+                             : 0x64006400u;
+            o[4 * h + 0] = h_scaled((l0 & 0x000F000Fu) | hi[0], kOff, d2);
+            o[4 * h + 1] = h_scaled((l1 & 0x000F000Fu) | hi[1], kOff, d2);
+            o[4 * h + 2] = h_scaled(((l0 >> 4) & 0x000F000Fu) | hi[2], kOff, d2);
+            o[4 * h + 3] = h_scaled(((l1 >> 4) & 0x000F000Fu) | hi[3], kOff, d2);
         }
     }
 };
@@ -202,9 +214,14 @@ CUKERN_DEVICE __half2 split_product(__half2 a, __half2 b, __half2& lo) {
     return hi;
 }
 
-// [0x64, b1, 0x64, b0]: bytes 0 and 1 of x (HI: bytes 2 and 3) as the f16 pair 1024 + b.
-template <int HI = 0> CUKERN_DEVICE uint32_t spread64(uint32_t x) {
-    return __byte_perm(x, 0x64646464u, HI ? 0x5342 : 0x5140);
+// 0x64646464, the bytes spread64 puts above each quant, as a value the compiler cannot fold (threadIdx.y
+// is 0: blocks are 1-D): as a constant, with spread64's selector a second one, SASS moved one of them into
+// a register before every permute (Q6_K: 16 moves per warp and stage).
+CUKERN_DEVICE uint32_t bytes64() { return 0x64646464u | threadIdx.y; }
+
+// [0x64, b1, 0x64, b0]: bytes 0 and 1 of x (HI: bytes 2 and 3) as the f16 pair 1024 + b; k64: bytes64().
+template <int HI = 0> CUKERN_DEVICE uint32_t spread64(uint32_t x, uint32_t k64) {
+    return __byte_perm(x, k64, HI ? 0x5342 : 0x5140);
 }
 
 // Q4_K / Q5_K: stage st holds sub-blocks 2 st (low nibbles of qs[32 st + l]) and 2 st + 1 (high
@@ -223,14 +240,15 @@ template <bool HIGH> struct FragDeqK45 {
     static CUKERN_DEVICE void convert(uint32_t (&o)[8], const Raw& r, int st) {
         // the 6-bit scales and mins of sub-blocks 2 st, 2 st + 1 from the header (d, dmin, 12 scale
         // bytes) as byte pairs (k4_scale_min's rule for both at once, no branch)
+        const uint32_t k64 = bytes64();
         const int sh = 16 * (st & 1);
         const uint32_t w0 = (r.head.y >> sh) & 0xFFFFu, w1 = (r.head.z >> sh) & 0xFFFFu, w2 = (r.head.w >> sh) & 0xFFFFu;
         const uint32_t scp = st >= 2 ? (w2 & 0x0F0Fu) | ((w0 >> 2) & 0x3030u) : w0 & 0x3F3Fu;
         const uint32_t mp = st >= 2 ? ((w2 >> 4) & 0x0F0Fu) | ((w1 >> 2) & 0x3030u) : w1 & 0x3F3Fu;
         // (sc_2st, sc_2st+1 / 16) and -1024 times them, exact; -c split into two halves
-        const __half2 sc = __hmul2(__hsub2(as_h2(spread64(scp)), as_h2(0x64006400u)), __floats2half2_rn(1.0f, 0.0625f));
+        const __half2 sc = __hmul2(__hsub2(as_h2(spread64(scp, k64)), as_h2(0x64006400u)), __floats2half2_rn(1.0f, 0.0625f));
         // c = dmin * m split into halves (split_product)
-        const __half2 m2 = __hsub2(as_h2(spread64(mp)), as_h2(0x64006400u)), dmin2 = __high2half2(as_h2(r.head.x));
+        const __half2 m2 = __hsub2(as_h2(spread64(mp, k64)), as_h2(0x64006400u)), dmin2 = __high2half2(as_h2(r.head.x));
         __half2 c_lo;
         const __half2 c_hi = split_product(dmin2, m2, c_lo);
         const __half2 nc_hi = __hneg2(c_hi), nc_lo = __hneg2(c_lo);
@@ -244,7 +262,7 @@ template <bool HIGH> struct FragDeqK45 {
         };
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            const uint32_t t = spread64(r.q[j]);
+            const uint32_t t = spread64(r.q[j], k64);
             uint32_t lo = t & 0xFF0FFF0Fu, hi = t & 0xFFF0FFF0u;
             if (HIGH) {  // the fifth bits: 16 (low), 16 * 16 (high)
                 const uint32_t th = lanes2<0>(r.h[j] >> (2 * st));
@@ -278,6 +296,7 @@ template <> struct FragDeq<QT_Q6_K> {
         }
     }
     static CUKERN_DEVICE void convert(uint32_t (&o)[8], const Raw& r, int st) {
+        const uint32_t k64 = bytes64();
         const int sh = 4 * (st & 1);
         // the four scales a = d * sc split into halves two at a time (split_product), the int8 sc
         // exact as halves (byte b -> 0x64 | (b ^ 0x80) = 1152 + b)
@@ -297,8 +316,8 @@ template <> struct FragDeq<QT_Q6_K> {
             const uint32_t q = __byte_perm(r.q0[j], r.q1[j], 0x5410);
             const uint32_t h = __byte_perm(r.qh[j], r.qh[j] >> 2, 0x5410);  // their two high bits at sh, sh + 1
             const uint32_t v = ((q >> sh) & 0x0F0F0F0Fu) | ((h >> sh) & 0x03030303u) << 4;
-            o[j] = value(spread64<0>(v), j / 2);
-            o[4 + j] = value(spread64<1>(v), 2 + j / 2);
+            o[j] = value(spread64<0>(v, k64), j / 2);
+            o[4 + j] = value(spread64<1>(v, k64), 2 + j / 2);
         }
     }
 };
