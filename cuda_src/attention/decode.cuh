@@ -28,6 +28,7 @@
 #include "common/kv_cache.cuh"
 #include "common/mma.cuh"
 #include "common/pdl.cuh"
+#include "common/sync.cuh"
 #include "common/types.cuh"
 #include "attention/common.cuh"  // before reduce.cuh: defines INFINITY, which NVRTC lacks
 #include "attention/params.cuh"
@@ -141,13 +142,6 @@ CUKERN_DEVICE void merge_column(MergeAcc& m, const float4* src, uint64_t stride,
             m.a.w = fmaf(ws, x[u].w, m.a.w);
         }
     }
-}
-
-// atomicAdd with acquire-release semantics at device scope (the old value).
-CUKERN_DEVICE int32_t atomic_add_acq_rel_gpu(int32_t* p, int32_t v) {
-    int32_t old;
-    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-    return old;
 }
 
 // The end of every decode block. On entry (after a barrier) red[w][g][0..D) holds warp w's output of

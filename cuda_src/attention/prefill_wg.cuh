@@ -29,6 +29,7 @@
 //   V (B, K = keys, N = columns): MN-major, LBO = R * 128 (next 64 columns), SBO 1024 (next 8 keys).
 #pragma once
 
+#include "common/sync.cuh"
 #include "common/wgmma.cuh"
 #include "attention/prefill.cuh"
 
@@ -45,10 +46,6 @@
 
 namespace cukern {
 namespace attn {
-
-// Named barrier `id` of n threads: wait for it, or only arrive at it.
-CUKERN_DEVICE void named_bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
-CUKERN_DEVICE void named_bar_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
 
 // Shapes of prefill_wg<T, D, PAGED> (mirrored by _prefill_wg_shape in cukern/attention.py).
 template <int D>

@@ -68,7 +68,11 @@
 // Q5_K -7 to -12; in turns against the version before (medians of 6-10 graph replays), 4096x4096 N =
 // 512 Q5_0 42.9 -> 42.0 and 44.8 -> 43.8 us, Q5_K 44.3 -> 43.5, 14336x4096 N = 2048 Q5_0 475 -> 466 and
 // 496 -> 481; Q6_K and Q4_K unchanged at both sizes (Q6_K 4096^2 N = 512 46.1 / 46.3, 48.0 / 48.1): at
-// N = 512 Q6_K is not bound by the conversion's instruction count.
+// N = 512 Q6_K is not bound by the conversion's instruction count. Not kept: split K without the zero
+// fill of d (slice 0 stores its tile and publishes a per-tile flag; the other slices wait for it and add
+// with atomics): in turns against memset + atomics from every slice, 4096x4096 N = 512 Q6_K 46.3 / 46.4
+// us, Q5_0 41.4 / 41.7, Q4_K 39.6 / 39.8, 4096x14336 N = 512 within +-1: the wait for slice 0's stores
+// costs what the memset did.
 #pragma once
 
 #include "common/mbarrier.cuh"
