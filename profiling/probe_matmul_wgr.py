@@ -53,6 +53,15 @@ def _variant(mm: MatmulDispatch, q: int, defines: tuple[str, ...]) -> MatmulDisp
     return v
 
 
+def _case(name: str, m: int, k: int, n: int, rng):
+    """One shape's operands: a cursor over three random weights of the type (rotated, so that L2 does not
+    serve them), f16 activations b [n, k], the f32 output d, and the peers' dense f16 matrix and output."""
+    ws = [random_weight_device(name, m, k, rng) for _ in range(3)]
+    _, nxt = rotating(3, lambda i: ws[i])
+    b = rng.standard_normal((n, k), dtype=cupy.float32).astype(cupy.float16)
+    return nxt, b, cupy.empty((n, m), cupy.float32), cupy.empty((m, k), cupy.float16), cupy.empty((n, m), cupy.float16)
+
+
 def ab(mm: MatmulDispatch, cases, rounds: int = 6) -> None:
     """--ab: gemm_wgr<QT, 256> as built by default against each PROBE_DEFINES variant, measured in
     turns (the order rotating every round, so that clock drift under load spreads over all of them);
@@ -65,10 +74,7 @@ def ab(mm: MatmulDispatch, cases, rounds: int = 6) -> None:
         q = _BY_NAME[name]
         variants = [_variant(mm, q, s) if s else mm for s in sets]
         for (m, k, n) in cases:
-            ws = [random_weight_device(name, m, k, rng) for _ in range(3)]
-            b = rng.standard_normal((n, k), dtype=cupy.float32).astype(cupy.float16)
-            d = cupy.empty((n, m), cupy.float32)
-            _, nxt = rotating(3, lambda i: ws[i])
+            nxt, b, d, _, _ = _case(name, m, k, n, rng)
             times: list[list[float]] = [[] for _ in sets]
             for r in range(rounds):
                 for i in [(r + j) % len(sets) for j in range(len(sets))]:
@@ -77,7 +83,7 @@ def ab(mm: MatmulDispatch, cases, rounds: int = 6) -> None:
             cells = [f"{';'.join(s) or 'default'} {sorted(t)[len(t) // 2]:.1f} (best {min(t):.1f})"
                      for s, t in zip(sets, times)]
             print(f"{name} {m}x{k} N={n}: " + " | ".join(cells) + " us", flush=True)
-            ws = None
+            nxt = b = d = None
             cupy.get_default_memory_pool().free_all_blocks()
 
 
@@ -88,14 +94,8 @@ def plans(mm: MatmulDispatch, cases, rounds: int = 4) -> None:
     rng = cupy.random.default_rng(1)
     splits = [int(x) for x in os.environ.get("PROBE_SPLITS", "1,2,3,4").split(",")]
     for name in os.environ.get("PROBE_TYPES", "Q6_K,Q5_0").split(","):
-        q = _BY_NAME[name]
         for (m, k, n) in cases:
-            ws = [random_weight_device(name, m, k, rng) for _ in range(3)]
-            dense = cupy.empty((m, k), cupy.float16)
-            b = rng.standard_normal((n, k), dtype=cupy.float32).astype(cupy.float16)
-            d = cupy.empty((n, m), cupy.float32)
-            d16 = cupy.empty((n, m), cupy.float16)
-            _, nxt = rotating(3, lambda i: ws[i])
+            nxt, b, d, dense, d16 = _case(name, m, k, n, rng)
             picked = mm._wgr_plan(n, -(-m // M._ROW_TILE), k, True)
 
             def run(bt, split):
@@ -116,7 +116,7 @@ def plans(mm: MatmulDispatch, cases, rounds: int = 4) -> None:
             peer = med.pop("deq+cuBLAS")
             print(f"{name} {m}x{k} N={n} (plan {picked[0]}/{picked[1]}): deq+cuBLAS {peer:.1f} us | "
                   + " | ".join(f"{key} {us:.1f} ({peer / us:.2f}x)" for key, us in med.items()), flush=True)
-            ws = dense = None
+            nxt = b = d = dense = d16 = None
             cupy.get_default_memory_pool().free_all_blocks()
 
 
@@ -133,12 +133,7 @@ def main() -> None:
     for name in os.environ.get("PROBE_TYPES", "Q8_0,Q4_K,Q6_K,Q5_0").split(","):
         q = _BY_NAME[name]
         for (m, k, n) in cases:
-            ws = [random_weight_device(name, m, k, rng) for _ in range(3)]
-            dense = cupy.empty((m, k), cupy.float16)
-            b = rng.standard_normal((n, k), dtype=cupy.float32).astype(cupy.float16)
-            d = cupy.empty((n, m), cupy.float32)
-            d16 = cupy.empty((n, m), cupy.float16)
-            _, nxt = rotating(3, lambda i: ws[i])
+            nxt, b, d, dense, d16 = _case(name, m, k, n, rng)
             tf = lambda us: 2 * m * n * k / us / 1e6  # noqa: E731
             t = {"default": time_graph_us(lambda: mm.gemm(nxt(), b, d), n_inner=10, n_repeat=10)}
             for bt in M._WG_TILES:
@@ -159,7 +154,7 @@ def main() -> None:
                 t[defs] = time_graph_us(lambda: v.gemm(nxt(), b, d, wgmma=True), n_inner=10, n_repeat=10)
             print(f"{name} {m}x{k} N={n}: " + " | ".join(f"{key} {us:.1f} us {tf(us):.0f} TF" for key, us in t.items())
                   + f" | eager: gemm vs deq+cuBLAS {t['deq+cuBLAS eager'] / t['default eager']:.2f}x", flush=True)
-            ws = dense = None
+            nxt = b = d = dense = d16 = None
             cupy.get_default_memory_pool().free_all_blocks()
 
 
