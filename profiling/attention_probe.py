@@ -2,7 +2,8 @@
 launch), the stand-alone merge of the same states, at B1 KV8192 and KV64 32/8 D128 f16, for a few split
 counts. Scratch tool for tuning; PROBE_NCU_SPLITS=n and PROBE_NCU_PREFILL=1 make targets for ncu;
 PROBE_ROWS=decode,prefill prints just the benchmark rows of the issue's targets (with their peers; decode
-plain and pdl; PROBE_DECODE=1x8192x32x8x128,... a subset of the decode rows), PROBE_ROWS=sweep block shapes x split counts (PROBE_SWEEP_KV, PROBE_SWEEP_SPLITS),
+plain and pdl; PROBE_DECODE=1x8192x32x8x128,... a subset of the decode rows), PROBE_ROWS=sweep block
+shapes x split counts (PROBE_SWEEP_KV, PROBE_SWEEP_SPLITS),
 PROBE_ROWS=wide head_dim 256 with one KV head by split count (PROBE_WIDE_SPLITS); sweep and wide rows with the
 split states merged in the decode's last block and apart (merge_states launched after it), PROBE_APART=0,1.
 
@@ -40,9 +41,9 @@ page-table loads off the length (clamped to the page-table row without a window)
     Correct (56 decode/merge GPU tests passed, plus a test that stale words are never merged), but slower:
     B1 KV8k 32/8 D128 17.71-17.98 us against 17.20-17.23, KV32k 51.1-51.5 against 49.4-49.9; and the
     merge_apart row 8/1 D256, which takes none of it, 14.35-14.45 against 13.58-13.70 (not explained; one
-    guess: decode_tc<256, 4> went from 254 to 255 registers with the flag live across its main loop). So the
-    fence and the counter are not where the ~3 us of the merge go; the merging block's 64 KB of L2 reads
-    (doubled by the flags) and its single-SM combine are the likelier cost. Not kept.
+    guess: decode_tc<256, 4> went from 254 to 255 registers with the flag live across its main loop). The
+    fences it removes cost ~1 us (next item); the doubled reads of the merging block (64 KB of L2 per head
+    block with the flags) and the polling cost more than that back. Not kept.
   * Where the fused merge's ~3 us go at B1 KV8k 32/8 D128 (macro-guarded variants of decode_finish, two
     rounds in turns): whole 17.13 us; without the merge's loads and combine (the elected block writes
     zeros) 15.20; without the two fences (timing only) 16.1; without anything after the partial writes
