@@ -320,9 +320,9 @@ class QuantizedX:
     thread blocks instead of each block quantizing the f32 x itself. Per 32 elements it holds
     d = max|x| * (1/127) in f32, q = x * (1/d) rounded to the nearest integer (ties to even, in
     [-127, 127]) and the sums of q over each half: the x^ the f32-x int8 path computes, so
-    :meth:`DmmvDispatch.dmmv` returns the same bits from a QuantizedX as from the x it was made of. (Where x of that many columns
-    does not fit a thread block's shared memory, k of some tens of thousands, the f32-x call falls
-    back to the f32 path and the QuantizedX call raises.)
+    :meth:`DmmvDispatch.dmmv` returns the same bits from a QuantizedX as from the x it was made
+    of. (Where x of that many columns does not fit a thread block's shared memory, k of some tens
+    of thousands, the f32-x call falls back to the f32 path and the QuantizedX call raises.)
 
     buf: [n, col_bytes] uint8 on the device, column c at byte c * col_bytes (layout:
     ``q8::load_x`` in cuda_src/dmmv/q8.cuh); shape: the shape of the x it holds, (k,) or (n, k);

@@ -191,11 +191,11 @@ template <bool HIGH> struct FragDeqQ0 {
             // the bits each pair of halves has beside its nibbles: 0x6400 (1024) and, Q5_0, bit 8k of qh
             // at bit 4 of lane 0 and bit 8k + 1 at bit 4 of lane 1 (pair k: elements 8k + 2c, + 1), taken
             // as byte k of qh << 4 and of qh << 3 side by side by one permute (its other bytes masked)
+            const uint32_t qh4 = r.qh[h] << 4, qh3 = r.qh[h] << 3;
             uint32_t hi[4];
 #pragma unroll
             for (int k = 0; k < 4; ++k)
-                hi[k] = HIGH ? (__byte_perm(r.qh[h] << 4, r.qh[h] << 3, 0x4400u + 0x1111u * k) & 0x00100010u) | 0x64006400u
-                             : 0x64006400u;
+                hi[k] = HIGH ? (__byte_perm(qh4, qh3, 0x4400u + 0x1111u * k) & 0x00100010u) | 0x64006400u : 0x64006400u;
             o[4 * h + 0] = h_scaled((l0 & 0x000F000Fu) | hi[0], kOff, d2);
             o[4 * h + 1] = h_scaled((l1 & 0x000F000Fu) | hi[1], kOff, d2);
             o[4 * h + 2] = h_scaled(((l0 >> 4) & 0x000F000Fu) | hi[2], kOff, d2);
