@@ -74,6 +74,13 @@ four units from one 68-byte run (conflict-free; x left unmatched) gained 2 point
 lost 0.6 at 4096x14336, so the missing points there are not the weights' loads. Not built.
 x by bulk copies after pdl_wait (2 KB per warp into its free ring slot, quantized from shared
 memory) in place of the float4 loads: MXFP4 4096x14336 79.2 -> 71.8, 14336x4096 83.8 -> 82.7. Not kept.
+2026-11-26, eighth session (--sweep --configs 4x2 --grids bal --shapes ..., two runs, copy 2,964 / 2,929
+GB/s): is MXFP4's shortfall at 4096x14336 its half-item row tails (k = 14336 is 3.5 items of 128 units)?
+No. % of copy under pdl by shape, MXFP4 / Q4_0 (both at 4x2): 4096x12288 (3 whole items a row) 78.0-80.1
+/ 81.1-82.9; 4096x14336 78.4-79.6 / 81.1-82.8; 4096x16384 (4 whole) 81.4-82.1 / 85.1-85.7; 4096x13312
+77.4-78.2; 4096x15360 80.7-81.6; and 3584x16384 (the bytes of 4096x14336, longer x) 76.9-78.5 / 78.9-81.0.
+The figure follows the bytes and, at equal bytes, falls with k (x's quantization after pdl_wait, ~0.09 us
+per 1k elements: ~1.3 us of the ~2.7 us over the copy-rate time at 4096x14336), not with the tails.
 
 Run: PYTHONPATH=. python profiling/probe_dmmv_q8.py --sweep [--types Q4_K,MXFP4]"""
 import argparse
@@ -89,6 +96,7 @@ from profiling.bench_dmmv import _weights
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--types", default="Q4_0,Q5_0,Q8_0,MXFP4,Q4_K,Q5_K,Q6_K")
+ap.add_argument("--shapes", default="14336x4096,4096x14336", help="MxK,... (the issue's two by default)")
 ap.add_argument("--sweep", action="store_true")
 ap.add_argument("--configs", default="")
 ap.add_argument("--grids", default="res,bal")
@@ -101,7 +109,7 @@ ap.add_argument("--ncu", default="")
 ap.add_argument("--ncu-summary", default="", help="a raw ncu csv (--page raw --csv): the key metrics per kernel")
 args = ap.parse_args()
 TYPES = [D.qtype_id(t) for t in args.types.split(",") if t]
-SHAPES = [(14336, 4096), (4096, 14336)]
+SHAPES = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
 d = D.DmmvDispatch()
 
 
