@@ -105,6 +105,7 @@ ap.add_argument("--moe", action="store_true")
 ap.add_argument("--l2", default="", help="L2 items per warp prefetched while x is quantized, e.g. 0,1,2, "
                                         "or NAME=VALUE defines to compare")
 ap.add_argument("--fit", action="store_true")
+ap.add_argument("--twostep", action="store_true", help="f32-x matvec against quantize_x + q8x matvec per step")
 ap.add_argument("--ncu", default="")
 ap.add_argument("--ncu-summary", default="", help="a raw ncu csv (--page raw --csv): the key metrics per kernel")
 args = ap.parse_args()
@@ -198,6 +199,28 @@ def l2_sweep():
         lu, st, _ = D._Q8_CONFIG[qt]
         figs = [timed(units[v], kname(qt, lu, st), qt, m, k, lu, st, "bal", True)[0] / ceil.copy_gbs for v in values]
         print(f"{m}x{k} {D.QTYPES[qt][0]:6s} " + " ".join(f"L2={v}:{f:.1%}" for v, f in zip(values, figs)), flush=True)
+
+
+def twostep():
+    """Per shape and type, pdl, graph: the f32-x matvec (x quantized by every block after pdl_wait)
+    against two launches per step, quantize_x into a QuantizedX then the matvec on it (x quantized once,
+    each block copying 1.25 bytes per element); both % of copy over the bytes of W, f32 x and y."""
+    dp = D.DmmvDispatch(pdl=True)
+    ceil = measure_ceilings()
+    print(f"copy {ceil.copy_gbs:.0f} GB/s; pdl, % of copy (W + 4k + 4m bytes): f32 x | quantize_x + q8x | q8x alone")
+    for (m, k), qt in itertools.product(SHAPES, TYPES):
+        (sets, nxt), wb = _weights(qt, m, k)
+        x = cupy.random.standard_normal(k, dtype=cupy.float32)
+        y = cupy.empty(m, cupy.float32)
+        qx = D.QuantizedX.empty(x.shape, qt)
+        nb = wb + 4 * (m + k)
+        t = [time_graph_us(lambda: dp.dmmv(nxt(), x, y)),
+             time_graph_us(lambda: (dp.quantize_x(x, qx), dp.dmmv(nxt(), qx, y))),
+             time_graph_us(lambda: dp.dmmv(nxt(), qx, y))]
+        print(f"{m}x{k} {D.QTYPES[qt][0]:6s} " + " | ".join(f"{u:6.2f} us {nb / u / 1e3 / ceil.copy_gbs:.1%}" for u in t),
+              flush=True)
+        del sets
+        cupy.get_default_memory_pool().free_all_blocks()
 
 
 def adopt(found: dict, path: str) -> None:
@@ -302,5 +325,7 @@ if args.moe:
     moe()
 if args.fit:
     fit()
+if args.twostep:
+    twostep()
 if args.ncu:
     ncu()
