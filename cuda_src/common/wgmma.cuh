@@ -131,22 +131,6 @@ CUKERN_WG_RSK(128, 64, CUKERN_WG_R0_63, "%64, %65, %66, %67", "%68", "%69", CUKE
 CUKERN_WG_RSK(256, 128, CUKERN_WG_R0_63 ", " CUKERN_WG_R64_127, "%128, %129, %130, %131", "%132", "%133",
               CUKERN_WG_F64(0), CUKERN_WG_F64(64))
 
-// d (64 x N, f32, as MmaRsK) += A B: A 64 x 16 f16 K-major in shared memory (desc_a), B 16 x N K-major (desc_b).
-template <int N> struct MmaSsK;
-#define CUKERN_WG_SSK(N, NACC, DLIST, DA, DB, PRED, ...) \
-    template <> struct MmaSsK<N> { \
-        static CUKERN_DEVICE void run(float (&d)[NACC], uint64_t desc_a, uint64_t desc_b) { \
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " PRED ", 0;\n" \
-                         "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16 {" DLIST "}, " DA ", " DB \
-                         ", p, 1, 1, 0, 0;\n}\n" \
-                         : __VA_ARGS__ \
-                         : "l"(desc_a), "l"(desc_b), "r"(1)); \
-        } \
-    };
-CUKERN_WG_SSK(256, 128, CUKERN_WG_R0_63 ", " CUKERN_WG_R64_127, "%128", "%129", "%130", CUKERN_WG_F64(0),
-              CUKERN_WG_F64(64))
-
-#undef CUKERN_WG_SSK
 #undef CUKERN_WG_RSK
 #undef CUKERN_WG_R64_127
 #undef CUKERN_WG_R0_63

@@ -76,6 +76,19 @@
 // no dequantization 37.6, no raw copies 38.7, no activation copies 45.5, no MMAs 26.2, MMAs only 34.0
 // (Q4_K: 39.5 / 36.3 / 36.0 / 38.8 / 23.8 / 34.0); a third raw slot (one activation slot fewer) changed
 // nothing there (46.6 / 46.5) and cost Q8_0 10-20% (41.3 -> 45.8 us, N = 2048 453 -> 545): not kept.
+// 2026-11-26, eighth session: the weights dequantized by a warpgroup of their own instead, into a swizzled
+// f16 ring (the copy engine's 128-byte layout) that the two consumer warpgroups read with wgmma SS (gemm_wgs,
+// Q8_0 only, prototyped in commit 97ad977 with profiling/probe_matmul_wgs.py, then removed). The numbers are
+// 14336x4096 N = 2048 in one run, with deq + cuBLAS at 401 us and this kernel at 493:
+//   * the SS MMAs, activation ring and hand-offs alone: 321-344 us, so the structure could reach 1.17x the peer;
+//   * the dequantizer warpgroup's copies and stores (raw rows by 4-byte cp.async, two stages ahead), with no
+//     conversion: 453 us;
+//   * with Q8_0's conversion: 524 us.
+// Loading the raw rows per thread straight from global memory (uncoalesced) was worse still: 836 us.
+// One warpgroup, one warp per scheduler, cannot convert and move a stage in the MMAs' ~1,100 cycles, and the
+// register file leaves no room for a second one beside two m64n256 consumers. ptxas compiles the whole
+// kernel to its launch bounds whatever setmaxnreg raises later: 168 registers a thread at 384 threads, 128
+// at 512, and 128 accumulators need more. Not kept.
 #pragma once
 
 #include "common/mbarrier.cuh"
