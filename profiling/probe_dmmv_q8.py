@@ -11,6 +11,8 @@ shapes as a decode loop runs it (programmatic dependent launch, graph-replayed, 
   --adopt F after the sweep, each type's best configuration (the highest lower of the two shapes'
             pdl figures) written to F as a value of CUKERN_DMMV_Q8_CONFIG, under which the GPU tests
             and bench_dmmv can then run in the same call (see cukern/dmmv.py)
+  --twostep f32-x matvec against quantize_x + q8x matvec (two launches per step) and the q8x one alone
+  --shapes 4096x14336,...   the shapes of --sweep / --l2 / --twostep (the issue's two by default)
   --fit     time over m at k = 4096 (plain and pdl): intercept (fixed cost) and slope (GB/s) per type
   --moe     moe_dmmv top-8/128 2048x7168 as bench_dmmv times it
   --l2 0,1,2  per type and shape (pdl, the table's configuration, balanced grid): % of copy with
@@ -81,6 +83,14 @@ No. % of copy under pdl by shape, MXFP4 / Q4_0 (both at 4x2): 4096x12288 (3 whol
 77.4-78.2; 4096x15360 80.7-81.6; and 3584x16384 (the bytes of 4096x14336, longer x) 76.9-78.5 / 78.9-81.0.
 The figure follows the bytes and, at equal bytes, falls with k (x's quantization after pdl_wait, ~0.09 us
 per 1k elements: ~1.3 us of the ~2.7 us over the copy-rate time at 4096x14336), not with the tails.
+Then (--l2 CUKERN_MX_E=0,1 while it was a macro, three runs): MXFP4's scale byte taken from the first of the
+five aligned words around its block (a byte permute) instead of a shared byte load: 14336x4096 84.0 / 84.8 /
+84.6 -> 85.7 / 86.6 / 86.4%, 4096x14336 79.5 / 80.2 / 80.2 -> 79.4 / 80.1 / 79.8. Kept for one column
+(Unit<QT_MXFP4>::dot; with 8 columns it spilled). --twostep (one run, copy 2,955 GB/s): quantize_x then the
+q8x matvec as two launches per step loses 8-10 points to the f32-x matvec at both shapes (a kernel boundary
+costs more than the per-block quantization); the q8x matvec alone is within +-1 point of the f32-x one for
+every type but MXFP4 (4096x14336 81.6 against 78.4): x's quantization is no longer what holds the other
+types back.
 
 Run: PYTHONPATH=. python profiling/probe_dmmv_q8.py --sweep [--types Q4_K,MXFP4]"""
 import argparse
