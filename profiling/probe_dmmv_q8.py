@@ -90,7 +90,10 @@ five aligned words around its block (a byte permute) instead of a shared byte lo
 q8x matvec as two launches per step loses 8-10 points to the f32-x matvec at both shapes (a kernel boundary
 costs more than the per-block quantization); the q8x matvec alone is within +-1 point of the f32-x one for
 every type but MXFP4 (4096x14336 81.6 against 78.4): x's quantization is no longer what holds the other
-types back.
+types back. Nor is MXFP4's interleaved quantization or its missing half sums the difference at 4096x14336
+(--l2 with timing-only macros, two runs: x quantized in element order 79.3 / 80.1 against 79.3 / 79.0;
+with the half sums computed 78.9 / 79.2; Q4_0 beside them 86.5-87.0 in all three), though there the q8x
+matvec is 0.45 us faster than the f32-x one for MXFP4 and 0.03 us for Q4_0.
 
 Run: PYTHONPATH=. python profiling/probe_dmmv_q8.py --sweep [--types Q4_K,MXFP4]"""
 import argparse
