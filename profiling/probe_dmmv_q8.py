@@ -11,8 +11,7 @@ shapes as a decode loop runs it (programmatic dependent launch, graph-replayed, 
   --adopt F after the sweep, each type's best configuration (the highest lower of the two shapes'
             pdl figures) written to F as a value of CUKERN_DMMV_Q8_CONFIG, under which the GPU tests
             and bench_dmmv can then run in the same call (see cukern/dmmv.py)
-  --twostep f32-x matvec against quantize_x + q8x matvec (two launches per step) and the q8x one alone
-  --shapes 4096x14336,...   the shapes of --sweep / --l2 / --twostep (the issue's two by default)
+  --shapes 4096x14336,...   the shapes of --sweep and --l2 (the issue's two by default)
   --fit     time over m at k = 4096 (plain and pdl): intercept (fixed cost) and slope (GB/s) per type
   --moe     moe_dmmv top-8/128 2048x7168 as bench_dmmv times it
   --l2 0,1,2  per type and shape (pdl, the table's configuration, balanced grid): % of copy with
@@ -86,11 +85,10 @@ per 1k elements: ~1.3 us of the ~2.7 us over the copy-rate time at 4096x14336), 
 Then (--l2 CUKERN_MX_E=0,1 while it was a macro, three runs): MXFP4's scale byte taken from the first of the
 five aligned words around its block (a byte permute) instead of a shared byte load: 14336x4096 84.0 / 84.8 /
 84.6 -> 85.7 / 86.6 / 86.4%, 4096x14336 79.5 / 80.2 / 80.2 -> 79.4 / 80.1 / 79.8. Kept for one column
-(Unit<QT_MXFP4>::dot; with 8 columns it spilled). --twostep (one run, copy 2,955 GB/s): quantize_x then the
-q8x matvec as two launches per step loses 8-10 points to the f32-x matvec at both shapes (a kernel boundary
-costs more than the per-block quantization); the q8x matvec alone is within +-1 point of the f32-x one for
-every type but MXFP4 (4096x14336 81.6 against 78.4): x's quantization is no longer what holds the other
-types back. Nor is MXFP4's interleaved quantization or its missing half sums the difference at 4096x14336
+(Unit<QT_MXFP4>::dot; with 8 columns it spilled). The q8x matvec alone (one run, a scratch variant of
+probe_dmmv_chain.py, which measures the two-launch chain: it still loses 8-10 points) is within +-1 point of
+the f32-x one for every type but MXFP4 (4096x14336 81.6 against 78.4): x's quantization is no longer what
+holds the other types back. Nor is MXFP4's interleaved quantization or its missing half sums the difference at 4096x14336
 (--l2 with timing-only macros, two runs: x quantized in element order 79.3 / 80.1 against 79.3 / 79.0;
 with the half sums computed 78.9 / 79.2; Q4_0 beside them 86.5-87.0 in all three), though there the q8x
 matvec is 0.45 us faster than the f32-x one for MXFP4 and 0.03 us for Q4_0.
@@ -118,7 +116,6 @@ ap.add_argument("--moe", action="store_true")
 ap.add_argument("--l2", default="", help="L2 items per warp prefetched while x is quantized, e.g. 0,1,2, "
                                         "or NAME=VALUE defines to compare")
 ap.add_argument("--fit", action="store_true")
-ap.add_argument("--twostep", action="store_true", help="f32-x matvec against quantize_x + q8x matvec per step")
 ap.add_argument("--ncu", default="")
 ap.add_argument("--ncu-summary", default="", help="a raw ncu csv (--page raw --csv): the key metrics per kernel")
 args = ap.parse_args()
@@ -212,28 +209,6 @@ def l2_sweep():
         lu, st, _ = D._Q8_CONFIG[qt]
         figs = [timed(units[v], kname(qt, lu, st), qt, m, k, lu, st, "bal", True)[0] / ceil.copy_gbs for v in values]
         print(f"{m}x{k} {D.QTYPES[qt][0]:6s} " + " ".join(f"L2={v}:{f:.1%}" for v, f in zip(values, figs)), flush=True)
-
-
-def twostep():
-    """Per shape and type, pdl, graph: the f32-x matvec (x quantized by every block after pdl_wait)
-    against two launches per step, quantize_x into a QuantizedX then the matvec on it (x quantized once,
-    each block copying 1.25 bytes per element); both % of copy over the bytes of W, f32 x and y."""
-    dp = D.DmmvDispatch(pdl=True)
-    ceil = measure_ceilings()
-    print(f"copy {ceil.copy_gbs:.0f} GB/s; pdl, % of copy (W + 4k + 4m bytes): f32 x | quantize_x + q8x | q8x alone")
-    for (m, k), qt in itertools.product(SHAPES, TYPES):
-        (sets, nxt), wb = _weights(qt, m, k)
-        x = cupy.random.standard_normal(k, dtype=cupy.float32)
-        y = cupy.empty(m, cupy.float32)
-        qx = D.QuantizedX.empty(x.shape, qt)
-        nb = wb + 4 * (m + k)
-        t = [time_graph_us(lambda: dp.dmmv(nxt(), x, y)),
-             time_graph_us(lambda: (dp.quantize_x(x, qx), dp.dmmv(nxt(), qx, y))),
-             time_graph_us(lambda: dp.dmmv(nxt(), qx, y))]
-        print(f"{m}x{k} {D.QTYPES[qt][0]:6s} " + " | ".join(f"{u:6.2f} us {nb / u / 1e3 / ceil.copy_gbs:.1%}" for u in t),
-              flush=True)
-        del sets
-        cupy.get_default_memory_pool().free_all_blocks()
 
 
 def adopt(found: dict, path: str) -> None:
@@ -338,7 +313,5 @@ if args.moe:
     moe()
 if args.fit:
     fit()
-if args.twostep:
-    twostep()
 if args.ncu:
     ncu()
