@@ -61,7 +61,14 @@ page-table loads off the length (clamped to the page-table row without a window)
     68.6/51.8/55.5/51.8; KV128k w8 202.0/191.4/199.2/197.1, w4 250.8/205.6/206.7/188.2. Only KV128k has a
     better configuration than the split model's (w4 s33, 1.7%: the model puts w4 s16 at 192 us where it
     takes 206, two blocks per SM overlapping each other's tails); still 0.96x SDPA (180.6), so the model
-    was left as it is. memcheck (25 decode split tests) 0 errors; racecheck (7) 0 hazards."""
+    was left as it is. memcheck (25 decode split tests) 0 errors; racecheck (7) 0 hazards.
+
+2026-11-26, eighth session (H100, pdl, graph, fused merge, one run, copy 2,870 GB/s): would a grid that fits
+beside the previous launch's merging blocks (8 KV heads x 15 splits = 120 blocks against the 124 SMs those 8
+blocks leave free) start every block of the next launch at once and pay? No: PROBE_ROWS=sweep
+PROBE_SWEEP_SPLITS=12,14,15,16, B1 32/8 D128, w8: KV8k 17.31 / 17.24 / 17.34 / 16.32 us, KV32k 54.45 / 51.40 /
+49.81 / 48.92; w4 KV8k 19.18 / 18.30 / 17.66 / 17.55. The model's 16 splits stay best (512 keys: four whole
+16-key tiles per warp at w8)."""
 from __future__ import annotations
 
 import itertools
