@@ -89,6 +89,14 @@
 // register file leaves no room for a second one beside two m64n256 consumers. ptxas compiles the whole
 // kernel to its launch bounds whatever setmaxnreg raises later: 168 registers a thread at 384 threads, 128
 // at 512, and 128 accumulators need more. Not kept.
+// Also measured, not built: dequantize + cuBLAS in row bands through an L2-sized f16 staging buffer (each
+// band dequantized, then cublasGemmEx into d's columns; one stream, or the dequantization on a second; the
+// probe is in commit 5019fa8, profiling/probe_matmul_blas.py). At N = 2048, against the whole-matrix peer:
+//   * 14336x4096 Q6_K: peer 427, gemm_wgr 552, 16 MB bands 450 us (523 with two streams);
+//   * 14336x4096 Q4_K: peer 394, gemm_wgr 465, bands 434 us.
+// Smaller bands are bound by the host's launches. The band GEMMs run below the whole matrix's rate, and a
+// second stream competes with cuBLAS for the SMs. At N = 512 gemm_wgr (1.03-1.53x the peer) beats every
+// band variant.
 #pragma once
 
 #include "common/mbarrier.cuh"
