@@ -36,6 +36,34 @@
 #include "attention/decode.cuh"
 #include "attention/params.cuh"
 
+// Profiling only (profiling/attention_blocks.py builds the variant): thread 0 of every block records
+// %globaltimer at entry, after pdl_wait, after the block's last tile, and on leaving, with its SM, in
+// cukern_decode_clocks[5 * block + 0..4] (block = the linear block index of the launch).
+#ifndef CUKERN_DECODE_CLOCKS
+#define CUKERN_DECODE_CLOCKS 0
+#endif
+#if CUKERN_DECODE_CLOCKS
+extern "C" {
+__device__ unsigned long long cukern_decode_clocks[5 * 8192];
+}
+#define CUKERN_DECODE_CLOCK(i)                                                                        \
+    do {                                                                                              \
+        const uint32_t blk = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);          \
+        if (threadIdx.x == 0 && blk < 8192) {                                                         \
+            unsigned long long t;                                                                     \
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));                                     \
+            cukern_decode_clocks[5 * blk + (i)] = t;                                                  \
+            if ((i) == 0) {                                                                           \
+                uint32_t sm;                                                                          \
+                asm("mov.u32 %0, %%smid;" : "=r"(sm));                                                \
+                cukern_decode_clocks[5 * blk + 4] = sm;                                               \
+            }                                                                                         \
+        }                                                                                             \
+    } while (0)
+#else
+#define CUKERN_DECODE_CLOCK(i) do {} while (0)
+#endif
+
 namespace cukern {
 namespace attn {
 
@@ -96,6 +124,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
     if (dyn_smem < (uint32_t)Sh::SMEM) __trap();
     pdl_launch_dependents();
+    CUKERN_DECODE_CLOCK(0);
 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int g = lane / 4, tq = lane % 4;  // fragment row (the head) 0..7 and column pair 0..3
@@ -173,6 +202,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
             prefetch_l2_bulk((lane < KW ? k_pool : v_pool) + (uint64_t)row * row_elems + kv_off, D * sizeof(T));
     }
     pdl_wait();  // the previous kernel in the stream is done: q, sinks, outputs, partials and counters
+    CUKERN_DECODE_CLOCK(1);
 #pragma unroll
     for (int st = 0; st < NS - 1; ++st) {
         if (st >= early) {
@@ -302,6 +332,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
     }
     cp_async_wait<0>();  // (only empty groups can be left) the stages become the merge scratch
     __syncthreads();
+    CUKERN_DECODE_CLOCK(2);
 
     // the warp's state: red[warp][g][d] relative to its maximum m, its sum of weights over the quad
     float* const red = reinterpret_cast<float*>(smem_raw);
@@ -320,4 +351,5 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
     __syncthreads();
     decode_finish<D, G, WARPS>(red, sm_m, sm_l, &sm_last, o, lse, o_part, lse_part, counters, sinks, p,
                                qi, split, h0, n_h);
+    CUKERN_DECODE_CLOCK(3);
 }
