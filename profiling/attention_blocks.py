@@ -65,6 +65,9 @@ def main():
             print(f"                          tiles {_q(t[:, 2], qs)}")
             print(f"                          leave {_q(t[:, 3], qs)}")
             print(f"                 tiles - wait  {_q(stream, qs)}  (spread {100 * (stream.max() / stream.min() - 1):.1f}%)")
+            for h in range(8):
+                th = t[h * ns:(h + 1) * ns, 2]
+                print(f"  KV head {h}: tiles done {_q(th, qs)}")
             last = np.argsort(t[:, 2])[-4:]
             print("  slowest blocks (split, head, sm, tiles done): "
                   + ", ".join(f"({b % ns}, {b // ns}, {sm[b]}, {t[b, 2]:.2f})" for b in last))
