@@ -1,7 +1,7 @@
 """When does each block of a split decode start, get past pdl_wait, finish its tiles and leave? A variant
 of the attention unit built with CUKERN_DECODE_CLOCKS=1 (decode_tc.cuh) records %globaltimer per block;
 this replays B1 32/8 D128 decode steps (pdl, CUDA graph, K/V rotating over layers as the benchmark does)
-and prints, for the last launch, the spread of the blocks' times relative to the launch's first block.
+and prints, for the last step of a replayed graph, the spread of the blocks' times relative to the launch's first block.
 Scratch tool for the question: is a long decode bound by every SM streaming at the same rate, or do some
 SMs finish their equal shares early (uneven bandwidth per SM) while the launch waits for the slowest?
 
@@ -20,6 +20,7 @@ import numpy as np
 
 from cukern import attention as A
 from cukern.benchmark import time_graph_us
+from cukern.streams import capture_graph
 
 sys.path.insert(0, "profiling")
 from attention_probe import _b1_decode_case, _layer_steps
@@ -50,9 +51,10 @@ def main():
             attn._tc_warps, attn._balance = nw, bal
             plan = attn.plan_decode(cache, [s], 32, n_splits=ns)
             step = _layer_steps(attn, plan, q, out, n_layers)
-            us = time_graph_us(step, n_inner=max(8, 2 * n_layers))
-            for _ in range(3):
-                step()
+            n_inner = max(8, 2 * n_layers)
+            us = time_graph_us(step, n_inner=n_inner)
+            graph = capture_graph(lambda st, step=step, n=n_inner: [step() for _ in range(n)])
+            graph.replay(cupy.cuda.get_current_stream())  # the clocks of the graph's last step
             cupy.cuda.get_current_stream().synchronize()
             mod = attn._units["attention"].load()
             buf = mod.get_global("cukern_decode_clocks")
