@@ -6,7 +6,8 @@ Scratch tool for the question: is a long decode bound by every SM streaming at t
 SMs finish their equal shares early (uneven bandwidth per SM) while the launch waits for the slowest?
 
 Run: PYTHONPATH=. python profiling/attention_blocks.py   (BLOCKS_KV=8192,131072; BLOCKS_CFG=8:16,4:33;
-BLOCKS_BAL=0,1: the fixed split and the balanced one, DecodePlan.balance)
+BLOCKS_BAL=0,1: the fixed split and the balanced one, DecodePlan.balance;
+BLOCKS_DEFINES=A=1;B=2,A=0: variants of the unit, one per comma-separated set)
 """
 from __future__ import annotations
 
@@ -26,10 +27,11 @@ sys.path.insert(0, "profiling")
 from attention_probe import _b1_decode_case, _layer_steps
 
 
-def _clocked(pdl: bool) -> A.AttentionDispatch:
+def _clocked(pdl: bool, defines: tuple[str, ...] = ()) -> A.AttentionDispatch:
     attn = A.AttentionDispatch(pdl=pdl)
-    spec = dataclasses.replace(A.FAMILIES["attention"], name="attention_clocks",
-                               defines=("CUKERN_DECODE_CLOCKS=1",))
+    tag = "_".join(x.replace("=", "") for x in defines)
+    spec = dataclasses.replace(A.FAMILIES["attention"], name=f"attention_clocks{tag}",
+                               defines=("CUKERN_DECODE_CLOCKS=1", *defines))
     attn._units["attention"] = A._Unit(spec)
     return attn
 
@@ -39,7 +41,13 @@ def _q(x, qs):
 
 
 def main():
-    attn = _clocked(pdl=True)
+    for defines in os.environ.get("BLOCKS_DEFINES", "").split(","):
+        ds = tuple(x for x in defines.split(";") if x)
+        print(f"-- defines {ds}")
+        run(_clocked(pdl=True, defines=ds))
+
+
+def run(attn):
     kvs = [int(x) for x in os.environ.get("BLOCKS_KV", "8192,131072").split(",")]
     cfgs = [tuple(int(v) for v in c.split(":")) for c in os.environ.get("BLOCKS_CFG", "8:16,4:33").split(",")]
     rng = cupy.random.default_rng(0)

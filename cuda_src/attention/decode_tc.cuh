@@ -39,6 +39,9 @@
 // Profiling only (profiling/attention_blocks.py builds the variant): thread 0 of every block records
 // %globaltimer at entry, after pdl_wait, after the block's last tile, and on leaving, with its SM, in
 // cukern_decode_clocks[5 * block + 0..4] (block = the linear block index of the launch).
+#ifndef CUKERN_DECODE_EARLY  // probe: at most this many prologue tiles issued before pdl_wait
+#define CUKERN_DECODE_EARLY 99
+#endif
 #ifndef CUKERN_DECODE_CLOCKS
 #define CUKERN_DECODE_CLOCKS 0
 #endif
@@ -203,7 +206,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
     int early = 0;  // prologue tiles issued before the wait
 #pragma unroll
     for (int st = 0; st < NS - 1; ++st) {
-        if (f[st] < n_wt && key0(f[st]) + KW < r.hi) {
+        if (st < CUKERN_DECODE_EARLY && f[st] < n_wt && key0(f[st]) + KW < r.hi) {
             issue(f[st], st, rows0[st]);
             cp_async_commit();
             early = st + 1;
