@@ -142,19 +142,23 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
     const QueryRange r = decode_range(lengths, seq_ids, q_indptr, qi, p);
     // The block's keys [c0, c1) in tiles of KW. Fixed split (p.balance == 0): the split's chunk, the warp's
     // i-th tile is tile i WARPS + warp of it. Balanced: the whole visible range, shared by the n_splits blocks
-    // of the (query, head block); the warp's first SP tiles are fixed (i n_splits WARPS + its warp index
-    // over the blocks), the rest drawn one at a time from the row's ticket counter (tickets past the fixed
-    // tiles), so warps on SMs that stream faster take more tiles and the blocks finish together.
+    // of the (query, head block) and cut into n_splits regions of R tiles; the warp's first SP tiles are the
+    // fixed ones of its own split's region (offsets i WARPS + warp), the rest are drawn one at a time from the
+    // row's ticket counter, ticket k being offset SP WARPS + k / n_splits of region k % n_splits (all regions
+    // stream at once, in order, as in the fixed split), so warps on SMs that stream faster take more tiles.
+    // A tile of the last region past the keys (R n_splits may exceed the tiles) is an empty one, all masked.
     const bool bal = p.balance != 0;  // the host sets it only with n_splits > 1 and the merge in this launch
     const int32_t c0 = bal ? r.lo : r.lo + (int32_t)(split * p.chunk);
     const int32_t c1 = bal || split + 1 == p.n_splits ? r.hi : min(r.hi, c0 + (int32_t)p.chunk);
     const int32_t n_wt = c1 > c0 ? (c1 - c0 + KW - 1) / KW : 0;  // tiles of the keys
-    const int32_t stride = bal ? (int32_t)p.n_splits * WARPS : WARPS;
-    const int32_t gw = bal ? (int32_t)split * WARPS + warp : warp;
+    const int32_t ns = bal ? (int32_t)p.n_splits : 1;
+    const int32_t R = (n_wt + ns - 1) / ns;  // tiles per region
     const int32_t SP = bal ? NS - 1 + (int32_t)p.l2_prefetch : 0x7fffffff;  // fixed positions of the warp
-    const int32_t drawn0 = bal ? SP * stride : 0;                         // the tile of ticket 0
+    constexpr int32_t NONE = 0x7fffffff;  // past the warp's last position
     int32_t* const tickets = counters + (uint64_t)gridDim.z * gridDim.y + (uint64_t)qi * gridDim.y + blockIdx.y;
-    auto fixed = [&](int32_t i) { return i * stride + gw; };  // the tile of the warp's position i < SP
+    auto at = [&](int32_t offset, int32_t region) { return offset < R ? region * R + offset : NONE; };
+    auto fixed = [&](int32_t i) { return at(i * WARPS + warp, bal ? (int32_t)split : 0); };  // position i < SP
+    auto drawn = [&](int32_t k) { return at(SP * WARPS + k / ns, k % ns); };  // ticket k
 
     const int32_t* pt = page_table + (uint64_t)r.slot * p.max_pages;
     const uint64_t row_elems = (uint64_t)p.n_kv_heads * D;
@@ -189,8 +193,8 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
             }
         }
     };
-    // f[k]: the tile of the warp's position i + k at the loop's iteration i (>= n_wt: none; the valid ones
-    // are a prefix). The first NS - 1 tiles are in flight before q is read; their page-table loads (and the
+    // f[k]: the tile of the warp's position i + k at the loop's iteration i (NONE: none; the others are a
+    // prefix). The first NS - 1 tiles are in flight before q is read; their page-table loads (and the
     // one of the tile after them) are issued together (the lookup clamps into the keys, so any tile is safe
     // to look up). Under programmatic dependent launch only the tiles whose keys all precede the query's
     // own token (r.hi - 1, the one the decode step's KV write may still be writing) are issued before
@@ -200,13 +204,13 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
     uint32_t rows0[NS];
 #pragma unroll
     for (int k = 0; k < NS; ++k) {
-        f[k] = k < SP ? fixed(k) : n_wt;
+        f[k] = k < SP ? fixed(k) : NONE;
         rows0[k] = lookup(f[k]);
     }
     int early = 0;  // prologue tiles issued before the wait
 #pragma unroll
     for (int st = 0; st < NS - 1; ++st) {
-        if (st < CUKERN_DECODE_EARLY && f[st] < n_wt && key0(f[st]) + KW < r.hi) {
+        if (st < CUKERN_DECODE_EARLY && f[st] != NONE && key0(f[st]) + KW < r.hi) {
             issue(f[st], st, rows0[st]);
             cp_async_commit();
             early = st + 1;
@@ -214,7 +218,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
     }
     // the next p.l2_prefetch tiles of the warp (the same safe keys) into L2 while the previous kernel ends:
     // lane k of the first KW lanes asks for key k's K row slice, lane KW + k for its V slice
-    for (int32_t i = NS - 1; i < NS - 1 + (int32_t)p.l2_prefetch && fixed(i) < n_wt; ++i) {
+    for (int32_t i = NS - 1; i < NS - 1 + (int32_t)p.l2_prefetch && fixed(i) != NONE; ++i) {
         const uint32_t row = lookup(fixed(i));
         const int32_t key = key0(fixed(i)) + lane % KW;
         if (key < c1 && key + 1 < r.hi)
@@ -225,18 +229,18 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
 #pragma unroll
     for (int st = 0; st < NS - 1; ++st) {
         if (st >= early) {
-            if (f[st] < n_wt) issue(f[st], st, rows0[st]);
+            if (f[st] != NONE) issue(f[st], st, rows0[st]);
             cp_async_commit();
         }
     }
     // lane 0: the ticket of the position after f's last, in flight (drawn while that last tile is valid)
     int32_t pend = 0;
-    if (SP == NS - 1 && f[NS - 2] < n_wt) {  // position NS - 1 is drawn: now, synchronously
+    if (SP == NS - 1 && f[NS - 2] != NONE) {  // position NS - 1 is drawn: now, synchronously
         const int32_t t = lane == 0 ? atomicAdd(tickets, 1) : 0;
-        f[NS - 1] = drawn0 + __shfl_sync(0xffffffffu, t, 0);
+        f[NS - 1] = drawn(__shfl_sync(0xffffffffu, t, 0));
         rows0[NS - 1] = lookup(f[NS - 1]);
     }
-    if (SP <= NS && f[NS - 1] < n_wt && lane == 0) pend = atomicAdd(tickets, 1);  // position NS
+    if (SP <= NS && f[NS - 1] != NONE && lane == 0) pend = atomicAdd(tickets, 1);  // position NS
     uint32_t next_row = rows0[NS - 1];  // the next tile to issue
 
     // Q fragments: lane (g, tq) holds elements 16 kk + 2 tq + {0, 1, 8, 9} of head g, as A rows g (hi) and
@@ -282,10 +286,10 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
     const int k_row = (lane % 8) + (lane / 16) * 8, k_col = ((lane / 8) % 2) * 8;
     const int v_row = (lane % 8) + ((lane / 8) % 2) * 8, v_col = (lane / 16) * 8;
 
-    for (int32_t i = 0; f[0] < n_wt; ++i) {
+    for (int32_t i = 0; f[0] != NONE; ++i) {
         cp_async_wait<NS - 2>();  // tile f[0] has landed (this lane's copies) ...
         __syncwarp();             // ... every lane's, and the stage refilled next is no longer read
-        if (f[NS - 1] < n_wt) issue(f[NS - 1], (i + NS - 1) % NS, next_row);
+        if (f[NS - 1] != NONE) issue(f[NS - 1], (i + NS - 1) % NS, next_row);
         cp_async_commit();
         const int32_t kb = key0(f[0]);
         // the next position, i + NS: fixed, none (the one before it is none), or the ticket drawn one
@@ -293,9 +297,9 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
 #pragma unroll
         for (int k = 0; k < NS - 1; ++k) f[k] = f[k + 1];
         if (i + NS < SP) f[NS - 1] = fixed(i + NS);
-        else if (f[NS - 2] >= n_wt) f[NS - 1] = n_wt;
-        else f[NS - 1] = drawn0 + __shfl_sync(0xffffffffu, pend, 0);
-        if (f[NS - 1] < n_wt) {
+        else if (f[NS - 2] == NONE) f[NS - 1] = NONE;
+        else f[NS - 1] = drawn(__shfl_sync(0xffffffffu, pend, 0));
+        if (f[NS - 1] != NONE) {
             next_row = lookup(f[NS - 1]);
             if (i + NS + 1 >= SP && lane == 0) pend = atomicAdd(tickets, 1);
         }
