@@ -6,11 +6,13 @@ Scratch tool for the question: is a long decode bound by every SM streaming at t
 SMs finish their equal shares early (uneven bandwidth per SM) while the launch waits for the slowest?
 
 Run: PYTHONPATH=. python profiling/attention_blocks.py   (BLOCKS_KV=8192,131072; BLOCKS_CFG=8:16,4:33;
+BLOCKS_BAL=0,1: the fixed split and the balanced one, DecodePlan.balance;
 BLOCKS_DEFINES=A=1;B=2,A=0: variants of the unit, one per comma-separated set)
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import sys
 
@@ -53,8 +55,8 @@ def run(attn):
     for kv in kvs:
         n_layers = max(2, min(16, -(-4 * (50 << 20) // (kv * 8 * 128 * 4))))
         cache, s, q, out = _b1_decode_case(rng, kv, n_layers)
-        for nw, ns in cfgs:
-            attn._tc_warps = nw
+        for (nw, ns), bal in itertools.product(cfgs, [bool(int(x)) for x in os.environ.get("BLOCKS_BAL", "0,1").split(",")]):
+            attn._tc_warps, attn._balance = nw, bal
             plan = attn.plan_decode(cache, [s], 32, n_splits=ns)
             step = _layer_steps(attn, plan, q, out, n_layers)
             n_inner = max(8, 2 * n_layers)
@@ -69,7 +71,7 @@ def run(attn):
             t = (c[:, :4].astype(np.int64) - int(c[:, 0].min())) / 1e3  # us from the first block's entry
             sm = c[:, 4]
             stream = t[:, 2] - t[:, 1]
-            print(f"KV{kv} w{nw} s{ns}: graph {us:.2f} us/step, {n_blocks} blocks on {len(set(sm.tolist()))} SMs")
+            print(f"KV{kv} w{nw} s{ns}{' balanced' if plan.balance else ''}: graph {us:.2f} us/step, {n_blocks} blocks on {len(set(sm.tolist()))} SMs")
             print(f"  quantiles {qs}: entry {_q(t[:, 0], qs)}")
             print(f"                          wait  {_q(t[:, 1], qs)}")
             print(f"                          tiles {_q(t[:, 2], qs)}")
@@ -84,7 +86,7 @@ def run(attn):
             fast = np.argsort(t[:, 2])[:4]
             print("  fastest blocks: " + ", ".join(f"({b % ns}, {b // ns}, {sm[b]}, {t[b, 2]:.2f})" for b in fast))
         del cache
-        attn._tc_warps = None
+        attn._tc_warps = attn._balance = None
 
 
 if __name__ == "__main__":
