@@ -490,9 +490,7 @@ class DecodePlan:
     merge_apart: bool  # n_splits > 1: the states merged by a merge_states launch, not by the decode's last block
     o_part: cupy.ndarray | None  # [batch, n_splits, n_heads, head_dim] f32 (n_splits > 1)
     lse_part: cupy.ndarray  # [batch, n_splits, n_heads] f32
-    counters: cupy.ndarray  # [2, batch * n_kv_heads * head blocks] int32 zeros: blocks done per merge, and the
-    #                         balanced decode's tile tickets (both left zero by the merging block)
-    balance: bool = False  # decode_tc with the merge in the launch: the splits share the keys (tile tickets)
+    counters: cupy.ndarray  # [batch * n_kv_heads * head blocks] int32 zeros: blocks done per merge (left zero)
 
     @property
     def batch(self) -> int:
@@ -629,7 +627,6 @@ class AttentionDispatch:
         self._l2_prefetch: int | None = None  # probes: force decode_tc's L2 prefetch (warp tiles) under pdl
         self._evict_first: bool | None = None  # probes: force the evict-first K/V policy (None: with the prefetch)
         self._merge_apart: bool | None = None  # probes / tests: force where split states merge (None: the model)
-        self._balance: bool | None = None  # probes / tests: force the balanced split decode off (None: the plan's rule)
 
     def _unit(self, kind: str, prefill: bool = False) -> _Unit:
         return self._units[f"attention_prefill_{_SHORT[kind]}" if prefill else
@@ -756,11 +753,9 @@ class AttentionDispatch:
         b = len(ids)
         o_part = cupy.empty((b, n_splits, n_heads, d), cupy.float32) if n_splits > 1 else None
         lse_part = cupy.empty((b, n_splits, n_heads), cupy.float32)
-        counters = cupy.zeros(2 * blocks, cupy.int32)
-        balance = bool(warps and n_splits > 1 and not apart) if self._balance is None else (
-            self._balance and bool(warps and n_splits > 1 and not apart))
+        counters = cupy.zeros(blocks, cupy.int32)
         return DecodePlan(cache, cupy.asarray(ids.astype(np.int32)), int(n_heads), max_kv_len, int(n_splits), hb,
-                          int(warps), bool(apart and n_splits > 1), o_part, lse_part, counters, balance)
+                          int(warps), bool(apart and n_splits > 1), o_part, lse_part, counters)
 
     def flash_attn_decode(self, plan: DecodePlan, layer: int, q: cupy.ndarray, out: cupy.ndarray, *,
                           scale: float = 0.0, window_left: int = -1, softcap: float = 0.0,
@@ -807,7 +802,7 @@ class AttentionDispatch:
             chunk=-(-visible // plan.n_splits), has_sinks=int(sinks is not None), causal=1,
             write_lse=int(lse is not None), page_shift=_page_shift(cache.page_size),
             l2_prefetch=pf, evict_first=int(pf > 0 if self._evict_first is None else self._evict_first),
-            merge_apart=int(plan.merge_apart), balance=int(plan.balance), pad0=0, **fields)
+            merge_apart=int(plan.merge_apart), **fields)
         if plan.warps:
             name, smem = f"decode_tc<{_CTYPE[cache.kind]}, {d}, {plan.warps}>", _decode_tc_smem(d, plan.warps)
         else:
@@ -953,7 +948,7 @@ class AttentionDispatch:
             n_head_blocks=nhb, page_size=cache.page_size, max_pages=cache.max_pages_per_seq, n_splits=1,
             chunk=cache.capacity_tokens(), has_sinks=int(sinks is not None), causal=int(causal),
             write_lse=int(lse is not None), page_shift=_page_shift(cache.page_size), l2_prefetch=0,
-            evict_first=0, merge_apart=0, balance=0, pad0=0, **fields)
+            evict_first=0, merge_apart=0, **fields)
         lse_arg = lse if lse is not None else out
         unit._launch(f"decode<{_CTYPE[cache.kind]}, {d}, {hb}>", (1, cache.n_kv_heads * nhb, n_q), _DECODE_THREADS,
                      (out, lse_arg, out, lse_arg, plan.seq_ids, q, cache.k_pools[layer], cache.v_pools[layer],

@@ -1,18 +1,43 @@
 """When does each block of a split decode start, get past pdl_wait, finish its tiles and leave? A variant
 of the attention unit built with CUKERN_DECODE_CLOCKS=1 (decode_tc.cuh) records %globaltimer per block;
 this replays B1 32/8 D128 decode steps (pdl, CUDA graph, K/V rotating over layers as the benchmark does)
-and prints, for the last step of a replayed graph, the spread of the blocks' times relative to the launch's first block.
+and prints, for the last step of a replayed graph, the spread of the blocks' times from the step's first
+block's entry.
 Scratch tool for the question: is a long decode bound by every SM streaming at the same rate, or do some
 SMs finish their equal shares early (uneven bandwidth per SM) while the launch waits for the slowest?
 
+2026-11-26, ninth session (H100, B1 32/8 D128 w8 s16, pdl, graph; us are per step, clocks from one step):
+  * The blocks of a launch stream unevenly. From pdl_wait to their last tile they take 6.2-10.5 us at
+    KV8k (median 8.1), 119-186 us at KV128k (median 167); the spread is within each KV head (one head's
+    16 splits: 318-366 us done), not between heads. The launch ends with its slowest block.
+  * At KV8k every block waits in pdl_wait until 1.4-4.7 us after the previous launch's last block left
+    (that gap moves from step to step). Prologue tiles issued before the wait (CUKERN_DECODE_EARLY, three
+    runs in turns): 2 (the kernel's NS - 1) 16.53 / 16.38 / 16.45 us, 1 16.31 / 16.23 / 16.38, 0 18.00;
+    KV32k 49.4 / 49.2 / 49.1 against 50.7 / 50.5 / 50.6 with 1; KV128k 192.0 / 192.1 / 192.8 against
+    193.3 / 192.9 / 193.2. Not changed.
+  * A balanced split (prototyped in commits 72dbd5a, b994ee5 and 0b3749b, then reverted): the 16
+    blocks of a head share its keys; each warp's first tiles are fixed and the rest drawn from a
+    per-head atomic ticket counter (one draw per 16-key tile, drawn one or two tiles ahead; ticket order
+    round robin over 16 regions, each streamed in order as in the fixed split). Correct (the decode GPU
+    tests passed, except the pdl-versus-plain test, which asks for bit-identical output: the sums
+    follow the draw order). The blocks then finished within 9-20% of each other, but every step was
+    slower:
+      KV8k 16.41-16.62 us fixed, 17.24-17.40 balanced (one tile ahead), 18.76-18.85 (two ahead);
+      KV32k 49.1-49.3, 51.1-51.2, 51.9-52.2;
+      KV128k 192.3-193.8, 196.1-197.3, 196.7-196.9.
+    The same code with tickets from a per-warp sequence (CUKERN_DECODE_LOCAL_TICKETS, no atomics, so no
+    balancing) ran KV8k 16.80 against 16.36, KV32k 49.8 against 49.0, KV128k 191.1 against 191.5. So
+    the loss is the draws: about 65 k same-address atomics per KV128k step, eight addresses. Not kept.
+    Per-region counters (a warp steals from another region only when its own is empty) would spread
+    them. The ceiling of any balancing is the gap between the median and the slowest block, about
+    1.4 us at KV8k and about 7% at KV128k, which is still short of 80% of copy and of SDPA.
+
 Run: PYTHONPATH=. python profiling/attention_blocks.py   (BLOCKS_KV=8192,131072; BLOCKS_CFG=8:16,4:33;
-BLOCKS_BAL=0,1: the fixed split and the balanced one, DecodePlan.balance;
 BLOCKS_DEFINES=A=1;B=2,A=0: variants of the unit, one per comma-separated set)
 """
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 import sys
 
@@ -55,8 +80,8 @@ def run(attn):
     for kv in kvs:
         n_layers = max(2, min(16, -(-4 * (50 << 20) // (kv * 8 * 128 * 4))))
         cache, s, q, out = _b1_decode_case(rng, kv, n_layers)
-        for (nw, ns), bal in itertools.product(cfgs, [bool(int(x)) for x in os.environ.get("BLOCKS_BAL", "0,1").split(",")]):
-            attn._tc_warps, attn._balance = nw, bal
+        for nw, ns in cfgs:
+            attn._tc_warps = nw
             plan = attn.plan_decode(cache, [s], 32, n_splits=ns)
             step = _layer_steps(attn, plan, q, out, n_layers)
             n_inner = max(8, 2 * n_layers)
@@ -71,7 +96,7 @@ def run(attn):
             t = (c[:, :4].astype(np.int64) - int(c[:, 0].min())) / 1e3  # us from the first block's entry
             sm = c[:, 4]
             stream = t[:, 2] - t[:, 1]
-            print(f"KV{kv} w{nw} s{ns}{' balanced' if plan.balance else ''}: graph {us:.2f} us/step, {n_blocks} blocks on {len(set(sm.tolist()))} SMs")
+            print(f"KV{kv} w{nw} s{ns}: graph {us:.2f} us/step, {n_blocks} blocks on {len(set(sm.tolist()))} SMs")
             print(f"  quantiles {qs}: entry {_q(t[:, 0], qs)}")
             print(f"                          wait  {_q(t[:, 1], qs)}")
             print(f"                          tiles {_q(t[:, 2], qs)}")
@@ -86,7 +111,7 @@ def run(attn):
             fast = np.argsort(t[:, 2])[:4]
             print("  fastest blocks: " + ", ".join(f"({b % ns}, {b // ns}, {sm[b]}, {t[b, 2]:.2f})" for b in fast))
         del cache
-        attn._tc_warps = attn._balance = None
+        attn._tc_warps = None
 
 
 if __name__ == "__main__":

@@ -36,14 +36,12 @@
 #include "attention/decode.cuh"
 #include "attention/params.cuh"
 
-// Profiling only (profiling/attention_blocks.py builds the variant): thread 0 of every block records
+// Profiling only (profiling/attention_blocks.py builds the variants): CUKERN_DECODE_EARLY caps the prologue
+// tiles issued before pdl_wait; with CUKERN_DECODE_CLOCKS=1 thread 0 of every block records
 // %globaltimer at entry, after pdl_wait, after the block's last tile, and on leaving, with its SM, in
 // cukern_decode_clocks[5 * block + 0..4] (block = the linear block index of the launch).
 #ifndef CUKERN_DECODE_EARLY  // profiling: at most this many prologue tiles are issued before pdl_wait
 #define CUKERN_DECODE_EARLY NS
-#endif
-#ifndef CUKERN_DECODE_LOCAL_TICKETS  // profiling: balanced tickets from a per-warp sequence, no atomics (timing only)
-#define CUKERN_DECODE_LOCAL_TICKETS 0
 #endif
 #ifndef CUKERN_DECODE_CLOCKS
 #define CUKERN_DECODE_CLOCKS 0
@@ -143,41 +141,26 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
     const int n_h = min(G, (int)(p.group - hb * G));  // heads of this block that exist
 
     const QueryRange r = decode_range(lengths, seq_ids, q_indptr, qi, p);
-    // The block's keys [c0, c1) in tiles of KW. Fixed split (p.balance == 0): the split's chunk, the warp's
-    // i-th tile is tile i WARPS + warp of it. Balanced: the whole visible range, shared by the n_splits blocks
-    // of the (query, head block) and cut into n_splits regions of R tiles; the warp's first SP tiles are the
-    // fixed ones of its own split's region (offsets i WARPS + warp), the rest are drawn one at a time from the
-    // row's ticket counter, ticket k being offset SP WARPS + k / n_splits of region k % n_splits (all regions
-    // stream at once, in order, as in the fixed split), so warps on SMs that stream faster take more tiles.
-    // A tile of the last region past the keys (R n_splits may exceed the tiles) is an empty one, all masked.
-    const bool bal = p.balance != 0;  // the host sets it only with n_splits > 1 and the merge in this launch
-    const int32_t c0 = bal ? r.lo : r.lo + (int32_t)(split * p.chunk);
-    const int32_t c1 = bal || split + 1 == p.n_splits ? r.hi : min(r.hi, c0 + (int32_t)p.chunk);
-    const int32_t n_wt = c1 > c0 ? (c1 - c0 + KW - 1) / KW : 0;  // tiles of the keys
-    const int32_t ns = bal ? (int32_t)p.n_splits : 1;
-    const int32_t R = (n_wt + ns - 1) / ns;  // tiles per region
-    const int32_t SP = bal ? NS - 1 + (int32_t)p.l2_prefetch : 0x7fffffff;  // fixed positions of the warp
-    constexpr int32_t NONE = 0x7fffffff;  // past the warp's last position
-    int32_t* const tickets = counters + (uint64_t)gridDim.z * gridDim.y + (uint64_t)qi * gridDim.y + blockIdx.y;
-    auto at = [&](int32_t offset, int32_t region) { return offset < R ? region * R + offset : NONE; };
-    auto fixed = [&](int32_t i) { return at(i * WARPS + warp, bal ? (int32_t)split : 0); };  // position i < SP
-    auto drawn = [&](int32_t k) { return at(SP * WARPS + k / ns, k % ns); };  // ticket k
+    const int32_t c0 = r.lo + (int32_t)(split * p.chunk);
+    const int32_t c1 = split + 1 == p.n_splits ? r.hi : min(r.hi, c0 + (int32_t)p.chunk);
+    const int32_t n_wt = c1 > c0 ? (c1 - c0 + KW - 1) / KW : 0;              // warp tiles of the chunk
+    const int32_t my_tiles = n_wt > warp ? (n_wt - 1 - warp) / WARPS + 1 : 0;  // ... of this warp
 
     const int32_t* pt = page_table + (uint64_t)r.slot * p.max_pages;
     const uint64_t row_elems = (uint64_t)p.n_kv_heads * D;
     const uint32_t kv_off = kvh * D;
     T* const ring = reinterpret_cast<T*>(smem_raw) + warp * NS * STAGE;
 
-    // first key of tile t; the pool row of key (lane % KW) of it (clamped into the keys, and to key 0 when
-    // there are none: then nothing is copied)
-    auto key0 = [&](int32_t t) { return c0 + t * KW; };
-    auto lookup = [&](int32_t t) {
-        const uint32_t j = (uint32_t)max(min(key0(min(t, n_wt)) + lane % KW, c1 - 1), 0);
+    // first key of the warp's tile i; the pool row of key (lane % KW) of it (clamped into the chunk, and to
+    // key 0 when the chunk is empty: then nothing is copied)
+    auto key0 = [&](int32_t i) { return c0 + (i * WARPS + warp) * KW; };
+    auto lookup = [&](int32_t i) {
+        const uint32_t j = (uint32_t)max(min(key0(i) + lane % KW, c1 - 1), 0);
         return (uint32_t)paged_row(pt, j, p.page_size, p.page_shift);
     };
     const uint64_t policy = l2_evict_first_policy();
-    // copies of tile t into stage st; `row` is lookup(t); keys past c1 are zero-filled
-    auto issue = [&](int32_t t, int st, uint32_t row) {
+    // copies of the warp's tile i into stage st; `row` is lookup(i); keys past the chunk are zero-filled
+    auto issue = [&](int32_t i, int st, uint32_t row) {
         T* ks = ring + st * STAGE;
         T* vs = ks + KW * LD;
 #pragma unroll
@@ -186,7 +169,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
             const int key = chunk / CPR, ch = chunk % CPR;
             const uint32_t rk = __shfl_sync(0xffffffffu, row, key);
             const uint64_t off = (uint64_t)rk * row_elems + kv_off + ch * 8;
-            const uint32_t bytes = key0(t) + key < c1 ? 16u : 0u;
+            const uint32_t bytes = key0(i) + key < c1 ? 16u : 0u;
             if (p.evict_first) {
                 cp_async16_policy(ks + key * LD + ch * 8, k_pool + off, bytes, policy);
                 cp_async16_policy(vs + key * LD + ch * 8, v_pool + off, bytes, policy);
@@ -196,34 +179,29 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
             }
         }
     };
-    // f[k]: the tile of the warp's position i + k at the loop's iteration i (NONE: none; the others are a
-    // prefix). The first NS - 1 tiles are in flight before q is read; their page-table loads (and the
-    // one of the tile after them) are issued together (the lookup clamps into the keys, so any tile is safe
-    // to look up). Under programmatic dependent launch only the tiles whose keys all precede the query's
-    // own token (r.hi - 1, the one the decode step's KV write may still be writing) are issued before
-    // pdl_wait(); `safe` holds for a prefix of the tiles, so the copy groups stay in tile order. Tickets
-    // are drawn after the wait (the previous launch's merging block resets the counter).
-    int32_t f[NS];
+    // the first NS - 1 tiles are in flight before q is read; their page-table loads (and the one of the
+    // tile after them) are issued together (the lookup clamps into the chunk, so any key is safe to look up).
+    // Under programmatic dependent launch only the tiles whose keys all precede the query's own token
+    // (r.hi - 1, the one the decode step's KV write may still be writing) are issued before pdl_wait();
+    // `safe` holds for a prefix of the tiles, so the copy groups stay in tile order.
     uint32_t rows0[NS];
 #pragma unroll
-    for (int k = 0; k < NS; ++k) {
-        f[k] = k < SP ? fixed(k) : NONE;
-        rows0[k] = lookup(f[k]);
-    }
+    for (int st = 0; st < NS; ++st) rows0[st] = lookup(st);
     int early = 0;  // prologue tiles issued before the wait
 #pragma unroll
     for (int st = 0; st < NS - 1; ++st) {
-        if (st < CUKERN_DECODE_EARLY && f[st] != NONE && key0(f[st]) + KW < r.hi) {
-            issue(f[st], st, rows0[st]);
+        if (st < CUKERN_DECODE_EARLY && st < my_tiles && key0(st) + KW < r.hi) {
+            issue(st, st, rows0[st]);
             cp_async_commit();
             early = st + 1;
         }
     }
     // the next p.l2_prefetch tiles of the warp (the same safe keys) into L2 while the previous kernel ends:
     // lane k of the first KW lanes asks for key k's K row slice, lane KW + k for its V slice
-    for (int32_t i = NS - 1; i < NS - 1 + (int32_t)p.l2_prefetch && fixed(i) != NONE; ++i) {
-        const uint32_t row = lookup(fixed(i));
-        const int32_t key = key0(fixed(i)) + lane % KW;
+    const int32_t pf_end = min(my_tiles, (int32_t)(NS - 1 + p.l2_prefetch));
+    for (int32_t i = NS - 1; i < pf_end; ++i) {
+        const uint32_t row = lookup(i);
+        const int32_t key = key0(i) + lane % KW;
         if (key < c1 && key + 1 < r.hi)
             prefetch_l2_bulk((lane < KW ? k_pool : v_pool) + (uint64_t)row * row_elems + kv_off, D * sizeof(T));
     }
@@ -232,27 +210,9 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
 #pragma unroll
     for (int st = 0; st < NS - 1; ++st) {
         if (st >= early) {
-            if (f[st] != NONE) issue(f[st], st, rows0[st]);
+            if (st < my_tiles) issue(st, st, rows0[st]);
             cp_async_commit();
         }
-    }
-    // lane 0: tickets of positions i + NS for even (pa) and odd (pb) iterations i, each drawn two iterations
-    // before its use (atomic, then the page-table lookup, then the copies: three round trips, two tiles
-    // apart). Drawn while the position two before is not NONE (a draw or two past the last only gives NONE).
-    int32_t pa = 0, pb = 0, n_draws = 0;
-    auto draw = [&]() -> int32_t {
-        if (lane != 0) return 0;
-        if (CUKERN_DECODE_LOCAL_TICKETS) return (int32_t)split * WARPS + warp + ns * WARPS * n_draws++;
-        return atomicAdd(tickets, 1);
-    };
-    if (SP == NS - 1 && f[NS - 2] != NONE) {  // position NS - 1 is drawn: now, synchronously
-        const int32_t t = draw();
-        f[NS - 1] = drawn(__shfl_sync(0xffffffffu, t, 0));
-        rows0[NS - 1] = lookup(f[NS - 1]);
-    }
-    if (f[NS - 1] != NONE) {
-        if (SP <= NS) pa = draw();      // position NS (iteration 0)
-        if (SP <= NS + 1) pb = draw();  // position NS + 1 (iteration 1)
     }
     uint32_t next_row = rows0[NS - 1];  // the next tile to issue
 
@@ -299,25 +259,14 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
     const int k_row = (lane % 8) + (lane / 16) * 8, k_col = ((lane / 8) % 2) * 8;
     const int v_row = (lane % 8) + ((lane / 8) % 2) * 8, v_col = (lane / 16) * 8;
 
-    // one tile: iteration i, `pc` the ticket register of its parity (the loop alternates pa and pb, so
-    // that no move ever waits on a ticket still in flight)
-    auto step = [&](int32_t i, int32_t& pc) {
-        cp_async_wait<NS - 2>();  // tile f[0] has landed (this lane's copies) ...
+    for (int32_t i = 0; i < my_tiles; ++i) {
+        cp_async_wait<NS - 2>();  // tile i has landed (this lane's copies) ...
         __syncwarp();             // ... every lane's, and the stage refilled next is no longer read
-        if (f[NS - 1] != NONE) issue(f[NS - 1], (i + NS - 1) % NS, next_row);
-        cp_async_commit();
-        const int32_t kb = key0(f[0]);
-        // the next position, i + NS: fixed, none (the one before it is none), or the ticket drawn two
-        // iterations ago; then its lookup, and the draw of position i + NS + 2
-#pragma unroll
-        for (int k = 0; k < NS - 1; ++k) f[k] = f[k + 1];
-        if (i + NS < SP) f[NS - 1] = fixed(i + NS);
-        else if (f[NS - 2] == NONE) f[NS - 1] = NONE;
-        else f[NS - 1] = drawn(__shfl_sync(0xffffffffu, pc, 0));
-        if (f[NS - 1] != NONE) {
-            next_row = lookup(f[NS - 1]);
-            if (i + NS + 2 >= SP) pc = draw();
+        if (i + NS - 1 < my_tiles) {
+            issue(i + NS - 1, (i + NS - 1) % NS, next_row);
+            if (i + NS < my_tiles) next_row = lookup(i + NS);
         }
+        cp_async_commit();
 
         const T* ks = ring + (i % NS) * STAGE;
         const T* vs = ks + KW * LD;
@@ -343,6 +292,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
                 s[n][e] = ((sa[0][n][e] + sa[0][n][e + 2]) + (sa[1][n][e] + sa[1][n][e + 2])) * unscale;
                 if (capped) s[n][e] = cap_b * tanhf(s[n][e] * cap_a);
             }
+        const int32_t kb = key0(i);
         if (kb + KW > c1) {  // keys past the chunk (zero-filled) weigh nothing
 #pragma unroll
             for (int n = 0; n < 2; ++n)
@@ -383,11 +333,6 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
             mma16816<T>(oacc[2 * d2], pa, b[0], b[1]);
             mma16816<T>(oacc[2 * d2 + 1], pa, b[2], b[3]);
         }
-    };
-    for (int32_t i = 0; f[0] != NONE; i += 2) {
-        step(i, pa);
-        if (f[0] == NONE) break;
-        step(i + 1, pb);
     }
     cp_async_wait<0>();  // (only empty groups can be left) the stages become the merge scratch
     __syncthreads();
@@ -410,6 +355,5 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
     __syncthreads();
     decode_finish<D, G, WARPS>(red, sm_m, sm_l, &sm_last, o, lse, o_part, lse_part, counters, sinks, p,
                                qi, split, h0, n_h);
-    if (bal && sm_last && threadIdx.x == 0) *tickets = 0;  // every block has drawn its last: ready for the next launch
     CUKERN_DECODE_CLOCK(3);
 }

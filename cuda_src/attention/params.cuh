@@ -53,10 +53,6 @@ struct DecodeParams {
     uint32_t evict_first;    // decode_tc: 1 streams K/V with an L2 evict-first policy (read once per launch)
     uint32_t merge_apart;    // n_splits > 1: 1 writes the partial states only, merged by a merge_states launch
                              //    after this one (no counters touched); 0: the last block merges them
-    uint32_t balance;        // decode_tc, n_splits > 1 and merge_apart == 0: the n_splits blocks of a (query,
-                             //    head block) share its keys, drawing tiles from a ticket counter (counters
-                             //    [n_queries * gridDim.y ...]) after a fixed first few; 0: a chunk per split
-    uint32_t pad0;           // keeps the struct a multiple of 8 bytes
 };
 
 // merge_states: combine n_states partial results (O, LSE) per (token, head)
