@@ -353,6 +353,8 @@ template <> struct FragDeq<QT_Q6_K> {
 }  // namespace mm
 }  // namespace cukern
 
+#include "matmul/packed_wgr.cuh"  // the packed Q4_K layout's RawWgr / FragDeq (an experiment)
+
 template <int QT, int BN, bool GLU>
 __global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(
     float* __restrict__ d,             // [n, d_stride] f32 out: d[c * d_stride + r], r < m

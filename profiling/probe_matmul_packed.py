@@ -1,0 +1,147 @@
+"""Experiment: would gemm_wgr be faster on Q4_K weights repacked once at load into the layout of its A
+fragments (cuda_src/matmul/packed_wgr.cuh: each lane's quants of a stage in two 8-byte words, the
+sub-blocks' scale and min precomputed as f16)? Packs random Q4_K weights on the host, checks the kernel
+against the float64 product of the packed values, then times gemm_wgr on the packed bytes against
+gemm_wgr on the GGUF bytes (both 256-token tiles, one K slice) and dequantize + cuBLAS, in turns.
+
+Run: PYTHONPATH=. python profiling/probe_matmul_packed.py   (PROBE_CASES=MxKxN,...; PROBE_ROUNDS=4)
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import cupy
+import numpy as np
+
+from cukern import matmul as M
+from cukern.benchmark import rotating, time_graph_us, time_stream_us
+from cukern.dispatch import tensor_map_2d
+from cukern.matmul import MatmulDispatch
+from cukern.runtime import FamilySpec, KernelSpec
+
+sys.path.insert(0, "profiling")
+from bench_matmul import random_weight_device
+
+QT_PACKED = 112  # QT_Q4_K_WGR in packed_wgr.cuh
+PACKED_BYTES = 160  # per row and 256 elements
+KERNEL = f"gemm_wgr<{QT_PACKED}, 256, false>"
+
+
+def _scales_mins(sc12: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 six-bit scales and mins of Q4_K super-blocks from their 12 packed bytes [..., 12]."""
+    q = sc12.astype(np.uint32)
+    sc = np.empty(q.shape[:-1] + (8,), np.uint32)
+    mn = np.empty_like(sc)
+    sc[..., :4] = q[..., 0:4] & 63
+    mn[..., :4] = q[..., 4:8] & 63
+    sc[..., 4:] = (q[..., 8:12] & 0xF) | ((q[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)
+    return sc, mn
+
+
+def pack_q4k(raw: np.ndarray, m: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF Q4_K bytes of an m x k matrix -> (the packed bytes [m, k / 256 * 160], the f16 values the kernel
+    computes from them [m, k])."""
+    nb = k // 256
+    blk = raw.reshape(m, nb, 144)
+    d = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    dmin = blk[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    sc, mn = _scales_mins(blk[..., 4:16])
+    s16 = (d[..., None] * sc).astype(np.float16)        # [m, nb, 8], d * sc exact in f32, rounded once
+    nm16 = (-(dmin[..., None] * mn)).astype(np.float16)
+    qs = blk[..., 16:144].reshape(m, nb, 4, 32)
+    v = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.uint32)  # [m, nb, st, 64]: stage elements
+    out = np.empty((m, nb, PACKED_BYTES), np.uint8)
+    words = np.zeros((m, nb, 4, 4, 2), np.uint32)  # [st, lane c, word h]
+    for c in range(4):
+        for j in range(8):
+            e0 = 8 * j + 2 * c
+            words[..., c, j // 4] |= (v[..., e0] << (4 * (j % 4))) | (v[..., e0 + 1] << (16 + 4 * (j % 4)))
+    out[..., :128] = words.reshape(m, nb, 32).view(np.uint8).reshape(m, nb, 128)
+    pairs = np.stack([s16, nm16], axis=-1)  # [m, nb, 8, 2] f16: (s, -m) per sub-block
+    out[..., 128:] = pairs.view(np.uint8).reshape(m, nb, 32)
+    # values: f16(q s - m), one rounding (the kernel's fma); sub-block of stage element e: 2 st + (e >= 32)
+    q = v.reshape(m, nb, 4, 2, 32).astype(np.float64)
+    vals = q * s16.reshape(m, nb, 4, 2, 1).astype(np.float64) + nm16.reshape(m, nb, 4, 2, 1).astype(np.float64)
+    return out.reshape(m, -1), vals.astype(np.float16).reshape(m, k)
+
+
+def _unit() -> M._Unit:
+    spec = FamilySpec("matmul_packed_q4k", (KernelSpec(KERNEL, "GemmParams"),), source="matmul/gemm.cu",
+                      params_header="matmul/params.cuh")
+    return M._Unit(spec, None, sm90a=True)
+
+
+def packed_gemm(unit, w: cupy.ndarray, m: int, k: int, b: cupy.ndarray, d: cupy.ndarray):
+    """d [n, m] f32 = W b^T for the packed W (m rows of k / 256 * 160 bytes) and f16 b [n, k]."""
+    n = b.shape[0]
+    params = unit.struct("GemmParams").pack(
+        w_offset=0, w2_offset=0, row_bytes=k // 256 * PACKED_BYTES, b_stride=b.strides[0] // 2, d_stride=m, m=m,
+        n=n, k=k, k_split=k, mode=0, atomic=0, raw16=1)
+    return unit._launch(KERNEL, (-(-n // 256), -(-m // 128), 1), 384, (d, w, w, tensor_map_2d(b, (64, 256))), params,
+                        shared_mem=227 * 1024)
+
+
+def check(unit, rng) -> None:
+    for m, k, n in [(300, 512, 70), (128, 4096, 256), (1000, 1024, 513)]:
+        wq = random_weight_device("Q4_K", m, k, rng)
+        packed, vals = pack_q4k(wq.buf.get(), m, k)
+        b = rng.standard_normal((n, k), dtype=cupy.float32).astype(cupy.float16)
+        d = cupy.full((n, m), cupy.nan, cupy.float32)
+        packed_gemm(unit, cupy.asarray(packed), m, k, b, d)
+        want = b.get().astype(np.float64) @ vals.astype(np.float64).T
+        err = float(np.abs(d.get() - want).max() / np.abs(want).max())
+        # the GGUF values themselves: how far the packed f16 values are from the exact dequantization
+        gguf = cupy.empty((m, k), cupy.float16)
+        MatmulDispatch().dequantize(wq, gguf)
+        werr = float(np.abs(vals.astype(np.float64) - gguf.get().astype(np.float64)).max()
+                     / np.abs(gguf.get().astype(np.float64)).max())
+        print(f"check {m}x{k} N={n}: max |err| / max |ref| {err:.2e} (packed values vs dequantize_f16 {werr:.2e})",
+              flush=True)
+        assert err < 1e-4, "packed gemm_wgr disagrees with its reference"
+
+
+def main() -> None:
+    rng = cupy.random.default_rng(1)
+    unit = _unit()
+    check(unit, rng)
+    mm = MatmulDispatch()
+    mm.WG_TILE = 256
+    cases = [(4096, 4096, 512), (4096, 4096, 2048), (14336, 4096, 2048), (4096, 14336, 2048)]
+    if os.environ.get("PROBE_CASES"):
+        cases = [tuple(int(v) for v in c.split("x")) for c in os.environ["PROBE_CASES"].split(",")]
+    rounds = int(os.environ.get("PROBE_ROUNDS", "4"))
+    for m, k, n in cases:
+        time_case(mm, unit, rng, m, k, n, rounds)
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
+def time_case(mm, unit, rng, m: int, k: int, n: int, rounds: int) -> None:
+    """One shape: the three paths over rotating weights (three of each, so that L2 does not serve them)."""
+    ws = [random_weight_device("Q4_K", m, k, rng) for _ in range(3)]
+    packs = [cupy.asarray(pack_q4k(w.buf.get(), m, k)[0]) for w in ws]
+    _, nxt = rotating(3, lambda i: ws[i])
+    _, nxp = rotating(3, lambda i: packs[i])
+    b = rng.standard_normal((n, k), dtype=cupy.float32).astype(cupy.float16)
+    d = cupy.empty((n, m), cupy.float32)
+    dense, d16 = cupy.empty((m, k), cupy.float16), cupy.empty((n, m), cupy.float16)
+    fns = {
+        "gemm_wgr Q4_K": lambda: time_graph_us(lambda: mm.gemm(nxt(), b, d, wgmma=True, split_k=1),
+                                               n_inner=10, n_repeat=5),
+        "gemm_wgr packed": lambda: time_graph_us(lambda: packed_gemm(unit, nxp(), m, k, b, d), n_inner=10, n_repeat=5),
+        "deq+cuBLAS": lambda: time_stream_us(lambda: (mm.dequantize(nxt(), dense), cupy.matmul(b, dense.T, out=d16))),
+    }
+    times = {key: [] for key in fns}
+    for r in range(rounds):
+        keys = list(fns)
+        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+            times[key].append(fns[key]())
+    med = {key: sorted(t)[len(t) // 2] for key, t in times.items()}
+    peer = med["deq+cuBLAS"]
+    print(f"Q4_K {m}x{k} N={n}: " + " | ".join(f"{key} {us:.1f} us ({peer / us:.2f}x peer)" for key, us in med.items()),
+          flush=True)
+
+
+if __name__ == "__main__":
+    main()
