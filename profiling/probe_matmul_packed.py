@@ -1,10 +1,11 @@
-"""Experiment: would gemm_wgr be faster on Q4_K weights repacked once at load into the layout of its A
-fragments (cuda_src/matmul/packed_wgr.cuh: each lane's quants of a stage in two 8-byte words, the
-sub-blocks' scale and min precomputed as f16)? Packs random Q4_K weights on the host, checks the kernel
-against the float64 product of the packed values, then times gemm_wgr on the packed bytes against
-gemm_wgr on the GGUF bytes (both 256-token tiles, one K slice) and dequantize + cuBLAS, in turns.
+"""Experiment: would gemm_wgr be faster on weights repacked once at load into the layout of its A
+fragments (cuda_src/matmul/packed_wgr.cuh: each lane's quants of a stage contiguous, the scales
+precomputed as f16)? Packs random Q4_K, Q8_0 and Q6_K weights on the host, checks the kernel against the
+float64 product of the packed values, then times gemm_wgr on the packed bytes against gemm_wgr on the GGUF
+bytes (both 256-token tiles, one K slice) and dequantize + cuBLAS, in turns.
 
-Run: PYTHONPATH=. python profiling/probe_matmul_packed.py   (PROBE_CASES=MxKxN,...; PROBE_ROUNDS=4)
+Run: PYTHONPATH=. python profiling/probe_matmul_packed.py   (PROBE_TYPES=Q4_K,Q8_0,Q6_K; PROBE_CASES=MxKxN,...;
+PROBE_ROUNDS=4)
 """
 from __future__ import annotations
 
@@ -23,9 +24,12 @@ from cukern.runtime import FamilySpec, KernelSpec
 sys.path.insert(0, "profiling")
 from bench_matmul import random_weight_device
 
-QT_PACKED = 112  # QT_Q4_K_WGR in packed_wgr.cuh
-PACKED_BYTES = 160  # per row and 256 elements
-KERNEL = f"gemm_wgr<{QT_PACKED}, 256, false>"
+# type -> (packed type code, bytes per row and 256 elements), packed_wgr.cuh's QT_*_WGR
+PACKED = {"Q4_K": (112, 160), "Q8_0": (108, 272), "Q6_K": (114, 288)}
+
+
+def _kernel(name: str) -> str:
+    return f"gemm_wgr<{PACKED[name][0]}, 256, false>"
 
 
 def _scales_mins(sc12: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -52,7 +56,7 @@ def pack_q4k(raw: np.ndarray, m: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     nm16 = (-(dmin[..., None] * mn)).astype(np.float16)
     qs = blk[..., 16:144].reshape(m, nb, 4, 32)
     v = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.uint32)  # [m, nb, st, 64]: stage elements
-    out = np.empty((m, nb, PACKED_BYTES), np.uint8)
+    out = np.empty((m, nb, 160), np.uint8)
     words = np.zeros((m, nb, 4, 4, 2), np.uint32)  # [st, lane c, word h]
     for c in range(4):
         for j in range(8):
@@ -67,29 +71,74 @@ def pack_q4k(raw: np.ndarray, m: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     return out.reshape(m, -1), vals.astype(np.float16).reshape(m, k)
 
 
+def _lane_bytes(v: np.ndarray) -> np.ndarray:
+    """Stage elements [..., 4, 64] (one byte each) -> [..., 256] bytes: stage st, lane c, then pairs 8 j + 2 c
+    (+1), j = 0..7, in order (FragDeqPacked8's words)."""
+    order = np.array([[8 * j + 2 * c + e for j in range(8) for e in (0, 1)] for c in range(4)]).reshape(-1)
+    return v[..., order].reshape(v.shape[:-2] + (256,))
+
+
+def pack_q8_0(raw: np.ndarray, m: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF Q8_0 bytes -> (packed [m, k / 256 * 272], the f16 values q d)."""
+    nb = k // 256
+    blk = raw.reshape(m, nb, 8, 34)
+    d = blk[..., 0:2].copy().view(np.float16)[..., 0]  # [m, nb, 8]
+    q = blk[..., 2:34].copy().view(np.int8)            # [m, nb, 8, 32]
+    out = np.empty((m, nb, 272), np.uint8)
+    out[..., :256] = _lane_bytes((q.view(np.uint8) ^ 0x80).reshape(m, nb, 4, 64))
+    out[..., 256:] = d.view(np.uint8).reshape(m, nb, 16)
+    vals = (q.astype(np.float64) * d[..., None].astype(np.float64)).astype(np.float16)
+    return out.reshape(m, -1), vals.reshape(m, k)
+
+
+def pack_q6_k(raw: np.ndarray, m: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF Q6_K bytes -> (packed [m, k / 256 * 288], the f16 values f16(d sc) (q - 32))."""
+    nb = k // 256
+    blk = raw.reshape(m, nb, 210)
+    ql, qh = blk[..., 0:128].astype(np.uint32), blk[..., 128:192].astype(np.uint32)
+    sc = blk[..., 192:208].copy().view(np.int8).astype(np.float32)
+    d = blk[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = np.empty((m, nb, 256), np.uint32)
+    for n in range(2):
+        lo, hi, h = ql[..., 64 * n:64 * n + 32], ql[..., 64 * n + 32:64 * n + 64], qh[..., 32 * n:32 * n + 32]
+        q[..., 128 * n:128 * n + 32] = (lo & 0xF) | ((h & 3) << 4)
+        q[..., 128 * n + 32:128 * n + 64] = (hi & 0xF) | (((h >> 2) & 3) << 4)
+        q[..., 128 * n + 64:128 * n + 96] = (lo >> 4) | (((h >> 4) & 3) << 4)
+        q[..., 128 * n + 96:128 * n + 128] = (hi >> 4) | (((h >> 6) & 3) << 4)
+    s16 = (d[..., None] * sc).astype(np.float16)  # [m, nb, 16]
+    out = np.empty((m, nb, 288), np.uint8)
+    out[..., :256] = _lane_bytes(q.astype(np.uint8).reshape(m, nb, 4, 64))
+    out[..., 256:] = s16.view(np.uint8).reshape(m, nb, 32)
+    vals = ((q.astype(np.float64) - 32).reshape(m, nb, 16, 16) * s16[..., None].astype(np.float64)).astype(np.float16)
+    return out.reshape(m, -1), vals.reshape(m, k)
+
+
+PACKERS = {"Q4_K": pack_q4k, "Q8_0": pack_q8_0, "Q6_K": pack_q6_k}
+
+
 def _unit() -> M._Unit:
-    spec = FamilySpec("matmul_packed_q4k", (KernelSpec(KERNEL, "GemmParams"),), source="matmul/gemm.cu",
-                      params_header="matmul/params.cuh")
+    spec = FamilySpec("matmul_packed", tuple(KernelSpec(_kernel(t), "GemmParams") for t in PACKED),
+                      source="matmul/gemm.cu", params_header="matmul/params.cuh")
     return M._Unit(spec, None, sm90a=True)
 
 
-def packed_gemm(unit, w: cupy.ndarray, m: int, k: int, b: cupy.ndarray, d: cupy.ndarray):
-    """d [n, m] f32 = W b^T for the packed W (m rows of k / 256 * 160 bytes) and f16 b [n, k]."""
+def packed_gemm(unit, name: str, w: cupy.ndarray, m: int, k: int, b: cupy.ndarray, d: cupy.ndarray):
+    """d [n, m] f32 = W b^T for the packed W of type name (m rows of k / 256 * PACKED bytes) and f16 b [n, k]."""
     n = b.shape[0]
     params = unit.struct("GemmParams").pack(
-        w_offset=0, w2_offset=0, row_bytes=k // 256 * PACKED_BYTES, b_stride=b.strides[0] // 2, d_stride=m, m=m,
+        w_offset=0, w2_offset=0, row_bytes=k // 256 * PACKED[name][1], b_stride=b.strides[0] // 2, d_stride=m, m=m,
         n=n, k=k, k_split=k, mode=0, atomic=0, raw16=1)
-    return unit._launch(KERNEL, (-(-n // 256), -(-m // 128), 1), 384, (d, w, w, tensor_map_2d(b, (64, 256))), params,
-                        shared_mem=227 * 1024)
+    return unit._launch(_kernel(name), (-(-n // 256), -(-m // 128), 1), 384, (d, w, w, tensor_map_2d(b, (64, 256))),
+                        params, shared_mem=227 * 1024)
 
 
-def check(unit, rng) -> None:
+def check(unit, name: str, rng) -> None:
     for m, k, n in [(300, 512, 70), (128, 4096, 256), (1000, 1024, 513)]:
-        wq = random_weight_device("Q4_K", m, k, rng)
-        packed, vals = pack_q4k(wq.buf.get(), m, k)
+        wq = random_weight_device(name, m, k, rng)
+        packed, vals = PACKERS[name](wq.buf.get(), m, k)
         b = rng.standard_normal((n, k), dtype=cupy.float32).astype(cupy.float16)
         d = cupy.full((n, m), cupy.nan, cupy.float32)
-        packed_gemm(unit, cupy.asarray(packed), m, k, b, d)
+        packed_gemm(unit, name, cupy.asarray(packed), m, k, b, d)
         want = b.get().astype(np.float64) @ vals.astype(np.float64).T
         err = float(np.abs(d.get() - want).max() / np.abs(want).max())
         # the GGUF values themselves: how far the packed f16 values are from the exact dequantization
@@ -97,7 +146,7 @@ def check(unit, rng) -> None:
         MatmulDispatch().dequantize(wq, gguf)
         werr = float(np.abs(vals.astype(np.float64) - gguf.get().astype(np.float64)).max()
                      / np.abs(gguf.get().astype(np.float64)).max())
-        print(f"check {m}x{k} N={n}: max |err| / max |ref| {err:.2e} (packed values vs dequantize_f16 {werr:.2e})",
+        print(f"check {name} {m}x{k} N={n}: max |err| / max |ref| {err:.2e} (packed values vs dequantize_f16 {werr:.2e})",
               flush=True)
         assert err < 1e-4, "packed gemm_wgr disagrees with its reference"
 
@@ -105,31 +154,34 @@ def check(unit, rng) -> None:
 def main() -> None:
     rng = cupy.random.default_rng(1)
     unit = _unit()
-    check(unit, rng)
+    names = os.environ.get("PROBE_TYPES", "Q4_K,Q8_0,Q6_K").split(",")
+    for name in names:
+        check(unit, name, rng)
     mm = MatmulDispatch()
     mm.WG_TILE = 256
     cases = [(4096, 4096, 512), (4096, 4096, 2048), (14336, 4096, 2048), (4096, 14336, 2048)]
     if os.environ.get("PROBE_CASES"):
         cases = [tuple(int(v) for v in c.split("x")) for c in os.environ["PROBE_CASES"].split(",")]
     rounds = int(os.environ.get("PROBE_ROUNDS", "4"))
-    for m, k, n in cases:
-        time_case(mm, unit, rng, m, k, n, rounds)
-        cupy.get_default_memory_pool().free_all_blocks()
+    for name in names:
+        for m, k, n in cases:
+            time_case(mm, unit, rng, name, m, k, n, rounds)
+            cupy.get_default_memory_pool().free_all_blocks()
 
 
-def time_case(mm, unit, rng, m: int, k: int, n: int, rounds: int) -> None:
+def time_case(mm, unit, rng, name: str, m: int, k: int, n: int, rounds: int) -> None:
     """One shape: the three paths over rotating weights (three of each, so that L2 does not serve them)."""
-    ws = [random_weight_device("Q4_K", m, k, rng) for _ in range(3)]
-    packs = [cupy.asarray(pack_q4k(w.buf.get(), m, k)[0]) for w in ws]
+    ws = [random_weight_device(name, m, k, rng) for _ in range(3)]
+    packs = [cupy.asarray(PACKERS[name](w.buf.get(), m, k)[0]) for w in ws]
     _, nxt = rotating(3, lambda i: ws[i])
     _, nxp = rotating(3, lambda i: packs[i])
     b = rng.standard_normal((n, k), dtype=cupy.float32).astype(cupy.float16)
     d = cupy.empty((n, m), cupy.float32)
     dense, d16 = cupy.empty((m, k), cupy.float16), cupy.empty((n, m), cupy.float16)
     fns = {
-        "gemm_wgr Q4_K": lambda: time_graph_us(lambda: mm.gemm(nxt(), b, d, wgmma=True, split_k=1),
+        "gemm_wgr GGUF": lambda: time_graph_us(lambda: mm.gemm(nxt(), b, d, wgmma=True, split_k=1),
                                                n_inner=10, n_repeat=5),
-        "gemm_wgr packed": lambda: time_graph_us(lambda: packed_gemm(unit, nxp(), m, k, b, d), n_inner=10, n_repeat=5),
+        "gemm_wgr packed": lambda: time_graph_us(lambda: packed_gemm(unit, name, nxp(), m, k, b, d), n_inner=10, n_repeat=5),
         "deq+cuBLAS": lambda: time_stream_us(lambda: (mm.dequantize(nxt(), dense), cupy.matmul(b, dense.T, out=d16))),
     }
     times = {key: [] for key in fns}
@@ -139,7 +191,7 @@ def time_case(mm, unit, rng, m: int, k: int, n: int, rounds: int) -> None:
             times[key].append(fns[key]())
     med = {key: sorted(t)[len(t) // 2] for key, t in times.items()}
     peer = med["deq+cuBLAS"]
-    print(f"Q4_K {m}x{k} N={n}: " + " | ".join(f"{key} {us:.1f} us ({peer / us:.2f}x peer)" for key, us in med.items()),
+    print(f"{name} {m}x{k} N={n}: " + " | ".join(f"{key} {us:.1f} us ({peer / us:.2f}x peer)" for key, us in med.items()),
           flush=True)
 
 
