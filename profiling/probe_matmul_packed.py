@@ -1,6 +1,6 @@
 """Experiment: would gemm_wgr be faster on weights repacked once at load into the layout of its A
 fragments (cuda_src/matmul/packed_wgr.cuh: each lane's quants of a stage contiguous, the scales
-precomputed as f16)? Packs random Q4_K, Q8_0 and Q6_K weights on the host, checks the kernel against the
+precomputed as f16; stored tile-major, so that one bulk copy moves a super-stage)? Packs random Q4_K, Q8_0 and Q6_K weights on the host, checks the kernel against the
 float64 product of the packed values, then times gemm_wgr on the packed bytes against gemm_wgr on the GGUF
 bytes (both 256-token tiles, one K slice) and dequantize + cuBLAS, in turns.
 
@@ -114,11 +114,22 @@ def pack_q6_k(raw: np.ndarray, m: int, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 PACKERS = {"Q4_K": pack_q4k, "Q8_0": pack_q8_0, "Q6_K": pack_q6_k}
+STRIDE = {"Q4_K": 160, "Q8_0": 320, "Q6_K": 320}  # RawWgr<QT_*_WGR>::kStride
 
 
-def _unit() -> M._Unit:
-    spec = FamilySpec("matmul_packed", tuple(KernelSpec(_kernel(t), "GemmParams") for t in PACKED),
-                      source="matmul/gemm.cu", params_header="matmul/params.cuh")
+def tile_major(name: str, packed: np.ndarray, m: int, k: int) -> np.ndarray:
+    """Row-major packed bytes [m, k / 256 * B] -> gemm_wgr's tile-major image: per (128-row tile, super-block)
+    one chunk of 128 rows x STRIDE bytes (rows past m and the bytes past B zero)."""
+    nb, bb, st, mt = k // 256, PACKED[name][1], STRIDE[name], -(-m // 128)
+    out = np.zeros((mt * 128, nb, st), np.uint8)
+    out[:m, :, :bb] = packed.reshape(m, nb, bb)
+    return out.reshape(mt, 128, nb, st).transpose(0, 2, 1, 3).reshape(-1)
+
+
+def _unit(defines: tuple[str, ...] = ()) -> M._Unit:
+    spec = FamilySpec("matmul_packed" + "".join(x.replace("=", "") for x in defines),
+                      tuple(KernelSpec(_kernel(t), "GemmParams") for t in PACKED), source="matmul/gemm.cu",
+                      params_header="matmul/params.cuh", defines=defines)
     return M._Unit(spec, None, sm90a=True)
 
 
@@ -136,6 +147,7 @@ def check(unit, name: str, rng) -> None:
     for m, k, n in [(300, 512, 70), (128, 4096, 256), (1000, 1024, 513)]:
         wq = random_weight_device(name, m, k, rng)
         packed, vals = PACKERS[name](wq.buf.get(), m, k)
+        packed = tile_major(name, packed, m, k)
         b = rng.standard_normal((n, k), dtype=cupy.float32).astype(cupy.float16)
         d = cupy.full((n, m), cupy.nan, cupy.float32)
         packed_gemm(unit, name, cupy.asarray(packed), m, k, b, d)
@@ -163,16 +175,20 @@ def main() -> None:
     if os.environ.get("PROBE_CASES"):
         cases = [tuple(int(v) for v in c.split("x")) for c in os.environ["PROBE_CASES"].split(",")]
     rounds = int(os.environ.get("PROBE_ROUNDS", "4"))
+    rows = _unit(("CUKERN_WGR_TILED=0",))  # the same layouts row-major, copied row by row (copy_raw)
     for name in names:
         for m, k, n in cases:
-            time_case(mm, unit, rng, name, m, k, n, rounds)
+            time_case(mm, unit, rows, rng, name, m, k, n, rounds)
             cupy.get_default_memory_pool().free_all_blocks()
 
 
-def time_case(mm, unit, rng, name: str, m: int, k: int, n: int, rounds: int) -> None:
-    """One shape: the three paths over rotating weights (three of each, so that L2 does not serve them)."""
+def time_case(mm, unit, rows, rng, name: str, m: int, k: int, n: int, rounds: int) -> None:
+    """One shape: the four paths over rotating weights (three of each, so that L2 does not serve them)."""
     ws = [random_weight_device(name, m, k, rng) for _ in range(3)]
-    packs = [cupy.asarray(PACKERS[name](w.buf.get(), m, k)[0]) for w in ws]
+    packed = [PACKERS[name](w.buf.get(), m, k)[0] for w in ws]
+    packs = [cupy.asarray(tile_major(name, p, m, k)) for p in packed]
+    packs_rows = [cupy.asarray(p) for p in packed]
+    _, nxr = rotating(3, lambda i: packs_rows[i])
     _, nxt = rotating(3, lambda i: ws[i])
     _, nxp = rotating(3, lambda i: packs[i])
     b = rng.standard_normal((n, k), dtype=cupy.float32).astype(cupy.float16)
@@ -181,7 +197,8 @@ def time_case(mm, unit, rng, name: str, m: int, k: int, n: int, rounds: int) -> 
     fns = {
         "gemm_wgr GGUF": lambda: time_graph_us(lambda: mm.gemm(nxt(), b, d, wgmma=True, split_k=1),
                                                n_inner=10, n_repeat=5),
-        "gemm_wgr packed": lambda: time_graph_us(lambda: packed_gemm(unit, name, nxp(), m, k, b, d), n_inner=10, n_repeat=5),
+        "packed rows": lambda: time_graph_us(lambda: packed_gemm(rows, name, nxr(), m, k, b, d), n_inner=10, n_repeat=5),
+        "packed tiles": lambda: time_graph_us(lambda: packed_gemm(unit, name, nxp(), m, k, b, d), n_inner=10, n_repeat=5),
         "deq+cuBLAS": lambda: time_stream_us(lambda: (mm.dequantize(nxt(), dense), cupy.matmul(b, dense.T, out=d16))),
     }
     times = {key: [] for key in fns}

@@ -111,6 +111,10 @@ namespace mm {
 #ifndef CUKERN_WGR_SKIP
 #define CUKERN_WGR_SKIP 0
 #endif
+// The packed layouts (packed_wgr.cuh, type codes >= 100) stored tile-major (1) or row-major (0; profiling).
+#ifndef CUKERN_WGR_TILED
+#define CUKERN_WGR_TILED 1
+#endif
 
 constexpr uint32_t kTileBytes = BK * 2;  // bytes per token row of a 64-element f16 activation stage
 constexpr uint32_t kWgrSmemLimit = 227 * 1024;  // dynamic shared memory one block may opt in to (sm_90)
@@ -367,6 +371,10 @@ __global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int RSTRIDE = RawWgr<QT>::kStride, S = gemm_wgr_stages(BN, RSTRIDE), SPS = SUPER / BK;
     constexpr uint32_t ACT_BYTES = BN * kTileBytes, RAW_BYTES = kRows * RSTRIDE;
+    // packed layouts, tile-major: the 128 rows x 256 elements of a super-stage are one RAW_BYTES chunk (row
+    // stride RSTRIDE, rows past m zero), chunk (row tile, super-block) at (row tile * k / 256 + super-block)
+    // * RAW_BYTES: one bulk copy each
+    constexpr bool TILED = QT >= 100 && CUKERN_WGR_TILED;
     static_assert(BN == 128 || BN == 256, "token tile");
 
     extern __shared__ __align__(16) uint8_t smem_raw[];
@@ -387,7 +395,7 @@ __global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(
 
     if (tid == 0) {
         for (int i = 0; i < S; ++i) mbar_init(full_act + i, 1), mbar_init(empty_act + i, 8);
-        for (int i = 0; i < 2; ++i) mbar_init(full_raw + i, kWgrRawThreads), mbar_init(empty_raw + i, 256);
+        for (int i = 0; i < 2; ++i) mbar_init(full_raw + i, TILED ? 1 : kWgrRawThreads), mbar_init(empty_raw + i, 256);
         mbar_init_fence();
         tma_prefetch_map(&tb);
     }
@@ -411,6 +419,18 @@ __global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(
                         mbar_arrive_expect(full_act + slot, ACT_BYTES);
                         tma_load_2d(sact + slot * ACT_BYTES, &tb, (int32_t)(kbeg + BK * t), (int32_t)t0, full_act + slot);
                     }
+                }
+            }
+            return;
+        }
+        if (TILED) {  // warp 1's lane 0: one bulk copy per super-stage
+            if (tid == 32) {
+                const uint8_t* chunk = w + p.w_offset + ((size_t)blockIdx.y * (p.k / SUPER) + kbeg / SUPER) * RAW_BYTES;
+                for (int s = 0; s < n_super; ++s) {
+                    const int slot = s & 1;
+                    if (s >= 2) mbar_wait(empty_raw + slot, ((s >> 1) - 1) & 1);
+                    mbar_arrive_expect(full_raw + slot, RAW_BYTES);
+                    bulk_copy(sraw + slot * RAW_BYTES, chunk + (size_t)s * RAW_BYTES, RAW_BYTES, full_raw + slot);
                 }
             }
             return;
