@@ -10,11 +10,12 @@
 // the value f16(q s - m) (one fma). So a lane's stage is two 8-byte loads per row and, per pair, a
 // shift, a mask-or into 1024 + q, a subtraction and an fma.
 // profiling/probe_matmul_packed.py's pack_q4k packs GGUF Q4_K bytes into it and gives the values.
-// Q8_0 (QT_Q8_0_WGR, 272 bytes) and Q6_K (QT_Q6_K_WGR, 288 bytes), one byte a quant: at 64 st + 16 c the 16
-// quants of lane c in stage st (word h: pairs 2 h and 2 h + 1, low bytes first); Q8_0 stores b ^ 0x80 (b
-// the int8 quant), Q6_K its 6-bit q. Then the stage's scales as f16, from 256 + 4 st (Q8_0: d of its two
-// 32-blocks) or 256 + 8 st (Q6_K: f16(d * sc) of its four 16-groups). Value (1024 + byte - off) * s in
-// f16 (off 1152 or 1056: the exact quant, then one rounding).
+// Q5_0, Q8_0 (QT_Q5_0_WGR, QT_Q8_0_WGR, 272 bytes) and Q6_K (QT_Q6_K_WGR, 288 bytes), one byte a quant: at
+// 64 st + 16 c the 16 quants of lane c in stage st (word h: pairs 2 h and 2 h + 1, low bytes first); Q5_0
+// stores its 5-bit q, Q8_0 b ^ 0x80 (b the int8 quant), Q6_K its 6-bit q. Then the stage's scales as f16,
+// from 256 + 4 st (Q5_0, Q8_0: d of its two 32-blocks) or 256 + 8 st (Q6_K: f16(d * sc) of its four
+// 16-groups). Value (1024 + byte - off) * s in f16 (off 1040, 1152 or 1056: the exact quant, then one
+// rounding).
 #pragma once
 
 #include "matmul/gemm_wgr.cuh"  // included from its end: RawWgr, FragDeq, h2_from_lanes
@@ -22,8 +23,9 @@
 namespace cukern {
 
 // matmul-private type codes of the packed layouts (QT_ + 100)
-constexpr int QT_Q8_0_WGR = 108, QT_Q4_K_WGR = 112, QT_Q6_K_WGR = 114;
+constexpr int QT_Q5_0_WGR = 106, QT_Q8_0_WGR = 108, QT_Q4_K_WGR = 112, QT_Q6_K_WGR = 114;
 template <> struct QTraits<QT_Q4_K_WGR> { using Block = uint8_t; static constexpr int kElems = QK_K, kBytes = 160; };
+template <> struct QTraits<QT_Q5_0_WGR> { using Block = uint8_t; static constexpr int kElems = QK_K, kBytes = 272; };
 template <> struct QTraits<QT_Q8_0_WGR> { using Block = uint8_t; static constexpr int kElems = QK_K, kBytes = 272; };
 template <> struct QTraits<QT_Q6_K_WGR> { using Block = uint8_t; static constexpr int kElems = QK_K, kBytes = 288; };
 
@@ -32,6 +34,7 @@ namespace mm {
 // 160 bytes a row: a quad's 32-byte run of each of 8 rows lands on distinct banks (160 = 128 + 32).
 template <> struct RawWgr<QT_Q4_K_WGR> { static constexpr int kStride = 160; };
 // 320 bytes a row (64 mod 128): the 64-byte runs of two rows a quarter-warp reads fill the 32 banks.
+template <> struct RawWgr<QT_Q5_0_WGR> { static constexpr int kStride = 320; };
 template <> struct RawWgr<QT_Q8_0_WGR> { static constexpr int kStride = 320; };
 template <> struct RawWgr<QT_Q6_K_WGR> { static constexpr int kStride = 320; };
 
@@ -76,6 +79,7 @@ template <int GROUPS, uint32_t OFF> struct FragDeqPacked8 {
         }
     }
 };
+template <> struct FragDeq<QT_Q5_0_WGR> : FragDeqPacked8<2, 0x6410u> {};
 template <> struct FragDeq<QT_Q8_0_WGR> : FragDeqPacked8<2, 0x6480u> {};
 template <> struct FragDeq<QT_Q6_K_WGR> : FragDeqPacked8<4, 0x6420u> {};
 
