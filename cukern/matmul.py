@@ -104,6 +104,8 @@ of 40-58 on the H100 machine (profiling/probe_host_cost.py).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import cupy
 import numpy as np
 
@@ -113,7 +115,8 @@ from cukern.dmmv import QTYPES, QWeight
 from cukern.runtime import FamilySpec, KernelSpec
 from cukern.streams import resolve_stream
 
-__all__ = ["MatmulDispatch", "FAMILY", "FAMILIES", "GEMM_QTYPES", "q8_1_row_bytes", "q8_0_row_bytes"]
+__all__ = ["MatmulDispatch", "PackedWeight", "FAMILY", "FAMILIES", "GEMM_QTYPES", "PACKED_LAYOUTS", "q8_1_row_bytes",
+           "q8_0_row_bytes"]
 
 # weight types of the tiled GEMMs: GGML id -> short name (unit suffix)
 GEMM_QTYPES = {2: "q4_0", 6: "q5_0", 8: "q8_0", 12: "q4_k", 13: "q5_k", 14: "q6_k"}
@@ -128,6 +131,9 @@ _ROW_TILE_GLU = 64
 _BK = 64  # K elements per stage
 _SUPER = 256  # K elements per raw super-stage; K splits are multiples of it
 _W_ALIGN = {2: 2, 6: 2, 8: 2, 12: 16, 13: 16, 14: 2}  # bytes: the K4/K5 quants are read as uint4
+# gemm_wgr's packed layouts (packed_wgr.cuh, MatmulDispatch.pack): GGUF type -> (bytes per row and 256
+# elements, shared row stride = the tile-major row stride); kernel type code 100 + GGUF type
+PACKED_LAYOUTS = {2: (272, 320), 6: (272, 320), 8: (272, 320), 12: (160, 160), 14: (288, 320)}
 # gemm_wgr (Hopper wgmma, gemm_wgr.cuh): 128 weight rows (GLU: 64 of each matrix) x 128 or 256 tokens,
 # three warpgroups
 _WG_TILES = (128, 256)
@@ -163,11 +169,14 @@ def _smem_q8(bt: int, qt: int) -> int:
             + raw_bufs * _ROW_TILE * _raw_stride(qt))
 
 
-def _smem_wgr(bt: int, qt: int) -> int:
+def _smem_wgr(bt: int, qt: int, packed: bool = False) -> int:
     """Dynamic shared memory of gemm_wgr (gemm_wgr_smem_bytes with gemm_wgr_stages slots in
-    gemm_wgr.cuh; the kernel traps if short)."""
-    raw = _raw_stride(qt)
-    raw += 0 if (raw // 16) % 2 else 16  # RawWgr<QT>::kStride
+    gemm_wgr.cuh; the kernel traps if short); ``packed``: on qt's packed layout."""
+    if packed:
+        raw = PACKED_LAYOUTS[qt][1]
+    else:
+        raw = _raw_stride(qt)
+        raw += 0 if (raw // 16) % 2 else 16  # RawWgr<QT>::kStride
     size = lambda s: 1024 + s * bt * _BK * 2 + 2 * _ROW_TILE * raw + 2 * (s + 2) * 8  # noqa: E731
     stages = next(s for s in range(_WGR_MAX_STAGES, 1, -1) if s == 2 or size(s) <= _WGR_SMEM_LIMIT)
     return size(stages)
@@ -192,6 +201,35 @@ def _raw16(*weights: QWeight) -> int:
     return int(all((w.buf.data.ptr + w.offset) % 16 == 0 and w.row_bytes % 16 == 0 for w in weights))
 
 
+@dataclass(frozen=True)
+class PackedWeight:
+    """A GGUF weight repacked once (:meth:`MatmulDispatch.pack`) into gemm_wgr's layout: per 128-row tile
+    and 256-element super-block one contiguous chunk of 128 rows x ``stride`` bytes (each lane's quants of
+    a 64-element stage contiguous, the scales as f16: packed_wgr.cuh), moved into shared memory by one
+    bulk copy. Hopper only (gemm_wgr); a separate buffer beside the GGUF bytes, which the matvec path
+    keeps reading."""
+
+    buf: cupy.ndarray  # the tile-major bytes
+    qtype: int  # the GGUF type it was packed from
+    m: int
+    k: int
+    offset: int = 0  # (the GEMM's parameter; a packed buffer starts at 0)
+    n_experts: int = 0
+
+    @property
+    def code(self) -> int:
+        """gemm_wgr's type code of the layout (packed_wgr.cuh's QT_*_WGR)."""
+        return 100 + self.qtype
+
+    @property
+    def row_bytes(self) -> int:
+        return self.k // _SUPER * PACKED_LAYOUTS[self.qtype][0]
+
+    @staticmethod
+    def nbytes_for(m: int, k: int, qtype: int) -> int:
+        return -(-m // _ROW_TILE) * (k // _SUPER) * _ROW_TILE * PACKED_LAYOUTS[qtype][1]
+
+
 def q8_1_row_bytes(n_cols: int) -> int:
     """Bytes of one row of n_cols values quantized to Q8_1 (n_cols % 32 == 0)."""
     return n_cols // 32 * Q8_1_BYTES
@@ -207,6 +245,9 @@ def _gemm_unit(qt: int) -> FamilySpec:
                for bt in _TOKEN_TILES for glu in ("false", "true") for tb in _B_TYPES.values()]
     kernels += [KernelSpec(f"gemm_wgr<{qt}, {bt}, {glu}>", "GemmParams")
                 for bt in _WG_TILES for glu in ("false", "true")]
+    if qt in PACKED_LAYOUTS:
+        kernels += [KernelSpec(f"gemm_wgr<{100 + qt}, {bt}, false>", "GemmParams") for bt in _WG_TILES]
+        kernels.append(KernelSpec(f"pack_wgr<{qt}>", "PackParams"))
     return FamilySpec(f"matmul_f16_{GEMM_QTYPES[qt]}", tuple(kernels), source="matmul/gemm.cu",
                       params_header="matmul/params.cuh")
 
@@ -405,6 +446,11 @@ class MatmulDispatch(Dispatch):
         key = self._call_key(w, w, b, d, accumulate, split_k, wgmma, None, stream)
         if self._replay(key, b, d, stream):
             return d
+        if isinstance(w, PackedWeight):  # gemm_wgr on the packed layout, whatever n
+            if wgmma is False or not self._units[w.qtype].is_sm90():
+                raise ValueError("a PackedWeight runs on gemm_wgr only: an sm_90 (Hopper) device, wgmma not False")
+            n, _, d_stride = self._float_activations(b, d, w)
+            return self._remember(key, self._hopper(w, w, b, d, d_stride, n, accumulate, split_k, None, stream), d)
         w = self._weight("w", w)
         n, b_stride, d_stride = self._float_activations(b, d, w)
         if self._use_wg(w.qtype, b, n, wgmma):
@@ -439,7 +485,7 @@ class MatmulDispatch(Dispatch):
             hash(key)
         except (AttributeError, TypeError):
             return None
-        return key if type(w) is QWeight and type(w2) is QWeight and type(b) is cupy.ndarray \
+        return key if type(w) in (QWeight, PackedWeight) and type(w2) is type(w) and type(b) is cupy.ndarray \
             and type(d) is cupy.ndarray else None
 
     def _replay(self, key, b, d, stream) -> bool:
@@ -537,6 +583,7 @@ class MatmulDispatch(Dispatch):
         b, stage = self._as_f16(b, stream)
         b_stride = b.strides[0] // 2
         glu = act is not None
+        packed = isinstance(w, PackedWeight)
         rows = _ROW_TILE_GLU if glu else _ROW_TILE
         grid_r = -(-w.m // rows)
         split_k = _split_arg(split_k)
@@ -553,12 +600,13 @@ class MatmulDispatch(Dispatch):
         params = self.struct_of(w.qtype).pack(
             w_offset=w.offset, w2_offset=w2.offset if glu else 0, row_bytes=w.row_bytes, b_stride=b_stride,
             d_stride=d_stride, m=w.m, n=n, k=w.k, k_split=k_split, mode=mode, atomic=int(grid[2] > 1),
-            raw16=_raw16(w, w2))
+            raw16=1 if packed else _raw16(w, w2))
         tmap = tensor_map_2d(b, (_BK, bt))
         zero = self._zero_for_split(d, grid, accumulate, stream)
-        launch = self._units[w.qtype]._launch(f"gemm_wgr<{w.qtype}, {bt}, {'true' if glu else 'false'}>", grid,
+        code = w.code if packed else w.qtype
+        launch = self._units[w.qtype]._launch(f"gemm_wgr<{code}, {bt}, {'true' if glu else 'false'}>", grid,
                                               _WGR_THREADS, (d, w.buf, w2.buf, tmap), params, stream=stream,
-                                              shared_mem=_smem_wgr(bt, w.qtype))
+                                              shared_mem=_smem_wgr(bt, w.qtype, packed))
         return zero, launch, stage
 
     def _grid(self, n: int, w: QWeight, split_k, what: str, max_tile: int = _TOKEN_TILES[-1], unit: int = _SUPER):
@@ -702,6 +750,27 @@ class MatmulDispatch(Dispatch):
 
     def struct_of(self, qtype: int):
         return self._units[qtype].struct("GemmParams")
+
+    def pack(self, w: QWeight, *, stream=None) -> PackedWeight:
+        """``w`` repacked into gemm_wgr's layout (:class:`PackedWeight`), on the device: a one-time step at
+        load for the prefill GEMMs, which then run 1.0-1.3x faster than on the GGUF bytes at N >= 512
+        (the module docstring). Q4_0, Q5_0, Q8_0, Q4_K and Q6_K with k a multiple of 256; the packed
+        bytes are 5 (Q4_K) to 10 (the byte layouts) bits a weight."""
+        w = self._weight("w", w)
+        if w.qtype not in PACKED_LAYOUTS:
+            raise ValueError(f"pack: no packed layout for {QTYPES[w.qtype][0]} "
+                             f"(supported: {', '.join(QTYPES[q][0] for q in PACKED_LAYOUTS)})")
+        if w.k % _SUPER:
+            raise ValueError(f"pack: k={w.k} must be a multiple of {_SUPER} (whole super-blocks)")
+        tiles, supers = -(-w.m // _ROW_TILE), w.k // _SUPER
+        if supers > 65535:
+            raise ValueError(f"pack: k={w.k} exceeds the grid limit ({65535 * _SUPER})")
+        unit = self._units[w.qtype]
+        with cupy.cuda.Device(self.device_id):
+            out = cupy.empty(PackedWeight.nbytes_for(w.m, w.k, w.qtype), cupy.uint8)
+        params = unit.struct("PackParams").pack(w_offset=w.offset, row_bytes=w.row_bytes, m=w.m, k=w.k)
+        unit._launch(f"pack_wgr<{w.qtype}>", (tiles, supers, 1), _ROW_TILE, (out, w.buf), params, stream=stream)
+        return PackedWeight(out, w.qtype, w.m, w.k)
 
     # ------------------------------------------------------------------ quantizers
     def _quantize(self, fmt: int, x, q, stream):

@@ -7,9 +7,11 @@ against the pipelines a user would otherwise run, all measured in this run:
   quantized kernel is expected to beat at large N: it reads 2-4x the weight bytes but runs wgmma);
 * ``dmmv batched`` (N <= 64): the dmmv family's matvec, 8 columns per launch.
 
-Rows: ``gemm`` (f16 activations, f16 tensor cores: gemm_wgr on Hopper from N = 256, else gemm_f16), ``quantize+gemm_q8`` (f32 activations
-quantized to Q8_1, then the int8 tensor-core GEMM; both launches timed), and at N = 512 the f16
-path from f32 activations.
+Rows: ``gemm`` (f16 activations, f16 tensor cores: gemm_wgr on Hopper from N = 256, else gemm_f16) on the
+GGUF bytes; on Hopper from N = 256 ``gemm packed`` (the same product on the weights repacked once at load,
+``MatmulDispatch.pack``: the path for prefill; the packing is not timed, the peer's dequantization is, as
+it runs on every call); ``quantize+gemm_q8`` (f32 activations quantized to Q8_1, then the int8
+tensor-core GEMM; both launches timed), and at N = 512 the f16 path from f32 activations.
 
 FLOPs counted: 2 M N K per product. %ceil: of the cuBLAS f16 GEMM rate (8192^3) measured in this
 run. Weights are rotated over enough copies to exceed the 50 MB L2; times below ~50 us are
@@ -29,6 +31,7 @@ import cupy
 from cukern.benchmark import (Ceilings, Row, measure_ceilings, measure_gemm_tflops, rotating, script_main,
                               time_graph_us, time_stream_us)
 from cukern.dmmv import QTYPES, DmmvDispatch, QWeight
+from cukern import matmul as M
 from cukern.matmul import MatmulDispatch
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]  # (M, K)
@@ -58,6 +61,11 @@ def random_weight_device(name: str, m: int, k: int, rng: cupy.random.Generator) 
     return QWeight(raw.reshape(-1), q, m, k)
 
 
+def _packable(mm: MatmulDispatch, w) -> bool:
+    """Whether MatmulDispatch.pack serves w here (a packed layout for its type, whole super-blocks, Hopper)."""
+    return w.qtype in M.PACKED_LAYOUTS and w.k % 256 == 0 and mm._units[w.qtype].is_sm90()
+
+
 def _timer(us_hint: float):
     return time_graph_us if us_hint < 50 else time_stream_us
 
@@ -78,6 +86,7 @@ def bench(quick: bool = False) -> tuple[list, Ceilings]:
             weights = [w0] + [random_weight_device(name, m, k, rng) for _ in range(n_sets - 1)]
             dense = cupy.empty((m, k), cupy.float16)  # the peers' dequantized matrix
             mm.dequantize(weights[0], dense)
+            packed = [mm.pack(w) for w in weights] if _packable(mm, weights[0]) else None
             for n in ns:
                 b16 = rng.standard_normal((n, k), dtype=cupy.float32).astype(cupy.float16)
                 b32 = b16.astype(cupy.float32)
@@ -98,6 +107,13 @@ def bench(quick: bool = False) -> tuple[list, Ceilings]:
                 rows.append(Row("matmul", f"gemm {name}", f"{m}x{k} N={n}", us, tflops=tf,
                                 pct_ceiling=tf / ceil.gemm_tflops, peer="deq+cuBLAS f16", peer_us=peer_deq,
                                 extra={"peers": peers}))
+                if packed and n >= mm.WG_MIN_N:  # the same product on the weights packed once at load
+                    _, nxp = rotating(n_sets, lambda i: packed[i])
+                    usp = timer(lambda: mm.gemm(nxp(), b16, d))
+                    tfp = flops / (usp * 1e-6) / 1e12
+                    rows.append(Row("matmul", f"gemm packed {name}", f"{m}x{k} N={n}", usp, tflops=tfp,
+                                    pct_ceiling=tfp / ceil.gemm_tflops, peer="deq+cuBLAS f16", peer_us=peer_deq,
+                                    extra={"peers": dict(peers)}))
                 # int8 path: f32 activations quantized to Q8_1 (one pass), then the int8 GEMM
                 qa = cupy.empty((n, k // 32 * 36), cupy.uint8)
                 us8 = timer(lambda: (mm.quantize_q8_1(b32, qa), mm.gemm_q8(nxt(), qa, d)))
@@ -110,7 +126,7 @@ def bench(quick: bool = False) -> tuple[list, Ceilings]:
                     tf32 = flops / (us32 * 1e-6) / 1e12
                     rows.append(Row("matmul", f"gemm {name} (f32 b)", f"{m}x{k} N={n}", us32, tflops=tf32,
                                     pct_ceiling=tf32 / ceil.gemm_tflops, peer="deq+cuBLAS f16", peer_us=peer_deq))
-            weights = dense = w0 = None  # let this type's copies go before the next one is built
+            weights = dense = w0 = packed = None  # let this type's copies go before the next one is built
             cupy.get_default_memory_pool().free_all_blocks()
     # fused gate+up+SwiGLU against two separate GEMMs + the elementwise product in cuBLAS terms
     m, k = (14336, 4096)

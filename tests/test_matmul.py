@@ -279,6 +279,67 @@ def test_gemm_glu(mm, rng, q, act, n):
     _check_glu(d.get(), dg, du, b, act, ref.glu(dg, du, b, act, inputs=ref.gemm_f16_inputs))
 
 
+# ---------------------------------------------------------------------------- packed weights (gemm_wgr)
+PACKED = list(M.PACKED_LAYOUTS)
+
+
+def test_packed_reference_values():
+    """ref.pack_wgr's values are the GGUF weights to f16 accuracy (one or two f16 roundings)."""
+    rng = np.random.default_rng(3)
+    for q in PACKED:
+        m, k = 70, 512
+        raw = ref.random_weight(q, m, k, rng)
+        _, vals = ref.pack_wgr(raw, q, m, k)
+        dense = ref.dequantize(raw, q, m, k)
+        assert np.abs(vals.astype(np.float64) - dense).max() <= 2e-3 * np.abs(dense).max(), NAMES[q]
+
+
+@pytest.mark.gpu
+def test_pack_rejects_before_launch(mm, rng):
+    w, _ = _weight(13, 10, 256, rng)  # Q5_K: no packed layout
+    with pytest.raises(ValueError, match="no packed layout"):
+        mm.pack(w)
+    w, _ = _weight(8, 10, 32 * 9, rng)  # k not whole super-blocks
+    with pytest.raises(ValueError, match="multiple of 256"):
+        mm.pack(w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q", PACKED, ids=lambda q: NAMES[q])
+@pytest.mark.parametrize("m,n,k_mult", [(77, 1, 1), (203, 300, 3), (130, 129, 2)])
+def test_gemm_packed(mm, rng, q, m, n, k_mult):
+    """MatmulDispatch.pack writes ref.pack_wgr's bytes exactly (rows past m zero); gemm on the packed weight
+    (gemm_wgr, sm_90) against the float64 product of the packed values (kernel error) and of the GGUF
+    weights (the issue's bound); ragged m and n, split K, accumulate."""
+    k = 256 * k_mult
+    w, dense = _weight(q, m, k, rng, pad_front=6)
+    pw = mm.pack(w)
+    want_bytes, vals = ref.pack_wgr(w.buf[6:6 + m * w.row_bytes].get(), q, m, k)
+    assert np.array_equal(pw.buf.get(), want_bytes), "device packer"
+    if not mm._units[q].is_sm90():
+        pytest.skip("packed weights run on gemm_wgr (sm_90 only)")
+    b = _b(rng, n, k, np.float16)
+    d = poison(cupy.empty((n, m), cupy.float32))
+    mm.gemm(pw, cupy.asarray(b), d, split_k=1)
+    tight = ref.gemm(vals.astype(np.float64), b)
+    _check(d.get(), ref.gemm(dense, b), tight)
+    mm.gemm(pw, cupy.asarray(b), d, accumulate=True, split_k=k_mult)
+    _check(d.get(), 2 * ref.gemm(dense, b), 2 * tight, "accumulate split")
+
+
+@pytest.mark.gpu
+def test_packed_bad_input(mm, rng):
+    w, _ = _weight(12, 40, 512, rng)
+    pw = mm.pack(w)
+    b = cupy.zeros((8, 256), cupy.float16)  # k mismatch
+    with pytest.raises(ValueError):
+        mm.gemm(pw, b, cupy.zeros((8, 40), cupy.float32))
+    with pytest.raises(ValueError, match="gemm_wgr only"):
+        mm.gemm(pw, cupy.zeros((8, 512), cupy.float16), cupy.zeros((8, 40), cupy.float32), wgmma=False)
+    with pytest.raises(TypeError):
+        mm.gemm_glu(pw, pw, cupy.zeros((8, 512), cupy.float16), cupy.zeros((8, 40), cupy.float32))
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.parametrize("q, n", [(12, 300), (14, 300), (8, 300), (12, 700), (14, 700), (8, 700), (6, 700)])

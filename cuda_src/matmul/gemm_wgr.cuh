@@ -111,10 +111,7 @@ namespace mm {
 #ifndef CUKERN_WGR_SKIP
 #define CUKERN_WGR_SKIP 0
 #endif
-// The packed layouts (packed_wgr.cuh, type codes >= 100) stored tile-major (1) or row-major (0; profiling).
-#ifndef CUKERN_WGR_TILED
-#define CUKERN_WGR_TILED 1
-#endif
+
 
 constexpr uint32_t kTileBytes = BK * 2;  // bytes per token row of a 64-element f16 activation stage
 constexpr uint32_t kWgrSmemLimit = 227 * 1024;  // dynamic shared memory one block may opt in to (sm_90)
@@ -374,7 +371,7 @@ __global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(
     // packed layouts, tile-major: the 128 rows x 256 elements of a super-stage are one RAW_BYTES chunk (row
     // stride RSTRIDE, rows past m zero), chunk (row tile, super-block) at (row tile * k / 256 + super-block)
     // * RAW_BYTES: one bulk copy each
-    constexpr bool TILED = QT >= 100 && CUKERN_WGR_TILED;
+    constexpr bool TILED = QT >= 100;
     static_assert(BN == 128 || BN == 256, "token tile");
 
     extern __shared__ __align__(16) uint8_t smem_raw[];

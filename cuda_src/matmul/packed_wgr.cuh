@@ -10,12 +10,12 @@
 // the value f16(q s - m) (one fma). So a lane's stage is two 8-byte loads per row and, per pair, a
 // shift, a mask-or into 1024 + q, a subtraction and an fma.
 // profiling/probe_matmul_packed.py's pack_q4k packs GGUF Q4_K bytes into it and gives the values.
-// Q5_0, Q8_0 (QT_Q5_0_WGR, QT_Q8_0_WGR, 272 bytes) and Q6_K (QT_Q6_K_WGR, 288 bytes), one byte a quant: at
-// 64 st + 16 c the 16 quants of lane c in stage st (word h: pairs 2 h and 2 h + 1, low bytes first); Q5_0
-// stores its 5-bit q, Q8_0 b ^ 0x80 (b the int8 quant), Q6_K its 6-bit q. Then the stage's scales as f16,
-// from 256 + 4 st (Q5_0, Q8_0: d of its two 32-blocks) or 256 + 8 st (Q6_K: f16(d * sc) of its four
-// 16-groups). Value (1024 + byte - off) * s in f16 (off 1040, 1152 or 1056: the exact quant, then one
-// rounding).
+// Q4_0, Q5_0, Q8_0 (QT_Q4_0_WGR ..., 272 bytes) and Q6_K (QT_Q6_K_WGR, 288 bytes), one byte a quant: at
+// 64 st + 16 c the 16 quants of lane c in stage st (word h: pairs 2 h and 2 h + 1, low bytes first); Q4_0 and
+// Q5_0 store their 4- or 5-bit q, Q8_0 b ^ 0x80 (b the int8 quant), Q6_K its 6-bit q. Then the stage's scales as f16,
+// from 256 + 4 st (the _0 types: d of its two 32-blocks) or 256 + 8 st (Q6_K: f16(d * sc) of its four
+// 16-groups). Value (1024 + byte - off) * s in f16 (off 1032, 1040, 1152 or 1056: the exact quant, then
+// one rounding).
 #pragma once
 
 #include "matmul/gemm_wgr.cuh"  // included from its end: RawWgr, FragDeq, h2_from_lanes
@@ -23,8 +23,9 @@
 namespace cukern {
 
 // matmul-private type codes of the packed layouts (QT_ + 100)
-constexpr int QT_Q5_0_WGR = 106, QT_Q8_0_WGR = 108, QT_Q4_K_WGR = 112, QT_Q6_K_WGR = 114;
+constexpr int QT_Q4_0_WGR = 102, QT_Q5_0_WGR = 106, QT_Q8_0_WGR = 108, QT_Q4_K_WGR = 112, QT_Q6_K_WGR = 114;
 template <> struct QTraits<QT_Q4_K_WGR> { using Block = uint8_t; static constexpr int kElems = QK_K, kBytes = 160; };
+template <> struct QTraits<QT_Q4_0_WGR> { using Block = uint8_t; static constexpr int kElems = QK_K, kBytes = 272; };
 template <> struct QTraits<QT_Q5_0_WGR> { using Block = uint8_t; static constexpr int kElems = QK_K, kBytes = 272; };
 template <> struct QTraits<QT_Q8_0_WGR> { using Block = uint8_t; static constexpr int kElems = QK_K, kBytes = 272; };
 template <> struct QTraits<QT_Q6_K_WGR> { using Block = uint8_t; static constexpr int kElems = QK_K, kBytes = 288; };
@@ -34,6 +35,7 @@ namespace mm {
 // 160 bytes a row: a quad's 32-byte run of each of 8 rows lands on distinct banks (160 = 128 + 32).
 template <> struct RawWgr<QT_Q4_K_WGR> { static constexpr int kStride = 160; };
 // 320 bytes a row (64 mod 128): the 64-byte runs of two rows a quarter-warp reads fill the 32 banks.
+template <> struct RawWgr<QT_Q4_0_WGR> { static constexpr int kStride = 320; };
 template <> struct RawWgr<QT_Q5_0_WGR> { static constexpr int kStride = 320; };
 template <> struct RawWgr<QT_Q8_0_WGR> { static constexpr int kStride = 320; };
 template <> struct RawWgr<QT_Q6_K_WGR> { static constexpr int kStride = 320; };
@@ -79,9 +81,97 @@ template <int GROUPS, uint32_t OFF> struct FragDeqPacked8 {
         }
     }
 };
+template <> struct FragDeq<QT_Q4_0_WGR> : FragDeqPacked8<2, 0x6408u> {};
 template <> struct FragDeq<QT_Q5_0_WGR> : FragDeqPacked8<2, 0x6410u> {};
 template <> struct FragDeq<QT_Q8_0_WGR> : FragDeqPacked8<2, 0x6480u> {};
 template <> struct FragDeq<QT_Q6_K_WGR> : FragDeqPacked8<4, 0x6420u> {};
 
+// ---------------------------------------------------------------------------------------------- packing
+// The stored quant (byte or nibble) of element e (0...255) of the GGUF super-block at sb (256 elements:
+// eight 32-blocks of the _0 types, one K-quant block), as the packed layout keeps it.
+template <int QT> CUKERN_DEVICE uint32_t packed_quant(const uint8_t* sb, int e) {
+    if constexpr (QT == QT_Q4_0 || QT == QT_Q5_0) {
+        const uint8_t* blk = sb + (e / 32) * QTraits<QT>::kBytes;
+        const int i = e % 32, qs = QT == QT_Q5_0 ? 6 : 2;
+        uint32_t q = i < 16 ? blk[qs + i] & 15u : blk[qs + i - 16] >> 4;
+        if (QT == QT_Q5_0) q |= ((blk[2 + i / 8] >> (i % 8)) & 1u) << 4;
+        return q;
+    } else if constexpr (QT == QT_Q8_0) {
+        return sb[(e / 32) * 34 + 2 + e % 32] ^ 0x80u;
+    } else if constexpr (QT == QT_Q4_K) {
+        const int j = e / 32;
+        const uint32_t b = sb[16 + 32 * (j / 2) + e % 32];
+        return j % 2 ? b >> 4 : b & 15u;
+    } else {  // Q6_K
+        const int n = e / 128, kq = (e % 128) / 32, l = e % 32;
+        const uint32_t b = sb[64 * n + 32 * (kq % 2) + l];
+        return (kq < 2 ? b & 15u : b >> 4) | ((sb[128 + 32 * n + l] >> (2 * kq)) & 3u) << 4;
+    }
+}
+
+// Bytes g (0...) of the scale field: the _0 types' d of block g / 2; Q6_K f16(d sc) of group g / 2; Q4_K the
+// (f16(d sc), f16(-dmin m)) pair of sub-block g / 4. Built per 16-bit half h.
+template <int QT> CUKERN_DEVICE uint32_t packed_scale_half(const uint8_t* sb, int h) {
+    if constexpr (QT == QT_Q4_0 || QT == QT_Q5_0 || QT == QT_Q8_0) {
+        const uint8_t* blk = sb + h * QTraits<QT>::kBytes;
+        return blk[0] | (uint32_t)blk[1] << 8;
+    } else if constexpr (QT == QT_Q4_K) {
+        const BlockQ4_K* b = reinterpret_cast<const BlockQ4_K*>(sb);
+        int sc, mn;
+        k4_scale_min(b->scales, h / 2, sc, mn);
+        const float d = __half2float(h % 2 ? b->dmin : b->d);
+        return __half_as_ushort(__float2half_rn(h % 2 ? -(d * (float)mn) : d * (float)sc));
+    } else {  // Q6_K
+        const BlockQ6_K* b = reinterpret_cast<const BlockQ6_K*>(sb);
+        return __half_as_ushort(__float2half_rn(__half2float(b->d) * (float)b->scales[h]));
+    }
+}
+
 }  // namespace mm
 }  // namespace cukern
+
+// GGUF rows -> the packed layout of QT, tile-major (gemm_wgr's TILED image: per (128-row tile, super-block)
+// RawWgr::kStride bytes a row, rows past m and the bytes past a row's data zero). Grid (row tiles, k / 256),
+// 128 threads: one row each. One-time work at load; byte loads, word stores.
+template <int QT>
+__global__ void __launch_bounds__(128) pack_wgr(
+    uint8_t* __restrict__ out,      // ceil(m / 128) * (k / 256) * 128 * stride bytes, 16-byte aligned
+    const uint8_t* __restrict__ w,  // raw GGUF bytes: m rows from w + w_offset
+    const PackParams p) {
+    using namespace cukern;
+    using namespace cukern::mm;
+    constexpr int PQ = QT + 100, STRIDE = RawWgr<PQ>::kStride, BYTES = QTraits<PQ>::kBytes;
+    const uint32_t row = blockIdx.x * 128 + threadIdx.x, sbi = blockIdx.y;
+    uint32_t* dst = reinterpret_cast<uint32_t*>(out + (((size_t)blockIdx.x * gridDim.y + sbi) * 128 + threadIdx.x) * STRIDE);
+    if (row >= p.m) {
+        for (int i = 0; i < STRIDE / 4; ++i) dst[i] = 0;
+        return;
+    }
+    const uint8_t* sb = w + p.w_offset + (size_t)row * p.row_bytes + (size_t)sbi * (QK_K / QTraits<QT>::kElems) * QTraits<QT>::kBytes;
+    int o = 0;  // words written
+    if constexpr (QT == QT_Q4_K) {
+        for (int st = 0; st < 4; ++st)
+            for (int c = 0; c < 4; ++c)
+                for (int h = 0; h < 2; ++h) {
+                    uint32_t word = 0;
+                    for (int jj = 0; jj < 4; ++jj) {
+                        const int e0 = 64 * st + 8 * (4 * h + jj) + 2 * c;
+                        word |= packed_quant<QT>(sb, e0) << (4 * jj) | packed_quant<QT>(sb, e0 + 1) << (16 + 4 * jj);
+                    }
+                    dst[o++] = word;
+                }
+        for (int h = 0; h < 16; h += 2) dst[o++] = packed_scale_half<QT>(sb, h) | packed_scale_half<QT>(sb, h + 1) << 16;
+    } else {
+        for (int st = 0; st < 4; ++st)
+            for (int c = 0; c < 4; ++c)
+                for (int j = 0; j < 8; j += 2) {
+                    const int e0 = 64 * st + 8 * j + 2 * c, e1 = e0 + 8;
+                    dst[o++] = packed_quant<QT>(sb, e0) | packed_quant<QT>(sb, e0 + 1) << 8 |
+                               packed_quant<QT>(sb, e1) << 16 | packed_quant<QT>(sb, e1 + 1) << 24;
+                }
+        constexpr int HALVES = QT == QT_Q6_K ? 16 : 8;
+        for (int h = 0; h < HALVES; h += 2) dst[o++] = packed_scale_half<QT>(sb, h) | packed_scale_half<QT>(sb, h + 1) << 16;
+    }
+    for (; o < STRIDE / 4; ++o) dst[o] = 0;
+    static_assert(BYTES <= STRIDE, "row image");
+}

@@ -40,3 +40,11 @@ struct DequantParams {
     uint32_t m;          // rows
     uint32_t k;          // elements per row
 };
+
+// pack_wgr (packed_wgr.cuh): raw GGUF rows -> gemm_wgr's packed tile-major layout (k % 256 == 0)
+struct PackParams {
+    uint64_t w_offset;   // bytes: where the matrix starts in w
+    uint64_t row_bytes;  // bytes per GGUF weight row
+    uint32_t m;          // rows
+    uint32_t k;          // elements per row, a multiple of 256
+};

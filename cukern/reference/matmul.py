@@ -8,6 +8,9 @@ f16 input rounding (bounded by the issue's 2e-3) from kernel error (f32 accumula
 gemm_wgr's K-quant weights come from f16 arithmetic (:func:`wgr_values`), so its products are
 checked against those values.
 
+gemm_wgr's packed layouts (MatmulDispatch.pack): :func:`pack_wgr` builds the bytes the device packer must
+write, bit for bit, and the f16 values the kernel computes from them.
+
 Activation quantizers: :func:`quantize_q8_f32` repeats the kernel's f32 arithmetic (absmax / 127,
 reciprocal, multiply, round half away from zero) so that the int8 values must agree exactly;
 ``cukern.reference.elementwise.quantize_q8_1`` is the float64 version of the same rule.
@@ -145,3 +148,108 @@ def gemm_q8_1(w_dense: np.ndarray, mins: np.ndarray, d: np.ndarray, s: np.ndarra
     out = gemm(w_dense, x)
     drift = d * qs.reshape(n, k // 32, 32).sum(-1) - s  # [n, k / 32]: what using s instead changes
     return out + drift @ np.asarray(mins, np.float64).T
+
+
+# ---------------------------------------------------------------------------- gemm_wgr packed layouts
+def _pack_q4_k(raw: np.ndarray, m: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF Q4_K bytes of an m x k matrix -> (the packed bytes [m, k / 256 * 160], the f16 values the kernel
+    computes from them [m, k])."""
+    nb = k // 256
+    blk = raw.reshape(m, nb, 144)
+    s16 = k_scales(raw, 12, m, k).reshape(m, nb, 8).astype(np.float16)  # d * sc exact, rounded once
+    nm16 = (-k_mins(raw, 12, m, k)).reshape(m, nb, 8).astype(np.float16)
+    qs = blk[..., 16:144].reshape(m, nb, 4, 32)
+    v = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.uint32)  # [m, nb, st, 64]: stage elements
+    out = np.empty((m, nb, 160), np.uint8)
+    words = np.zeros((m, nb, 4, 4, 2), np.uint32)  # [st, lane c, word h]
+    for c in range(4):
+        for j in range(8):
+            e0 = 8 * j + 2 * c
+            words[..., c, j // 4] |= (v[..., e0] << (4 * (j % 4))) | (v[..., e0 + 1] << (16 + 4 * (j % 4)))
+    out[..., :128] = words.reshape(m, nb, 32).view(np.uint8).reshape(m, nb, 128)
+    pairs = np.stack([s16, nm16], axis=-1)  # [m, nb, 8, 2] f16: (s, -m) per sub-block
+    out[..., 128:] = pairs.view(np.uint8).reshape(m, nb, 32)
+    # values: f16(q s - m), one rounding (the kernel's fma); sub-block of stage element e: 2 st + (e >= 32)
+    q = v.reshape(m, nb, 4, 2, 32).astype(np.float64)
+    vals = q * s16.reshape(m, nb, 4, 2, 1).astype(np.float64) + nm16.reshape(m, nb, 4, 2, 1).astype(np.float64)
+    return out.reshape(m, -1), vals.astype(np.float16).reshape(m, k)
+
+
+def _lane_bytes(v: np.ndarray) -> np.ndarray:
+    """Stage elements [..., 4, 64] (one byte each) -> [..., 256] bytes: stage st, lane c, then pairs 8 j + 2 c
+    (+1), j = 0..7, in order (FragDeqPacked8's words)."""
+    order = np.array([[8 * j + 2 * c + e for j in range(8) for e in (0, 1)] for c in range(4)]).reshape(-1)
+    return v[..., order].reshape(v.shape[:-2] + (256,))
+
+
+def _pack_q8_0(raw: np.ndarray, m: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF Q8_0 bytes -> (packed [m, k / 256 * 272], the f16 values q d)."""
+    nb = k // 256
+    blk = raw.reshape(m, nb, 8, 34)
+    d = blk[..., 0:2].copy().view(np.float16)[..., 0]  # [m, nb, 8]
+    q = blk[..., 2:34].copy().view(np.int8)            # [m, nb, 8, 32]
+    out = np.empty((m, nb, 272), np.uint8)
+    out[..., :256] = _lane_bytes((q.view(np.uint8) ^ 0x80).reshape(m, nb, 4, 64))
+    out[..., 256:] = d.view(np.uint8).reshape(m, nb, 16)
+    vals = (q.astype(np.float64) * d[..., None].astype(np.float64)).astype(np.float16)
+    return out.reshape(m, -1), vals.reshape(m, k)
+
+
+def _pack_q4_5_0(raw: np.ndarray, m: int, k: int, high: bool) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF Q4_0 / Q5_0 (high) bytes -> (packed [m, k / 256 * 272], the f16 values d (q - 8) or d (q - 16))."""
+    nb, bb = k // 256, 22 if high else 18
+    blk = raw.reshape(m, nb, 8, bb)
+    d = blk[..., 0:2].copy().view(np.float16)[..., 0]
+    qs = blk[..., bb - 16:bb].astype(np.uint32)
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1)
+    if high:  # bit j of qh (4 bytes, little-endian) is element j's fifth bit
+        qh = blk[..., 2:6].copy().view(np.uint32)
+        q |= ((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4
+    out = np.empty((m, nb, 272), np.uint8)
+    out[..., :256] = _lane_bytes(q.astype(np.uint8).reshape(m, nb, 4, 64))
+    out[..., 256:] = d.view(np.uint8).reshape(m, nb, 16)
+    vals = ((q.astype(np.float64) - (16 if high else 8)) * d[..., None].astype(np.float64)).astype(np.float16)
+    return out.reshape(m, -1), vals.reshape(m, k)
+
+
+def _pack_q6_k(raw: np.ndarray, m: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF Q6_K bytes -> (packed [m, k / 256 * 288], the f16 values f16(d sc) (q - 32))."""
+    nb = k // 256
+    blk = raw.reshape(m, nb, 210)
+    ql, qh = blk[..., 0:128].astype(np.uint32), blk[..., 128:192].astype(np.uint32)
+    sc = blk[..., 192:208].copy().view(np.int8).astype(np.float32)
+    d = blk[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = np.empty((m, nb, 256), np.uint32)
+    for n in range(2):
+        lo, hi, h = ql[..., 64 * n:64 * n + 32], ql[..., 64 * n + 32:64 * n + 64], qh[..., 32 * n:32 * n + 32]
+        q[..., 128 * n:128 * n + 32] = (lo & 0xF) | ((h & 3) << 4)
+        q[..., 128 * n + 32:128 * n + 64] = (hi & 0xF) | (((h >> 2) & 3) << 4)
+        q[..., 128 * n + 64:128 * n + 96] = (lo >> 4) | (((h >> 4) & 3) << 4)
+        q[..., 128 * n + 96:128 * n + 128] = (hi >> 4) | (((h >> 6) & 3) << 4)
+    s16 = (d[..., None] * sc).astype(np.float16)  # [m, nb, 16]
+    out = np.empty((m, nb, 288), np.uint8)
+    out[..., :256] = _lane_bytes(q.astype(np.uint8).reshape(m, nb, 4, 64))
+    out[..., 256:] = s16.view(np.uint8).reshape(m, nb, 32)
+    vals = ((q.astype(np.float64) - 32).reshape(m, nb, 16, 16) * s16[..., None].astype(np.float64)).astype(np.float16)
+    return out.reshape(m, -1), vals.reshape(m, k)
+
+
+# GGUF type name -> (row-major packer, bytes per row and 256 elements, tile-major row stride); packed_wgr.cuh
+_PACKED = {"Q4_0": (lambda r, m, k: _pack_q4_5_0(r, m, k, False), 272, 320),
+           "Q5_0": (lambda r, m, k: _pack_q4_5_0(r, m, k, True), 272, 320),
+           "Q8_0": (_pack_q8_0, 272, 320), "Q4_K": (_pack_q4_k, 160, 160), "Q6_K": (_pack_q6_k, 288, 320)}
+
+
+def pack_wgr(raw: np.ndarray, qtype: int, m: int, k: int, *, rows: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """gemm_wgr's packed layout of an m x k GGUF matrix (cuda_src/matmul/packed_wgr.cuh; MatmulDispatch.pack
+    builds it on the device): (the bytes, tile-major: per (128-row tile, 256-element super-block) 128 rows of
+    the stride, rows past m and the bytes past a row's data zero; ``rows``: row-major, unpadded), and the f16
+    values the kernel computes from them [m, k]."""
+    pack, nbytes, stride = _PACKED[TYPES[qtype][0]]
+    packed, vals = pack(np.asarray(raw, np.uint8).reshape(-1), m, k)
+    if rows:
+        return packed, vals
+    nb, mt = k // 256, -(-m // 128)
+    out = np.zeros((mt * 128, nb, stride), np.uint8)
+    out[:m, :, :nbytes] = packed.reshape(m, nb, nbytes)
+    return out.reshape(mt, 128, nb, stride).transpose(0, 2, 1, 3).reshape(-1), vals
