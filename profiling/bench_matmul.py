@@ -28,10 +28,10 @@ import sys
 
 import cupy
 
+from cukern import matmul as M
 from cukern.benchmark import (Ceilings, Row, measure_ceilings, measure_gemm_tflops, rotating, script_main,
                               time_graph_us, time_stream_us)
 from cukern.dmmv import QTYPES, DmmvDispatch, QWeight
-from cukern import matmul as M
 from cukern.matmul import MatmulDispatch
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]  # (M, K)
