@@ -311,10 +311,10 @@ def test_gemm_packed(mm, rng, q, m, n, k_mult):
     """MatmulDispatch.pack writes ref.pack_wgr's bytes exactly (rows past m zero); gemm on the packed weight
     (gemm_wgr, sm_90) against the float64 product of the packed values (kernel error) and of the GGUF
     weights (the issue's bound); ragged m and n, split K, accumulate."""
-    k = 256 * k_mult
-    w, dense = _weight(q, m, k, rng, pad_front=6)
+    k, pad = 256 * k_mult, M._W_ALIGN[q] * 3  # a nonzero offset, aligned as the type must be
+    w, dense = _weight(q, m, k, rng, pad_front=pad)
     pw = mm.pack(w)
-    want_bytes, vals = ref.pack_wgr(w.buf[6:6 + m * w.row_bytes].get(), q, m, k)
+    want_bytes, vals = ref.pack_wgr(w.buf[pad:pad + m * w.row_bytes].get(), q, m, k)
     assert np.array_equal(pw.buf.get(), want_bytes), "device packer"
     if not mm._units[q].is_sm90():
         pytest.skip("packed weights run on gemm_wgr (sm_90 only)")
