@@ -31,6 +31,17 @@ Paths (:meth:`MatmulDispatch.plan_path` is the rule, :meth:`MatmulDispatch.matmu
     units are compiled for sm_90a on an sm_90 device (NVRTC to a cubin, loaded through
     ``cupy.RawModule(path=)``: CuPy's own compile always appends ``-arch=sm_90``), cached under
     CUPY_CACHE_DIR.
+  - ``gemm_wgr`` on a :class:`PackedWeight` (:meth:`pack`, packed_wgr.cuh; Hopper, any N): the same
+    kernel on weights repacked once on the device, at load, for prefill: per 128-row tile and
+    256-element super-block one contiguous chunk (rows of 160 bytes for Q4_K, 320 for the byte
+    layouts of Q4_0, Q5_0, Q8_0 and Q6_K), each lane's quants of a 64-element stage contiguous and
+    the scales already f16 (Q4_K: f16(d sc) and f16(-dmin m) per sub-block; Q6_K f16(d sc) per
+    16-group; the _0 types their d). One thread issues one bulk copy (cp.async.bulk) per
+    super-stage where three warps issued ~2,000 16-byte copies, and a lane converts a stage with two
+    8- or 16-byte shared loads and ~4 instructions per f16 pair. Values: the _0 types exactly
+    :meth:`dequantize`'s, the K-quants within one f16 rounding of the scale (and min) more
+    (``cukern.reference.matmul.pack_wgr`` builds the bytes bit for bit and the values). The packed
+    copy costs 5 (Q4_K) to 10 bits a weight beside the GGUF bytes, which the matvec path reads.
   - ``gemm_f16`` (gemm.cuh; any arch, f32 or f16 b): raw GGUF super-stages (256 elements) copied
     to shared memory by coalesced cp.async, W dequantized to f16 tiles there, B converted to f16
     tiles, ``mma.sync.m16n8k16`` with f32 accumulation. Token tiles of 16/32/64/128 (the smallest
@@ -67,6 +78,15 @@ N      ``gemm`` vs dmmv batched matvec      ``gemm`` vs dequant + cuBLAS
 
 The session's two earlier runs put N = 512 at 1.03x - 1.45x and 0.97x - 1.44x (4096x4096 Q6_K and
 Q5_0 are the rows that move around 1.0) and N = 2048 at 0.72x - 1.05x.
+
+On packed weights (:meth:`pack`; H100, 2026-11-26, ninth session, ``bench_matmul.py``, the same
+method and peers): N = 512 1.11x - 1.51x for all twelve rows; N = 2048 1.03x - 1.18x for eleven,
+4096x4096 Q4_K 0.98x (eager timing; 1.07x - 1.15x in graph-timed turns with the peer,
+``profiling/probe_matmul_packed.py``), 4096x4096 Q6_K 1.00x. The GGUF-byte rows of the same run:
+N = 2048 0.79x - 1.02x. What the packing changed (probe, 14336x4096 N = 2048): the layout alone
+(row-major, copied as the GGUF bytes are) took Q4_K 479 -> 439 us and Q6_K 596-618 -> 478-495, not
+Q8_0 (the copies, not the conversion, held it); the tile-major bulk copies then 439 -> ~385-414,
+Q8_0 494-504 -> 382-406, Q6_K -> 369-413.
 From f32 activations the same rows run at 0.75x - 1.36x (N = 512): gemm_wgr after an f16 cast
 into the staging buffer (before 2026-11-26 they took gemm_f16, 0.24x - 0.33x).
 
@@ -94,7 +114,7 @@ per element still (the register budget allows no more consumer warps).
 
 Every method validates its arguments and raises TypeError/ValueError before any launch; nothing
 here synchronises or reads device values (graph-capturable), and nothing allocates device memory
-but the f16 staging buffer of f32 activations on the gemm_wgr path: one per (k, stream), allocated
+but :meth:`pack` (the packed copy it returns) and the f16 staging buffer of f32 activations on the gemm_wgr path: one per (k, stream), allocated
 by the first such call and regrown by a call with more rows (so run one call of each shape
 before capturing a graph of them). :meth:`gemm` and :meth:`gemm_glu` replay a repeated call's
 checked launch (same weights, buffers, shapes, dtypes and options; the last 256 distinct calls),
@@ -432,11 +452,12 @@ class MatmulDispatch(Dispatch):
             raise ValueError("b and d must not overlap")
         return n, b_stride, d_stride
 
-    def gemm(self, w: QWeight, b: cupy.ndarray, d: cupy.ndarray, *, accumulate: bool = False,
+    def gemm(self, w: QWeight | PackedWeight, b: cupy.ndarray, d: cupy.ndarray, *, accumulate: bool = False,
              split_k: int | None = None, wgmma: bool | None = None, stream=None) -> cupy.ndarray:
         """``d = b W^T`` (each token column: ``d[c] = W b[c]``); ``accumulate``: ``d += b W^T``.
 
-        w: QWeight [m, k] of Q4_0, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K; b: [n, k] f32 or f16, rows
+        w: QWeight [m, k] of Q4_0, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K, or a PackedWeight (:meth:`pack`;
+        gemm_wgr at every n, sm_90 only: ValueError elsewhere or with wgmma=False); b: [n, k] f32 or f16, rows
         16-byte aligned; d: [n, m] f32 (row-strided views allowed, must not overlap b).
         ``split_k``: K slices (None: chosen from the grid size; 1: no split). A split adds partial
         sums with atomics (float addition order then varies from run to run). ``wgmma``: None

@@ -108,7 +108,9 @@ def test_families_declared():
     assert set(M.FAMILIES) <= names
     for q, s in M.GEMM_QTYPES.items():
         unit = M.FAMILIES[f"matmul_f16_{s}"]
-        assert all(k.name.startswith((f"gemm_f16<{q}, ", f"gemm_wgr<{q}, ")) for k in unit.kernels)
+        own = (f"gemm_f16<{q}, ", f"gemm_wgr<{q}, ", f"gemm_wgr<{100 + q}, ", f"pack_wgr<{q}>")
+        assert all(k.name.startswith(own) for k in unit.kernels)
+        assert any(k.name == f"pack_wgr<{q}>" for k in unit.kernels) == (q in M.PACKED_LAYOUTS)
 
 
 def test_reference_quantizer_rule():
