@@ -5,7 +5,7 @@ First checks the device packer against cukern.reference.matmul.pack_wgr (bit for
 against the float64 product of the packed values.
 
 Run: PYTHONPATH=. python profiling/probe_matmul_packed.py   (PROBE_TYPES=Q4_K,Q8_0,Q6_K,Q5_0;
-PROBE_CASES=MxKxN,...; PROBE_ROUNDS=4; PROBE_SPLIT=2: K slices of both gemm_wgr paths)
+PROBE_CASES=MxKxN,...; PROBE_ROUNDS=4; PROBE_SPLIT=2: K slices of both gemm_wgr paths; PROBE_TILE=128: their token tile)
 
 2026-11-26, ninth session (H100, graph replays, 256-token tiles, one K slice; x = deq + cuBLAS time / ours):
   * Q4_K repacked but read row by row (copy_raw's 16-byte cp.async by three producer warps, as the GGUF
@@ -51,11 +51,12 @@ def check(mm: MatmulDispatch, name: str, rng) -> None:
 
 
 def time_case(mm, rng, name: str, m: int, k: int, n: int, rounds: int, split: int) -> None:
-    """One shape: the three paths over rotating weights (three of each, so that L2 does not serve them)."""
-    ws = [random_weight_device(name, m, k, rng) for _ in range(3)]
+    """One shape: the three paths over rotating weights (enough copies that L2 does not serve them)."""
+    n_sets = max(3, min(6, -(-(150 << 20) // (m * k))))  # weights + packed copies well past the 50 MB L2
+    ws = [random_weight_device(name, m, k, rng) for _ in range(n_sets)]
     pws = [mm.pack(w) for w in ws]
-    _, nxt = rotating(3, lambda i: ws[i])
-    _, nxp = rotating(3, lambda i: pws[i])
+    _, nxt = rotating(n_sets, lambda i: ws[i])
+    _, nxp = rotating(n_sets, lambda i: pws[i])
     b = rng.standard_normal((n, k), dtype=cupy.float32).astype(cupy.float16)
     d = cupy.empty((n, m), cupy.float32)
     dense, d16 = cupy.empty((m, k), cupy.float16), cupy.empty((n, m), cupy.float16)
@@ -79,7 +80,7 @@ def time_case(mm, rng, name: str, m: int, k: int, n: int, rounds: int, split: in
 def main() -> None:
     rng = cupy.random.default_rng(1)
     mm = MatmulDispatch()
-    mm.WG_TILE = 256
+    mm.WG_TILE = int(os.environ.get("PROBE_TILE", "256"))  # token tile of both gemm_wgr paths
     names = os.environ.get("PROBE_TYPES", "Q4_K,Q8_0,Q6_K,Q5_0").split(",")
     for name in names:
         check(mm, name, rng)
