@@ -79,11 +79,11 @@ N      ``gemm`` vs dmmv batched matvec      ``gemm`` vs dequant + cuBLAS
 The session's two earlier runs put N = 512 at 1.03x - 1.45x and 0.97x - 1.44x (4096x4096 Q6_K and
 Q5_0 are the rows that move around 1.0) and N = 2048 at 0.72x - 1.05x.
 
-On packed weights (:meth:`pack`; H100, 2026-11-26, ninth session, ``bench_matmul.py``, the same
-method and peers): N = 512 1.11x - 1.51x for all twelve rows; N = 2048 1.03x - 1.18x for eleven,
-4096x4096 Q4_K 0.98x (eager timing; 1.07x - 1.15x in graph-timed turns with the peer,
-``profiling/probe_matmul_packed.py``), 4096x4096 Q6_K 1.00x. The GGUF-byte rows of the same run:
-N = 2048 0.79x - 1.02x. What the packing changed (probe, 14336x4096 N = 2048): the layout alone
+On packed weights (:meth:`pack`; H100, 2026-11-26, ninth session, ``bench_matmul.py``, two runs, the
+same method and peers): N = 512 1.11x - 1.59x for all twelve rows in both; N = 2048 1.02x - 1.18x but
+for 4096x4096 Q4_K (0.98x, 0.91x; 1.05x graph-timed in turns with the peer,
+``profiling/probe_matmul_packed.py``) and 4096x4096 Q5_0 in the second run (0.98x). The GGUF-byte
+rows of the same runs: N = 2048 0.72x - 1.02x. What the packing changed (probe, 14336x4096 N = 2048): the layout alone
 (row-major, copied as the GGUF bytes are) took Q4_K 479 -> 439 us and Q6_K 596-618 -> 478-495, not
 Q8_0 (the copies, not the conversion, held it); the tile-major bulk copies then 439 -> ~385-414,
 Q8_0 494-504 -> 382-406, Q6_K -> 369-413.

@@ -18,6 +18,12 @@ PROBE_CASES=MxKxN,...; PROBE_ROUNDS=4; PROBE_SPLIT=2: K slices of both gemm_wgr 
       the GGUF path beside it 0.83-0.91, 0.82-0.93, 0.69-0.76, 0.80-0.90.
     N = 512, two K slices: 4096x4096 Q4_K 1.22x, Q8_0 1.43, Q6_K 1.30, Q5_0 1.23; 4096x14336 1.51 / 1.68 /
     1.56 / 1.50; one slice at 4096x4096 (64 CTAs): 0.93-0.94, 1.17-1.22, 1.05-1.07, 1.02.
+    Those runs rotated three weight sets: at 4096x4096 (three packed copies ~31 MB) L2 held them. With
+    enough sets (as now), 4096x4096 N = 2048: Q4_K 114.6 us (1.05x), Q5_0 108.5 (1.16x); 128-token tiles
+    149.0 / 134.3 (0.81x / 0.91x); N = 1024 1.40x / 1.29x. Two K slices or three at N = 2048: 0.67-0.82x.
+  * bench_matmul.py (eager timing of both sides, measured one after the other) put packed 4096x4096 Q4_K
+    N = 2048 at 0.98x and 0.91x in two runs (114.6 / 123.5 us): the one shape where the packed path is not
+    clearly ahead (256 CTAs, two waves; each CTA's fill and epilogue are not overlapped).
 """
 from __future__ import annotations
 
