@@ -110,6 +110,17 @@ def time_stream_us(fn, *, n_inner: int = 10, n_warmup: int = 3, n_repeat: int = 
     return _time(lambda: [fn() for _ in range(n_inner)], n_warmup=n_warmup, n_repeat=n_repeat).median_us / n_inner
 
 
+def medians_in_turns(fns: dict, rounds: int) -> dict:
+    """Each ``fns[key]()`` (a time) measured ``rounds`` times in turns, the order rotating every round so
+    that clock drift under load spreads over all of them; the median of each, by key."""
+    times: dict = {key: [] for key in fns}
+    keys = list(fns)
+    for r in range(rounds):
+        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+            times[key].append(fns[key]())
+    return {key: sorted(t)[len(t) // 2] for key, t in times.items()}
+
+
 def time_graph_us(fn, *, n_inner: int = 50, n_repeat: int = 20) -> float:
     """Device time per ``fn()`` when ``n_inner`` calls are captured into one CUDA graph and
     replayed, as a decode loop runs them: the launch cost leaves the measurement."""

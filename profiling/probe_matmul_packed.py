@@ -33,7 +33,7 @@ import sys
 import cupy
 import numpy as np
 
-from cukern.benchmark import rotating, time_graph_us, time_stream_us
+from cukern.benchmark import medians_in_turns, rotating, time_graph_us, time_stream_us
 from cukern.matmul import MatmulDispatch
 from cukern.reference.matmul import pack_wgr
 
@@ -72,12 +72,7 @@ def time_case(mm, rng, name: str, m: int, k: int, n: int, rounds: int, split: in
         "packed": lambda: time_graph_us(lambda: mm.gemm(nxp(), b, d, split_k=split), n_inner=10, n_repeat=5),
         "deq+cuBLAS": lambda: time_stream_us(lambda: (mm.dequantize(nxt(), dense), cupy.matmul(b, dense.T, out=d16))),
     }
-    times = {key: [] for key in fns}
-    for r in range(rounds):
-        keys = list(fns)
-        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
-            times[key].append(fns[key]())
-    med = {key: sorted(t)[len(t) // 2] for key, t in times.items()}
+    med = medians_in_turns(fns, rounds)
     peer = med["deq+cuBLAS"]
     print(f"{name} {m}x{k} N={n}{f' split {split}' if split > 1 else ''}: "
           + " | ".join(f"{key} {us:.1f} us ({peer / us:.2f}x peer)" for key, us in med.items()), flush=True)

@@ -31,7 +31,7 @@ import sys
 import cupy
 
 from cukern import matmul as M
-from cukern.benchmark import rotating, time_graph_us, time_stream_us
+from cukern.benchmark import medians_in_turns, rotating, time_graph_us, time_stream_us
 from cukern.matmul import MatmulDispatch
 
 sys.path.insert(0, "profiling")
@@ -107,12 +107,7 @@ def plans(mm: MatmulDispatch, cases, rounds: int = 4) -> None:
             fns = {f"{bt}/{s}": (lambda bt=bt, s=s: run(bt, s)) for bt in M._WG_TILES for s in splits}
             fns["deq+cuBLAS"] = lambda: time_stream_us(lambda: (mm.dequantize(nxt(), dense),
                                                                 cupy.matmul(b, dense.T, out=d16)))
-            times = {key: [] for key in fns}
-            for r in range(rounds):
-                keys = list(fns)
-                for key in keys[r % len(keys):] + keys[:r % len(keys)]:
-                    times[key].append(fns[key]())
-            med = {key: sorted(t)[len(t) // 2] for key, t in times.items()}
+            med = medians_in_turns(fns, rounds)
             peer = med.pop("deq+cuBLAS")
             print(f"{name} {m}x{k} N={n} (plan {picked[0]}/{picked[1]}): deq+cuBLAS {peer:.1f} us | "
                   + " | ".join(f"{key} {us:.1f} ({peer / us:.2f}x)" for key, us in med.items()), flush=True)
