@@ -236,6 +236,20 @@ class PackedWeight:
     offset: int = 0  # (the GEMM's parameter; a packed buffer starts at 0)
     n_experts: int = 0
 
+    def __post_init__(self):  # a hand-made one is checked as QWeight checks its fields: no launch reads past buf
+        check_array("buf", self.buf, dtype=np.uint8, align=16)
+        if self.qtype not in PACKED_LAYOUTS:
+            raise ValueError(f"PackedWeight: no packed layout for type {self.qtype}")
+        for f in ("m", "k"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or not 1 <= v < 2**31:
+                raise ValueError(f"PackedWeight.{f} must be an int in [1, 2**31), got {v!r}")
+        if self.k % _SUPER or self.offset or self.n_experts:
+            raise ValueError(f"PackedWeight: k={self.k} must be a multiple of {_SUPER}; offset and n_experts 0")
+        need = self.nbytes_for(self.m, self.k, self.qtype)
+        if self.buf.nbytes < need:
+            raise ValueError(f"PackedWeight: buf holds {self.buf.nbytes} bytes, {self.m}x{self.k} needs {need}")
+
     @property
     def code(self) -> int:
         """gemm_wgr's type code of the layout (packed_wgr.cuh's QT_*_WGR)."""

@@ -340,6 +340,10 @@ def test_packed_bad_input(mm, rng):
         mm.gemm(pw, cupy.zeros((8, 512), cupy.float16), cupy.zeros((8, 40), cupy.float32), wgmma=False)
     with pytest.raises(TypeError):
         mm.gemm_glu(pw, pw, cupy.zeros((8, 512), cupy.float16), cupy.zeros((8, 40), cupy.float32))
+    with pytest.raises(ValueError, match="needs"):  # a hand-made PackedWeight too small for its shape
+        M.PackedWeight(pw.buf[:1024], 12, 40, 512)
+    with pytest.raises(ValueError, match="no packed layout"):
+        M.PackedWeight(pw.buf, 13, 40, 512)
 
 
 @pytest.mark.gpu

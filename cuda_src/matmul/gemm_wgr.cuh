@@ -10,7 +10,9 @@
 //     128-byte swizzle, out-of-range elements zero-filled) into a ring of 4-6 slots
 //     (gemm_wgr_stages); warps 1-3 copy the raw GGUF bytes of each 256-element super-stage of the
 //     128 rows (gemm.cuh's copy_raw: 16-byte cp.async, or 2-byte copies for rows that are not
-//     16-byte aligned) into a ring of two raw slots (a third measured no faster);
+//     16-byte aligned) into a ring of two raw slots (a third measured no faster); on packed weights
+//     (packed_wgr.cuh, type codes >= 100, stored tile-major) warp 1's lane 0 alone moves each
+//     super-stage with one bulk copy;
 //   * warpgroups 1 and 2, the consumers (232 registers): consumer c multiplies rows 64c .. 64c+63 by
 //     the BN tokens. Per stage t it issues four m64nBNk16 (A: register set t % 3, B: the swizzled
 //     slot) and, once wgmma.wait has retired stage t-2's MMAs, converts stage t+1's raw registers
@@ -111,7 +113,6 @@ namespace mm {
 #ifndef CUKERN_WGR_SKIP
 #define CUKERN_WGR_SKIP 0
 #endif
-
 
 constexpr uint32_t kTileBytes = BK * 2;  // bytes per token row of a 64-element f16 activation stage
 constexpr uint32_t kWgrSmemLimit = 227 * 1024;  // dynamic shared memory one block may opt in to (sm_90)
@@ -354,7 +355,7 @@ template <> struct FragDeq<QT_Q6_K> {
 }  // namespace mm
 }  // namespace cukern
 
-#include "matmul/packed_wgr.cuh"  // the packed Q4_K layout's RawWgr / FragDeq (an experiment)
+#include "matmul/packed_wgr.cuh"  // the packed layouts' RawWgr / FragDeq (type codes >= 100), pack_wgr
 
 template <int QT, int BN, bool GLU>
 __global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(

@@ -1,21 +1,23 @@
-// GGUF weights repacked for gemm_wgr's A fragments (an experiment: profiling/probe_matmul_packed.py packs,
-// checks and times them; no dispatch path uses them yet). Three layouts, each per row and 256-element
-// super-block, every lane's share of a stage contiguous:
+// GGUF weights repacked once, at load, for gemm_wgr's A fragments (MatmulDispatch.pack launches pack_wgr
+// below; gemm on the PackedWeight runs gemm_wgr<QT + 100, ...>). Per 128-row tile and 256-element
+// super-block, one contiguous chunk of 128 rows x RawWgr::kStride bytes (rows past m and the bytes past a
+// row's data zero), chunk (tile, super-block) at (tile * k / 256 + super-block) * 128 * stride: gemm_wgr
+// moves a super-stage with one bulk copy. Within a row every lane's share of a stage is contiguous:
 //
-// Q4_K (QT_Q4_K_WGR), per row and 256-element super-block (160 bytes): for stage st = 0..3 (elements 64 st ..
-// 64 st + 63: sub-blocks 2 st, 2 st + 1) and lane c = 0..3 of a quad, 8 bytes at 32 st + 8 c hold the
-// 16 quants that lane converts (the pairs 8 j + 2 c, 8 j + 2 c + 1 of the stage, j = 0..7) as two
-// words: pair j of word j / 4 in the nibbles at bits 4 (j % 4) and 16 + 4 (j % 4). Then, at 128 + 8 st,
-// the two sub-blocks' (s, -m) as f16 pairs: s = f16(d * sc), m = f16(dmin * mn) (each rounded once),
-// the value f16(q s - m) (one fma). So a lane's stage is two 8-byte loads per row and, per pair, a
-// shift, a mask-or into 1024 + q, a subtraction and an fma.
-// profiling/probe_matmul_packed.py's pack_q4k packs GGUF Q4_K bytes into it and gives the values.
+// Q4_K (QT_Q4_K_WGR, 160 bytes): for stage st = 0..3 (elements 64 st .. 64 st + 63: sub-blocks 2 st,
+// 2 st + 1) and lane c = 0..3 of a quad, 8 bytes at 32 st + 8 c hold the 16 quants that lane converts
+// (the pairs 8 j + 2 c, 8 j + 2 c + 1 of the stage, j = 0..7) as two words: pair j of word j / 4 in the
+// nibbles at bits 4 (j % 4) and 16 + 4 (j % 4). Then, at 128 + 8 st, the two sub-blocks' (s, -m) as f16
+// pairs: s = f16(d * sc), m = f16(dmin * mn) (each rounded once), the value f16(q s - m) (one fma). So a
+// lane's stage is two 8-byte loads per row and, per pair, a shift, a mask-or into 1024 + q, a
+// subtraction and an fma.
 // Q4_0, Q5_0, Q8_0 (QT_Q4_0_WGR ..., 272 bytes) and Q6_K (QT_Q6_K_WGR, 288 bytes), one byte a quant: at
-// 64 st + 16 c the 16 quants of lane c in stage st (word h: pairs 2 h and 2 h + 1, low bytes first); Q4_0 and
-// Q5_0 store their 4- or 5-bit q, Q8_0 b ^ 0x80 (b the int8 quant), Q6_K its 6-bit q. Then the stage's scales as f16,
-// from 256 + 4 st (the _0 types: d of its two 32-blocks) or 256 + 8 st (Q6_K: f16(d * sc) of its four
-// 16-groups). Value (1024 + byte - off) * s in f16 (off 1032, 1040, 1152 or 1056: the exact quant, then
-// one rounding).
+// 64 st + 16 c the 16 quants of lane c in stage st (word h: pairs 2 h and 2 h + 1, low bytes first); Q4_0
+// and Q5_0 store their 4- or 5-bit q, Q8_0 b ^ 0x80 (b the int8 quant), Q6_K its 6-bit q. Then the
+// stage's scales as f16, from 256 + 4 st (the _0 types: d of its two 32-blocks) or 256 + 8 st (Q6_K:
+// f16(d * sc) of its four 16-groups). Value (1024 + byte - off) * s in f16 (off 1032, 1040, 1152 or
+// 1056: the exact quant, then one rounding).
+// cukern.reference.matmul.pack_wgr builds the same bytes (bit for bit) and the values.
 #pragma once
 
 #include "matmul/gemm_wgr.cuh"  // included from its end: RawWgr, FragDeq, h2_from_lanes
