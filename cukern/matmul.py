@@ -788,8 +788,9 @@ class MatmulDispatch(Dispatch):
 
     def pack(self, w: QWeight, *, stream=None) -> PackedWeight:
         """``w`` repacked into gemm_wgr's layout (:class:`PackedWeight`), on the device: a one-time step at
-        load for the prefill GEMMs, which then run 1.0-1.3x faster than on the GGUF bytes at N >= 512
-        (the module docstring). Q4_0, Q5_0, Q8_0, Q4_K and Q6_K with k a multiple of 256; the packed
+        load for the prefill GEMMs, which then run 1.0-1.4x as fast as on the GGUF bytes at N >= 512
+        (H100; the module docstring). A PackedWeight goes through :meth:`gemm` only (not :meth:`matmul`,
+        :meth:`gemm_glu` or the matvec path, which take the QWeight). Q4_0, Q5_0, Q8_0, Q4_K and Q6_K with k a multiple of 256; the packed
         bytes are 5 (Q4_K) to 10 (the byte layouts) bits a weight."""
         w = self._weight("w", w)
         if w.qtype not in PACKED_LAYOUTS:
