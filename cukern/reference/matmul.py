@@ -240,15 +240,13 @@ _PACKED = {"Q4_0": (lambda r, m, k: _pack_q4_5_0(r, m, k, False), 272, 320),
            "Q8_0": (_pack_q8_0, 272, 320), "Q4_K": (_pack_q4_k, 160, 160), "Q6_K": (_pack_q6_k, 288, 320)}
 
 
-def pack_wgr(raw: np.ndarray, qtype: int, m: int, k: int, *, rows: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def pack_wgr(raw: np.ndarray, qtype: int, m: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     """gemm_wgr's packed layout of an m x k GGUF matrix (cuda_src/matmul/packed_wgr.cuh; MatmulDispatch.pack
     builds it on the device): (the bytes, tile-major: per (128-row tile, 256-element super-block) 128 rows of
-    the stride, rows past m and the bytes past a row's data zero; ``rows``: row-major, unpadded), and the f16
-    values the kernel computes from them [m, k]."""
+    the stride, rows past m and the bytes past a row's data zero), and the f16 values the kernel computes
+    from them [m, k]."""
     pack, nbytes, stride = _PACKED[TYPES[qtype][0]]
     packed, vals = pack(np.asarray(raw, np.uint8).reshape(-1), m, k)
-    if rows:
-        return packed, vals
     nb, mt = k // 256, -(-m // 128)
     out = np.zeros((mt * 128, nb, stride), np.uint8)
     out[:m, :, :nbytes] = packed.reshape(m, nb, nbytes)
