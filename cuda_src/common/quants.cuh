@@ -121,18 +121,42 @@ CUKERN_DEVICE float dequant(const float* b, int) { return *b; }
 CUKERN_DEVICE float dequant(const __half* b, int) { return __half2float(*b); }
 CUKERN_DEVICE float dequant(const __nv_bfloat16* b, int) { return __bfloat162float(*b); }
 
-CUKERN_DEVICE float dequant(const BlockQ4_0* b, int i) {  // i: 0...31
-    const int q = i < 16 ? (b->qs[i] & 15) : (b->qs[i - 16] >> 4);
-    return __half2float(b->d) * (float)(q - 8);
+// The stored quant of element i of a block, before the format's offset (Q8_0: the int8 itself):
+// the integers that dequant below scales, and that gemm_wgr's packer (matmul/packed_wgr.cuh) rewrites.
+CUKERN_DEVICE int quant(const BlockQ4_0* b, int i) {  // i: 0...31
+    return i < 16 ? (b->qs[i] & 15) : (b->qs[i - 16] >> 4);
 }
 
-CUKERN_DEVICE float dequant(const BlockQ5_0* b, int i) {  // i: 0...31
+CUKERN_DEVICE int quant(const BlockQ5_0* b, int i) {  // i: 0...31
     const int lo = i < 16 ? (b->qs[i] & 15) : (b->qs[i - 16] >> 4);
-    const int hi = (b->qh[i >> 3] >> (i & 7)) & 1;
-    return __half2float(b->d) * (float)((lo | hi << 4) - 16);
+    return lo | ((b->qh[i >> 3] >> (i & 7)) & 1) << 4;
 }
 
-CUKERN_DEVICE float dequant(const BlockQ8_0* b, int i) { return __half2float(b->d) * (float)b->qs[i]; }
+CUKERN_DEVICE int quant(const BlockQ8_0* b, int i) { return b->qs[i]; }
+
+CUKERN_DEVICE int quant(const BlockQ4_K* b, int i) {  // i: 0...255
+    const int s = i / 32, j = i % 32, g = i / 64;
+    return (s & 1) ? (b->qs[32 * g + j] >> 4) : (b->qs[32 * g + j] & 15);
+}
+
+CUKERN_DEVICE int quant(const BlockQ5_K* b, int i) {  // i: 0...255
+    const int s = i / 32, j = i % 32, g = i / 64;
+    const int lo = (s & 1) ? (b->qs[32 * g + j] >> 4) : (b->qs[32 * g + j] & 15);
+    return lo | (((b->qh[j] >> s) & 1) << 4);
+}
+
+CUKERN_DEVICE int quant(const BlockQ6_K* b, int i) {  // i: 0...255
+    const int h = i / 128, e = i % 128;  // half, element within the half (0...127)
+    const int lo = e < 64 ? (b->ql[64 * h + e] & 15) : (b->ql[64 * h + e - 64] >> 4);
+    const int hi = (b->qh[32 * h + e % 32] >> (2 * (e / 32))) & 3;
+    return lo | hi << 4;
+}
+
+CUKERN_DEVICE float dequant(const BlockQ4_0* b, int i) { return __half2float(b->d) * (float)(quant(b, i) - 8); }
+
+CUKERN_DEVICE float dequant(const BlockQ5_0* b, int i) { return __half2float(b->d) * (float)(quant(b, i) - 16); }
+
+CUKERN_DEVICE float dequant(const BlockQ8_0* b, int i) { return __half2float(b->d) * (float)quant(b, i); }
 
 CUKERN_DEVICE float dequant(const BlockMXFP4* b, int i) {  // i: 0...31
     const int code = i < 16 ? (b->qs[i] & 15) : (b->qs[i - 16] >> 4);
@@ -140,27 +164,19 @@ CUKERN_DEVICE float dequant(const BlockMXFP4* b, int i) {  // i: 0...31
 }
 
 CUKERN_DEVICE float dequant(const BlockQ4_K* b, int i) {  // i: 0...255
-    const int s = i / 32, j = i % 32, g = i / 64;
     int sc, m;
-    k4_scale_min(b->scales, s, sc, m);
-    const int q = (s & 1) ? (b->qs[32 * g + j] >> 4) : (b->qs[32 * g + j] & 15);
-    return __half2float(b->d) * sc * q - __half2float(b->dmin) * m;
+    k4_scale_min(b->scales, i / 32, sc, m);
+    return __half2float(b->d) * sc * quant(b, i) - __half2float(b->dmin) * m;
 }
 
 CUKERN_DEVICE float dequant(const BlockQ5_K* b, int i) {  // i: 0...255
-    const int s = i / 32, j = i % 32, g = i / 64;
     int sc, m;
-    k4_scale_min(b->scales, s, sc, m);
-    const int lo = (s & 1) ? (b->qs[32 * g + j] >> 4) : (b->qs[32 * g + j] & 15);
-    const int q = lo | (((b->qh[j] >> s) & 1) << 4);
-    return __half2float(b->d) * sc * q - __half2float(b->dmin) * m;
+    k4_scale_min(b->scales, i / 32, sc, m);
+    return __half2float(b->d) * sc * quant(b, i) - __half2float(b->dmin) * m;
 }
 
 CUKERN_DEVICE float dequant(const BlockQ6_K* b, int i) {  // i: 0...255
-    const int h = i / 128, e = i % 128;  // half, element within the half (0...127)
-    const int lo = e < 64 ? (b->ql[64 * h + e] & 15) : (b->ql[64 * h + e - 64] >> 4);
-    const int hi = (b->qh[32 * h + e % 32] >> (2 * (e / 32))) & 3;
-    return __half2float(b->d) * b->scales[i / 16] * (float)((lo | hi << 4) - 32);
+    return __half2float(b->d) * b->scales[i / 16] * (float)(quant(b, i) - 32);
 }
 
 // Elements (i, i+1), i even: the pair form the f16/f32 matmul tile loaders consume.

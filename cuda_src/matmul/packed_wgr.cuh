@@ -90,25 +90,13 @@ template <> struct FragDeq<QT_Q6_K_WGR> : FragDeqPacked8<4, 0x6420u> {};
 
 // ---------------------------------------------------------------------------------------------- packing
 // The stored quant (byte or nibble) of element e (0...255) of the GGUF super-block at sb (256 elements:
-// eight 32-blocks of the _0 types, one K-quant block), as the packed layout keeps it.
+// eight 32-blocks of the _0 types, one K-quant block), as the packed layout keeps it (Q8_0: the int8's
+// byte ^ 0x80).
 template <int QT> CUKERN_DEVICE uint32_t packed_quant(const uint8_t* sb, int e) {
-    if constexpr (QT == QT_Q4_0 || QT == QT_Q5_0) {
-        const uint8_t* blk = sb + (e / 32) * QTraits<QT>::kBytes;
-        const int i = e % 32, qs = QT == QT_Q5_0 ? 6 : 2;
-        uint32_t q = i < 16 ? blk[qs + i] & 15u : blk[qs + i - 16] >> 4;
-        if (QT == QT_Q5_0) q |= ((blk[2 + i / 8] >> (i % 8)) & 1u) << 4;
-        return q;
-    } else if constexpr (QT == QT_Q8_0) {
-        return sb[(e / 32) * 34 + 2 + e % 32] ^ 0x80u;
-    } else if constexpr (QT == QT_Q4_K) {
-        const int j = e / 32;
-        const uint32_t b = sb[16 + 32 * (j / 2) + e % 32];
-        return j % 2 ? b >> 4 : b & 15u;
-    } else {  // Q6_K
-        const int n = e / 128, kq = (e % 128) / 32, l = e % 32;
-        const uint32_t b = sb[64 * n + 32 * (kq % 2) + l];
-        return (kq < 2 ? b & 15u : b >> 4) | ((sb[128 + 32 * n + l] >> (2 * kq)) & 3u) << 4;
-    }
+    constexpr int E = QTraits<QT>::kElems;
+    const auto* b = reinterpret_cast<const typename QTraits<QT>::Block*>(sb + (e / E) * QTraits<QT>::kBytes);
+    const uint32_t q = (uint32_t)quant(b, e % E) & 0xFFu;
+    return QT == QT_Q8_0 ? q ^ 0x80u : q;
 }
 
 // Bytes g (0...) of the scale field: the _0 types' d of block g / 2; Q6_K f16(d sc) of group g / 2; Q4_K the
