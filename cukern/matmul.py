@@ -149,6 +149,7 @@ _I8_MAX_TILE = 128  # gemm_q8 at 128 tokens: one CTA per SM, up to 255 registers
 _ROW_TILE = 128  # weight rows per CTA; the GLU GEMMs take 64 rows of each matrix
 _ROW_TILE_GLU = 64
 _BK = 64  # K elements per stage
+_D_BOX = 32  # gemm_wgr tensor stores of d: boxes of 32 rows (128 bytes of f32, the swizzle span) x the token tile
 _SUPER = 256  # K elements per raw super-stage; K splits are multiples of it
 _W_ALIGN = {2: 2, 6: 2, 8: 2, 12: 16, 13: 16, 14: 2}  # bytes: the K4/K5 quants are read as uint4
 # gemm_wgr's packed layouts (packed_wgr.cuh, MatmulDispatch.pack): GGUF type -> (bytes per row and 256
@@ -494,7 +495,7 @@ class MatmulDispatch(Dispatch):
         params = self.struct_of(w.qtype).pack(
             w_offset=w.offset, w2_offset=0, row_bytes=w.row_bytes, b_stride=b_stride, d_stride=d_stride,
             m=w.m, n=n, k=w.k, k_split=k_split, mode=1 if accumulate else 0, atomic=int(grid[2] > 1),
-            raw16=_raw16(w))
+            raw16=_raw16(w), d_tma=0)
         name = f"gemm_f16<{w.qtype}, {bt}, false, {_B_TYPES[b.dtype]}>"
         zero = self._zero_for_split(d, grid, accumulate, stream)
         launch = self._units[w.qtype]._launch(name, grid, _THREADS, (d, w.buf, w.buf, b), params,
@@ -632,16 +633,19 @@ class MatmulDispatch(Dispatch):
         k_split = _k_slice(w.k, split)
         grid = (grid_t, grid_r, -(-w.k // k_split))
         mode = _ACTS[act] if glu else (1 if accumulate else 0)
+        # d by tensor stores where the copy engine can address it (base and row stride 16-byte aligned)
+        d_map = tensor_map_2d(d, (_D_BOX, bt)) if d.data.ptr % 16 == 0 and (n == 1 or d.strides[0] % 16 == 0) \
+            else None
         params = self.struct_of(w.qtype).pack(
             w_offset=w.offset, w2_offset=w2.offset if glu else 0, row_bytes=w.row_bytes, b_stride=b_stride,
             d_stride=d_stride, m=w.m, n=n, k=w.k, k_split=k_split, mode=mode, atomic=int(grid[2] > 1),
-            raw16=1 if packed else _raw16(w, w2))
+            raw16=1 if packed else _raw16(w, w2), d_tma=int(d_map is not None))
         tmap = tensor_map_2d(b, (_BK, bt))
         zero = self._zero_for_split(d, grid, accumulate, stream)
         code = w.code if packed else w.qtype
         launch = self._units[w.qtype]._launch(f"gemm_wgr<{code}, {bt}, {'true' if glu else 'false'}>", grid,
-                                              _WGR_THREADS, (d, w.buf, w2.buf, tmap), params, stream=stream,
-                                              shared_mem=_smem_wgr(bt, w.qtype, packed))
+                                              _WGR_THREADS, (d, w.buf, w2.buf, tmap, tmap if d_map is None else d_map),
+                                              params, stream=stream, shared_mem=_smem_wgr(bt, w.qtype, packed))
         return zero, launch, stage
 
     def _grid(self, n: int, w: QWeight, split_k, what: str, max_tile: int = _TOKEN_TILES[-1], unit: int = _SUPER):
@@ -690,7 +694,7 @@ class MatmulDispatch(Dispatch):
         bt, grid, k_split = self._grid(n, w, split_k, "gemm_q8", _I8_MAX_TILE)
         params = self.struct_of(w.qtype).pack(
             w_offset=w.offset, w2_offset=0, row_bytes=w.row_bytes, b_stride=a_stride, d_stride=d_stride,
-            m=w.m, n=n, k=w.k, k_split=k_split, mode=1 if accumulate else 0, atomic=int(grid[2] > 1), raw16=_raw16(w))
+            m=w.m, n=n, k=w.k, k_split=k_split, mode=1 if accumulate else 0, atomic=int(grid[2] > 1), raw16=_raw16(w), d_tma=0)
         self._zero_for_split(d, grid, accumulate, stream)
         self._units_i8[w.qtype]._launch(f"gemm_q8<{w.qtype}, {bt}, 0>", grid, _THREADS, (d, w.buf, w.buf, a), params,
                                         stream=stream, shared_mem=_smem_q8(bt, w.qtype))
@@ -749,7 +753,7 @@ class MatmulDispatch(Dispatch):
         params = self.struct_of(w_gate.qtype).pack(
             w_offset=w_gate.offset, w2_offset=w_up.offset, row_bytes=w_gate.row_bytes, b_stride=a_stride,
             d_stride=out_stride, m=m, n=n, k=w_gate.k, k_split=w_gate.k, mode=_ACTS[act], atomic=0,
-            raw16=_raw16(w_gate, w_up))
+            raw16=_raw16(w_gate, w_up), d_tma=0)
         self._units_i8[w_gate.qtype]._launch(f"gemm_q8<{w_gate.qtype}, {bt}, {epi}>", grid, _THREADS,
                                              (out, w_gate.buf, w_up.buf, a), params, stream=stream,
                                              shared_mem=_smem_q8(bt, w_gate.qtype))
@@ -776,7 +780,7 @@ class MatmulDispatch(Dispatch):
         params = self.struct_of(w_gate.qtype).pack(
             w_offset=w_gate.offset, w2_offset=w_up.offset, row_bytes=w_gate.row_bytes, b_stride=b_stride,
             d_stride=d_stride, m=w_gate.m, n=n, k=w_gate.k, k_split=w_gate.k, mode=_ACTS[act], atomic=0,
-            raw16=_raw16(w_gate, w_up))
+            raw16=_raw16(w_gate, w_up), d_tma=0)
         name = f"gemm_f16<{w_gate.qtype}, {bt}, true, {_B_TYPES[b.dtype]}>"
         launch = self._units[w_gate.qtype]._launch(name, (grid_t, grid_r, 1), _THREADS,
                                                    (d, w_gate.buf, w_up.buf, b), params, stream=stream,

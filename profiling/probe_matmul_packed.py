@@ -70,6 +70,7 @@ def time_case(mm, rng, name: str, m: int, k: int, n: int, rounds: int, split: in
         "gemm_wgr GGUF": lambda: time_graph_us(lambda: mm.gemm(nxt(), b, d, wgmma=True, split_k=split),
                                                n_inner=10, n_repeat=5),
         "packed": lambda: time_graph_us(lambda: mm.gemm(nxp(), b, d, split_k=split), n_inner=10, n_repeat=5),
+        "packed eager": lambda: time_stream_us(lambda: mm.gemm(nxp(), b, d, split_k=split)),
         "deq+cuBLAS": lambda: time_stream_us(lambda: (mm.dequantize(nxt(), dense), cupy.matmul(b, dense.T, out=d16))),
     }
     med = medians_in_turns(fns, rounds)

@@ -5,7 +5,8 @@ plus variants of gemm_wgr that skip parts of the work (CUKERN_WGR_SKIP in gemm_w
 limits it. Not the benchmark of record (bench_matmul.py is): a table for choosing tiles.
 Run: PYTHONPATH=. python profiling/probe_matmul_wgr.py [--skips | --ab | --plans]
 (PROBE_TYPES=Q8_0,Q4_K; PROBE_CASES=4096x4096x2048,...; PROBE_DEFINES=NAME=1;NAME2=0,NAME=2: one
-variant of gemm_wgr<QT, 256> per comma-separated set of defines, timed beside the default)
+variant of gemm_wgr<QT, 256> per comma-separated set of defines, timed beside the default;
+PROBE_PACKED=1: --ab on packed weights)
 
 Measured (H100, 2026-11-26, graph replays; the eager peers in the same run):
   14336x4096 N = 2048, 256-token tiles: Q8_0 427-486 us, Q4_K 460-518, Q6_K 527-561; deq + cuBLAS
@@ -53,11 +54,15 @@ def _variant(mm: MatmulDispatch, q: int, defines: tuple[str, ...]) -> MatmulDisp
     return v
 
 
-def _case(name: str, m: int, k: int, n: int, rng):
-    """One shape's operands: a cursor over three random weights of the type (rotated, so that L2 does not
-    serve them), f16 activations b [n, k], the f32 output d, and the peers' dense f16 matrix and output."""
-    ws = [random_weight_device(name, m, k, rng) for _ in range(3)]
-    _, nxt = rotating(3, lambda i: ws[i])
+def _case(name: str, m: int, k: int, n: int, rng, mm: MatmulDispatch | None = None):
+    """One shape's operands: a cursor over random weights of the type (enough sets, rotated, that L2 does
+    not serve them; packed by mm.pack when mm is given), f16 activations b [n, k], the f32 output d, and
+    the peers' dense f16 matrix and output."""
+    n_sets = max(3, min(6, -(-(100 << 20) // (m * k))))
+    ws = [random_weight_device(name, m, k, rng) for _ in range(n_sets)]
+    if mm is not None:
+        ws = [mm.pack(w) for w in ws]
+    _, nxt = rotating(n_sets, lambda i: ws[i])
     b = rng.standard_normal((n, k), dtype=cupy.float32).astype(cupy.float16)
     return nxt, b, cupy.empty((n, m), cupy.float32), cupy.empty((m, k), cupy.float16), cupy.empty((n, m), cupy.float16)
 
@@ -65,16 +70,17 @@ def _case(name: str, m: int, k: int, n: int, rng):
 def ab(mm: MatmulDispatch, cases, rounds: int = 6) -> None:
     """--ab: gemm_wgr<QT, 256> as built by default against each PROBE_DEFINES variant, measured in
     turns (the order rotating every round, so that clock drift under load spreads over all of them);
-    median and best of the rounds."""
+    median and best of the rounds. PROBE_PACKED=1: on packed weights (MatmulDispatch.pack)."""
+    packed = os.environ.get("PROBE_PACKED") == "1"
     rng = cupy.random.default_rng(1)
     mm.WG_TILE = 256
-    M._smem_wgr = lambda bt, qt: 227 * 1024  # every variant's ring fits (defines may change its size)
+    M._smem_wgr = lambda bt, qt, packed=False: 227 * 1024  # every variant's ring fits (defines may change its size)
     sets = [()] + [tuple(x.split(";")) for x in os.environ.get("PROBE_DEFINES", "").split(",") if x]
     for name in os.environ.get("PROBE_TYPES", "Q8_0,Q4_K,Q6_K,Q5_0").split(","):
         q = _BY_NAME[name]
         variants = [_variant(mm, q, s) if s else mm for s in sets]
         for (m, k, n) in cases:
-            nxt, b, d, _, _ = _case(name, m, k, n, rng)
+            nxt, b, d, _, _ = _case(name, m, k, n, rng, mm if packed else None)
             times: list[list[float]] = [[] for _ in sets]
             for r in range(rounds):
                 for i in [(r + j) % len(sets) for j in range(len(sets))]:
@@ -82,7 +88,7 @@ def ab(mm: MatmulDispatch, cases, rounds: int = 6) -> None:
                     times[i].append(time_graph_us(lambda: v.gemm(nxt(), b, d, wgmma=True), n_inner=10, n_repeat=5))
             cells = [f"{';'.join(s) or 'default'} {sorted(t)[len(t) // 2]:.1f} (best {min(t):.1f})"
                      for s, t in zip(sets, times)]
-            print(f"{name} {m}x{k} N={n}: " + " | ".join(cells) + " us", flush=True)
+            print(f"{name}{' packed' if packed else ''} {m}x{k} N={n}: " + " | ".join(cells) + " us", flush=True)
             nxt = b = d = None
             cupy.get_default_memory_pool().free_all_blocks()
 

@@ -308,7 +308,7 @@ def test_pack_rejects_before_launch(mm, rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("q", PACKED, ids=lambda q: NAMES[q])
-@pytest.mark.parametrize("m,n,k_mult", [(77, 1, 1), (203, 300, 3), (130, 129, 2)])
+@pytest.mark.parametrize("m,n,k_mult", [(77, 1, 1), (203, 300, 3), (130, 129, 2), (196, 257, 2)])
 def test_gemm_packed(mm, rng, q, m, n, k_mult):
     """MatmulDispatch.pack writes ref.pack_wgr's bytes exactly (rows past m zero); gemm on the packed weight
     (gemm_wgr, sm_90) against the float64 product of the packed values (kernel error) and of the GGUF
@@ -388,10 +388,13 @@ def _needs_wg(mm):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("q", TYPES, ids=lambda q: NAMES[q])
-@pytest.mark.parametrize("m,n,bt", [(77, 1, 128), (203, 37, 256), (130, 300, 128), (300, 129, 256)])
+@pytest.mark.parametrize("m,n,bt", [(77, 1, 128), (203, 37, 256), (130, 300, 128), (300, 129, 256),
+                                    (196, 37, 256), (260, 257, 128)])
 def test_gemm_wg(mm, rng, q, m, n, bt, monkeypatch):
     """gemm_wgr with both token tiles, ragged M and N, 5 super-stages (the raw ring wraps) and, for
-    the 32-block types, a K tail; rows not 16-byte aligned for most types (synchronous raw copies)."""
+    the 32-block types, a K tail; rows not 16-byte aligned for most types (synchronous raw copies).
+    d is written by tensor stores where its rows are 16-byte aligned (m % 4 == 0, or n = 1), by
+    element stores otherwise (m = 203, 130)."""
     _needs_wg(mm)
     monkeypatch.setattr(mm, "WG_TILE", bt)
     k = _k(q, 5)
@@ -430,9 +433,11 @@ def test_gemm_wg_f32_activations(mm, rng, q):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("q", TYPES, ids=lambda q: NAMES[q])
-def test_gemm_wg_aligned_split_accumulate(mm, rng, q):
+@pytest.mark.parametrize("d_pad", [3, 4])
+def test_gemm_wg_aligned_split_accumulate(mm, rng, q, d_pad):
     """gemm_wgr with 16-byte aligned rows (cp.async raw copies), forced K splits, accumulate mode
-    and row-strided b and d views."""
+    and row-strided b and d views: d's rows m + d_pad floats apart, by element stores (3) or by
+    tensor stores and reduce-adds (4); the columns past m stay untouched either way."""
     _needs_wg(mm)
     m, n, k = 140, 200, 2048
     raw = ref.random_weight(q, m, k, rng)
@@ -441,7 +446,7 @@ def test_gemm_wg_aligned_split_accumulate(mm, rng, q):
     assert M._raw16(w) == 1
     b_full = _b(rng, n, k + 40, np.float16)  # row stride k + 40 halves (80 bytes)
     b = cupy.asarray(b_full)[:, :k]
-    d_full = cupy.asarray(rng.standard_normal((n, m + 3)).astype(np.float32))
+    d_full = cupy.asarray(rng.standard_normal((n, m + d_pad)).astype(np.float32))
     d = d_full[:, :m]
     want = ref.gemm(dense, b_full[:, :k])
     tight = ref.gemm_f16_inputs(ref.wgr_values(raw, q, m, k), b_full[:, :k])
@@ -458,11 +463,12 @@ def test_gemm_wg_aligned_split_accumulate(mm, rng, q):
 @pytest.mark.gpu
 @pytest.mark.parametrize("q", TYPES, ids=lambda q: NAMES[q])
 @pytest.mark.parametrize("act", ["swiglu", "geglu"])
-@pytest.mark.parametrize("n,bt", [(100, 128), (300, 256), (130, 128), (257, 256)])
-def test_gemm_glu_wg(mm, rng, q, act, n, bt, monkeypatch):
+@pytest.mark.parametrize("m,n,bt", [(90, 100, 128), (92, 300, 256), (90, 130, 128), (92, 257, 256)])
+def test_gemm_glu_wg(mm, rng, q, act, m, n, bt, monkeypatch):
+    """The fused GLU on gemm_wgr; d by element stores (m = 90) or tensor stores (m = 92)."""
     _needs_wg(mm)
     monkeypatch.setattr(mm, "WG_TILE", bt)
-    m, k = 90, _k(q)
+    k = _k(q)
     wg, dg = _weight(q, m, k, rng)
     wu, du = _weight(q, m, k, rng)
     b = _b(rng, n, k, np.float16)

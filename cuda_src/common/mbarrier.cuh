@@ -1,6 +1,6 @@
 // Hopper's asynchronous copies and the shared-memory mbarriers that count their completion (sm_90):
-// the 1-D bulk copy, the 2-D tensor copy (TMA, through a tensor map the host encodes), and the
-// arrive / wait operations of producer-consumer rings.
+// the 1-D bulk copy, the 2-D tensor copy (TMA, through a tensor map the host encodes) both ways, and
+// the arrive / wait operations of producer-consumer rings.
 //
 // Phases: a barrier initialised with count c completes a phase when c arrivals (and all expected
 // transaction bytes) have come; a waiter on completion number j (0-based) passes parity j & 1.
@@ -60,6 +60,24 @@ CUKERN_DEVICE void tma_load_2d(void* dst, const TensorMap* map, int32_t c0, int3
         ::"r"(smem_addr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(smem_addr(bar))
         : "memory");
 }
+// The box at shared src (laid out as the map's swizzle puts it) into a 2-D tensor map at element
+// coordinates (c0 inner, c1 outer); elements outside the tensor are not written. ADD: each element
+// added to memory (f32 atomically, one addition per element) instead of stored. Completion through
+// bulk groups: bulk_commit, then bulk_wait_read before src is reused or the block exits.
+template <bool ADD>
+CUKERN_DEVICE void tma_store_2d(const TensorMap* map, const void* src, int32_t c0, int32_t c1) {
+    if (ADD)
+        asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3}], [%1];"
+                     ::"l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(src)), "r"(c0), "r"(c1)
+                     : "memory");
+    else
+        asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%0, {%2, %3}], [%1];"
+                     ::"l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(src)), "r"(c0), "r"(c1)
+                     : "memory");
+}
+CUKERN_DEVICE void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// This thread's committed bulk stores have read their shared sources (their writes may still be in flight).
+CUKERN_DEVICE void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 CUKERN_DEVICE void tma_prefetch_map(const TensorMap* map) {
     asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }

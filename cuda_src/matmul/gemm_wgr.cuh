@@ -102,6 +102,7 @@
 #pragma once
 
 #include "common/mbarrier.cuh"
+#include "common/sync.cuh"
 #include "common/wgmma.cuh"
 #include "matmul/gemm.cuh"
 
@@ -112,6 +113,10 @@ namespace mm {
 // limits the kernel. 1: dequantization (A = 1.0), 2: raw weight copies, 4: activation copies, 8: the MMAs.
 #ifndef CUKERN_WGR_SKIP
 #define CUKERN_WGR_SKIP 0
+#endif
+// Profiling only: 0 writes d by element stores even where the host passed a tensor map (p.d_tma).
+#ifndef CUKERN_WGR_D_TMA
+#define CUKERN_WGR_D_TMA 1
 #endif
 
 constexpr uint32_t kTileBytes = BK * 2;  // bytes per token row of a 64-element f16 activation stage
@@ -363,6 +368,7 @@ __global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(
     const uint8_t* __restrict__ w,     // raw GGUF bytes: W (glu: gate) = m rows from w + w_offset
     const uint8_t* __restrict__ w2,    // glu: the up matrix, m rows from w2 + w2_offset; else unused
     const __grid_constant__ cukern::TensorMap tb,  // B: f16 [n, b_stride] as a 2-D map (k, n), box 64 x BN, 128-byte swizzle
+    const __grid_constant__ cukern::TensorMap td,  // p.d_tma: D f32 [n, d_stride] as a 2-D map (m, n), box 32 x BN, 128-byte swizzle
     const GemmParams p) {              // dynamic shared memory: gemm_wgr_smem_bytes(BN, RawWgr<QT>::kStride, stages)
     using namespace cukern;
     using namespace cukern::mm;
@@ -527,6 +533,50 @@ __global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(
     for (int i = 0; i < 16; ++i) wg::pin(f0[i]), wg::pin(f1[i]), wg::pin(f2[i]);
 
     // epilogue: quad j = rows (R, R+8) x tokens (tc, tc+1)
+    if (CUKERN_WGR_D_TMA && p.d_tma) {
+        // through shared memory and the copy engine: the tile's outputs into the activation ring (free
+        // once both consumers' MMAs have retired) as boxes of 32 rows x BN tokens in the map's 128-byte
+        // swizzle (conflict-free: a warp's 32 values fall in 8 distinct 16-byte chunks x 4 words), then
+        // one tensor store (reduce-add for accumulate and split K) per box. The block may exit once the
+        // copy engine has read the boxes, while its writes drain: the next block's fill overlaps them.
+        constexpr int OUT_ROWS = GLU ? kRows / 2 : kRows;
+        static_assert(OUT_ROWS * BN * 4 <= S * ACT_BYTES, "the output tile fits the activation ring");
+        named_bar_sync(1, 256);
+        auto put_s = [&](int r, int tok, float v) {  // tile row r, token tok of the tile
+            uint8_t* box = sact + (r / 32) * (BN * 128);
+            const int rr = r % 32;
+            *reinterpret_cast<float*>(box + tok * 128 + ((((rr >> 2) ^ (tok & 7)) << 4) | ((rr & 3) << 2))) = v;
+        };
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            const float* q = &acc[4 * j];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int tok = 8 * j + 2 * c + e;
+                if (GLU) {
+                    put_s((R >> 4) * 8 + (R & 7), tok, (p.mode == 3 ? gelu_tanh(q[e]) : silu(q[e])) * q[2 + e]);
+                } else {
+                    put_s(R, tok, q[e]);
+                    put_s(R + 8, tok, q[2 + e]);
+                }
+            }
+        }
+        wg::fence_async_smem();
+        named_bar_sync(2 + cw, 128);  // this consumer's boxes: GLU box cw, else boxes 2 cw, 2 cw + 1
+        if (tid % 128 == 0) {
+            const bool add = p.mode == 1 || p.atomic;
+#pragma unroll
+            for (int b = GLU ? cw : 2 * cw; b < (GLU ? cw + 1 : 2 * cw + 2); ++b) {
+                const void* box = sact + b * (BN * 128);
+                const int32_t row = (int32_t)r0 + 32 * b;
+                if (add) tma_store_2d<true>(&td, box, row, (int32_t)t0);
+                else tma_store_2d<false>(&td, box, row, (int32_t)t0);
+            }
+            bulk_commit();
+            bulk_wait_read();
+        }
+        return;
+    }
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
         const uint32_t tc = t0 + 8 * j + 2 * c;

@@ -23,6 +23,7 @@ struct GemmParams {
     uint32_t mode;       // 0: d = W b; 1: d += W b; 2: d = silu(Wg b) * (Wu b); 3: d = gelu_tanh(Wg b) * (Wu b)
     uint32_t atomic;     // 1: add into d with atomics (split K; d zeroed first by the host for mode 0)
     uint32_t raw16;      // 1: every weight row starts 16-byte aligned (cp.async path); 0: 2-byte copies
+    uint32_t d_tma;      // gemm_wgr: 1: d written by tensor stores through its map td; 0: element stores
 };
 
 // quantize_q8 (quantize.cuh): f32 rows -> Q8_1 or Q8_0 blocks of 32 values
