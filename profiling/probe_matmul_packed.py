@@ -24,6 +24,17 @@ PROBE_CASES=MxKxN,...; PROBE_ROUNDS=4; PROBE_SPLIT=2: K slices of both gemm_wgr 
   * bench_matmul.py (eager timing of both sides, measured one after the other) put packed 4096x4096 Q4_K
     N = 2048 at 0.98x and 0.91x in two runs (114.6 / 123.5 us): the one shape where the packed path is not
     clearly ahead (256 CTAs, two waves; each CTA's fill and epilogue are not overlapped).
+2026-11-26, tenth session (H100):
+  * d by tensor stores (gemm_wgr.cuh's epilogue) instead of element stores: packed 4096x4096 N = 512 -5%,
+    N = 2048 unchanged; bench_matmul (in turns, three rounds) then put every packed row at N = 512 and
+    2048 at 1.01-1.7x deq + cuBLAS, Q4_K the closest (4096x4096 N = 2048 1.01x, 14336x4096 1.01x).
+  * "packed eager" (10 eager calls, as the benchmark times N >= 512) against graph replays, 4096x4096 N =
+    2048: Q4_K 119.2 / 116.9 us, Q5_0 118.5 / 118.3: the launch path is not what separates the two.
+  * Q4_K's conversion with one shift a word instead of three (bits 4-7 of each half taken under the
+    magic 0x5400, 64 + q with mantissa step 1/16; SASS -8 integer instructions per lane and stage), by
+    probe_matmul_wgr.py --ab in turns: 4096x4096 N = 2048 105.5 / 105.3 us, 14336x4096 404 / 414,
+    4096x14336 364 / 365, N = 512 40.2 / 39.9: within the spread, not kept. The Q4_K layout's gap to the
+    byte layouts (3-6% at N = 2048) is not its conversion's instruction count.
 """
 from __future__ import annotations
 
