@@ -228,14 +228,16 @@ class PackedWeight:
     and 256-element super-block one contiguous chunk of 128 rows x ``stride`` bytes (each lane's quants of
     a 64-element stage contiguous, the scales as f16: packed_wgr.cuh), moved into shared memory by one
     bulk copy. Hopper only (gemm_wgr); a separate buffer beside the GGUF bytes, which the matvec path
-    keeps reading."""
+    keeps reading. ``glu`` (:meth:`MatmulDispatch.pack_glu`): the gate and up matrices of a gated MLP,
+    64 rows of each per tile, for :meth:`MatmulDispatch.gemm_glu`."""
 
     buf: cupy.ndarray  # the tile-major bytes
     qtype: int  # the GGUF type it was packed from
-    m: int
+    m: int  # rows (glu: of each matrix)
     k: int
     offset: int = 0  # (the GEMM's parameter; a packed buffer starts at 0)
     n_experts: int = 0
+    glu: bool = False
 
     def __post_init__(self):  # a hand-made one is checked as QWeight checks its fields: no launch reads past buf
         check_array("buf", self.buf, dtype=np.uint8, align=16)
@@ -247,9 +249,12 @@ class PackedWeight:
                 raise ValueError(f"PackedWeight.{f} must be an int in [1, 2**31), got {v!r}")
         if self.k % _SUPER or self.offset or self.n_experts:
             raise ValueError(f"PackedWeight: k={self.k} must be a multiple of {_SUPER}; offset and n_experts 0")
-        need = self.nbytes_for(self.m, self.k, self.qtype)
+        if not isinstance(self.glu, bool):
+            raise ValueError(f"PackedWeight.glu must be a bool, got {self.glu!r}")
+        need = self.nbytes_for(self.m, self.k, self.qtype, self.glu)
         if self.buf.nbytes < need:
-            raise ValueError(f"PackedWeight: buf holds {self.buf.nbytes} bytes, {self.m}x{self.k} needs {need}")
+            raise ValueError(f"PackedWeight: buf holds {self.buf.nbytes} bytes, {'2x' if self.glu else ''}"
+                             f"{self.m}x{self.k} needs {need}")
 
     @property
     def code(self) -> int:
@@ -261,8 +266,9 @@ class PackedWeight:
         return self.k // _SUPER * PACKED_LAYOUTS[self.qtype][0]
 
     @staticmethod
-    def nbytes_for(m: int, k: int, qtype: int) -> int:
-        return -(-m // _ROW_TILE) * (k // _SUPER) * _ROW_TILE * PACKED_LAYOUTS[qtype][1]
+    def nbytes_for(m: int, k: int, qtype: int, glu: bool = False) -> int:
+        tiles = -(-m // (_ROW_TILE_GLU if glu else _ROW_TILE))
+        return tiles * (k // _SUPER) * _ROW_TILE * PACKED_LAYOUTS[qtype][1]
 
 
 def q8_1_row_bytes(n_cols: int) -> int:
@@ -281,7 +287,8 @@ def _gemm_unit(qt: int) -> FamilySpec:
     kernels += [KernelSpec(f"gemm_wgr<{qt}, {bt}, {glu}>", "GemmParams")
                 for bt in _WG_TILES for glu in ("false", "true")]
     if qt in PACKED_LAYOUTS:
-        kernels += [KernelSpec(f"gemm_wgr<{100 + qt}, {bt}, false>", "GemmParams") for bt in _WG_TILES]
+        kernels += [KernelSpec(f"gemm_wgr<{100 + qt}, {bt}, {glu}>", "GemmParams")
+                    for bt in _WG_TILES for glu in ("false", "true")]
         kernels.append(KernelSpec(f"pack_wgr<{qt}>", "PackParams"))
     return FamilySpec(f"matmul_f16_{GEMM_QTYPES[qt]}", tuple(kernels), source="matmul/gemm.cu",
                       params_header="matmul/params.cuh")
@@ -483,8 +490,7 @@ class MatmulDispatch(Dispatch):
         if self._replay(key, b, d, stream):
             return d
         if isinstance(w, PackedWeight):  # gemm_wgr on the packed layout, whatever n
-            if wgmma is False or not self._units[w.qtype].is_sm90():
-                raise ValueError("a PackedWeight runs on gemm_wgr only: an sm_90 (Hopper) device, wgmma not False")
+            self._packed_ok(w, wgmma, False)
             n, _, d_stride = self._float_activations(b, d, w)
             return self._remember(key, self._hopper(w, w, b, d, d_stride, n, accumulate, split_k, None, stream), d)
         w = self._weight("w", w)
@@ -514,9 +520,9 @@ class MatmulDispatch(Dispatch):
         """The key of a gemm / gemm_glu call, or None when an argument is not what the checks take
         (the call then goes through them and raises)."""
         try:
-            key = (w.buf.data.ptr, w.offset, w.qtype, w.m, w.k, w.n_experts, w2.buf.data.ptr, w2.offset, w2.qtype,
-                   w2.m, w2.k, w2.n_experts, b.data.ptr, b.shape, b.strides, b.dtype.char, d.data.ptr, d.shape,
-                   d.strides, d.dtype.char, accumulate, split_k, wgmma, act, self.WG_TILE, self.WG_MIN_N,
+            key = (w.buf.data.ptr, w.offset, w.qtype, w.m, w.k, w.n_experts, getattr(w, "glu", False),
+                   w2.buf.data.ptr, w2.offset, w2.qtype, w2.m, w2.k, w2.n_experts, b.data.ptr, b.shape, b.strides,
+                   b.dtype.char, d.data.ptr, d.shape, d.strides, d.dtype.char, accumulate, split_k, wgmma, act, self.WG_TILE, self.WG_MIN_N,
                    resolve_stream(stream).ptr if b.dtype.char == "f" else None)  # f32 b: staged per stream
             hash(key)
         except (AttributeError, TypeError):
@@ -759,16 +765,25 @@ class MatmulDispatch(Dispatch):
                                              shared_mem=_smem_q8(bt, w_gate.qtype))
         return out
 
-    def gemm_glu(self, w_gate: QWeight, w_up: QWeight, b: cupy.ndarray, d: cupy.ndarray, *,
+    def gemm_glu(self, w_gate: QWeight | PackedWeight, w_up: QWeight | None, b: cupy.ndarray, d: cupy.ndarray, *,
                  act: str = "swiglu", wgmma: bool | None = None, stream=None) -> cupy.ndarray:
         """``d[c] = act(W_gate b[c]) * (W_up b[c])``: the fused gate+up GEMM of a gated MLP; the
         two products never leave registers. act: ``"swiglu"`` (SiLU gate) or ``"geglu"`` (GELU-tanh).
 
-        w_gate, w_up: QWeight [m, k] of the same type; b: [n, k] f32 or f16; d: [n, m] f32.
+        w_gate, w_up: QWeight [m, k] of the same type, or w_gate a PackedWeight of both (:meth:`pack_glu`;
+        gemm_wgr, sm_90 only) and w_up None; b: [n, k] f32 or f16; d: [n, m] f32.
         ``wgmma`` as in :meth:`gemm`."""
-        key = self._call_key(w_gate, w_up, b, d, False, None, wgmma, act, stream)
+        key = self._call_key(w_gate, w_gate if w_up is None else w_up, b, d, False, None, wgmma, act, stream)
         if self._replay(key, b, d, stream):
             return d
+        if isinstance(w_gate, PackedWeight):
+            if w_up is not None:
+                raise TypeError("gemm_glu on a PackedWeight: w_up must be None (pack_glu packs both matrices)")
+            self._packed_ok(w_gate, wgmma, True)
+            if act not in _ACTS:
+                raise ValueError(f"act must be one of {', '.join(_ACTS)}, got {act!r}")
+            n, _, d_stride = self._float_activations(b, d, w_gate)
+            return self._remember(key, self._hopper(w_gate, w_gate, b, d, d_stride, n, False, None, act, stream), d)
         w_gate, w_up = self._glu_weights(w_gate, w_up, act)
         n, b_stride, d_stride = self._float_activations(b, d, w_gate)
         if self._use_wg(w_gate.qtype, b, n, wgmma):
@@ -787,30 +802,49 @@ class MatmulDispatch(Dispatch):
                                                    shared_mem=_smem(bt, b.itemsize, w_gate.qtype))
         return self._remember(key, (False, launch, None), d)
 
+    def _packed_ok(self, w: PackedWeight, wgmma, glu: bool) -> None:
+        """A PackedWeight's call: on Hopper (gemm_wgr), through the entry of its kind (gemm or gemm_glu)."""
+        if w.glu != glu:
+            raise TypeError("a PackedWeight from pack_glu goes through gemm_glu, one from pack through gemm")
+        if wgmma is False or not self._units[w.qtype].is_sm90():
+            raise ValueError("a PackedWeight runs on gemm_wgr only: an sm_90 (Hopper) device, wgmma not False")
+
     def struct_of(self, qtype: int):
         return self._units[qtype].struct("GemmParams")
 
     def pack(self, w: QWeight, *, stream=None) -> PackedWeight:
         """``w`` repacked into gemm_wgr's layout (:class:`PackedWeight`), on the device: a one-time step at
-        load for the prefill GEMMs, which then run 1.0-1.4x as fast as on the GGUF bytes at N >= 512
-        (H100; the module docstring). A PackedWeight goes through :meth:`gemm` only (not :meth:`matmul`,
-        :meth:`gemm_glu` or the matvec path, which take the QWeight). Q4_0, Q5_0, Q8_0, Q4_K and Q6_K with k a multiple of 256; the packed
-        bytes are 5 (Q4_K) to 10 (the byte layouts) bits a weight."""
+        load for the prefill GEMMs, which then run 1.0-1.7x as fast as dequantize + cuBLAS at N >= 512
+        (H100; the module docstring). A PackedWeight goes through :meth:`gemm` only (not :meth:`matmul`
+        or the matvec path, which take the QWeight). Q4_0, Q5_0, Q8_0, Q4_K and Q6_K with k a multiple of
+        256; the packed bytes are 5 (Q4_K) to 10 (the byte layouts) bits a weight."""
         w = self._weight("w", w)
+        return self._pack(w, w, False, stream)
+
+    def pack_glu(self, w_gate: QWeight, w_up: QWeight, *, stream=None) -> PackedWeight:
+        """The gate and up matrices of a gated MLP packed together (``PackedWeight.glu``: each 128-row tile
+        holds 64 rows of each, as gemm_wgr's fused GLU reads them), for :meth:`gemm_glu`. Types and shapes
+        as :meth:`pack`, the two matrices alike."""
+        w_gate, w_up = self._glu_weights(w_gate, w_up, "swiglu")
+        return self._pack(w_gate, w_up, True, stream)
+
+    def _pack(self, w: QWeight, w2: QWeight, glu: bool, stream) -> PackedWeight:
         if w.qtype not in PACKED_LAYOUTS:
             raise ValueError(f"pack: no packed layout for {QTYPES[w.qtype][0]} "
                              f"(supported: {', '.join(QTYPES[q][0] for q in PACKED_LAYOUTS)})")
         if w.k % _SUPER:
             raise ValueError(f"pack: k={w.k} must be a multiple of {_SUPER} (whole super-blocks)")
-        tiles, supers = -(-w.m // _ROW_TILE), w.k // _SUPER
+        tiles, supers = -(-w.m // (_ROW_TILE_GLU if glu else _ROW_TILE)), w.k // _SUPER
         if supers > 65535:
             raise ValueError(f"pack: k={w.k} exceeds the grid limit ({65535 * _SUPER})")
         unit = self._units[w.qtype]
         with cupy.cuda.Device(self.device_id):
-            out = cupy.empty(PackedWeight.nbytes_for(w.m, w.k, w.qtype), cupy.uint8)
-        params = unit.struct("PackParams").pack(w_offset=w.offset, row_bytes=w.row_bytes, m=w.m, k=w.k)
-        unit._launch(f"pack_wgr<{w.qtype}>", (tiles, supers, 1), _ROW_TILE, (out, w.buf), params, stream=stream)
-        return PackedWeight(out, w.qtype, w.m, w.k)
+            out = cupy.empty(PackedWeight.nbytes_for(w.m, w.k, w.qtype, glu), cupy.uint8)
+        params = unit.struct("PackParams").pack(w_offset=w.offset, w2_offset=w2.offset, row_bytes=w.row_bytes,
+                                                m=w.m, k=w.k, glu=int(glu))
+        unit._launch(f"pack_wgr<{w.qtype}>", (tiles, supers, 1), _ROW_TILE, (out, w.buf, w2.buf), params,
+                     stream=stream)
+        return PackedWeight(out, w.qtype, w.m, w.k, glu=glu)
 
     # ------------------------------------------------------------------ quantizers
     def _quantize(self, fmt: int, x, q, stream):

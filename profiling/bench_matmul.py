@@ -11,7 +11,9 @@ Rows: ``gemm`` (f16 activations, f16 tensor cores: gemm_wgr on Hopper from N = 2
 GGUF bytes; on Hopper from N = 256 ``gemm packed`` (the same product on the weights repacked once at load,
 ``MatmulDispatch.pack``: the path for prefill; the packing is not timed, the peer's dequantization is, as
 it runs on every call); ``quantize+gemm_q8`` (f32 activations quantized to Q8_1, then the int8
-tensor-core GEMM; both launches timed), and at N = 512 the f16 path from f32 activations.
+tensor-core GEMM; both launches timed), and at N = 512 the f16 path from f32 activations. The fused
+gate+up GEMM (``gemm_glu``, 14336x4096 each) against two separate gemm launches, and at N = 512 on the pair
+packed once at load (``pack_glu``) against dequantize + cuBLAS twice (without the activation: a lower bound).
 
 FLOPs counted: 2 M N K per product. %ceil: of the cuBLAS f16 GEMM rate (8192^3) measured in this
 run. Weights are rotated over enough copies to exceed the 50 MB L2 (8 at 4096x4096); from N = 512 the
@@ -141,6 +143,8 @@ def bench(quick: bool = False) -> tuple[list, Ceilings]:
     m, k = (14336, 4096)
     for name in (["Q4_K"] if quick else ["Q4_K", "Q8_0"]):
         wg, wu = random_weight_device(name, m, k, rng), random_weight_device(name, m, k, rng)
+        pg = mm.pack_glu(wg, wu) if _packable(mm, wg) else None
+        dense = cupy.empty((m, k), cupy.float16) if pg is not None else None
         for n in [64, 512]:
             b16 = rng.standard_normal((n, k), dtype=cupy.float32).astype(cupy.float16)
             d = cupy.empty((n, m), cupy.float32)
@@ -149,6 +153,16 @@ def bench(quick: bool = False) -> tuple[list, Ceilings]:
             tf = 4.0 * m * n * k / (us * 1e-6) / 1e12
             rows.append(Row("matmul", f"gemm_glu {name}", f"2x{m}x{k} N={n}", us, tflops=tf,
                             pct_ceiling=tf / ceil.gemm_tflops, peer="2 x gemm_f16 (no act)", peer_us=two))
+            if pg is not None and n >= mm.WG_MIN_N:  # both matrices packed once at load (pack_glu)
+                d16 = cupy.empty((n, m), cupy.float16)
+                med = medians_in_turns({
+                    "packed": lambda: time_stream_us(lambda: mm.gemm_glu(pg, None, b16, d)),
+                    "deq": lambda: time_stream_us(lambda: [(mm.dequantize(w, dense), cupy.matmul(b16, dense.T, out=d16))
+                                                           for w in (wg, wu)])}, _ROUNDS)
+                tfp = 4.0 * m * n * k / (med["packed"] * 1e-6) / 1e12
+                rows.append(Row("matmul", f"gemm_glu packed {name}", f"2x{m}x{k} N={n}", med["packed"], tflops=tfp,
+                                pct_ceiling=tfp / ceil.gemm_tflops, peer="2 x deq+cuBLAS (no act)",
+                                peer_us=med["deq"]))
             b32 = b16.astype(cupy.float32)
             qa = cupy.empty((n, k // 32 * 36), cupy.uint8)
             hq = cupy.empty((n, m // 32 * 36), cupy.uint8)
@@ -157,6 +171,8 @@ def bench(quick: bool = False) -> tuple[list, Ceilings]:
             tf8 = 4.0 * m * n * k / (us8 * 1e-6) / 1e12
             rows.append(Row("matmul", f"quantize+gemm_q8_glu->q8_1 {name}", f"2x{m}x{k} N={n}", us8, tflops=tf8,
                             pct_ceiling=tf8 / ceil.gemm_tflops, peer="gemm_glu (f16)", peer_us=us))
+        wg = wu = pg = dense = None
+        cupy.get_default_memory_pool().free_all_blocks()
     return rows, ceil
 
 

@@ -296,6 +296,26 @@ def test_packed_reference_values():
         assert np.abs(vals.astype(np.float64) - dense).max() <= 2e-3 * np.abs(dense).max(), NAMES[q]
 
 
+def test_packed_glu_reference_rows():
+    """ref.pack_wgr_glu's tiles are pack_wgr's rows of the two matrices, interleaved by 8-row groups (64 of
+    each a tile), the rows past m zero; its values are pack_wgr's."""
+    rng = np.random.default_rng(4)
+    for q in PACKED:
+        m, k, stride = 150, 512, M.PACKED_LAYOUTS[q][1]
+        raws = [ref.random_weight(q, m, k, rng) for _ in range(2)]
+        got, vg, vu = ref.pack_wgr_glu(raws[0], raws[1], q, m, k)
+        tiles = got.reshape(3, 2, 128, stride)  # [tile, super-block, tile row, stride]
+        for mat, raw in enumerate(raws):
+            one, vals = ref.pack_wgr(raw, q, m, k)
+            rows = one.reshape(2, 2, 128, stride).transpose(0, 2, 1, 3).reshape(256, 2, stride)[:m]
+            assert np.array_equal((vg, vu)[mat], vals)
+            for r in range(3 * 128):
+                src = 64 * (r // 128) + 8 * ((r % 128) // 16) + r % 8
+                if (r // 8) % 2 == mat:
+                    want = rows[src] if src < m else 0
+                    assert np.array_equal(tiles[r // 128, :, r % 128], np.broadcast_to(want, (2, stride))), (q, r)
+
+
 @pytest.mark.gpu
 def test_pack_rejects_before_launch(mm, rng):
     w, _ = _weight(13, 10, 256, rng)  # Q5_K: no packed layout
@@ -330,6 +350,31 @@ def test_gemm_packed(mm, rng, q, m, n, k_mult):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("q", PACKED, ids=lambda q: NAMES[q])
+@pytest.mark.parametrize("act", ["swiglu", "geglu"])
+@pytest.mark.parametrize("m,n,bt", [(90, 100, 128), (92, 257, 256), (64, 1, 256)])
+def test_gemm_glu_packed(mm, rng, q, act, m, n, bt, monkeypatch):
+    """MatmulDispatch.pack_glu writes ref.pack_wgr_glu's bytes exactly; gemm_glu on it (gemm_wgr, sm_90)
+    against the float64 GLU of the packed values (kernel error) and of the GGUF weights; ragged m and n,
+    d by element stores (m = 90) and tensor stores (m = 92, 64)."""
+    k = 512
+    wg, dg = _weight(q, m, k, rng)
+    wu, du = _weight(q, m, k, rng, pad_front=M._W_ALIGN[q] * 5)
+    pw = mm.pack_glu(wg, wu)
+    want_bytes, vg, vu = ref.pack_wgr_glu(*(w.buf[w.offset:w.offset + m * w.row_bytes].get() for w in (wg, wu)),
+                                          q, m, k)
+    assert np.array_equal(pw.buf.get(), want_bytes), "device packer"
+    if not mm._units[q].is_sm90():
+        pytest.skip("packed weights run on gemm_wgr (sm_90 only)")
+    monkeypatch.setattr(mm, "WG_TILE", bt)
+    b = _b(rng, n, k, np.float16)
+    d = poison(cupy.empty((n, m), cupy.float32))
+    mm.gemm_glu(pw, None, cupy.asarray(b), d, act=act)
+    tight = ref.glu(vg.astype(np.float64), vu.astype(np.float64), b, act)
+    _check_glu(d.get(), dg, du, b, act, tight)
+
+
+@pytest.mark.gpu
 def test_packed_bad_input(mm, rng):
     w, _ = _weight(12, 40, 512, rng)
     pw = mm.pack(w)
@@ -344,6 +389,22 @@ def test_packed_bad_input(mm, rng):
         M.PackedWeight(pw.buf[:1024], 12, 40, 512)
     with pytest.raises(ValueError, match="no packed layout"):
         M.PackedWeight(pw.buf, 13, 40, 512)
+    # the two kinds through their own entries only; pack_glu's pair alike
+    wu, _ = _weight(12, 40, 512, rng)
+    pg = mm.pack_glu(w, wu)
+    b, d = cupy.zeros((8, 512), cupy.float16), cupy.zeros((8, 40), cupy.float32)
+    with pytest.raises(TypeError, match="gemm_glu"):
+        mm.gemm(pg, b, d)
+    with pytest.raises(TypeError, match="gemm_glu"):
+        mm.gemm_glu(pw, None, b, d)
+    with pytest.raises(TypeError, match="w_up must be None"):
+        mm.gemm_glu(pg, wu, b, d)
+    with pytest.raises(ValueError, match="act"):
+        mm.gemm_glu(pg, None, b, d, act="relu")
+    with pytest.raises(ValueError, match="same type and shape"):
+        mm.pack_glu(w, _weight(12, 41, 512, rng)[0])
+    with pytest.raises(ValueError, match="needs"):  # a glu image needs twice the tiles
+        M.PackedWeight(pw.buf, 12, 40 + 64, 512, glu=True)
 
 
 @pytest.mark.gpu

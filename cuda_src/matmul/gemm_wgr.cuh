@@ -373,8 +373,9 @@ template <> struct FragDeq<QT_Q6_K> {
 template <int QT, int BN, bool GLU>
 __global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(
     float* __restrict__ d,             // [n, d_stride] f32 out: d[c * d_stride + r], r < m
-    const uint8_t* __restrict__ w,     // raw GGUF bytes: W (glu: gate) = m rows from w + w_offset
-    const uint8_t* __restrict__ w2,    // glu: the up matrix, m rows from w2 + w2_offset; else unused
+    const uint8_t* __restrict__ w,     // raw GGUF bytes: W (glu: gate) = m rows from w + w_offset; packed (QT >=
+                                       // 100): pack_wgr's image (glu: of both matrices), from w + w_offset
+    const uint8_t* __restrict__ w2,    // glu on GGUF bytes: the up matrix, m rows from w2 + w2_offset; else unused
     const __grid_constant__ cukern::TensorMap tb,  // B: f16 [n, b_stride] as a 2-D map (k, n), box 64 x BN, 128-byte swizzle
     const __grid_constant__ cukern::TensorMap td,  // p.d_tma: D f32 [n, d_stride] as a 2-D map (m, n), box 32 x BN, 128-byte swizzle
     const GemmParams p) {              // dynamic shared memory: gemm_wgr_smem_bytes(BN, RawWgr<QT>::kStride, stages)

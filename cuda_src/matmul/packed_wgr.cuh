@@ -121,23 +121,29 @@ template <int QT> CUKERN_DEVICE uint32_t packed_scale_half(const uint8_t* sb, in
 }  // namespace cukern
 
 // GGUF rows -> the packed layout of QT, tile-major (gemm_wgr's TILED image: per (128-row tile, super-block)
-// RawWgr::kStride bytes a row, rows past m and the bytes past a row's data zero). Grid (row tiles, k / 256),
-// 128 threads: one row each. One-time work at load; byte loads, word stores.
+// RawWgr::kStride bytes a row, rows past m and the bytes past a row's data zero). Glu: each tile holds 64
+// rows of the gate matrix and the same 64 of the up matrix, interleaved by 8-row groups (tile row r: matrix
+// (r / 8) % 2, row 64 tile + 8 (r / 16) + r % 8), the rows gemm_wgr's GLU reads from the GGUF bytes.
+// Grid (row tiles, k / 256), 128 threads: one tile row each. One-time work at load; byte loads, word stores.
 template <int QT>
 __global__ void __launch_bounds__(128) pack_wgr(
-    uint8_t* __restrict__ out,      // ceil(m / 128) * (k / 256) * 128 * stride bytes, 16-byte aligned
-    const uint8_t* __restrict__ w,  // raw GGUF bytes: m rows from w + w_offset
+    uint8_t* __restrict__ out,       // (row tiles) * (k / 256) * 128 * stride bytes, 16-byte aligned
+    const uint8_t* __restrict__ w,   // raw GGUF bytes: m rows (glu: of the gate matrix) from w + w_offset
+    const uint8_t* __restrict__ w2,  // glu: the up matrix, m rows from w2 + w2_offset; else unused
     const PackParams p) {
     using namespace cukern;
     using namespace cukern::mm;
     constexpr int PQ = QT + 100, STRIDE = RawWgr<PQ>::kStride, BYTES = QTraits<PQ>::kBytes;
-    const uint32_t row = blockIdx.x * 128 + threadIdx.x, sbi = blockIdx.y;
-    uint32_t* dst = reinterpret_cast<uint32_t*>(out + (((size_t)blockIdx.x * gridDim.y + sbi) * 128 + threadIdx.x) * STRIDE);
+    const uint32_t r = threadIdx.x, sbi = blockIdx.y;
+    const bool up = p.glu && ((r >> 3) & 1);
+    const uint32_t row = p.glu ? blockIdx.x * 64 + (r >> 4) * 8 + (r & 7) : blockIdx.x * 128 + r;
+    uint32_t* dst = reinterpret_cast<uint32_t*>(out + (((size_t)blockIdx.x * gridDim.y + sbi) * 128 + r) * STRIDE);
     if (row >= p.m) {
         for (int i = 0; i < STRIDE / 4; ++i) dst[i] = 0;
         return;
     }
-    const uint8_t* sb = w + p.w_offset + (size_t)row * p.row_bytes + (size_t)sbi * (QK_K / QTraits<QT>::kElems) * QTraits<QT>::kBytes;
+    const uint8_t* sb = (up ? w2 + p.w2_offset : w + p.w_offset) + (size_t)row * p.row_bytes +
+                        (size_t)sbi * (QK_K / QTraits<QT>::kElems) * QTraits<QT>::kBytes;
     int o = 0;  // words written
     if constexpr (QT == QT_Q4_K) {
         for (int st = 0; st < 4; ++st)

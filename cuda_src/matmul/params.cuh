@@ -44,8 +44,10 @@ struct DequantParams {
 
 // pack_wgr (packed_wgr.cuh): raw GGUF rows -> gemm_wgr's packed tile-major layout (k % 256 == 0)
 struct PackParams {
-    uint64_t w_offset;   // bytes: where the matrix starts in w
+    uint64_t w_offset;   // bytes: where the matrix (glu: the gate matrix) starts in w
+    uint64_t w2_offset;  // bytes: where the up matrix starts in w2 (glu); unused otherwise
     uint64_t row_bytes;  // bytes per GGUF weight row
-    uint32_t m;          // rows
+    uint32_t m;          // rows (glu: rows of each matrix)
     uint32_t k;          // elements per row, a multiple of 256
+    uint32_t glu;        // 1: tiles of 64 gate and 64 up rows, interleaved as gemm_wgr's GLU reads them
 };

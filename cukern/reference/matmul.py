@@ -8,8 +8,8 @@ f16 input rounding (bounded by the issue's 2e-3) from kernel error (f32 accumula
 gemm_wgr's K-quant weights come from f16 arithmetic (:func:`wgr_values`), so its products are
 checked against those values.
 
-gemm_wgr's packed layouts (MatmulDispatch.pack): :func:`pack_wgr` builds the bytes the device packer must
-write, bit for bit, and the f16 values the kernel computes from them.
+gemm_wgr's packed layouts (MatmulDispatch.pack, pack_glu): :func:`pack_wgr` (:func:`pack_wgr_glu`) builds
+the bytes the device packer must write, bit for bit, and the f16 values the kernel computes from them.
 
 Activation quantizers: :func:`quantize_q8_f32` repeats the kernel's f32 arithmetic (absmax / 127,
 reciprocal, multiply, round half away from zero) so that the int8 values must agree exactly;
@@ -248,6 +248,31 @@ def pack_wgr(raw: np.ndarray, qtype: int, m: int, k: int) -> tuple[np.ndarray, n
     pack, nbytes, stride = _PACKED[TYPES[qtype][0]]
     packed, vals = pack(np.asarray(raw, np.uint8).reshape(-1), m, k)
     nb, mt = k // 256, -(-m // 128)
-    out = np.zeros((mt * 128, nb, stride), np.uint8)
-    out[:m, :, :nbytes] = packed.reshape(m, nb, nbytes)
-    return out.reshape(mt, 128, nb, stride).transpose(0, 2, 1, 3).reshape(-1), vals
+    rows = np.zeros((mt * 128, nb, stride), np.uint8)
+    rows[:m, :, :nbytes] = packed.reshape(m, nb, nbytes)
+    return _tile_major(rows, mt), vals
+
+
+def pack_wgr_glu(raw_gate: np.ndarray, raw_up: np.ndarray, qtype: int, m: int,
+                 k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The packed layout of a gated MLP's gate and up matrices (MatmulDispatch.pack_glu): each 128-row tile
+    holds 64 rows of each, tile row r from matrix (r // 8) % 2, row 64 tile + 8 (r // 16) + r % 8. Returns
+    (the bytes, the gate's f16 values, the up matrix's)."""
+    pack, nbytes, stride = _PACKED[TYPES[qtype][0]]
+    nb, mt = k // 256, -(-m // 64)
+    rows = np.zeros((mt * 128, nb, stride), np.uint8)
+    r = np.arange(mt * 128)
+    src = 64 * (r // 128) + 8 * ((r % 128) // 16) + r % 8  # row of its matrix
+    vals = []
+    for mat, raw in enumerate((raw_gate, raw_up)):
+        packed, v = pack(np.asarray(raw, np.uint8).reshape(-1), m, k)
+        sel = ((r // 8) % 2 == mat) & (src < m)
+        rows[sel, :, :nbytes] = packed.reshape(m, nb, nbytes)[src[sel]]
+        vals.append(v)
+    return _tile_major(rows, mt), vals[0], vals[1]
+
+
+def _tile_major(rows: np.ndarray, mt: int) -> np.ndarray:
+    """Tile rows [mt * 128, super-blocks, stride] -> the bytes chunk (tile, super-block) after chunk."""
+    nb, stride = rows.shape[1:]
+    return rows.reshape(mt, 128, nb, stride).transpose(0, 2, 1, 3).reshape(-1)
