@@ -392,6 +392,34 @@ def test_gpu_forward_matches_reference(tiny, arch, kv_dtype, chunk, bound, rng):
 
 
 @gpu
+@pytest.mark.parametrize("which", ["mixed-gemma3", "q8_0-llama"])
+def test_gpu_pack_prefill_matches_reference(tiny, tiny_dir, which):
+    """pack_prefill: a 300-token prompt in one chunk (WG_MIN_N rows or more, so the packable projections
+    run on their packed copies: with every matrix Q8_0 the gate and up as one pack_glu pair, with the
+    mixed types one by one where their type packs) against the float64 reference and the same prefill
+    on the GGUF bytes."""
+    import cupy
+    from cukern.matmul import MatmulDispatch
+    from cukern.testing import nmse
+    if not MatmulDispatch()._units[8].is_sm90():
+        pytest.skip("pack_prefill runs on sm_90 (Hopper) only")
+    path = tiny["gemma3"] if which == "mixed-gemma3" else write_tiny_gguf(tiny_dir / "llama_q8.gguf", TinySpec("llama"),
+                                                                          seed=5)
+    n, logits = 300, {}
+    for pack in (False, True):
+        m, model = _transformer(path, max_tokens=n + 8, prefill_chunk=n, pack_prefill=pack)
+        if pack:
+            want = {"wq", "wv", "wo", "wg", "wd"} if which == "mixed-gemma3" else {"wq", "wk", "wv", "wo", "glu", "wd"}
+            assert all(set(L.packed) == want for L in model.layers)
+        prompt = np.random.default_rng(7).integers(0, m.config.vocab_size, size=n).tolist()
+        out = cupy.full(m.config.vocab_size, np.nan, cupy.float32)
+        model.prefill(prompt, model.cache.add(0), out)
+        logits[pack] = out.get()
+    assert nmse(logits[True], ReferenceModel(m.config, m.tensors).forward(prompt)[-1]) < 1e-5
+    assert nmse(logits[True], logits[False]) < 1e-6
+
+
+@gpu
 @pytest.mark.parametrize("variant", list(ROPE_VARIANTS))
 def test_gpu_forward_rope_variants_match_reference(tiny_rope, variant, rng):
     """Scaled / factored RoPE angles go to the fused kernel as a per-pair frequency table."""

@@ -7,7 +7,9 @@
 * ``dmmv``: every projection of a decode step (quantized matvec, 1 to 8 columns);
 * ``matmul``: the projections of a prompt chunk (tiled GEMM on tensor cores: weights dequantized
   to f16 in shared memory, activations rounded to f16, f32 accumulation), for chunks of more than
-  8 rows and the block types it has (F32/F16/BF16 weights fall back to the batched matvec);
+  8 rows and the block types it has (F32/F16/BF16 weights fall back to the batched matvec); with
+  ``pack_prefill`` (Hopper), chunks of ``MatmulDispatch.WG_MIN_N`` rows or more on copies of the
+  weights packed once at load (``MatmulDispatch.pack`` / ``pack_glu``);
 * ``elementwise``: RMS norms and their residual fusions, per-head Q/K norm + RoPE + KV-cache
   write in one launch, GEGLU / SwiGLU, biases;
 * ``attention``: batched causal attention over the paged cache (prefill) and split-KV decode.
@@ -29,7 +31,7 @@ CUDA graph (:func:`cukern.streams.capture_graph`) and replayed per token with no
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import cupy
 import numpy as np
@@ -37,7 +39,7 @@ import numpy as np
 from cukern.attention import AttentionDispatch, PagedKVCache
 from cukern.dmmv import DmmvDispatch, QWeight
 from cukern.elementwise import ElementwiseDispatch
-from cukern.matmul import GEMM_QTYPES, MatmulDispatch
+from cukern.matmul import GEMM_QTYPES, PACKED_LAYOUTS, MatmulDispatch, PackedWeight
 from cukern.models.gguf_loader import GGUFModel, ModelConfig, load_gguf
 from cukern.profiler import nvtx_range
 from cukern.streams import capture_graph, resolve_stream
@@ -74,6 +76,7 @@ class _Layer:
     bv: cupy.ndarray | None = None
     post_attn_norm: cupy.ndarray | None = None
     post_ffn_norm: cupy.ndarray | None = None
+    packed: dict = field(default_factory=dict)  # pack_prefill: "wq" ... "wd" -> PackedWeight, "glu" (gate + up)
 
 
 @dataclass
@@ -120,11 +123,18 @@ class Transformer:
     matvecs' path for the block types that have one (:class:`cukern.dmmv.DmmvDispatch`'s ``int8``:
     the activations rounded to 8 bits per 32 elements, ``__dp4a``) over the f32 path. Off by
     default: on Gemma 3 270M's decode step both paths take the same time (H100, 2026-11-22: 848 vs
-    851 us per step), and the f32 path keeps the activations exact."""
+    851 us per step), and the f32 path keeps the activations exact.
+
+    ``pack_prefill`` (sm_90 only: ValueError elsewhere): every projection whose type has a packed
+    layout and whose k is a multiple of 256 is also kept packed for gemm_wgr (the gate and up
+    matrices as one ``pack_glu`` pair), and prompt chunks of ``MatmulDispatch.WG_MIN_N`` rows or more
+    run on those copies (bench_matmul: 1.0-1.7x dequantize + cuBLAS at N >= 512 where the GGUF bytes
+    give 0.7-1.4x). The copies cost 1.1x (Q4_K) to 2.2x (Q4_0) the GGUF bytes of the packed
+    weights, beside them (decode keeps reading the GGUF bytes)."""
 
     def __init__(self, model: GGUFModel, *, max_seqs: int = 1, max_tokens: int = 4096, page_size: int = 16,
                  kv_dtype: str = "float16", prefill_chunk: int = 1024, dmmv_int8: bool = False,
-                 device: int | None = None):
+                 pack_prefill: bool = False, device: int | None = None):
         for name, v in (("max_seqs", max_seqs), ("max_tokens", max_tokens), ("prefill_chunk", prefill_chunk)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -138,6 +148,8 @@ class Transformer:
         self.ew, self.attn, self.mm, self.tok = (ElementwiseDispatch(device), AttentionDispatch(device),
                                                  DmmvDispatch(device, int8=dmmv_int8), TokensDispatch(device))
         self.gemm = MatmulDispatch(device)
+        if pack_prefill and not self.gemm._units[next(iter(GEMM_QTYPES))].is_sm90():
+            raise ValueError("pack_prefill needs an sm_90 (Hopper) device: packed weights run on gemm_wgr only")
         pages_per_seq = -(-max_tokens // page_size)
         self.cache = PagedKVCache(c.n_layers, max_seqs * pages_per_seq, page_size, c.n_kv_heads, c.head_dim,
                                   max_seqs=max_seqs, max_pages_per_seq=pages_per_seq, dtype=kv_dtype, device=device)
@@ -158,6 +170,9 @@ class Transformer:
                 bq=dev.get(b + "attn_q.bias"), bk=dev.get(b + "attn_k.bias"), bv=dev.get(b + "attn_v.bias"),
                 post_attn_norm=dev.get(b + "post_attention_norm.weight"),
                 post_ffn_norm=dev.get(b + "post_ffw_norm.weight")))
+        if pack_prefill:
+            for L in self.layers:
+                self._pack(L)
         self.output_norm = dev["output_norm.weight"]
         # per-pair RoPE angles where they are not the plain base**(-2i/d) (linear scaling, Llama 3 factors)
         factors = model["rope_freqs.weight"].dequantize(np.float64) if c.rope_freq_factors else None
@@ -178,9 +193,32 @@ class Transformer:
     def _gemm_ok(self, w: QWeight, n: int) -> bool:
         return n > MatmulDispatch.MATVEC_MAX_N and w.qtype in GEMM_QTYPES
 
-    def _matmul(self, w: QWeight, x, y, stream):
-        """y = x W^T for n = x.shape[0] rows: the tiled GEMM for a prompt chunk, the matvec otherwise."""
-        if self._gemm_ok(w, x.shape[0]):
+    def _pack(self, L: _Layer) -> None:
+        """pack_prefill: L's packable projections (a packed layout for the type, whole super-blocks)."""
+        def ok(w: QWeight) -> bool:
+            return w.qtype in PACKED_LAYOUTS and w.k % 256 == 0
+
+        for name in ("wq", "wk", "wv", "wo", "wd"):
+            if ok(getattr(L, name)):
+                L.packed[name] = self.gemm.pack(getattr(L, name))
+        if ok(L.wg) and (L.wg.qtype, L.wg.m, L.wg.k) == (L.wu.qtype, L.wu.m, L.wu.k):
+            L.packed["glu"] = self.gemm.pack_glu(L.wg, L.wu)
+            return
+        for name in ("wg", "wu"):  # a gate and up of different types or shapes: each where it packs
+            if ok(getattr(L, name)):
+                L.packed[name] = self.gemm.pack(getattr(L, name))
+
+    def _packed(self, L: _Layer, name: str, n: int) -> PackedWeight | None:
+        """L's packed copy of a projection where pack_prefill made one and the chunk has the rows for it."""
+        p = L.packed.get(name)
+        return p if p is not None and n >= self.gemm.WG_MIN_N else None
+
+    def _matmul(self, w: QWeight, x, y, stream, packed: PackedWeight | None = None):
+        """y = x W^T for n = x.shape[0] rows: the tiled GEMM for a prompt chunk (on ``packed``, W's packed
+        copy, where given), the matvec otherwise."""
+        if packed is not None:
+            self.gemm.gemm(packed, x, y, stream=stream)
+        elif self._gemm_ok(w, x.shape[0]):
             self.gemm.gemm(w, x, y, stream=stream)
         else:
             self.mm.dmmv(w, x, y, stream=stream)
@@ -195,9 +233,9 @@ class Transformer:
         if L.wq.qtype == L.wk.qtype and not self._gemm_ok(L.wq, n):
             self.mm.dmmv_pair(L.wq, L.wk, h, q, k, stream=stream)
         else:
-            self._matmul(L.wq, h, q, stream)
-            self._matmul(L.wk, h, k, stream)
-        self._matmul(L.wv, h, v, stream)
+            self._matmul(L.wq, h, q, stream, self._packed(L, "wq", n))
+            self._matmul(L.wk, h, k, stream, self._packed(L, "wk", n))
+        self._matmul(L.wv, h, v, stream, self._packed(L, "wv", n))
         if L.bq is not None:
             for y, bias in ((q, L.bq), (k, L.bk), (v, L.bv)):
                 self.ew.bias_add(y, bias, y, stream=stream)
@@ -207,16 +245,18 @@ class Transformer:
         h, gate, up = buf.h[rows], buf.gate[rows], buf.up[rows]
         act = "geglu" if c.activation == "gelu_tanh" else "swiglu"
         n = h.shape[0]
-        if (L.wg.qtype, L.wg.m, L.wg.k) == (L.wu.qtype, L.wu.m, L.wu.k):
+        if self._packed(L, "glu", n) is not None:
+            self.gemm.gemm_glu(L.packed["glu"], None, h, gate, act=act, stream=stream)
+        elif (L.wg.qtype, L.wg.m, L.wg.k) == (L.wu.qtype, L.wu.m, L.wu.k):
             if self._gemm_ok(L.wg, n):
                 self.gemm.gemm_glu(L.wg, L.wu, h, gate, act=act, stream=stream)
             else:
                 self.mm.dmmv_glu(L.wg, L.wu, h, gate, act=act, stream=stream)
         else:
-            self._matmul(L.wg, h, gate, stream)
-            self._matmul(L.wu, h, up, stream)
+            self._matmul(L.wg, h, gate, stream, self._packed(L, "wg", n))
+            self._matmul(L.wu, h, up, stream, self._packed(L, "wu", n))
             (self.ew.geglu if act == "geglu" else self.ew.swiglu)(gate, up, gate, stream=stream)
-        self._matmul(L.wd, gate, buf.proj[rows], stream)
+        self._matmul(L.wd, gate, buf.proj[rows], stream, self._packed(L, "wd", n))
 
     def _residual(self, buf: _Buffers, rows: slice, post_norm, next_norm, stream):
         """x += [post_norm](proj); h = next_norm(x)."""
@@ -244,7 +284,7 @@ class Transformer:
                     eps=c.rms_eps, neox=c.rope_neox, freq_base=base, freqs=self.rope_freqs[local], pos_mode=pos_mode,
                     stream=stream)
                 attend(i, buf.q_rot[rows], buf.o[rows])
-                self._matmul(L.wo, buf.o[rows].reshape(n, c.q_dim), buf.proj[rows], stream)
+                self._matmul(L.wo, buf.o[rows].reshape(n, c.q_dim), buf.proj[rows], stream, self._packed(L, "wo", n))
                 self._residual(buf, rows, L.post_attn_norm, L.ffn_norm, stream)
                 self._mlp(L, buf, rows, stream)
                 nxt = self.layers[i + 1].attn_norm if i + 1 < c.n_layers else self.output_norm
