@@ -42,6 +42,8 @@ Paths (:meth:`MatmulDispatch.plan_path` is the rule, :meth:`MatmulDispatch.matmu
     :meth:`dequantize`'s, the K-quants within one f16 rounding of the scale (and min) more
     (``cukern.reference.matmul.pack_wgr`` builds the bytes bit for bit and the values). The packed
     copy costs 5 (Q4_K) to 10 bits a weight beside the GGUF bytes, which the matvec path reads.
+    :meth:`pack_glu` packs a gated MLP's gate and up matrices into one PackedWeight whose tiles hold
+    64 rows of each, as the fused GLU reads them (:meth:`gemm_glu` with ``w_up=None``).
   - ``gemm_f16`` (gemm.cuh; any arch, f32 or f16 b): raw GGUF super-stages (256 elements) copied
     to shared memory by coalesced cp.async, W dequantized to f16 tiles there, B converted to f16
     tiles, ``mma.sync.m16n8k16`` with f32 accumulation. Token tiles of 16/32/64/128 (the smallest
@@ -87,6 +89,11 @@ rows of the same runs: N = 2048 0.72x - 1.02x. What the packing changed (probe, 
 (row-major, copied as the GGUF bytes are) took Q4_K 479 -> 439 us and Q6_K 596-618 -> 478-495, not
 Q8_0 (the copies, not the conversion, held it); the tile-major bulk copies then 439 -> ~385-414,
 Q8_0 494-504 -> 382-406, Q6_K -> 369-413.
+Tenth session (two full runs; from N = 512 the gemm rows and the peer timed in turns, three rounds,
+medians; d by tensor stores): packed N = 512 1.18x - 1.71x, N = 2048 1.01x - 1.20x and 1.00x - 1.17x,
+14336x4096 Q4_K the closest (1.009x, 0.997x: at the peer, not ahead of it); the GGUF bytes 1.00x - 1.56x
+and 0.72x - 0.98x. The fused GLU on a pair packed by :meth:`pack_glu` (2x14336x4096, N = 512): 1.36x
+(Q4_K) and 1.52x (Q8_0) two dequantize + cuBLAS products without the activation.
 From f32 activations the same rows run at 0.75x - 1.36x (N = 512): gemm_wgr after an f16 cast
 into the staging buffer (before 2026-11-26 they took gemm_f16, 0.24x - 0.33x).
 
@@ -114,7 +121,7 @@ per element still (the register budget allows no more consumer warps).
 
 Every method validates its arguments and raises TypeError/ValueError before any launch; nothing
 here synchronises or reads device values (graph-capturable), and nothing allocates device memory
-but :meth:`pack` (the packed copy it returns) and the f16 staging buffer of f32 activations on the gemm_wgr path: one per (k, stream), allocated
+but :meth:`pack` and :meth:`pack_glu` (the packed copy they return) and the f16 staging buffer of f32 activations on the gemm_wgr path: one per (k, stream), allocated
 by the first such call and regrown by a call with more rows (so run one call of each shape
 before capturing a graph of them). :meth:`gemm` and :meth:`gemm_glu` replay a repeated call's
 checked launch (same weights, buffers, shapes, dtypes and options; the last 256 distinct calls),
