@@ -34,9 +34,9 @@ Paths (:meth:`MatmulDispatch.plan_path` is the rule, :meth:`MatmulDispatch.matmu
   - ``gemm_wgr`` on a :class:`PackedWeight` (:meth:`pack`, packed_wgr.cuh; Hopper, any N): the same
     kernel on weights repacked once on the device, at load, for prefill: per 128-row tile and
     256-element super-block one contiguous chunk (rows of 160 bytes for Q4_K, 320 for the byte
-    layouts of Q4_0, Q5_0, Q8_0 and Q6_K), each lane's quants of a 64-element stage contiguous and
-    the scales already f16 (Q4_K: f16(d sc) and f16(-dmin m) per sub-block; Q6_K f16(d sc) per
-    16-group; the _0 types their d). One thread issues one bulk copy (cp.async.bulk) per
+    layouts of Q4_0, Q5_0, Q8_0, Q5_K and Q6_K), each lane's quants of a 64-element stage contiguous
+    and the scales already f16 (Q4_K, Q5_K: f16(d sc) and f16(-dmin m) per sub-block; Q6_K f16(d sc)
+    per 16-group; the _0 types their d). One thread issues one bulk copy (cp.async.bulk) per
     super-stage where three warps issued ~2,000 16-byte copies, and a lane converts a stage with two
     8- or 16-byte shared loads and ~4 instructions per f16 pair. Values: the _0 types exactly
     :meth:`dequantize`'s, the K-quants within one f16 rounding of the scale (and min) more
@@ -161,7 +161,7 @@ _SUPER = 256  # K elements per raw super-stage; K splits are multiples of it
 _W_ALIGN = {2: 2, 6: 2, 8: 2, 12: 16, 13: 16, 14: 2}  # bytes: the K4/K5 quants are read as uint4
 # gemm_wgr's packed layouts (packed_wgr.cuh, MatmulDispatch.pack): GGUF type -> (bytes per row and 256
 # elements, shared row stride = the tile-major row stride); kernel type code 100 + GGUF type
-PACKED_LAYOUTS = {2: (272, 320), 6: (272, 320), 8: (272, 320), 12: (160, 160), 14: (288, 320)}
+PACKED_LAYOUTS = {2: (272, 320), 6: (272, 320), 8: (272, 320), 12: (160, 160), 13: (288, 320), 14: (288, 320)}
 # gemm_wgr (Hopper wgmma, gemm_wgr.cuh): 128 weight rows (GLU: 64 of each matrix) x 128 or 256 tokens,
 # three warpgroups
 _WG_TILES = (128, 256)
@@ -823,8 +823,8 @@ class MatmulDispatch(Dispatch):
         """``w`` repacked into gemm_wgr's layout (:class:`PackedWeight`), on the device: a one-time step at
         load for the prefill GEMMs, which then run 1.0-1.7x as fast as dequantize + cuBLAS at N >= 512
         (H100; the module docstring). A PackedWeight goes through :meth:`gemm` only (not :meth:`matmul`
-        or the matvec path, which take the QWeight). Q4_0, Q5_0, Q8_0, Q4_K and Q6_K with k a multiple of
-        256; the packed bytes are 5 (Q4_K) to 10 (the byte layouts) bits a weight."""
+        or the matvec path, which take the QWeight). Every type of the tiled GEMM, with k a multiple of 256;
+        the packed bytes are 5 (Q4_K) to 10 (the byte layouts) bits a weight."""
         w = self._weight("w", w)
         return self._pack(w, w, False, stream)
 
@@ -836,10 +836,7 @@ class MatmulDispatch(Dispatch):
         return self._pack(w_gate, w_up, True, stream)
 
     def _pack(self, w: QWeight, w2: QWeight, glu: bool, stream) -> PackedWeight:
-        if w.qtype not in PACKED_LAYOUTS:
-            raise ValueError(f"pack: no packed layout for {QTYPES[w.qtype][0]} "
-                             f"(supported: {', '.join(QTYPES[q][0] for q in PACKED_LAYOUTS)})")
-        if w.k % _SUPER:
+        if w.k % _SUPER:  # (every type of the tiled GEMM has a packed layout: _weight checked it)
             raise ValueError(f"pack: k={w.k} must be a multiple of {_SUPER} (whole super-blocks)")
         tiles, supers = -(-w.m // (_ROW_TILE_GLU if glu else _ROW_TILE)), w.k // _SUPER
         if supers > 65535:

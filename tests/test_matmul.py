@@ -318,9 +318,9 @@ def test_packed_glu_reference_rows():
 
 @pytest.mark.gpu
 def test_pack_rejects_before_launch(mm, rng):
-    w, _ = _weight(13, 10, 256, rng)  # Q5_K: no packed layout
-    with pytest.raises(ValueError, match="no packed layout"):
-        mm.pack(w)
+    f16 = QWeight(cupy.zeros(10 * 256 * 2, cupy.uint8), 1, 10, 256)  # F16: no tiled GEMM, no packed layout
+    with pytest.raises(ValueError, match="no tiled GEMM"):
+        mm.pack(f16)
     w, _ = _weight(8, 10, 32 * 9, rng)  # k not whole super-blocks
     with pytest.raises(ValueError, match="multiple of 256"):
         mm.pack(w)
@@ -388,7 +388,7 @@ def test_packed_bad_input(mm, rng):
     with pytest.raises(ValueError, match="needs"):  # a hand-made PackedWeight too small for its shape
         M.PackedWeight(pw.buf[:1024], 12, 40, 512)
     with pytest.raises(ValueError, match="no packed layout"):
-        M.PackedWeight(pw.buf, 13, 40, 512)
+        M.PackedWeight(pw.buf, 1, 40, 512)
     # the two kinds through their own entries only; pack_glu's pair alike
     wu, _ = _weight(12, 40, 512, rng)
     pg = mm.pack_glu(w, wu)

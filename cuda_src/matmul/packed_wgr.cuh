@@ -11,12 +11,13 @@
 // pairs: s = f16(d * sc), m = f16(dmin * mn) (each rounded once), the value f16(q s - m) (one fma). So a
 // lane's stage is two 8-byte loads per row and, per pair, a shift, a mask-or into 1024 + q, a
 // subtraction and an fma.
-// Q4_0, Q5_0, Q8_0 (QT_Q4_0_WGR ..., 272 bytes) and Q6_K (QT_Q6_K_WGR, 288 bytes), one byte a quant: at
-// 64 st + 16 c the 16 quants of lane c in stage st (word h: pairs 2 h and 2 h + 1, low bytes first); Q4_0
-// and Q5_0 store their 4- or 5-bit q, Q8_0 b ^ 0x80 (b the int8 quant), Q6_K its 6-bit q. Then the
-// stage's scales as f16, from 256 + 4 st (the _0 types: d of its two 32-blocks) or 256 + 8 st (Q6_K:
-// f16(d * sc) of its four 16-groups). Value (1024 + byte - off) * s in f16 (off 1032, 1040, 1152 or
-// 1056: the exact quant, then one rounding).
+// Q4_0, Q5_0, Q8_0 (QT_Q4_0_WGR ..., 272 bytes), Q6_K and Q5_K (QT_Q6_K_WGR, QT_Q5_K_WGR, 288 bytes), one
+// byte a quant: at 64 st + 16 c the 16 quants of lane c in stage st (word h: pairs 2 h and 2 h + 1, low
+// bytes first); Q4_0, Q5_0 and Q5_K store their 4- or 5-bit q, Q8_0 b ^ 0x80 (b the int8 quant), Q6_K its
+// 6-bit q. Then the stage's scales as f16, from 256 + 4 st (the _0 types: d of its two 32-blocks) or 256 +
+// 8 st (Q6_K: f16(d * sc) of its four 16-groups; Q5_K: the (s, -m) pairs of its two sub-blocks, as Q4_K's).
+// Value (1024 + byte - off) * s in f16 (off 1032, 1040, 1152 or 1056: the exact quant, then one rounding);
+// Q5_K f16(q s - m) (one fma).
 // cukern.reference.matmul.pack_wgr builds the same bytes (bit for bit) and the values.
 #pragma once
 
@@ -25,11 +26,13 @@
 namespace cukern {
 
 // matmul-private type codes of the packed layouts (QT_ + 100)
-constexpr int QT_Q4_0_WGR = 102, QT_Q5_0_WGR = 106, QT_Q8_0_WGR = 108, QT_Q4_K_WGR = 112, QT_Q6_K_WGR = 114;
+constexpr int QT_Q4_0_WGR = 102, QT_Q5_0_WGR = 106, QT_Q8_0_WGR = 108, QT_Q4_K_WGR = 112, QT_Q5_K_WGR = 113,
+              QT_Q6_K_WGR = 114;
 template <> struct QTraits<QT_Q4_K_WGR> { using Block = uint8_t; static constexpr int kElems = QK_K, kBytes = 160; };
 template <> struct QTraits<QT_Q4_0_WGR> { using Block = uint8_t; static constexpr int kElems = QK_K, kBytes = 272; };
 template <> struct QTraits<QT_Q5_0_WGR> { using Block = uint8_t; static constexpr int kElems = QK_K, kBytes = 272; };
 template <> struct QTraits<QT_Q8_0_WGR> { using Block = uint8_t; static constexpr int kElems = QK_K, kBytes = 272; };
+template <> struct QTraits<QT_Q5_K_WGR> { using Block = uint8_t; static constexpr int kElems = QK_K, kBytes = 288; };
 template <> struct QTraits<QT_Q6_K_WGR> { using Block = uint8_t; static constexpr int kElems = QK_K, kBytes = 288; };
 
 namespace mm {
@@ -40,6 +43,7 @@ template <> struct RawWgr<QT_Q4_K_WGR> { static constexpr int kStride = 160; };
 template <> struct RawWgr<QT_Q4_0_WGR> { static constexpr int kStride = 320; };
 template <> struct RawWgr<QT_Q5_0_WGR> { static constexpr int kStride = 320; };
 template <> struct RawWgr<QT_Q8_0_WGR> { static constexpr int kStride = 320; };
+template <> struct RawWgr<QT_Q5_K_WGR> { static constexpr int kStride = 320; };
 template <> struct RawWgr<QT_Q6_K_WGR> { static constexpr int kStride = 320; };
 
 template <> struct FragDeq<QT_Q4_K_WGR> {
@@ -62,24 +66,29 @@ template <> struct FragDeq<QT_Q4_K_WGR> {
     }
 };
 
-// The byte layouts: GROUPS scales per stage (Q8_0 2, Q6_K 4), OFF = 1024 + the byte of quant 0.
-template <int GROUPS, uint32_t OFF> struct FragDeqPacked8 {
+// The byte layouts: GROUPS scales per stage (Q8_0 2, Q6_K 4), OFF = 1024 + the byte of quant 0; MIN (Q5_K):
+// per sub-block (two a stage) an (s, -m) pair, the value fma(q, s, -m).
+template <int GROUPS, uint32_t OFF, bool MIN = false> struct FragDeqPacked8 {
     struct Raw { uint4 q; uint2 s; };
     static CUKERN_DEVICE void load(Raw& r, const uint8_t* row, int st, int c) {
         r.q = *reinterpret_cast<const uint4*>(row + 64 * st + 16 * c);
-        if (GROUPS == 2) r.s.x = *reinterpret_cast<const uint32_t*>(row + 256 + 4 * st);
+        if (GROUPS == 2 && !MIN) r.s.x = *reinterpret_cast<const uint32_t*>(row + 256 + 4 * st);
         else r.s = *reinterpret_cast<const uint2*>(row + 256 + 8 * st);
     }
     static CUKERN_DEVICE void convert(uint32_t (&o)[8], const Raw& r, int) {
         const uint32_t k64 = bytes64();
         const uint32_t w[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
 #pragma unroll
-        for (int h = 0; h < 4; ++h) {  // pairs 2 h, 2 h + 1; scale group (2 h) * GROUPS / 8
+        for (int h = 0; h < 4; ++h) {  // pairs 2 h, 2 h + 1; scale group (2 h) * GROUPS / 8, MIN: sub-block h / 2
             const int gi = 2 * h * GROUPS / 8;
-            const uint32_t sw = gi < 2 ? r.s.x : r.s.y;
-            const __half2 s2 = gi % 2 ? __high2half2(as_h2(sw)) : __low2half2(as_h2(sw));
-            o[2 * h] = as_u32(__hmul2(__hsub2(as_h2(spread64<0>(w[h], k64)), as_h2(OFF * 0x10001u)), s2));
-            o[2 * h + 1] = as_u32(__hmul2(__hsub2(as_h2(spread64<1>(w[h], k64)), as_h2(OFF * 0x10001u)), s2));
+            const uint32_t sw = (MIN ? h < 2 : gi < 2) ? r.s.x : r.s.y;
+            const __half2 s2 = !MIN && gi % 2 ? __high2half2(as_h2(sw)) : __low2half2(as_h2(sw));
+            const __half2 nm2 = __high2half2(as_h2(sw));  // MIN only
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const __half2 q = __hsub2(as_h2(e ? spread64<1>(w[h], k64) : spread64<0>(w[h], k64)), as_h2(OFF * 0x10001u));
+                o[2 * h + e] = as_u32(MIN ? __hfma2(q, s2, nm2) : __hmul2(q, s2));
+            }
         }
     }
 };
@@ -87,6 +96,7 @@ template <> struct FragDeq<QT_Q4_0_WGR> : FragDeqPacked8<2, 0x6408u> {};
 template <> struct FragDeq<QT_Q5_0_WGR> : FragDeqPacked8<2, 0x6410u> {};
 template <> struct FragDeq<QT_Q8_0_WGR> : FragDeqPacked8<2, 0x6480u> {};
 template <> struct FragDeq<QT_Q6_K_WGR> : FragDeqPacked8<4, 0x6420u> {};
+template <> struct FragDeq<QT_Q5_K_WGR> : FragDeqPacked8<2, 0x6400u, true> {};
 
 // ---------------------------------------------------------------------------------------------- packing
 // The stored quant (byte or nibble) of element e (0...255) of the GGUF super-block at sb (256 elements:
@@ -99,14 +109,14 @@ template <int QT> CUKERN_DEVICE uint32_t packed_quant(const uint8_t* sb, int e) 
     return QT == QT_Q8_0 ? q ^ 0x80u : q;
 }
 
-// Bytes g (0...) of the scale field: the _0 types' d of block g / 2; Q6_K f16(d sc) of group g / 2; Q4_K the
-// (f16(d sc), f16(-dmin m)) pair of sub-block g / 4. Built per 16-bit half h.
+// Bytes g (0...) of the scale field: the _0 types' d of block g / 2; Q6_K f16(d sc) of group g / 2; Q4_K and
+// Q5_K the (f16(d sc), f16(-dmin m)) pair of sub-block g / 4. Built per 16-bit half h.
 template <int QT> CUKERN_DEVICE uint32_t packed_scale_half(const uint8_t* sb, int h) {
     if constexpr (QT == QT_Q4_0 || QT == QT_Q5_0 || QT == QT_Q8_0) {
         const uint8_t* blk = sb + h * QTraits<QT>::kBytes;
         return blk[0] | (uint32_t)blk[1] << 8;
-    } else if constexpr (QT == QT_Q4_K) {
-        const BlockQ4_K* b = reinterpret_cast<const BlockQ4_K*>(sb);
+    } else if constexpr (QT == QT_Q4_K || QT == QT_Q5_K) {
+        const auto* b = reinterpret_cast<const typename QTraits<QT>::Block*>(sb);
         int sc, mn;
         k4_scale_min(b->scales, h / 2, sc, mn);
         const float d = __half2float(h % 2 ? b->dmin : b->d);
@@ -165,7 +175,7 @@ __global__ void __launch_bounds__(128) pack_wgr(
                     dst[o++] = packed_quant<QT>(sb, e0) | packed_quant<QT>(sb, e0 + 1) << 8 |
                                packed_quant<QT>(sb, e1) << 16 | packed_quant<QT>(sb, e1 + 1) << 24;
                 }
-        constexpr int HALVES = QT == QT_Q6_K ? 16 : 8;
+        constexpr int HALVES = QT == QT_Q6_K || QT == QT_Q5_K ? 16 : 8;
         for (int h = 0; h < HALVES; h += 2) dst[o++] = packed_scale_half<QT>(sb, h) | packed_scale_half<QT>(sb, h + 1) << 16;
     }
     for (; o < STRIDE / 4; ++o) dst[o] = 0;

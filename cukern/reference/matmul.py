@@ -175,6 +175,25 @@ def _pack_q4_k(raw: np.ndarray, m: int, k: int) -> tuple[np.ndarray, np.ndarray]
     return out.reshape(m, -1), vals.astype(np.float16).reshape(m, k)
 
 
+def _pack_q5_k(raw: np.ndarray, m: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF Q5_K bytes -> (packed [m, k / 256 * 288]: a byte per 5-bit quant, then the (s, -m) f16 pairs of
+    the eight sub-blocks as Q4_K's; the f16 values f16(q s - m))."""
+    nb = k // 256
+    blk = raw.reshape(m, nb, 176)
+    s16 = k_scales(raw, 13, m, k).reshape(m, nb, 8).astype(np.float16)
+    nm16 = (-k_mins(raw, 13, m, k)).reshape(m, nb, 8).astype(np.float16)
+    qh, qs = blk[..., 16:48].astype(np.uint32), blk[..., 48:176].astype(np.uint32)
+    e = np.arange(256)
+    j, lo = e // 32, e % 32  # sub-block; low nibbles of qs[32 (j // 2) + l] for even j, high for odd; bit j of qh[l]
+    q = ((qs[..., 32 * (j // 2) + lo] >> (4 * (j % 2))) & 15) | (((qh[..., lo] >> j) & 1) << 4)
+    out = np.empty((m, nb, 288), np.uint8)
+    out[..., :256] = _lane_bytes(q.astype(np.uint8).reshape(m, nb, 4, 64))
+    out[..., 256:] = np.stack([s16, nm16], axis=-1).view(np.uint8).reshape(m, nb, 32)
+    vals = (q.reshape(m, nb, 8, 32).astype(np.float64) * s16[..., None].astype(np.float64)
+            + nm16[..., None].astype(np.float64))
+    return out.reshape(m, -1), vals.astype(np.float16).reshape(m, k)
+
+
 def _lane_bytes(v: np.ndarray) -> np.ndarray:
     """Stage elements [..., 4, 64] (one byte each) -> [..., 256] bytes: stage st, lane c, then pairs 8 j + 2 c
     (+1), j = 0..7, in order (FragDeqPacked8's words)."""
@@ -237,7 +256,8 @@ def _pack_q6_k(raw: np.ndarray, m: int, k: int) -> tuple[np.ndarray, np.ndarray]
 # GGUF type name -> (row-major packer, bytes per row and 256 elements, tile-major row stride); packed_wgr.cuh
 _PACKED = {"Q4_0": (lambda r, m, k: _pack_q4_5_0(r, m, k, False), 272, 320),
            "Q5_0": (lambda r, m, k: _pack_q4_5_0(r, m, k, True), 272, 320),
-           "Q8_0": (_pack_q8_0, 272, 320), "Q4_K": (_pack_q4_k, 160, 160), "Q6_K": (_pack_q6_k, 288, 320)}
+           "Q8_0": (_pack_q8_0, 272, 320), "Q4_K": (_pack_q4_k, 160, 160), "Q5_K": (_pack_q5_k, 288, 320),
+           "Q6_K": (_pack_q6_k, 288, 320)}
 
 
 def pack_wgr(raw: np.ndarray, qtype: int, m: int, k: int) -> tuple[np.ndarray, np.ndarray]:
