@@ -121,7 +121,8 @@ per element still (the register budget allows no more consumer warps).
 
 Every method validates its arguments and raises TypeError/ValueError before any launch; nothing
 here synchronises or reads device values (graph-capturable), and nothing allocates device memory
-but :meth:`pack` and :meth:`pack_glu` (the packed copy they return) and the f16 staging buffer of f32 activations on the gemm_wgr path: one per (k, stream), allocated
+but :meth:`pack` and :meth:`pack_glu` (the packed copy they return) and the f16 staging buffer of f32
+activations on the gemm_wgr path: one per (k, stream), allocated
 by the first such call and regrown by a call with more rows (so run one call of each shape
 before capturing a graph of them). :meth:`gemm` and :meth:`gemm_glu` replay a repeated call's
 checked launch (same weights, buffers, shapes, dtypes and options; the last 256 distinct calls),
@@ -529,8 +530,8 @@ class MatmulDispatch(Dispatch):
         try:
             key = (w.buf.data.ptr, w.offset, w.qtype, w.m, w.k, w.n_experts, getattr(w, "glu", False),
                    w2.buf.data.ptr, w2.offset, w2.qtype, w2.m, w2.k, w2.n_experts, b.data.ptr, b.shape, b.strides,
-                   b.dtype.char, d.data.ptr, d.shape, d.strides, d.dtype.char, accumulate, split_k, wgmma, act, self.WG_TILE, self.WG_MIN_N,
-                   resolve_stream(stream).ptr if b.dtype.char == "f" else None)  # f32 b: staged per stream
+                   b.dtype.char, d.data.ptr, d.shape, d.strides, d.dtype.char, accumulate, split_k, wgmma, act,
+                   self.WG_TILE, self.WG_MIN_N, resolve_stream(stream).ptr if b.dtype.char == "f" else None)  # f32 b: staged per stream
             hash(key)
         except (AttributeError, TypeError):
             return None
@@ -707,7 +708,8 @@ class MatmulDispatch(Dispatch):
         bt, grid, k_split = self._grid(n, w, split_k, "gemm_q8", _I8_MAX_TILE)
         params = self.struct_of(w.qtype).pack(
             w_offset=w.offset, w2_offset=0, row_bytes=w.row_bytes, b_stride=a_stride, d_stride=d_stride,
-            m=w.m, n=n, k=w.k, k_split=k_split, mode=1 if accumulate else 0, atomic=int(grid[2] > 1), raw16=_raw16(w), d_tma=0)
+            m=w.m, n=n, k=w.k, k_split=k_split, mode=1 if accumulate else 0, atomic=int(grid[2] > 1), raw16=_raw16(w),
+            d_tma=0)
         self._zero_for_split(d, grid, accumulate, stream)
         self._units_i8[w.qtype]._launch(f"gemm_q8<{w.qtype}, {bt}, 0>", grid, _THREADS, (d, w.buf, w.buf, a), params,
                                         stream=stream, shared_mem=_smem_q8(bt, w.qtype))

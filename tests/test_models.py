@@ -409,7 +409,9 @@ def test_gpu_pack_prefill_matches_reference(tiny, tiny_dir, which):
     for pack in (False, True):
         m, model = _transformer(path, max_tokens=n + 8, prefill_chunk=n, pack_prefill=pack)
         if pack:
-            want = {"wq", "wv", "wo", "wg", "wd"} if which == "mixed-gemma3" else {"wq", "wk", "wv", "wo", "glu", "wd"}
+            # mixed: attn_k is F16 (no GEMM), gate Q4_0 and up Q5_K (no pair)
+            want = {"wq", "wv", "wo", "wg", "wu", "wd"} if which == "mixed-gemma3" else \
+                {"wq", "wk", "wv", "wo", "glu", "wd"}
             assert all(set(L.packed) == want for L in model.layers)
         prompt = np.random.default_rng(7).integers(0, m.config.vocab_size, size=n).tolist()
         out = cupy.full(m.config.vocab_size, np.nan, cupy.float32)
