@@ -167,7 +167,7 @@ PACKED_LAYOUTS = {2: (272, 320), 6: (272, 320), 8: (272, 320), 12: (160, 160), 1
 # three warpgroups
 _WG_TILES = (128, 256)
 _WGR_THREADS = 384
-_WGR_MAX_STAGES, _WGR_SMEM_LIMIT = 6, 227 * 1024  # kWgrMaxStages, kWgrSmemLimit
+_WGR_MAX_STAGES, _WGR_SMEM_LIMIT, _WGR_MAX_RING = 6, 227 * 1024, 128 * 1024  # kWgrMaxStages, -SmemLimit, -MaxRingBytes
 
 _B_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half"}
 _ACTS = {"swiglu": 2, "silu": 2, "geglu": 3, "gelu": 3}  # GemmParams.mode
@@ -207,7 +207,8 @@ def _smem_wgr(bt: int, qt: int, packed: bool = False) -> int:
         raw = _raw_stride(qt)
         raw += 0 if (raw // 16) % 2 else 16  # RawWgr<QT>::kStride
     size = lambda s: 1024 + s * bt * _BK * 2 + 2 * _ROW_TILE * raw + 2 * (s + 2) * 8  # noqa: E731
-    stages = next(s for s in range(_WGR_MAX_STAGES, 1, -1) if s == 2 or size(s) <= _WGR_SMEM_LIMIT)
+    stages = next(s for s in range(_WGR_MAX_STAGES, 1, -1)
+                  if s == 2 or (size(s) <= _WGR_SMEM_LIMIT and s * bt * _BK * 2 <= _WGR_MAX_RING))
     return size(stages)
 
 
@@ -531,7 +532,8 @@ class MatmulDispatch(Dispatch):
             key = (w.buf.data.ptr, w.offset, w.qtype, w.m, w.k, w.n_experts, getattr(w, "glu", False),
                    w2.buf.data.ptr, w2.offset, w2.qtype, w2.m, w2.k, w2.n_experts, b.data.ptr, b.shape, b.strides,
                    b.dtype.char, d.data.ptr, d.shape, d.strides, d.dtype.char, accumulate, split_k, wgmma, act,
-                   self.WG_TILE, self.WG_MIN_N, resolve_stream(stream).ptr if b.dtype.char == "f" else None)  # f32 b: staged per stream
+                   self.WG_TILE, self.WG_MIN_N,
+                   resolve_stream(stream).ptr if b.dtype.char == "f" else None)  # f32 b: staged per stream
             hash(key)
         except (AttributeError, TypeError):
             return None

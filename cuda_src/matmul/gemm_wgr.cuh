@@ -7,7 +7,7 @@
 // 128 weight rows x BN tokens, one CTA per SM:
 //   * warpgroup 0, the producer (40 registers per thread after setmaxnreg): its thread 0 loads each
 //     64-element stage of the activation tile with the tensor copy engine (a TMA box of 64 x BN f16,
-//     128-byte swizzle, out-of-range elements zero-filled) into a ring of 4-6 slots
+//     128-byte swizzle, out-of-range elements zero-filled) into a ring of 4 (BN 256) to 6 (BN 128) slots
 //     (gemm_wgr_stages); warps 1-3 copy the raw GGUF bytes of each 256-element super-stage of the
 //     128 rows (gemm.cuh's copy_raw: 16-byte cp.async, or 2-byte copies for rows that are not
 //     16-byte aligned) into a ring of two raw slots (a third measured no faster); on packed weights
@@ -130,6 +130,7 @@ namespace mm {
 constexpr uint32_t kTileBytes = BK * 2;  // bytes per token row of a 64-element f16 activation stage
 constexpr uint32_t kWgrSmemLimit = 227 * 1024;  // dynamic shared memory one block may opt in to (sm_90)
 constexpr int kWgrMaxStages = 6;
+constexpr uint32_t kWgrMaxRingBytes = 128 * 1024;  // activation ring: 4 slots at 256 tokens, 6 at 128
 constexpr int kWgrThreads = 384;     // producer + two consumer warpgroups
 constexpr int kWgrRawThreads = 96;   // producer warps 1-3 copy the raw super-stages
 constexpr int kWgrProducerRegs = 40, kWgrConsumerRegs = 232;
@@ -140,10 +141,16 @@ constexpr int kWgrProducerRegs = 40, kWgrConsumerRegs = 232;
 __host__ __device__ constexpr uint32_t gemm_wgr_smem_bytes(int bn, int raw_stride, int stages) {
     return 1024u + (uint32_t)stages * bn * kTileBytes + 2u * kRows * raw_stride + 2u * (stages + 2) * 8u;
 }
-// Activation slots: as many as fit beside the raw ring (4 for Q8_0 at 256 tokens, 5 for the others), at most 6.
+// Activation slots: as many as fit beside the raw ring, at most 6 and 128 KB (4 at 256 tokens). A fifth
+// 32 KB slot, which fits beside every ring but Q8_0's and the byte layouts', measured slower or equal (H100,
+// in turns, graph replays, 256-token tiles): packed Q4_K 4096x4096 N = 2048 111.0 -> 104.0 us with four,
+// 14336x4096 390 -> 364, 4096x14336 379 -> 349, N = 512 35.0 -> 33.8 and 100.8 -> 97.3; GGUF bytes
+// 14336x4096 N = 2048 Q5_0 479 -> 442, Q4_K and Q6_K and 4096x4096 N = 512 within the spread.
 __host__ __device__ constexpr int gemm_wgr_stages(int bn, int raw_stride) {
     int s = kWgrMaxStages;
-    while (s > 2 && gemm_wgr_smem_bytes(bn, raw_stride, s) > kWgrSmemLimit) --s;
+    while (s > 2 && (gemm_wgr_smem_bytes(bn, raw_stride, s) > kWgrSmemLimit ||
+                     (uint32_t)s * bn * kTileBytes > kWgrMaxRingBytes))
+        --s;
     return s;
 }
 
