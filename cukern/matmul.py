@@ -89,10 +89,12 @@ rows of the same runs: N = 2048 0.72x - 1.02x. What the packing changed (probe, 
 (row-major, copied as the GGUF bytes are) took Q4_K 479 -> 439 us and Q6_K 596-618 -> 478-495, not
 Q8_0 (the copies, not the conversion, held it); the tile-major bulk copies then 439 -> ~385-414,
 Q8_0 494-504 -> 382-406, Q6_K -> 369-413.
-Tenth session (two full runs; from N = 512 the gemm rows and the peer timed in turns, three rounds,
-medians; d by tensor stores): packed N = 512 1.18x - 1.71x, N = 2048 1.01x - 1.20x and 1.00x - 1.17x,
-14336x4096 Q4_K the closest (1.009x, 0.997x: at the peer, not ahead of it); the GGUF bytes 1.00x - 1.56x
-and 0.72x - 0.98x. The fused GLU on a pair packed by :meth:`pack_glu` (2x14336x4096, N = 512): 1.36x
+Tenth session (from N = 512 the gemm rows and the peer timed in turns, three rounds, medians; d by
+tensor stores). With a five-slot activation ring three runs put packed 14336x4096 Q4_K N = 2048 at
+1.009x, 0.997x and 0.978x; with the ring capped at four slots (gemm_wgr_stages) the last two runs:
+packed N = 512 1.18x - 1.64x and 1.26x - 1.63x, N = 2048 1.05x - 1.16x and 1.06x - 1.17x (all 24 rows
+ahead in both); the GGUF bytes N = 512 1.06x - 1.35x and 1.04x - 1.37x, N = 2048 0.74x - 0.93x and
+0.76x - 0.97x. The fused GLU on a pair packed by :meth:`pack_glu` (2x14336x4096, N = 512): 1.43x
 (Q4_K) and 1.52x (Q8_0) two dequantize + cuBLAS products without the activation.
 From f32 activations the same rows run at 0.75x - 1.36x (N = 512): gemm_wgr after an f16 cast
 into the staging buffer (before 2026-11-26 they took gemm_f16, 0.24x - 0.33x).
@@ -825,7 +827,7 @@ class MatmulDispatch(Dispatch):
 
     def pack(self, w: QWeight, *, stream=None) -> PackedWeight:
         """``w`` repacked into gemm_wgr's layout (:class:`PackedWeight`), on the device: a one-time step at
-        load for the prefill GEMMs, which then run 1.0-1.7x as fast as dequantize + cuBLAS at N >= 512
+        load for the prefill GEMMs, which then run 1.05-1.6x as fast as dequantize + cuBLAS at N >= 512
         (H100; the module docstring). A PackedWeight goes through :meth:`gemm` only (not :meth:`matmul`
         or the matvec path, which take the QWeight). Every type of the tiled GEMM, with k a multiple of 256;
         the packed bytes are 5 (Q4_K) to 10 (the byte layouts) bits a weight."""

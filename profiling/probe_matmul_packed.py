@@ -35,6 +35,14 @@ PROBE_CASES=MxKxN,...; PROBE_ROUNDS=4; PROBE_SPLIT=2: K slices of both gemm_wgr 
     probe_matmul_wgr.py --ab in turns: 4096x4096 N = 2048 105.5 / 105.3 us, 14336x4096 404 / 414,
     4096x14336 364 / 365, N = 512 40.2 / 39.9: within the spread, not kept. The Q4_K layout's gap to the
     byte layouts (3-6% at N = 2048) is not its conversion's instruction count.
+  * It was the fifth activation slot, which Q4_K's smaller raw ring left room for (the byte layouts had
+    four): capped at four (probe_matmul_wgr.py --ab PROBE_PACKED=1, a CUKERN_WGR_MAX_STAGES macro while
+    measured), Q4_K 4096x4096 N = 2048 111.0 -> 104.0 us, 14336x4096 390 -> 364, 4096x14336 379 -> 349,
+    N = 512 -3 to -4%; kept (gemm_wgr_stages), and bench_matmul then put every packed row at 1.05x or more.
+  * Knock-outs on packed weights (14336x4096 N = 2048, medians of 4): Q4_K 359 us whole, 376 without the
+    conversion, 383 without the raw copies, 371 MMAs only; Q8_0 354 / 339 / 381 / 369. The medians of the
+    lighter variants are no faster than the whole kernel (their bests are, by ~10%): at this rate the
+    GPU's clock under sustained tensor load moves the time as much as the work removed.
 """
 from __future__ import annotations
 

@@ -128,8 +128,8 @@ class Transformer:
     ``pack_prefill`` (sm_90 only: ValueError elsewhere): every projection whose type has a packed
     layout and whose k is a multiple of 256 is also kept packed for gemm_wgr (the gate and up
     matrices as one ``pack_glu`` pair), and prompt chunks of ``MatmulDispatch.WG_MIN_N`` rows or more
-    run on those copies (bench_matmul: 1.0-1.7x dequantize + cuBLAS at N >= 512 where the GGUF bytes
-    give 0.7-1.4x). The copies cost 1.1x (Q4_K) to 2.2x (Q4_0) the GGUF bytes of the packed
+    run on those copies (bench_matmul, H100: 1.05-1.6x dequantize + cuBLAS at N >= 512 where the GGUF
+    bytes give 0.74-1.37x). The copies cost 1.1x (Q4_K) to 2.2x (Q4_0) the GGUF bytes of the packed
     weights, beside them (decode keeps reading the GGUF bytes)."""
 
     def __init__(self, model: GGUFModel, *, max_seqs: int = 1, max_tokens: int = 4096, page_size: int = 16,
