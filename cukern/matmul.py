@@ -825,6 +825,11 @@ class MatmulDispatch(Dispatch):
     def struct_of(self, qtype: int):
         return self._units[qtype].struct("GemmParams")
 
+    def packable(self, w: QWeight) -> bool:
+        """Whether :meth:`pack` takes ``w`` here: a tiled-GEMM type (each has a packed layout), k a multiple of
+        256, and a device that runs gemm_wgr (sm_90)."""
+        return w.qtype in PACKED_LAYOUTS and w.k % _SUPER == 0 and self._units[w.qtype].is_sm90()
+
     def pack(self, w: QWeight, *, stream=None) -> PackedWeight:
         """``w`` repacked into gemm_wgr's layout (:class:`PackedWeight`), on the device: a one-time step at
         load for the prefill GEMMs, which then run 1.05-1.6x as fast as dequantize + cuBLAS at N >= 512

@@ -32,7 +32,6 @@ import sys
 
 import cupy
 
-from cukern import matmul as M
 from cukern.benchmark import (Ceilings, Row, measure_ceilings, measure_gemm_tflops, medians_in_turns, rotating,
                               script_main, time_graph_us, time_stream_us)
 from cukern.dmmv import QTYPES, DmmvDispatch, QWeight
@@ -66,11 +65,6 @@ def random_weight_device(name: str, m: int, k: int, rng: cupy.random.Generator) 
     return QWeight(raw.reshape(-1), q, m, k)
 
 
-def _packable(mm: MatmulDispatch, w) -> bool:
-    """Whether MatmulDispatch.pack serves w here (a packed layout for its type, whole super-blocks, Hopper)."""
-    return w.qtype in M.PACKED_LAYOUTS and w.k % 256 == 0 and mm._units[w.qtype].is_sm90()
-
-
 def _timer(us_hint: float):
     return time_graph_us if us_hint < 50 else time_stream_us
 
@@ -91,7 +85,7 @@ def bench(quick: bool = False) -> tuple[list, Ceilings]:
             weights = [w0] + [random_weight_device(name, m, k, rng) for _ in range(n_sets - 1)]
             dense = cupy.empty((m, k), cupy.float16)  # the peers' dequantized matrix
             mm.dequantize(weights[0], dense)
-            packed = [mm.pack(w) for w in weights] if _packable(mm, weights[0]) else None
+            packed = [mm.pack(w) for w in weights] if mm.packable(weights[0]) else None
             for n in ns:
                 b16 = rng.standard_normal((n, k), dtype=cupy.float32).astype(cupy.float16)
                 b32 = b16.astype(cupy.float32)
@@ -143,7 +137,7 @@ def bench(quick: bool = False) -> tuple[list, Ceilings]:
     m, k = (14336, 4096)
     for name in (["Q4_K"] if quick else ["Q4_K", "Q8_0"]):
         wg, wu = random_weight_device(name, m, k, rng), random_weight_device(name, m, k, rng)
-        pg = mm.pack_glu(wg, wu) if _packable(mm, wg) else None
+        pg = mm.pack_glu(wg, wu) if mm.packable(wg) else None
         dense = cupy.empty((m, k), cupy.float16) if pg is not None else None
         for n in [64, 512]:
             b16 = rng.standard_normal((n, k), dtype=cupy.float32).astype(cupy.float16)

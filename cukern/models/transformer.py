@@ -39,7 +39,7 @@ import numpy as np
 from cukern.attention import AttentionDispatch, PagedKVCache
 from cukern.dmmv import DmmvDispatch, QWeight
 from cukern.elementwise import ElementwiseDispatch
-from cukern.matmul import GEMM_QTYPES, PACKED_LAYOUTS, MatmulDispatch, PackedWeight
+from cukern.matmul import GEMM_QTYPES, MatmulDispatch, PackedWeight
 from cukern.models.gguf_loader import GGUFModel, ModelConfig, load_gguf
 from cukern.profiler import nvtx_range
 from cukern.streams import capture_graph, resolve_stream
@@ -77,6 +77,11 @@ class _Layer:
     post_attn_norm: cupy.ndarray | None = None
     post_ffn_norm: cupy.ndarray | None = None
     packed: dict = field(default_factory=dict)  # pack_prefill: "wq" ... "wd" -> PackedWeight, "glu" (gate + up)
+
+    @property
+    def gate_up_alike(self) -> bool:
+        """The gate and up matrices have one type and shape: the fused GLU kernels take them as a pair."""
+        return (self.wg.qtype, self.wg.m, self.wg.k) == (self.wu.qtype, self.wu.m, self.wu.k)
 
 
 @dataclass
@@ -194,18 +199,13 @@ class Transformer:
         return n > MatmulDispatch.MATVEC_MAX_N and w.qtype in GEMM_QTYPES
 
     def _pack(self, L: _Layer) -> None:
-        """pack_prefill: L's packable projections (a packed layout for the type, whole super-blocks)."""
-        def ok(w: QWeight) -> bool:
-            return w.qtype in PACKED_LAYOUTS and w.k % 256 == 0
-
-        for name in ("wq", "wk", "wv", "wo", "wd"):
-            if ok(getattr(L, name)):
-                L.packed[name] = self.gemm.pack(getattr(L, name))
-        if ok(L.wg) and (L.wg.qtype, L.wg.m, L.wg.k) == (L.wu.qtype, L.wu.m, L.wu.k):
+        """pack_prefill: L's packable projections (MatmulDispatch.packable), the gate and up as one pair where
+        alike, else each where it packs."""
+        glu = L.gate_up_alike and self.gemm.packable(L.wg)
+        if glu:
             L.packed["glu"] = self.gemm.pack_glu(L.wg, L.wu)
-            return
-        for name in ("wg", "wu"):  # a gate and up of different types or shapes: each where it packs
-            if ok(getattr(L, name)):
+        for name in ("wq", "wk", "wv", "wo", "wd") + (() if glu else ("wg", "wu")):
+            if self.gemm.packable(getattr(L, name)):
                 L.packed[name] = self.gemm.pack(getattr(L, name))
 
     def _packed(self, L: _Layer, name: str, n: int) -> PackedWeight | None:
@@ -247,7 +247,7 @@ class Transformer:
         n = h.shape[0]
         if self._packed(L, "glu", n) is not None:
             self.gemm.gemm_glu(L.packed["glu"], None, h, gate, act=act, stream=stream)
-        elif (L.wg.qtype, L.wg.m, L.wg.k) == (L.wu.qtype, L.wu.m, L.wu.k):
+        elif L.gate_up_alike:
             if self._gemm_ok(L.wg, n):
                 self.gemm.gemm_glu(L.wg, L.wu, h, gate, act=act, stream=stream)
             else:
