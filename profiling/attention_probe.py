@@ -1,8 +1,9 @@
 """Where does a small decode step spend its time? Graph-timed decode (its split states merged in the same
 launch), the stand-alone merge of the same states, at B1 KV8192 and KV64 32/8 D128 f16, for a few split
-counts. Scratch tool for tuning; PROBE_NCU_SPLITS=n and PROBE_NCU_PREFILL=1 make targets for ncu;
-PROBE_ROWS=decode,prefill prints just the benchmark rows of the issue's targets (with their peers; decode
-plain and pdl; PROBE_DECODE=1x8192x32x8x128,... a subset of the decode rows), PROBE_ROWS=sweep block
+counts. Scratch tool for tuning; PROBE_NCU_SPLITS=n and PROBE_NCU_PREFILL=1 make targets for ncu,
+PROBE_NCU_PEER=1 one of our decode beside torch SDPA's kernel (PROBE_NCU_KV); PROBE_ROWS=decode,prefill
+prints just the benchmark rows of the issue's targets (with their peers; decode plain and pdl;
+PROBE_DECODE=1x8192x32x8x128,... a subset of the decode rows), PROBE_ROWS=sweep block
 shapes x split counts (PROBE_SWEEP_KV, PROBE_SWEEP_SPLITS),
 PROBE_ROWS=wide head_dim 256 with one KV head by split count (PROBE_WIDE_SPLITS); sweep and wide rows with the
 split states merged in the decode's last block and apart (merge_states launched after it), PROBE_APART=0,1.
@@ -68,7 +69,33 @@ beside the previous launch's merging blocks (8 KV heads x 15 splits = 120 blocks
 blocks leave free) start every block of the next launch at once and pay? No: PROBE_ROWS=sweep
 PROBE_SWEEP_SPLITS=12,14,15,16, B1 32/8 D128, w8: KV8k 17.31 / 17.24 / 17.34 / 16.32 us, KV32k 54.45 / 51.40 /
 49.81 / 48.92; w4 KV8k 19.18 / 18.30 / 17.66 / 17.55. The model's 16 splits stay best (512 keys: four whole
-16-key tiles per warp at w8)."""
+16-key tiles per warp at w8).
+
+2026-11-26, eleventh session (H100):
+  * The peer. torch SDPA at B1 32/8 D128 runs cuDNN's sdpa_sm80_flash_fprop_wmma_f16 16x128x128 kernel: one
+    launch (no combine kernel), 256 blocks of 4 warps, 86 KB of shared memory, two blocks per SM. ncu
+    (PROBE_NCU_PEER=1, clocks at ncu's base): KV128k cuDNN 180.4-181.6 us, DRAM throughput 89% of peak, L2
+    read sectors from the SMs 16.8 M = the K/V bytes once; ours (w8 s16) 200.8-208.8 us, 77-80%, 25.2 M
+    sectors (1.5x: ~11.4 M of them L2 hits), DRAM bytes read the same 537 MB. KV8k: cuDNN 18.4-18.5 us, ours
+    21.8-21.9 (eager, no pdl). attention_stream.py's head pattern (256-byte slices at a 2 KB stride) asks L2
+    for the bytes once (1.0x, 178.7 us): the extra sectors come with our cp.async copies into shared rows
+    padded to D + 8, not with the page layout.
+  * Those copies with an XOR swizzle instead of the pad (rows 128-byte aligned, chunk ^ (row & 7); a
+    macro-guarded variant, correct): L2 sectors 2.0x, and slower in turns -- KV8k 16.41-16.66 -> 16.72-16.80
+    us, KV32k 49.2-49.4 -> 51.3-51.5, KV128k 190.4-191.1 -> 192.8-193.5. Not kept. The bulk-copy variant of
+    an earlier session (which sidesteps cp.async) gained 0.5% at KV128k and lost elsewhere, so the extra
+    sectors are not where the gap to cuDNN is.
+  * The evict-first test inside decode_tc's copy loop is if-converted: both copy forms are issued, one
+    predicated off (2.1 M LDGSTS executed at KV128k for 1.05 M that move data). Without the evict-first
+    form at all: KV8k 16.32 -> 16.04 us, KV128k 189.9 -> 193.6 (the policy pays there); one copy form with
+    the policy chosen at run time (evict-normal otherwise): equal to today's (16.34 / 188.8); the test
+    hoisted out of the loop (two unpredicated copy loops, a uniform branch): KV8k 16.35 -> 16.18, KV32k
+    48.8 -> 49.25, KV128k 189.8 -> 189.3, 8/1 and 4/1 D256 within 0.5%. Mixed; not kept.
+  * More, smaller blocks do not balance the long decode (KV128k, pdl, sweep): w4 s16/33/66/99/132/198/256
+    205.2/188.8/203.8/203.0/205.7/209.7/217.7 us, w8 192.0/197.6/198.4/202.3/213.8/213.0/221.3.
+  * Page layout (pdl, the default plan, same bytes): KV128k B1 32/8 page 16 190.5-190.8 us, page 256 186.7-
+    187.4; B8 4/1 (every head's rows contiguous) page 16 190.6-191.5, page 256 (64 KB runs) 189.8-190.0.
+    KV8k 16.4-16.5 / 16.2-16.3 / 16.7 / 16.5-16.6. Longer contiguous runs do not close the gap either."""
 from __future__ import annotations
 
 import itertools
@@ -107,6 +134,26 @@ def ncu_target(n_splits: int) -> None:
     for _ in range(5):
         attn.flash_attn_decode(plan, 0, q, out)
     cupy.cuda.get_current_stream().synchronize()
+
+
+def ncu_peer() -> None:
+    """Three eager B1 32/8 D128 decode steps (KV PROBE_NCU_KV, the default plan), then three torch SDPA calls at
+    the same shape (contiguous K/V, enable_gqa), for ncu --kernel-name regex:"decode|sdpa|flash|fmha"."""
+    import torch
+    import torch.nn.functional as F
+    attn = AttentionDispatch()
+    rng = cupy.random.default_rng(0)
+    kv_len = int(os.environ.get("PROBE_NCU_KV", "131072"))
+    cache, s, q, out = _b1_decode_case(rng, kv_len, 1)
+    plan = attn.plan_decode(cache, [s], 32)
+    for _ in range(3):
+        attn.flash_attn_decode(plan, 0, q, out)
+    cupy.cuda.get_current_stream().synchronize()
+    tq = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(1, 8, kv_len, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+    for _ in range(3):
+        F.scaled_dot_product_attention(tq, k, v, enable_gqa=True)
+    torch.cuda.synchronize()
 
 
 def ncu_prefill() -> None:
@@ -248,6 +295,8 @@ def main():
         return fixed_cost()
     if os.environ.get("PROBE_ROWS"):
         return target_rows(os.environ["PROBE_ROWS"])
+    if os.environ.get("PROBE_NCU_PEER"):
+        return ncu_peer()
     if os.environ.get("PROBE_NCU_PREFILL"):
         return ncu_prefill()
     if os.environ.get("PROBE_NCU_SPLITS"):

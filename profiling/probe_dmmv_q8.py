@@ -92,6 +92,16 @@ holds the other types back. Nor is MXFP4's interleaved quantization or its missi
 (--l2 with timing-only macros, two runs: x quantized in element order 79.3 / 80.1 against 79.3 / 79.0;
 with the half sums computed 78.9 / 79.2; Q4_0 beside them 86.5-87.0 in all three), though there the q8x
 matvec is 0.45 us faster than the f32-x one for MXFP4 and 0.03 us for Q4_0.
+2026-11-26, eleventh session (H100): MXFP4's scale as e << 23 (2^(e - 127): two instructions per unit where
+the clamped (max(e, 1) - 1) << 23 takes four, the doubled codes' 1/2 applied once to each row sum; --l2
+CUKERN_MX_D=0,1 and 1,0 while it was a macro, copy 2,950 / 2,858 GB/s): 14336x4096 85.6 -> 86.3, 88.4 vs
+87.7; 4096x14336 79.3 -> 79.8, 81.2 vs 81.3 (Q4_0 beside it within 0.3). Within the spread between runs, and
+for e = 255 it gives inf where the gguf reference gives 2^127: not kept. In the same runs the copy ceiling
+moved 3% (2,858-2,963 GB/s) while MXFP4's 4096x14336 time stayed at 13.45-13.58 us, so its % of copy read
+78-81 by the ceiling alone; in time it needs ~13.2 us for 80% of a 2,950 GB/s copy, its q8x form takes 13.09.
+Where MXFP4 loses the points against the other 4-bit types at k = 14336 (bench_dmmv --quick, same run):
+the f32-x matvec takes 0.49 us longer than the q8x one for MXFP4, 0.08 for Q4_K and 0.20 for Q4_0, and
+MXFP4's q8x time equals Q4_K's f32-x time on 6% fewer bytes.
 
 Run: PYTHONPATH=. python profiling/probe_dmmv_q8.py --sweep [--types Q4_K,MXFP4]"""
 import argparse
