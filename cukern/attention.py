@@ -59,7 +59,6 @@ _TC_DECODE_MAX_D = 256  # decode_tc: f16/bf16 caches up to this head_dim
 _TC_GROUP = 8  # query heads per decode_tc block (DecodeTcShape::G)
 _DECODE_TC_WARP_BYTES = 26 * 1024  # DECODE_TC_WARP_BYTES in decode_tc.cuh
 _TC_KEYS = 16  # keys of a decode_tc warp tile (DecodeTcShape::KW)
-_PDL_PREFETCH = 4  # decode_tc under pdl: warp tiles prefetched into L2 before the wait (see _prefetch_tiles)
 
 
 @dataclass(frozen=True)
@@ -820,15 +819,19 @@ class AttentionDispatch:
         """Warp tiles after the prologue's that decode_tc asks L2 to prefetch before pdl_wait (pdl only; K/V
         then stream with an evict-first policy so that the next launch's prefetched lines stay in L2).
 
-        _PDL_PREFETCH tiles when every warp has at least twice as many to stream and no other head block
-        reads the same K/V; short chunks (B1 KV8k: 4 tiles a warp) ran slower with it. H100, B1 32/8 D128,
-        pdl, graph: KV32k 50.9 -> 49.4 us, KV128k 195.0 -> 192.0 us (8 warps, 16 splits)."""
+        With t tiles a warp: none up to 2 (the prologue holds them), then t // 8 between 1 and 3, where no
+        other head block reads the same K/V. H100, pdl, graph, the default plans, in turns (prefetch 0 /
+        the old rule, 4 from t = 8 / this rule): B1 32/8 D128 KV8k (t = 4) 16.36 / 16.36 / 15.75 us, KV16k
+        28.4 / 28.6 / 27.4, KV32k 50.4 / 49.25 / 48.6, KV64k 98.5 / 95.7 / 95.0, KV128k 192.5 / 189.4 / 189.5;
+        8/1 D256 KV32k (t = 4) 22.4 / 22.4 / 21.1, 4/1 D256 KV32k 20.0 / 20.0 / 18.55; B32 KV4k (t = 64)
+        186.3 / 184.5 / 184.2. Eight tiles lost everywhere (KV128k 194.8), all of a short chunk's tiles too
+        (KV8k with 2: 17.0)."""
         if not self.pdl or not plan.warps:
             return 0
         if self._l2_prefetch is not None:
             return self._l2_prefetch
         tiles = -(-chunk // (_TC_KEYS * plan.warps))
-        return _PDL_PREFETCH if n_head_blocks == 1 and tiles >= 2 * _PDL_PREFETCH else 0
+        return min(3, max(1, tiles // 8)) if n_head_blocks == 1 and tiles > 2 else 0
 
     # ------------------------------------------------------------------ merge
     def merge_states(self, v: cupy.ndarray, s: cupy.ndarray, out: cupy.ndarray, *, lse: cupy.ndarray | None = None,
