@@ -89,19 +89,6 @@ CUKERN_DEVICE void to_logits2(float* x, float scale_log2, float softcap, float i
     }
 }
 
-// An L2 policy that evicts the lines it touches first (data read once), for cp_async16_policy.
-CUKERN_DEVICE uint64_t l2_evict_first_policy() {
-    uint64_t policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    return policy;
-}
-
-// cp_async16 (cp.async.cg, src_bytes of 16 copied, the rest zero-filled) under an L2 cache policy.
-CUKERN_DEVICE void cp_async16_policy(void* smem, const void* gmem, uint32_t src_bytes, uint64_t policy) {
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(smem_addr(smem)),
-                 "l"(gmem), "r"(src_bytes), "l"(policy));
-}
-
 // exp2 of x - m where m may be -inf (no key seen yet): then every weight is 0, never NaN.
 CUKERN_DEVICE float safe_max(float m) { return m == -INFINITY ? 0.0f : m; }
 

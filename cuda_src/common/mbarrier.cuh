@@ -52,6 +52,13 @@ CUKERN_DEVICE void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_
                  ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar))
                  : "memory");
 }
+// bulk_copy under an L2 cache policy (l2_evict_first_policy in common/mma.cuh).
+CUKERN_DEVICE void bulk_copy_hint(void* dst, const void* src, uint32_t bytes, uint64_t* bar, uint64_t policy) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+        ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy)
+        : "memory");
+}
 // The box of a 2-D tensor map at element coordinates (c0 inner, c1 outer) into shared dst (aligned
 // as the map's swizzle needs); out-of-range elements are zero-filled and still counted in bytes.
 CUKERN_DEVICE void tma_load_2d(void* dst, const TensorMap* map, int32_t c0, int32_t c1, uint64_t* bar) {

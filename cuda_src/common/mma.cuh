@@ -25,6 +25,20 @@ CUKERN_DEVICE void cp_async16(void* smem, const void* gmem, uint32_t src_bytes) 
     cp_async16(smem_addr(smem), gmem, src_bytes);
 }
 
+// An L2 policy that evicts the lines it touches first (data read once: streamed K/V, a
+// matvec's weights), for cp_async16_policy and bulk_copy_hint.
+CUKERN_DEVICE uint64_t l2_evict_first_policy() {
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
+
+// cp_async16 (cp.async.cg, src_bytes of 16 copied, the rest zero-filled) under an L2 cache policy.
+CUKERN_DEVICE void cp_async16_policy(void* smem, const void* gmem, uint32_t src_bytes, uint64_t policy) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(smem_addr(smem)),
+                 "l"(gmem), "r"(src_bytes), "l"(policy));
+}
+
 // Ask L2 to fetch `bytes` (a multiple of 16, 16-byte aligned) at src (a Hopper bulk prefetch; nothing before sm_90).
 CUKERN_DEVICE void prefetch_l2_bulk(const void* src, uint32_t bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8(
     const q8::Share rows(p.m, blockIdx.x, gridDim.x);  // this block's rows [r0, r1)
     const uint32_t r0 = rows.begin, r1 = rows.end;
     const uint8_t* base = w + p.w_offset;
-    q8::block_rows<QT, NC, LU, ST, BULK>(
+    q8::block_rows<QT, NC, LU, ST, BULK, true>(
         sm, r1 - r0, [&](uint32_t j) { return base + (size_t)(r0 + j) * p.row_bytes; }, (uint32_t)p.row_bytes,
         [&](uint32_t) { return base + (size_t)p.m * p.row_bytes; }, p.k,
         [] { pdl_wait(); },
@@ -183,8 +183,8 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8_two(
     const uint8_t* const mat2 = w2 + p.w2_offset;
     if (GLU) {
         float* dots = reinterpret_cast<float*>(smem + x_end);  // [2 n_out][NC]
-        q8::glu_rows<QT, NC, LU, ST, BULK>(sm, r0, n_out, mat1, mat2, p.row_bytes, p.m, p.k, [] { pdl_wait(); },
-                                           prepare, dots);
+        q8::glu_rows<QT, NC, LU, ST, BULK, true>(sm, r0, n_out, mat1, mat2, p.row_bytes, p.m, p.k,
+                                                 [] { pdl_wait(); }, prepare, dots);
         __syncthreads();  // every row's dot products are in shared memory
         for (uint32_t i = threadIdx.x; i < n_out * NC; i += blockDim.x) {
             const uint32_t c = i / n_out, r = i % n_out;
@@ -197,7 +197,7 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8_two(
         const uint8_t* const end = mat + (size_t)(second ? p.m2 : p.m) * p.row_bytes;
         float* const out = second ? y2 : y;
         const uint32_t stride = second ? p.y2_stride : p.y_stride;
-        q8::block_rows<QT, NC, LU, ST, BULK>(
+        q8::block_rows<QT, NC, LU, ST, BULK, true>(
             sm, n_out, [&](uint32_t j) { return mat + (size_t)(r0 + j) * p.row_bytes; }, (uint32_t)p.row_bytes,
             [&](uint32_t) { return end; }, p.k, [] { pdl_wait(); }, prepare,
             [&](uint32_t j, const float (&v)[NC]) {

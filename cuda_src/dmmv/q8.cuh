@@ -552,10 +552,17 @@ struct Share {
 // of the weight matrix that holds local row j (copies stop there: reading past a row end inside the
 // matrix is harmless, past the matrix it may leave the allocation); rows may come from several
 // matrices (dmmv_q8_two interleaves the gate and up rows of dmmv_glu).
+// EF (with BULK): the weight bulk copies carry an L2 evict-first policy (each byte is read once per
+// launch), so that they do not push out of L2 what is read again: x (by every block, right after the
+// wait) and y. The dense matvecs of dmmv.cu take it (H100, pdl, two runs in opposite orders: MXFP4
+// 4096x14336 79.0 / 80.8 -> 80.6 / 82.0% of copy, 14336x4096 84.9 / 86.9 -> 87.5 / 88.9, Q4_K and
+// Q5_K +0.8 to +1.8 points); the MoE kernels, whose token batches may read an expert twice, do not.
+// Not the cp.async path: its copies run in a divergent loop over the item's pieces, and there the
+// hinted form (cp_async16_policy) stopped with an illegal instruction (compute-sanitizer, H100).
 // x_of(j): the quantized x that local row j is dotted with (block_rows_x; block_rows: the block's
 // NC columns, sm.xq / sm.xi, for every row; moe_down_q8 gives each slot's rows that slot's x).
-template <int QT, int NC, int LU, int ST, bool BULK, class RowPtr, class End, class XOf, class Wait, class Prepare,
-          class Store>
+template <int QT, int NC, int LU, int ST, bool BULK, bool EF = false, class RowPtr, class End, class XOf, class Wait,
+          class Prepare, class Store>
 CUKERN_DEVICE void block_rows_x(const Smem<QT, LU, ST, NC>& sm, uint32_t n_rows, RowPtr row_ptr, uint32_t row_bytes,
                                 End end_of, XOf x_of, uint32_t k, Wait wait, Prepare prepare, Store store) {
     using U = Unit<QT>;
@@ -567,6 +574,7 @@ CUKERN_DEVICE void block_rows_x(const Smem<QT, LU, ST, NC>& sm, uint32_t n_rows,
     const uint32_t units = k / kUnitElems;
     const uint32_t ipr = (units + kIterUnits - 1) / kIterUnits;  // items per row
     const Share share(n_rows * ipr, warp, nw);
+    const uint64_t policy = EF && BULK ? l2_evict_first_policy() : 0;
     const int total = (int)(share.end - share.begin);
     const uint32_t first_row = share.begin / ipr;
     if (BULK) {
@@ -595,7 +603,10 @@ CUKERN_DEVICE void block_rows_x(const Smem<QT, LU, ST, NC>& sm, uint32_t n_rows,
             if (BULK) {
                 if (lane == 0) {
                     mbar_arrive_expect(bars + t % ST, 16u * n_async);
-                    if (n_async > 0) bulk_copy(dst, c0, 16u * n_async, bars + t % ST);
+                    if (n_async > 0) {
+                        if (EF) bulk_copy_hint(dst, c0, 16u * n_async, bars + t % ST, policy);
+                        else bulk_copy(dst, c0, 16u * n_async, bars + t % ST);
+                    }
                 }
             } else {
                 for (int i = lane; i < n_async; i += 32) cp_async16(dst + 16 * i, c0 + 16 * i, 16);
@@ -705,10 +716,11 @@ CUKERN_DEVICE void block_rows_x(const Smem<QT, LU, ST, NC>& sm, uint32_t n_rows,
     }
 }
 
-template <int QT, int NC, int LU, int ST, bool BULK, class RowPtr, class End, class Wait, class Prepare, class Store>
+template <int QT, int NC, int LU, int ST, bool BULK, bool EF = false, class RowPtr, class End, class Wait,
+          class Prepare, class Store>
 CUKERN_DEVICE void block_rows(const Smem<QT, LU, ST, NC>& sm, uint32_t n_rows, RowPtr row_ptr, uint32_t row_bytes,
                               End end_of, uint32_t k, Wait wait, Prepare prepare, Store store) {
-    block_rows_x<QT, NC, LU, ST, BULK>(sm, n_rows, row_ptr, row_bytes, end_of,
+    block_rows_x<QT, NC, LU, ST, BULK, EF>(sm, n_rows, row_ptr, row_bytes, end_of,
                                        [&](uint32_t) { return XView<NC>{sm.xq, sm.xi, k}; }, k, wait, prepare, store);
 }
 
@@ -717,13 +729,13 @@ CUKERN_DEVICE void block_rows(const Smem<QT, LU, ST, NC>& sm, uint32_t n_rows, R
 // 2i + 1 the up row of output i, so that both dot products of an output come from one pass over the
 // block's bytes; dots[j * NC + c] gets row j's products. The caller syncs before reading dots
 // (dmmv_q8_two's GLU form, moe_dmmv_q8_glu).
-template <int QT, int NC, int LU, int ST, bool BULK, class Wait, class Prepare>
+template <int QT, int NC, int LU, int ST, bool BULK, bool EF = false, class Wait, class Prepare>
 CUKERN_DEVICE void glu_rows(const Smem<QT, LU, ST, NC>& sm, uint32_t r0, uint32_t n_out, const uint8_t* gate,
                             const uint8_t* up, uint64_t row_bytes, uint32_t m, uint32_t k, Wait wait, Prepare prepare,
                             float* dots) {
     const uint8_t* const gate_end = gate + (size_t)m * row_bytes;
     const uint8_t* const up_end = up + (size_t)m * row_bytes;
-    block_rows<QT, NC, LU, ST, BULK>(
+    block_rows<QT, NC, LU, ST, BULK, EF>(
         sm, 2 * n_out, [&](uint32_t j) { return (j & 1 ? up : gate) + (size_t)(r0 + j / 2) * row_bytes; },
         (uint32_t)row_bytes, [&](uint32_t j) { return j & 1 ? up_end : gate_end; }, k, wait, prepare,
         [&](uint32_t j, const float (&v)[NC]) {
