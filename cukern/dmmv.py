@@ -491,12 +491,21 @@ class DmmvDispatch(Dispatch):
 
     def _params(self, w: QWeight, *, w2: QWeight | None = None, m2: int = 0, blocks1: int = 0,
                 mode: int = 0, act: int = 0, alpha: float = 1.0, y_stride: int = 0, y2_stride: int = 0,
-                x_stride: int | None = None):
+                x_stride: int | None = None, l2_items: int = 0):
         return self.struct("DmmvParams").pack(
             w_offset=w.offset, w2_offset=w2.offset if w2 is not None else 0, row_bytes=w.row_bytes,
             m=w.m, m2=m2, k=w.k, n_full=w.k // _STEP, tail=w.k % _STEP, blocks1=blocks1,
             x_stride=w.k if x_stride is None else x_stride, y_stride=y_stride, y2_stride=y2_stride, mode=mode,
-            act=act, alpha=float(alpha))
+            act=act, alpha=float(alpha), l2_items=l2_items, pad0=0)
+
+    def _l2_items(self, w: QWeight) -> int:
+        """Items per warp that dmmv_q8 asks L2 for before pdl_wait, beyond its ring's first ST - 1
+        (DmmvParams::l2_items): one for MXFP4 (two ring slots) at k >= 12288 under pdl, else none.
+        H100, pdl, two runs in opposite orders (probe_dmmv_q8 --l2), with the weights evict-first:
+        MXFP4 4096x14336 80.6 / 82.0 -> 82.1 / 83.4% of copy with one item, 74.8 / 76.1 with two;
+        at 14336x4096 one item lost (87.5 / 88.9 -> 84.6 / 85.8), and Q4_K / Q5_K (three slots) lost
+        0.9-2.6 points at 4096x14336."""
+        return int(self.pdl and w.qtype == _MXFP4 and w.k >= 12288)
 
     @staticmethod
     def _mode(accumulate: bool, gate) -> int:
@@ -681,7 +690,8 @@ class DmmvDispatch(Dispatch):
         """One dmmv_q8 launch of ``unit`` on its _q8_plan: block b takes rows [b m / blocks, (b + 1) m / blocks)."""
         qw, smem, resident = plan
         blocks = _q8_blocks(w.m, resident)
-        params = self._params(w, blocks1=blocks, mode=mode, alpha=alpha, y_stride=w.m, x_stride=x_stride)
+        params = self._params(w, blocks1=blocks, mode=mode, alpha=alpha, y_stride=w.m, x_stride=x_stride,
+                              l2_items=self._l2_items(w))
         unit._launch(kernel, blocks, qw * 32, (ys, w.buf, xs, g), params, stream=stream, shared_mem=smem, pdl=self.pdl)
 
     def dmmv_scale_acc(self, w: QWeight, x, y, scale: float, *, stream=None) -> cupy.ndarray:

@@ -211,7 +211,7 @@ def sweep() -> dict:
 def l2_sweep():
     values = [v for v in args.l2.split(",")]
     units = {v: unit(f"dmmv_q8_l2_{i}", [kname(q, *D._Q8_CONFIG[q][:2]) for q in TYPES],
-                     (v if "=" in v else f"CUKERN_DMMV_Q8_L2={v}",))
+                     tuple(v.split(";")) if "=" in v else (f"CUKERN_DMMV_Q8_L2={v}",))
              for i, v in enumerate(values)}
     ceil = measure_ceilings()
     print(f"copy {ceil.copy_gbs:.0f} GB/s; % of copy under pdl by CUKERN_DMMV_Q8_L2 = {values}", flush=True)

@@ -543,6 +543,29 @@ def test_pdl_chain_matches_plain_launches(rng, q, monkeypatch):
     assert len(pdl_launches) >= 2 * 7, "the pdl path was not taken"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, nw, blocks", [(37, 8, 2), (13, 4, 3)])
+def test_mxfp4_long_k_l2_prefetch(rng, m, nw, blocks):
+    """MXFP4 at k >= 12288 under pdl asks L2 for one more item per warp before the wait
+    (DmmvParams::l2_items), here on small forced grids so that every warp has several items, rows
+    split between warps and the last rows end at the matrix's end: the output equals the plain
+    launch's on the same grid bit for bit, and the reference."""
+    if int(cupy.cuda.Device().compute_capability) < 90:
+        pytest.skip("programmatic dependent launch needs sm_90")
+    q, k = D.qtype_id("MXFP4"), 14336
+    w, dense = _weight(q, m, k, rng, pad_front=17 * 3)
+    x = cupy.asarray(_x(rng, k))
+    plain, dp = DmmvDispatch(), DmmvDispatch(pdl=True)
+    assert dp._l2_items(w) == 1 and plain._l2_items(w) == 0
+    ys = []
+    for dd in (plain, dp):
+        dd._resident[("dmmv", D._q8_kernel(q, 1), k)] = (nw, D._q8_smem(q, nw, 1, k), blocks)
+        ys.append(poison(cupy.empty(m, cupy.float32)))
+        dd.dmmv(w, x, ys[-1])
+    assert bool((ys[1] == ys[0]).all()), "pdl with the L2 prefetch differs from the plain launch"
+    _check_q(ys[1], q, lambda v: ref.matvec(dense, v), cupy.asnumpy(x), name=f"MXFP4 {m}x{k} pdl")
+
+
 def _assert_pdl_chain_matches_plain(chain, steps: int, shape):
     """chain(dispatch, ys) with DmmvDispatch(pdl=True), eager and replayed from a CUDA graph, writes
     the bits that DmmvDispatch() writes into ``steps`` f32 outputs of ``shape``."""

@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8(
                 float* out = y + (size_t)c * p.y_stride + r0 + j;
                 *out = p.mode == 0 ? f * v[c] : *out + f * v[c];
             }
-        });
+        }, p.l2_items);
 }
 
 // The int8 path of the two-matrix forms (DmmvDispatch.dmmv_pair / dmmv_glu), grid and x as dmmv_q8:

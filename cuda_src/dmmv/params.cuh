@@ -22,6 +22,8 @@ struct DmmvParams {
     uint32_t mode;       // 0: y = alpha*v; 1: y += alpha*v; 2: y += alpha*sigmoid(gate[c])*v
     uint32_t act;        // glu: v = act(gate row . x) * (up row . x); 0 SiLU (SwiGLU), 1 GELU-tanh (GEGLU)
     float alpha;         // output scale
+    uint32_t l2_items;   // dmmv_q8 under pdl: items per warp asked of L2 before the wait (q8::block_rows_x)
+    uint32_t pad0;
 };
 
 // moe_dmmv, moe_dmmv_packed, moe_down: experts picked per slot from a device routing buffer

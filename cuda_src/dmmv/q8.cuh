@@ -559,12 +559,16 @@ struct Share {
 // Q5_K +0.8 to +1.8 points); the MoE kernels, whose token batches may read an expert twice, do not.
 // Not the cp.async path: its copies run in a divergent loop over the item's pieces, and there the
 // hinted form (cp_async16_policy) stopped with an illegal instruction (compute-sanitizer, H100).
+// With EF and BULK, lane 0 also asks L2 for the warp's next l2_items items before wait() (dmmv_q8:
+// DmmvParams::l2_items, which DmmvDispatch sets for MXFP4 at long k; more slack for the weight stream
+// while x is quantized after the wait).
 // x_of(j): the quantized x that local row j is dotted with (block_rows_x; block_rows: the block's
 // NC columns, sm.xq / sm.xi, for every row; moe_down_q8 gives each slot's rows that slot's x).
 template <int QT, int NC, int LU, int ST, bool BULK, bool EF = false, class RowPtr, class End, class XOf, class Wait,
           class Prepare, class Store>
 CUKERN_DEVICE void block_rows_x(const Smem<QT, LU, ST, NC>& sm, uint32_t n_rows, RowPtr row_ptr, uint32_t row_bytes,
-                                End end_of, XOf x_of, uint32_t k, Wait wait, Prepare prepare, Store store) {
+                                End end_of, XOf x_of, uint32_t k, Wait wait, Prepare prepare, Store store,
+                                uint32_t l2_items = 0) {
     using U = Unit<QT>;
     using S = Stream<QT, LU, ST>;
     constexpr int BI = S::kIterBytes, SLOT = S::kSlotBytes, kIterUnits = S::kUnits;
@@ -625,6 +629,18 @@ CUKERN_DEVICE void block_rows_x(const Smem<QT, LU, ST, NC>& sm, uint32_t n_rows,
     };
 #pragma unroll
     for (int t = 0; t < ST - 1; ++t) issue(t);
+    if (EF && BULK && lane == 0) {  // the next l2_items items into L2 while the previous kernel ends
+        for (int t = ST - 1; t < ST - 1 + (int)l2_items && t < total; ++t) {
+            const uint32_t item = share.begin + (uint32_t)t, r = item / ipr, c = item % ipr;
+            const uint8_t* s = row_ptr(r) + (size_t)c * BI;
+            const uint8_t* e = c + 1 == ipr ? row_ptr(r) + row_bytes : s + BI;
+            const uint8_t* lim = end_of(r);  // whole 16-byte pieces inside the matrix, as issue() copies
+            const uint8_t* a = s - (reinterpret_cast<size_t>(s) & 15);
+            const int n = (int)(((e < lim ? e : lim) - a + 15) >> 4);
+            const int n_in = a + 16 * n <= lim ? n : (int)((lim - a) >> 4);
+            if (n_in > 0) prefetch_l2_bulk(a, 16u * n_in);
+        }
+    }
     wait();
     prepare();
     float acc[NC] = {};
@@ -719,9 +735,10 @@ CUKERN_DEVICE void block_rows_x(const Smem<QT, LU, ST, NC>& sm, uint32_t n_rows,
 template <int QT, int NC, int LU, int ST, bool BULK, bool EF = false, class RowPtr, class End, class Wait,
           class Prepare, class Store>
 CUKERN_DEVICE void block_rows(const Smem<QT, LU, ST, NC>& sm, uint32_t n_rows, RowPtr row_ptr, uint32_t row_bytes,
-                              End end_of, uint32_t k, Wait wait, Prepare prepare, Store store) {
+                              End end_of, uint32_t k, Wait wait, Prepare prepare, Store store, uint32_t l2_items = 0) {
     block_rows_x<QT, NC, LU, ST, BULK, EF>(sm, n_rows, row_ptr, row_bytes, end_of,
-                                       [&](uint32_t) { return XView<NC>{sm.xq, sm.xi, k}; }, k, wait, prepare, store);
+                                           [&](uint32_t) { return XView<NC>{sm.xq, sm.xi, k}; }, k, wait, prepare,
+                                           store, l2_items);
 }
 
 // The gate and up rows of outputs [r0, r0 + n_out) of two matrices (gate, up: their row 0; each m
