@@ -102,6 +102,14 @@ moved 3% (2,858-2,963 GB/s) while MXFP4's 4096x14336 time stayed at 13.45-13.58 
 Where MXFP4 loses the points against the other 4-bit types at k = 14336 (bench_dmmv --quick, same run):
 the f32-x matvec takes 0.49 us longer than the q8x one for MXFP4, 0.08 for Q4_K and 0.20 for Q4_0, and
 MXFP4's q8x time equals Q4_K's f32-x time on 6% fewer bytes.
+Then (--l2 with macro sets while they were macros, two runs in opposite orders, copy 2,953 / 2,904 GB/s): the
+weights' bulk copies with an L2 evict-first policy (EF), and lane 0 of each warp asking L2 for its next 1 or 2
+items before the wait (PF). 4096x14336: MXFP4 none 79.0 / 80.8, EF 80.6 / 82.0, EF+PF1 82.1 / 83.4, EF+PF2
+74.8 / 76.1, PF1 alone 77.1 / 78.3; Q4_K 86.4 / 88.1, EF 87.3 / 88.9, EF+PF1 86.2 / 88.0; Q5_K 85.4 / 86.9,
+EF 86.9 / 88.1, EF+PF1 84.3 / 85.8. 14336x4096: MXFP4 84.9 / 86.9, EF 87.5 / 88.9, EF+PF1 84.6 / 85.8; Q4_K
+89.0 / 90.5, EF 90.4 / 92.3; Q8_0 (cp.async copies, untouched by EF) equal throughout. Kept: EF for the dense
+matvecs' bulk copies, PF1 for MXFP4 at k >= 12288 (DmmvDispatch._l2_items). bench_dmmv --quick after both
+(H100, copy 2,959 GB/s): MXFP4 4096x14336 pdl 12.94 us, 82% (13.58 us before EF in an earlier run).
 
 Run: PYTHONPATH=. python profiling/probe_dmmv_q8.py --sweep [--types Q4_K,MXFP4]"""
 import argparse
