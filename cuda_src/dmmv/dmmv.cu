@@ -104,7 +104,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dmmv_glu(
 // of those rows (q8::block_rows) with LU units per lane and iteration through rings of ST slots
 // (BULK: Hopper bulk copies, else cp.async). Dynamic shared memory: q8::smem_bytes<QT, LU, ST>(nw, NC, k).
 // Under programmatic dependent launch the first ST - 1 weight chunks of every warp are in flight
-// before pdl_wait(); x, gate and y are touched only after it.
+// before pdl_wait() (and p.l2_items more are asked of L2); x, gate and y are touched only after it.
+// The weights stream with an L2 evict-first policy (q8::block_rows_x, EF).
 // PQ: x is already quantized (quantize_x below): each block copies its columns instead.
 template <int QT, int NC, int LU, int ST, bool BULK, bool PQ = false>
 __global__ void __launch_bounds__(q8::kMaxWarps * 32) dmmv_q8(
