@@ -282,6 +282,11 @@ class PackedWeight:
         return tiles * (k // _SUPER) * _ROW_TILE * PACKED_LAYOUTS[qtype][1]
 
 
+def _check_act(act) -> None:
+    if act not in _ACTS:
+        raise ValueError(f"act must be one of {', '.join(_ACTS)}, got {act!r}")
+
+
 def q8_1_row_bytes(n_cols: int) -> int:
     """Bytes of one row of n_cols values quantized to Q8_1 (n_cols % 32 == 0)."""
     return n_cols // 32 * Q8_1_BYTES
@@ -461,15 +466,19 @@ class MatmulDispatch(Dispatch):
         return max(1, min(-(-target // ctas), k // 512, 16))  # slices of >= 512 elements
 
     # ------------------------------------------------------------------ GEMMs
-    def _glu_weights(self, w_gate: QWeight, w_up: QWeight, act: str) -> tuple[QWeight, QWeight]:
-        """Validate the gate/up pair of the fused GLU GEMMs (same type and shape) and ``act``."""
+    def _glu_pair(self, w_gate: QWeight, w_up: QWeight) -> tuple[QWeight, QWeight]:
+        """Validate the gate/up pair of the fused GLU GEMMs (and of pack_glu): same type and shape."""
         w_gate = self._weight("w_gate", w_gate)
         w_up = self._weight("w_up", w_up)
         if (w_up.qtype, w_up.m, w_up.k) != (w_gate.qtype, w_gate.m, w_gate.k):
             raise ValueError(f"w_gate and w_up must have the same type and shape, got "
                              f"{w_gate.name} {w_gate.m}x{w_gate.k} and {w_up.name} {w_up.m}x{w_up.k}")
-        if act not in _ACTS:
-            raise ValueError(f"act must be one of {', '.join(_ACTS)}, got {act!r}")
+        return w_gate, w_up
+
+    def _glu_weights(self, w_gate: QWeight, w_up: QWeight, act: str) -> tuple[QWeight, QWeight]:
+        """Validate the gate/up pair of the fused GLU GEMMs and ``act``."""
+        w_gate, w_up = self._glu_pair(w_gate, w_up)
+        _check_act(act)
         return w_gate, w_up
 
     def _float_activations(self, b: cupy.ndarray, d: cupy.ndarray, w: QWeight) -> tuple[int, int, int]:
@@ -793,8 +802,7 @@ class MatmulDispatch(Dispatch):
             if w_up is not None:
                 raise TypeError("gemm_glu on a PackedWeight: w_up must be None (pack_glu packs both matrices)")
             self._packed_ok(w_gate, wgmma, True)
-            if act not in _ACTS:
-                raise ValueError(f"act must be one of {', '.join(_ACTS)}, got {act!r}")
+            _check_act(act)
             n, _, d_stride = self._float_activations(b, d, w_gate)
             return self._remember(key, self._hopper(w_gate, w_gate, b, d, d_stride, n, False, None, act, stream), d)
         w_gate, w_up = self._glu_weights(w_gate, w_up, act)
@@ -843,7 +851,7 @@ class MatmulDispatch(Dispatch):
         """The gate and up matrices of a gated MLP packed together (``PackedWeight.glu``: each 128-row tile
         holds 64 rows of each, as gemm_wgr's fused GLU reads them), for :meth:`gemm_glu`. Types and shapes
         as :meth:`pack`, the two matrices alike."""
-        w_gate, w_up = self._glu_weights(w_gate, w_up, "swiglu")
+        w_gate, w_up = self._glu_pair(w_gate, w_up)
         return self._pack(w_gate, w_up, True, stream)
 
     def _pack(self, w: QWeight, w2: QWeight, glu: bool, stream) -> PackedWeight:

@@ -166,7 +166,6 @@ __global__ void __launch_bounds__(128) pack_wgr(
                     }
                     dst[o++] = word;
                 }
-        for (int h = 0; h < 16; h += 2) dst[o++] = packed_scale_half<QT>(sb, h) | packed_scale_half<QT>(sb, h + 1) << 16;
     } else {
         for (int st = 0; st < 4; ++st)
             for (int c = 0; c < 4; ++c)
@@ -175,9 +174,10 @@ __global__ void __launch_bounds__(128) pack_wgr(
                     dst[o++] = packed_quant<QT>(sb, e0) | packed_quant<QT>(sb, e0 + 1) << 8 |
                                packed_quant<QT>(sb, e1) << 16 | packed_quant<QT>(sb, e1 + 1) << 24;
                 }
-        constexpr int HALVES = QT == QT_Q6_K || QT == QT_Q5_K ? 16 : 8;
-        for (int h = 0; h < HALVES; h += 2) dst[o++] = packed_scale_half<QT>(sb, h) | packed_scale_half<QT>(sb, h + 1) << 16;
     }
+    // the scale field: 16 halves (the K-quants' eight (s, -m) pairs, Q6_K's sixteen scales), the _0 types' 8 d
+    constexpr int HALVES = QT == QT_Q4_K || QT == QT_Q5_K || QT == QT_Q6_K ? 16 : 8;
+    for (int h = 0; h < HALVES; h += 2) dst[o++] = packed_scale_half<QT>(sb, h) | packed_scale_half<QT>(sb, h + 1) << 16;
     for (; o < STRIDE / 4; ++o) dst[o] = 0;
     static_assert(BYTES <= STRIDE, "row image");
 }
