@@ -95,7 +95,14 @@ PROBE_SWEEP_SPLITS=12,14,15,16, B1 32/8 D128, w8: KV8k 17.31 / 17.24 / 17.34 / 1
     205.2/188.8/203.8/203.0/205.7/209.7/217.7 us, w8 192.0/197.6/198.4/202.3/213.8/213.0/221.3.
   * Page layout (pdl, the default plan, same bytes): KV128k B1 32/8 page 16 190.5-190.8 us, page 256 186.7-
     187.4; B8 4/1 (every head's rows contiguous) page 16 190.6-191.5, page 256 (64 KB runs) 189.8-190.0.
-    KV8k 16.4-16.5 / 16.2-16.3 / 16.7 / 16.5-16.6. Longer contiguous runs do not close the gap either."""
+    KV8k 16.4-16.5 / 16.2-16.3 / 16.7 / 16.5-16.6. Longer contiguous runs do not close the gap either.
+
+2026-11-26, twelfth session (H100, copy 2,880 GB/s, pdl, graph, the default plans, three runs in turns): an
+in-loop L2 prefetch (each warp asks L2, by cp.async.bulk.prefetch of its lanes' 256-byte K and V slices, for
+its tile A tiles after the one it copies next; a run-time DecodeParams field in the variant) to put more of a warp's stream in
+flight than its three-stage ring holds. Slower at every distance, the more the further ahead: B1 32/8 D128
+KV8k A = 0/2/4/8 15.87/16.80/16.80/16.80 us, KV32k 48.4/51.5/56.8/65.4, KV128k 190.5/188.2-192.3/209.8/323.5,
+B32 KV4k 183.9/183.5/205.6/311.4. So the copies are not short of requests in flight; not kept."""
 from __future__ import annotations
 
 import itertools
