@@ -626,6 +626,7 @@ class AttentionDispatch:
         self._l2_prefetch: int | None = None  # probes: force decode_tc's L2 prefetch (warp tiles) under pdl
         self._evict_first: bool | None = None  # probes: force the evict-first K/V policy (None: with the prefetch)
         self._merge_apart: bool | None = None  # probes / tests: force where split states merge (None: the model)
+        self._l2_ahead: int | None = None  # probes: force decode_tc's in-loop L2 prefetch distance (warp tiles)
 
     def _unit(self, kind: str, prefill: bool = False) -> _Unit:
         return self._units[f"attention_prefill_{_SHORT[kind]}" if prefill else
@@ -801,7 +802,8 @@ class AttentionDispatch:
             chunk=-(-visible // plan.n_splits), has_sinks=int(sinks is not None), causal=1,
             write_lse=int(lse is not None), page_shift=_page_shift(cache.page_size),
             l2_prefetch=pf, evict_first=int(pf > 0 if self._evict_first is None else self._evict_first),
-            merge_apart=int(plan.merge_apart), **fields)
+            merge_apart=int(plan.merge_apart), l2_ahead=self._ahead_tiles(plan, -(-visible // plan.n_splits)),
+            pad0=0, **fields)
         if plan.warps:
             name, smem = f"decode_tc<{_CTYPE[cache.kind]}, {d}, {plan.warps}>", _decode_tc_smem(d, plan.warps)
         else:
@@ -825,13 +827,29 @@ class AttentionDispatch:
         28.4 / 28.6 / 27.4, KV32k 50.4 / 49.25 / 48.6, KV64k 98.5 / 95.7 / 95.0, KV128k 192.5 / 189.4 / 189.5;
         8/1 D256 KV32k (t = 4) 22.4 / 22.4 / 21.1, 4/1 D256 KV32k 20.0 / 20.0 / 18.55; B32 KV4k (t = 64)
         186.3 / 184.5 / 184.2. Eight tiles lost everywhere (KV128k 194.8), all of a short chunk's tiles too
-        (KV8k with 2: 17.0)."""
+        (KV8k with 2: 17.0). The prefetches are one prefetch.global.L2 per 128-byte line (prefetch_l2_lines):
+        against one bulk prefetch per K/V slice, KV8k 15.9-16.1 -> 15.5-15.8 us in three runs in turns, KV32k
+        and KV128k within 0.5%."""
         if not self.pdl or not plan.warps:
             return 0
         if self._l2_prefetch is not None:
             return self._l2_prefetch
         tiles = -(-chunk // (_TC_KEYS * plan.warps))
         return min(3, max(1, tiles // 8)) if n_head_blocks == 1 and tiles > 2 else 0
+
+    def _ahead_tiles(self, plan: DecodePlan, chunk: int) -> int:
+        """How many tiles after the one it copies next each decode_tc warp keeps L2 asked for (0: none): two
+        from 48 tiles a warp, where a warp's three-stage ring is too short to keep its SM's share of DRAM busy.
+        H100, pdl, graph, the default plans, three runs in turns (ahead 0 / 1 / 2): B1 32/8 D128 KV8k (4 tiles)
+        15.9 / 16.5 / 16.9 us, KV32k (16) 48.8 / 49.9 / 49.8, KV64k (32) 95.5 / 96.7 / 95.2, KV96k (48) 144.5 /
+        140.1 / 139.0, KV128k (64) 192.4 / 184.3 / 183.1; B32 KV4k w4 (64) 184.9 / 180.1 / 179.3; 8/1 D256 KV128k
+        (16) 53.6 / 56.6 / 57.5. Three tiles ahead lost at KV128k (185.6), four far more (210: the prefetches
+        crowd out the ring's copies, with evict_last lines too)."""
+        if not plan.warps:
+            return 0
+        if self._l2_ahead is not None:
+            return self._l2_ahead
+        return 2 if -(-chunk // (_TC_KEYS * plan.warps)) >= 48 else 0
 
     # ------------------------------------------------------------------ merge
     def merge_states(self, v: cupy.ndarray, s: cupy.ndarray, out: cupy.ndarray, *, lse: cupy.ndarray | None = None,
@@ -951,7 +969,7 @@ class AttentionDispatch:
             n_head_blocks=nhb, page_size=cache.page_size, max_pages=cache.max_pages_per_seq, n_splits=1,
             chunk=cache.capacity_tokens(), has_sinks=int(sinks is not None), causal=int(causal),
             write_lse=int(lse is not None), page_shift=_page_shift(cache.page_size), l2_prefetch=0,
-            evict_first=0, merge_apart=0, **fields)
+            evict_first=0, merge_apart=0, l2_ahead=0, pad0=0, **fields)
         lse_arg = lse if lse is not None else out
         unit._launch(f"decode<{_CTYPE[cache.kind]}, {d}, {hb}>", (1, cache.n_kv_heads * nhb, n_q), _DECODE_THREADS,
                      (out, lse_arg, out, lse_arg, plan.seq_ids, q, cache.k_pools[layer], cache.v_pools[layer],

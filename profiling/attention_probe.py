@@ -102,7 +102,18 @@ in-loop L2 prefetch (each warp asks L2, by cp.async.bulk.prefetch of its lanes' 
 its tile A tiles after the one it copies next; a run-time DecodeParams field in the variant) to put more of a warp's stream in
 flight than its three-stage ring holds. Slower at every distance, the more the further ahead: B1 32/8 D128
 KV8k A = 0/2/4/8 15.87/16.80/16.80/16.80 us, KV32k 48.4/51.5/56.8/65.4, KV128k 190.5/188.2-192.3/209.8/323.5,
-B32 KV4k 183.9/183.5/205.6/311.4. So the copies are not short of requests in flight; not kept."""
+B32 KV4k 183.9/183.5/205.6/311.4. Not kept in that form. The same with one prefetch.global.L2 per 128-byte
+line (macro-guarded variants, scratch A/B in turns) is a different story at long chunks: KV128k w8 s16 A = 0/1/2/3
+191.5/183.6/182.4/185.6 us (torch SDPA 181.3 in the same session), w4 s33 187.1/184.3/183.6/186.8; with the
+lines' eviction priority evict_last A = 4 still lost (211 us, so it is not L2 thrash: the prefetches crowd out
+the ring's copies), and a prefetch every 32 bytes (four per line) 312 us; one line per 256-byte slice (half of
+it) gained nothing (193.3). Short chunks lose (KV8k +0.6-1 us, KV32k +1 us). Kept as DecodeParams.l2_ahead =
+2 from 48 tiles a warp (AttentionDispatch._ahead_tiles; PROBE_ROWS=ahead, PROBE_AHEAD=0,1,2 measures it); the
+pre-wait prefetch moved to the line form too (KV8k -2% in three runs).
+  Also measured: every tile of a short chunk into L2 before the wait and no cp.async before it
+(CUKERN_DECODE_EARLY=0, bulk or lines), KV8k 16.7-17.0 us against 15.9; the pre-wait prefetch of 2-3 tiles by
+lines after 1-2 ring tiles, 16.7-17.4. The more of a launch's bytes are asked for before its wait, the slower the
+step: those requests delay the previous launch's last tiles and merge, which the wait is waiting for."""
 from __future__ import annotations
 
 import itertools
@@ -239,6 +250,13 @@ def target_rows(which: str) -> None:
                                             attn_pdl=attn_pdl)[int(pf > 0 or ef):]:
                         show(r)
         attn._tc_warps = attn_pdl._l2_prefetch = attn_pdl._evict_first = attn._merge_apart = None
+    if "ahead" in which:  # decode_tc's in-loop L2 prefetch distance (PROBE_AHEAD tiles; -1: the rule), pdl, in turns
+        aheads = [int(x) for x in os.environ.get("PROBE_AHEAD", "0,2").split(",")]
+        cases = [(1, 32768, 32, 8, 128), (1, 65536, 32, 8, 128), (1, 131072, 32, 8, 128), (32, 4096, 32, 8, 128)]
+        if os.environ.get("PROBE_DECODE"):
+            cases = [tuple(int(v) for v in c.split("x")) for c in os.environ["PROBE_DECODE"].split(",")]
+        for args in cases:
+            _ahead_rows(b, attn_pdl, rng, ceil, args, aheads)
     if "layout" in which:  # does the distance between a layer's K and V pools change decode's read rate?
         for kv, nw, n_splits in [(32768, 8, 16), (131072, 4, 33)]:
             attn_pdl._tc_warps = nw
@@ -253,6 +271,31 @@ def target_rows(which: str) -> None:
             show(b._tc_rows("prefill paged f16", b._prefill_fn(attn, rng, bb, L, h, hk, d), bb, L, h, hk, d, True))
             if d == 128:
                 show(b._tc_rows("varlen f16 (+lse)", b._varlen_fn(attn, rng, bb, L, h, hk, d), bb, L, h, hk, d, True))
+
+
+def _ahead_rows(b, attn, rng, ceil, args, aheads, turns: int = 3) -> None:
+    """Graph times (rotating layers) of one decode shape by in-loop L2 prefetch distance (-1: the rule), the
+    distances timed in turns on one cache and the plan's own configuration."""
+    bb, kv_len, h, hk, d = args
+    kv_bytes = bb * kv_len * hk * d * 4
+    n_layers = max(1, min(16, -(-4 * b._L2_BYTES // kv_bytes)))
+    cache = PagedKVCache(n_layers, bb * -(-kv_len // 16), 16, hk, d, max_seqs=bb)
+    b._fill_pools(cache, rng)
+    slots = [cache.add(kv_len) for _ in range(bb)]
+    q = rng.standard_normal((bb, h, d), dtype=cupy.float32)
+    out = cupy.empty_like(q)
+    plan = attn.plan_decode(cache, slots, h)
+    times = {a: [] for a in aheads}
+    for _ in range(turns):
+        for a in aheads:
+            attn._l2_ahead = None if a < 0 else a
+            times[a].append(time_graph_us(_layer_steps(attn, plan, q, out, n_layers), n_inner=max(8, 2 * n_layers)))
+    attn._l2_ahead = None
+    for a in aheads:
+        gbs = (kv_bytes + 2 * bb * h * d * 4) / min(times[a]) / 1e3
+        print(f"ahead {a:2d} B{bb} KV{kv_len} {h}/{hk} D{d} w{plan.warps} s{plan.n_splits}{' pdl' if attn.pdl else ''}: "
+              f"{' / '.join(f'{t:.2f}' for t in times[a])} us, {100 * gbs / ceil.copy_gbs:.1f}% of copy", flush=True)
+    del cache
 
 
 def _kv_gap_us(attn, rng, kv_len: int, n_splits: int, gap) -> float:

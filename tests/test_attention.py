@@ -234,13 +234,15 @@ def test_decode(attn, rng, case, variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ahead", [None, 2], ids=["ahead_rule", "ahead2"])
 @pytest.mark.parametrize("warps", [4, 8])
 @pytest.mark.parametrize("kind, d", [("float16", 128), ("bfloat16", 64)])
-def test_decode_tc_warps(rng, warps, kind, d):
+def test_decode_tc_warps(rng, warps, kind, d, ahead):
     """Both block shapes of the tensor-core decode (4 and 8 warps), over ragged lengths, with sinks,
-    a window, a softcap and large queries (the power-of-two rescale that keeps f16 Q in range)."""
+    a window, a softcap and large queries (the power-of-two rescale that keeps f16 Q in range); with
+    the in-loop L2 prefetch as the rule sets it (off at these lengths) and forced on."""
     attn = AttentionDispatch()
-    attn._tc_warps = warps
+    attn._tc_warps, attn._l2_ahead = warps, ahead
     cache, slots = _make_cache(rng, [1, 63, 64, 65, 2000], n_kv_heads=2, head_dim=d, page_size=16, kind=kind,
                                attn=attn)
     h = 10  # GQA 5: the block's rows 5-7 are padding
@@ -338,6 +340,7 @@ def test_decode_pdl_chain_matches_plain_launches(rng, kind, d, h, hk, monkeypatc
     monkeypatch.setattr(dispatch, "_launch_pdl", lambda *a: (pdl_launches.append(a[0]), real(*a)))
     plain, fast, fast_pf = AttentionDispatch(), AttentionDispatch(pdl=True), AttentionDispatch(pdl=True)
     fast_pf._l2_prefetch = 5  # the L2 prefetch of a warp's next tiles before the wait, on or off by default
+    fast_pf._l2_ahead = 3  # and the in-loop one, off by default at these lengths
     lengths = [1, 17, 40, 300, 1500]  # the newest token in a warp's first tiles, split or not
     cache, slots = _make_cache(rng, lengths, n_kv_heads=hk, head_dim=d, page_size=16, kind=kind, n_layers=2,
                                attn=plain)

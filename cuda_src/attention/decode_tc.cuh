@@ -196,15 +196,15 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
             early = st + 1;
         }
     }
-    // the next p.l2_prefetch tiles of the warp (the same safe keys) into L2 while the previous kernel ends:
-    // lane k of the first KW lanes asks for key k's K row slice, lane KW + k for its V slice
+    // L2 prefetch of the keys below `end` of the warp's tile i (pool row `row`): lane k of the first KW lanes
+    // asks for key k's K row slice, lane KW + k for its V slice
+    auto ask_l2 = [&](int32_t i, uint32_t row, int32_t end) {
+        if (key0(i) + lane % KW < end)
+            prefetch_l2_lines<D * sizeof(T)>((lane < KW ? k_pool : v_pool) + (uint64_t)row * row_elems + kv_off);
+    };
+    // the next p.l2_prefetch tiles of the warp (the same safe keys) into L2 while the previous kernel ends
     const int32_t pf_end = min(my_tiles, (int32_t)(NS - 1 + p.l2_prefetch));
-    for (int32_t i = NS - 1; i < pf_end; ++i) {
-        const uint32_t row = lookup(i);
-        const int32_t key = key0(i) + lane % KW;
-        if (key < c1 && key + 1 < r.hi)
-            prefetch_l2_bulk((lane < KW ? k_pool : v_pool) + (uint64_t)row * row_elems + kv_off, D * sizeof(T));
-    }
+    for (int32_t i = NS - 1; i < pf_end; ++i) ask_l2(i, lookup(i), min(c1, r.hi - 1));
     pdl_wait();  // the previous kernel in the stream is done: q, sinks, outputs, partials and counters
     CUKERN_DECODE_CLOCK(1);
 #pragma unroll
@@ -215,6 +215,14 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
         }
     }
     uint32_t next_row = rows0[NS - 1];  // the next tile to issue
+    // p.l2_ahead: L2 is asked for the warp's tiles up to l2_ahead after the one it copies next (those the
+    // prologue did not ask for now, then one per tile in the loop, its pool row looked up a tile early)
+    const int32_t ahead = (int32_t)p.l2_ahead;
+    uint32_t ahead_row = 0;
+    if (ahead > 0) {
+        for (int32_t i = pf_end; i < min(my_tiles, (int32_t)NS - 1 + ahead); ++i) ask_l2(i, lookup(i), c1);
+        ahead_row = lookup(NS - 1 + ahead);
+    }
 
     // Q fragments: lane (g, tq) holds elements 16 kk + 2 tq + {0, 1, 8, 9} of head g, as A rows g (hi) and
     // g + 8 (lo). Q is scaled to base-2 logits and by 2^-e, e chosen per head so that |q| < 2^14 (f16 range).
@@ -267,6 +275,10 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
             if (i + NS < my_tiles) next_row = lookup(i + NS);
         }
         cp_async_commit();
+        if (ahead > 0 && i + NS - 1 + ahead < my_tiles) {
+            ask_l2(i + NS - 1 + ahead, ahead_row, c1);
+            ahead_row = lookup(i + NS + ahead);
+        }
 
         const T* ks = ring + (i % NS) * STAGE;
         const T* vs = ks + KW * LD;

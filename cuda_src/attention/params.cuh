@@ -53,6 +53,9 @@ struct DecodeParams {
     uint32_t evict_first;    // decode_tc: 1 streams K/V with an L2 evict-first policy (read once per launch)
     uint32_t merge_apart;    // n_splits > 1: 1 writes the partial states only, merged by a merge_states launch
                              //    after this one (no counters touched); 0: the last block merges them
+    uint32_t l2_ahead;       // decode_tc: each warp keeps L2 asked for its tiles up to this many after the one it
+                             //    copies next (0: none), more of its stream in flight than its ring of stages holds
+    uint32_t pad0;           // keeps the struct a multiple of 8 bytes
 };
 
 // merge_states: combine n_states partial results (O, LSE) per (token, head)
