@@ -65,7 +65,56 @@ def _q(x, qs):
     return " ".join(f"{v:7.2f}" for v in np.quantile(x, qs))
 
 
+def _clocks(attn, n_blocks):
+    """The [n_blocks, 5] clocks of a clocked unit's last launch (entry, wait, tiles, leave in ns; SM)."""
+    buf = attn._units["attention"].load().get_global("cukern_decode_clocks")
+    return cupy.ndarray((5 * 8192,), cupy.uint64, buf)[: 5 * n_blocks].get().reshape(n_blocks, 5).astype(np.int64)
+
+
+def pair():
+    """Two consecutive launches in the middle of a graph of decode steps, each from its own clocked unit (its own
+    clock buffer), the others unclocked: when does the second's wait return after the first's last block leaves?"""
+    kvs = [int(x) for x in os.environ.get("BLOCKS_KV", "8192,131072").split(",")]
+    rng = cupy.random.default_rng(0)
+    a, c = _clocked(True, ("CUKERN_PAIR=1",)), _clocked(True, ("CUKERN_PAIR=2",))
+    plain = A.AttentionDispatch(pdl=True)
+    for kv in kvs:
+        n_layers = max(2, min(16, -(-4 * (50 << 20) // (kv * 8 * 128 * 4))))
+        cache, s, q, out = _b1_decode_case(rng, kv, n_layers)
+        plan = plain.plan_decode(cache, [s], 32)
+        n_inner = max(8, 2 * n_layers)
+        order = [plain] * (n_inner // 2) + [a, c] + [plain] * (n_inner // 2)
+        for x in (a, c):
+            x.flash_attn_decode(plan, 0, q, out)  # compile outside the capture
+
+        def steps(stream, order=order, plan=plan, n_layers=n_layers, q=q, out=out):
+            for i, x in enumerate(order):
+                x.flash_attn_decode(plan, i % n_layers, q, out)
+        graph = capture_graph(steps)
+        for rep in range(3):
+            graph.replay(cupy.cuda.get_current_stream())
+            cupy.cuda.get_current_stream().synchronize()
+            _pair_report(f"KV{kv} w{plan.warps} s{plan.n_splits} run {rep}", _clocks(a, plan.n_splits * 8),
+                         _clocks(c, plan.n_splits * 8))
+        del cache
+
+
+def _pair_report(label, ta, tc):
+    t0 = ta[:, 1].min()  # the first launch's wait return
+
+    def us(x):
+        return (x - t0) / 1e3
+    print(f"{label}: launch 1 wait {us(ta[:, 1].min()):.2f}, tiles done {us(ta[:, 2].min()):.2f}-"
+          f"{us(ta[:, 2].max()):.2f}, leave {us(ta[:, 3].min()):.2f}-{us(ta[:, 3].max()):.2f}; launch 2 entry "
+          f"{us(tc[:, 0].min()):.2f}-{us(tc[:, 0].max()):.2f} (median {np.median(us(tc[:, 0])):.2f}), wait "
+          f"{us(tc[:, 1].min()):.2f}-{us(tc[:, 1].max()):.2f}, tiles done {us(tc[:, 2].max()):.2f}, leave "
+          f"{us(tc[:, 3].max()):.2f}; last leave -> next wait {(tc[:, 1].min() - ta[:, 3].max()) / 1e3:.2f} us",
+          flush=True)
+
+
 def main():
+    if os.environ.get("BLOCKS_PAIR"):
+        return pair()
     for defines in os.environ.get("BLOCKS_DEFINES", "").split(","):
         ds = tuple(x for x in defines.split(";") if x)
         print(f"-- defines {ds}")
