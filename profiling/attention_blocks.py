@@ -32,8 +32,29 @@ SMs finish their equal shares early (uneven bandwidth per SM) while the launch w
     them. The ceiling of any balancing is the gap between the median and the slowest block, about
     1.4 us at KV8k and about 7% at KV128k, which is still short of 80% of copy and of SDPA.
 
+2026-11-26, twelfth session (H100, the default plan w8 s16, in-loop L2 prefetch as the rule sets it;
+BLOCKS_PAIR=1: two clocked launches in the middle of a graph, so that both have neighbours; us from the first
+one's wait return):
+  * KV8k, three replays: tiles done 5.9-9.4 us, blocks leave 8.9-19.7; the next launch's blocks enter from -1.5
+    (the SMs the grid leaves free) to 19.2 (median 10.2-11.3: as this launch's blocks leave) and return from
+    the wait 0.38-0.48 us after this launch's last block leaves. So the step is the slowest block's tiles
+    (~9 us) plus ~10 us from there to the last block leaving: the partial write, the acq_rel fence and
+    atomic, the merging block's loads, all under the next launch's prologue traffic. Without that traffic
+    (CUKERN_DECODE_EARLY=0, BLOCKS_PF=0) the same stretch is 4.6-5.3 us, but the tiles then end at 12-18 us.
+  * KV32k: tiles 30.2-43.0, last leave 49.8-51.4, next wait +0.38-0.42; KV128k: tiles 124-177 (the spread
+    of the fixed split), last leave 181.9-184.8, next wait +0.42-0.90.
+  * pdl_release.py: the release itself costs 0.42-0.58 us in a chain of small kernels, with or without
+    stores, an acq_rel atomic, 200 KB a block prefetched before the wait, or one block ending 3 us late.
+  * The next launch allowed only once a launch is past its wait (griddepcontrol.launch_dependents after
+    pdl_wait, a macro-guarded variant), so that at most one prologue overlaps a launch and blocks of w4 s16
+    (two per SM) start beside the previous launch's: KV8k w8 s16 15.70 -> 16.10 us, w4 s16 17.8 -> 18.9, w4
+    s33 17.05 -> 17.73; KV32k and KV128k w8 equal; KV128k w4 s16 192.9 -> 186.0 (still behind w8 s16's 182).
+    Not kept.
+
 Run: PYTHONPATH=. python profiling/attention_blocks.py   (BLOCKS_KV=8192,131072; BLOCKS_CFG=8:16,4:33;
-BLOCKS_DEFINES=A=1;B=2,A=0: variants of the unit, one per comma-separated set)
+BLOCKS_DEFINES=A=1;B=2,A=0: variants of the unit, one per comma-separated set; BLOCKS_PAIR=1 the pair of
+clocked launches mid-graph, BLOCKS_DEFINES=A=1;B=2 then one variant for every launch, BLOCKS_PF its pre-wait
+L2 prefetch)
 """
 from __future__ import annotations
 
@@ -76,8 +97,11 @@ def pair():
     clock buffer), the others unclocked: when does the second's wait return after the first's last block leaves?"""
     kvs = [int(x) for x in os.environ.get("BLOCKS_KV", "8192,131072").split(",")]
     rng = cupy.random.default_rng(0)
-    a, c = _clocked(True, ("CUKERN_PAIR=1",)), _clocked(True, ("CUKERN_PAIR=2",))
-    plain = A.AttentionDispatch(pdl=True)
+    extra = tuple(x for x in os.environ.get("BLOCKS_DEFINES", "").split(";") if x)  # a variant of all three units
+    a, c = _clocked(True, ("CUKERN_PAIR=1", *extra)), _clocked(True, ("CUKERN_PAIR=2", *extra))
+    plain = _clocked(True, extra) if extra else A.AttentionDispatch(pdl=True)
+    if os.environ.get("BLOCKS_PF"):  # force the L2 prefetch before the wait (tiles)
+        a._l2_prefetch = c._l2_prefetch = plain._l2_prefetch = int(os.environ["BLOCKS_PF"])
     for kv in kvs:
         n_layers = max(2, min(16, -(-4 * (50 << 20) // (kv * 8 * 128 * 4))))
         cache, s, q, out = _b1_decode_case(rng, kv, n_layers)
