@@ -113,7 +113,12 @@ pre-wait prefetch moved to the line form too (KV8k -2% in three runs).
   Also measured: every tile of a short chunk into L2 before the wait and no cp.async before it
 (CUKERN_DECODE_EARLY=0, bulk or lines), KV8k 16.7-17.0 us against 15.9; the pre-wait prefetch of 2-3 tiles by
 lines after 1-2 ring tiles, 16.7-17.4. The more of a launch's bytes are asked for before its wait, the slower the
-step: those requests delay the previous launch's last tiles and merge, which the wait is waiting for."""
+step: those requests delay the previous launch's last tiles and merge, which the wait is waiting for.
+  The split election with the arrival first and the publication after (one counter word: arrivals in the
+low 16 bits by an acquire add, publications in the high 16 by a release reduction after the block's partial
+stores; the last block to arrive merges at once when every other block has published, else polls; so its
+own partial needs no release fence): the same outputs, bit for bit, but KV8k w8 s16 16.51-16.62 us against
+15.66-15.73 (w4 s33 17.05-17.16 against 17.04-17.31), KV32k and KV128k equal in turns. Not kept."""
 from __future__ import annotations
 
 import itertools
