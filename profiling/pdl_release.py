@@ -4,8 +4,15 @@ griddepcontrol.launch_dependents at entry, waits, records %globaltimer after the
 (work), optionally stores a few KB and does one gpu-scope acq_rel atomic (what decode_tc's split merge ends
 with), and records its leaving time (atomicMax over the blocks). The gap between launch i's last leave and
 launch i + 1's earliest return from the wait is the release latency that a decode step pays once.
-Scratch tool for the B1 KV8k decode question: the clocks of attention_blocks.py show 3.9 us between the last
-block of one decode launch leaving and the next launch's blocks returning from the wait.
+Options: 200 KB of dynamic shared memory a block (one block per SM, so the next launch's blocks start as these
+leave, as decode_tc w8 does), block 0 ending a few us after the others (a merging block), and 64-200 KB a
+block read or prefetched into L2 before the wait (the reads are one dependent load after another per thread,
+so that variant mostly measures its own slow prologue).
+
+H100, 2026-11-26: the release costs 0.42-0.58 us (median) in every variant, up to 2.4 us at worst with 200 KB a
+block before the wait. Scratch tool for the B1 KV8k decode question; a single decode launch's clocks had
+suggested ~3.9 us, but the pair of clocked launches mid-graph (attention_blocks.py BLOCKS_PAIR=1) measures
+0.38-0.48 us there too: the step's cost is before the last block leaves, not after.
 
 Run: PYTHONPATH=. python profiling/pdl_release.py
 """
