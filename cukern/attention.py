@@ -794,16 +794,17 @@ class AttentionDispatch:
         nhb = -(-group // hb)
         visible = plan.max_kv_len if fields["window_left"] < 0 else min(plan.max_kv_len, fields["window_left"] + 1)
         split = plan.n_splits > 1
-        pf = self._prefetch_tiles(plan, -(-visible // plan.n_splits), nhb)
+        chunk = -(-visible // plan.n_splits)
+        tiles = -(-chunk // (_TC_KEYS * plan.warps)) if plan.warps else 0  # decode_tc: 16-key tiles a warp
+        pf = self._prefetch_tiles(plan, tiles, nhb)
         unit = self._unit(cache.kind)
         params = unit.struct("DecodeParams").pack(
             n_queries=b, n_seqs=b, batched=0, n_heads=h, n_kv_heads=cache.n_kv_heads, group=group, n_head_blocks=nhb,
             page_size=cache.page_size, max_pages=cache.max_pages_per_seq, n_splits=plan.n_splits,
-            chunk=-(-visible // plan.n_splits), has_sinks=int(sinks is not None), causal=1,
+            chunk=chunk, has_sinks=int(sinks is not None), causal=1,
             write_lse=int(lse is not None), page_shift=_page_shift(cache.page_size),
             l2_prefetch=pf, evict_first=int(pf > 0 if self._evict_first is None else self._evict_first),
-            merge_apart=int(plan.merge_apart), l2_ahead=self._ahead_tiles(plan, -(-visible // plan.n_splits)),
-            pad0=0, **fields)
+            merge_apart=int(plan.merge_apart), l2_ahead=self._ahead_tiles(plan, tiles), pad0=0, **fields)
         if plan.warps:
             name, smem = f"decode_tc<{_CTYPE[cache.kind]}, {d}, {plan.warps}>", _decode_tc_smem(d, plan.warps)
         else:
@@ -817,7 +818,7 @@ class AttentionDispatch:
             self._merge(unit, plan.o_part, plan.lse_part, out, lse, sinks, b, plan.n_splits, h, d, stream)
         return out
 
-    def _prefetch_tiles(self, plan: DecodePlan, chunk: int, n_head_blocks: int) -> int:
+    def _prefetch_tiles(self, plan: DecodePlan, tiles: int, n_head_blocks: int) -> int:
         """Warp tiles after the prologue's that decode_tc asks L2 to prefetch before pdl_wait (pdl only; K/V
         then stream with an evict-first policy so that the next launch's prefetched lines stay in L2).
 
@@ -834,10 +835,9 @@ class AttentionDispatch:
             return 0
         if self._l2_prefetch is not None:
             return self._l2_prefetch
-        tiles = -(-chunk // (_TC_KEYS * plan.warps))
         return min(3, max(1, tiles // 8)) if n_head_blocks == 1 and tiles > 2 else 0
 
-    def _ahead_tiles(self, plan: DecodePlan, chunk: int) -> int:
+    def _ahead_tiles(self, plan: DecodePlan, tiles: int) -> int:
         """How many tiles after the one it copies next each decode_tc warp keeps L2 asked for (0: none): two
         from 48 tiles a warp, where a warp's three-stage ring is too short to keep its SM's share of DRAM busy.
         H100, pdl, graph, the default plans, three runs in turns (ahead 0 / 1 / 2): B1 32/8 D128 KV8k (4 tiles)
@@ -849,7 +849,7 @@ class AttentionDispatch:
             return 0
         if self._l2_ahead is not None:
             return self._l2_ahead
-        return 2 if -(-chunk // (_TC_KEYS * plan.warps)) >= 48 else 0
+        return 2 if tiles >= 48 else 0
 
     # ------------------------------------------------------------------ merge
     def merge_states(self, v: cupy.ndarray, s: cupy.ndarray, out: cupy.ndarray, *, lse: cupy.ndarray | None = None,
