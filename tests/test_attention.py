@@ -39,16 +39,24 @@ def _store(x: np.ndarray, kind: str):
 
 
 def _make_cache(rng, lengths, *, n_kv_heads=2, head_dim=64, page_size=16, kind="float16", n_layers=1,
-                extra_pages=3, src_f32=True, attn=None):
-    """A cache holding random K/V for sequences of the given lengths, written through write_kv_run."""
-    n_pages = sum(-(-n // page_size) for n in lengths) + extra_pages
-    cache = PagedKVCache(n_layers, n_pages, page_size, n_kv_heads, head_dim, max_seqs=len(lengths) + 2,
-                         dtype=kind)
+                extra_pages=3, src_f32=True, attn=None, scatter=False):
+    """A cache holding random K/V for sequences of the given lengths, written through write_kv_run; with
+    ``scatter`` every sequence grows a page at a time beside a filler sequence that takes every other page, so
+    that no page-table row is a run of consecutive pages."""
+    n_pages = sum(-(-n // page_size) for n in lengths) * (2 if scatter else 1) + extra_pages
+    cache = PagedKVCache(n_layers, n_pages, page_size, n_kv_heads, head_dim,
+                         max_seqs=len(lengths) + 2 + int(scatter), dtype=kind)
     attn = attn or AttentionDispatch()
+    filler = cache.add(0) if scatter else None
     slots = []
     for n in lengths:
         s = cache.add(0)
-        cache.extend(s, n)
+        if scatter:
+            for t in range(0, n, page_size):
+                cache.extend(s, min(n - t, page_size))
+                cache.extend(filler, page_size)
+        else:
+            cache.extend(s, n)
         for layer in range(n_layers):
             k = rng.standard_normal((n, n_kv_heads, head_dim)).astype(np.float32)
             v = rng.standard_normal((n, n_kv_heads, head_dim)).astype(np.float32)
@@ -260,6 +268,30 @@ def test_decode_tc_warps(rng, warps, kind, d, ahead):
         want_o, want_lse = ref.paged_attention(qh, kp, vp, pt, lens, slots, [1] * len(slots), 16, **kw)
         assert_close(out, want_o, **DECODE_TOL)
         assert_close(lse, want_lse, atol=1e-4 * max(1.0, float(np.abs(want_lse).max())), rtol=0, name="lse")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warps", [4, 8])
+@pytest.mark.parametrize("page_size", [5, 16])
+def test_decode_tc_page_tables(rng, page_size, warps):
+    """The tensor-core decode's page-table lookups over scattered pages (no row a run of consecutive pages), a
+    page size that is not a power of two among them, lengths at page boundaries +- 1, with the L2 prefetch before
+    the wait (pdl) and in the loop forced on, each over more tiles than the prologue looks up."""
+    attn = AttentionDispatch(pdl=True)
+    attn._tc_warps, attn._l2_ahead, attn._l2_prefetch = warps, 2, 5
+    lengths = [1, page_size - 1, page_size, page_size + 1, 333, 3000]
+    cache, slots = _make_cache(rng, lengths, n_kv_heads=2, head_dim=64, page_size=page_size, attn=attn, scatter=True)
+    kp, vp, pt, lens = _host(cache)
+    assert (np.diff(pt[slots[-1], :8]) != 1).all(), "the page table was meant to be scattered"
+    h = 8
+    for n_splits in (None, 3):
+        qh, q = _q(rng, (len(slots), h, 64))
+        plan = attn.plan_decode(cache, slots, h, n_splits=n_splits)
+        assert plan.warps == warps
+        out = poison(cupy.empty((len(slots), h, 64), cupy.float32))
+        attn.flash_attn_decode(plan, 0, q, out)
+        want, _ = ref.paged_attention(qh, kp, vp, pt, lens, slots, [1] * len(slots), page_size)
+        assert_close(out, want, **DECODE_TOL)
 
 
 @pytest.mark.gpu

@@ -151,15 +151,20 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
     const uint32_t kv_off = kvh * D;
     T* const ring = reinterpret_cast<T*>(smem_raw) + warp * NS * STAGE;
 
-    // first key of the warp's tile i; the pool row of key (lane % KW) of it (clamped into the chunk, and to
-    // key 0 when the chunk is empty: then nothing is copied)
+    // first key of the warp's tile i
     auto key0 = [&](int32_t i) { return c0 + (i * WARPS + warp) * KW; };
+    // The pool row of key (lane % KW) of the warp's tile i (clamped into the chunk, and to key 0 when the chunk is
+    // empty: then nothing is copied), in two steps: lookup(i) issues the page-table load and returns {the page's
+    // entry, the key's row in the page}; row_of() forms the row where it is used. So the load stays in flight
+    // until then (an iteration of the tile loop) instead of stalling the warp where it is issued.
     auto lookup = [&](int32_t i) {
         const uint32_t j = (uint32_t)max(min(key0(i) + lane % KW, c1 - 1), 0);
-        return (uint32_t)paged_row(pt, j, p.page_size, p.page_shift);
+        const uint32_t pg = p.page_shift >= 0 ? j >> p.page_shift : j / p.page_size;
+        return make_uint2((uint32_t)pt[pg], j - pg * p.page_size);
     };
+    auto row_of = [&](uint2 e) { return e.x * p.page_size + e.y; };
     const uint64_t policy = l2_evict_first_policy();
-    // copies of the warp's tile i into stage st; `row` is lookup(i); keys past the chunk are zero-filled
+    // copies of the warp's tile i into stage st; `row` is row_of(lookup(i)); keys past the chunk are zero-filled
     auto issue = [&](int32_t i, int st, uint32_t row) {
         T* ks = ring + st * STAGE;
         T* vs = ks + KW * LD;
@@ -179,19 +184,21 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
             }
         }
     };
-    // the first NS - 1 tiles are in flight before q is read; their page-table loads (and the one of the
-    // tile after them) are issued together (the lookup clamps into the chunk, so any key is safe to look up).
+    // the first NS - 1 tiles are in flight before q is read; their page-table loads, and those of the PRE - NS + 1
+    // tiles after them (the next to copy, the L2 prefetch's), are issued together (the lookup clamps into the
+    // chunk, so any key is safe to look up).
     // Under programmatic dependent launch only the tiles whose keys all precede the query's own token
     // (r.hi - 1, the one the decode step's KV write may still be writing) are issued before pdl_wait();
     // `safe` holds for a prefix of the tiles, so the copy groups stay in tile order.
-    uint32_t rows0[NS];
+    constexpr int PRE = NS + 2;  // tiles looked up in the prologue
+    uint2 rows0[PRE];
 #pragma unroll
-    for (int st = 0; st < NS; ++st) rows0[st] = lookup(st);
+    for (int st = 0; st < PRE; ++st) rows0[st] = lookup(st);
     int early = 0;  // prologue tiles issued before the wait
 #pragma unroll
     for (int st = 0; st < NS - 1; ++st) {
         if (st < CUKERN_DECODE_EARLY && st < my_tiles && key0(st) + KW < r.hi) {
-            issue(st, st, rows0[st]);
+            issue(st, st, row_of(rows0[st]));
             cp_async_commit();
             early = st + 1;
         }
@@ -204,24 +211,27 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
     };
     // the next p.l2_prefetch tiles of the warp (the same safe keys) into L2 while the previous kernel ends
     const int32_t pf_end = min(my_tiles, (int32_t)(NS - 1 + p.l2_prefetch));
-    for (int32_t i = NS - 1; i < pf_end; ++i) ask_l2(i, lookup(i), min(c1, r.hi - 1));
+#pragma unroll
+    for (int st = NS - 1; st < PRE; ++st)
+        if (st < pf_end) ask_l2(st, row_of(rows0[st]), min(c1, r.hi - 1));
+    for (int32_t i = PRE; i < pf_end; ++i) ask_l2(i, row_of(lookup(i)), min(c1, r.hi - 1));
     pdl_wait();  // the previous kernel in the stream is done: q, sinks, outputs, partials and counters
     CUKERN_DECODE_CLOCK(1);
 #pragma unroll
     for (int st = 0; st < NS - 1; ++st) {
         if (st >= early) {
-            if (st < my_tiles) issue(st, st, rows0[st]);
+            if (st < my_tiles) issue(st, st, row_of(rows0[st]));
             cp_async_commit();
         }
     }
-    uint32_t next_row = rows0[NS - 1];  // the next tile to issue
+    uint2 next = rows0[NS - 1];  // lookup() of the next tile to issue
     // p.l2_ahead: L2 is asked for the warp's tiles up to l2_ahead after the one it copies next (those the
     // prologue did not ask for now, then one per tile in the loop, its pool row looked up a tile early)
     const int32_t ahead = (int32_t)p.l2_ahead;
-    uint32_t ahead_row = 0;
+    uint2 ahead_e = make_uint2(0, 0);
     if (ahead > 0) {
-        for (int32_t i = pf_end; i < min(my_tiles, (int32_t)NS - 1 + ahead); ++i) ask_l2(i, lookup(i), c1);
-        ahead_row = lookup(NS - 1 + ahead);
+        for (int32_t i = pf_end; i < min(my_tiles, (int32_t)NS - 1 + ahead); ++i) ask_l2(i, row_of(lookup(i)), c1);
+        ahead_e = lookup(NS - 1 + ahead);
     }
 
     // Q fragments: lane (g, tq) holds elements 16 kk + 2 tq + {0, 1, 8, 9} of head g, as A rows g (hi) and
@@ -271,13 +281,13 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
         cp_async_wait<NS - 2>();  // tile i has landed (this lane's copies) ...
         __syncwarp();             // ... every lane's, and the stage refilled next is no longer read
         if (i + NS - 1 < my_tiles) {
-            issue(i + NS - 1, (i + NS - 1) % NS, next_row);
-            if (i + NS < my_tiles) next_row = lookup(i + NS);
+            issue(i + NS - 1, (i + NS - 1) % NS, row_of(next));
+            if (i + NS < my_tiles) next = lookup(i + NS);
         }
         cp_async_commit();
         if (ahead > 0 && i + NS - 1 + ahead < my_tiles) {
-            ask_l2(i + NS - 1 + ahead, ahead_row, c1);
-            ahead_row = lookup(i + NS + ahead);
+            ask_l2(i + NS - 1 + ahead, row_of(ahead_e), c1);
+            ahead_e = lookup(i + NS + ahead);
         }
 
         const T* ks = ring + (i % NS) * STAGE;
