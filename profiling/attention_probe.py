@@ -118,7 +118,30 @@ step: those requests delay the previous launch's last tiles and merge, which the
 low 16 bits by an acquire add, publications in the high 16 by a release reduction after the block's partial
 stores; the last block to arrive merges at once when every other block has published, else polls; so its
 own partial needs no release fence): the same outputs, bit for bit, but KV8k w8 s16 16.51-16.62 us against
-15.66-15.73 (w4 s33 17.05-17.16 against 17.04-17.31), KV32k and KV128k equal in turns. Not kept."""
+15.66-15.73 (w4 s33 17.05-17.16 against 17.04-17.31), KV32k and KV128k equal in turns. Not kept.
+
+2026-11-26, thirteenth session (H100, pdl, graph, the default plan w8 s16, B1 32/8 D128; variants of the unit by
+defines, three runs in turns):
+  * Page-table lookups. Pool rows computed from the key alone (valid only for the benchmark's in-order pages, a
+    measuring variant): KV8k 15.72-15.91 -> 15.25-15.61 us, KV32k 49.0-49.4 -> 48.0-48.6, KV128k 181.9-182.6 ->
+    181.2-182.5; the same in the tile loop only: KV32k 48.1 (all of the gain), KV8k 15.7 (none); page size 256 (one
+    page-table word per 16 tiles) matches it (KV8k 15.2-15.4, KV128k 180.7-181.0). The SASS showed why in the
+    loop: the row was formed (shift, add) right after its page-table load, so the warp waited for the load where
+    it issued it. Kept: lookup() returns the raw entry and row_of() forms the row where the copies use it, a tile
+    later (KV8k 15.66-15.89 -> 15.57-15.66, KV32k 48.54-48.82 -> 48.20-48.37, KV128k 182.1-182.5 -> 181.7-182.2).
+    A two-deep queue of rows (looked up two tiles ahead, but still formed at once) gained nothing; prefetching
+    the page-table line into L1 four tiles ahead lost at KV128k (184 us).
+  * Where KV8k's remaining time goes (macro-guarded variants of decode_finish, not kept): whole 15.60-15.71 us
+    (74% of copy); without the merging block's loads, combine and stores (the election still made) 13.97-14.04
+    (83%); without the acq_rel election either (every block writes its partial and leaves) 13.13-13.18 (88%, the
+    rate of a bare read stream of these bytes). KV128k: 181.5-182.1, 179.8-180.3, 178.8-179.1 (torch SDPA
+    180.4-182.3). So at 8k the split merge (one L2 round trip of the merging block's loads ~1.6 us, the fence and
+    atomic ~0.9 us, both under the next launch's prologue traffic) is what stands between 74% and 80%+ of copy.
+  * ncu --graph-profiling graph over four pdl steps: DRAM bytes read per step 540 MB at KV128k (537 MB of K/V),
+    33.6 MB at KV8k: nothing is read twice; L2 read sectors 2.0x the bytes (the prefetches count), torch SDPA's
+    cuDNN kernel 1.5x.
+  * Plan alternatives at KV128k (same run): w8 s16 fused merge 181.4-181.8 us, w8 s16 merge_apart 183.1-183.2, w4
+    s33 184.0-184.2, w4 s33 apart 183.3-184.1, w8 s12 205.9-206.1 (SDPA 181.0-181.5). The default stays."""
 from __future__ import annotations
 
 import itertools
