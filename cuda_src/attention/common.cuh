@@ -59,11 +59,22 @@ CUKERN_DEVICE uint4 load16(const T* p) {
     return __ldg(reinterpret_cast<const uint4*>(p));
 }
 
-// Token `j` of a paged sequence -> its row in the pool (kv_row_index); page_shift >= 0 when
-// page_size is a power of two, which turns the division into shifts.
+// Token `j` of a paged sequence in two parts: {its page's entry in the page table (the load), its row in
+// that page}; page_shift >= 0 when page_size is a power of two, which turns the division into a shift.
+// entry_row() makes the pair the pool row (kv_row_index); a caller that keeps the pair and forms the row
+// only where it uses it leaves the page-table load in flight until then.
+CUKERN_DEVICE uint2 paged_entry(const int32_t* __restrict__ pt, uint32_t j, uint32_t page_size, int32_t page_shift) {
+    if (page_shift >= 0) return make_uint2((uint32_t)pt[j >> page_shift], j & (page_size - 1));
+    const uint32_t pg = j / page_size;
+    return make_uint2((uint32_t)pt[pg], j - pg * page_size);
+}
+CUKERN_DEVICE uint64_t entry_row(uint2 e, uint32_t page_size, int32_t page_shift) {
+    return (page_shift >= 0 ? (uint64_t)e.x << page_shift : (uint64_t)e.x * page_size) + e.y;
+}
+
+// Token `j` of a paged sequence -> its row in the pool.
 CUKERN_DEVICE uint64_t paged_row(const int32_t* __restrict__ pt, uint32_t j, uint32_t page_size, int32_t page_shift) {
-    if (page_shift >= 0) return ((uint64_t)(uint32_t)pt[j >> page_shift] << page_shift) + (j & (page_size - 1));
-    return kv_row_index(pt, j, page_size);
+    return entry_row(paged_entry(pt, j, page_size, page_shift), page_size, page_shift);
 }
 
 // 2^x with one MUFU.EX2 (ex2.approx.ftz: relative error ~2^-22; 2^-inf = 0).

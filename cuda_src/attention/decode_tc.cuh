@@ -154,15 +154,13 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
     // first key of the warp's tile i
     auto key0 = [&](int32_t i) { return c0 + (i * WARPS + warp) * KW; };
     // The pool row of key (lane % KW) of the warp's tile i (clamped into the chunk, and to key 0 when the chunk is
-    // empty: then nothing is copied), in two steps: lookup(i) issues the page-table load and returns {the page's
-    // entry, the key's row in the page}; row_of() forms the row where it is used. So the load stays in flight
-    // until then (an iteration of the tile loop) instead of stalling the warp where it is issued.
+    // empty: then nothing is copied), in two steps: lookup(i) issues the page-table load (paged_entry) and
+    // row_of() forms the row where it is used. So the load stays in flight until then (an iteration of the tile
+    // loop) instead of stalling the warp where it is issued.
     auto lookup = [&](int32_t i) {
-        const uint32_t j = (uint32_t)max(min(key0(i) + lane % KW, c1 - 1), 0);
-        const uint32_t pg = p.page_shift >= 0 ? j >> p.page_shift : j / p.page_size;
-        return make_uint2((uint32_t)pt[pg], j - pg * p.page_size);
+        return paged_entry(pt, (uint32_t)max(min(key0(i) + lane % KW, c1 - 1), 0), p.page_size, p.page_shift);
     };
-    auto row_of = [&](uint2 e) { return e.x * p.page_size + e.y; };
+    auto row_of = [&](uint2 e) { return (uint32_t)entry_row(e, p.page_size, p.page_shift); };
     const uint64_t policy = l2_evict_first_policy();
     // copies of the warp's tile i into stage st; `row` is row_of(lookup(i)); keys past the chunk are zero-filled
     auto issue = [&](int32_t i, int st, uint32_t row) {
