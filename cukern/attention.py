@@ -487,9 +487,11 @@ class DecodePlan:
     head_block: int  # query heads per block (template G)
     warps: int  # decode_tc: warps per block (template NW); 0: the SIMT kernel
     merge_apart: bool  # n_splits > 1: the states merged by a merge_states launch, not by the decode's last block
+    merge_wait: bool  # merged in the launch by the last split's block, which waits for the others' states
     o_part: cupy.ndarray | None  # [batch, n_splits, n_heads, head_dim] f32 (n_splits > 1)
     lse_part: cupy.ndarray  # [batch, n_splits, n_heads] f32
-    counters: cupy.ndarray  # [batch * n_kv_heads * head blocks] int32 zeros: blocks done per merge (left zero)
+    counters: cupy.ndarray  # [batch * n_kv_heads * head blocks] int32 zeros: blocks done per merge (left zero;
+    #                         merge_wait: the epoch of the next launch, 0 / 1)
 
     @property
     def batch(self) -> int:
@@ -627,6 +629,7 @@ class AttentionDispatch:
         self._evict_first: bool | None = None  # probes: force the evict-first K/V policy (None: with the prefetch)
         self._merge_apart: bool | None = None  # probes / tests: force where split states merge (None: the model)
         self._l2_ahead: int | None = None  # probes: force decode_tc's in-loop L2 prefetch distance (warp tiles)
+        self._merge_wait: bool | None = None  # probes / tests: False keeps the merge by the last block to finish
 
     def _unit(self, kind: str, prefill: bool = False) -> _Unit:
         return self._units[f"attention_prefill_{_SHORT[kind]}" if prefill else
@@ -750,12 +753,22 @@ class AttentionDispatch:
                                                                          sms, model)
                 cands.append((_split_time(n, blocks, visible, row_bytes, state_bytes, sms, model), nw, apart, n))
         _, warps, apart, n_splits = min(cands)
+        apart = apart and n_splits > 1
+        # decode_tc merges the states in the launch by the last split's block, which polls the others' (no fence,
+        # no counter), where every block of the grid is resident at once: it waits for the others
+        wait = bool(tc and n_splits > 1 and not apart and self._merge_wait is not False and blocks * n_splits
+                    <= sms * self._unit(cache.kind).resident_blocks(f"decode_tc<{_CTYPE[cache.kind]}, {d}, {warps}>",
+                                                                    32 * warps, _decode_tc_smem(d, warps)))
         b = len(ids)
-        o_part = cupy.empty((b, n_splits, n_heads, d), cupy.float32) if n_splits > 1 else None
-        lse_part = cupy.empty((b, n_splits, n_heads), cupy.float32)
+        if wait:  # words of parity 1 (lowest bit set): the first launch (epoch 0) writes parity 0
+            o_part = cupy.full((b, n_splits, n_heads, d), 0xFFFFFFFF, cupy.uint32).view(cupy.float32)
+            lse_part = cupy.full((b, n_splits, n_heads), 0xFFFFFFFF, cupy.uint32).view(cupy.float32)
+        else:
+            o_part = cupy.empty((b, n_splits, n_heads, d), cupy.float32) if n_splits > 1 else None
+            lse_part = cupy.empty((b, n_splits, n_heads), cupy.float32)
         counters = cupy.zeros(blocks, cupy.int32)
         return DecodePlan(cache, cupy.asarray(ids.astype(np.int32)), int(n_heads), max_kv_len, int(n_splits), hb,
-                          int(warps), bool(apart and n_splits > 1), o_part, lse_part, counters)
+                          int(warps), apart, wait, o_part, lse_part, counters)
 
     def flash_attn_decode(self, plan: DecodePlan, layer: int, q: cupy.ndarray, out: cupy.ndarray, *,
                           scale: float = 0.0, window_left: int = -1, softcap: float = 0.0,
@@ -804,7 +817,8 @@ class AttentionDispatch:
             chunk=chunk, has_sinks=int(sinks is not None), causal=1,
             write_lse=int(lse is not None), page_shift=_page_shift(cache.page_size),
             l2_prefetch=pf, evict_first=int(pf > 0 if self._evict_first is None else self._evict_first),
-            merge_apart=int(plan.merge_apart), l2_ahead=self._ahead_tiles(plan, tiles), pad0=0, **fields)
+            merge_apart=int(plan.merge_apart), l2_ahead=self._ahead_tiles(plan, tiles), merge_wait=int(plan.merge_wait),
+            **fields)
         if plan.warps:
             name, smem = f"decode_tc<{_CTYPE[cache.kind]}, {d}, {plan.warps}>", _decode_tc_smem(d, plan.warps)
         else:
@@ -969,7 +983,7 @@ class AttentionDispatch:
             n_head_blocks=nhb, page_size=cache.page_size, max_pages=cache.max_pages_per_seq, n_splits=1,
             chunk=cache.capacity_tokens(), has_sinks=int(sinks is not None), causal=int(causal),
             write_lse=int(lse is not None), page_shift=_page_shift(cache.page_size), l2_prefetch=0,
-            evict_first=0, merge_apart=0, l2_ahead=0, pad0=0, **fields)
+            evict_first=0, merge_apart=0, l2_ahead=0, merge_wait=0, **fields)
         lse_arg = lse if lse is not None else out
         unit._launch(f"decode<{_CTYPE[cache.kind]}, {d}, {hb}>", (1, cache.n_kv_heads * nhb, n_q), _DECODE_THREADS,
                      (out, lse_arg, out, lse_arg, plan.seq_ids, q, cache.k_pools[layer], cache.v_pools[layer],

@@ -282,6 +282,14 @@ class Dispatch:
         """Multiprocessors of this dispatch's device."""
         return device_attribute(self.device_id, "MultiProcessorCount")
 
+    def resident_blocks(self, kernel: str, threads: int, shared_mem: int = 0) -> int:
+        """Blocks of ``kernel`` (``threads`` each, ``shared_mem`` dynamic shared bytes) one SM holds at once
+        (the driver's occupancy calculator; compiles the module if need be)."""
+        fn = self._function(kernel, shared_mem)
+        with cupy.cuda.Device(self.device_id):
+            return int(cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                getattr(fn, "kernel", fn).ptr, int(threads), int(shared_mem)))
+
     def max_shared_optin(self) -> int:
         """The most dynamic shared memory one block may opt in to on this device (bytes)."""
         return device_attribute(self.device_id, "MaxSharedMemoryPerBlockOptin")

@@ -285,6 +285,12 @@ def target_rows(which: str) -> None:
             cases = [tuple(int(v) for v in c.split("x")) for c in os.environ["PROBE_DECODE"].split(",")]
         for args in cases:
             _ahead_rows(b, attn_pdl, rng, ceil, args, aheads)
+    if "wait" in which:  # split states merged by the last split's block polling (merge_wait) or the last to finish
+        cases = [(1, 8192, 32, 8, 128), (1, 32768, 32, 8, 128), (1, 131072, 32, 8, 128)]
+        if os.environ.get("PROBE_DECODE"):
+            cases = [tuple(int(v) for v in c.split("x")) for c in os.environ["PROBE_DECODE"].split(",")]
+        for args in cases:
+            _wait_rows(b, attn_pdl, rng, ceil, args)
     if "layout" in which:  # does the distance between a layer's K and V pools change decode's read rate?
         for kv, nw, n_splits in [(32768, 8, 16), (131072, 4, 33)]:
             attn_pdl._tc_warps = nw
@@ -324,6 +330,47 @@ def _ahead_rows(b, attn, rng, ceil, args, aheads, turns: int = 3) -> None:
         print(f"ahead {a:2d} B{bb} KV{kv_len} {h}/{hk} D{d} w{plan.warps} s{plan.n_splits}{' pdl' if attn.pdl else ''}: "
               f"{' / '.join(f'{t:.2f}' for t in times[a])} us, {100 * gbs / ceil.copy_gbs:.1f}% of copy", flush=True)
     del cache
+
+
+def _wait_rows(b, attn, rng, ceil, args, turns: int = 3) -> None:
+    """Graph times (rotating layers) of one decode shape with its split states merged by the last block to finish
+    (counted) and by the last split's block (merge_wait), the default plan otherwise, with torch SDPA at the same
+    shape, the three timed in turns."""
+    import torch
+    import torch.nn.functional as F
+    bb, kv_len, h, hk, d = args
+    kv_bytes = bb * kv_len * hk * d * 4
+    n_layers = max(1, min(16, -(-4 * b._L2_BYTES // kv_bytes)))
+    cache = PagedKVCache(n_layers, bb * -(-kv_len // 16), 16, hk, d, max_seqs=bb)
+    b._fill_pools(cache, rng)
+    slots = [cache.add(kv_len) for _ in range(bb)]
+    q = rng.standard_normal((bb, h, d), dtype=cupy.float32)
+    out = cupy.empty_like(q)
+    plans = {}
+    for wait in (False, True):
+        attn._merge_wait = wait
+        plans["wait" if wait else "count"] = attn.plan_decode(cache, slots, h)
+    attn._merge_wait = None
+    tq = torch.randn(bb, h, 1, d, device="cuda", dtype=torch.float16)
+    tkv = [(torch.randn(bb, hk, kv_len, d, device="cuda", dtype=torch.float16),
+            torch.randn(bb, hk, kv_len, d, device="cuda", dtype=torch.float16)) for _ in range(n_layers)]
+    j = itertools.count()
+
+    def peer():
+        kk, vv = tkv[next(j) % n_layers]
+        F.scaled_dot_product_attention(tq, kk, vv, enable_gqa=hk != h)
+    times = {k: [] for k in (*plans, "sdpa")}
+    for _ in range(turns):
+        for k, plan in plans.items():
+            times[k].append(time_graph_us(_layer_steps(attn, plan, q, out, n_layers), n_inner=max(8, 2 * n_layers)))
+        times["sdpa"].append(b._torch_graph_us(peer, max(8, 2 * n_layers)))
+    del tkv, cache
+    p = plans["wait"]
+    for k, ts in times.items():
+        gbs = (kv_bytes + 2 * bb * h * d * 4) / min(ts) / 1e3
+        print(f"{k:5s} B{bb} KV{kv_len} {h}/{hk} D{d} w{p.warps} s{p.n_splits} wait={p.merge_wait}: "
+              f"{' / '.join(f'{t:.2f}' for t in ts)} us, {100 * gbs / ceil.copy_gbs:.1f}% of copy, "
+              f"{min(times['sdpa']) / min(ts):.3f}x SDPA", flush=True)
 
 
 def _kv_gap_us(attn, rng, kv_len: int, n_splits: int, gap) -> float:

@@ -78,6 +78,8 @@ def patch(monkeypatch) -> collections.Counter:
     monkeypatch.setattr(dispatch.Dispatch, "device_id", property(lambda self: 0))
     h100 = {"MultiProcessorCount": 132, "MaxSharedMemoryPerBlockOptin": 232448}
     monkeypatch.setattr(dispatch.Dispatch, "sm_count", lambda self: h100["MultiProcessorCount"])
+    monkeypatch.setattr(dispatch.Dispatch, "resident_blocks",  # an H100's 2048 threads, 228 KB (1 KB a block)
+                        lambda self, kernel, threads, shared_mem=0: min(2048 // threads, 233472 // (shared_mem + 1024)))
     monkeypatch.setattr(dispatch.Dispatch, "max_shared_optin", lambda self: h100["MaxSharedMemoryPerBlockOptin"])
     monkeypatch.setattr(matmul.MatmulDispatch, "_zero_for_split", lambda self, *a, **k: None, raising=False)
 

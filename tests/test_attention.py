@@ -356,6 +356,46 @@ def test_decode_many_splits(rng, d, h, hk, warps, n_splits, apart):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("warps", [4, 8])
+@pytest.mark.parametrize("n_splits, max_kv_len", [(16, None), (5, 9000), (3, None)])
+def test_decode_merge_wait(rng, warps, n_splits, max_kv_len):
+    """decode_tc's merge by the last split's block, which polls the other blocks' parity-tagged states: launch
+    after launch of one plan (the parity flips; a new q each time, so a state left from the launch before would
+    show), eagerly and from a graph, under pdl; ragged lengths so that the merging block's own chunk is sometimes
+    empty or short (max_kv_len beyond the lengths: it waits while the others stream), sinks and the LSE; the same
+    plan without it (the last block to finish merges) agrees."""
+    from cukern.streams import capture_graph
+    lengths = [4000, 150, 1, 2049]
+    cache, slots = _make_cache(rng, lengths, n_kv_heads=2, head_dim=128, page_size=16)
+    kp, vp, pt, lens = _host(cache)
+    h = 8
+    sinks = rng.standard_normal(h).astype(np.float32)
+    sinks_d = cupy.asarray(sinks)
+    steps = [_q(rng, (len(slots), h, 128)) for _ in range(5)]
+    for pdl in (False, True):
+        attn = AttentionDispatch(pdl=pdl)
+        attn._tc_warps = warps
+        plan = attn.plan_decode(cache, slots, h, n_splits=n_splits, max_kv_len=max_kv_len)
+        attn._merge_wait = False
+        counted = attn.plan_decode(cache, slots, h, n_splits=n_splits, max_kv_len=max_kv_len)
+        assert plan.merge_wait and not counted.merge_wait and plan.n_splits == counted.n_splits == n_splits
+        outs = [poison(cupy.empty((len(slots), h, 128), cupy.float32)) for _ in steps]
+        lses = [poison(cupy.empty((len(slots), h), cupy.float32)) for _ in steps]
+        for (_, q), out, lse in zip(steps[:3], outs, lses):  # eager, then the rest from one graph
+            attn.flash_attn_decode(plan, 0, q, out, lse=lse, sinks=sinks_d)
+        graph = capture_graph(lambda st: [attn.flash_attn_decode(plan, 0, q, out, lse=lse, sinks=sinks_d, stream=st)
+                                          for (_, q), out, lse in zip(steps[3:], outs[3:], lses[3:])])
+        graph.replay(cupy.cuda.get_current_stream())
+        for i, ((qh, q), out, lse) in enumerate(zip(steps, outs, lses)):
+            want_o, want_lse = ref.paged_attention(qh, kp, vp, pt, lens, slots, [1] * len(slots), 16, sinks=sinks)
+            assert_close(out, want_o, **DECODE_TOL, name=f"step {i} (pdl={pdl})")
+            assert_close(lse, want_lse, atol=1e-4 * max(1.0, float(np.abs(want_lse).max())), rtol=0, name="lse")
+            other = poison(cupy.empty_like(out))
+            attn.flash_attn_decode(counted, 0, q, other, sinks=sinks_d)
+            assert_close(out, other.get(), atol=1e-6, rtol=1e-6, name=f"step {i}: waiting vs counting merge")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind, d, h, hk", [("float16", 128, 8, 2), ("bfloat16", 64, 12, 4), ("float32", 96, 4, 2)])
 def test_decode_pdl_chain_matches_plain_launches(rng, kind, d, h, hk, monkeypatch):
     """AttentionDispatch(pdl=True): a chain of decode steps over two layers, each step's q the previous
