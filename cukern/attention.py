@@ -487,7 +487,7 @@ class DecodePlan:
     head_block: int  # query heads per block (template G)
     warps: int  # decode_tc: warps per block (template NW); 0: the SIMT kernel
     merge_apart: bool  # n_splits > 1: the states merged by a merge_states launch, not by the decode's last block
-    merge_wait: bool  # merged in the launch by the last split's block, which waits for the others' states
+    merge_wait: bool  # merged in the launch by the first split's block, which waits for the others' states
     o_part: cupy.ndarray | None  # [batch, n_splits, n_heads, head_dim] f32 (n_splits > 1)
     lse_part: cupy.ndarray  # [batch, n_splits, n_heads] f32
     counters: cupy.ndarray  # [batch * n_kv_heads * head blocks] int32 zeros: blocks done per merge (left zero;
@@ -754,7 +754,7 @@ class AttentionDispatch:
                 cands.append((_split_time(n, blocks, visible, row_bytes, state_bytes, sms, model), nw, apart, n))
         _, warps, apart, n_splits = min(cands)
         apart = apart and n_splits > 1
-        # decode_tc merges the states in the launch by the last split's block, which polls the others' (no fence,
+        # decode_tc merges the states in the launch by the first split's block, which polls the others' (no fence,
         # no counter), where every block of the grid is resident at once: it waits for the others
         wait = bool(tc and n_splits > 1 and not apart and self._merge_wait is not False and blocks * n_splits
                     <= sms * self._unit(cache.kind).resident_blocks(f"decode_tc<{_CTYPE[cache.kind]}, {d}, {warps}>",

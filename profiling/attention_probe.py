@@ -285,7 +285,7 @@ def target_rows(which: str) -> None:
             cases = [tuple(int(v) for v in c.split("x")) for c in os.environ["PROBE_DECODE"].split(",")]
         for args in cases:
             _ahead_rows(b, attn_pdl, rng, ceil, args, aheads)
-    if "wait" in which:  # split states merged by the last split's block polling (merge_wait) or the last to finish
+    if "wait" in which:  # split states merged by the first split's block polling (merge_wait) or the last to finish
         cases = [(1, 8192, 32, 8, 128), (1, 32768, 32, 8, 128), (1, 131072, 32, 8, 128)]
         if os.environ.get("PROBE_DECODE"):
             cases = [tuple(int(v) for v in c.split("x")) for c in os.environ["PROBE_DECODE"].split(",")]
@@ -334,7 +334,7 @@ def _ahead_rows(b, attn, rng, ceil, args, aheads, turns: int = 3) -> None:
 
 def _wait_rows(b, attn, rng, ceil, args, turns: int = 3) -> None:
     """Graph times (rotating layers) of one decode shape with its split states merged by the last block to finish
-    (counted) and by the last split's block (merge_wait), the default plan otherwise, with torch SDPA at the same
+    (counted) and by the first split's block (merge_wait), the default plan otherwise, with torch SDPA at the same
     shape, the three timed in turns."""
     import torch
     import torch.nn.functional as F

@@ -359,11 +359,10 @@ def test_decode_many_splits(rng, d, h, hk, warps, n_splits, apart):
 @pytest.mark.parametrize("warps", [4, 8])
 @pytest.mark.parametrize("n_splits, max_kv_len", [(16, None), (5, 9000), (3, None)])
 def test_decode_merge_wait(rng, warps, n_splits, max_kv_len):
-    """decode_tc's merge by the last split's block, which polls the other blocks' parity-tagged states: launch
+    """decode_tc's merge by the first split's block, which polls the other blocks' parity-tagged states: launch
     after launch of one plan (the parity flips; a new q each time, so a state left from the launch before would
-    show), eagerly and from a graph, under pdl; ragged lengths so that the merging block's own chunk is sometimes
-    empty or short (max_kv_len beyond the lengths: it waits while the others stream), sinks and the LSE; the same
-    plan without it (the last block to finish merges) agrees."""
+    show), eagerly and from a graph, under pdl; ragged lengths, so that some chunks are short or empty (max_kv_len
+    beyond the lengths too), sinks and the LSE; the same plan without it (the last block to finish merges) agrees."""
     from cukern.streams import capture_graph
     lengths = [4000, 150, 1, 2049]
     cache, slots = _make_cache(rng, lengths, n_kv_heads=2, head_dim=128, page_size=16)

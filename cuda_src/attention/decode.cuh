@@ -195,10 +195,11 @@ CUKERN_DEVICE void merge_column(MergeAcc& m, const float4* src, uint64_t stride,
 //   * epoch < 0: the last block to finish (an acq_rel counter), which leaves the counter zero for the next
 //     launch;
 //   * epoch >= 0 (merge_wait; the launch's epoch, its counter word read after pdl_wait): the block of the
-//     last split, at once, polling the other blocks' states until they carry the epoch's parity (the states
-//     are written by relaxed stores, each word tagged: tag_parity); it then flips the counter word for the
-//     next launch. No fence and no atomic: the states' words are their own flags. Every block of the grid
-//     must be resident at once (the merging block waits for the others), which the plan checks.
+//     first split (dispatched first, so the likeliest to be polling already when the last state lands),
+//     polling the other blocks' states until they carry the epoch's parity (the states are written by
+//     relaxed stores, each word tagged: tag_parity); it then flips the counter word for the next launch.
+//     No fence and no atomic: the states' words are their own flags. Every block of the grid must be
+//     resident at once (the merging block waits for the others), which the plan checks.
 template <int D, int G, int WARPS>
 CUKERN_DEVICE void decode_finish(
     float* red,                              // shared [WARPS][G][D]
@@ -250,14 +251,14 @@ CUKERN_DEVICE void decode_finish(
     }
     if (!split_mode || p.merge_apart) return;  // merge_apart: merge_states, launched next, merges them
 
-    // ---- split mode, merged in this launch. merge_wait: the last split's block merges (its own state's
+    // ---- split mode, merged in this launch. merge_wait: the first split's block merges (its own state's
     // words, stored by other threads of the block, are ordered before its loads by the barrier).
     // Otherwise the last block of this (query, head block) to count merges: thread 0's acq_rel add
     // publishes the block's partials (every thread's stores, ordered before it by the barrier: a release
     // is cumulative) and, in the last block, acquires the other blocks' (the barrier after it orders every
     // thread's loads below): one atomic where a fence in every thread, the atomic and a second fence were.
     const bool wait = epoch >= 0;
-    if (wait && split + 1 != p.n_splits) return;
+    if (wait && split != 0) return;
     __syncthreads();
     int32_t* const counter = counters + (uint64_t)qi * gridDim.y + blockIdx.y;
     if (!wait) {

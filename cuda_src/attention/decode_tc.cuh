@@ -21,7 +21,7 @@
 //
 // Splits: each block writes its chunk's normalised state, and one block of the (query, head block) merges
 // them in the same launch (decode_finish): the last to finish, or with merge_wait (a grid resident at
-// once) the last split's block, which polls the others' parity-tagged states, so that no block fences,
+// once) the first split's block, which polls the others' parity-tagged states, so that no block fences,
 // counts or waits for a counter (the epoch word it tags with is copied in with the tiles).
 //
 // Bytes: every visible K and V row once per (KV head, head block of 8 heads), q once, O once; with
