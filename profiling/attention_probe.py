@@ -6,7 +6,8 @@ prints just the benchmark rows of the issue's targets (with their peers; decode 
 PROBE_DECODE=1x8192x32x8x128,... a subset of the decode rows), PROBE_ROWS=sweep block
 shapes x split counts (PROBE_SWEEP_KV, PROBE_SWEEP_SPLITS),
 PROBE_ROWS=wide head_dim 256 with one KV head by split count (PROBE_WIDE_SPLITS); sweep and wide rows with the
-split states merged in the decode's last block and apart (merge_states launched after it), PROBE_APART=0,1.
+split states merged in the decode's last block and apart (merge_states launched after it), PROBE_APART=0,1;
+PROBE_ROWS=wait the counted merge against merge_wait beside torch SDPA, in turns (PROBE_DECODE as for decode).
 
 2026-11-26 (H100, ncu on the PROBE_NCU_SPLITS=16 target, B1 KV8192 32/8 D128, decode_tc w8): 176 registers
 and 210 KB of shared memory hold it to 8 warps per SM; issue active 22%; about half of the warp stall samples
@@ -141,7 +142,33 @@ defines, three runs in turns):
     33.6 MB at KV8k: nothing is read twice; L2 read sectors 2.0x the bytes (the prefetches count), torch SDPA's
     cuDNN kernel 1.5x.
   * Plan alternatives at KV128k (same run): w8 s16 fused merge 181.4-181.8 us, w8 s16 merge_apart 183.1-183.2, w4
-    s33 184.0-184.2, w4 s33 apart 183.3-184.1, w8 s12 205.9-206.1 (SDPA 181.0-181.5). The default stays."""
+    s33 184.0-184.2, w4 s33 apart 183.3-184.1, w8 s12 205.9-206.1 (SDPA 181.0-181.5). The default stays.
+
+2026-11-27, fourteenth session (H100, pdl, graph, the default plan w8 s16, B1 32/8 D128, variants in turns with
+torch SDPA): merge_wait, where the grid is resident at once the merging block is fixed and polls the other
+blocks' states, whose f32 words carry the launch's parity in their lowest bit (relaxed stores and loads; no
+fence, no atomic, no election; the parity from an epoch word per grid row, copied in with the tiles and flipped
+by the merger):
+  * the last split's block merging, polling its states one after another (one L2 round trip for every state
+    that arrived after the one it waited on): KV8k 16.0 -> 15.9 us, KV32k 48.6 -> 51.2, KV128k 182.7 -> 184.4;
+    polling every unwritten state together: KV8k 16.0 -> 15.2 (72 -> 76% of copy), KV32k equal, KV128k 182.2 ->
+    181.4;
+  * the backoff between polls capped at 256 / 64 / 0 ns: equal (15.0 us);
+  * the first split's block merging (dispatched first, it is polling already when the last state lands): KV8k
+    15.0 -> 14.8 us, KV32k and KV128k equal. Kept. In one run: counted 15.7-15.8 us, merge_wait 14.74-14.89
+    (76.7%), SDPA 18.3-19.1; KV128k 181.3-181.4 / 180.5-180.6 / SDPA 180.7-181.0 (parity);
+  * with it, the pre-wait L2 prefetch at KV8k off / 2 tiles (the rule's is 1): 15.5 / 16.0 us; one prologue tile
+    before the wait (CUKERN_DECODE_EARLY=1): 15.1; KV128k prefetch 2 tiles (the rule's 3): 180.0-180.3 against
+    180.5-180.6, off 191.2. The rule stays.
+  * A software-pipelined tile loop (the S mma chain of tile i + 1 interleaved with O += P V of tile i, after tile
+    i's softmax, the next tile's copies issued before the wait; 215 registers at D128 against 186): correct (73
+    decode/merge GPU tests passed) but slower, KV8k 14.89 -> 15.2 us, KV32k 48.1 -> 48.3, KV128k 180.8 -> 181.2.
+    Not kept: the tiles' compute is not what is left at 8k. What is: the bare stream (every block writes its
+    partial and leaves, nothing merged) took 13.15 us (88% of copy) and the merge, counted or waiting, adds
+    ~1.65 us after the slowest block's state (one L2 round trip of the merger's loads under the next launch's
+    prologue traffic, the combine, the O store before the grid can end), so 80% (14.1 us) needs a merge
+    without an L2 round trip, i.e. in distributed shared memory, which a 16-block cluster per KV head cannot
+    give on H100 (7 such clusters fit, 8 are needed)."""
 from __future__ import annotations
 
 import itertools
