@@ -373,7 +373,7 @@ def test_decode_merge_wait(rng, warps, n_splits, max_kv_len):
     steps = [_q(rng, (len(slots), h, 128)) for _ in range(5)]
     for pdl in (False, True):
         attn = AttentionDispatch(pdl=pdl)
-        attn._tc_warps = warps
+        attn._tc_warps, attn._merge_wait = warps, True
         plan = attn.plan_decode(cache, slots, h, n_splits=n_splits, max_kv_len=max_kv_len)
         attn._merge_wait = False
         counted = attn.plan_decode(cache, slots, h, n_splits=n_splits, max_kv_len=max_kv_len)
@@ -747,3 +747,32 @@ def test_decode_merge_place_host(monkeypatch, kind, h, hk, d, kv, force, want):
         launches.clear()
         attn.flash_attn_decode(plan, 0, q, out, lse=cupy.empty((1, h)), sinks=cupy.zeros(h))
         assert dict(launches) == want
+
+
+def test_decode_merge_wait_place_host(monkeypatch):
+    """On CPU (tests/host_dispatch.py, an H100's 132 SMs and occupancy): asked for (it is off by default), the
+    plan merges by the first split's polling block (merge_wait) only for the tensor-core kernel with its states
+    merged in the launch and a grid the SMs hold at once; its partial buffers start with every word's lowest bit
+    set (parity 1: the first launch writes parity 0), the counters (epochs) at zero, padded to fours."""
+    from host_dispatch import host_view, patch
+    from cukern import dispatch
+    launches = patch(monkeypatch)
+    monkeypatch.setattr(dispatch, "_pdl_supported", lambda device_id: True)  # as on an H100
+    attn = AttentionDispatch(pdl=True)
+    cache = PagedKVCache(1, 64 * 4096 // 16 + 1, 16, 8, 128, max_seqs=64)
+    one = cache.add(8192 - 4096 + 1)
+    assert not attn.plan_decode(cache, [one], 32).merge_wait  # off by default
+    attn._merge_wait = True
+    plan = attn.plan_decode(cache, [one], 32)
+    assert plan.warps == 8 and plan.n_splits * 8 <= 132 and plan.merge_wait and not plan.merge_apart
+    assert (host_view(plan.o_part).view(np.uint32) & 1).all() and (host_view(plan.lse_part).view(np.uint32) & 1).all()
+    assert plan.counters.shape == (8,) and not host_view(plan.counters).any()
+    q, out = cupy.empty((1, 32, 128)), cupy.empty((1, 32, 128))
+    attn.flash_attn_decode(plan, 0, q, out)
+    assert dict(launches) == {"decode_tc<__half, 128, 8>": 1}
+    assert not attn.plan_decode(cache, [one], 32, n_splits=17).merge_wait  # 136 blocks of one per SM
+    many = [cache.add(2000) for _ in range(60)]
+    plan = attn.plan_decode(cache, many, 32, n_splits=2)  # 960 blocks
+    assert not plan.merge_wait and plan.counters.shape == (60 * 8,)
+    f32 = PagedKVCache(1, 600, 16, 2, 96, max_seqs=1, dtype="float32")
+    assert not attn.plan_decode(f32, [f32.add(8000)], 4, n_splits=8).merge_wait  # the SIMT kernel counts

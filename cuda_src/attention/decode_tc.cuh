@@ -108,8 +108,8 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
     float* __restrict__ lse,                 // [n_queries, n_heads] final natural-log LSE, sinks included (write_lse)
     float* __restrict__ o_part,              // n_splits > 1: [n_queries, n_splits, n_heads, D] normalised partial O
     float* __restrict__ lse_part,            // n_splits > 1: [n_queries, n_splits, n_heads] their natural-log LSE
-    int32_t* __restrict__ counters,          // n_splits > 1: [n_queries * gridDim.y] zeros (left zero on exit;
-                                             //    merge_wait: epochs, flipped by each launch)
+    int32_t* __restrict__ counters,          // n_splits > 1: [n_queries * gridDim.y, padded to fours] zeros (left
+                                             //    zero on exit; merge_wait: epochs, flipped by each launch)
     const float* __restrict__ q,             // [n_queries, n_heads, D]
     const T* __restrict__ k_pool,            // [n_pages, page_size, n_kv_heads, D]
     const T* __restrict__ v_pool,            // [n_pages, page_size, n_kv_heads, D]
@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
     __shared__ float sm_m[WARPS][G];
     __shared__ float sm_l[WARPS][G];
     __shared__ int sm_last;
-    __shared__ int sm_epoch;  // merge_wait: this launch's epoch (the counter word of the block's grid row)
+    __shared__ __align__(16) int sm_epochs[4];  // merge_wait: the counter words of four grid rows, this one's among them
 
     uint32_t dyn_smem;  // the host mirrors SMEM (_decode_tc_smem): a mismatch must fail loudly, not overrun
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
@@ -229,9 +229,11 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
             cp_async_commit();
         }
     }
-    // merge_wait: the epoch word lands in shared memory with the tile copies (read after cp_async_wait_all)
+    // merge_wait: this launch's epoch (the counter word of the block's grid row) lands in shared memory with the
+    // tile copies, by a 16-byte copy through L2 of the four words around it (the plan pads the counters to fours)
     const bool merge_wait = p.merge_wait && p.n_splits > 1 && !p.merge_apart;
-    if (merge_wait && threadIdx.x == 0) cp_async4(&sm_epoch, counters + (uint64_t)qi * gridDim.y + blockIdx.y);
+    const uint32_t grid_row = qi * gridDim.y + blockIdx.y;
+    if (merge_wait && threadIdx.x == 0) cp_async16(sm_epochs, counters + (grid_row & ~3u), 16);
     uint2 next = rows0[NS - 1];  // lookup() of the next tile to issue
     // p.l2_ahead: L2 is asked for the warp's tiles up to l2_ahead after the one it copies next (those the
     // prologue did not ask for now, then one per tile in the loop, its pool row looked up a tile early)
@@ -364,7 +366,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
             mma16816<T>(oacc[2 * d2 + 1], pa, b[2], b[3]);
         }
     }
-    cp_async_wait_all();  // (only the epoch word and empty groups can be left) the stages become the merge scratch
+    cp_async_wait_all();  // (only the epoch words and empty groups can be left) the stages become the merge scratch
     __syncthreads();
     CUKERN_DECODE_CLOCK(2);
 
@@ -384,6 +386,6 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
     }
     __syncthreads();
     decode_finish<D, G, WARPS>(red, sm_m, sm_l, &sm_last, o, lse, o_part, lse_part, counters, sinks, p,
-                               qi, split, h0, n_h, merge_wait ? sm_epoch : -1);
+                               qi, split, h0, n_h, merge_wait ? sm_epochs[grid_row & 3] : -1);
     CUKERN_DECODE_CLOCK(3);
 }

@@ -57,11 +57,6 @@ CUKERN_DEVICE void prefetch_l2_lines(const void* src) {
         if (first + 128u * l <= last) asm volatile("prefetch.global.L2 [%0];" ::"l"(first + 128u * l) : "memory");
 }
 
-// 4-byte global -> shared copy (a word the block reads only after cp_async_wait_all and a barrier)
-CUKERN_DEVICE void cp_async4(void* smem, const void* gmem) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(smem)), "l"(gmem));
-}
-
 CUKERN_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 // every cp.async of the thread, committed or not, has landed
