@@ -344,9 +344,9 @@ def target_rows(which: str) -> None:
                 show(b._tc_rows("varlen f16 (+lse)", b._varlen_fn(attn, rng, bb, L, h, hk, d), bb, L, h, hk, d, True))
 
 
-def _ahead_rows(b, attn, rng, ceil, args, aheads, turns: int = 3) -> None:
-    """Graph times (rotating layers) of one decode shape by in-loop L2 prefetch distance (-1: the rule), the
-    distances timed in turns on one cache and the plan's own configuration."""
+def _rotating_case(b, rng, args):
+    """A decode case (batch, kv_len, heads, KV heads, head_dim) over enough random f16 layers that rotating through
+    them keeps K/V out of L2: (cache, slots, q, out, K/V bytes of a layer, layers)."""
     bb, kv_len, h, hk, d = args
     kv_bytes = bb * kv_len * hk * d * 4
     n_layers = max(1, min(16, -(-4 * b._L2_BYTES // kv_bytes)))
@@ -354,7 +354,14 @@ def _ahead_rows(b, attn, rng, ceil, args, aheads, turns: int = 3) -> None:
     b._fill_pools(cache, rng)
     slots = [cache.add(kv_len) for _ in range(bb)]
     q = rng.standard_normal((bb, h, d), dtype=cupy.float32)
-    out = cupy.empty_like(q)
+    return cache, slots, q, cupy.empty_like(q), kv_bytes, n_layers
+
+
+def _ahead_rows(b, attn, rng, ceil, args, aheads, turns: int = 3) -> None:
+    """Graph times (rotating layers) of one decode shape by in-loop L2 prefetch distance (-1: the rule), the
+    distances timed in turns on one cache and the plan's own configuration."""
+    bb, kv_len, h, hk, d = args
+    cache, slots, q, out, kv_bytes, n_layers = _rotating_case(b, rng, args)
     plan = attn.plan_decode(cache, slots, h)
     times = {a: [] for a in aheads}
     for _ in range(turns):
@@ -376,13 +383,7 @@ def _wait_rows(b, attn, rng, ceil, args, turns: int = 3) -> None:
     import torch
     import torch.nn.functional as F
     bb, kv_len, h, hk, d = args
-    kv_bytes = bb * kv_len * hk * d * 4
-    n_layers = max(1, min(16, -(-4 * b._L2_BYTES // kv_bytes)))
-    cache = PagedKVCache(n_layers, bb * -(-kv_len // 16), 16, hk, d, max_seqs=bb)
-    b._fill_pools(cache, rng)
-    slots = [cache.add(kv_len) for _ in range(bb)]
-    q = rng.standard_normal((bb, h, d), dtype=cupy.float32)
-    out = cupy.empty_like(q)
+    cache, slots, q, out, kv_bytes, n_layers = _rotating_case(b, rng, args)
     plans = {}
     for wait in (False, True):
         attn._merge_wait = wait
@@ -401,7 +402,8 @@ def _wait_rows(b, attn, rng, ceil, args, turns: int = 3) -> None:
         for k, plan in plans.items():
             times[k].append(time_graph_us(_layer_steps(attn, plan, q, out, n_layers), n_inner=max(8, 2 * n_layers)))
         times["sdpa"].append(b._torch_graph_us(peer, max(8, 2 * n_layers)))
-    del tkv, cache
+    tkv.clear()  # the peer's K/V freed before the next shape
+    del cache
     p = plans["wait"]
     for k, ts in times.items():
         gbs = (kv_bytes + 2 * bb * h * d * 4) / min(ts) / 1e3

@@ -382,8 +382,9 @@ def test_decode_merge_wait(rng, warps, n_splits, max_kv_len):
         lses = [poison(cupy.empty((len(slots), h), cupy.float32)) for _ in steps]
         for (_, q), out, lse in zip(steps[:3], outs, lses):  # eager, then the rest from one graph
             attn.flash_attn_decode(plan, 0, q, out, lse=lse, sinks=sinks_d)
-        graph = capture_graph(lambda st: [attn.flash_attn_decode(plan, 0, q, out, lse=lse, sinks=sinks_d, stream=st)
-                                          for (_, q), out, lse in zip(steps[3:], outs[3:], lses[3:])])
+        work = list(zip(steps[3:], outs[3:], lses[3:]))
+        graph = capture_graph(lambda st, attn=attn, plan=plan, work=work: [
+            attn.flash_attn_decode(plan, 0, q, out, lse=lse, sinks=sinks_d, stream=st) for (_, q), out, lse in work])
         graph.replay(cupy.cuda.get_current_stream())
         for i, ((qh, q), out, lse) in enumerate(zip(steps, outs, lses)):
             want_o, want_lse = ref.paged_attention(qh, kp, vp, pt, lens, slots, [1] * len(slots), 16, sinks=sinks)
@@ -755,6 +756,7 @@ def test_decode_merge_wait_place_host(monkeypatch):
     merged in the launch and a grid the SMs hold at once; its partial buffers start with every word's lowest bit
     set (parity 1: the first launch writes parity 0), the counters (epochs) at zero, padded to fours."""
     from host_dispatch import host_view, patch
+
     from cukern import dispatch
     launches = patch(monkeypatch)
     monkeypatch.setattr(dispatch, "_pdl_supported", lambda device_id: True)  # as on an H100
