@@ -54,7 +54,7 @@ one's wait return):
 Run: PYTHONPATH=. python profiling/attention_blocks.py   (BLOCKS_KV=8192,131072; BLOCKS_CFG=8:16,4:33;
 BLOCKS_DEFINES=A=1;B=2,A=0: variants of the unit, one per comma-separated set; BLOCKS_PAIR=1 the pair of
 clocked launches mid-graph, BLOCKS_DEFINES=A=1;B=2 then one variant for every launch, BLOCKS_PF its pre-wait
-L2 prefetch)
+L2 prefetch, BLOCKS_WAIT=1 the plan's merge_wait)
 """
 from __future__ import annotations
 
@@ -100,6 +100,7 @@ def pair():
     extra = tuple(x for x in os.environ.get("BLOCKS_DEFINES", "").split(";") if x)  # a variant of all three units
     a, c = _clocked(True, ("CUKERN_PAIR=1", *extra)), _clocked(True, ("CUKERN_PAIR=2", *extra))
     plain = _clocked(True, extra) if extra else A.AttentionDispatch(pdl=True)
+    plain._merge_wait = bool(int(os.environ.get("BLOCKS_WAIT", "0")))  # the plan's merge by the first split's block
     if os.environ.get("BLOCKS_PF"):  # force the L2 prefetch before the wait (tiles)
         a._l2_prefetch = c._l2_prefetch = plain._l2_prefetch = int(os.environ["BLOCKS_PF"])
     for kv in kvs:
@@ -134,6 +135,10 @@ def _pair_report(label, ta, tc):
           f"{us(tc[:, 1].min()):.2f}-{us(tc[:, 1].max()):.2f}, tiles done {us(tc[:, 2].max()):.2f}, leave "
           f"{us(tc[:, 3].max()):.2f}; last leave -> next wait {(tc[:, 1].min() - ta[:, 3].max()) / 1e3:.2f} us",
           flush=True)
+    qs = (0.0, 0.1, 0.5, 0.9, 1.0)
+    for name, t in (("launch 1", ta), ("launch 2", tc)):
+        print(f"  {name} quantiles {qs}: entry {_q(us(t[:, 0]), qs)} | tiles {_q(us(t[:, 2]), qs)} | leave "
+              f"{_q(us(t[:, 3]), qs)}", flush=True)
 
 
 def main():

@@ -7,7 +7,8 @@ PROBE_DECODE=1x8192x32x8x128,... a subset of the decode rows), PROBE_ROWS=sweep 
 shapes x split counts (PROBE_SWEEP_KV, PROBE_SWEEP_SPLITS),
 PROBE_ROWS=wide head_dim 256 with one KV head by split count (PROBE_WIDE_SPLITS); sweep and wide rows with the
 split states merged in the decode's last block and apart (merge_states launched after it), PROBE_APART=0,1;
-PROBE_ROWS=wait the counted merge against merge_wait beside torch SDPA, in turns (PROBE_DECODE as for decode).
+PROBE_ROWS=wait the counted merge against merge_wait beside torch SDPA, in turns (PROBE_DECODE as for decode;
+PROBE_WAIT_CFG=8:16,4:16 warps:splits pairs instead of the plan's own).
 
 2026-11-26 (H100, ncu on the PROBE_NCU_SPLITS=16 target, B1 KV8192 32/8 D128, decode_tc w8): 176 registers
 and 210 KB of shared memory hold it to 8 warps per SM; issue active 22%; about half of the warp stall samples
@@ -178,7 +179,36 @@ by the merger):
     parity 1; the low-bit tag moves an LSE by one unit in the last place, which a float64 replay of the test's
     split merges shows cannot reach its 1e-4 tolerance), and no device time was left to tell whether merge_wait
     or the counted merge is at fault (same seeds, AttentionDispatch._merge_wait on and off). So merge_wait is
-    opt-in (a probe setting) and the counted merge stays the default."""
+    opt-in (a probe setting) and the counted merge stays the default.
+
+2026-11-27, fifteenth session (H100, pdl, graph, B1 32/8 D128 unless said; variants in turns with torch SDPA):
+  * The merge_wait mismatch of the session before did not come back. Scratch runs of test_decode_tc_warps (both
+    block shapes, both dtypes, in-loop prefetch by the rule and forced) and test_decode_merge_wait (every
+    parametrisation) called directly over 48 seeds in 8 processes at once, merge_wait on and off: 0 failures in
+    672 calls each way. pytest -n 8 of the decode and merge tests with merge_wait forced on (a plugin patching
+    AttentionDispatch.__init__), seeds 101-105 and 200-239: 45 runs, each 73 passed. Still unexplained, so
+    merge_wait stays opt-in.
+  * Does the next launch gain from fitting beside the 8 merging blocks (PROBE_ROWS=wait PROBE_WAIT_CFG)? No.
+    KV8k counted / merge_wait: w8 s16 15.99-16.09 / 15.30-15.43 us, s15 16.16-16.27 / 15.66-15.73, s14
+    16.21-16.28 / 15.38-15.49, s12 16.41-16.54 / 15.80-15.94; w4 s16 17.33-17.47 / 16.66-16.79, w4 s32
+    17.15-17.23 (too many blocks for merge_wait); SDPA 18.7-19.4.
+  * Fewer bytes in flight, so that the merge's L2 round trip queues behind less (a 2-stage ring, 17 KB a warp,
+    instead of 3): slower everywhere. merge_wait KV8k 14.86-14.90 -> 15.21-15.34 us, KV32k 48.4-48.6 ->
+    48.1-48.2 (one turn 52), KV128k 180.8-181.0 -> 182.1-182.4; counted 15.73-15.78 -> 16.09-16.11, KV128k
+    181.9 -> 183.4 (SDPA 18.3-19.1 / 51.7-52.1 / 180.7-181.1).
+  * Fewer splits with more of each block's chunk in L2 before the wait (merge_wait, pre-wait L2 prefetch pf
+    tiles): KV8k s16 14.89-14.98 us, s8 15.88-15.97, s8 pf3 16.63-16.75, s8 pf6 18.2-18.3, s16 pf3 16.05-16.14,
+    s10 16.55-16.68, s10 pf4 18.3-18.7, s12 pf4 17.7-18.1; KV32k s16 48.3-48.4, s8 50.5-50.8 (64 blocks still
+    read at 90% of copy), s10 56.9-57.8. The plan's s16 and pf rule stay.
+  * Clocks (attention_blocks.py BLOCKS_PAIR=1 BLOCKS_KV=8192, BLOCKS_WAIT=0 / 1; us from the first clocked
+    launch's wait return): tiles done 6.6-9.0, most blocks leave by 10-11, the merging blocks at 18.7-19.8,
+    the next launch's blocks enter at a median of 9.5-11 and return from their wait 0.38-0.42 us after the last
+    block leaves, both ways. The merging blocks' loads wait behind the next launch's prologue copies. Holding
+    that prologue back by a sleep on entry (a macro-guarded variant, not kept): merge_wait 15.05-15.20 us, 500 ns
+    14.90-15.14, 1 us 15.00-15.04, 2 us 15.33-15.43, 4 us 16.03-16.18; counted 15.91-16.06, 1 us 15.73-15.95;
+    KV128k flat to 2 us (181.0-181.7), SDPA 18.6-19.3 / 180.7-181.2. What the prologue loses is what the merge
+    gains: no setting of how much is asked for before the wait, how deep the ring is, or where the merging
+    block sits has moved KV8k past 77% of copy."""
 from __future__ import annotations
 
 import itertools
@@ -385,10 +415,14 @@ def _wait_rows(b, attn, rng, ceil, args, turns: int = 3) -> None:
     bb, kv_len, h, hk, d = args
     cache, slots, q, out, kv_bytes, n_layers = _rotating_case(b, rng, args)
     plans = {}
-    for wait in (False, True):
-        attn._merge_wait = wait
-        plans["wait" if wait else "count"] = attn.plan_decode(cache, slots, h)
-    attn._merge_wait = False
+    cfgs = [tuple(int(v) for v in c.split(":")) for c in os.environ.get("PROBE_WAIT_CFG", "").split(",") if c]
+    for nw, ns in cfgs or [(0, 0)]:  # warps:splits (PROBE_WAIT_CFG), or the plan's own
+        attn._tc_warps = nw or None
+        for wait in (False, True):
+            attn._merge_wait = wait
+            plans[f"{'wait' if wait else 'count'}{f' w{nw} s{ns}' if nw else ''}"] = attn.plan_decode(
+                cache, slots, h, n_splits=ns or None)
+    attn._merge_wait, attn._tc_warps = False, None
     tq = torch.randn(bb, h, 1, d, device="cuda", dtype=torch.float16)
     tkv = [(torch.randn(bb, hk, kv_len, d, device="cuda", dtype=torch.float16),
             torch.randn(bb, hk, kv_len, d, device="cuda", dtype=torch.float16)) for _ in range(n_layers)]
@@ -404,10 +438,11 @@ def _wait_rows(b, attn, rng, ceil, args, turns: int = 3) -> None:
         times["sdpa"].append(b._torch_graph_us(peer, max(8, 2 * n_layers)))
     tkv.clear()  # the peer's K/V freed before the next shape
     del cache
-    p = plans["wait"]
     for k, ts in times.items():
+        p = plans.get(k)
         gbs = (kv_bytes + 2 * bb * h * d * 4) / min(ts) / 1e3
-        print(f"{k:5s} B{bb} KV{kv_len} {h}/{hk} D{d} w{p.warps} s{p.n_splits} wait={p.merge_wait}: "
+        cfg = f"w{p.warps} s{p.n_splits} wait={p.merge_wait}" if p else ""
+        print(f"{k:14s} B{bb} KV{kv_len} {h}/{hk} D{d} {cfg}: "
               f"{' / '.join(f'{t:.2f}' for t in ts)} us, {100 * gbs / ceil.copy_gbs:.1f}% of copy, "
               f"{min(times['sdpa']) / min(ts):.3f}x SDPA", flush=True)
 

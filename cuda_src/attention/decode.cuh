@@ -235,14 +235,15 @@ CUKERN_DEVICE void decode_finish(
         }
         const float out = L > 0.0f ? a / L : 0.0f;
         const float lse2 = L > 0.0f ? (mx + log2f(L)) * LN2 : -INFINITY;
-        if (split_mode && epoch >= 0) {
+        if (split_mode) {
             const uint64_t row = ((uint64_t)qi * p.n_splits + split) * p.n_heads + h0 + g;
-            st_relaxed_gpu(o_part + row * D + d, tag_parity(out, epoch & 1));
-            if (d == 0) st_relaxed_gpu(lse_part + row, tag_parity(lse2, epoch & 1));
-        } else if (split_mode) {
-            const uint64_t row = ((uint64_t)qi * p.n_splits + split) * p.n_heads + h0 + g;
-            o_part[row * D + d] = out;
-            if (d == 0) lse_part[row] = lse2;
+            if (epoch >= 0) {  // merge_wait: tagged words, polled by the merging block
+                st_relaxed_gpu(o_part + row * D + d, tag_parity(out, epoch & 1));
+                if (d == 0) st_relaxed_gpu(lse_part + row, tag_parity(lse2, epoch & 1));
+            } else {
+                o_part[row * D + d] = out;
+                if (d == 0) lse_part[row] = lse2;
+            }
         } else {
             const uint64_t row = (uint64_t)qi * p.n_heads + h0 + g;
             o[row * D + d] = out;
