@@ -208,7 +208,14 @@ by the merger):
     14.90-15.14, 1 us 15.00-15.04, 2 us 15.33-15.43, 4 us 16.03-16.18; counted 15.91-16.06, 1 us 15.73-15.95;
     KV128k flat to 2 us (181.0-181.7), SDPA 18.6-19.3 / 180.7-181.2. What the prologue loses is what the merge
     gains: no setting of how much is asked for before the wait, how deep the ring is, or where the merging
-    block sits has moved KV8k past 77% of copy."""
+    block sits has moved KV8k past 77% of copy.
+  * Strided splits (a macro-guarded variant, not kept): block s takes warp tiles s, s + n_splits, ... of the whole
+    range instead of one contiguous chunk, so a head's blocks walk the keys side by side (the same outputs to
+    4e-8). Counted, pdl: KV8k 15.91-15.99 -> 15.51-15.71 us, KV32k 48.3-48.6 -> 47.9-48.1, KV128k 182.0-182.9 ->
+    183.6-184.1; plain: KV8k 18.4-18.8 -> 18.5-18.9, KV32k equal (54.3-55.0), KV128k 194.6-197.2 -> 203.7-204.6;
+    merge_wait: KV8k equal (14.84-15.10), KV32k 48.2-48.5 -> 47.4-47.7, KV128k 181.5-182.2 -> 182.5-182.9 (SDPA
+    18.8-19.4 / 52.0-52.4 / 180.9-181.1). The uneven long-KV streaming is not about where in the range a block
+    reads."""
 from __future__ import annotations
 
 import itertools
