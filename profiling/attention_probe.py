@@ -415,8 +415,8 @@ def _ahead_rows(b, attn, rng, ceil, args, aheads, turns: int = 3) -> None:
 
 def _wait_rows(b, attn, rng, ceil, args, turns: int = 3) -> None:
     """Graph times (rotating layers) of one decode shape with its split states merged by the last block to finish
-    (counted) and by the first split's block (merge_wait), the default plan otherwise, with torch SDPA at the same
-    shape, the three timed in turns."""
+    (counted) and by the first split's block (merge_wait), the plan's own warps and splits or each PROBE_WAIT_CFG
+    pair, with torch SDPA at the same shape, all timed in turns."""
     import torch
     import torch.nn.functional as F
     bb, kv_len, h, hk, d = args
