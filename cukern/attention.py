@@ -41,7 +41,7 @@ __all__ = ["AttentionDispatch", "PagedKVCache", "PageAllocator", "DecodePlan", "
 BF16 = "bfloat16"
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256, 512)  # decode and the cache
 PREFILL_HEAD_DIMS = HEAD_DIMS[:-1]  # tensor-core prefill / varlen (512: use f32 queries, SIMT path)
-PREFILL_WG_HEAD_DIMS = (128,)  # prefill_wg (Hopper wgmma) head dims; the others run prefill (mma.sync)
+PREFILL_WG_HEAD_DIMS = (128, 256)  # prefill_wg (Hopper wgmma) head dims; the others run prefill (mma.sync)
 _GROUPS = (1, 4, 8)  # query heads per decode block (GQA heads beyond 8 take several blocks)
 _CTYPE = {"float16": "__half", BF16: "__nv_bfloat16", "float32": "float"}
 _SHORT = {"float16": "f16", BF16: "bf16", "float32": "f32"}
@@ -126,8 +126,10 @@ def _prefill_shape(d: int) -> tuple[int, int, int]:
 
 def _prefill_wg_shape(d: int) -> tuple[int, int, int]:
     """(threads, query rows per block, dynamic shared bytes) of prefill_wg<T, d> (PrefillWgShape): two
-    warpgroups of 64 rows; 1 KB of alignment slack, the Q tile and two stages of 128-key K and V tiles."""
-    return 256, 128, 1024 + 128 * d * 2 + 4 * 128 * d * 2
+    warpgroups of 64 rows; 1 KB of alignment slack, the Q tile and two stages of K and V tiles of 128 keys
+    (64 at head_dim 256)."""
+    bn = 64 if d > 128 else 128
+    return 256, 128, 1024 + 128 * d * 2 + 4 * bn * d * 2
 
 
 def _page_shift(page_size: int) -> int:
@@ -939,7 +941,7 @@ class AttentionDispatch:
 
         q, out: [n_q, n_heads, head_dim] with the rows of sequence i at ``q_indptr[i] ...``. Q in the cache
         dtype (float16 / bfloat16) runs on tensor cores (f32 accumulation; head_dim up to 256): on sm_90 at
-        head_dim 128 the wgmma kernel prefill_wg, else mma.sync m16n8k16 (prefill); ``wgmma`` None picks,
+        head_dim 128 and 256 the wgmma kernel prefill_wg, else mma.sync m16n8k16 (prefill); ``wgmma`` None picks,
         True forces prefill_wg (ValueError where it cannot run), False prefill. float32 Q runs the SIMT
         decode kernel over every query row (any cache dtype, head_dim up to 512). lse: optional [n_q,
         n_heads] f32, natural log."""

@@ -15,7 +15,8 @@ Counted work:
   timed in alternating rounds (the minimum of each over the rounds), so a clock drift during the
   run reaches every side alike.
 
-Run: PYTHONPATH=. python profiling/bench_attention.py [--quick] [--json out.json]
+Run: PYTHONPATH=. python profiling/bench_attention.py [--quick] [--only decode|prefill] [--json out.json]
+(``--only prefill``: the prefill and varlen rows)
 """
 
 from __future__ import annotations
@@ -203,12 +204,21 @@ class _Rows(list):
             self.append(r)
 
 
-def bench(quick: bool = False) -> tuple[list, object]:
+def bench(quick: bool = False, only: str | None = None) -> tuple[list, object]:
     attn = AttentionDispatch()
     ceil = measure_ceilings()
     rng = cupy.random.default_rng(0)
     rows = _Rows()
-    # ---------------------------------------------------------------- decode
+    if only != "prefill":
+        _decode_bench(attn, ceil, rng, rows, quick)
+    if only != "decode":
+        _prefill_bench(attn, rng, rows, quick)
+    if torch is None:
+        print("note: torch is not installed here: the peer columns are empty")
+    return list(rows), ceil
+
+
+def _decode_bench(attn, ceil, rng, rows, quick: bool) -> None:
     decode = [(1, 8192, 32, 8, 128), (1, 32768, 32, 8, 128), (1, 131072, 32, 8, 128), (32, 4096, 32, 8, 128),
               (1, 8192, 8, 1, 256), (1, 8192, 4, 1, 256), (1, 512, 4, 1, 256)]  # the last: Gemma 3 270M's
     if not quick:                                                                # decode step at short KV
@@ -219,7 +229,10 @@ def bench(quick: bool = False) -> tuple[list, object]:
         rows.extend(_decode_rows(attn, ceil, rng, b, L, h, hk, d, attn_pdl=attn_pdl))
     for s in (16, 48, 64):  # split-count sweep at the headline shape (the default is the row above)
         rows.extend(_decode_rows(attn, ceil, rng, 1, 8192, 32, 8, 128, n_splits=s, label=f"splits={s}"))
-    # ---------------------------------------------------------------- prefill (paged cache) and varlen
+
+
+def _prefill_bench(attn, rng, rows, quick: bool) -> None:
+    """Prefill over the paged cache and varlen rows."""
     prefill = [(4, 4096, 32, 32, 128), (1, 1024, 32, 32, 128), (4, 4096, 16, 16, 256)]
     if not quick:
         prefill = [(16, 512, 32, 32, 128), (8, 1024, 32, 32, 128), (4, 2048, 32, 32, 128), (4, 4096, 32, 32, 128),
@@ -230,17 +243,16 @@ def bench(quick: bool = False) -> tuple[list, object]:
     for b, L, h, hk, d, causal in [(4, 4096, 32, 32, 128, True)] + ([] if quick else [(4, 4096, 32, 8, 128, False)]):
         rows.append(_tc_rows("varlen f16 (+lse)", _varlen_fn(attn, rng, b, L, h, hk, d, causal), b, L, h, hk, d,
                              causal))
-    if torch is None:
-        print("note: torch is not installed here: the peer columns are empty")
-    return list(rows), ceil
 
 
 TITLE = 'attention (decode: % of copy bandwidth; prefill/varlen: % of the fastest torch SDPA)'
 
 
 def main(argv=None) -> int:
-    return script_main(bench, __doc__, title=TITLE,
-                       quick_help='a few shapes only', argv=argv)
+    return script_main(bench, __doc__, title=TITLE, quick_help='a few shapes only', argv=argv,
+                       add_args=lambda ap: ap.add_argument("--only", choices=("decode", "prefill"),
+                                                           help="only the decode rows, or the prefill and varlen rows"),
+                       bench_kwargs=lambda args: {"only": args.only})
 
 
 if __name__ == "__main__":

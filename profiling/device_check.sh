@@ -75,7 +75,8 @@ CUKERN_NO_POOL=1 step sanitizer compute-sanitizer --tool memcheck --error-exitco
 # shared-memory races (racecheck) in the kernels that stage through shared memory: decode_tc and its split
 # merge, merge_states, the mma.sync and wgmma prefills, the int8 matvec rings, the wgmma and int8 GEMMs
 RACE_K=${CUKERN_RACECHECK_K:-"(test_decode and softcap and (d128 or d256)) or test_decode_tc_warps or test_merge_states \
-or (test_prefill_wgmma_matches_mma_sync and (causal-float16-h4 or window)) or test_varlen_wgmma_matches_mma_sync \
+or (test_prefill_wgmma_matches_mma_sync and (causal-float16-d128-h4 or causal-float16-d256-h4 or window)) \
+or test_varlen_wgmma_matches_mma_sync \
 or row_tail or (test_gemm_wg and Q4_K) or (test_gemm_q8 and Q6_K)"}
 if [ "$RACE_K" != skip ]; then
     CUKERN_NO_POOL=1 step racecheck compute-sanitizer --tool racecheck --error-exitcode 99 --print-limit 20 \

@@ -608,25 +608,28 @@ def _hopper() -> bool:
     return int(cupy.cuda.Device().compute_capability) == 90
 
 
-# (kind, n_heads, n_kv_heads, page_size, lengths, q_lens): 128-key tiles across pages (64), inside one page
-# (256), through the division path (48: not a power of two); ragged around the 128-row / 128-key tiles
+# (kind, head_dim, n_heads, n_kv_heads, page_size, lengths, q_lens): K/V tiles (128 keys; 64 at head_dim 256)
+# across pages (64, 32), inside one page (256), through the division path (48: not a power of two); ragged
+# around the 128-row query tiles and the key tiles
 WG_CASES = [
-    ("float16", 4, 2, 64, [700, 129, 1, 128], [700, 40, 1, 128]),
-    ("bfloat16", 6, 2, 256, [300, 513], [257, 2]),
-    ("float16", 2, 1, 48, [385, 127], [385, 127]),
+    ("float16", 128, 4, 2, 64, [700, 129, 1, 128], [700, 40, 1, 128]),
+    ("bfloat16", 128, 6, 2, 256, [300, 513], [257, 2]),
+    ("float16", 128, 2, 1, 48, [385, 127], [385, 127]),
+    ("float16", 256, 4, 1, 32, [700, 65, 1, 64], [700, 65, 1, 63]),
+    ("bfloat16", 256, 4, 2, 256, [300, 513], [129, 3]),
+    ("float16", 256, 2, 2, 48, [385, 127], [385, 127]),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", WG_CASES, ids=lambda c: f"{c[0]}-h{c[1]}/{c[2]}-p{c[3]}")
+@pytest.mark.parametrize("case", WG_CASES, ids=lambda c: f"{c[0]}-d{c[1]}-h{c[2]}/{c[3]}-p{c[4]}")
 @pytest.mark.parametrize("variant", ["causal", "window+sinks", "softcap", "noncausal"])
 def test_prefill_wgmma_matches_mma_sync(attn, rng, case, variant):
     """Hopper: prefill_wg (wgmma) and prefill (mma.sync) on the same paged batch, each against the
     reference; the two kernels round P the same way, so they also agree with each other closely."""
     if not _hopper():
         pytest.skip("prefill_wg needs sm_90")
-    kind, h, hk, ps, lengths, q_lens = case
-    d = 128
+    kind, d, h, hk, ps, lengths, q_lens = case
     cache, slots = _make_cache(rng, lengths, n_kv_heads=hk, head_dim=d, page_size=ps, kind=kind, attn=attn)
     kw, causal = {}, variant != "noncausal"
     if variant == "window+sinks":
@@ -652,15 +655,16 @@ def test_prefill_wgmma_matches_mma_sync(attn, rng, case, variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("kind", ["float16", "bfloat16"])
-def test_varlen_wgmma_matches_mma_sync(attn, rng, kind):
+def test_varlen_wgmma_matches_mma_sync(attn, rng, kind, d):
     """Hopper: the varlen path (contiguous K/V, GQA, ragged q and k lengths, causal) through both kernels."""
     if not _hopper():
         pytest.skip("prefill_wg needs sm_90")
     q_lens, k_lens = [1, 127, 128, 129, 300, 64], [1, 127, 200, 129, 300, 700]
     cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     cu_k = np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int32)
-    h, hk, d = 4, 2, 128
+    h, hk = 4, 2
     q, k, v = (_store(rng.standard_normal((n, hh, d)).astype(np.float32), kind)
                for n, hh in ((cu_q[-1], h), (cu_k[-1], hk), (cu_k[-1], hk)))
     want_o, want_lse = ref.varlen(ref.as_float64(q, kind), ref.as_float64(k, kind), ref.as_float64(v, kind),

@@ -5,11 +5,13 @@
 // Grid: (n_q_tiles, n_heads, n_seqs), heaviest tile first within each (head, sequence): blockIdx.x = 0 is
 // the last query tile. Consecutive blocks share a head, so the blocks resident together read the K/V of a
 // few heads, which stay in L2. Block: WGS = 2 warpgroups of 64 query rows each (BM = 128), one block per SM.
-// Per K/V tile of BN = 128 keys and warpgroup:
-//   S = Q K^T: D / 16 wgmma m64n128k16, Q (A) and K (B) both K-major in shared memory;
+// head_dim 128 or 256. Per K/V tile of BN keys (128; 64 at head_dim 256, so that two stages fit beside Q)
+// and warpgroup:
+//   S = Q K^T: D / 16 wgmma m64nBNk16, Q (A) and K (B) both K-major in shared memory;
 //   masks and the online softmax in registers (wgmma's accumulator layout is mma.sync's C layout, so
 //   prefill's code serves), P rounded to T in registers;
-//   O += P V: BN / 16 wgmma m64n128k16 with P as the register A operand and V as the MN-major B operand.
+//   O += P V: BN / 16 k16 steps of D / 128 wgmma m64n128k16 (one per 128 columns of O) with P as the
+//   register A operand and V as the MN-major B operand. At head_dim 256 a thread holds 128 O accumulators.
 // Every warpgroup runs every tile of the block's key range (a tile none of its rows sees is masked whole):
 // wgmma under a branch that depends on the thread makes ptxas serialize all of them. The block's range
 // and each warpgroup's rows are made warp-uniform for the compiler (shuffled from lane 0).
@@ -19,14 +21,15 @@
 // K/V tiles stream through two shared stages with cp.async (tile t + 1 is copied while tile t is used; one
 // barrier per tile), as in prefill; paged rows are looked up two tiles ahead into shared memory.
 //
-// Shared tiles use wgmma's 128-byte swizzled layout: a tile of R rows (queries or keys) is two halves of
+// Shared tiles use wgmma's 128-byte swizzled layout: a tile of R rows (queries or keys) is D / 64 blocks of
 // 64 columns, each R rows of 128 bytes, with the 16-byte chunk c (of 8) of row r stored at chunk
 // c ^ (r % 8) (atoms of 8 rows x 128 bytes, 1024-byte aligned). A thread copies one column chunk of rows
 // my_row + i * KSTEP; the 8 lanes that copy the 8 rows of an atom write 8 different bank groups, and so
 // do the lanes that take the chunks of one global row (the interleaved layout, where those land 128 bytes
 // apart, made the copies 1.6x slower).
-//   Q (A), K (B): K-major, SBO 1024 (next 8 rows); a k16 step is 32 bytes into the atom, 4 per half;
-//   V (B, K = keys, N = columns): MN-major, LBO = R * 128 (next 64 columns), SBO 1024 (next 8 keys).
+//   Q (A), K (B): K-major, SBO 1024 (next 8 rows); a k16 step is 32 bytes into the atom, 4 per block;
+//   V (B, K = keys, N = columns): MN-major, LBO = R * 128 (next 64 columns), SBO 1024 (next 8 keys); the
+//   product of O's columns 128 c ... starts 2 c blocks in.
 #pragma once
 
 #include "common/sync.cuh"
@@ -52,7 +55,7 @@ template <int D>
 struct PrefillWgShape {
     static constexpr int WGS = 2;                        // warpgroups of 64 query rows
     static constexpr int BM = 64 * WGS;                  // query rows of a block
-    static constexpr int BN = 128;                       // keys per K/V tile (S: m64n128 per warpgroup)
+    static constexpr int BN = D > 128 ? 64 : 128;        // keys per K/V tile (S: m64nBN per warpgroup)
     static constexpr int NT = 128 * WGS;                 // threads
     static constexpr int CPR = D / 8;                    // 16-byte chunks per row
     static constexpr int KSTEP = NT / CPR;               // rows between a thread's consecutive chunks
@@ -65,7 +68,7 @@ struct PrefillWgShape {
     static __device__ __forceinline__ uint32_t off(int r, int c) {
         return (c / 8) * (R * 128) + r * 128 + ((c % 8) ^ (r % 8)) * 16;
     }
-    static_assert(D == 128, "prefill_wg: O is one m64n128 accumulator (head_dim 128)");
+    static_assert(D == 128 || D == 256, "prefill_wg: head_dim 128 or 256 (O is D / 128 m64n128 accumulators)");
     static_assert(NT % CPR == 0 && KSTEP % 8 == 0 && BM % KSTEP == 0 && BN % KSTEP == 0,
                   "tiles split evenly over the threads, a thread's rows in the same swizzle phase");
     static_assert(BN <= NT, "one thread looks up the pool row of each key of a tile");
@@ -200,7 +203,9 @@ __global__ void __launch_bounds__(cukern::attn::PrefillWgShape<D>::NT, 1) prefil
     // descriptors of k16 step kk (128-byte swizzle): Q (A) and K (B) K-major, V (B) MN-major
     auto q_desc = [&](int kk) { return wg::desc(q_wg + kk / 4 * (BM * 128) + kk % 4 * 32, 16, 1024, 1); };
     auto k_desc = [&](uint32_t kt, int kk) { return wg::desc(kt + kk / 4 * (BN * 128) + kk % 4 * 32, 16, 1024, 1); };
-    auto v_desc = [&](uint32_t vt, int kk) { return wg::desc(vt + kk * 16 * 128, BN * 128, 1024, 1); };
+    auto v_desc = [&](uint32_t vt, int kk, int c) {  // keys 16 kk ..., O's columns 128 c ...
+        return wg::desc(vt + c * 2 * (BN * 128) + kk * 16 * 128, BN * 128, 1024, 1);
+    };
 
     for (int32_t t = t_begin; t < t_end; ++t) {
         const int st = (t - t_begin) % Sh::STAGES;
@@ -229,7 +234,7 @@ __global__ void __launch_bounds__(cukern::attn::PrefillWgShape<D>::NT, 1) prefil
         } else {
             wg::fence();
 #pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) wg::mma_ss_128<T>(sacc[0], q_desc(kk), k_desc(kt, kk), kk > 0);
+            for (int kk = 0; kk < D / 16; ++kk) wg::mma_ss<T>(sacc[0], q_desc(kk), k_desc(kt, kk), kk > 0);
             wg::commit();
         }
         if (!copy_first) copy_ahead();
@@ -260,7 +265,11 @@ __global__ void __launch_bounds__(cukern::attn::PrefillWgShape<D>::NT, 1) prefil
         if (!(CUKERN_PREFILL_WG_SKIP & 8)) {
             wg::fence();
 #pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk) wg::mma_rs_128_mn<T>(oacc[0], pa[0][kk], v_desc(vt, kk));
+            for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+                for (int c = 0; c < D / 128; ++c)
+                    wg::mma_rs_128_mn<T>(*reinterpret_cast<float(*)[16][4]>(&oacc[0][16 * c][0]), pa[0][kk],
+                                         v_desc(vt, kk, c));
             wg::commit();
             wg::wait<0>();
             wg::pin(oacc[0]);

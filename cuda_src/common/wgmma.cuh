@@ -1,7 +1,8 @@
 // Hopper warpgroup MMA (wgmma.mma_async, sm_90a) as inline PTX: shared-memory matrix descriptors,
-// fence / commit / wait, the m64n128k16 f16 / bf16 shapes with f32 accumulators that flash attention uses
-// (A from shared memory or from registers, B from shared memory), the m64n128k16 / m64n256k16 f16 shapes
-// with A from registers and a K-major B that the quantized GEMM uses, and setmaxnreg.
+// fence / commit / wait, the f16 / bf16 shapes with f32 accumulators that flash attention uses (m64n64k16
+// and m64n128k16 with A and B from shared memory; m64n128k16 with A from registers and an MN-major B), the
+// m64n128k16 / m64n256k16 f16 shapes with A from registers and a K-major B that the quantized GEMM uses,
+// and setmaxnreg.
 //
 // Layouts (8x8 "core matrices" of 8 rows x 16 bytes, each stored as 128 contiguous bytes):
 //   * K-major operand (A = M x K or B = K x N with K contiguous per row): LBO = bytes between the two core
@@ -50,41 +51,36 @@ CUKERN_DEVICE void pin(float (&d)[J][4]) {
         for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
 }
 
+#define CUKERN_WG_QUAD(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
+#define CUKERN_WG_ACC64 \
+    CUKERN_WG_QUAD(0), CUKERN_WG_QUAD(1), CUKERN_WG_QUAD(2), CUKERN_WG_QUAD(3), \
+    CUKERN_WG_QUAD(4), CUKERN_WG_QUAD(5), CUKERN_WG_QUAD(6), CUKERN_WG_QUAD(7)
 #define CUKERN_WG_ACC128 \
-    "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
-    "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
-    "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
-    "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
-    "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), \
-    "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
-    "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
-    "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), \
-    "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), \
-    "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), \
-    "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), \
-    "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), \
-    "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), \
-    "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), \
-    "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), \
-    "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+    CUKERN_WG_ACC64, CUKERN_WG_QUAD(8), CUKERN_WG_QUAD(9), CUKERN_WG_QUAD(10), CUKERN_WG_QUAD(11), \
+    CUKERN_WG_QUAD(12), CUKERN_WG_QUAD(13), CUKERN_WG_QUAD(14), CUKERN_WG_QUAD(15)
 
+#define CUKERN_WG_D64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define CUKERN_WG_D128 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 
-// d (64 x 128, f32) = (accumulate ? d : 0) + A B: A 64 x 16 K-major (desc_a), B 16 x 128 K-major (desc_b).
+// d (64 x N, f32; N = 64: d[8][4], N = 128: d[16][4]) = (accumulate ? d : 0) + A B: A 64 x 16 K-major
+// (desc_a), B 16 x N K-major (desc_b).
 template <typename T>
-CUKERN_DEVICE void mma_ss_128(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, bool accumulate);
+CUKERN_DEVICE void mma_ss(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b, bool accumulate);
+template <typename T>
+CUKERN_DEVICE void mma_ss(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, bool accumulate);
 // d (64 x 128, f32) += A B: A 64 x 16 in registers (a: this warp's mma.sync-style A fragment), B 16 x 128
 // MN-major (desc_b).
 template <typename T>
 CUKERN_DEVICE void mma_rs_128_mn(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc_b);
 
-#define CUKERN_WG_SS128(CT, TY) \
+// N, the accumulator list and its constraints, then the operand numbers of desc_a, desc_b and the flag
+#define CUKERN_WG_SS(CT, TY, N, DLIST, ACC, A, B, P) \
     template <> \
-    CUKERN_DEVICE void mma_ss_128<CT>(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, bool accumulate) { \
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
-                     "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " CUKERN_WG_D128 \
-                     ", %64, %65, p, 1, 1, 0, 0;\n}\n" \
-                     : CUKERN_WG_ACC128 \
+    CUKERN_DEVICE void mma_ss<CT>(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b, bool accumulate) { \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " P ", 0;\n" \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " DLIST \
+                     ", " A ", " B ", p, 1, 1, 0, 0;\n}\n" \
+                     : ACC \
                      : "l"(desc_a), "l"(desc_b), "r"((int)accumulate)); \
     }
 #define CUKERN_WG_RS128(CT, TY) \
@@ -97,8 +93,10 @@ CUKERN_DEVICE void mma_rs_128_mn(float (&d)[16][4], const uint32_t (&a)[4], uint
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1)); \
     }
 
-CUKERN_WG_SS128(__half, "f16")
-CUKERN_WG_SS128(__nv_bfloat16, "bf16")
+CUKERN_WG_SS(__half, "f16", 64, CUKERN_WG_D64, CUKERN_WG_ACC64, "%32", "%33", "%34")
+CUKERN_WG_SS(__nv_bfloat16, "bf16", 64, CUKERN_WG_D64, CUKERN_WG_ACC64, "%32", "%33", "%34")
+CUKERN_WG_SS(__half, "f16", 128, CUKERN_WG_D128, CUKERN_WG_ACC128, "%64", "%65", "%66")
+CUKERN_WG_SS(__nv_bfloat16, "bf16", 128, CUKERN_WG_D128, CUKERN_WG_ACC128, "%64", "%65", "%66")
 CUKERN_WG_RS128(__half, "f16")
 CUKERN_WG_RS128(__nv_bfloat16, "bf16")
 
@@ -150,10 +148,13 @@ CUKERN_DEVICE void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.
 template <int N>
 CUKERN_DEVICE void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
 
-#undef CUKERN_WG_SS128
+#undef CUKERN_WG_SS
 #undef CUKERN_WG_RS128
 #undef CUKERN_WG_D128
+#undef CUKERN_WG_D64
 #undef CUKERN_WG_ACC128
+#undef CUKERN_WG_ACC64
+#undef CUKERN_WG_QUAD
 
 }  // namespace wg
 }  // namespace cukern
