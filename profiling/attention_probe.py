@@ -215,7 +215,20 @@ by the merger):
     183.6-184.1; plain: KV8k 18.4-18.8 -> 18.5-18.9, KV32k equal (54.3-55.0), KV128k 194.6-197.2 -> 203.7-204.6;
     merge_wait: KV8k equal (14.84-15.10), KV32k 48.2-48.5 -> 47.4-47.7, KV128k 181.5-182.2 -> 182.5-182.9 (SDPA
     18.8-19.4 / 52.0-52.4 / 180.9-181.1). The uneven long-KV streaming is not about where in the range a block
-    reads."""
+    reads.
+
+2026-11-27, sixteenth session (H100, B1 32/8 D128, default plan w8 s16, graph, in turns with torch SDPA): a shared
+tail pool, coarser than the ninth session's per-tile tickets. The last pool_keys visible keys of each query were
+drawn by the warps of its blocks in units of 64 keys (4 warp tiles) from a per-row counter, each draw asked for
+(lane 0's atomic add) 4 units before its first tile and broadcast 2 units before, so no warp waited for a draw
+(~800 draws per KV head at KV128k with 40% pooled, against 8 k tickets per head in the ninth session); the
+merging block reset the counter. Correct (the decode/merge GPU tests and a pooled test over ragged lengths, eight
+graph-replayed launches, pdl and plain, w4 and w8: 71 passed; outputs within 4e-8 of the fixed split), but slower
+at every length, plain launches too, which the pool was meant for: pool 0 / 25% / 40% of the keys, pdl KV8k
+16.1-16.2 / 20.1-20.2 / 19.6-19.9 us, KV32k 49.2 / 51.8-52.0 / 51.5-51.7, KV128k 185.0-185.2 / 185.8 / 187.0;
+plain KV8k 18.8-19.3 / 24.4-27.2 / 29.5-29.9, KV32k 55.1-55.8 / 58.5-59.3 / 59.2-59.5, KV128k 199.9-201.3 /
+203.7-203.9 / 204.0-204.5 (SDPA 18.6-19.4 / 52.5-52.6 / 183.0). Not kept. With the blocks' ends evened out the
+plain launch still takes ~8% longer than the pdl one, so that gap is not the slowest block's tail."""
 from __future__ import annotations
 
 import itertools
