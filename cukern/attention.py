@@ -628,7 +628,7 @@ class AttentionDispatch:
         self._units = {name: _Unit(spec, device) for name, spec in FAMILIES.items()}
         self._tc_warps: int | None = None  # probes: force decode_tc's warps per block (4 or 8)
         self._l2_prefetch: int | None = None  # probes: force decode_tc's L2 prefetch (warp tiles) under pdl
-        self._evict_first: bool | None = None  # probes: force the evict-first K/V policy (None: with the prefetch)
+        self._evict_first: bool | None = None  # probes: force the evict-first K/V policy (None: with a prefetch)
         self._merge_apart: bool | None = None  # probes / tests: force where split states merge (None: the model)
         self._l2_ahead: int | None = None  # probes: force decode_tc's in-loop L2 prefetch distance (warp tiles)
         # probes / tests: True merges split states by the first split's polling block where the grid fits at once
@@ -821,14 +821,15 @@ class AttentionDispatch:
         chunk = -(-visible // plan.n_splits)
         tiles = -(-chunk // (_TC_KEYS * plan.warps)) if plan.warps else 0  # decode_tc: 16-key tiles a warp
         pf = self._prefetch_tiles(plan, tiles, nhb)
+        ahead = self._ahead_tiles(plan, tiles)
         unit = self._unit(cache.kind)
         params = unit.struct("DecodeParams").pack(
             n_queries=b, n_seqs=b, batched=0, n_heads=h, n_kv_heads=cache.n_kv_heads, group=group, n_head_blocks=nhb,
             page_size=cache.page_size, max_pages=cache.max_pages_per_seq, n_splits=plan.n_splits,
             chunk=chunk, has_sinks=int(sinks is not None), causal=1,
             write_lse=int(lse is not None), page_shift=_page_shift(cache.page_size),
-            l2_prefetch=pf, evict_first=int(pf > 0 if self._evict_first is None else self._evict_first),
-            merge_apart=int(plan.merge_apart), l2_ahead=self._ahead_tiles(plan, tiles), merge_wait=int(plan.merge_wait),
+            l2_prefetch=pf, evict_first=int(pf > 0 or ahead > 0 if self._evict_first is None else self._evict_first),
+            merge_apart=int(plan.merge_apart), l2_ahead=ahead, merge_wait=int(plan.merge_wait),
             **fields)
         if plan.warps:
             name, smem = f"decode_tc<{_CTYPE[cache.kind]}, {d}, {plan.warps}>", _decode_tc_smem(d, plan.warps)
@@ -869,7 +870,11 @@ class AttentionDispatch:
         15.9 / 16.5 / 16.9 us, KV32k (16) 48.8 / 49.9 / 49.8, KV64k (32) 95.5 / 96.7 / 95.2, KV96k (48) 144.5 /
         140.1 / 139.0, KV128k (64) 192.4 / 184.3 / 183.1; B32 KV4k w4 (64) 184.9 / 180.1 / 179.3; 8/1 D256 KV128k
         (16) 53.6 / 56.6 / 57.5. Three tiles ahead lost at KV128k (185.6), four far more (210: the prefetches
-        crowd out the ring's copies, with evict_last lines too)."""
+        crowd out the ring's copies, with evict_last lines too).
+
+        K/V then stream evict-first (as under pdl's prefetch), so that the lines asked for stay in L2 until the
+        ring copies them: without pdl, B1 KV128k 195.5 -> 184.4-185.2 us (torch SDPA 180.6-181.6; three turns,
+        H100, 2026-11-27)."""
         if not plan.warps:
             return 0
         if self._l2_ahead is not None:
