@@ -864,13 +864,20 @@ class AttentionDispatch:
         return min(3, max(1, tiles // 8)) if n_head_blocks == 1 and tiles > 2 else 0
 
     def _ahead_tiles(self, plan: DecodePlan, tiles: int) -> int:
-        """How many tiles after the one it copies next each decode_tc warp keeps L2 asked for (0: none): two
-        from 48 tiles a warp, where a warp's three-stage ring is too short to keep its SM's share of DRAM busy.
+        """How many tiles after the one it copies next each decode_tc warp keeps L2 asked for (0: none): under
+        pdl two from 48 tiles a warp, where a warp's three-stage ring is too short to keep its SM's share of DRAM
+        busy; without pdl one from 16 up to head_dim 128.
         H100, pdl, graph, the default plans, three runs in turns (ahead 0 / 1 / 2): B1 32/8 D128 KV8k (4 tiles)
         15.9 / 16.5 / 16.9 us, KV32k (16) 48.8 / 49.9 / 49.8, KV64k (32) 95.5 / 96.7 / 95.2, KV96k (48) 144.5 /
         140.1 / 139.0, KV128k (64) 192.4 / 184.3 / 183.1; B32 KV4k w4 (64) 184.9 / 180.1 / 179.3; 8/1 D256 KV128k
         (16) 53.6 / 56.6 / 57.5. Three tiles ahead lost at KV128k (185.6), four far more (210: the prefetches
         crowd out the ring's copies, with evict_last lines too).
+
+        Without pdl (no prefetch before the wait, no next launch overlapping this one's tail) one tile ahead pays
+        from 16 tiles a warp: B1 KV32k (16) 54.5 -> 51.9-52.6 us, KV64k (32) 101.4-106.3 -> 97.0-98.2, KV128k (64)
+        184.3-184.6 -> 182.7-183.9 (two ahead 54.1-54.4, 98.5-100.8, 184.3-184.6; three 189.3-190.3; torch SDPA
+        51.5-52.1, 95.3-95.6, 180.6-181.0; under pdl one ahead lost at KV32k, 48.4 -> 50.1); B8 KV4k s2 (16)
+        54.2 -> 52.5 against SDPA's 51.6; but B32 KV4k 4/1 D256 s4 (16, a two-stage ring) 57.2 -> 58.2.
 
         K/V then stream evict-first (as under pdl's prefetch), so that the lines asked for stay in L2 until the
         ring copies them: without pdl, B1 KV128k 195.5 -> 184.4-185.2 us (torch SDPA 180.6-181.6; three turns,
@@ -879,7 +886,9 @@ class AttentionDispatch:
             return 0
         if self._l2_ahead is not None:
             return self._l2_ahead
-        return 2 if tiles >= 48 else 0
+        if self.pdl:
+            return 2 if tiles >= 48 else 0
+        return 1 if tiles >= 16 and plan.cache.head_dim <= 128 else 0
 
     # ------------------------------------------------------------------ merge
     def merge_states(self, v: cupy.ndarray, s: cupy.ndarray, out: cupy.ndarray, *, lse: cupy.ndarray | None = None,
