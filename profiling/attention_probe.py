@@ -228,7 +228,11 @@ at every length, plain launches too, which the pool was meant for: pool 0 / 25% 
 16.1-16.2 / 20.1-20.2 / 19.6-19.9 us, KV32k 49.2 / 51.8-52.0 / 51.5-51.7, KV128k 185.0-185.2 / 185.8 / 187.0;
 plain KV8k 18.8-19.3 / 24.4-27.2 / 29.5-29.9, KV32k 55.1-55.8 / 58.5-59.3 / 59.2-59.5, KV128k 199.9-201.3 /
 203.7-203.9 / 204.0-204.5 (SDPA 18.6-19.4 / 52.5-52.6 / 183.0). Not kept. With the blocks' ends evened out the
-plain launch still takes ~8% longer than the pdl one, so that gap is not the slowest block's tail."""
+plain launch still takes ~8% longer than the pdl one, so that gap is not the slowest block's tail. What did close
+most of it: without pdl decode_tc had streamed K/V evict-normal and asked L2 for nothing ahead below 48 tiles a
+warp; evict-first wherever a warp prefetches, and one tile ahead from 16 tiles without pdl
+(AttentionDispatch._ahead_tiles), took the plain rows from 0.90-0.96x torch SDPA to 0.98-1.00x (KV128k 197.3 ->
+182.5 us, B32 KV4k 196.4 -> 181.7, B64 389.7 -> 357.4, KV32k 54.7 -> 51.9)."""
 from __future__ import annotations
 
 import itertools
