@@ -232,7 +232,27 @@ plain launch still takes ~8% longer than the pdl one, so that gap is not the slo
 most of it: without pdl decode_tc had streamed K/V evict-normal and asked L2 for nothing ahead below 48 tiles a
 warp; evict-first wherever a warp prefetches, and one tile ahead from 16 tiles without pdl
 (AttentionDispatch._ahead_tiles), took the plain rows from 0.90-0.96x torch SDPA to 0.98-1.00x (KV128k 197.3 ->
-182.5 us, B32 KV4k 196.4 -> 181.7, B64 389.7 -> 357.4, KV32k 54.7 -> 51.9)."""
+182.5 us, B32 KV4k 196.4 -> 181.7, B64 389.7 -> 357.4, KV32k 54.7 -> 51.9).
+
+2026-11-27, seventeenth session (H100, B1 32/8 D128, pdl, graph, in turns with torch SDPA): the merge in distributed
+shared memory, the one way past the merge's L2 round trip that the fourteenth session named. A cluster launch
+(cuLaunchKernelEx, cluster = the n_splits blocks of a (query, head block), non-portable sizes above 8): the first
+split's block, once its ring was free, signalled the others (a remote mbarrier arrive); each sent its state by
+st.async into the merger's shared memory, counted on the merger's mbarrier, and left; the merger merged and stored O.
+No partial buffer, counter or fence in global memory. Correct (a GPU test of five shapes, ragged lengths with empty
+chunks, window, softcap, sinks and LSE, eager and graph-replayed, pdl and plain, against float64 and within 1e-6 of
+the counted merge: 5 passed; A/B outputs within 3.4e-8). But clusters cost more than the merge they save:
+  * how many clusters this H100 holds at once (cuOccupancyMaxActiveClusters), by blocks per cluster 2 ... 16: w8
+    (209 KB of stages, one block an SM) 66 39 30 22 17 15 15 9 7 7 7 7 7 7 7, so 8 KV heads take at most 9 splits
+    in one wave; w4 (104 KB, two an SM) 132 79 62 47 39 32 30 23 21 16 16 14 14 14 14;
+  * KV8k: counted w8 s16 15.73-16.06 us (SDPA 18.6-19.4); cluster w8 s9 (the most that fit) 16.71-16.78, w8 s16
+    (two waves) 21.5-21.7; w8 s8 cluster / counted 16.17-16.64 / 16.44-16.59 (the round trip it removes is worth
+    ~0.25 us there); w4 s16 cluster / counted 18.07-20.15 / 17.18-17.89, w4 s12 cluster 17.13-17.47;
+  * KV32k: counted s16 48.4-48.9; cluster w8 s9 55.1-55.3, w8 s8 55.8-57.3 (counted s8 50.8-51.3), w4 s16 61.9-62.1
+    (counted 53.2-53.5); KV128k: counted 182.0-182.3 (SDPA 181.1-181.2), cluster w8 s9 218.7-219.9, s16 245.
+So a cluster launch loses at every length and block shape, even where its grid fits in one wave (w4 s16, s8);
+presumably because the next launch's clusters can only start where a GPC frees enough SMs at once, so they overlap
+the previous launch's tail less than single blocks do (not measured). Not kept (nothing of it is in the tree)."""
 from __future__ import annotations
 
 import itertools
