@@ -6,11 +6,18 @@
    beside torch SDPA's flash and cuDNN backends, timed in alternating rounds (bench_attention's helpers).
 
 With ``--variants``, each entry of VARIANTS (defines of the prefill_wg units, e.g. the profiling switch
-CUKERN_PREFILL_WG_SKIP) is then timed on the B4 L4096 rows in its own process.
+CUKERN_PREFILL_WG_SKIP) is then timed on the B4 L4096 rows in its own process (PROBE_VARIANTS=a,b: only those).
 
 ``--bench-rows``: only bench_attention.py --quick's prefill / varlen rows (same helpers, same table).
 
 Run: PYTHONPATH=. python profiling/prefill_wg_probe.py [--variants] [--no-time] [--bench-rows]
+
+Tried and not kept (H100, 2026-11-27, this probe's rows): each warpgroup overlapping its own softmax with its
+products instead of the pingpong between warpgroups (S of tile t + 1 and O += P V of tile t in flight while tile
+t + 1's softmax runs, K copied a tile ahead of V, four page-table slots; D128 only, 220 registers, the check
+passed): paged B4 L4096 1766.9 us against the pingpong's 1524.8 (flash 1772-1807), varlen 1597.6 against 1355.6.
+Presumably because, with one block barrier per tile, both warpgroups issue their products together and then both
+run their softmax (not measured).
 """
 from __future__ import annotations
 
@@ -216,7 +223,10 @@ def main(argv: list[str]) -> int:
         return run(do_time, "--time-only" in argv)
     rc = subprocess.call([sys.executable, __file__, "--child", *[a for a in argv if a != "--variants"]])
     if "--variants" in argv:
+        only = [x for x in os.environ.get("PROBE_VARIANTS", "").split(",") if x]  # names to run (default: all)
         for name, defines in VARIANTS.items():
+            if only and name not in only:
+                continue
             print(f"=== variant {name}: {' '.join(defines)}", flush=True)
             subprocess.call([sys.executable, __file__, "--child", *argv, "--short",
                              *([] if "check" in name else ["--time-only"])],
