@@ -703,7 +703,7 @@ class AttentionDispatch:
         name = f"kv_write<{_CTYPE[cache.kind]}, {_CTYPE[src]}>"
         unit._launch(name, n, _KV_WRITE_THREADS,
                      (cache.k_pools[layer], cache.v_pools[layer], k, v, cache.page_table, slot_ids, positions),
-                     params, stream=stream)
+                     params, stream=stream, pdl=self.pdl)
 
     # ------------------------------------------------------------------ decode
     def plan_decode(self, cache: PagedKVCache, seq_ids, n_heads: int, *, max_kv_len: int | None = None,

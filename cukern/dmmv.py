@@ -415,7 +415,8 @@ class DmmvDispatch(Dispatch):
     False keeps every call on the f32 path (x exact, the error only the f32 rounding of the sums).
     The attribute may be changed between calls.
 
-    ``pdl`` (default False; sm_90+) launches the int8 ``dmmv`` with programmatic dependent launch:
+    ``pdl`` (default False; sm_90+) launches the matvecs with programmatic dependent launch (the
+    f32 path's kernels wait for the previous kernel first thing; the int8 path's as follows):
     its blocks start while the previous kernel in the stream finishes and stream their first weight
     chunks before waiting for it (``pdl_wait`` in common/pdl.cuh), which hides the launch gap and
     the ramp-up of a decode loop's back-to-back matvecs. x, gate and y are touched only after the
@@ -609,7 +610,7 @@ class DmmvDispatch(Dispatch):
             blocks = -(-w.m // _config(w.qtype, width)[0])
             params = self._params(w, blocks1=blocks, mode=mode, alpha=alpha, y_stride=w.m)
             self._launch(_kernel(w.qtype, width), blocks, nw * 32, (ys, ys, w.buf, w.buf, xs, g), params,
-                         stream=stream)
+                         stream=stream, pdl=self.pdl)
         return y
 
     dmmv_batch = dmmv  # the engine's name for the multi-column form
@@ -733,7 +734,7 @@ class DmmvDispatch(Dispatch):
             b1, b2 = -(-w1.m // rows), -(-w2.m // rows)
             params = self._params(w1, w2=w2, m2=w2.m, blocks1=b1, y_stride=w1.m, y2_stride=w2.m)
             self._launch(_kernel(w1.qtype, width), b1 + b2, nw * 32, (ya, yb, w1.buf, w2.buf, xs, ya), params,
-                         stream=stream)
+                         stream=stream, pdl=self.pdl)
         return y1, y2
 
     def dmmv_glu(self, w_gate: QWeight, w_up: QWeight, x, y, *, act: str = "swiglu", accumulate: bool = False,
@@ -771,7 +772,7 @@ class DmmvDispatch(Dispatch):
             params = self._params(wg, w2=wu, mode=1 if accumulate else 0, act=_ACTS[act], alpha=alpha,
                                   y_stride=wg.m, blocks1=blocks)
             self._glu._launch(f"dmmv_glu<{wg.qtype}, {width}>", blocks, nw * 32, (ys, wg.buf, wu.buf, xs, ys),
-                              params, stream=stream)
+                              params, stream=stream, pdl=self.pdl)
         return y
 
     # ------------------------------------------------------------------ mixture of experts

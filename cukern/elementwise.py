@@ -225,18 +225,23 @@ def _check_distinct(what, **arrays):
 
 class ElementwiseDispatch(Dispatch):
     """Records elementwise kernels into a stream. Every method takes ``stream=`` (None: CuPy's
-    current stream), validates its arguments before launching, and returns its main output."""
+    current stream), validates its arguments before launching, and returns its main output.
+
+    ``pdl`` (default False; sm_90+) launches every kernel with programmatic dependent launch: each
+    waits for the previous kernel in the stream first thing (``pdl_enter`` in common/pdl.cuh), so
+    its launch and block start-up overlap that kernel's tail, as in a model's decode step."""
 
     family = FAMILY
     _ROPE_KERNELS = frozenset(k.name for k in ROPE_FAMILY.kernels)
 
-    def __init__(self, device: int | None = None):
+    def __init__(self, device: int | None = None, *, pdl: bool = False):
         super().__init__(device)
+        self.pdl = bool(pdl)
         self._rope_unit = _Unit(ROPE_FAMILY, device)
 
     def _launch(self, kernel, grid, block, pointers, params, *, stream=None, shared_mem=0):
         unit = self._rope_unit if kernel in self._ROPE_KERNELS else super()
-        unit._launch(kernel, grid, block, pointers, params, stream=stream, shared_mem=shared_mem)
+        unit._launch(kernel, grid, block, pointers, params, stream=stream, shared_mem=shared_mem, pdl=self.pdl)
 
     # ------------------------------------------------------------------------------------------ norms
 

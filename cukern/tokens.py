@@ -79,9 +79,20 @@ class SamplePlan:
 class TokensDispatch(Dispatch):
     """Records embedding and sampling kernels into a stream (``stream=`` on every method; None: CuPy's
     current). Validation raises before any launch; nothing here synchronises, allocates or reads device
-    memory, so every method can be captured in a CUDA graph."""
+    memory, so every method can be captured in a CUDA graph.
+
+    ``pdl`` (default False; sm_90+) launches every kernel with programmatic dependent launch (each
+    waits for the previous kernel first thing: ``pdl_enter`` in common/pdl.cuh)."""
 
     family = FAMILY
+
+    def __init__(self, device: int | None = None, *, pdl: bool = False):
+        super().__init__(device)
+        self.pdl = bool(pdl)
+
+    def _launch(self, kernel, grid, block, pointers, params, *, stream=None, shared_mem=0):
+        return super()._launch(kernel, grid, block, pointers, params, stream=stream, shared_mem=shared_mem,
+                               pdl=self.pdl)
 
     def embed(self, table: cupy.ndarray, qtype: int, n_cols: int, ids: cupy.ndarray, out: cupy.ndarray, *,
               scale: float = 1.0, stream=None) -> cupy.ndarray:

@@ -11,14 +11,25 @@ before and after, so host launch overhead counts, as it does for a user):
   replays (embed, 18 layers, LM head, on-device sampling, position advance per replay);
   GB/s counts the weights read once per step (the matvecs' bytes) against the copy ceiling;
   peer: transformers' eager greedy ``generate`` (float32, the faster of its two dtypes here);
-* ``decode b1 eager``: the same step launched from Python kernel by kernel (no graph).
+* ``decode b1 eager``: the same step launched from Python kernel by kernel (no graph);
+* ``decode b1 sampled``: the graph step with temperature 0.8, top-k 64, top-p 0.95 (its ratio to
+  the greedy step in ``extra``).
+
+llama.cpp is the end-to-end peer a user would pick instead: with ``--llama-bench PATH`` (or
+``CUKERN_LLAMA_BENCH``) its ``llama-bench`` runs on the same GGUF in the same process run
+(``-ngl 99 -fa on -p 128,1024 -n 128``), and its pp128 / pp1024 / tg128 rates stand beside the
+prefill and decode b1 rows (the ``x llama.cpp`` ratio in ``extra``); without it those columns
+are left out with a note.
 
 Run: PYTHONPATH=. python profiling/bench_models.py [--quick] [--json out.json] [--no-peer]
+     [--llama-bench PATH]
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 import time
 
@@ -89,7 +100,30 @@ class _HF:
         self.torch.cuda.empty_cache()
 
 
-def bench(quick: bool = False, *, peer: bool = True) -> tuple[list, object]:
+def llama_bench(binary: str | None, model: str, repeat: int) -> dict[str, float]:
+    """llama.cpp's tokens/s on ``model``: {"pp128": ..., "pp1024": ..., "tg128": ...}, or {} with a note
+    on stderr when no binary is given or it fails."""
+    if not binary:
+        print("bench_models: no llama-bench (--llama-bench PATH or CUKERN_LLAMA_BENCH): llama.cpp column left out",
+              file=sys.stderr)
+        return {}
+    cmd = [binary, "-m", model, "-ngl", "99", "-fa", "on", "-p", "128,1024", "-n", "128", "-r", str(repeat),
+           "-o", "json"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True).stdout
+        runs = json.loads(out)
+    except (OSError, subprocess.SubprocessError, ValueError) as e:
+        print(f"bench_models: llama-bench failed ({type(e).__name__}: {e}): llama.cpp column left out",
+              file=sys.stderr)
+        return {}
+    rates = {}
+    for r in runs:
+        name = f"pp{r['n_prompt']}" if r.get("n_gen", 0) == 0 else f"tg{r['n_gen']}"
+        rates[name] = float(r["avg_ts"])
+    return rates
+
+
+def bench(quick: bool = False, *, peer: bool = True, llama: str | None = None) -> tuple[list, object]:
     import cupy
 
     from cukern.models import default_model_path
@@ -114,6 +148,7 @@ def bench(quick: bool = False, *, peer: bool = True) -> tuple[list, object]:
     weight_bytes = sum(w.nbytes for L in lm.layers for w in (L.wq, L.wk, L.wv, L.wo, L.wg, L.wu, L.wd))
     weight_bytes += lm.head.nbytes
 
+    llama_rates = llama_bench(llama, path, 3 if quick else 5)
     hf = {}
     if peer:
         try:
@@ -138,31 +173,52 @@ def bench(quick: bool = False, *, peer: bool = True) -> tuple[list, object]:
         for dtype, h in hf.items():
             peers[f"transformers {dtype}"] = h.prefill_us(ids, 3 if quick else 5)
         bf = peers.pop("transformers bfloat16", None)
+        extra = {"tok_s": n / us * 1e6, "peers": peers}
+        _add_llama(extra, llama_rates.get(f"pp{n}"), n, us)
         rows.append(Row("models", f"prefill {n}: {n / us * 1e6:,.0f} tok/s", name, us,
-                        peer="transformers bf16" if bf else "", peer_us=bf,
-                        extra={"tok_s": n / us * 1e6, "peers": peers}))
+                        peer="transformers bf16" if bf else "", peer_us=bf, extra=extra))
 
     # ---- decode
     prompt = _prompt_ids(tok, 128)
-    for batch, graph in ((1, True), (1, False), (8, True)):
+    sampled = dict(temperature=0.8, top_k=64, top_p=0.95)
+    greedy_us = None
+    for batch, graph, kw in ((1, True, {}), (1, False, {}), (8, True, {}), (1, True, sampled)):
         steps = n_new if graph else min(n_new, 64)
         prompts = [prompt] * batch
-        lm.generate(prompts, 8, use_graph=graph)                 # warm-up: compile, first capture
-        _, stats = lm.generate(prompts, steps, use_graph=graph)
+        lm.generate(prompts, 8, use_graph=graph, **kw)                 # warm-up: compile, first capture
+        _, stats = lm.generate(prompts, steps, use_graph=graph, **kw)
         us = stats.decode_s / (stats.decode_tokens / batch) * 1e6   # per step of the batch
         tok_s = stats.decode_tok_s
         peers = {}
-        if graph:
+        if graph and not kw:
             for dtype, h in hf.items():
                 peers[f"transformers {dtype} eager"] = h.decode_us(prompt, batch, 32 if quick else 64)
         f32 = peers.pop("transformers float32 eager", None)
         gbs = weight_bytes / us / 1e3
-        rows.append(Row("models", f"decode b{batch} {'graph' if graph else 'eager'}: {tok_s:,.0f} tok/s", name, us,
+        extra = {"tok_s": tok_s, "peers": peers}
+        if batch == 1 and graph and not kw:
+            greedy_us = us
+            _add_llama(extra, llama_rates.get("tg128"), 1, us)
+        mode = "sampled" if kw else "graph" if graph else "eager"
+        if kw and greedy_us:
+            extra["x greedy step"] = us / greedy_us
+        rows.append(Row("models", f"decode b{batch} {mode}: {tok_s:,.0f} tok/s", name, us,
                         gbs=gbs, pct_ceiling=gbs / ceil.copy_gbs, peer="transformers f32 eager" if f32 else "",
-                        peer_us=f32, extra={"tok_s": tok_s, "peers": peers}))
+                        peer_us=f32, extra=extra))
+        print(f"  decode b{batch} {mode}: {us:.1f} us per step, {tok_s:,.0f} tok/s, {gbs:,.0f} GB/s of weights"
+              + (f", {extra['x llama.cpp']:.2f}x llama.cpp tg128" if "x llama.cpp" in extra else "")
+              + (f", {extra['x greedy step']:.3f}x the greedy step" if "x greedy step" in extra else ""),
+              file=sys.stderr)
     for h in hf.values():
         h.close()
     return rows, ceil
+
+
+def _add_llama(extra: dict, rate: float | None, tokens: int, us: float) -> None:
+    """Put llama.cpp's tokens/s for the same work, and cukern's ratio to it, into a row's extra."""
+    if rate:
+        extra["llama.cpp tok_s"] = rate
+        extra["x llama.cpp"] = tokens / us * 1e6 / rate
 
 
 TITLE = 'models (us: per prompt, or per decode step of the batch; x peer > 1: cukern faster)'
@@ -171,8 +227,14 @@ TITLE = 'models (us: per prompt, or per decode step of the batch; x peer > 1: cu
 def main(argv=None) -> int:
     return script_main(bench, __doc__, title=TITLE,
                        quick_help='fewer decode steps and repeats', argv=argv,
-                       add_args=lambda ap: ap.add_argument("--no-peer", action="store_true", help="skip transformers"),
-                       bench_kwargs=lambda args: {"peer": not args.no_peer})
+                       add_args=_add_args,
+                       bench_kwargs=lambda args: {"peer": not args.no_peer, "llama": args.llama_bench})
+
+
+def _add_args(ap) -> None:
+    ap.add_argument("--no-peer", action="store_true", help="skip transformers")
+    ap.add_argument("--llama-bench", metavar="PATH", default=os.environ.get("CUKERN_LLAMA_BENCH"),
+                    help="llama.cpp's llama-bench binary (default: $CUKERN_LLAMA_BENCH): the end-to-end peer")
 
 
 if __name__ == "__main__":

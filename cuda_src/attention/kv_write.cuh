@@ -10,6 +10,7 @@
 // Grid: (n_tokens); block: KV_WRITE_THREADS threads over the row. Bytes: 2 rows read, 2 written.
 #pragma once
 
+#include "common/pdl.cuh"
 #include "common/kv_cache.cuh"
 #include "common/types.cuh"
 #include "attention/params.cuh"
@@ -30,6 +31,7 @@ __global__ void __launch_bounds__(cukern::attn::KV_WRITE_THREADS) kv_write(
     const int32_t* __restrict__ slot_ids,    // [n_tokens] (per_token only)
     const int32_t* __restrict__ positions,   // [n_tokens] (per_token only)
     const KvWriteParams p) {
+    cukern::pdl_enter();
     using namespace cukern;
     const uint32_t i = blockIdx.x;
     const uint32_t slot = p.per_token ? (uint32_t)slot_ids[i] : p.slot;

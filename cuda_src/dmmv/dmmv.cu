@@ -41,6 +41,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dmmv(
     const float* __restrict__ x,       // [NC, x_stride] f32 columns, 16-byte aligned, k used
     const float* __restrict__ gate,    // [NC] gate logits for mode 2; unused otherwise
     const DmmvParams p) {
+    pdl_enter();  // x and y only after the previous kernel (weights too: one pass, no prefetch)
     __shared__ float red[kMaxWarps * R * NC];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
     const bool second = blockIdx.x >= p.blocks1;  // working on matrix 2 (pair)
@@ -73,6 +74,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dmmv_glu(
     const float* __restrict__ x,       // [NC, x_stride] f32 columns, 16-byte aligned
     const float* __restrict__ gate,    // [NC] gate logits for mode 2; unused otherwise
     const DmmvParams p) {
+    pdl_enter();
     __shared__ float red[kMaxWarps * 2 * kRows * NC];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
     const uint32_t row0 = blockIdx.x * kRows;

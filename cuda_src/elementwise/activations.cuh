@@ -8,6 +8,7 @@
 // Byte traffic per element: read a and b (b once per row unless broadcast), write out.
 #pragma once
 
+#include "common/pdl.cuh"
 #include "common/types.cuh"
 #include "elementwise/params.cuh"
 
@@ -69,6 +70,7 @@ __global__ void binary_rows(
     const float* a,      // [n_rows, a_stride]
     const float* b,      // [n_rows, b_stride] from b_offset, or [b_offset + n_cols] when b_stride == 0
     const BinaryParams p) {
+    cukern::pdl_enter();
     using namespace cukern;
     using V = typename ew::Unit<VEC4>::type;
     constexpr int U = BINARY_UNROLL;

@@ -6,6 +6,7 @@
 // per element.
 #pragma once
 
+#include "common/pdl.cuh"
 #include "common/types.cuh"
 #include "common/kv_cache.cuh"
 #include "elementwise/params.cuh"
@@ -40,6 +41,7 @@ __global__ void __launch_bounds__(256) kv_write(
     const int32_t* __restrict__ seq_ids,    // pos_mode 0: [1]; 1: [n_tokens]: page_table row of each token
     const int32_t* __restrict__ page_table, // [n_seqs, max_pages]
     const KvWriteParams p) {
+    cukern::pdl_enter();
     using namespace cukern;
     using V = typename ew::KvUnit<VEC4>::type;
     constexpr uint32_t U = VEC4 ? 4 : 1;
@@ -77,6 +79,7 @@ __global__ void deinterleave(
     V* __restrict__ gate,     // [n_rows, head_dim]
     const V* __restrict__ x,  // [n_rows, 2 * head_dim]
     const DeinterleaveParams p) {
+    cukern::pdl_enter();
     constexpr uint32_t U = sizeof(V) / sizeof(float);
     const uint32_t hd = p.head_dim / U;  // units of V per head
     const uint64_t n = (uint64_t)p.n_rows * hd;

@@ -2,6 +2,7 @@
 // the weighted sum of the selected experts' outputs, and the sigmoid-gated shared expert.
 #pragma once
 
+#include "common/pdl.cuh"
 #include "common/types.cuh"
 #include "common/reduce.cuh"
 #include "common/mma.cuh"  // cp_async16 (router_gemm)
@@ -26,6 +27,7 @@ __global__ void __launch_bounds__(32 * cukern::ew::TOPK_WARPS) softmax_topk(
     float* __restrict__ weights,        // [n_tokens, k]
     const float* __restrict__ logits,   // [n_tokens, n_experts]
     const TopkParams p) {
+    cukern::pdl_enter();
     using namespace cukern;
     extern __shared__ float rows[];  // [TOPK_WARPS, n_experts]
     const uint32_t lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
@@ -90,6 +92,7 @@ template <int EPL>
 __global__ void __launch_bounds__(32 * cukern::ew::TOPK_WARPS) softmax_topk_reg(
     int32_t* __restrict__ ids, float* __restrict__ weights, const float* __restrict__ logits,  // as softmax_topk
     const TopkParams p) {
+    cukern::pdl_enter();
     using namespace cukern;
     const uint32_t lane = threadIdx.x % WARP;
     const uint32_t t = blockIdx.x * ew::TOPK_WARPS + threadIdx.x / WARP;
@@ -204,6 +207,7 @@ template <int V, int M>
 __global__ void __launch_bounds__(cukern::ew::TOPK_L_BLOCK) softmax_topk_lanes(
     int32_t* __restrict__ ids, float* __restrict__ weights, const float* __restrict__ logits,  // as softmax_topk
     const TopkParams p) {
+    cukern::pdl_enter();
     using namespace cukern;
     constexpr int L = ew::TOPK_L_LANES, S = 4 * V;
     constexpr int R = M > 2 ? M : 2, CMAX = R * L;  // candidates ranked per lane, candidate slots per token
@@ -346,6 +350,7 @@ __global__ void moe_weighted_sum(
     const float* __restrict__ expert_out,  // [n_tokens, n_used, n_cols]
     const float* __restrict__ weights,     // [n_tokens, n_used]
     const MoeSumParams p) {
+    cukern::pdl_enter();
     const uint32_t n = VEC4 ? p.n_cols / 4 : p.n_cols;
     for (uint32_t t = blockIdx.y; t < p.n_tokens; t += gridDim.y) {
         const float* wt = weights + (uint64_t)t * p.n_used;
@@ -377,6 +382,7 @@ __global__ void shared_expert_accumulate(
     const float* __restrict__ shared_out,  // [n_tokens, n_cols] shared expert output
     const float* __restrict__ gate_logit,  // [n_tokens] logit of the shared-expert gate
     const SharedGateParams p) {
+    cukern::pdl_enter();
     const uint32_t n = VEC4 ? p.n_cols / 4 : p.n_cols;
     for (uint32_t t = blockIdx.y; t < p.n_tokens; t += gridDim.y) {
         const float g = 1.0f / (1.0f + expf(-gate_logit[t]));
@@ -407,6 +413,7 @@ __global__ void __launch_bounds__(BLOCK) router_matvec(
     const float* __restrict__ W,       // [n_experts, n_embd] f32 router weight
     const float* __restrict__ w_norm,  // norm: [n_embd] (else unread)
     const RouterParams p) {
+    cukern::pdl_enter();
     using namespace cukern;
     __shared__ float part[BLOCK / WARP][E_TILE * T_TILE + T_TILE];
     const uint32_t e0 = blockIdx.x * E_TILE, t0 = blockIdx.y * T_TILE;
@@ -484,6 +491,7 @@ __global__ void __launch_bounds__(cukern::ew::RG_THREADS) router_gemm(
     float* __restrict__ logits, const float* __restrict__ x, const float* __restrict__ W,
     const float* __restrict__ w_norm,  // as router_matvec
     const RouterParams p) {
+    cukern::pdl_enter();
     using namespace cukern;
     using namespace cukern::ew;
     constexpr int XR = RG_TOKENS, WR = RG_EXPERTS, ROW = BK + 4;  // ROW: floats per staged row

@@ -11,6 +11,7 @@
 // residual_rms_norm_q8_1 reads 2n, writes n (residual) + 36n/32 (Q8_1 blocks). Weights hit L2.
 #pragma once
 
+#include "common/pdl.cuh"
 #include "common/types.cuh"
 #include "common/reduce.cuh"
 #include "common/q8_1.cuh"
@@ -102,6 +103,7 @@ __global__ void __launch_bounds__(BLOCK) rms_norm_reg(
     const float* x,               // [n_rows, n_cols]
     const float* __restrict__ w,  // [n_cols]
     const RmsNormParams p) {
+    cukern::pdl_enter();
     using namespace cukern;
     __shared__ float scratch[BLOCK / WARP];
     const uint64_t off = (uint64_t)blockIdx.x * p.n_cols;
@@ -119,6 +121,7 @@ __global__ void __launch_bounds__(BLOCK) residual_rms_norm_reg(
     const float* __restrict__ x,   // [n_rows, n_cols] added to the residual
     const float* __restrict__ w,   // [n_cols]
     const RmsNormParams p) {
+    cukern::pdl_enter();
     using namespace cukern;
     __shared__ float scratch[BLOCK / WARP];
     const uint64_t off = (uint64_t)blockIdx.x * p.n_cols;
@@ -140,6 +143,7 @@ __global__ void __launch_bounds__(BLOCK) post_norm_residual_rms_norm_reg(
     const float* __restrict__ w_post,  // [n_cols] post-norm weight applied to x
     const float* __restrict__ w,       // [n_cols] weight of the norm of the new residual
     const RmsNormParams p) {
+    cukern::pdl_enter();
     using namespace cukern;
     __shared__ float scratch[BLOCK / WARP];
     const uint64_t off = (uint64_t)blockIdx.x * p.n_cols;
@@ -160,6 +164,7 @@ __global__ void __launch_bounds__(BLOCK) rms_norm_accumulate_reg(
     const float* __restrict__ src,  // [n_rows, n_cols]
     const float* __restrict__ w,    // [n_cols]
     const RmsNormParams p) {
+    cukern::pdl_enter();
     using namespace cukern;
     __shared__ float scratch[BLOCK / WARP];
     const uint64_t off = (uint64_t)blockIdx.x * p.n_cols;
@@ -180,6 +185,7 @@ __global__ void __launch_bounds__(BLOCK) residual_rms_norm_q8_1_reg(
     const float* __restrict__ x,   // [n_rows, n_cols] added to the residual
     const float* __restrict__ w,   // [n_cols]
     const RmsNormParams p) {
+    cukern::pdl_enter();
     using namespace cukern;
     static_assert(BLOCK % 8 == 0, "a Q8_1 block spans 8 threads");
     __shared__ float scratch[BLOCK / WARP];
@@ -213,6 +219,7 @@ __global__ void __launch_bounds__(256) quantize_q8_1(
     uint8_t* __restrict__ q,      // [n_values / 32] BlockQ8_1
     const float* __restrict__ x,  // [n_values]
     const QuantizeParams p) {
+    cukern::pdl_enter();
     using namespace cukern;
     const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
     float4 vs[QUANT_UNROLL];
@@ -240,6 +247,7 @@ template <int BLOCK>
 __global__ void __launch_bounds__(BLOCK) rms_norm_loop(
     float* y, const float* x, const float* __restrict__ w,  // as rms_norm_reg (y may alias x)
     const RmsNormParams p) {
+    cukern::pdl_enter();
     using namespace cukern;
     __shared__ float scratch[BLOCK / WARP];
     const uint64_t off = (uint64_t)blockIdx.x * p.n_cols;
@@ -253,6 +261,7 @@ template <int BLOCK>
 __global__ void __launch_bounds__(BLOCK) residual_rms_norm_loop(
     float* __restrict__ y, float* __restrict__ residual, const float* __restrict__ x,  // as residual_rms_norm_reg
     const float* __restrict__ w, const RmsNormParams p) {
+    cukern::pdl_enter();
     using namespace cukern;
     __shared__ float scratch[BLOCK / WARP];
     const uint64_t off = (uint64_t)blockIdx.x * p.n_cols;
@@ -270,6 +279,7 @@ template <int BLOCK>
 __global__ void __launch_bounds__(BLOCK) post_norm_residual_rms_norm_loop(
     float* __restrict__ y, float* __restrict__ residual, const float* __restrict__ x,  // as the _reg version
     const float* __restrict__ w_post, const float* __restrict__ w, const RmsNormParams p) {
+    cukern::pdl_enter();
     using namespace cukern;
     __shared__ float scratch[BLOCK / WARP];
     const uint64_t off = (uint64_t)blockIdx.x * p.n_cols;
@@ -290,6 +300,7 @@ template <int BLOCK>
 __global__ void __launch_bounds__(BLOCK) rms_norm_accumulate_loop(
     float* __restrict__ hidden, const float* __restrict__ src, const float* __restrict__ w,  // as the _reg version
     const RmsNormParams p) {
+    cukern::pdl_enter();
     using namespace cukern;
     __shared__ float scratch[BLOCK / WARP];
     const uint64_t off = (uint64_t)blockIdx.x * p.n_cols;
@@ -310,6 +321,7 @@ __global__ void __launch_bounds__(128) group_norm(
     const float* __restrict__ w,  // [group_size] when has_weight (else any valid pointer, unread)
     const float* __restrict__ z,  // GATE: [n_groups, group_size] gate (else unread)
     const GroupNormParams p) {
+    cukern::pdl_enter();
     using namespace cukern;
     const uint32_t lane = threadIdx.x % WARP;
     const uint64_t g = (uint64_t)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
@@ -341,6 +353,7 @@ template <bool GATE, int VPL>
 __global__ void __launch_bounds__(128) group_norm_reg(
     float* out, const float* x, const float* __restrict__ w,  // as group_norm (out may alias x)
     const float* __restrict__ z, const GroupNormParams p) {
+    cukern::pdl_enter();
     using namespace cukern;
     constexpr int G = GROUPS_PER_WARP;
     const uint32_t lane = threadIdx.x % WARP;

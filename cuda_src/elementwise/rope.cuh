@@ -16,6 +16,7 @@
 // rope_vec.cuh has the vectorised versions the host prefers for head_dim 32, 64, 128 and 256.
 #pragma once
 
+#include "common/pdl.cuh"
 #include "common/types.cuh"
 #include "common/reduce.cuh"
 #include "common/kv_cache.cuh"
@@ -177,6 +178,7 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) rope(
     const float* __restrict__ freqs,       // use_freqs: [rope_dim / 2] inverse frequencies (else unread)
     const int32_t* __restrict__ positions, // pos_mode 0: [1]; 1: [n_tokens]; 2, 3: [4, n_tokens]
     const RopeParams p) {
+    cukern::pdl_enter();
     using namespace cukern;
     extern __shared__ double rope_smem[];
     const uint32_t half = p.rope_dim / 2;
@@ -228,6 +230,7 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) qk_norm_rope_kv(
     const int32_t* __restrict__ seq_ids,    // pos_mode 0: [1]; 1: [n_tokens]: page_table row of each token
     const int32_t* __restrict__ page_table, // [n_seqs, max_pages] int32
     const QkvRopeParams p) {
+    cukern::pdl_enter();
     using namespace cukern;
     extern __shared__ double rope_smem[];
     const uint32_t half = p.rope_dim / 2;

@@ -17,6 +17,7 @@
 // Byte traffic: every element read once and written once; weights and positions hit L1/L2.
 #pragma once
 
+#include "common/pdl.cuh"
 #include "common/types.cuh"
 #include "common/kv_cache.cuh"
 #include "elementwise/params.cuh"
@@ -110,6 +111,7 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) rope_vec(
     const float* __restrict__ freqs,       // use_freqs: [rope_dim / 2] inverse frequencies (else unread)
     const int32_t* __restrict__ positions, // pos_mode 0: [1]; 1: [n_tokens]; 2, 3: [4, n_tokens]
     const RopeParams p) {
+    cukern::pdl_enter();
     using namespace cukern;
     constexpr uint32_t SLOTS = ew::ROPE_BLOCK / LPH, HD = 8 * LPH;  // rows per block pass, head_dim
     const uint32_t u = threadIdx.x % LPH, slot = threadIdx.x / LPH;
@@ -175,6 +177,7 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) qk_norm_rope_kv_vec(
     const int32_t* __restrict__ seq_ids,    // pos_mode 0: [1]; 1: [n_tokens]: page_table row of each token
     const int32_t* __restrict__ page_table, // [n_seqs, max_pages] int32
     const QkvRopeParams p) {
+    cukern::pdl_enter();
     using namespace cukern;
     constexpr uint32_t SLOTS = ew::ROPE_BLOCK / LPH, HD = 8 * LPH;
     const uint32_t u = threadIdx.x % LPH, slot = threadIdx.x / LPH;
@@ -256,6 +259,7 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) k_norm_rope_kv_vec(
     const int32_t* __restrict__ seq_ids,    // pos_mode 0: [1]; 1: [n_tokens]: page_table row of each token
     const int32_t* __restrict__ page_table, // [n_seqs, max_pages] int32
     const QkvRopeParams p) {
+    cukern::pdl_enter();
     using namespace cukern;
     constexpr uint32_t SLOTS = ew::ROPE_BLOCK / LPH, HD = 8 * LPH;
     const uint32_t u = threadIdx.x % LPH, slot = threadIdx.x / LPH;

@@ -1,6 +1,7 @@
 // SSM / gated DeltaNet pieces of hybrid models (Qwen3.5/3.6-style linear attention layers).
 #pragma once
 
+#include "common/pdl.cuh"
 #include "common/types.cuh"
 #include "common/reduce.cuh"
 #include "elementwise/params.cuh"
@@ -25,6 +26,7 @@ __global__ void __launch_bounds__(128) conv1d_silu(
     const float* __restrict__ x,  // [n_tokens, n_channels]
     const float* __restrict__ w,  // [n_channels, K] taps, oldest first
     const ConvParams p) {
+    cukern::pdl_enter();
     static_assert(K >= 2 && K <= 8, "kernel_size 2..8");
     const uint32_t c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= p.n_channels) return;
@@ -85,6 +87,7 @@ __global__ void __launch_bounds__(64) deltanet(
     const float* __restrict__ g,     // [n_tokens, n_v_heads] log of the decay (<= 0)
     const float* __restrict__ beta,  // [n_tokens, n_v_heads] write strength in [0, 1]
     const DeltaNetParams p) {
+    cukern::pdl_enter();
     const uint32_t h = blockIdx.y, j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= p.dv) return;
     const uint32_t hq = h / (p.n_v_heads / p.n_qk_heads);
@@ -171,6 +174,7 @@ __global__ void __launch_bounds__(DELTA_THREADS) deltanet_tiled(
     float* __restrict__ o, float* __restrict__ S, const float* __restrict__ q,  // as deltanet
     const float* __restrict__ k, const float* __restrict__ v, const float* __restrict__ g,
     const float* __restrict__ beta, const DeltaNetParams p) {
+    cukern::pdl_enter();
     constexpr int R = 8, M = DK / R, CH = DELTA_CHUNK;  // row slices per column, rows per thread
     __shared__ float ks[CH][DK], qs[CH][DK], gs[CH], bs[CH];
     __shared__ float tile[DK][17];  // [row][column of this block], padded against bank conflicts

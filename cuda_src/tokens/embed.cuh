@@ -4,6 +4,7 @@
 // Bytes: reads n_tokens rows of the table (row_bytes each), writes 4 * n_tokens * n_cols.
 #pragma once
 
+#include "common/pdl.cuh"
 #include "common/quants.cuh"
 #include "common/types.cuh"
 #include "tokens/params.cuh"
@@ -20,6 +21,7 @@ __global__ void __launch_bounds__(cukern::tokens::EMBED_THREADS) embed_rows(
     const uint8_t* __restrict__ table,   // [n_rows_table, row_bytes] raw GGUF blocks
     const int32_t* __restrict__ ids,     // [n_tokens] row of each token; outside [0, n_rows_table): zeros
     const EmbedParams p) {
+    cukern::pdl_enter();
     using namespace cukern;
     using T = QTraits<QT>;
     const uint32_t t = blockIdx.y;

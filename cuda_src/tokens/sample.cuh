@@ -10,6 +10,7 @@
 // NaN logits count as -inf. Bytes: stage 1 reads the logits once (4 * n_cols per row).
 #pragma once
 
+#include "common/pdl.cuh"
 #include "common/types.cuh"
 #include "tokens/params.cuh"
 
@@ -90,6 +91,7 @@ __global__ void __launch_bounds__(THREADS) topk_chunk(
     int32_t* __restrict__ cand_idx,        // [n_rows, n_chunks, K] their token ids (0x7fffffff: none)
     const float* __restrict__ logits,      // [n_rows, n_cols]
     const SampleParams p) {
+    cukern::pdl_enter();
     __shared__ float s_val[K == 1 ? 32 : SORT_ELEMS];
     __shared__ int32_t s_idx[K == 1 ? 32 : SORT_ELEMS];
     const uint32_t row = blockIdx.y, c = blockIdx.x;
@@ -130,6 +132,7 @@ __global__ void __launch_bounds__(THREADS) sample_rows(
     const float* __restrict__ cand_val,    // [n_rows, n_chunks, K] from topk_chunk<K>
     const int32_t* __restrict__ cand_idx,  // [n_rows, n_chunks, K]
     const SampleParams p) {
+    cukern::pdl_enter();
     __shared__ float s_val[K == 1 ? 32 : SORT_ELEMS];
     __shared__ int32_t s_idx[K == 1 ? 32 : SORT_ELEMS];
     const uint32_t row = blockIdx.x;
@@ -199,6 +202,7 @@ extern "C" __global__ void advance_positions(
     int32_t* __restrict__ lengths,         // [max_seqs] cached tokens per sequence slot (PagedKVCache.lengths)
     const int32_t* __restrict__ seq_ids,   // [n_rows] slot of each row
     const AdvanceParams p) {
+    cukern::pdl_enter();
     const uint32_t r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= p.n_rows) return;
     const int32_t next = positions[r] + 1;

@@ -150,8 +150,11 @@ class Transformer:
         if not model.device:
             model.upload()
         self.max_seqs, self.max_tokens, self.prefill_chunk = max_seqs, max_tokens, prefill_chunk
-        self.ew, self.attn, self.mm, self.tok = (ElementwiseDispatch(device), AttentionDispatch(device),
-                                                 DmmvDispatch(device, int8=dmmv_int8), TokensDispatch(device))
+        # every kernel of a decode step launches with programmatic dependent launch (sm_90+; a plain launch
+        # elsewhere): each one's launch and start-up overlap the kernel before it
+        self.ew, self.attn, self.tok = (ElementwiseDispatch(device, pdl=True), AttentionDispatch(device, pdl=True),
+                                        TokensDispatch(device, pdl=True))
+        self.mm = DmmvDispatch(device, int8=dmmv_int8, pdl=True)
         self.gemm = MatmulDispatch(device)
         if pack_prefill and not self.gemm._units[next(iter(GEMM_QTYPES))].is_sm90():
             raise ValueError("pack_prefill needs an sm_90 (Hopper) device: packed weights run on gemm_wgr only")
