@@ -515,7 +515,7 @@ class MatmulDispatch(Dispatch):
             return self._remember(key, self._hopper(w, w, b, d, d_stride, n, accumulate, split_k, None, stream), d)
         w = self._weight("w", w)
         n, b_stride, d_stride = self._float_activations(b, d, w)
-        if self._use_wg(w.qtype, b, n, wgmma):
+        if self._use_wg(w, w, n, wgmma):
             return self._remember(key, self._hopper(w, w, b, d, d_stride, n, accumulate, split_k, None, stream), d)
         bt, grid, k_split = self._grid(n, w, split_k, "gemm")
         params = self.struct_of(w.qtype).pack(
@@ -573,12 +573,17 @@ class MatmulDispatch(Dispatch):
 
     WG_MIN_N = 256  # gemm_wgr from this many columns (sm_90; f16 b, or f32 b through the staging buffer)
 
-    def _use_wg(self, qtype: int, b, n: int, wgmma) -> bool:
+    def _use_wg(self, w: QWeight, w2: QWeight, n: int, wgmma) -> bool:
+        """Whether a GGUF-byte gemm / gemm_glu runs on gemm_wgr: forced by ``wgmma``, else from WG_MIN_N
+        columns on sm_90 where every weight row is 16-byte aligned. Rows that are not (k = 640 in Q5_0 or
+        Q8_0: 440 or 680 bytes) reach shared memory by 2-byte copies, which gemm_wgr's three producer warps
+        issue far slower than gemm_f16's whole CTA: Gemma 3 270M's prefill of 1024 tokens, H200, 14.7 ms
+        on gemm_wgr against 10.2 ms on gemm_f16."""
         if wgmma is not None and not isinstance(wgmma, bool):
             raise TypeError(f"wgmma must be None, True or False, got {wgmma!r}")
-        if wgmma is False or (wgmma is None and n < self.WG_MIN_N):
+        if wgmma is False or (wgmma is None and (n < self.WG_MIN_N or not _raw16(w, w2))):
             return False
-        ok = self._units[qtype].is_sm90()
+        ok = self._units[w.qtype].is_sm90()
         if wgmma and not ok:
             raise ValueError("wgmma=True needs an sm_90 (Hopper) device")
         return ok
@@ -807,7 +812,7 @@ class MatmulDispatch(Dispatch):
             return self._remember(key, self._hopper(w_gate, w_gate, b, d, d_stride, n, False, None, act, stream), d)
         w_gate, w_up = self._glu_weights(w_gate, w_up, act)
         n, b_stride, d_stride = self._float_activations(b, d, w_gate)
-        if self._use_wg(w_gate.qtype, b, n, wgmma):
+        if self._use_wg(w_gate, w_up, n, wgmma):
             return self._remember(key, self._hopper(w_gate, w_up, b, d, d_stride, n, False, None, act, stream), d)
         bt = self._tile(n)
         grid_t, grid_r = -(-n // bt), -(-w_gate.m // _ROW_TILE_GLU)

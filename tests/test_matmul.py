@@ -86,7 +86,7 @@ def _weight(q, m, k, rng, *, pad_front=0):
 def _kernel_w(mm, w, dense, b, wgmma=None):
     """The f16 weights the kernel gemm() picks multiplies: gemm_wgr's (ref.wgr_values, from the
     raw bytes read back) or the dense matrix (rounded to f16 by gemm_f16_inputs)."""
-    if not mm._use_wg(w.qtype, b, b.shape[0], wgmma):
+    if not mm._use_wg(w, w, b.shape[0], wgmma):
         return dense
     return ref.wgr_values(w.buf[w.offset:w.offset + w.m * w.row_bytes].get(), w.qtype, w.m, w.k)
 
@@ -207,6 +207,23 @@ def test_wgr_plan():
     assert mm._wgr_plan(2048, 112, 4096, True) == (256, 1)   # 896 CTAs: no split
     assert mm._wgr_plan(512, 32, 14336, True) == (256, 2)    # 64 CTAs of 224 stages: two slices
     assert mm._wgr_plan(256, 32, 4096, True)[1] > 1
+
+
+def test_wgr_needs_aligned_rows(monkeypatch):
+    """gemm_wgr from WG_MIN_N columns only where every weight row is 16-byte aligned: Q5_0 rows of
+    k = 640 (440 bytes) stay on gemm_f16 unless forced; k = 512 (352 bytes) take gemm_wgr."""
+    from host_dispatch import host_array
+    mm = MatmulDispatch()
+    monkeypatch.setattr(mm._units[6], "is_sm90", lambda: True)
+    aligned = QWeight(host_array(64 * 352, np.uint8, 0), 6, 64, 512)
+    odd = QWeight(host_array(64 * 440, np.uint8, 0), 6, 64, 640)
+    shifted = QWeight(host_array(64 * 352 + 8, np.uint8, 0), 6, 64, 512, offset=8)
+    assert mm._use_wg(aligned, aligned, mm.WG_MIN_N, None)
+    assert not mm._use_wg(aligned, aligned, mm.WG_MIN_N - 1, None)
+    assert not mm._use_wg(odd, odd, 4096, None)
+    assert not mm._use_wg(shifted, shifted, 4096, None)
+    assert not mm._use_wg(aligned, odd, 4096, None)
+    assert mm._use_wg(odd, odd, 16, True)
 
 
 # ---------------------------------------------------------------------------- GPU: tiled f16 GEMM
