@@ -22,6 +22,29 @@ using namespace cukern::qmv;
 namespace {
 constexpr int kRows = 2;  // default rows per block of dmmv, and dmmv_glu's (each warp works on all of them)
 
+// Before pdl_wait (the weights are never written by a kernel in flight): ask L2 for every 128-byte
+// line of the block's NR weight rows, so that the loads after the wait, which would otherwise wait on
+// DRAM one step at a time, find them there while the previous kernel ends.
+template <int NR>
+CUKERN_DEVICE void prefetch_rows_l2(const uint8_t* const (&rows)[NR], uint64_t row_bytes) {
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+        const uint64_t a = reinterpret_cast<uint64_t>(rows[r]);
+        const uint64_t last = (a + row_bytes - 1) & ~uint64_t(127);
+        for (uint64_t l = (a & ~uint64_t(127)) + 128u * threadIdx.x; l <= last; l += 128u * blockDim.x)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(l) : "memory");
+    }
+}
+
+// The f32 kernels' entry under programmatic dependent launch: the rows asked of L2, then the wait
+// for the previous kernel (x and y are touched only after it), then the next kernel let in.
+template <int NR>
+CUKERN_DEVICE void enter_rows(const uint8_t* const (&rows)[NR], uint64_t row_bytes) {
+    prefetch_rows_l2<NR>(rows, row_bytes);
+    pdl_wait();
+    pdl_launch_dependents();
+}
+
 CUKERN_DEVICE void store(float* y, float v, int c, const float* gate, const DmmvParams& p) {
     v *= p.alpha;
     if (p.mode == 0) *y = v;
@@ -41,7 +64,6 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dmmv(
     const float* __restrict__ x,       // [NC, x_stride] f32 columns, 16-byte aligned, k used
     const float* __restrict__ gate,    // [NC] gate logits for mode 2; unused otherwise
     const DmmvParams p) {
-    pdl_enter();  // x and y only after the previous kernel (weights too: one pass, no prefetch)
     __shared__ float red[kMaxWarps * R * NC];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
     const bool second = blockIdx.x >= p.blocks1;  // working on matrix 2 (pair)
@@ -51,6 +73,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dmmv(
     const uint8_t* rows[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) rows[r] = base + (size_t)min(row0 + r, m - 1) * p.row_bytes;  // past m: recompute row m-1, never stored
+    enter_rows<R>(rows, p.row_bytes);
     const float* xs[NC];
 #pragma unroll
     for (int c = 0; c < NC; ++c) xs[c] = x + (size_t)c * p.x_stride;
@@ -74,7 +97,6 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dmmv_glu(
     const float* __restrict__ x,       // [NC, x_stride] f32 columns, 16-byte aligned
     const float* __restrict__ gate,    // [NC] gate logits for mode 2; unused otherwise
     const DmmvParams p) {
-    pdl_enter();
     __shared__ float red[kMaxWarps * 2 * kRows * NC];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
     const uint32_t row0 = blockIdx.x * kRows;
@@ -85,6 +107,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dmmv_glu(
         rows[r] = w + p.w_offset + row * p.row_bytes;
         rows[kRows + r] = w2 + p.w2_offset + row * p.row_bytes;
     }
+    enter_rows<2 * kRows>(rows, p.row_bytes);
     const float* xs[NC];
 #pragma unroll
     for (int c = 0; c < NC; ++c) xs[c] = x + (size_t)c * p.x_stride;
