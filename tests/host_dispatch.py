@@ -76,6 +76,7 @@ def patch(monkeypatch) -> collections.Counter:
     monkeypatch.setattr(dispatch.Dispatch, "_call", staticmethod(
         lambda kernel, fn, grid, block, args, shared_mem, pdl=False: launches.update([kernel])))
     monkeypatch.setattr(dispatch.Dispatch, "device_id", property(lambda self: 0))
+    monkeypatch.setattr(dispatch, "_pdl_supported", lambda device_id: True)  # an sm_90 device
     h100 = {"MultiProcessorCount": 132, "MaxSharedMemoryPerBlockOptin": 232448}
     monkeypatch.setattr(dispatch.Dispatch, "sm_count", lambda self: h100["MultiProcessorCount"])
     monkeypatch.setattr(dispatch.Dispatch, "resident_blocks",  # an H100's 2048 threads, 228 KB (1 KB a block)

@@ -180,7 +180,7 @@ class Attention:
     def plan_batched(self, cache, seq_ids, q_lens):
         for s, n in zip(seq_ids, q_lens):
             assert 1 <= n <= cache.length(s)
-        return types.SimpleNamespace(cache=cache, seq_ids=list(seq_ids), q_lens=list(q_lens))
+        return types.SimpleNamespace(cache=cache, seq_ids=wrap(np.array(seq_ids, np.int32)), q_lens=list(q_lens))
 
     def flash_attn_batched(self, plan, layer, q, out, *, causal, scale, window_left, stream=None):
         row = 0
@@ -305,4 +305,7 @@ def fake_transformer(model, monkeypatch, *, max_seqs, max_tokens, page_size, pre
     t.embed_table, t.embed_qtype = None, int(model["token_embd.weight"].qtype)
     t.head = weight("token_embd.weight" if c.tied_output else "output.weight")
     t._dec = None
+    t._chunks, t._stream = {}, None
+    monkeypatch.setattr(T, "check_array", lambda name, a, **kw: a)
+    monkeypatch.setattr(T, "_address", lambda a: a.ctypes.data)
     return t

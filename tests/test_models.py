@@ -610,9 +610,10 @@ def test_transformer_orchestration_on_numpy_fakes(tiny, tiny_rope, arch, chunk, 
     """The GPU forward's control flow with every dispatch replaced by a NumPy fake (tests/model_fakes.py):
     three prompts of 29, 3 and 11 tokens (pages of 4: ragged last pages; 29 > the Gemma window of 8;
     chunks of 5 rows use the matvec, of 16 the GEMM) decode together through a replayed "graph", and
-    every sequence's 9 greedy tokens equal the float64 reference's; eager decode and a single sequence
-    give the same tokens; a stop id ends a sequence after it."""
-    from model_fakes import fake_transformer
+    every sequence's 9 greedy tokens equal the float64 reference's (prompt chunks of a length seen
+    before replay a captured "graph" with new ids, positions and slot); eager decode and a single
+    sequence give the same tokens; a stop id ends a sequence after it."""
+    from model_fakes import FakeGraph, fake_transformer
     m = load_gguf({**tiny, **tiny_rope}[arch])
     t = fake_transformer(m, monkeypatch, max_seqs=3, max_tokens=48, page_size=4, prefill_chunk=chunk)
     prompts = [rng.integers(0, m.config.vocab_size, size=n).tolist() for n in (29, 3, 11)]
@@ -627,6 +628,7 @@ def test_transformer_orchestration_on_numpy_fakes(tiny, tiny_rope, arch, chunk, 
     cut = t.generate([prompts[1]], 9, stop_ids=[stop], on_token=lambda step, ids: None)[0][0]
     assert cut == out[1][:out[1].index(stop) + 1]
     assert t.cache.alloc.active_slots() == [0]
+    assert sum(g.replays for st in t._chunks.values() for g in st.graphs.values() if isinstance(g, FakeGraph)) > 0
 
 
 @pytest.mark.parametrize("arch", ARCHS + tuple(ROPE_VARIANTS))

@@ -37,6 +37,7 @@ import cupy
 import numpy as np
 
 from cukern.attention import AttentionDispatch, PagedKVCache
+from cukern.dispatch import bounded_put, check_array
 from cukern.dmmv import DmmvDispatch, QWeight
 from cukern.elementwise import ElementwiseDispatch
 from cukern.matmul import GEMM_QTYPES, MatmulDispatch, PackedWeight
@@ -51,6 +52,11 @@ __all__ = ["Transformer", "GenerationStats"]
 def _to_device(dst: cupy.ndarray, values: np.ndarray, stream) -> None:
     """The host-to-device copies of generate() (a sequence's length), on ``stream``."""
     dst.set(values, stream=stream)
+
+
+def _address(a: cupy.ndarray) -> int:
+    """The device address of a's data (what a captured graph holds on to)."""
+    return a.data.ptr
 
 
 def _to_host(a: cupy.ndarray, stream) -> np.ndarray:
@@ -117,6 +123,53 @@ class _Buffers:
         self.proj = cupy.empty((n, cfg.d_model), f)      # attention / FFN output before its norm
         self.gate = cupy.empty((n, cfg.d_ff), f)
         self.up = cupy.empty((n, cfg.d_ff), f)
+
+
+class _Chunk:
+    """The device state of one prompt-chunk length n: its activations, an int32 upload ``args`` of
+    [ids (n) | first position] and the attention plan of one sequence's n last tokens (whose slot is
+    uploaded into the plan's ``seq_ids``), which every launch of the chunk reads; and per output (the
+    LM head's ``logits_out`` on a prompt's last chunk, or none) the CUDA graph of the chunk's
+    launches, captured the second time that output is asked for (the first run, eager, compiles and
+    warms every kernel and the GEMMs' kept launches)."""
+
+    def __init__(self, lm: "Transformer", n: int, slot: int):
+        self.n = n
+        self.buf = _Buffers(lm.cfg, n)
+        self.args = cupy.empty(n + 1, cupy.int32)
+        self.ids, self.pos = self.args[:n], self.args[n:]
+        self.plan = lm.attn.plan_batched(lm.cache, [slot], [n])
+        self.graphs: dict = {}  # logits_out pointer (or None) -> 1 after the eager run, then the Graph
+
+    def run(self, lm: "Transformer", part: np.ndarray, pos0: int, slot: int, logits_out, stream) -> None:
+        host = np.empty(self.n + 1, np.int32)
+        host[:self.n], host[self.n] = part, pos0
+        _to_device(self.args, host, stream)
+        _to_device(self.plan.seq_ids, np.array([slot], np.int32), stream)
+        key = None if logits_out is None else _address(logits_out)
+        seen = self.graphs.get(key, 0)
+        if seen == 0:
+            self.graphs[key] = 1
+            with stream:
+                self.launch(lm, logits_out, stream)
+            return
+        if seen == 1:
+            seen = self.graphs[key] = capture_graph(lambda s: self.launch(lm, logits_out, s), stream=stream)
+        seen.replay(stream)
+
+    def launch(self, lm: "Transformer", logits_out, stream) -> None:
+        """The chunk's launches: embed, every layer, and the LM head on its last row where asked."""
+        c, buf, n = lm.cfg, self.buf, self.n
+        rows = slice(0, n)
+
+        def attend(i, q_rot, o):
+            lm.attn.flash_attn_batched(self.plan, i, q_rot, o, causal=True, scale=c.attn_scale,
+                                       window_left=lm._window(i), stream=stream)
+
+        lm._embed(self.ids, buf, rows, stream)
+        lm._layers(buf, rows, attend, self.pos, self.plan.seq_ids, "consecutive", stream)
+        if logits_out is not None:
+            lm.mm.dmmv(lm.head, buf.h[n - 1:n], logits_out.reshape(1, -1), stream=stream)
 
 
 class Transformer:
@@ -190,6 +243,8 @@ class Transformer:
         self.embed_table, self.embed_qtype = raw["token_embd.weight"], int(emb.qtype)
         self.head = qw("token_embd.weight" if c.tied_output else "output.weight")
         self._dec = None  # decode state of the current batch (see _setup_decode)
+        self._chunks: dict[int, _Chunk] = {}  # prompt-chunk length -> its buffers, uploads and graphs
+        self._stream = None  # prefill's own stream where the caller's is the legacy default one
 
     @classmethod
     def load(cls, path, *, progress: bool | None = None, **kwargs) -> "Transformer":
@@ -303,7 +358,13 @@ class Transformer:
     def prefill(self, tokens, slot: int, logits_out: cupy.ndarray, *, stream=None) -> cupy.ndarray:
         """Append ``tokens`` (host ints) to sequence ``slot`` of the cache and write the logits of the
         last one into ``logits_out [vocab]`` f32. The prompt runs in chunks of ``prefill_chunk`` rows:
-        each chunk extends the sequence, writes its K/V and attends to everything cached before it."""
+        each chunk extends the sequence, writes its K/V and attends to everything cached before it.
+
+        A chunk's launches read their token ids, first position and slot from one small upload, so a
+        chunk length seen before replays a CUDA graph of them (:class:`_Chunk`): a short prompt costs
+        one upload and one graph launch of host time instead of ~200 launches from Python. On the legacy
+        default stream, which cannot be captured, the chunks run on a stream of the model's own,
+        ordered after and before ``stream`` by events."""
         c = self.cfg
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if tokens.size == 0:
@@ -314,28 +375,33 @@ class Transformer:
         if start + tokens.size > self.cache.capacity_tokens():
             raise ValueError(f"sequence {slot}: {start} + {tokens.size} tokens exceed max_tokens "
                              f"({self.cache.capacity_tokens()})")
+        check_array("logits_out", logits_out, dtype=np.float32, shape=(c.vocab_size,))
         stream = resolve_stream(stream)
+        work = stream if stream.ptr else self._own_stream()
+        if work is not stream:
+            work.wait_event(stream.record())
         chunk = min(self.prefill_chunk, tokens.size)
-        buf = _Buffers(c, chunk)
-        seq = cupy.asarray(np.array([slot], np.int32))
-        with stream:
-            for c0 in range(0, tokens.size, chunk):
-                part = tokens[c0:c0 + chunk]
-                n = part.size
-                rows = slice(0, n)
-                pos0 = self.cache.extend(slot, n, stream=stream)
-                ids = cupy.asarray(part.astype(np.int32))
-                pos = cupy.asarray(np.array([pos0], np.int32))
-                bplan = self.attn.plan_batched(self.cache, [slot], [n])
-
-                def attend(i, q_rot, o, bplan=bplan):
-                    self.attn.flash_attn_batched(bplan, i, q_rot, o, causal=True, scale=c.attn_scale,
-                                                 window_left=self._window(i), stream=stream)
-
-                self._embed(ids, buf, rows, stream)
-                self._layers(buf, rows, attend, pos, seq, "consecutive", stream)
-            self.mm.dmmv(self.head, buf.h[n - 1:n], logits_out.reshape(1, -1), stream=stream)
+        for c0 in range(0, tokens.size, chunk):
+            part = tokens[c0:c0 + chunk]
+            pos0 = self.cache.extend(slot, part.size, stream=work)
+            last = c0 + part.size == tokens.size
+            self._chunk(part.size, slot).run(self, part, pos0, slot, logits_out if last else None, work)
+        if work is not stream:
+            stream.wait_event(work.record())
         return logits_out
+
+    def _own_stream(self):
+        if self._stream is None:
+            self._stream = cupy.cuda.Stream(non_blocking=True)
+        return self._stream
+
+    def _chunk(self, n: int, slot: int) -> "_Chunk":
+        st = self._chunks.get(n)
+        if st is None:
+            st = bounded_put(self._chunks, n, _Chunk(self, n, slot), self._CHUNK_STATES)
+        return st
+
+    _CHUNK_STATES = 4  # prompt-chunk lengths whose buffers and graphs are kept (the oldest leaves first)
 
     # ------------------------------------------------------------------ decode
     def _setup_decode(self, slots: list[int], positions: list[int], max_kv_len: int, sampling: bool,
