@@ -20,7 +20,8 @@ import numpy as np
 from cukern.dispatch import Dispatch, check_array
 from cukern.runtime import FamilySpec, KernelSpec
 
-__all__ = ["ElementwiseDispatch", "FAMILY", "ROPE_FAMILY", "FAMILIES", "Q8_1_BLOCK", "Q8_1_BLOCK_BYTES", "contiguous_page_table"]
+__all__ = ["ElementwiseDispatch", "FAMILY", "ROPE_FAMILY", "FAMILIES", "Q8_1_BLOCK", "Q8_1_BLOCK_BYTES", "ROPE_VEC_HEAD_DIMS",
+           "contiguous_page_table"]
 
 _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)
@@ -58,6 +59,7 @@ _ROPE_TASKS = 128  # heads per block step (tokens_per_block = ceil(128 / heads p
 _ROPE_MAX_TOKENS = 8
 # Vectorised rope kernels (rope_vec.cuh): lanes per head row, head_dim = 8 * LPH; head rows per thread
 _ROPE_VEC_LPH = (4, 8, 16, 32)
+ROPE_VEC_HEAD_DIMS = tuple(8 * lph for lph in _ROPE_VEC_LPH)  # the vectorised RoPE kernels' head dims
 _ROPE_VEC_ROWS = 2  # VEC_ROWS in rope_vec.cuh
 # k_norm_rope_kv_vec: consecutive head rows per thread (its ROWS argument): 2 (H100, 16384x8x128 f16: 95% of
 # copy; 1: 87%, 4: 93%, 8: 91%), or 1 below _K_ROPE_FEW_ROWS rows (decode 1x8x128: 2.17 us; 2: 2.42 us)
@@ -125,6 +127,11 @@ def _kernels() -> list[KernelSpec]:
     return ks
 
 
+def _qkv_vec_kernel(kv: str, lph: int, q_out: str) -> str:
+    """qk_norm_rope_kv_vec's instance for a cache of C type kv and q_out of C type q_out (float, or kv)."""
+    return f"qk_norm_rope_kv_vec<{kv}, true, true, {lph}" + (">" if q_out == "float" else f", {q_out}>")
+
+
 def _rope_kernels() -> list[KernelSpec]:
     """Kernels of the second unit, rope_kv.cu: RoPE and its fusions, KV writes, deinterleave."""
     ks = [KernelSpec(f"rope<{n}, {ppl}, {g}>", "RopeParams") for n in ("false", "true") for ppl, g in _ROPE_PPL]
@@ -132,7 +139,8 @@ def _rope_kernels() -> list[KernelSpec]:
     for kv in _KV_TYPES.values():
         ks += [KernelSpec(f"qk_norm_rope_kv<{kv}, {hq}, {ppl}, {g}>", "QkvRopeParams")
                for hq in ("true, true", "false, false") for ppl, g in _ROPE_PPL]
-        ks += [KernelSpec(f"qk_norm_rope_kv_vec<{kv}, true, true, {lph}>", "QkvRopeParams") for lph in _ROPE_VEC_LPH]
+        ks += [KernelSpec(_qkv_vec_kernel(kv, lph, qo), "QkvRopeParams")
+               for lph in _ROPE_VEC_LPH for qo in (("float",) if kv == "float" else ("float", kv))]
         ks += [KernelSpec(f"k_norm_rope_kv_vec<{kv}, {lph}, {r}>", "QkvRopeParams")
                for lph in _ROPE_VEC_LPH for r in _K_ROPE_ROWS]
         ks += [KernelSpec(f"kv_write<{kv}, {v}>", "KvWriteParams") for v in ("true", "false")]
@@ -674,11 +682,16 @@ class ElementwiseDispatch(Dispatch):
         ``= rope(rms_norm(k) * (wk + off))``, V cache row ``= v``, per head.
 
         q: [n_tokens, n_q_heads, head_dim] f32; k, v: [n_tokens, n_kv_heads, head_dim] f32; wq, wk:
-        [head_dim] f32, or both None for no norm (rotation only); caches, page_table, positions, seq_ids
-        and pos_mode as :meth:`kv_write` ("per_token" is the batched decode of several sequences);
-        rope arguments as :meth:`rope`. Returns q_out."""
+        [head_dim] f32, or both None for no norm (rotation only); q_out: f32 like q, or of the caches'
+        dtype (Q rounded once for a tensor-core attention; the vectorised kernel's shapes only: head_dim
+        8 * 4..32, 16-byte aligned arrays); caches, page_table, positions, seq_ids and pos_mode as
+        :meth:`kv_write` ("per_token" is the batched decode of several sequences); rope arguments as
+        :meth:`rope`. Returns q_out."""
         check_array("q", q, dtype=_F32, ndim=3)
-        check_array("q_out", q_out, dtype=_F32, shape=q.shape)
+        check_array("q_out", q_out, shape=q.shape)
+        if q_out.dtype not in (_F32, k_cache.dtype):
+            raise TypeError(f"qk_norm_rope_kv_write: q_out must be float32 or the caches' {k_cache.dtype}, "
+                            f"got {q_out.dtype}")
         n_tokens, n_q, head_dim = q.shape
         check_array("k", k, dtype=_F32, ndim=3)
         check_array("v", v, dtype=_F32, shape=k.shape)
@@ -739,6 +752,11 @@ class ElementwiseDispatch(Dispatch):
                 v if has_q else unread, wq if (has_q and norm) else unread, wk if norm else unread,
                 freqs if freqs is not None else unread, positions, seq_ids, page_table)
         vec = _rope_vec_launch(n_tokens * heads, head_dim, rope_dim, ptrs[:8])
+        q_out_type = _KV_TYPES[q_out.dtype] if has_q else "float"
+        if vec is None and q_out_type != "float":
+            raise ValueError(f"{what}: a {q_out.dtype} q_out needs the vectorised kernel (head_dim in "
+                             f"{ROPE_VEC_HEAD_DIMS}, rope_dim % 8 == 0, 16-byte aligned arrays), got head_dim "
+                             f"{head_dim}, rope_dim {rope_dim}")
         if vec is not None and not has_q:
             lph = vec[0]
             rows = 1 if n_tokens * n_kv < _K_ROPE_FEW_ROWS else 2
@@ -747,8 +765,7 @@ class ElementwiseDispatch(Dispatch):
                          (k_cache, k, ptrs[7], ptrs[8], positions, seq_ids, page_table), params, stream=stream)
         elif vec is not None:
             lph, vgrid = vec
-            self._launch(f"qk_norm_rope_kv_vec<{kv}, true, true, {lph}>", vgrid, _ROPE_BLOCK, ptrs, params,
-                         stream=stream)
+            self._launch(_qkv_vec_kernel(kv, lph, q_out_type), vgrid, _ROPE_BLOCK, ptrs, params, stream=stream)
         else:
             self._launch(f"qk_norm_rope_kv<{kv}, {flags}>", grid, _ROPE_BLOCK, ptrs, params, stream=stream,
                          shared_mem=smem)

@@ -122,6 +122,8 @@ class Elementwise:
 class PagedCache:
     """PagedKVCache's allocator and device arrays; ``lengths`` is what the kernels see."""
 
+    kind = "float32"  # PagedKVCache.kind: full-precision pools, so the prompt chunks' attention stays f32
+
     def __init__(self, n_layers, n_pages, page_size, n_kv_heads, head_dim, *, max_seqs, max_pages_per_seq):
         self.page_size, self.max_pages = page_size, max_pages_per_seq
         shape = (n_pages, page_size, n_kv_heads, head_dim)

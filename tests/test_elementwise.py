@@ -439,6 +439,55 @@ def test_qk_norm_rope_kv_write(d, rng, dtype, norm, step):
 
 
 @gpu
+@pytest.mark.parametrize("hd,n_q,n_kv,n_tok", [(256, 4, 1, 37), (128, 8, 2, 13), (64, 6, 3, 1), (32, 5, 5, 129)])
+def test_qk_norm_rope_kv_write_half_q_out(d, rng, hd, n_q, n_kv, n_tok):
+    """q_out in the f16 cache's dtype (a prompt chunk's Q for the tensor-core prefill): the f32 result
+    rounded once (tolerance of an f16 rounding: rtol 1e-3, atol 1e-3), the caches as with an f32 q_out."""
+    page_size = 16
+    page_table, k_cache = _paged_setup(rng, 2, n_tok + 20, page_size, n_kv, hd, cupy.float16)
+    v_cache = poison(cupy.empty_like(k_cache))
+    q, k, v = _randn(rng, n_tok, n_q, hd, scale=2), _randn(rng, n_tok, n_kv, hd, scale=2), _randn(rng, n_tok, n_kv, hd)
+    wq, wk = _randn(rng, hd), _randn(rng, hd)
+    pos, seq = np.array([int(rng.integers(0, 20))], np.int32), np.array([1], np.int32)
+    q_out = _empty(n_tok, n_q, hd, dtype=cupy.float16)
+    kw = dict(eps=1e-6, neox=True, freq_base=1e6, pos_mode="consecutive")
+    d.qk_norm_rope_kv_write(_dev(q), _dev(k), _dev(v), _dev(wq), _dev(wk), q_out, k_cache, v_cache, _dev(page_table),
+                            _dev(pos), _dev(seq), **kw)
+    tok_pos = pos[0] + np.arange(n_tok, dtype=np.int32)
+    rope_kw = dict(rope_dim=hd, neox=True, freq_base=1e6, pos_mode="per_token")
+    want_q = ref.rope(ref.group_norm(q, group_size=hd, w=wq, eps=1e-6), tok_pos, **rope_kw)
+    assert_close(q_out.astype(cupy.float32), want_q, atol=1e-3, rtol=1e-3, name="f16 q_out")
+    want_k = ref.kv_write(ref.rope(ref.group_norm(k, group_size=hd, w=wk, eps=1e-6), tok_pos, **rope_kw),
+                          np.full(k_cache.shape, np.nan), page_table, pos, seq, pos_mode="consecutive")
+    _check_cache(k_cache, want_k, cupy.float16, "k_cache")
+    _check_cache(v_cache, ref.kv_write(v, np.full(v_cache.shape, np.nan), page_table, pos, seq), cupy.float16,
+                 "v_cache")
+
+
+def test_qk_norm_rope_kv_write_half_q_out_rejected(monkeypatch):
+    """An f16 q_out needs an f16 cache and the vectorised kernel's shapes: both refused before any launch."""
+    from host_dispatch import host_array, patch
+    launches = patch(monkeypatch)
+    d = ElementwiseDispatch()
+    pt, pos, seq = host_array((1, 4), np.int32, 0), host_array(1, np.int32, 0), host_array(1, np.int32, 0)
+
+    def call(hd, cache_dtype, q_dtype):
+        q, k = host_array((3, 2, hd)), host_array((3, 1, hd))
+        kc, vc = host_array((4, 16, 1, hd), cache_dtype), host_array((4, 16, 1, hd), cache_dtype)
+        w = host_array(hd, np.float32, 1.0)
+        d.qk_norm_rope_kv_write(q, k, host_array((3, 1, hd)), w, w, host_array((3, 2, hd), q_dtype), kc, vc, pt,
+                                pos, seq)
+
+    with pytest.raises(TypeError, match="q_out must be float32 or the caches'"):
+        call(128, np.float32, np.float16)
+    with pytest.raises(ValueError, match="needs the vectorised kernel"):
+        call(96, np.float16, np.float16)
+    assert not launches
+    call(128, np.float16, np.float16)
+    assert launches == {"qk_norm_rope_kv_vec<__half, true, true, 16, __half>": 1}
+
+
+@gpu
 @pytest.mark.parametrize("hd,rd,n_kv,dtype,mode", [(128, 128, 8, cupy.float16, "consecutive"),
                                                    (128, 64, 6, cupy.float32, "per_token"),
                                                    (64, 32, 3, cupy.float16, "per_token"),

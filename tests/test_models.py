@@ -635,13 +635,14 @@ def test_transformer_orchestration_on_numpy_fakes(tiny, tiny_rope, arch, chunk, 
 def test_forward_passes_every_dispatch_check_without_gpu(tiny, tiny_rope, arch, monkeypatch):
     """The real forward on host-backed arrays with launches recorded (tests/host_dispatch.py): every
     dispatch the model makes passes its family's validation (names, shapes, dtypes, alignment, kernel
-    lookup) for prompts through the matvec (chunks of 5) and the GEMM (16), both KV dtypes, a batch of
-    three, sampling, eager and graph decode; and the launches include each family's kernels."""
+    lookup) for prompts through the matvec (chunks of 5) and the GEMM (16), both KV dtypes (an f16 cache
+    with GEMM chunks: f16 Q on the tensor-core attention), a batch of three, sampling, eager and graph
+    decode; and the launches include each family's kernels."""
     from host_dispatch import patch
     from cukern.models.transformer import Transformer
     launches = patch(monkeypatch)
     m = load_gguf({**tiny, **tiny_rope}[arch])
-    for kv, chunk in (("float16", 5), ("float32", 16)):
+    for kv, chunk in (("float16", 5), ("float32", 16), ("float16", 16)):
         lm = Transformer(m, max_seqs=3, max_tokens=64, page_size=4, kv_dtype=kv, prefill_chunk=chunk)
         prompts = [list(range(5, 5 + n)) for n in (29, 3, 11)]
         lm.generate(prompts, 6)
@@ -650,6 +651,7 @@ def test_forward_passes_every_dispatch_check_without_gpu(tiny, tiny_rope, arch, 
     names = {k.split("<")[0].removesuffix("_vec").removesuffix("_q8") for k in launches}  # kernel variants
     assert {"embed_rows", "qk_norm_rope_kv", "decode", "dmmv", "gemm_f16", "topk_chunk", "sample_rows",
             "advance_positions"} <= names, names
+    assert any(k.startswith("prefill") for k in launches), names
 
 
 def test_bpe_tokenizer_matches_hf_tokenizers(tmp_path):

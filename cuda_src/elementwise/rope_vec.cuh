@@ -160,11 +160,12 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) rope_vec(
 
 // qk_norm_rope_kv (rope.cuh) for head_dim = 8 * LPH: per token, rows q heads | k heads | v heads (HAS_Q,
 // HAS_V), each row one LPH-lane group. V rows are copied (units at 8u, 8u + 4). pos_mode 0 or 1. The host
-// instantiates HAS_Q = HAS_V = true; the K-only path is k_norm_rope_kv_vec below.
+// instantiates HAS_Q = HAS_V = true; the K-only path is k_norm_rope_kv_vec below. QO: q_out's type, f32 or
+// the cache's (a prompt chunk's Q rounded once, here, for the tensor-core prefill attention).
 // grid: (ceil(n_tokens * rows per token / (ROPE_BLOCK / LPH * VEC_ROWS))), block: ROPE_BLOCK.
-template <typename KV, bool HAS_Q, bool HAS_V, int LPH>
+template <typename KV, bool HAS_Q, bool HAS_V, int LPH, typename QO = float>
 __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) qk_norm_rope_kv_vec(
-    float* __restrict__ q_out,              // HAS_Q: [n_tokens, n_q_heads, head_dim] (else unread)
+    QO* __restrict__ q_out,                 // HAS_Q: [n_tokens, n_q_heads, head_dim] (else unread)
     KV* __restrict__ k_cache,               // [n_pages, page_size, n_kv_heads, head_dim]
     KV* __restrict__ v_cache,               // HAS_V: same layout as k_cache (else unread)
     const float* __restrict__ q,            // HAS_Q: [n_tokens, n_q_heads, head_dim]
@@ -224,9 +225,9 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) qk_norm_rope_kv_vec(
             }
         }
         if (is_q) {
-            float* dst = q_out + ((uint64_t)t * nq + i) * HD;
-            ew::st4(dst, un.a, A[j]);
-            ew::st4(dst, un.b, B[j]);
+            QO* dst = q_out + ((uint64_t)t * nq + i) * HD;
+            ew::kv_store4<QO>(dst + un.a, A[j]);
+            ew::kv_store4<QO>(dst + un.b, B[j]);
             continue;
         }
         const int32_t seq = p.pos_mode == 0 ? seq_ids[0] : seq_ids[t];

@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 import cupy
 import numpy as np
 
-from cukern.attention import AttentionDispatch, PagedKVCache
+from cukern.attention import PREFILL_HEAD_DIMS, AttentionDispatch, PagedKVCache
 from cukern.dispatch import bounded_put, check_array
 from cukern.dmmv import DmmvDispatch, QWeight
-from cukern.elementwise import ElementwiseDispatch
+from cukern.elementwise import ROPE_VEC_HEAD_DIMS, ElementwiseDispatch
 from cukern.matmul import GEMM_QTYPES, MatmulDispatch, PackedWeight
 from cukern.models.gguf_loader import GGUFModel, ModelConfig, load_gguf
 from cukern.profiler import nvtx_range
@@ -108,9 +108,11 @@ class GenerationStats:
 
 
 class _Buffers:
-    """Activations of n rows (a prompt chunk, or one token per sequence of a decode batch)."""
+    """Activations of n rows (a prompt chunk, or one token per sequence of a decode batch); the rotated
+    queries and the attention output in ``attn_dtype`` (f32, or a prompt chunk's f16 for the
+    tensor-core prefill attention)."""
 
-    def __init__(self, cfg: ModelConfig, n: int):
+    def __init__(self, cfg: ModelConfig, n: int, attn_dtype=np.float32):
         f = cupy.float32
         self.n = n
         self.x = cupy.empty((n, cfg.d_model), f)         # residual stream
@@ -118,8 +120,8 @@ class _Buffers:
         self.q = cupy.empty((n, cfg.q_dim), f)
         self.k = cupy.empty((n, cfg.kv_dim), f)
         self.v = cupy.empty((n, cfg.kv_dim), f)
-        self.q_rot = cupy.empty((n, cfg.n_heads, cfg.head_dim), f)
-        self.o = cupy.empty((n, cfg.n_heads, cfg.head_dim), f)
+        self.q_rot = cupy.empty((n, cfg.n_heads, cfg.head_dim), attn_dtype)
+        self.o = cupy.empty((n, cfg.n_heads, cfg.head_dim), attn_dtype)
         self.proj = cupy.empty((n, cfg.d_model), f)      # attention / FFN output before its norm
         self.gate = cupy.empty((n, cfg.d_ff), f)
         self.up = cupy.empty((n, cfg.d_ff), f)
@@ -135,7 +137,7 @@ class _Chunk:
 
     def __init__(self, lm: "Transformer", n: int, slot: int):
         self.n = n
-        self.buf = _Buffers(lm.cfg, n)
+        self.buf = _Buffers(lm.cfg, n, lm._chunk_attn_dtype(n))
         self.args = cupy.empty(n + 1, cupy.int32)
         self.ids, self.pos = self.args[:n], self.args[n:]
         self.plan = lm.attn.plan_batched(lm.cache, [slot], [n])
@@ -402,6 +404,16 @@ class Transformer:
         return st
 
     _CHUNK_STATES = 4  # prompt-chunk lengths whose buffers and graphs are kept (the oldest leaves first)
+
+    def _chunk_attn_dtype(self, n: int):
+        """The dtype of a prompt chunk's rotated Q and attention output: the f16 cache's where the chunk's
+        attention can run on tensor cores and every output projection takes it (a GEMM, not the matvec,
+        whose x is f32): the RoPE kernel rounds Q once, as the GEMM rounds its activations anyway. Else f32
+        (the SIMT attention)."""
+        c = self.cfg
+        half = (self.cache.kind == "float16" and c.head_dim in PREFILL_HEAD_DIMS and c.head_dim in ROPE_VEC_HEAD_DIMS
+                and all(self._gemm_ok(L.wo, n) for L in self.layers))
+        return np.float16 if half else np.float32
 
     # ------------------------------------------------------------------ decode
     def _setup_decode(self, slots: list[int], positions: list[int], max_kv_len: int, sampling: bool,
