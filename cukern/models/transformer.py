@@ -182,8 +182,9 @@ class Transformer:
     float32). Prompts run in chunks of at most ``prefill_chunk`` tokens. ``dmmv_int8`` picks the
     matvecs' path for the block types that have one (:class:`cukern.dmmv.DmmvDispatch`'s ``int8``:
     the activations rounded to 8 bits per 32 elements, ``__dp4a``) over the f32 path. Off by
-    default: on Gemma 3 270M's decode step both paths take the same time (H100, 2026-11-22: 848 vs
-    851 us per step), and the f32 path keeps the activations exact.
+    default: the int8 path's decode step is faster (its weights stream before each kernel's wait), but
+    its rounded activations move Gemma 3 270M's logits past an NMSE of 1e-4 against the float32
+    reference, which the f32 path keeps at ~1e-7 (docs/notes/models.md).
 
     ``pack_prefill`` (sm_90 only: ValueError elsewhere): every projection whose type has a packed
     layout and whose k is a multiple of 256 is also kept packed for gemm_wgr (the gate and up
