@@ -154,17 +154,31 @@ def _raw_launch(kernel: str, fn, grid, block, args, shared_mem: int, pdl: bool) 
         fn(grid, block, args, shared_mem=shared_mem)
 
 
-def _launch_pdl(kernel: str, fn, grid, block, args, shared_mem: int) -> None:
-    """``fn(grid, block, args)`` with programmatic stream serialisation allowed: the kernel may
-    start before the previous kernel in the stream ends (it waits for it with pdl_wait())."""
-    launch, error_name = _cu_launch_kernel_ex()
-    values = [ctypes.c_void_p(a.data.ptr) if isinstance(a, cupy.ndarray) else ctypes.create_string_buffer(a.tobytes())
-              for a in args]
-    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+@functools.lru_cache(maxsize=1)
+def _pdl_attribute():
+    """The one launch attribute of a pdl launch (a constant, built once)."""
     attr = _LaunchAttribute(id=_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
     attr.value[0] = 1
-    config = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
-                           cupy.cuda.get_current_stream().ptr, ctypes.pointer(attr), 1)
+    return ctypes.pointer(attr)
+
+
+def _launch_pdl(kernel: str, fn, grid, block, args, shared_mem: int) -> None:
+    """``fn(grid, block, args)`` with programmatic stream serialisation allowed: the kernel may
+    start before the previous kernel in the stream ends (it waits for it with pdl_wait()).
+    Argument bytes: one 8-byte slot per device pointer, the struct's (or a detached pointer's) own."""
+    launch, error_name = _cu_launch_kernel_ex()
+    n = len(args)
+    slots = (ctypes.c_uint64 * n)()
+    params = (ctypes.c_void_p * n)()
+    base, keep = ctypes.addressof(slots), []
+    for i, a in enumerate(args):
+        if type(a) is cupy.ndarray or isinstance(a, cupy.ndarray):
+            slots[i] = a.data.ptr
+            params[i] = base + 8 * i
+        else:
+            keep.append(ctypes.create_string_buffer(a.tobytes(), a.nbytes))
+            params[i] = ctypes.addressof(keep[-1])
+    config = _LaunchConfig(grid, block, shared_mem, cupy.cuda.get_current_stream().ptr, _pdl_attribute(), 1)
     err = launch(ctypes.byref(config), getattr(fn, "kernel", fn).ptr, params, None)  # RawKernel -> Function
     if err:
         name = ctypes.c_char_p()

@@ -13,7 +13,9 @@ before and after, so host launch overhead counts, as it does for a user):
   peer: transformers' eager greedy ``generate`` (float32, the faster of its two dtypes here);
 * ``decode b1 eager``: the same step launched from Python kernel by kernel (no graph);
 * ``decode b1 sampled``: the graph step with temperature 0.8, top-k 64, top-p 0.95 (its ratio to
-  the greedy step in ``extra``).
+  the greedy step in ``extra``);
+* ``eager dispatch``: host time per launch of back-to-back eager calls (a 1 x d_model RMS norm
+  with programmatic dependent launch, as the model makes them), where the GPU work is shorter.
 
 llama.cpp is the end-to-end peer a user would pick instead: with ``--llama-bench PATH`` (or
 ``CUKERN_LLAMA_BENCH``) its ``llama-bench`` runs on the same GGUF in the same process run
@@ -209,6 +211,19 @@ def bench(quick: bool = False, *, peer: bool = True, llama: str | None = None) -
               + (f", {extra['x llama.cpp']:.2f}x llama.cpp tg128" if "x llama.cpp" in extra else "")
               + (f", {extra['x greedy step']:.3f}x the greedy step" if "x greedy step" in extra else ""),
               file=sys.stderr)
+    # ---- host cost of one eager dispatch (a notebook's call): a 1 x d_model RMS norm, as the model launches it
+    x = cupy.random.standard_normal((1, m.config.d_model), dtype=cupy.float32)
+    y = cupy.empty_like(x)
+    w = lm.output_norm
+
+    def norms(n=2000):
+        for _ in range(n):
+            lm.ew.rms_norm(x, w, y, eps=1e-6)
+
+    norms(50)
+    us = _wall(norms, sync, 3) / 2000
+    rows.append(Row("models", f"eager dispatch: {us:.1f} us host per launch", "rms_norm 1 x "
+                    f"{m.config.d_model}, pdl", us, extra={"launch_us": us}))
     for h in hf.values():
         h.close()
     return rows, ceil
