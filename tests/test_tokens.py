@@ -187,7 +187,6 @@ def _acceptable_picks(row, temperature, top_k, top_p, u, tol=1e-4):
 
 
 def _sample_and_check(td, plan, x, xg, *, temperature, top_k, top_p, seed):
-    import cupy
     from cukern.testing import poison
     draw = plan.draws.get()
     poison(plan.next_ids)
