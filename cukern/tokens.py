@@ -4,9 +4,10 @@ Kernels: ``cuda_src/tokens/``; float64 references: ``cukern/reference/tokens.py`
 tests: ``tests/test_tokens.py``.
 
 :meth:`TokensDispatch.embed` gathers embedding rows of a quantized table by token ids that
-live on the device (the previous step's samples). :meth:`TokensDispatch.sample` runs two launches (the best candidates of each chunk of a
-row, then one block per row that merges them and draws) and writes the chosen ids into a
-device buffer that the next decode step reads, so a whole step — forward, sample,
+live on the device (the previous step's samples). :meth:`TokensDispatch.sample` runs two
+launches (the best candidates of each chunk of a row, found by selection rather than a sort,
+then one block per row that merges them and draws) and writes the chosen ids into a device
+buffer that the next decode step reads, so a whole step — forward, sample,
 :meth:`TokensDispatch.advance_positions` — is captured in one CUDA graph and replayed
 without a host round trip. Randomness is a counter-based hash of (seed, row, draw number),
 the draw number being a device counter the kernel increments: replays draw fresh numbers,
@@ -21,12 +22,16 @@ import numpy as np
 from cukern.dispatch import Dispatch, check_array
 from cukern.runtime import FamilySpec, KernelSpec
 
-__all__ = ["TokensDispatch", "SamplePlan", "FAMILY", "MAX_TOP_K", "EMBED_QTYPES"]
+__all__ = ["TokensDispatch", "SamplePlan", "sample_chunks", "FAMILY", "MAX_TOP_K", "MAX_SAMPLE_COLS", "EMBED_QTYPES"]
 
-MAX_TOP_K = 64          # SAMPLE_MAX_K in sampling.cu
-_SORT_ELEMS = 4096      # SORT_ELEMS
-_THREADS = 256
+MAX_TOP_K = 64          # SAMPLE_MAX_K in tokens/sample.cuh (this block mirrors its constants)
+_THREADS = 256          # THREADS
+_MAX_CHUNK = 4096       # MAX_CHUNK = THREADS * CHUNK_ITEMS: logits of one stage-1 block, at most
+_MAX_CHUNKS = 128       # MAX_CHUNKS = THREADS * MERGE_ITEMS / SAMPLE_MAX_K: chunks per row, at most
+_CHUNK_ALIGN = 32       # sampling chunks are whole warps of logits
+_TARGET_BLOCKS = 512    # stage-1 blocks a sampling plan aims for (about 4 resident per SM on 132 SMs)
 _GREEDY_CHUNK = 4096
+MAX_SAMPLE_COLS = _MAX_CHUNK * _MAX_CHUNKS   # 524288 logits per row for sampling (greedy has no limit)
 _EMBED_THREADS = 128
 _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)
@@ -42,10 +47,39 @@ FAMILY = FamilySpec(
 )
 
 
-class SamplePlan:
-    """Workspaces of one (batch, vocabulary, k) shape: allocate once, reuse in every step."""
+def sample_chunks(n_rows: int, n_cols: int, n_chunks: int | None = None) -> tuple[int, int]:
+    """``(chunk, n_chunks)``: how the sampling path splits a row into stage-1 blocks (pure host arithmetic).
 
-    def __init__(self, n_rows: int, n_cols: int, *, sampling: bool, history_len: int = 0):
+    Stage 1 runs ``n_chunks * n_rows`` blocks, each selecting the best 64 of ``chunk`` logits; stage 2 runs
+    one block per row over the ``64 * n_chunks`` candidates. A block's cost is mostly its fixed chain of
+    barriers, so the rule aims for about ``_TARGET_BLOCKS`` stage-1 blocks in all (enough to cover the SMs,
+    few enough to run in one wave at 4 blocks per SM), within 64 <= chunk <= 4096 (a multiple of 32) and
+    n_chunks <= 128. Example, 262144 logits: batch 1 -> 128 chunks of 2048 (128 blocks); batch 8 -> 64
+    chunks of 4096 (512 blocks). ``n_chunks`` overrides the target (the limits on chunk still hold, and
+    rounding the chunk up to whole warps may leave fewer chunks)."""
+    if n_chunks is None:
+        target = min(_MAX_CHUNKS, max(1, -(-_TARGET_BLOCKS // n_rows)))
+    elif isinstance(n_chunks, (int, np.integer)) and 1 <= n_chunks <= _MAX_CHUNKS:
+        target = int(n_chunks)
+    else:
+        raise ValueError(f"n_chunks must be 1 ... {_MAX_CHUNKS}, got {n_chunks!r}")
+    chunk = max(MAX_TOP_K, -(-n_cols // target))
+    chunk = min(_MAX_CHUNK, -(-chunk // _CHUNK_ALIGN) * _CHUNK_ALIGN)
+    count = -(-n_cols // chunk)
+    if count > _MAX_CHUNKS:
+        raise ValueError(f"sampling supports at most {MAX_SAMPLE_COLS} logits per row, got {n_cols} "
+                         f"(greedy has no limit)")
+    return chunk, count
+
+
+class SamplePlan:
+    """Workspaces of one (batch, vocabulary, k) shape: allocate once, reuse in every step.
+
+    ``sampling=True`` sizes the plan for temperature > 0 (up to :data:`MAX_SAMPLE_COLS` logits per row;
+    the split is :func:`sample_chunks`, ``n_chunks`` overrides its target); otherwise greedy only."""
+
+    def __init__(self, n_rows: int, n_cols: int, *, sampling: bool, history_len: int = 0,
+                 n_chunks: int | None = None):
         if not isinstance(n_rows, (int, np.integer)) or n_rows < 1 or n_rows > 65535:
             raise ValueError(f"n_rows must be 1 ... 65535, got {n_rows!r}")
         if not isinstance(n_cols, (int, np.integer)) or n_cols < 1 or n_cols >= 2**31:
@@ -54,18 +88,16 @@ class SamplePlan:
             raise ValueError(f"history_len must be >= 0, got {history_len!r}")
         self.n_rows, self.n_cols, self.sampling, self.history_len = int(n_rows), int(n_cols), bool(sampling), int(history_len)
         if sampling:
-            # every row's candidates (n_chunks * 64) must fit the stage-2 sort: n_chunks <= 64
-            chunk = 1 << max(6, int(np.ceil(np.log2(-(-n_cols // (_SORT_ELEMS // MAX_TOP_K))))))
-            if chunk > _SORT_ELEMS:
-                raise ValueError(f"sampling supports at most {_SORT_ELEMS * _SORT_ELEMS // MAX_TOP_K} logits per row, "
-                                 f"got {n_cols} (greedy has no limit)")
+            self.chunk, self.n_chunks = sample_chunks(self.n_rows, self.n_cols, n_chunks)
             self.k = MAX_TOP_K
         else:
-            chunk, self.k = _GREEDY_CHUNK, 1
-        self.chunk = chunk
-        self.n_chunks = -(-n_cols // chunk)
-        self.cand_val = cupy.empty((n_rows, self.n_chunks, self.k), cupy.float32)
-        self.cand_idx = cupy.empty((n_rows, self.n_chunks, self.k), cupy.int32)
+            if n_chunks is not None:
+                raise ValueError("n_chunks applies to sampling plans only")
+            self.chunk, self.k = _GREEDY_CHUNK, 1
+            self.n_chunks = -(-self.n_cols // self.chunk)
+        # stage-1 candidates, slot-major: [row, r, c] is the r-th best of chunk c (k == 1: [row, 0, c])
+        self.cand_val = cupy.empty((n_rows, self.k, self.n_chunks), cupy.float32)
+        self.cand_idx = cupy.empty((n_rows, self.k, self.n_chunks), cupy.int32)
         self.next_ids = cupy.zeros(n_rows, cupy.int32)
         self.draws = cupy.zeros(n_rows, cupy.int32)
         self.history = cupy.zeros((n_rows, max(history_len, 1)), cupy.int32)

@@ -1,4 +1,4 @@
-// Warp- and block-wide reductions over f32.
+// Warp- and block-wide reductions over f32, and a block-wide prefix sum.
 //
 // Block reductions take a caller-provided shared scratch of at least
 // BLOCK/32 floats and return the result to every thread of the block.
@@ -48,6 +48,35 @@ CUKERN_DEVICE float block_max(float x, float* scratch /* [BLOCK / 32] */) {
     __syncthreads();
     x = lane < BLOCK / WARP ? scratch[lane] : -INFINITY;
     return warp_max(x);
+}
+
+// Exclusive prefix sum over the block in thread order, one value per thread; *total gets the block's
+// sum. scratch: [32] in shared memory. Every thread calls it (blockDim.x a multiple of 32).
+template <typename T>
+CUKERN_DEVICE T block_exclusive_scan(T v, T* scratch /* [32] */, T* total) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    T incl = v;
+#pragma unroll
+    for (int o = 1; o < WARP; o <<= 1) {
+        const T n = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += n;
+    }
+    __syncthreads();  // scratch may still be read by a previous call
+    if (lane == WARP - 1) scratch[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+        T s = lane < (int)(blockDim.x / WARP) ? scratch[lane] : T(0);
+#pragma unroll
+        for (int o = 1; o < WARP; o <<= 1) {
+            const T n = __shfl_up_sync(0xffffffffu, s, o);
+            if (lane >= o) s += n;
+        }
+        scratch[lane] = s;  // inclusive sums of the warps
+    }
+    __syncthreads();
+    const T base = warp > 0 ? scratch[warp - 1] : T(0);
+    *total = scratch[blockDim.x / WARP - 1];
+    return base + incl - v;
 }
 
 }  // namespace cukern

@@ -18,6 +18,7 @@
 // An expert id outside [0, n_experts) is never dereferenced: its outputs are written as zeros
 // (moe_down: its term is dropped) and bit 0 of err[0] is set; DmmvDispatch.check_errors()
 // reports it outside the hot path.
+#include "common/reduce.cuh"
 #include "dmmv/moe.cuh"
 #include "dmmv/q8.cuh"
 
@@ -260,33 +261,6 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) moe_down_q8(
 // ------------------------------------------------------------------------------- routing
 namespace {
 constexpr int kRouteThreads = 1024;  // one thread per bucket: n_experts + 1 <= 1024
-
-// Exclusive prefix sum over the block (one value per thread); *total gets the sum.
-CUKERN_DEVICE int block_exclusive_scan(int v, int* scratch /* [32] */, int* total) {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    int incl = v;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int n = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += n;
-    }
-    __syncthreads();
-    if (lane == 31) scratch[warp] = incl;
-    __syncthreads();
-    if (warp == 0) {
-        int s = lane < (int)(blockDim.x / 32) ? scratch[lane] : 0;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int n = __shfl_up_sync(0xffffffffu, s, o);
-            if (lane >= o) s += n;
-        }
-        scratch[lane] = s;  // inclusive sums of the warps
-    }
-    __syncthreads();
-    const int base = warp > 0 ? scratch[warp - 1] : 0;
-    *total = scratch[blockDim.x / 32 - 1];
-    return base + incl - v;
-}
 }  // namespace
 
 // One block of kRouteThreads. Bucket b < n_experts holds the slots routed to expert b; bucket
@@ -321,10 +295,10 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_pack(
     if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(err, kErrExpertId);
     const int c = b < n_buckets ? cnt[b] : 0;
     int n_valid_total;
-    const int off = block_exclusive_scan(c, scratch, &n_valid_total);
+    const int off = cukern::block_exclusive_scan(c, scratch, &n_valid_total);
     const int my_items = (c + p.cols - 1) / p.cols;
     int items_total;
-    const int item0 = block_exclusive_scan(my_items, scratch, &items_total);
+    const int item0 = cukern::block_exclusive_scan(my_items, scratch, &items_total);
     __shared__ int offs[kRouteThreads];
     offs[b] = off;
     if (b < (int)p.n_experts) counts[b] = c;

@@ -18,7 +18,7 @@ struct EmbedParams {
 struct SampleParams {
     uint32_t n_rows;          // rows (sequences of the batch)
     uint32_t n_cols;          // logits per row (vocabulary size)
-    uint32_t chunk;           // logits per stage-1 block
+    uint32_t chunk;           // logits per stage-1 block (sampling: 64 ... MAX_CHUNK, see SamplePlan)
     uint32_t n_chunks;        // ceil(n_cols / chunk)
     uint32_t top_k;           // candidates kept: 1 (greedy) ... SAMPLE_MAX_K
     uint32_t history_len;     // columns of the history matrix (0: no history)

@@ -25,6 +25,21 @@ def candidate_probs(row, *, temperature: float, top_k: int, top_p: float):
     return order[:keep], w[:keep] / w[:keep].sum()
 
 
+def _splitmix64(x: int) -> int:
+    m = (1 << 64) - 1
+    x = (x + 0x9E3779B97F4A7C15) & m
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+    return x ^ (x >> 31)
+
+
+def uniform(seed: int, row: int, draw: int) -> float:
+    """The sampler's uniform number in [0, 1) for draw ``draw`` of row ``row``: the top 24 bits of
+    splitmix64(seed ^ splitmix64(row << 32 | draw)), as the kernel computes it."""
+    h = _splitmix64(int(seed) ^ _splitmix64((int(row) << 32) | (int(draw) & 0xFFFFFFFF)))
+    return (h >> 40) / 16777216.0
+
+
 def embed(table_f64, ids, *, scale: float = 1.0) -> np.ndarray:
     """Rows ``ids`` of a dequantized table times scale; ids outside the table give zero rows."""
     t = np.asarray(table_f64, dtype=np.float64)
