@@ -285,10 +285,9 @@ class _Reader:
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self.data = np.frombuffer(buf, np.uint8)
         cur = _Cursor(buf, size)
-        magic = bytes(buf[:4])
+        magic = bytes(buf[cur.need(4, "magic"):4])
         if magic != b"GGUF":
             raise GGUFError(f"not a GGUF file (starts with {magic!r}, not b'GGUF')")
-        cur.pos = 4
         version = cur.scalar(VT.UINT32, "version")
         if version & 0xFFFF == 0 and version:
             raise GGUFError(f"big-endian GGUF (version word {version:#x}) is not supported")
@@ -298,8 +297,8 @@ class _Reader:
         n_kv = cur.scalar(VT.UINT64, "metadata key count")
         # the smallest key/value is 13 bytes (empty key, type, one byte), the smallest tensor info 24
         if n_kv * 13 + n_tensors * 24 > size - cur.pos:
-            raise GGUFError(f"corrupt header: {n_kv} metadata keys and {n_tensors} tensors cannot fit in "
-                            f"{size} bytes")
+            raise GGUFError(f"truncated or corrupt header: {n_kv} metadata keys and {n_tensors} tensors cannot "
+                            f"fit in the {size - cur.pos} bytes after byte {cur.pos}")
         self.fields: dict[str, _Field] = {}
         for i in range(n_kv):
             offset = cur.pos
@@ -313,6 +312,7 @@ class _Reader:
                 self.fields[key] = _Field(key, offset, [vtype], cur.string(f"value of {key!r}"))
             else:
                 self.fields[key] = _Field(key, offset, [vtype], cur.scalar(vtype, f"value of {key!r}"))
+        self.tensor_info_offset = cur.pos
         infos = []
         for i in range(n_tensors):
             name = cur.string(f"name of tensor {i}")
@@ -378,7 +378,8 @@ _INT32_MAX = 2**31 - 1
 _KINDS = {"int": _INT_TYPES, "float": _INT_TYPES | _FLOAT_TYPES, "str": {VT.STRING}, "bool": {VT.BOOL}}
 
 
-def read_key(reader, key: str, kind: str, path: str, default=_REQUIRED, *, lo=None, hi=None, above=None):
+def read_key(reader, key: str, kind: str, path: str, default=_REQUIRED, *, lo=None, hi=None, above=None,
+             note: str = ""):
     """The value of metadata key ``key``, checked: ``kind`` is ``"int"`` (an integer type: a float is
     not truncated), ``"float"`` (an integer or float type; finite), ``"str"`` or ``"bool"``, or
     ``"array of <kind>"``; numbers lie in ``[lo, hi]`` and above ``above`` where given. ``default``
@@ -403,11 +404,12 @@ def read_key(reader, key: str, kind: str, path: str, default=_REQUIRED, *, lo=No
                if (item == "float" and not math.isfinite(v)) or (lo is not None and v < lo)
                or (hi is not None and v > hi) or (above is not None and not v > above)]
         if bad:
-            rule = ", ".join(r for r in (("finite" if item == "float" else ""),
-                                         f">= {lo}" if lo is not None else "", f"<= {hi}" if hi is not None else "",
-                                         f"> {above}" if above is not None else "") if r)
+            rule = " and ".join(r for r in ("finite" if item == "float" else "",
+                                            f"in [{lo}, {hi}]" if lo is not None and hi is not None else
+                                            f">= {lo}" if lo is not None else f"<= {hi}" if hi is not None else "",
+                                            f"> {above}" if above is not None else "") if r)
             shown = value if not is_array else f"{len(value)} items including {bad[0]!r}"
-            raise GGUFError(f"{path}: metadata key {key!r} must be {rule}, got {shown!r}")
+            raise GGUFError(f"{path}: metadata key {key!r} must be {rule}, got {shown!r}{note}")
     return float(value) if kind == "float" else value
 
 
@@ -416,12 +418,13 @@ def _config(reader, path: str, tensors: dict[str, "Tensor"]) -> ModelConfig:
     if arch not in SUPPORTED_ARCHS:
         raise GGUFError(f"{path}: unsupported architecture {arch!r} (cukern runs {', '.join(SUPPORTED_ARCHS)})")
 
-    def dim(key, default=_REQUIRED, hi=_INT32_MAX):
-        return read_key(reader, f"{arch}.{key}", "int", path, default, lo=1, hi=hi)
+    def dim(key, default=_REQUIRED, hi=_INT32_MAX, note=""):
+        return read_key(reader, f"{arch}.{key}", "int", path, default, lo=1, hi=hi, note=note)
 
     # every layer has at least 9 tensors: a count beyond what the file holds is corrupt, caught before
     # any per-layer work
-    n_layers = dim("block_count", hi=max(1, len(tensors) // 9))
+    n_layers = dim("block_count", hi=max(1, len(tensors) // 9),
+                   note=f" (the file has {len(tensors)} tensors, a layer at least 9)")
     d_model, d_ff, n_heads = dim("embedding_length"), dim("feed_forward_length"), dim("attention.head_count")
     n_kv_heads = dim("attention.head_count_kv", n_heads)
     head_dim = dim("attention.key_length", max(1, d_model // n_heads))

@@ -145,15 +145,15 @@ class Tokenizer:
             return get(key, "int", lo=0, hi=n - 1)
 
         eot = [token_id(k) for k in ("eot_token_id", "eom_token_id")]
+        args = dict(scores=get("scores", "array of float"), token_types=get("token_type", "array of int"),
+                    merges=get("merges", "array of str"), pre=get("pre", "str", "default"),
+                    bos_id=token_id("bos_token_id"), eos_id=token_id("eos_token_id"),
+                    unk_id=token_id("unknown_token_id"), add_bos=get("add_bos_token", "bool", model == "llama"),
+                    add_eos=get("add_eos_token", "bool", False),
+                    add_space_prefix=get("add_space_prefix", "bool", model == "llama"),
+                    eot_ids=[e for e in eot if e is not None])
         try:
-            return cls(tokens, model=model, scores=get("scores", "array of float"),
-                       token_types=get("token_type", "array of int"), merges=get("merges", "array of str"),
-                       pre=get("pre", "str", "default"), bos_id=token_id("bos_token_id"),
-                       eos_id=token_id("eos_token_id"), unk_id=token_id("unknown_token_id"),
-                       add_bos=get("add_bos_token", "bool", model == "llama"),
-                       add_eos=get("add_eos_token", "bool", False),
-                       add_space_prefix=get("add_space_prefix", "bool", model == "llama"),
-                       eot_ids=[e for e in eot if e is not None])
+            return cls(tokens, model=model, **args)
         except TokenizerError as e:
             raise TokenizerError(f"{path}: {e}") from None
 
