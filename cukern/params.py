@@ -36,7 +36,7 @@ import numpy as np
 from cukern.runtime import source_root
 
 __all__ = ["Field", "ParamStruct", "parse_header", "load_header", "all_headers", "layout_probe_source",
-           "check_int"]
+           "check_int", "check_real"]
 
 
 def check_int(name: str, value, lo: int | None = None, hi: int | None = None) -> int:
@@ -50,6 +50,21 @@ def check_int(name: str, value, lo: int | None = None, hi: int | None = None) ->
         rule = (f"in [{lo}, {hi}]" if lo is not None and hi is not None
                 else f">= {lo}" if lo is not None else f"<= {hi}")
         raise ValueError(f"{name} must be {rule}, got {value}")
+    return value
+
+
+def check_real(name: str, value) -> float:
+    """``value`` as a finite Python ``float``: any int or float type, NumPy's included, but not
+    ``bool``. Otherwise TypeError (wrong type) or ValueError (NaN, infinite, or an int too large
+    for a double) naming ``name``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    try:
+        value = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be finite, got {value}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
     return value
 
 C_TYPES: dict[str, np.dtype] = {
