@@ -300,3 +300,13 @@ def test_fuzz_mutated_files_end_in_a_clear_error_or_a_valid_model(small, tmp_pat
             if time.perf_counter() - start > 25:
                 break
     assert cases >= 1000 and 0 < loaded < cases
+
+
+@pytest.mark.parametrize("flag,value", [("--temperature", "nan"), ("--temperature", "inf"), ("--temperature", "1e-40"),
+                                        ("--top-p", "nan"), ("--seed", "-1"), ("--top-k", "0")])
+def test_cli_generate_rejects_bad_sampling_flags(flag, value):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "cukern", "generate", "--prompt", "x", flag, value],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith(f"error: {flag}") and len(r.stderr.splitlines()) == 1, r.stderr
