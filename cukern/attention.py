@@ -32,7 +32,7 @@ import cupy
 import numpy as np
 
 from cukern import runtime
-from cukern.dispatch import Dispatch, check_array
+from cukern.dispatch import Dispatch, check_array, check_int
 from cukern.runtime import FamilySpec, KernelSpec
 
 __all__ = ["AttentionDispatch", "PagedKVCache", "PageAllocator", "DecodePlan", "BatchedPlan", "FAMILY", "FAMILIES",
@@ -251,14 +251,10 @@ class PageAllocator:
     sequence longer than its page-table row)."""
 
     def __init__(self, n_pages: int, page_size: int, max_seqs: int, max_pages_per_seq: int | None = None):
-        for name, v in (("n_pages", n_pages), ("max_seqs", max_seqs)):
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-        if not isinstance(page_size, (int, np.integer)) or not 1 <= page_size <= 256:
-            raise ValueError(f"page_size must be 1 ... 256 tokens, got {page_size!r}")
-        max_pages_per_seq = n_pages if max_pages_per_seq is None else max_pages_per_seq
-        if not isinstance(max_pages_per_seq, (int, np.integer)) or max_pages_per_seq < 1:
-            raise ValueError(f"max_pages_per_seq must be >= 1, got {max_pages_per_seq!r}")
+        n_pages, max_seqs = check_int("n_pages", n_pages, 1), check_int("max_seqs", max_seqs, 1)
+        page_size = check_int("page_size (tokens)", page_size, 1, 256)
+        max_pages_per_seq = n_pages if max_pages_per_seq is None else check_int("max_pages_per_seq",
+                                                                                  max_pages_per_seq, 1)
         if n_pages * page_size >= 2**31 or max_pages_per_seq * page_size >= 2**31:
             raise ValueError("positions and page rows must fit in int32")
         self.n_pages, self.page_size = int(n_pages), int(page_size)
@@ -283,8 +279,7 @@ class PageAllocator:
         return [int(s) for s in np.flatnonzero(self.active)]
 
     def check_slot(self, slot) -> int:
-        if not isinstance(slot, (int, np.integer)) or isinstance(slot, bool):
-            raise TypeError(f"sequence id must be an int, got {type(slot).__name__}")
+        slot = check_int("sequence id", slot)
         if not 0 <= slot < self.max_seqs or not self.active[slot]:
             raise ValueError(f"sequence {slot} does not exist (active: {self.active_slots()})")
         return int(slot)
@@ -311,8 +306,7 @@ class PageAllocator:
 
     def add(self, length: int = 0) -> int:
         """A new sequence with room for ``length`` tokens; returns its slot."""
-        if not isinstance(length, (int, np.integer)) or isinstance(length, bool) or length < 0:
-            raise ValueError(f"length must be an int >= 0, got {length!r}")
+        length = check_int("length", length, 0)
         if length > self.capacity_tokens():
             raise ValueError(f"length {length} exceeds max_pages_per_seq * page_size = {self.capacity_tokens()}")
         slot = self._free_slot()
@@ -327,8 +321,7 @@ class PageAllocator:
     def extend(self, slot: int, n: int = 1) -> int:
         """Grow a sequence by ``n`` tokens; returns the first new position."""
         slot = self.check_slot(slot)
-        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
-            raise ValueError(f"n must be an int >= 0, got {n!r}")
+        n = check_int("n", n, 0)
         old = int(self.lengths[slot])
         if old + n > self.capacity_tokens():
             raise ValueError(f"sequence {slot}: {old} + {n} tokens exceed max_pages_per_seq * page_size = "
@@ -397,10 +390,8 @@ class PagedKVCache:
 
     def __init__(self, n_layers: int, n_pages: int, page_size: int, n_kv_heads: int, head_dim: int, *,
                  max_seqs: int, max_pages_per_seq: int | None = None, dtype="float16", device: int | None = None):
-        for name, v in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads)):
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-        if head_dim not in HEAD_DIMS:
+        n_layers, n_kv_heads = check_int("n_layers", n_layers, 1), check_int("n_kv_heads", n_kv_heads, 1)
+        if check_int("head_dim", head_dim) not in HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim!r}")
         self.kind = _norm_kv_dtype(dtype)
         self.alloc = PageAllocator(n_pages, page_size, max_seqs, max_pages_per_seq)
@@ -653,9 +644,8 @@ class AttentionDispatch:
         vs = _check_kind("v", v, kinds)
         if ks != vs:
             raise TypeError(f"k and v must have the same dtype, got {k.dtype} and {v.dtype}")
-        shape = (n, cache.n_kv_heads, cache.head_dim)
-        check_array("k", k, shape=shape)
-        check_array("v", v, shape=shape)
+        check_array("k", k, shape=(n, cache.n_kv_heads, cache.head_dim))
+        check_array("v", v, shape=k.shape)   # as many rows as k: the kernel reads both per token
         if k.shape[0] == 0:
             raise ValueError("k and v must hold at least one token")
         return ks
@@ -663,9 +653,7 @@ class AttentionDispatch:
     def _check_layer(self, cache: PagedKVCache, layer: int) -> int:
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
-        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < cache.n_layers:
-            raise ValueError(f"layer must be 0 ... {cache.n_layers - 1}, got {layer!r}")
-        return int(layer)
+        return check_int("layer", layer, 0, cache.n_layers - 1)
 
     def write_kv(self, cache: PagedKVCache, layer: int, k: cupy.ndarray, v: cupy.ndarray, slot_ids: cupy.ndarray,
                  positions: cupy.ndarray, *, stream=None) -> None:
@@ -690,7 +678,8 @@ class AttentionDispatch:
         src = self._kv_src(cache, k, v, None)
         n = k.shape[0]
         slot = cache.alloc.check_slot(slot)
-        if not isinstance(pos0, (int, np.integer)) or pos0 < 0 or pos0 + n > cache.length(slot):
+        pos0 = check_int("pos0", pos0, 0)
+        if pos0 + n > cache.length(slot):
             raise ValueError(f"positions {pos0} ... {pos0 + n - 1} are outside sequence {slot} "
                              f"(length {cache.length(slot)}; extend it first)")
         self._kv_launch(cache, layer, k, v, src, cache.page_table, cache.page_table, n, 0, slot, int(pos0), stream)

@@ -80,8 +80,8 @@ def cmd_check(args) -> int:
         return selfcheck.run(args.tests or None, keyword=args.keyword, by_function=not args.verbose)
     from cukern import check, runtime
     try:
-        archs = [runtime.parse_arch(a) for a in (args.arch or ["sm_90"])]
-        rows = check.run(archs, args.family)
+        targets = [runtime.parse_target(a) for a in (args.arch or ["sm_90"])]
+        rows = check.run(targets, args.family)
     except (runtime.CukernError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -91,13 +91,14 @@ def cmd_check(args) -> int:
         size = f"{r.struct_size} B" if r.struct_size else ""
         ptx = f"{r.ptx_size} B" if r.ptx_size > 0 else ""
         status = "ok" if r.ok else "ERROR"
-        print(f"sm_{r.arch:<4} {r.unit:<28} {r.kernel:<{width}} {r.struct:<18} {size:>7} {ptx:>7}  {status}")
+        print(f"{r.target:<7} {r.unit:<28} {r.kernel:<{width}} {r.struct:<18} {size:>7} {ptx:>7}  {status}")
     errors = [r for r in rows if not r.ok]
     for r in errors:
-        print(f"\nERROR sm_{r.arch} {r.unit} {r.kernel}:\n{r.error}", file=sys.stderr)
+        print(f"\nERROR {r.target} {r.unit} {r.kernel}:\n{r.error}", file=sys.stderr)
     n_kernels = sum(1 for r in rows if not r.unit.startswith("probe:"))
     print(f"\n{n_kernels} kernel rows, {len(rows) - n_kernels} layout probes, {len(errors)} errors "
-          f"({', '.join(f'sm_{a}' for a in archs)})")
+          f"({', '.join(f'sm_{a}' + ('a' if specific else '') for a, specific in targets)}; on sm_90 the "
+          f"Hopper units as sm_90a)")
     return 1 if errors else 0
 
 

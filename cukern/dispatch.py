@@ -27,11 +27,11 @@ import cupy
 import numpy as np
 
 from cukern import runtime
-from cukern.params import ParamStruct, load_header
+from cukern.params import ParamStruct, check_int, check_real, load_header  # noqa: F401 (shared checks)
 from cukern.runtime import FamilySpec
 from cukern.streams import resolve_stream
 
-__all__ = ["Dispatch", "check_array", "enable_nvtx", "nvtx_enabled", "set_launch_timer", "tensor_map_2d"]
+__all__ = ["Dispatch", "check_array", "check_int", "check_real", "enable_nvtx", "nvtx_enabled", "set_launch_timer", "tensor_map_2d"]
 
 _MAX_GRID = (2**31 - 1, 65535, 65535)
 

@@ -622,7 +622,7 @@ class ElementwiseDispatch(Dispatch):
         if (h, d) != (n_kv_heads, head_dim):
             raise ValueError(f"{what}: {name} must be [n_pages, page_size, {n_kv_heads}, {head_dim}], got {cache.shape}")
         check_array("page_table", page_table, dtype=_I32, ndim=2)
-        if page_table.shape[1] == 0 or n_pages == 0 or page_size == 0:
+        if page_table.shape[0] == 0 or page_table.shape[1] == 0 or n_pages == 0 or page_size == 0:
             raise ValueError(f"{what}: empty cache or page table")
         return page_size, page_table.shape[1]
 

@@ -35,7 +35,37 @@ import numpy as np
 
 from cukern.runtime import source_root
 
-__all__ = ["Field", "ParamStruct", "parse_header", "load_header", "all_headers", "layout_probe_source"]
+__all__ = ["Field", "ParamStruct", "parse_header", "load_header", "all_headers", "layout_probe_source",
+           "check_int", "check_real"]
+
+
+def check_int(name: str, value, lo: int | None = None, hi: int | None = None) -> int:
+    """``value`` as a Python ``int``: any integer type, NumPy's included, but not ``bool``; inside
+    ``[lo, hi]`` where given. Otherwise TypeError (wrong type) or ValueError (out of range) naming
+    ``name``. Callers compute with the returned ``int``, so no NumPy fixed-width sum overflows."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        rule = (f"in [{lo}, {hi}]" if lo is not None and hi is not None
+                else f">= {lo}" if lo is not None else f"<= {hi}")
+        raise ValueError(f"{name} must be {rule}, got {value}")
+    return value
+
+
+def check_real(name: str, value) -> float:
+    """``value`` as a finite Python ``float``: any int or float type, NumPy's included, but not
+    ``bool``. Otherwise TypeError (wrong type) or ValueError (NaN, infinite, or an int too large
+    for a double) naming ``name``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    try:
+        value = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be finite, got {value}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
 
 C_TYPES: dict[str, np.dtype] = {
     "int8_t": np.dtype(np.int8),
@@ -151,7 +181,10 @@ class ParamStruct:
             if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
                 raise TypeError(f"{self.name}.{label} ({f.ctype}): expected a real number, "
                                 f"got {type(value).__name__} {value!r}")
-            value = float(value)
+            try:
+                value = float(value)
+            except OverflowError:   # an int past the largest double
+                raise ValueError(f"{self.name}.{label} ({f.ctype}): {value} overflows {f.ctype}") from None
         if value != value:
             raise ValueError(f"{self.name}.{label} ({f.ctype}): NaN is not a valid parameter")
         if abs(value) > hi and abs(value) != math.inf:

@@ -35,7 +35,7 @@ from pathlib import Path
 __all__ = [
     "CukernError", "CompileError", "UnsupportedArchError", "UnknownKernelError",
     "KernelSpec", "FamilySpec", "source_root", "parse_arch", "device_arch", "compile_options",
-    "load_module", "load_module_sm90a", "Sm90aModule", "compile_ptx", "PtxParam", "ptx_entries", "MIN_ARCH",
+    "load_module", "load_module_sm90a", "parse_target", "Sm90aModule", "compile_ptx", "PtxParam", "ptx_entries", "MIN_ARCH",
 ]
 
 MIN_ARCH = 80  # cp.async, bf16 mma.sync and ldmatrix are used freely from sm_80 on
@@ -150,6 +150,12 @@ def parse_arch(arch: str | int) -> int:
     if value < MIN_ARCH:
         raise UnsupportedArchError(f"arch sm_{value} is not supported: cukern needs sm_{MIN_ARCH} or newer")
     return value
+
+
+def parse_target(arch: str | int) -> tuple[int, bool]:
+    """"sm_90a" -> (90, True), "sm_90" / "90" / 90 -> (90, False): the arch and whether it is the
+    arch-specific target (``a``: wgmma, setmaxnreg; code built for it runs on that arch only)."""
+    return parse_arch(arch), str(arch).strip().lower().endswith("a")
 
 
 def _nvrtc():
@@ -341,12 +347,13 @@ class CompiledPtx:
 
 
 def compile_ptx(unit: str, code: str, name_expressions: tuple[str, ...], arch: int,
-                defines: tuple[str, ...] = ()) -> CompiledPtx:
-    """Compile with NVRTC for ``compute_<arch>`` and return the PTX; needs no GPU or driver."""
+                defines: tuple[str, ...] = (), *, arch_specific: bool = False) -> CompiledPtx:
+    """Compile with NVRTC for ``compute_<arch>`` (``compute_<arch>a`` with ``arch_specific``, as
+    :func:`load_module_sm90a` builds) and return the PTX; needs no GPU or driver."""
     nvrtc = _nvrtc()
     _check_nvrtc_knows(arch)
     # CuPy adds -ftz=true to every RawModule compile: match it, so the PTX is what the GPU runs.
-    options = [f"-arch=compute_{arch}", "-ftz=true", *compile_options(arch, defines)]
+    options = [f"-arch=compute_{arch}{'a' if arch_specific else ''}", "-ftz=true", *compile_options(arch, defines)]
     prog = nvrtc.createProgram(code, f"{unit}.cu", [], [])
     try:
         for name in name_expressions:

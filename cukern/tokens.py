@@ -19,10 +19,11 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from cukern.dispatch import Dispatch, check_array
+from cukern.dispatch import Dispatch, check_array, check_int, check_real
 from cukern.runtime import FamilySpec, KernelSpec
 
-__all__ = ["TokensDispatch", "SamplePlan", "sample_chunks", "FAMILY", "MAX_TOP_K", "MAX_SAMPLE_COLS", "EMBED_QTYPES"]
+__all__ = ["TokensDispatch", "SamplePlan", "sample_chunks", "FAMILY", "MAX_TOP_K", "MAX_SAMPLE_COLS", "EMBED_QTYPES",
+           "check_sampling"]
 
 MAX_TOP_K = 64          # SAMPLE_MAX_K in tokens/sample.cuh (this block mirrors its constants)
 _THREADS = 256          # THREADS
@@ -30,6 +31,28 @@ _MAX_CHUNK = 4096       # MAX_CHUNK = THREADS * CHUNK_ITEMS: logits of one stage
 _MAX_CHUNKS = 128       # MAX_CHUNKS = THREADS * MERGE_ITEMS / SAMPLE_MAX_K: chunks per row, at most
 _CHUNK_ALIGN = 32       # sampling chunks are whole warps of logits
 _TARGET_BLOCKS = 512    # stage-1 blocks a sampling plan aims for (about 4 resident per SM on 132 SMs)
+# temperature: 0 (greedy) or within these bounds. Below 1e-4 sampling is greedy in all but name and
+# 1/T (a float32 in the kernel) times a large logit overflows; above 1e4 every candidate is equally
+# likely and 1/T nears float32's denormals.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 1e4
+
+
+def check_sampling(temperature, top_k, top_p, seed) -> tuple[float, int, float, int]:
+    """The sampling arguments of :meth:`TokensDispatch.sample`, checked and converted to Python
+    (float, int, float, int): temperature 0 or in [MIN_TEMPERATURE, MAX_TEMPERATURE], top_k
+    1 ... MAX_TOP_K, top_p in (0, 1], seed in [0, 2**64). Callers that change state before they
+    sample (``Transformer.generate``) call it first."""
+    temperature = check_real("temperature", temperature)
+    if temperature != 0 and not MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE:
+        raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], "
+                         f"got {temperature!r}")
+    top_k = check_int("top_k", top_k, 1, MAX_TOP_K)
+    top_p = check_real("top_p", top_p)
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    return temperature, top_k, top_p, check_int("seed", seed, 0, 2**64 - 1)
+
+
 _GREEDY_CHUNK = 4096
 MAX_SAMPLE_COLS = _MAX_CHUNK * _MAX_CHUNKS   # 524288 logits per row for sampling (greedy has no limit)
 _EMBED_THREADS = 128
@@ -171,22 +194,15 @@ class TokensDispatch(Dispatch):
         if not isinstance(plan, SamplePlan):
             raise TypeError(f"plan must be a SamplePlan, got {type(plan).__name__}")
         check_array("logits", logits, dtype=_F32, shape=(plan.n_rows, plan.n_cols))
-        if not np.isfinite(temperature) or temperature < 0:
-            raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
+        temperature, top_k, top_p, seed = check_sampling(temperature, top_k, top_p, seed)
         greedy = temperature == 0
         if not greedy and not plan.sampling:
             raise ValueError("temperature > 0 needs a SamplePlan made with sampling=True")
-        if not isinstance(top_k, (int, np.integer)) or not 1 <= top_k <= MAX_TOP_K:
-            raise ValueError(f"top_k must be 1 ... {MAX_TOP_K}, got {top_k!r}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**64:
-            raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
         k = plan.k
         params = self.struct("SampleParams").pack(
             n_rows=plan.n_rows, n_cols=plan.n_cols, chunk=plan.chunk, n_chunks=plan.n_chunks,
-            top_k=1 if greedy else int(top_k), history_len=plan.history_len,
-            inv_temperature=0.0 if greedy else 1.0 / temperature, top_p=float(top_p), seed=int(seed))
+            top_k=1 if greedy else top_k, history_len=plan.history_len,
+            inv_temperature=0.0 if greedy else 1.0 / temperature, top_p=top_p, seed=seed)
         self._launch(f"topk_chunk<{k}>", (plan.n_chunks, plan.n_rows), _THREADS,
                      (plan.cand_val, plan.cand_idx, logits), params, stream=stream)
         self._launch(f"sample_rows<{k}>", plan.n_rows, _THREADS,
@@ -205,6 +221,8 @@ class TokensDispatch(Dispatch):
             raise ValueError("positions must be non-empty")
         check_array("seq_ids", seq_ids, dtype=_I32, shape=(n,))
         check_array("lengths", lengths, dtype=_I32, ndim=1)
+        if lengths.shape[0] == 0:
+            raise ValueError("lengths must be non-empty (one entry per sequence slot)")
         params = self.struct("AdvanceParams").pack(n_rows=n, pad0=0)
         self._launch("advance_positions", -(-n // _THREADS), _THREADS, (positions, lengths, seq_ids), params,
                      stream=stream)

@@ -57,3 +57,15 @@ def pytest_report_header(config):
 def rng(request) -> np.random.Generator:
     """A generator seeded from the run's seed and the test's id (a stable hash, unlike ``hash()``)."""
     return np.random.default_rng([RUN_SEED, zlib.crc32(request.node.nodeid.encode())])
+
+
+@pytest.fixture
+def host_if_no_gpu(monkeypatch):
+    """For tests of what a dispatch rejects before it launches: on a machine without a GPU, the real
+    dispatch layer runs over host-backed arrays with launches recorded, not made
+    (tests/host_dispatch.py), so the checks run on the CPU too. Returns the launch counter (None on
+    a GPU, where everything is real)."""
+    if no_gpu_reason() is None:
+        return None
+    import host_dispatch
+    return host_dispatch.patch(monkeypatch, array_methods=True)

@@ -22,30 +22,71 @@ _keep: list = []   # host buffers behind the arrays of the current test
 
 
 def host_view(a: cupy.ndarray) -> np.ndarray:
-    """A NumPy view of a host-backed cupy array's memory."""
-    n = a.size * a.itemsize
-    buf = (ctypes.c_uint8 * max(n, 1)).from_address(a.data.ptr)
-    return np.frombuffer(buf, dtype=np.uint8, count=n).view(a.dtype).reshape(a.shape)
+    """A NumPy view of a host-backed cupy array's memory (its shape and strides)."""
+    if a.size == 0:
+        return np.empty(a.shape, a.dtype)
+    span = sum((n - 1) * abs(s) for n, s in zip(a.shape, a.strides)) + a.itemsize
+    buf = (ctypes.c_uint8 * span).from_address(a.data.ptr)
+    return np.ndarray(a.shape, a.dtype, buffer=buf, strides=a.strides)
 
 
-def host_array(shape, dtype=np.float32, fill=None) -> cupy.ndarray:
-    """A cupy.ndarray whose data pointer is 256-byte-aligned host memory (NaN-filled floats by default)."""
+class HostArray(cupy.ndarray):
+    """A cupy.ndarray over host memory whose element-wise methods run in NumPy (a test's
+    ``x.astype(...)``, ``.copy()``, ``.get()``, ``.fill()``), so that bad-input tests written for the
+    GPU run unchanged. Views (slices, reshapes) keep the class."""
+
+    def astype(self, dtype, *args, **kwargs):
+        with np.errstate(invalid="ignore"):   # NaN poison cast to an integer type
+            return _asarray(host_view(self), dtype, HostArray)
+
+    def copy(self, *args, **kwargs):
+        return _asarray(host_view(self), cls=HostArray)
+
+    def get(self, *args, **kwargs):
+        return host_view(self).copy()
+
+    def fill(self, value):
+        host_view(self)[...] = value
+
+    def set(self, arr, *args, **kwargs):
+        host_view(self)[...] = arr
+
+
+def host_array(shape, dtype=np.float32, fill=None, cls=cupy.ndarray) -> cupy.ndarray:
+    """A cupy.ndarray (``cls``: or a :class:`HostArray`) whose data pointer is 256-byte-aligned host
+    memory (NaN-filled floats by default)."""
     dtype = np.dtype(dtype)
     shape = tuple(int(s) for s in shape) if isinstance(shape, (tuple, list)) else (int(shape),)
     n = int(np.prod(shape)) * dtype.itemsize
     raw = np.zeros(n + 512, np.uint8)
     _keep.append(raw)
     mem = memory.UnownedMemory(raw.ctypes.data + (-raw.ctypes.data) % 256, max(n, 1), raw, device_id=0)
-    a = cupy.ndarray(shape, dtype, memptr=memory.MemoryPointer(mem, 0))
+    a = cls(shape, dtype, memptr=memory.MemoryPointer(mem, 0))
     host_view(a)[...] = (np.nan if dtype.kind == "f" else 0) if fill is None else fill
     return a
 
 
-def _asarray(x, dtype=None) -> cupy.ndarray:
+def _asarray(x, dtype=None, cls=cupy.ndarray) -> cupy.ndarray:
     x = np.asarray(x, dtype=dtype)
-    a = host_array(x.shape, x.dtype)
+    a = host_array(x.shape, x.dtype, cls=cls)
     host_view(a)[...] = x
     return a
+
+
+class _Device:
+    """cupy.cuda.Device on a machine without one: an H100 (sm_90) as device 0, a context manager
+    that does nothing."""
+
+    compute_capability = "90"
+
+    def __init__(self, device=None):
+        self.id = 0 if device is None else int(device)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
 
 
 class _Graph:
@@ -57,20 +98,27 @@ class _Graph:
         self.replays += 1
 
 
-def patch(monkeypatch) -> collections.Counter:
+def patch(monkeypatch, array_methods: bool = False) -> collections.Counter:
     """Install the host arrays and the launch recorder for one test; returns the launch counter
-    (kernel name -> launches)."""
+    (kernel name -> launches). ``array_methods``: ``cupy.zeros`` and the like make :class:`HostArray`\\ s,
+    whose ``astype``/``copy``/``get``/``fill`` work on the host (not exactly ``cupy.ndarray``, so
+    dispatch caches keyed on that type stay off)."""
     from cukern import attention, dispatch, matmul
     from cukern.models import gguf_loader
     from cukern.models import transformer as T
 
     launches: collections.Counter = collections.Counter()
     current = _Stream()
-    monkeypatch.setattr(cupy, "empty", lambda shape, dtype=np.float32: host_array(shape, dtype))
-    monkeypatch.setattr(cupy, "zeros", lambda shape, dtype=np.float32: host_array(shape, dtype, 0))
-    monkeypatch.setattr(cupy, "full", lambda shape, v, dtype=np.float32: host_array(shape, dtype, v))
-    monkeypatch.setattr(cupy, "asarray", _asarray)
+    cls = HostArray if array_methods else cupy.ndarray
+    monkeypatch.setattr(cupy, "empty", lambda shape, dtype=np.float32: host_array(shape, dtype, cls=cls))
+    monkeypatch.setattr(cupy, "zeros", lambda shape, dtype=np.float32: host_array(shape, dtype, 0, cls))
+    monkeypatch.setattr(cupy, "full", lambda shape, v, dtype=np.float32: host_array(shape, dtype, v, cls))
+    monkeypatch.setattr(cupy, "ones", lambda shape, dtype=np.float32: host_array(shape, dtype, 1, cls))
+    monkeypatch.setattr(cupy, "empty_like", lambda a, dtype=None: host_array(a.shape, dtype or a.dtype, cls=cls))
+    monkeypatch.setattr(cupy, "zeros_like", lambda a, dtype=None: host_array(a.shape, dtype or a.dtype, 0, cls))
+    monkeypatch.setattr(cupy, "asarray", lambda x, dtype=None: _asarray(x, dtype, cls))
     monkeypatch.setattr(cupy.cuda, "Stream", _Stream)
+    monkeypatch.setattr(cupy.cuda, "Device", _Device)
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: current)
     monkeypatch.setattr(dispatch.Dispatch, "_function", lambda self, kernel, shared_mem=0: kernel)
     monkeypatch.setattr(dispatch.Dispatch, "_call", staticmethod(

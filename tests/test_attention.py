@@ -167,8 +167,7 @@ def test_write_kv_run_and_per_token(attn, rng, kind, page_size):
     assert not np.any(ref.as_float64(cache.k_pools[0], kind))  # layer 0 untouched
 
 
-@pytest.mark.gpu
-def test_write_kv_rejects_bad_input_before_launch(attn):
+def test_write_kv_rejects_bad_input_before_launch(attn, host_if_no_gpu):
     cache = PagedKVCache(1, 4, 16, 2, 64, max_seqs=2)
     s = cache.add(8)
     k = cupy.zeros((8, 2, 64), cupy.float16)
@@ -453,8 +452,7 @@ def test_decode_pdl_chain_matches_plain_launches(rng, kind, d, h, hk, monkeypatc
     assert len(pdl_launches) >= 4 * n_steps, "the pdl path was not taken"
 
 
-@pytest.mark.gpu
-def test_decode_rejects_bad_input(attn, rng):
+def test_decode_rejects_bad_input(attn, rng, host_if_no_gpu):
     cache, slots = _make_cache(rng, [10], n_kv_heads=2, head_dim=64, attn=attn)
     with pytest.raises(ValueError, match="does not exist"):
         attn.plan_decode(cache, [slots[0] + 1], 4)
@@ -551,8 +549,7 @@ def test_batched_f32_queries_simt(attn, rng, kind, d, causal):
     assert_close(lse, want_lse, atol=1e-4, rtol=0, name="lse")
 
 
-@pytest.mark.gpu
-def test_batched_rejects_bad_input(attn, rng):
+def test_batched_rejects_bad_input(attn, rng, host_if_no_gpu):
     cache, slots = _make_cache(rng, [10], n_kv_heads=1, head_dim=64, attn=attn)
     with pytest.raises(ValueError, match="q_len"):
         attn.plan_batched(cache, slots, [11])
@@ -678,8 +675,7 @@ def test_varlen_wgmma_matches_mma_sync(attn, rng, kind, d):
         assert_close(lse, want_lse, atol=LSE_TOL[kind], rtol=0, name=f"lse (wgmma={wg})")
 
 
-@pytest.mark.gpu
-def test_prefill_wgmma_rejects_what_it_cannot_run(attn, rng):
+def test_prefill_wgmma_rejects_what_it_cannot_run(attn, rng, host_if_no_gpu):
     cache, slots = _make_cache(rng, [10], n_kv_heads=1, head_dim=64, attn=attn)
     plan = attn.plan_batched(cache, slots, [10])
     q = cupy.zeros((10, 2, 64), cupy.float16)

@@ -834,8 +834,7 @@ def test_prequantized_pdl_chain_and_graph(rng, q, monkeypatch):
     assert len(pdl_launches) >= 2 * 3 * steps, "the pdl path was not taken"
 
 
-@pytest.mark.gpu
-def test_prequantized_bad_input(d, rng):
+def test_prequantized_bad_input(d, rng, host_if_no_gpu):
     w = QWeight(cupy.zeros(2 * 144, cupy.uint8), "Q4_K", 2, 256)
     qx = D.QuantizedX.empty((256,), "Q4_K")
     y = cupy.full(2, 7.0, cupy.float32)
@@ -873,8 +872,7 @@ def test_prequantized_bad_input(d, rng):
 
 
 # ---------------------------------------------------------------------------- GPU: validation
-@pytest.mark.gpu
-def test_bad_input_raises_before_launch(d, rng):
+def test_bad_input_raises_before_launch(d, rng, host_if_no_gpu):
     buf = cupy.zeros(10 * 144 + 64, cupy.uint8)
     with pytest.raises(ValueError, match="not a multiple of the Q4_K block size"):
         QWeight(buf, "Q4_K", 2, 300)

@@ -1008,8 +1008,7 @@ def test_random_shapes_ssm(d, shape_rng):
 
 # ------------------------------------------------------------------------------------ bad arguments
 
-@gpu
-def test_bad_arguments_raise_before_launch(d):
+def test_bad_arguments_raise_before_launch(d, host_if_no_gpu):
     x = cupy.ones((4, 8), cupy.float32)
     w = cupy.ones(8, cupy.float32)
     out = poison(cupy.empty((4, 8), cupy.float32))
@@ -1070,5 +1069,5 @@ def test_bad_arguments_raise_before_launch(d):
             call()
     cupy.cuda.get_current_stream().synchronize()
     for a in (out, out3, wts, cache):
-        assert bool(cupy.isnan(a).all()), "a rejected call wrote its output"
-    assert bool((ids == np.iinfo(np.int32).max).all())
+        assert np.isnan(a.get()).all(), "a rejected call wrote its output"
+    assert (ids.get() == np.iinfo(np.int32).max).all()

@@ -333,8 +333,7 @@ def test_packed_glu_reference_rows():
                     assert np.array_equal(tiles[r // 128, :, r % 128], np.broadcast_to(want, (2, stride))), (q, r)
 
 
-@pytest.mark.gpu
-def test_pack_rejects_before_launch(mm, rng):
+def test_pack_rejects_before_launch(mm, rng, host_if_no_gpu):
     f16 = QWeight(cupy.zeros(10 * 256 * 2, cupy.uint8), 1, 10, 256)  # F16: no tiled GEMM, no packed layout
     with pytest.raises(ValueError, match="no tiled GEMM"):
         mm.pack(f16)
@@ -391,8 +390,7 @@ def test_gemm_glu_packed(mm, rng, q, act, m, n, bt, monkeypatch):
     _check_glu(d.get(), dg, du, b, act, tight)
 
 
-@pytest.mark.gpu
-def test_packed_bad_input(mm, rng):
+def test_packed_bad_input(mm, rng, host_if_no_gpu):
     w, _ = _weight(12, 40, 512, rng)
     pw = mm.pack(w)
     b = cupy.zeros((8, 256), cupy.float16)  # k mismatch
@@ -724,8 +722,7 @@ def test_matmul_paths_agree(mm, rng):
 
 # ---------------------------------------------------------------------------- GPU: bad input
 
-@pytest.mark.gpu
-def test_bad_input_raises_before_launch(mm, rng):
+def test_bad_input_raises_before_launch(mm, rng, host_if_no_gpu):
     w, _ = _weight(12, 64, 256, rng)
     b = cupy.zeros((4, 256), cupy.float32)
     d = cupy.zeros((4, 64), cupy.float32)

@@ -134,6 +134,30 @@ def test_cli_check_lists_every_kernel(arch):
         for k in spec.kernels:
             assert k.name in r.stdout, k.name
     assert " 0 errors" in r.stdout
+    hopper = [line for line in r.stdout.splitlines() if line.split()[1:2] and line.split()[1] in check.sm90a_units()]
+    assert hopper and all(line.startswith("sm_90a " if arch == "sm_90" else "sm_80 ") for line in hopper)
+
+
+def test_cli_check_reports_sm_90a():
+    r = _cli("check", "--arch", "sm_90a", "--family", "tokens")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [line for line in r.stdout.splitlines()[1:] if line.startswith("sm_")]
+    assert rows and all(line.startswith("sm_90a ") for line in rows)
+    assert "(sm_90a;" in r.stdout
+
+
+@pytest.mark.parametrize("unit,instructions", [("attention_prefill_wg_f16", ("wgmma.mma_async",)),
+                                               ("matmul_f16_q4_0", ("wgmma.mma_async",))])
+def test_hopper_units_compile_to_hopper_instructions(unit, instructions):
+    """What an sm_90 GPU runs: the Hopper units built for compute_90a hold the wgmma instructions
+    (for compute_90 they are stubs), and the check compiles them that way."""
+    assert unit in check.sm90a_units()
+    spec = cukern.family(unit)
+    names = tuple(k.name for k in spec.kernels)
+    ptx = runtime.compile_ptx(unit, spec.unit_source(), names, 90, spec.defines, arch_specific=True).ptx
+    assert ".target sm_90a" in ptx
+    for ins in instructions:
+        assert ins in ptx, ins
 
 
 def test_cli_check_rejects_old_arch():

@@ -35,8 +35,11 @@ def cmd_generate(args) -> int:
     if args.max_tokens < 1:
         print("error: --max-tokens must be >= 1", file=sys.stderr)
         return 2
-    if args.temperature < 0 or not 1 <= args.top_k <= 64 or not 0 < args.top_p <= 1:
-        print("error: need --temperature >= 0, 1 <= --top-k <= 64, 0 < --top-p <= 1", file=sys.stderr)
+    from cukern.tokens import check_sampling
+    try:   # the same rule as the sampler's (NaN and inf included), before anything is loaded
+        check_sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    except ValueError as e:
+        print(f"error: --{str(e).replace('_', '-')}", file=sys.stderr)
         return 2
     try:
         import cupy

@@ -19,6 +19,8 @@ import re
 
 import numpy as np
 
+from cukern.params import check_int
+
 __all__ = ["Tokenizer", "TokenizerError"]
 
 # tokenizer.ggml.token_type values
@@ -115,28 +117,43 @@ class Tokenizer:
         """From a GGUF path, a ``gguf.GGUFReader`` or a :class:`cukern.models.GGUFModel`."""
         import gguf
 
-        from cukern.models.gguf_loader import _Reader
+        from cukern.models.gguf_loader import GGUFError, _Reader, read_key
         path = getattr(source, "path", source)
-        reader = getattr(source, "reader", None) or (source if isinstance(source, gguf.GGUFReader) else _Reader(source))
+        try:
+            reader = getattr(source, "reader", None) or (source if isinstance(source, gguf.GGUFReader)
+                                                         else _Reader(source))
+        except GGUFError as e:
+            raise TokenizerError(f"{path}: {e}") from None
 
-        def get(key, default=None):
-            f = reader.fields.get("tokenizer.ggml." + key)
-            return default if f is None else f.contents()
+        def get(key, kind, default=None, **limits):
+            try:
+                return read_key(reader, "tokenizer.ggml." + key, kind, path, default, **limits)
+            except UnicodeDecodeError as e:   # gguf.GGUFReader decodes strings strictly
+                raise TokenizerError(f"{path}: tokenizer.ggml.{key} is not UTF-8 ({e.reason})") from None
+            except GGUFError as e:
+                raise TokenizerError(str(e)) from None
 
-        tokens = get("tokens")
+        tokens = get("tokens", "array of str")
         if not tokens:
             raise TokenizerError(f"{path}: no tokenizer.ggml.tokens: the file carries no vocabulary")
-        model = get("model")
+        model = get("model", "str")
         if model is None:
             raise TokenizerError(f"{path}: missing tokenizer.ggml.model")
-        eot = [get(k) for k in ("eot_token_id", "eom_token_id")]
+        n = len(tokens)
+
+        def token_id(key):
+            return get(key, "int", lo=0, hi=n - 1)
+
+        eot = [token_id(k) for k in ("eot_token_id", "eom_token_id")]
+        args = dict(scores=get("scores", "array of float"), token_types=get("token_type", "array of int"),
+                    merges=get("merges", "array of str"), pre=get("pre", "str", "default"),
+                    bos_id=token_id("bos_token_id"), eos_id=token_id("eos_token_id"),
+                    unk_id=token_id("unknown_token_id"), add_bos=get("add_bos_token", "bool", model == "llama"),
+                    add_eos=get("add_eos_token", "bool", False),
+                    add_space_prefix=get("add_space_prefix", "bool", model == "llama"),
+                    eot_ids=[e for e in eot if e is not None])
         try:
-            return cls(tokens, model=model, scores=get("scores"), token_types=get("token_type"), merges=get("merges"),
-                       pre=get("pre", "default"), bos_id=get("bos_token_id"), eos_id=get("eos_token_id"),
-                       unk_id=get("unknown_token_id"), add_bos=bool(get("add_bos_token", model == "llama")),
-                       add_eos=bool(get("add_eos_token", False)),
-                       add_space_prefix=bool(get("add_space_prefix", model == "llama")),
-                       eot_ids=[e for e in eot if e is not None])
+            return cls(tokens, model=model, **args)
         except TokenizerError as e:
             raise TokenizerError(f"{path}: {e}") from None
 
@@ -146,7 +163,15 @@ class Tokenizer:
     # ------------------------------------------------------------------ encode
     def encode(self, text: str, *, add_bos: bool | None = None, special: bool = False) -> list[int]:
         """Token ids of ``text``. ``special``: also match control tokens written in the text
-        (``<start_of_turn>``); user-defined tokens are always matched. BOS per the file unless given."""
+        (``<start_of_turn>``); user-defined tokens are always matched. BOS per the file unless given.
+        Text that is not valid Unicode (a lone surrogate such as ``"\\udce9"``) is a TokenizerError."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode takes a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise TokenizerError(f"text holds a lone surrogate U+{ord(text[e.start]):04X} at index {e.start}: "
+                                 f"it has no UTF-8 encoding, so no tokens") from None
         ids = []
         if self.add_bos if add_bos is None else add_bos:
             if self.bos_id is None:
@@ -255,6 +280,7 @@ class Tokenizer:
     # ------------------------------------------------------------------ decode
     def token_bytes(self, token_id: int, *, special: bool = False) -> bytes:
         """The bytes one token stands for (control tokens: b"" unless ``special``)."""
+        token_id = check_int("token id", token_id)
         if not 0 <= token_id < len(self.tokens):
             raise TokenizerError(f"token id {token_id} is outside the vocabulary [0, {len(self.tokens)})")
         t, kind = self.tokens[token_id], self.types[token_id]
@@ -269,7 +295,8 @@ class Tokenizer:
         return bytes(self._u2b[c] for c in t) if all(c in self._u2b for c in t) else t.encode("utf-8")
 
     def decode(self, ids, *, special: bool = False) -> str:
-        data = b"".join(self.token_bytes(int(i), special=special) for i in ids)
+        ids = list(ids)
+        data = b"".join(self.token_bytes(i, special=special) for i in ids)
         text = data.decode("utf-8", errors="replace")
         if self.model == "llama" and self.add_space_prefix and text.startswith(" "):
             first = next((int(i) for i in ids if self.types[int(i)] not in (CONTROL,)), None)
@@ -286,7 +313,7 @@ class StreamDecoder:
         self._pending = b""
 
     def push(self, token_id: int) -> str:
-        data = self._pending + self.tok.token_bytes(int(token_id))
+        data = self._pending + self.tok.token_bytes(token_id)
         for cut in range(len(data), max(len(data) - 4, -1), -1):
             try:
                 text = data[:cut].decode("utf-8")

@@ -449,6 +449,34 @@ class Transformer:
         self.tok.advance_positions(d["positions"], self.cache.lengths, plan.seq_ids, stream=stream)
 
     # ------------------------------------------------------------------ generation
+    def _generate_args(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_ids):
+        """Every argument of :meth:`generate` checked before it touches the cache, so that a bad one
+        raises with the cache as it was: prompts of token ids in the vocabulary, ``max_new_tokens``
+        within the cache, the sampling arguments (``tokens.check_sampling``), stop ids in the
+        vocabulary. Returns them converted to Python ints and floats."""
+        from cukern.params import check_int
+        from cukern.tokens import check_sampling
+        c = self.cfg
+        if isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (int, np.integer)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+        prompts = [[check_int("token ids of a prompt", t, 0, c.vocab_size - 1) for t in p] for p in prompts]
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if len(prompts) > self.max_seqs:
+            raise ValueError(f"{len(prompts)} prompts, the model was made for max_seqs={self.max_seqs}")
+        max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
+        longest = max(len(p) for p in prompts) + max_new_tokens
+        if longest > self.cache.capacity_tokens():
+            raise ValueError(f"prompt + {max_new_tokens} new tokens = {longest} exceeds max_tokens "
+                             f"({self.cache.capacity_tokens()})")
+        temperature, top_k, top_p, seed = check_sampling(temperature, top_k, top_p, seed)
+        if isinstance(stop_ids, (str, bytes)) or not hasattr(stop_ids, "__iter__"):
+            raise TypeError(f"stop_ids must be a sequence of token ids, got {type(stop_ids).__name__}")
+        stop_ids = [check_int("stop id", i, 0, c.vocab_size - 1) for i in stop_ids]
+        return prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_ids
+
     def generate(self, prompts, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = MAX_TOP_K,
                  top_p: float = 1.0, seed: int = 0, use_graph: bool = True, stop_ids=(), on_token=None,
                  stream=None):
@@ -461,25 +489,9 @@ class Transformer:
         then captured as a CUDA graph that later steps replay. ``on_token(step, ids)`` (host ints of
         this step, one per sequence) makes every step synchronise to stream text; without it the
         steps run back to back and the tokens are read once at the end."""
-        c = self.cfg
-        if isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (int, np.integer)):
-            prompts = [prompts]
-        prompts = [list(map(int, p)) for p in prompts]
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
-        if len(prompts) > self.max_seqs:
-            raise ValueError(f"{len(prompts)} prompts, the model was made for max_seqs={self.max_seqs}")
-        for p in prompts:
-            if min(p) < 0 or max(p) >= c.vocab_size:
-                raise ValueError(f"token ids must lie in [0, {c.vocab_size})")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_ids = self._generate_args(
+            prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_ids)
         longest = max(len(p) for p in prompts) + max_new_tokens
-        if longest > self.cache.capacity_tokens():
-            raise ValueError(f"prompt + {max_new_tokens} new tokens = {longest} exceeds max_tokens "
-                             f"({self.cache.capacity_tokens()})")
-        if temperature > 0 and not 1 <= top_k <= MAX_TOP_K:
-            raise ValueError(f"top_k must be 1 ... {MAX_TOP_K}, got {top_k}")
         stream = resolve_stream(stream) if stream is not None else cupy.cuda.Stream(non_blocking=True)
         stats = GenerationStats(prompt_tokens=sum(map(len, prompts)), graph=use_graph)
         for s in self.cache.alloc.active_slots():
