@@ -363,9 +363,9 @@ class Transformer:
         last one into ``logits_out [vocab]`` f32. The prompt runs in chunks of ``prefill_chunk`` rows:
         each chunk extends the sequence, writes its K/V and attends to everything cached before it.
 
-        A chunk's launches read their token ids, first position and slot from one small upload, so a
+        A chunk's launches read their token ids, first position and slot from two small uploads, so a
         chunk length seen before replays a CUDA graph of them (:class:`_Chunk`): a short prompt costs
-        one upload and one graph launch of host time instead of ~200 launches from Python. On the legacy
+        the uploads and one graph launch of host time instead of ~200 launches from Python. On the legacy
         default stream, which cannot be captured, the chunks run on a stream of the model's own,
         ordered after and before ``stream`` by events."""
         c = self.cfg
