@@ -59,6 +59,8 @@ if [ "${CUKERN_CHECK_ARGS:-}" != skip ]; then
     # shellcheck disable=SC2086
     step check $PY -m cukern check ${CUKERN_CHECK_ARGS:---arch sm_90 --arch sm_80}
 fi
+# every unit compiled once, in parallel, before the xdist workers would each compile it again
+step warm $PY profiling/warm_cache.py
 # shellcheck disable=SC2086
 step gpu-tests $PY -m pytest -q -m gpu $XDIST $TESTS
 for b in $BENCH; do
@@ -87,9 +89,9 @@ fi
 echo
 echo "================================ summary ================================"
 $PY -m cukern info 2>/dev/null | grep -E '^(gpu|cupy|nvrtc|cuda driver)'
-for name in check gpu-tests sanitizer racecheck; do
+for name in check warm gpu-tests sanitizer racecheck; do
     [ -f "$LOG/$name.log" ] || continue
-    line=$(grep -E '([0-9]+ (passed|failed|errors?))|kernel rows' "$LOG/$name.log" | tail -1)
+    line=$(grep -E '([0-9]+ (passed|failed|errors?))|kernel rows|^warm_cache' "$LOG/$name.log" | tail -1)
     printf '%-10s %-16s %s\n' "$name" "${STATUS[$name]}" "$line"
 done
 grep -E "ERROR SUMMARY" "$LOG/sanitizer.log" 2>/dev/null | tail -1
