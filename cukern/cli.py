@@ -13,6 +13,10 @@
 * ``roofline`` - the ``bench --plot`` chart of saved results (no GPU needed).
 * ``notebooks`` - check (CPU) or run headless (GPU) the checkout's notebooks
   (:mod:`cukern.notebooks`).
+
+Bad input ends in one line on stderr, never a traceback: exit 2 for a flag or argument of the
+wrong form (a NaN threshold, an output folder that does not exist), exit 1 for a file that cannot
+be read or is not what the command reads, or a failed run.
 """
 
 from __future__ import annotations
@@ -21,6 +25,61 @@ import argparse
 import os
 import platform
 import sys
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its usage errors on one line (the usage itself is in ``--help``); exit 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def number_arg(kind: str, lo=None):
+    """An argparse ``type=``: the flag's text as a finite ``float`` (kind ``"real"``) or an ``int``
+    (kind ``"int"``), at least ``lo`` where given (:func:`cukern.params.check_real` /
+    :func:`~cukern.params.check_int`); otherwise a usage error saying why."""
+    def parse(text: str):
+        from cukern.params import check_int, check_real
+        try:
+            raw = float(text) if kind == "real" else int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'a number' if kind == 'real' else 'an integer'}, "
+                                             f"got {text!r}") from None
+        try:
+            value = check_real("value", raw) if kind == "real" else check_int("value", raw, lo)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        if lo is not None and value < lo:   # check_real has no range
+            raise argparse.ArgumentTypeError(f"value must be >= {lo}, got {value}")
+        return value
+    parse.__name__ = kind   # argparse names the type in some messages
+    return parse
+
+
+def arch_arg(text: str) -> tuple[int, bool]:
+    """An argparse ``type=`` for ``--arch``: :func:`cukern.runtime.parse_target`, a usage error otherwise."""
+    from cukern import runtime
+    try:
+        return runtime.parse_target(text)
+    except runtime.CukernError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def out_path_problem(flag: str, path) -> str | None:
+    """Why ``path`` cannot be written as the output of ``flag`` (its folder is missing, or it is a
+    folder), or None; checked before a command runs, so a long run is not lost at the end."""
+    from pathlib import Path
+    p = Path(path)
+    if p.is_dir():
+        return f"{flag} {path}: is a folder, not a file"
+    if not p.parent.is_dir():
+        return f"{flag} {path}: the folder {p.parent} does not exist"
+    return None
+
+
+def _usage_error(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
 
 
 def _version(fn) -> str:
@@ -79,8 +138,8 @@ def cmd_check(args) -> int:
         from cukern import selfcheck
         return selfcheck.run(args.tests or None, keyword=args.keyword, by_function=not args.verbose)
     from cukern import check, runtime
+    targets = args.arch or [runtime.parse_target("sm_90")]
     try:
-        targets = [runtime.parse_target(a) for a in (args.arch or ["sm_90"])]
         rows = check.run(targets, args.family)
     except (runtime.CukernError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -105,6 +164,15 @@ def cmd_check(args) -> int:
 def cmd_bench(args) -> int:
     from cukern import runtime, workbench
     from cukern.benchmark import format_table
+    from cukern.roofline import output_path
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        problem = path and out_path_problem(flag, path)
+        if problem:
+            return _usage_error(problem)
+    try:
+        plot = args.plot and output_path(args.plot)
+    except ValueError as e:
+        return _usage_error(f"--plot {e}")
     try:
         result = workbench.run_bench(args.family or None, quick=args.quick, gemm=not args.no_gemm)
     except runtime.CukernError as e:
@@ -114,17 +182,17 @@ def cmd_bench(args) -> int:
     print(format_table(rows, ceilings))
     for family, tb in result["errors"].items():
         print(f"\nERROR in bench_{family}.py:\n{tb}", file=sys.stderr)
-    if args.json:
-        workbench.write_result(result, args.json)
-        print(f"\nwrote {args.json}")
-    if args.plot:
-        from cukern.roofline import plot_roofline
-        try:
-            plot_roofline(result, args.plot)
-        except ImportError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        print(f"wrote {args.plot}")
+    try:
+        if args.json:
+            workbench.write_result(result, args.json)
+            print(f"\nwrote {args.json}")
+        if plot:
+            from cukern.roofline import plot_roofline
+            plot_roofline(result, plot)
+            print(f"wrote {plot}")
+    except (ImportError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 1 if result["errors"] else 0
 
 
@@ -141,35 +209,44 @@ def cmd_compare(args) -> int:
 
 def cmd_roofline(args) -> int:
     from cukern import runtime, workbench
+    from cukern.roofline import output_path, plot_roofline
+    problem = out_path_problem("-o", args.out)
+    if problem:
+        return _usage_error(problem)
+    try:
+        out = output_path(args.out)
+    except ValueError as e:
+        return _usage_error(f"-o {e}")
     try:
         result = workbench.merge_results([workbench.load_result(p) for p in args.results])
-        from cukern.roofline import plot_roofline
-        plot_roofline(result, args.out)
-    except (runtime.CukernError, ImportError) as e:
+        plot_roofline(result, out)
+    except (runtime.CukernError, ImportError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"wrote {args.out} ({len(result['rows'])} rows)")
+    print(f"wrote {out} ({len(result['rows'])} rows)")
     return 0
 
 
 def cmd_notebooks(args) -> int:
     from cukern import notebooks, runtime
+    if args.figures is not None and os.path.exists(args.figures) and not os.path.isdir(args.figures):
+        return _usage_error(f"--figures {args.figures}: is a file, not a folder")
     try:
         if args.run:
             return notebooks.main_run(args.paths, args.figures)
         return notebooks.main_check(args.paths)
-    except runtime.CukernError as e:
+    except (runtime.CukernError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m cukern", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="python -m cukern", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", help="GPU, versions and cache location")
     p.set_defaults(fn=cmd_info)
     p = sub.add_parser("check", help="compile every kernel with NVRTC (no GPU needed) and check struct sizes")
-    p.add_argument("--arch", action="append", metavar="sm_XX",
+    p.add_argument("--arch", action="append", metavar="sm_XX", type=arch_arg,
                    help="target arch, repeatable (default sm_90); sm_80 or newer")
     p.add_argument("--family", action="append", metavar="NAME", help="only this family (repeatable)")
     p.add_argument("--gpu", action="store_true",
@@ -197,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "and print A time, B time and the change (B/A - 1: negative is faster).")
     p.add_argument("a", metavar="A.json")
     p.add_argument("b", metavar="B.json")
-    p.add_argument("--threshold", type=float, default=0.05,
+    p.add_argument("--threshold", type=number_arg("real", lo=0.0), default=0.05,
                    help="mark rows whose time moved by more than this fraction (default 0.05)")
     p.set_defaults(fn=cmd_compare)
 
@@ -205,7 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Plot one or more saved results (`bench --json`, or a bench_<family>.py "
                                    "--json file) as the chart `bench --plot` draws; several files are merged.")
     p.add_argument("results", nargs="+", metavar="RESULT.json")
-    p.add_argument("-o", "--out", default="roofline.png", help="PNG to write (default roofline.png)")
+    p.add_argument("-o", "--out", default="roofline.png",
+                   help="chart to write (default roofline.png; .png is added to a name without a suffix)")
     p.set_defaults(fn=cmd_roofline)
 
     p = sub.add_parser("notebooks", help="check (CPU) or run headless (GPU) the notebooks",

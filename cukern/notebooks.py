@@ -38,10 +38,19 @@ def notebook_paths(paths=None) -> list[Path]:
 
 
 def _load(path: Path) -> dict:
-    with open(path, encoding="utf-8") as f:
-        nb = json.load(f)
+    """The notebook as a dict whose cells are objects with string sources; ValueError naming the
+    file otherwise (OSError when it cannot be read)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            nb = json.load(f)
+    except ValueError as e:   # not JSON, or not UTF-8
+        raise ValueError(f"{path}: not a JSON file ({e})") from None
     if not isinstance(nb, dict) or nb.get("nbformat") != 4 or not isinstance(nb.get("cells"), list):
         raise ValueError(f"{path}: not an nbformat 4 notebook")
+    for i, cell in enumerate(nb["cells"]):
+        src = cell.get("source", "") if isinstance(cell, dict) else None
+        if not isinstance(src, str) and not (isinstance(src, list) and all(isinstance(x, str) for x in src)):
+            raise ValueError(f"{path}: cell {i} is not an object with a string or list-of-strings source")
     return nb
 
 
@@ -172,7 +181,10 @@ def main_run(paths, figures_dir=None) -> int:
     runs = []
     for p in nbs:
         print(f"=== {p.name}", flush=True)
-        runs.append(run_notebook(p, figures_dir=figures_dir))
+        try:
+            runs.append(run_notebook(p, figures_dir=figures_dir))
+        except (OSError, ValueError) as e:   # unreadable, or not a notebook: nothing ran
+            runs.append(NotebookRun(Path(p), 0, 0, 0.0, f"loading: {e}"))
         sys.stdout.flush()
     print(f"\n{'notebook':<32} {'cells':>9} {'seconds':>8} {'figures':>7}  status")
     for r in runs:

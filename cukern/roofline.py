@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["intensity", "plot_roofline"]
+__all__ = ["intensity", "plot_roofline", "output_path"]
 
 
 def intensity(row: dict) -> float | None:
@@ -82,9 +82,27 @@ def _bars(ax, rows, colours, key: str, ceiling: float | None, unit: str, xlabel:
         ax.text(0.5, 0.5, f"no row reports {unit}", transform=ax.transAxes, ha="center", color="0.4")
 
 
+def output_path(path) -> Path:
+    """The file :func:`plot_roofline` writes for ``path``: ``path`` itself, with ``.png`` added when
+    it has no suffix (matplotlib's rule); ValueError for a suffix matplotlib cannot write."""
+    path = Path(path)
+    if not path.suffix:
+        return path.with_name(path.name + ".png")
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:   # plot_roofline says that matplotlib is missing
+        return path
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    if path.suffix[1:].lower() not in kinds:
+        raise ValueError(f"{path}: matplotlib cannot write {path.suffix} files (it writes "
+                         f"{', '.join('.' + k for k in sorted(kinds))})")
+    return path
+
+
 def plot_roofline(result, path=None, *, title: str | None = None):
     """Draw ``result`` (a result dict, or the path of a ``--json`` file) and return the Figure;
-    with ``path``, also save it there as PNG."""
+    with ``path``, also save it at :func:`output_path` of it (PNG unless its suffix names another
+    format)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -123,5 +141,5 @@ def plot_roofline(result, path=None, *, title: str | None = None):
     meta = result.get("meta", {})
     fig.suptitle(title or f"cukern on {meta.get('device', ceil.get('device', '?'))} ({meta.get('date', '')})")
     if path is not None:
-        fig.savefig(Path(path), dpi=120)
+        fig.savefig(output_path(path), dpi=120)
     return fig

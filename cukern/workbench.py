@@ -32,6 +32,7 @@ import contextlib
 import datetime
 import importlib.util
 import json
+import math
 import os
 import platform
 import signal
@@ -228,15 +229,55 @@ def write_result(result: dict, path) -> None:
         f.write("\n")
 
 
+def _number(value, positive: bool = False) -> bool:
+    """A finite int or float (not a bool), > 0 when ``positive`` else >= 0."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and (value > 0 if positive else value >= 0))
+
+
+def _result_problem(result) -> str | None:
+    """What makes ``result`` unlike a ``bench --json`` result where :func:`compare`,
+    :func:`rows_of` and the roofline read it, or None: ceilings are numbers > 0 (they divide),
+    every row names its family, kernel and shape and has a time > 0 and figures >= 0."""
+    if not isinstance(result, dict) or not isinstance(result.get("rows"), list) \
+            or not isinstance(result.get("ceilings"), dict):
+        return "no rows/ceilings"
+    c = result["ceilings"]
+    if not _number(c.get("copy_gbs"), positive=True):
+        return f"ceilings.copy_gbs must be a number > 0, got {c.get('copy_gbs')!r}"
+    if c.get("gemm_tflops") is not None and not _number(c["gemm_tflops"], positive=True):
+        return f"ceilings.gemm_tflops must be a number > 0 or null, got {c['gemm_tflops']!r}"
+    if not isinstance(c.get("device", ""), str) or not isinstance(result.get("meta", {}), dict):
+        return "ceilings.device must be a string and meta an object"
+    for i, row in enumerate(result["rows"]):
+        if not isinstance(row, dict):
+            return f"row {i} is {type(row).__name__}, not an object"
+        bad = ([k for k in ("family", "kernel", "shape") if not isinstance(row.get(k), str)]
+               + ([] if _number(row.get("us"), positive=True) else ["us"])
+               + [k for k in ("gbs", "tflops", "pct_ceiling", "peer_us") if row.get(k) is not None
+                  and not _number(row[k])])
+        extra = row.get("extra", {})
+        if not isinstance(extra, dict) or not isinstance(row.get("peer", ""), str):
+            bad.append("extra" if not isinstance(extra, dict) else "peer")
+        else:
+            bad += [f"extra.{k}" for k in ("flops", "bytes") if extra.get(k) is not None
+                    and not _number(extra[k])]
+        if bad:
+            return (f"row {i} has bad {', '.join(bad)} (family, kernel, shape: strings; us: a number > 0; "
+                    f"figures: numbers >= 0 or null)")
+    return None
+
+
 def load_result(path) -> dict:
     """Read a ``bench --json`` file; a clear error when it is not one."""
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             result = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:   # ValueError: not JSON, or not UTF-8
         raise CukernError(f"{path}: not a readable JSON file ({e})") from None
-    if not isinstance(result, dict) or not isinstance(result.get("rows"), list) or "ceilings" not in result:
-        raise CukernError(f"{path}: not a `python -m cukern bench --json` result (no rows/ceilings)")
+    problem = _result_problem(result)
+    if problem:
+        raise CukernError(f"{path}: not a `python -m cukern bench --json` result ({problem})")
     return result
 
 

