@@ -393,6 +393,11 @@ class Transformer:
             stream.wait_event(work.record())
         return logits_out
 
+    def clear_prefill_graphs(self) -> None:
+        """Drop the prompt chunks' buffers and graphs: the next prompt of each length runs eagerly (a
+        profiler times its kernels one by one) and their memory goes back to the pool."""
+        self._chunks.clear()
+
     def _own_stream(self):
         if self._stream is None:
             self._stream = cupy.cuda.Stream(non_blocking=True)
