@@ -250,9 +250,12 @@ def row_bytes(qtype, k: int) -> int:
 @dataclass(frozen=True, eq=False)
 class QWeight:
     """A GGUF weight on the device: ``m`` rows of ``k`` elements of type ``qtype``, stored as raw
-    GGUF bytes in ``buf`` (a C-contiguous cupy uint8 array) from byte ``offset`` on. With
-    ``n_experts``, an expert tensor [n_experts, m, k]: expert e starts ``expert_stride`` bytes
-    (default m * row_bytes) after expert e - 1. Validated on construction (no launch)."""
+    GGUF bytes in ``buf`` (a C-contiguous cupy uint8 array) from byte ``offset`` on. ``row_stride``:
+    bytes from one row to the next (default ``row_bytes``, the row's own: the GGUF layout; more for
+    rows padded to 16-byte multiples, :meth:`cukern.matmul.MatmulDispatch.pad_rows`, which the tiled
+    GEMMs take and the matvecs do not). With ``n_experts``, an expert tensor [n_experts, m, k]: expert
+    e starts ``expert_stride`` bytes (default m * row_bytes) after expert e - 1. Validated on
+    construction (no launch)."""
 
     buf: cupy.ndarray
     qtype: int
@@ -261,13 +264,14 @@ class QWeight:
     offset: int = 0
     n_experts: int = 0
     expert_stride: int = 0
+    row_stride: int = 0
 
     def __post_init__(self):
         t = qtype_id(self.qtype)
         object.__setattr__(self, "qtype", t)
         name, be, bb, align = QTYPES[t]
         check_array("buf", self.buf, dtype=np.uint8)
-        for f in ("m", "k", "offset", "n_experts", "expert_stride"):
+        for f in ("m", "k", "offset", "n_experts", "expert_stride", "row_stride"):
             v = getattr(self, f)
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
                 raise TypeError(f"QWeight.{f} must be a non-negative int, got {v!r}")
@@ -284,7 +288,13 @@ class QWeight:
                              f"into a buffer at {self.buf.data.ptr:#x} is not")
         rb = self.k // be * bb
         object.__setattr__(self, "row_bytes", rb)
-        nbytes = self.m * rb
+        stride = self.row_stride or rb
+        if stride < rb or stride % align:
+            raise ValueError(f"QWeight: row_stride {stride} must be >= {rb} (the row's bytes) and a multiple of {align}")
+        if stride != rb and self.n_experts:
+            raise ValueError("QWeight: padded rows (row_stride) are for single matrices, not expert tensors")
+        object.__setattr__(self, "row_stride", stride)
+        nbytes = (self.m - 1) * stride + rb
         if self.n_experts:
             stride = self.expert_stride or nbytes
             if stride < nbytes or stride % align:
@@ -472,6 +482,9 @@ class DmmvDispatch(Dispatch):
             raise ValueError(f"{name} must be an expert tensor (QWeight with n_experts)")
         if not experts and w.n_experts:
             raise ValueError(f"{name} is an expert tensor: use the moe_* methods")
+        if w.row_stride != w.row_bytes:
+            raise ValueError(f"{name}: the matvecs read GGUF rows as stored (row_stride == row_bytes, "
+                             f"{w.row_bytes}), got row_stride {w.row_stride}: padded rows are the tiled GEMMs'")
         return w
 
     @staticmethod

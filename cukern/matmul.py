@@ -230,7 +230,7 @@ def _split_arg(split_k) -> int | None:
 
 def _raw16(*weights: QWeight) -> int:
     """1 when every row of these weights starts 16-byte aligned (raw super-stages go by cp.async)."""
-    return int(all((w.buf.data.ptr + w.offset) % 16 == 0 and w.row_bytes % 16 == 0 for w in weights))
+    return int(all((w.buf.data.ptr + w.offset) % 16 == 0 and w.row_stride % 16 == 0 for w in weights))
 
 
 @dataclass(frozen=True)
@@ -275,6 +275,8 @@ class PackedWeight:
     @property
     def row_bytes(self) -> int:
         return self.k // _SUPER * PACKED_LAYOUTS[self.qtype][0]
+
+    row_stride = row_bytes  # what the kernels take as the row pitch (QWeight's name for it)
 
     @staticmethod
     def nbytes_for(m: int, k: int, qtype: int, glu: bool = False) -> int:
@@ -473,6 +475,9 @@ class MatmulDispatch(Dispatch):
         if (w_up.qtype, w_up.m, w_up.k) != (w_gate.qtype, w_gate.m, w_gate.k):
             raise ValueError(f"w_gate and w_up must have the same type and shape, got "
                              f"{w_gate.name} {w_gate.m}x{w_gate.k} and {w_up.name} {w_up.m}x{w_up.k}")
+        if w_up.row_stride != w_gate.row_stride:
+            raise ValueError(f"w_gate and w_up must have the same row_stride (the kernels take one), got "
+                             f"{w_gate.row_stride} and {w_up.row_stride}")
         return w_gate, w_up
 
     def _glu_weights(self, w_gate: QWeight, w_up: QWeight, act: str) -> tuple[QWeight, QWeight]:
@@ -519,7 +524,7 @@ class MatmulDispatch(Dispatch):
             return self._remember(key, self._hopper(w, w, b, d, d_stride, n, accumulate, split_k, None, stream), d)
         bt, grid, k_split = self._grid(n, w, split_k, "gemm")
         params = self.struct_of(w.qtype).pack(
-            w_offset=w.offset, w2_offset=0, row_bytes=w.row_bytes, b_stride=b_stride, d_stride=d_stride,
+            w_offset=w.offset, w2_offset=0, row_bytes=w.row_stride, b_stride=b_stride, d_stride=d_stride,
             m=w.m, n=n, k=w.k, k_split=k_split, mode=1 if accumulate else 0, atomic=int(grid[2] > 1),
             raw16=_raw16(w), d_tma=0)
         name = f"gemm_f16<{w.qtype}, {bt}, false, {_B_TYPES[b.dtype]}>"
@@ -540,9 +545,9 @@ class MatmulDispatch(Dispatch):
         """The key of a gemm / gemm_glu call, or None when an argument is not what the checks take
         (the call then goes through them and raises)."""
         try:
-            key = (w.buf.data.ptr, w.offset, w.qtype, w.m, w.k, w.n_experts, getattr(w, "glu", False),
-                   w2.buf.data.ptr, w2.offset, w2.qtype, w2.m, w2.k, w2.n_experts, b.data.ptr, b.shape, b.strides,
-                   b.dtype.char, d.data.ptr, d.shape, d.strides, d.dtype.char, accumulate, split_k, wgmma, act,
+            key = (w.buf.data.ptr, w.offset, w.qtype, w.m, w.k, w.n_experts, w.row_stride, getattr(w, "glu", False),
+                   w2.buf.data.ptr, w2.offset, w2.qtype, w2.m, w2.k, w2.n_experts, w2.row_stride,
+                   b.data.ptr, b.shape, b.strides, b.dtype.char, d.data.ptr, d.shape, d.strides, d.dtype.char, accumulate, split_k, wgmma, act,
                    self.WG_TILE, self.WG_MIN_N,
                    resolve_stream(stream).ptr if b.dtype.char == "f" else None)  # f32 b: staged per stream
             hash(key)
@@ -669,7 +674,7 @@ class MatmulDispatch(Dispatch):
         d_map = tensor_map_2d(d, (_D_BOX, bt)) if d.data.ptr % 16 == 0 and (n == 1 or d.strides[0] % 16 == 0) \
             else None
         params = self.struct_of(w.qtype).pack(
-            w_offset=w.offset, w2_offset=w2.offset if glu else 0, row_bytes=w.row_bytes, b_stride=b_stride,
+            w_offset=w.offset, w2_offset=w2.offset if glu else 0, row_bytes=w.row_stride, b_stride=b_stride,
             d_stride=d_stride, m=w.m, n=n, k=w.k, k_split=k_split, mode=mode, atomic=int(grid[2] > 1),
             raw16=1 if packed else _raw16(w, w2), d_tma=int(d_map is not None))
         tmap = tensor_map_2d(b, (_BK, bt))
@@ -725,7 +730,7 @@ class MatmulDispatch(Dispatch):
             raise ValueError("a and d must not overlap")
         bt, grid, k_split = self._grid(n, w, split_k, "gemm_q8", _I8_MAX_TILE)
         params = self.struct_of(w.qtype).pack(
-            w_offset=w.offset, w2_offset=0, row_bytes=w.row_bytes, b_stride=a_stride, d_stride=d_stride,
+            w_offset=w.offset, w2_offset=0, row_bytes=w.row_stride, b_stride=a_stride, d_stride=d_stride,
             m=w.m, n=n, k=w.k, k_split=k_split, mode=1 if accumulate else 0, atomic=int(grid[2] > 1), raw16=_raw16(w),
             d_tma=0)
         self._zero_for_split(d, grid, accumulate, stream)
@@ -784,7 +789,7 @@ class MatmulDispatch(Dispatch):
         if grid[0] > 2**31 - 1 or grid[1] > 65535:
             raise ValueError(f"gemm_q8_glu: {n} columns x {m} rows exceed the grid limits")
         params = self.struct_of(w_gate.qtype).pack(
-            w_offset=w_gate.offset, w2_offset=w_up.offset, row_bytes=w_gate.row_bytes, b_stride=a_stride,
+            w_offset=w_gate.offset, w2_offset=w_up.offset, row_bytes=w_gate.row_stride, b_stride=a_stride,
             d_stride=out_stride, m=m, n=n, k=w_gate.k, k_split=w_gate.k, mode=_ACTS[act], atomic=0,
             raw16=_raw16(w_gate, w_up), d_tma=0)
         self._units_i8[w_gate.qtype]._launch(f"gemm_q8<{w_gate.qtype}, {bt}, {epi}>", grid, _THREADS,
@@ -819,7 +824,7 @@ class MatmulDispatch(Dispatch):
         if grid_t > 2**31 - 1 or grid_r > 65535:
             raise ValueError(f"gemm_glu: {n} columns x {w_gate.m} rows exceed the grid limits")
         params = self.struct_of(w_gate.qtype).pack(
-            w_offset=w_gate.offset, w2_offset=w_up.offset, row_bytes=w_gate.row_bytes, b_stride=b_stride,
+            w_offset=w_gate.offset, w2_offset=w_up.offset, row_bytes=w_gate.row_stride, b_stride=b_stride,
             d_stride=d_stride, m=w_gate.m, n=n, k=w_gate.k, k_split=w_gate.k, mode=_ACTS[act], atomic=0,
             raw16=_raw16(w_gate, w_up), d_tma=0)
         name = f"gemm_f16<{w_gate.qtype}, {bt}, true, {_B_TYPES[b.dtype]}>"
@@ -842,6 +847,27 @@ class MatmulDispatch(Dispatch):
         """Whether :meth:`pack` takes ``w`` here: a tiled-GEMM type (each has a packed layout), k a multiple of
         256, and a device that runs gemm_wgr (sm_90)."""
         return w.qtype in PACKED_LAYOUTS and w.k % _SUPER == 0 and self._units[w.qtype].is_sm90()
+
+    def pad_rows(self, w: QWeight, *, stream=None) -> QWeight:
+        """A copy of ``w`` whose rows start 16 bytes apart (``row_stride``: the row's bytes rounded up to 16,
+        the gap zero), made once on the device at load, like :meth:`pack`: the tiled GEMMs copy such rows to
+        shared memory 16 bytes at a time (and take gemm_wgr from WG_MIN_N columns), where rows of other
+        lengths (k = 640: Q5_0 440 bytes, Q8_0 680) go 2 bytes at a time. For :meth:`gemm`, :meth:`gemm_glu`
+        and the int8 GEMMs; the matvecs take the GGUF bytes. ``w`` itself where its rows are aligned."""
+        w = self._weight("w", w)
+        stride = -(-w.row_bytes // 16) * 16
+        if _raw16(w) and w.row_stride == stride:
+            return w
+        with cupy.cuda.Device(self.device_id):
+            out = cupy.zeros((w.m, stride), cupy.uint8)
+        src = cupy.lib.stride_tricks.as_strided(w.buf[w.offset:], (w.m, w.row_bytes), (w.row_stride, 1))
+        self._copy_rows(out[:, :w.row_bytes], src, stream)
+        return QWeight(out.reshape(-1), w.qtype, w.m, w.k, row_stride=stride)
+
+    @staticmethod
+    def _copy_rows(dst: cupy.ndarray, src: cupy.ndarray, stream) -> None:
+        with resolve_stream(stream):
+            dst[...] = src
 
     def pack(self, w: QWeight, *, stream=None) -> PackedWeight:
         """``w`` repacked into gemm_wgr's layout (:class:`PackedWeight`), on the device: a one-time step at
@@ -868,7 +894,7 @@ class MatmulDispatch(Dispatch):
         unit = self._units[w.qtype]
         with cupy.cuda.Device(self.device_id):
             out = cupy.empty(PackedWeight.nbytes_for(w.m, w.k, w.qtype, glu), cupy.uint8)
-        params = unit.struct("PackParams").pack(w_offset=w.offset, w2_offset=w2.offset, row_bytes=w.row_bytes,
+        params = unit.struct("PackParams").pack(w_offset=w.offset, w2_offset=w2.offset, row_bytes=w.row_stride,
                                                 m=w.m, k=w.k, glu=int(glu))
         unit._launch(f"pack_wgr<{w.qtype}>", (tiles, supers, 1), _ROW_TILE, (out, w.buf, w2.buf), params,
                      stream=stream)
@@ -916,7 +942,7 @@ class MatmulDispatch(Dispatch):
         pipeline runs first."""
         w = self._weight("w", w)
         check_array("out", out, dtype=np.float16, shape=(w.m, w.k), align=16)
-        params = self.struct("DequantParams").pack(w_offset=w.offset, row_bytes=w.row_bytes, m=w.m, k=w.k)
+        params = self.struct("DequantParams").pack(w_offset=w.offset, row_bytes=w.row_stride, m=w.m, k=w.k)
         units = w.m * (w.k // 32) * 2
         blocks = max(1, min(-(-units // _Q_THREADS), 4 * _MAX_BLOCKS))
         self._launch(f"dequantize_f16<{w.qtype}>", blocks, _Q_THREADS, (out, w.buf), params, stream=stream)

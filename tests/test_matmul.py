@@ -298,6 +298,64 @@ def test_gemm_glu(mm, rng, q, act, n):
     _check_glu(d.get(), dg, du, b, act, ref.glu(dg, du, b, act, inputs=ref.gemm_f16_inputs))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("q", [6, 8, 2], ids=lambda q: NAMES[q])
+@pytest.mark.parametrize("n", [37, 300])
+def test_gemm_padded_rows(mm, rng, q, n):
+    """pad_rows: rows of k = 640 (Q5_0 440 bytes, Q8_0 680; Q4_0's 360) copied 16 bytes apart, the gap
+    poisoned after the copy to prove it is never read; gemm (gemm_f16 at n = 37, gemm_wgr at 300), the
+    fused GLU and the int8 GEMM on the padded copies against float64, as on the GGUF rows."""
+    m, k = 77, 640
+    w, dense = _weight(q, m, k, rng, pad_front=2)
+    wu, du = _weight(q, m, k, rng)
+    pw, pu = mm.pad_rows(w), mm.pad_rows(wu)
+    assert pw.row_stride % 16 == 0 and pw.row_stride - 16 < pw.row_bytes == w.row_bytes and M._raw16(pw)
+    rows = pw.buf.reshape(m, pw.row_stride)
+    assert (rows[:, :w.row_bytes].get() == w.buf[w.offset:w.offset + m * w.row_bytes].get().reshape(m, -1)).all()
+    rows[:, w.row_bytes:] = 0xFF
+    b = _b(rng, n, k, np.float32)
+    d = poison(cupy.empty((n, m), cupy.float32))
+    mm.gemm(pw, cupy.asarray(b), d)
+    _check(d.get(), ref.gemm(dense, b), ref.gemm_f16_inputs(dense, b))
+    mm.gemm_glu(pw, pu, cupy.asarray(b), d, act="swiglu")
+    _check_glu(d.get(), dense, du, b, "swiglu", ref.glu(dense, du, b, "swiglu", inputs=ref.gemm_f16_inputs))
+    qa, (da, sa, qs) = _q8_1(mm, b)
+    d8 = poison(cupy.empty((n, m), cupy.float32))
+    mm.gemm_q8(pw, qa, d8)
+    exact = ref.gemm_q8_1(dense, ref.k_mins(w.buf[w.offset:w.offset + m * w.row_bytes].get().reshape(m, -1), q, m, k),
+                          da, sa, qs)
+    assert_close(d8.get(), exact, atol=2e-5 * _rms(exact), rtol=1e-5, name="d (int8)")
+
+
+def test_pad_rows_host(monkeypatch):
+    """pad_rows on the host (tests/host_dispatch.py): the rows land 16 bytes apart with a zero gap, an aligned
+    weight comes back as itself; QWeight checks row_stride (at least the row, a multiple of the block's
+    alignment, inside the buffer); the matvecs and a mismatched GLU pair refuse padded rows before a launch."""
+    from host_dispatch import host_array, host_view, patch
+    from cukern.dmmv import DmmvDispatch
+    launches = patch(monkeypatch)
+    mm = MatmulDispatch()
+    raw = np.random.default_rng(1).integers(0, 256, 5 * 440, dtype=np.uint8)
+    w = QWeight(host_array(raw.size, np.uint8, raw), 6, 5, 640)
+    pw = mm.pad_rows(w)
+    assert (pw.row_bytes, pw.row_stride, pw.m, pw.k) == (440, 448, 5, 640)
+    rows = host_view(pw.buf).reshape(5, 448)
+    assert (rows[:, :440] == raw.reshape(5, 440)).all() and not rows[:, 440:].any()
+    aligned = QWeight(host_array(4 * 352, np.uint8, 0), 6, 4, 512)
+    assert mm.pad_rows(aligned) is aligned and mm.pad_rows(pw) is pw
+    for stride, err in ((400, "must be >= 440"), (441, "multiple of 2")):
+        with pytest.raises(ValueError, match=err):
+            QWeight(host_array(5 * 448, np.uint8, 0), 6, 5, 640, row_stride=stride)
+    with pytest.raises(ValueError, match="needs"):
+        QWeight(host_array(4 * 448 + 100, np.uint8, 0), 6, 5, 640, row_stride=448)
+    x, y = host_array(640), host_array(5)
+    with pytest.raises(ValueError, match="padded rows are the tiled GEMMs'"):
+        DmmvDispatch().dmmv(pw, x, y)
+    with pytest.raises(ValueError, match="same row_stride"):
+        mm.gemm_glu(pw, w, host_array((16, 640)), host_array((16, 5)), act="swiglu")
+    assert not launches
+
+
 # ---------------------------------------------------------------------------- packed weights (gemm_wgr)
 PACKED = list(M.PACKED_LAYOUTS)
 

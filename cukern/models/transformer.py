@@ -83,6 +83,7 @@ class _Layer:
     post_attn_norm: cupy.ndarray | None = None
     post_ffn_norm: cupy.ndarray | None = None
     packed: dict = field(default_factory=dict)  # pack_prefill: "wq" ... "wd" -> PackedWeight, "glu" (gate + up)
+    padded: dict = field(default_factory=dict)  # "wq" ... "wd" -> a copy with 16-byte rows for the prompt GEMMs
 
     @property
     def gate_up_alike(self) -> bool:
@@ -234,8 +235,9 @@ class Transformer:
                 bq=dev.get(b + "attn_q.bias"), bk=dev.get(b + "attn_k.bias"), bv=dev.get(b + "attn_v.bias"),
                 post_attn_norm=dev.get(b + "post_attention_norm.weight"),
                 post_ffn_norm=dev.get(b + "post_ffw_norm.weight")))
-        if pack_prefill:
-            for L in self.layers:
+        for L in self.layers:
+            self._pad(L)
+            if pack_prefill:
                 self._pack(L)
         self.output_norm = dev["output_norm.weight"]
         # per-pair RoPE angles where they are not the plain base**(-2i/d) (linear scaling, Llama 3 factors)
@@ -269,16 +271,28 @@ class Transformer:
             if self.gemm.packable(getattr(L, name)):
                 L.packed[name] = self.gemm.pack(getattr(L, name))
 
-    def _packed(self, L: _Layer, name: str, n: int) -> PackedWeight | None:
-        """L's packed copy of a projection where pack_prefill made one and the chunk has the rows for it."""
-        p = L.packed.get(name)
-        return p if p is not None and n >= self.gemm.WG_MIN_N else None
+    def _pad(self, L: _Layer) -> None:
+        """L's projections whose GGUF rows are not 16-byte multiples (k = 640 in Q5_0 or Q8_0), copied once
+        with rows padded to 16 bytes (MatmulDispatch.pad_rows) for the prompt GEMMs, which copy such rows
+        16 bytes at a time instead of 2; the matvecs keep reading the GGUF bytes."""
+        for name in ("wq", "wk", "wv", "wo", "wg", "wu", "wd"):
+            w = getattr(L, name)
+            if w.qtype in GEMM_QTYPES and w.row_bytes % 16:
+                L.padded[name] = self.gemm.pad_rows(w)
 
-    def _matmul(self, w: QWeight, x, y, stream, packed: PackedWeight | None = None):
-        """y = x W^T for n = x.shape[0] rows: the tiled GEMM for a prompt chunk (on ``packed``, W's packed
-        copy, where given), the matvec otherwise."""
-        if packed is not None:
-            self.gemm.gemm(packed, x, y, stream=stream)
+    def _gemm_copy(self, L: _Layer, name: str, n: int) -> PackedWeight | QWeight | None:
+        """L's copy of a projection made for the prompt GEMMs that serves a chunk of n rows: the packed one
+        (pack_prefill, from WG_MIN_N rows), else the padded one (past the matvec's MATVEC_MAX_N), else None."""
+        p = L.packed.get(name)
+        if p is not None and n >= self.gemm.WG_MIN_N:
+            return p
+        return L.padded.get(name) if n > MatmulDispatch.MATVEC_MAX_N else None
+
+    def _matmul(self, w: QWeight, x, y, stream, copy: PackedWeight | QWeight | None = None):
+        """y = x W^T for n = x.shape[0] rows: the tiled GEMM for a prompt chunk (on ``copy``, W's packed or
+        padded copy, where given), the matvec otherwise."""
+        if copy is not None:
+            self.gemm.gemm(copy, x, y, stream=stream)
         elif self._gemm_ok(w, x.shape[0]):
             self.gemm.gemm(w, x, y, stream=stream)
         else:
@@ -294,9 +308,9 @@ class Transformer:
         if L.wq.qtype == L.wk.qtype and not self._gemm_ok(L.wq, n):
             self.mm.dmmv_pair(L.wq, L.wk, h, q, k, stream=stream)
         else:
-            self._matmul(L.wq, h, q, stream, self._packed(L, "wq", n))
-            self._matmul(L.wk, h, k, stream, self._packed(L, "wk", n))
-        self._matmul(L.wv, h, v, stream, self._packed(L, "wv", n))
+            self._matmul(L.wq, h, q, stream, self._gemm_copy(L, "wq", n))
+            self._matmul(L.wk, h, k, stream, self._gemm_copy(L, "wk", n))
+        self._matmul(L.wv, h, v, stream, self._gemm_copy(L, "wv", n))
         if L.bq is not None:
             for y, bias in ((q, L.bq), (k, L.bk), (v, L.bv)):
                 self.ew.bias_add(y, bias, y, stream=stream)
@@ -306,18 +320,19 @@ class Transformer:
         h, gate, up = buf.h[rows], buf.gate[rows], buf.up[rows]
         act = "geglu" if c.activation == "gelu_tanh" else "swiglu"
         n = h.shape[0]
-        if self._packed(L, "glu", n) is not None:
+        if self._gemm_copy(L, "glu", n) is not None:
             self.gemm.gemm_glu(L.packed["glu"], None, h, gate, act=act, stream=stream)
         elif L.gate_up_alike:
             if self._gemm_ok(L.wg, n):
-                self.gemm.gemm_glu(L.wg, L.wu, h, gate, act=act, stream=stream)
+                self.gemm.gemm_glu(L.padded.get("wg", L.wg), L.padded.get("wu", L.wu), h, gate, act=act,
+                                   stream=stream)
             else:
                 self.mm.dmmv_glu(L.wg, L.wu, h, gate, act=act, stream=stream)
         else:
-            self._matmul(L.wg, h, gate, stream, self._packed(L, "wg", n))
-            self._matmul(L.wu, h, up, stream, self._packed(L, "wu", n))
+            self._matmul(L.wg, h, gate, stream, self._gemm_copy(L, "wg", n))
+            self._matmul(L.wu, h, up, stream, self._gemm_copy(L, "wu", n))
             (self.ew.geglu if act == "geglu" else self.ew.swiglu)(gate, up, gate, stream=stream)
-        self._matmul(L.wd, gate, buf.proj[rows], stream, self._packed(L, "wd", n))
+        self._matmul(L.wd, gate, buf.proj[rows], stream, self._gemm_copy(L, "wd", n))
 
     def _residual(self, buf: _Buffers, rows: slice, post_norm, next_norm, stream):
         """x += [post_norm](proj); h = next_norm(x)."""
@@ -345,7 +360,8 @@ class Transformer:
                     eps=c.rms_eps, neox=c.rope_neox, freq_base=base, freqs=self.rope_freqs[local], pos_mode=pos_mode,
                     stream=stream)
                 attend(i, buf.q_rot[rows], buf.o[rows])
-                self._matmul(L.wo, buf.o[rows].reshape(n, c.q_dim), buf.proj[rows], stream, self._packed(L, "wo", n))
+                self._matmul(L.wo, buf.o[rows].reshape(n, c.q_dim), buf.proj[rows], stream,
+                             self._gemm_copy(L, "wo", n))
                 self._residual(buf, rows, L.post_attn_norm, L.ffn_norm, stream)
                 self._mlp(L, buf, rows, stream)
                 nxt = self.layers[i + 1].attn_norm if i + 1 < c.n_layers else self.output_norm
