@@ -31,7 +31,8 @@ from cukern.params import ParamStruct, check_int, check_real, load_header  # noq
 from cukern.runtime import FamilySpec
 from cukern.streams import resolve_stream
 
-__all__ = ["Dispatch", "check_array", "check_int", "check_real", "enable_nvtx", "nvtx_enabled", "set_launch_timer", "tensor_map_2d"]
+__all__ = ["Dispatch", "check_array", "check_int", "check_real", "enable_nvtx", "nvtx_enabled", "set_launch_timer",
+           "tensor_map_2d"]
 
 _MAX_GRID = (2**31 - 1, 65535, 65535)
 
@@ -172,7 +173,7 @@ def _launch_pdl(kernel: str, fn, grid, block, args, shared_mem: int) -> None:
     params = (ctypes.c_void_p * n)()
     base, keep = ctypes.addressof(slots), []
     for i, a in enumerate(args):
-        if type(a) is cupy.ndarray or isinstance(a, cupy.ndarray):
+        if isinstance(a, cupy.ndarray):
             slots[i] = a.data.ptr
             params[i] = base + 8 * i
         else:

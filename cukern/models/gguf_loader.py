@@ -153,9 +153,8 @@ _FLOAT_TYPES = {VT.FLOAT32, VT.FLOAT64}
 _MAX_DIMS = 4               # GGML_MAX_DIMS
 # The parse costs Python steps per key, per tensor and per string of a string array, so their number is
 # bounded for the load to take about a second per 100 MB at most, plus a fraction of a second for a
-# small file (a step costs about 0.25 us, a string
-# can be 9 bytes): models have tens of keys, a few thousand tensors, and vocabulary and merges of a
-# few hundred thousand strings in files of hundreds of MB.
+# small file (a step costs about 0.25 us, a string can be 9 bytes): models have tens of keys, a few
+# thousand tensors, and vocabulary and merges of a few hundred thousand strings in files of hundreds of MB.
 _MAX_KEYS = 1 << 14
 _MAX_TENSORS = 1 << 14
 _MIN_STRINGS = 1 << 20      # strings in arrays, whatever the file's size ...
