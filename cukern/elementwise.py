@@ -20,8 +20,8 @@ import numpy as np
 from cukern.dispatch import Dispatch, check_array
 from cukern.runtime import FamilySpec, KernelSpec
 
-__all__ = ["ElementwiseDispatch", "FAMILY", "ROPE_FAMILY", "FAMILIES", "Q8_1_BLOCK", "Q8_1_BLOCK_BYTES", "ROPE_VEC_HEAD_DIMS",
-           "contiguous_page_table"]
+__all__ = ["ElementwiseDispatch", "FAMILY", "ROPE_FAMILY", "FAMILIES", "Q8_1_BLOCK", "Q8_1_BLOCK_BYTES",
+           "ROPE_VEC_HEAD_DIMS", "contiguous_page_table"]
 
 _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)

@@ -37,14 +37,14 @@ import cupy
 import numpy as np
 
 from cukern.attention import PREFILL_HEAD_DIMS, AttentionDispatch, PagedKVCache
-from cukern.dispatch import bounded_put, check_array
+from cukern.dispatch import bounded_put, check_array, check_int
 from cukern.dmmv import DmmvDispatch, QWeight
 from cukern.elementwise import ROPE_VEC_HEAD_DIMS, ElementwiseDispatch
 from cukern.matmul import GEMM_QTYPES, MatmulDispatch, PackedWeight
 from cukern.models.gguf_loader import GGUFModel, ModelConfig, load_gguf
 from cukern.profiler import nvtx_range
 from cukern.streams import capture_graph, resolve_stream
-from cukern.tokens import MAX_TOP_K, SamplePlan, TokensDispatch
+from cukern.tokens import MAX_TOP_K, SamplePlan, TokensDispatch, check_sampling
 
 __all__ = ["Transformer", "GenerationStats"]
 
@@ -475,8 +475,6 @@ class Transformer:
         raises with the cache as it was: prompts of token ids in the vocabulary, ``max_new_tokens``
         within the cache, the sampling arguments (``tokens.check_sampling``), stop ids in the
         vocabulary. Returns them converted to Python ints and floats."""
-        from cukern.params import check_int
-        from cukern.tokens import check_sampling
         c = self.cfg
         if isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (int, np.integer)):
             prompts = [prompts]
