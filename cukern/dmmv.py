@@ -24,10 +24,11 @@ import cupy
 import numpy as np
 
 from cukern.dispatch import Dispatch, check_array
+from cukern.params import check_real
 from cukern.runtime import FamilySpec, KernelSpec
 
-__all__ = ["DmmvDispatch", "QWeight", "QuantizedX", "MoeRoute", "QTYPES", "Q8_TYPES", "FAMILY", "GLU_FAMILY",
-           "MOE_FAMILY", "PACKED_FAMILY", "Q8X_FAMILY", "TWO_FAMILY", "DeviceError"]
+__all__ = ["DmmvDispatch", "QWeight", "SplitQ8", "NormedX", "QuantizedX", "MoeRoute", "QTYPES", "Q8_TYPES", "FAMILY", "GLU_FAMILY",
+           "MOE_FAMILY", "PACKED_FAMILY", "Q8X_FAMILY", "TWO_FAMILY", "NX_FAMILY", "DeviceError"]
 
 # GGML type id -> (name, elements per block, bytes per block, byte alignment the kernels need)
 QTYPES = {
@@ -181,10 +182,19 @@ def _kernel(qt: int, n: int) -> str:
     return f"dmmv<{qt}, {n}, {r}, {v}>"
 
 
+_SPLIT_WARPS = 8  # warps per block of dmmv_split (kSplitWarps)
+_SPLIT_ROWS = {1: 8, 2: 4, 4: 2, 8: 2}  # rows per warp of dmmv_split<NC, R>: R * NC a power of two <= 32
+
+
+def _split_kernel(n: int) -> str:
+    return f"dmmv_split<{n}, {_SPLIT_ROWS[n]}>"
+
+
 FAMILY = FamilySpec(
     name="dmmv",
     kernels=tuple([KernelSpec(_kernel(q, n), "DmmvParams") for q in QTYPES for n in _COLS]
                   + [KernelSpec(_q8_kernel(q, n), "DmmvParams") for q in Q8_TYPES for n in _COLS]
+                  + [KernelSpec(_split_kernel(n), "DmmvParams") for n in _COLS]
                   + [KernelSpec(f"dequantize<{q}>", "DequantParams") for q in QTYPES]),
 )
 GLU_FAMILY = FamilySpec(
@@ -218,7 +228,13 @@ TWO_FAMILY = FamilySpec(  # dmmv_pair and dmmv_glu on the int8 path: compiled on
     kernels=tuple(KernelSpec(_q8_two_kernel(q, n, g), "DmmvParams") for q in Q8_TYPES for n in _COLS
                   for g in (False, True)),
 )
-FAMILIES = {f.name: f for f in (FAMILY, GLU_FAMILY, MOE_FAMILY, PACKED_FAMILY, Q8X_FAMILY, TWO_FAMILY)}  # cukern.families() lists each unit
+NX_FAMILY = FamilySpec(  # dmmv, dmmv_pair and dmmv_glu on a NormedX: compiled only by a process that uses them
+    name="dmmv_nx", source="dmmv/dmmv.cu", params_header="dmmv/params.cuh",
+    kernels=tuple([KernelSpec(_kernel(q, n).replace("dmmv<", "dmmv_nx<"), "DmmvNormParams") for q in QTYPES
+                   for n in _COLS]
+                  + [KernelSpec(f"dmmv_glu_nx<{q}, {n}>", "DmmvNormParams") for q in QTYPES for n in _COLS]),
+)
+FAMILIES = {f.name: f for f in (FAMILY, GLU_FAMILY, MOE_FAMILY, PACKED_FAMILY, Q8X_FAMILY, TWO_FAMILY, NX_FAMILY)}  # cukern.families() lists each unit
 
 
 class DeviceError(RuntimeError):
@@ -320,6 +336,130 @@ class QWeight:
 
 
 _MXFP4 = 39
+_Q8_0 = 8
+
+
+@dataclass(frozen=True, eq=False)
+class SplitQ8:
+    """Q8_0 weights split for streaming (:meth:`DmmvDispatch.split_q8_0`): ``quants`` int8 [m, k]
+    and ``scales`` f16 [m, k / 32] on the device, W[i, j] = scales[i, j // 32] * quants[i, j]. The
+    same values and the same bytes as the GGUF blocks (2 + 32 per 32 elements), laid out so that a
+    lane of :meth:`DmmvDispatch.dmmv` loads 16 quants at once: a GGUF Q8_0 row's 34-byte blocks are
+    read 2 bytes at a time. For a matrix streamed every step from HBM (an LM head of 262144 rows);
+    matvecs that small rows keep latency-bound gain nothing from it. Validated on construction."""
+
+    quants: cupy.ndarray
+    scales: cupy.ndarray
+
+    def __post_init__(self):
+        check_array("SplitQ8.quants", self.quants, dtype=np.int8, ndim=2, align=16)
+        m, k = self.quants.shape
+        if m < 1 or k < 32 or k % 32 or m >= 2**31 or k >= 2**31:
+            raise ValueError(f"SplitQ8: quants must be [m, k] with m >= 1 and k a positive multiple of 32 "
+                             f"(< 2**31), got {self.quants.shape}")
+        check_array("SplitQ8.scales", self.scales, dtype=np.float16, shape=(m, k // 32))
+
+    @property
+    def m(self) -> int:
+        return self.quants.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.quants.shape[1]
+
+    @property
+    def name(self) -> str:
+        return "Q8_0 (split)"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weights a matvec reads: k quants and k / 32 scales per row."""
+        return self.quants.nbytes + self.scales.nbytes
+
+
+_POST = {None: 0, "add": 1, "norm": 2}
+
+
+@dataclass(frozen=True, eq=False)
+class NormedX:
+    """The input of a matvec made from the previous sub-layer's output by each of the matvec's
+    blocks (:meth:`DmmvDispatch.dmmv`, :meth:`~DmmvDispatch.dmmv_pair`, :meth:`~DmmvDispatch.dmmv_glu`
+    take one in place of x), which folds the residual add and norm between two matvecs of a decoder
+    layer into the second::
+
+        r = residual                                       (proj None)
+          = residual + proj                                (w_post None)
+          = residual + rms_norm(proj) * (w_post + weight_offset)
+        x = rms_norm(r) * (w + weight_offset),   rms_norm(v) = v / sqrt(mean(v**2) + eps)
+
+    and, with ``residual_out``, the first block writes r there (the next residual; it may not
+    overlap ``residual`` or ``proj``, which the other blocks are reading). The same values as
+    ElementwiseDispatch's ``post_norm_residual_rms_norm`` / ``residual_rms_norm`` / ``rms_norm``
+    followed by the matvec, in f32.
+
+    residual, proj, residual_out: [k] or [n, k] f32, C-contiguous, 16-byte aligned, one shape;
+    w, w_post: [k] f32, 16-byte aligned. Every block keeps x in shared memory: n * k * 4 bytes
+    (per launch of up to 8 columns) must fit. Runs on the f32 path."""
+
+    residual: cupy.ndarray
+    w: cupy.ndarray
+    proj: cupy.ndarray | None = None
+    w_post: cupy.ndarray | None = None
+    residual_out: cupy.ndarray | None = None
+    eps: float = 1e-6
+    weight_offset: float = 0.0
+
+    def __post_init__(self):
+        check_array("NormedX.residual", self.residual, dtype=_F32, align=16)
+        if self.residual.ndim not in (1, 2) or self.residual.size == 0:
+            raise ValueError(f"NormedX.residual must be [k] or [n, k], got shape {self.residual.shape}")
+        k = self.residual.shape[-1]
+        if k % 4:
+            raise ValueError(f"NormedX: k={k} must be a multiple of 4 (the norms read float4s)")
+        check_array("NormedX.w", self.w, dtype=_F32, shape=(k,), align=16)
+        if self.proj is not None:
+            check_array("NormedX.proj", self.proj, dtype=_F32, shape=self.residual.shape, align=16)
+        if self.w_post is not None:
+            if self.proj is None:
+                raise ValueError("NormedX: w_post (the post-norm of proj) needs proj")
+            check_array("NormedX.w_post", self.w_post, dtype=_F32, shape=(k,), align=16)
+        if self.residual_out is not None:
+            check_array("NormedX.residual_out", self.residual_out, dtype=_F32, shape=self.residual.shape, align=16)
+            for name in ("residual", "proj"):
+                other = getattr(self, name)
+                if other is not None and _overlap(self.residual_out, other):
+                    raise ValueError(f"NormedX.residual_out overlaps NormedX.{name}, which other blocks are "
+                                     "still reading: write the new residual to another buffer")
+        eps = check_real("NormedX.eps", self.eps)
+        if not 0 <= eps < float("inf"):
+            raise ValueError(f"NormedX.eps must be finite and >= 0, got {eps}")
+        object.__setattr__(self, "eps", eps)
+        object.__setattr__(self, "weight_offset", check_real("NormedX.weight_offset", self.weight_offset))
+
+    @property
+    def shape(self) -> tuple:
+        return self.residual.shape
+
+    @property
+    def k(self) -> int:
+        return self.residual.shape[-1]
+
+    @property
+    def post(self) -> int:
+        """DmmvNormParams.post: 0 no proj, 1 proj added, 2 proj post-normed and added."""
+        return 0 if self.proj is None else (1 if self.w_post is None else 2)
+
+    def columns(self, c0: int, n: int) -> tuple:
+        """(residual, proj, w_post, w, residual_out) for columns [c0, c0 + ...) of a launch: the kernel's pointers
+        (the unused ones: residual)."""
+        two = self.residual.ndim == 2
+        pick = lambda a: (a[c0:] if two else a) if a is not None else (self.residual[c0:] if two else self.residual)  # noqa: E731
+        return (pick(self.residual), pick(self.proj), self.residual if self.w_post is None else self.w_post, self.w,
+                pick(self.residual_out))
+
+
+def _overlap(a: cupy.ndarray, b: cupy.ndarray) -> bool:
+    return a.data.ptr < b.data.ptr + b.nbytes and b.data.ptr < a.data.ptr + a.nbytes
 
 
 @dataclass(frozen=True, eq=False)
@@ -449,6 +589,7 @@ class DmmvDispatch(Dispatch):
         self._packed = _Unit(PACKED_FAMILY, device)
         self._q8x = _Unit(Q8X_FAMILY, device)
         self._two = _Unit(TWO_FAMILY, device)
+        self._nx = _Unit(NX_FAMILY, device)
         self._err = None
         self._resident: dict[tuple, tuple] = {}  # (unit, kernel, k[, m, slots]) -> _q8_plan / _q8_plan_dots
 
@@ -595,16 +736,42 @@ class DmmvDispatch(Dispatch):
         self._launch(f"dequantize<{w.qtype}>", blocks, 256, (out, w.buf), params, stream=stream)
         return out
 
-    def dmmv(self, w: QWeight, x: cupy.ndarray | QuantizedX, y: cupy.ndarray, *, accumulate: bool = False,
-             alpha: float = 1.0, gate: cupy.ndarray | None = None, stream=None) -> cupy.ndarray:
+    def split_q8_0(self, w: QWeight, *, stream=None) -> SplitQ8:
+        """A :class:`SplitQ8` copy of Q8_0 weights ``w`` (GGUF rows or rows padded by
+        ``MatmulDispatch.pad_rows``): new device arrays of ``w.m * w.k * 34 / 32`` bytes, made by CuPy
+        copies on ``stream`` (allocates: call it at load time, outside a captured graph)."""
+        if not isinstance(w, QWeight):
+            raise TypeError(f"w must be a QWeight, got {type(w).__name__}")
+        if w.qtype != _Q8_0 or w.n_experts:
+            raise ValueError(f"split_q8_0 takes a single Q8_0 matrix, got {w.name}"
+                             + (f" x {w.n_experts} experts" if w.n_experts else ""))
+        nb = w.k // 32
+        with cupy.cuda.Device(self.device_id), resolve_stream(stream):
+            blocks = cupy.lib.stride_tricks.as_strided(w.buf[w.offset:], shape=(w.m, nb, 34),
+                                                       strides=(w.row_stride, 34, 1))
+            quants = cupy.ascontiguousarray(blocks[:, :, 2:]).view(cupy.int8).reshape(w.m, w.k)
+            scales = cupy.ascontiguousarray(blocks[:, :, :2]).view(cupy.float16).reshape(w.m, nb)
+        return SplitQ8(quants, scales)
+
+    def dmmv(self, w: QWeight | SplitQ8, x: cupy.ndarray | QuantizedX, y: cupy.ndarray, *,
+             accumulate: bool = False, alpha: float = 1.0, gate: cupy.ndarray | None = None,
+             stream=None) -> cupy.ndarray:
         """``y = alpha * W x``; with ``accumulate``, ``y += alpha * W x``; with ``gate``,
         ``y += alpha * sigmoid(gate[c]) * W x[c]`` (the shared-expert path).
 
-        w: QWeight [m, k]; x: [k] or [n, k] f32 (n columns: weights are read once per 8), or a
-        :class:`QuantizedX` of that shape made for w's type (int8 path only: the same result as
-        from the f32 x it holds, without quantizing it again); y: [m] or [n, m] f32 (same leading
-        shape as x); gate: [n] f32 logits on the device."""
+        w: QWeight [m, k], or a :class:`SplitQ8` (f32 x only); x: [k] or [n, k] f32 (n columns:
+        weights are read once per 8), a :class:`NormedX` of that shape (x made by every block from the
+        residual stream: the f32 path, no gate), or a :class:`QuantizedX` of that shape made for w's
+        type (int8 path only: the same result as from the f32 x it holds, without quantizing it
+        again); y: [m] or [n, m] f32 (same leading shape as x); gate: [n] f32 logits on the device."""
+        if isinstance(w, SplitQ8):
+            return self._dmmv_split(w, x, y, accumulate=accumulate, alpha=alpha, gate=gate, stream=stream)
         w = self._check_weight("w", w)
+        if isinstance(x, NormedX):
+            if gate is not None:
+                raise ValueError("dmmv on a NormedX: no gate epilogue (store or accumulate)")
+            self._normed(w, None, x, (y,), mode=int(accumulate), alpha=alpha, stream=stream)
+            return y
         if isinstance(x, QuantizedX):
             return self._dmmv_prequantized(w, x, y, accumulate=accumulate, alpha=alpha, gate=gate, stream=stream)
         x, n = self._cols("x", x, w.k)
@@ -627,6 +794,25 @@ class DmmvDispatch(Dispatch):
         return y
 
     dmmv_batch = dmmv  # the engine's name for the multi-column form
+
+    def _dmmv_split(self, w: SplitQ8, x, y, *, accumulate, alpha, gate, stream) -> cupy.ndarray:
+        """dmmv on a SplitQ8: dmmv_split<NC, R>, blocks of 8 warps taking R rows each."""
+        if isinstance(x, QuantizedX):
+            raise TypeError("a SplitQ8 takes f32 x (its matvec multiplies the quants by x exactly)")
+        x, n = self._cols("x", x, w.k)
+        check_array("y", y, dtype=_F32, shape=x.shape[:-1] + (w.m,))
+        self._check_gate(gate, n)
+        mode = self._mode(accumulate, gate)
+        for c0, width in self._chunks(n):
+            xs, ys = (x, y) if n == 1 else (x[c0:], y[c0:])
+            g = ys if gate is None else gate[c0:]
+            blocks = -(-w.m // (_SPLIT_WARPS * _SPLIT_ROWS[width]))
+            params = self.struct("DmmvParams").pack(
+                w_offset=0, w2_offset=0, row_bytes=w.k, m=w.m, m2=0, k=w.k, n_full=0, tail=0, blocks1=blocks,
+                x_stride=w.k, y_stride=w.m, y2_stride=0, mode=mode, act=0, alpha=float(alpha), l2_items=0, pad0=0)
+            self._launch(_split_kernel(width), blocks, _SPLIT_WARPS * 32, (ys, w.quants, w.scales, xs, g), params,
+                         stream=stream, pdl=self.pdl)
+        return y
 
     def quantize_x(self, x: cupy.ndarray, out: QuantizedX, *, stream=None) -> QuantizedX:
         """``out`` = x quantized for the int8 path (see :class:`QuantizedX`): one launch, 4 bytes
@@ -708,6 +894,42 @@ class DmmvDispatch(Dispatch):
                               l2_items=self._l2_items(w))
         unit._launch(kernel, blocks, qw * 32, (ys, w.buf, xs, g), params, stream=stream, shared_mem=smem, pdl=self.pdl)
 
+    def _normed(self, w: QWeight, w2: QWeight | None, x: NormedX, ys: tuple, *, mode: int, alpha: float,
+                glu: int | None = None, stream) -> None:
+        """dmmv_nx (w2: the pair form) or, with ``glu`` (the activation id), dmmv_glu_nx on a NormedX.
+        Every launch is planned and checked before the first."""
+        if x.k != w.k:
+            raise ValueError(f"x (a NormedX) has k={x.k}, w has k={w.k}")
+        n = 1 if x.residual.ndim == 1 else x.residual.shape[0]
+        for name, y, m in zip(("y", "y2"), ys, (w.m, w2.m if w2 is not None else 0)):
+            check_array(name, y, dtype=_F32, shape=x.shape[:-1] + (m,))
+        launches = []
+        for c0, width in self._chunks(n):
+            smem = width * w.k * 4
+            if smem > self.max_shared_optin():
+                raise ValueError(f"a NormedX of {width} columns of k={w.k} needs {smem} bytes of shared memory per "
+                                 f"block, the device allows {self.max_shared_optin()}: pass fewer columns")
+            if glu is None:
+                kernel = _kernel(w.qtype, width).replace("dmmv<", "dmmv_nx<")
+                rows = _config(w.qtype, width)[0]
+                b1, b2 = -(-w.m // rows), (-(-w2.m // rows) if w2 is not None else 0)
+            else:
+                kernel, b1, b2 = f"dmmv_glu_nx<{w.qtype}, {width}>", -(-w.m // _ROWS), 0
+            yy = tuple(y if n == 1 else y[c0:] for y in ys)
+            launches.append((kernel, b1 + b2, b1, yy, x.columns(c0, width), smem))
+        p = self.struct("DmmvNormParams")
+        w2 = w2 if w2 is not None else w
+        for kernel, blocks, b1, yy, (res, proj, w_post, w_norm, out), smem in launches:
+            params = p.pack(w_offset=w.offset, w2_offset=w2.offset, row_bytes=w.row_bytes, m=w.m,
+                            m2=w2.m if len(ys) == 2 and glu is None else 0, k=w.k, n_full=w.k // _STEP,
+                            tail=w.k % _STEP, blocks1=b1, x_stride=w.k, y_stride=w.m,
+                            y2_stride=w2.m if glu is None else 0, mode=mode, act=glu or 0, alpha=float(alpha),
+                            eps=x.eps, weight_offset=x.weight_offset, post=x.post,
+                            write_out=int(x.residual_out is not None))
+            args = (yy[0], yy[-1], w.buf, w2.buf) if glu is None else (yy[0], w.buf, w2.buf)
+            self._nx._launch(kernel, blocks, _warps(w.k) * 32, args + (res, proj, w_post, w_norm, out), params,
+                             stream=stream, shared_mem=smem, pdl=self.pdl)
+
     def dmmv_scale_acc(self, w: QWeight, x, y, scale: float, *, stream=None) -> cupy.ndarray:
         """``y += scale * W x`` (fused scale-accumulate)."""
         return self.dmmv(w, x, y, accumulate=True, alpha=scale, stream=stream)
@@ -721,12 +943,16 @@ class DmmvDispatch(Dispatch):
         int8 path one block quantizes x for rows of one matrix; the resident blocks are split
         between the matrices by their rows (``_q8_pair_blocks``).
 
-        w1: [m1, k], w2: [m2, k] of the same type; x: [k] or [n, k]; y1: [.., m1]; y2: [.., m2]."""
+        w1: [m1, k], w2: [m2, k] of the same type; x: [k] or [n, k] f32, or a :class:`NormedX`;
+        y1: [.., m1]; y2: [.., m2]."""
         w1 = self._check_weight("w1", w1)
         w2 = self._check_weight("w2", w2)
         if w1.qtype != w2.qtype or w1.k != w2.k:
             raise ValueError(f"dmmv_pair: w1 ({w1.name}, k={w1.k}) and w2 ({w2.name}, k={w2.k}) must have "
                              "the same type and k")
+        if isinstance(x, NormedX):
+            self._normed(w1, w2, x, (y1, y2), mode=0, alpha=1.0, stream=stream)
+            return y1, y2
         x, n = self._cols("x", x, w1.k)
         check_array("y1", y1, dtype=_F32, shape=x.shape[:-1] + (w1.m,))
         check_array("y2", y2, dtype=_F32, shape=x.shape[:-1] + (w2.m,))
@@ -758,7 +984,7 @@ class DmmvDispatch(Dispatch):
         H100, Q4_K 2x14336x4096, 28.0 us (25.1 us with ``pdl``, 89% of copy) where the f32 path's
         fused kernel takes 52.7 us.
 
-        w_gate, w_up: [m, k] of one type; x: [k] or [n, k]; y: [m] or [n, m]."""
+        w_gate, w_up: [m, k] of one type; x: [k] or [n, k] f32, or a :class:`NormedX`; y: [m] or [n, m]."""
         wg = self._check_weight("w_gate", w_gate)
         wu = self._check_weight("w_up", w_up)
         if (wg.qtype, wg.m, wg.k) != (wu.qtype, wu.m, wu.k):
@@ -766,6 +992,9 @@ class DmmvDispatch(Dispatch):
                              "must have the same type and shape")
         if act not in _ACTS:
             raise ValueError(f"dmmv_glu: act must be one of {', '.join(_ACTS)}, got {act!r}")
+        if isinstance(x, NormedX):
+            self._normed(wg, wu, x, (y,), mode=int(accumulate), alpha=alpha, glu=_ACTS[act], stream=stream)
+            return y
         x, n = self._cols("x", x, wg.k)
         check_array("y", y, dtype=_F32, shape=x.shape[:-1] + (wg.m,))
         nw = _warps(wg.k)

@@ -89,7 +89,7 @@ def d():
 
 # ---------------------------------------------------------------------------- CPU
 def test_families_declared():
-    assert set(D.FAMILIES) == {"dmmv", "dmmv_glu", "dmmv_moe", "dmmv_moe_packed", "dmmv_q8x", "dmmv_two"}
+    assert set(D.FAMILIES) == {"dmmv", "dmmv_glu", "dmmv_moe", "dmmv_moe_packed", "dmmv_q8x", "dmmv_two", "dmmv_nx"}
     names = {k.name for f in D.FAMILIES.values() for k in f.kernels}
     for q in TYPES:
         for n in (1, 2, 4, 8):
@@ -340,6 +340,153 @@ def test_dmmv_batched(d, rng, q, n):
     y = poison(cupy.empty((n, m), cupy.float32))
     d.dmmv_batch(w, cupy.asarray(x), y)
     _check_q(y, q, lambda v: ref.matvec(dense, v), x)
+
+
+def test_split_q8_0_reference_is_gguf_dequantization():
+    """The split layout holds the GGUF blocks' own values: scales * quants == gguf's dequantization."""
+    rng = np.random.default_rng(5)
+    raw = ref.random_weight(8, 7, 96, rng)
+    quants, scales = ref.split_q8_0(raw, 7, 96)
+    assert quants.dtype == np.int8 and scales.dtype == np.float16 and scales.shape == (7, 3)
+    np.testing.assert_array_equal(ref.split_dense(quants, scales), ref.dequantize(raw, 8, 7, 96))
+
+
+def test_split_q8_0_rejects(host_if_no_gpu):
+    d = DmmvDispatch()
+    w = QWeight(cupy.zeros(22 * 2, cupy.uint8), "Q5_0", 1, 64)
+    with pytest.raises(ValueError, match="single Q8_0 matrix"):
+        d.split_q8_0(w)
+    with pytest.raises(TypeError, match="quants must have dtype int8"):
+        D.SplitQ8(cupy.zeros((2, 64), cupy.uint8), cupy.zeros((2, 2), cupy.float16))
+    with pytest.raises(ValueError, match="positive multiple of 32"):
+        D.SplitQ8(cupy.zeros((2, 48), cupy.int8), cupy.zeros((2, 1), cupy.float16))
+    with pytest.raises(ValueError, match=r"scales must have shape \(2, 2\)"):
+        D.SplitQ8(cupy.zeros((2, 64), cupy.int8), cupy.zeros((2, 3), cupy.float16))
+    s = D.SplitQ8(cupy.zeros((2, 64), cupy.int8), cupy.zeros((2, 2), cupy.float16))
+    with pytest.raises(ValueError, match=r"x must be \[64\]"):
+        d.dmmv(s, cupy.zeros(32, cupy.float32), cupy.zeros(2, cupy.float32))
+    with pytest.raises(ValueError, match=r"y must have shape \(2\), got \(3,\)"):
+        d.dmmv(s, cupy.zeros(64, cupy.float32), cupy.zeros(3, cupy.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("padded", [False, True])
+def test_split_q8_0_and_its_matvec(d, rng, padded):
+    """split_q8_0 copies the GGUF blocks' bytes (GGUF rows, or rows padded to 16-byte multiples);
+    dmmv on the split matrix against float64 at ragged row counts (one warp's rows, one block's,
+    many blocks with a partial last one), k of one block, 20 blocks (the LM head's 640), 41, and
+    1, 3, 8 and 11 columns."""
+    for m, k in ((1, 32), (67, 640), (1029, 1312), (3, 640)):
+        raw = ref.random_weight(8, m, k, rng)
+        rb = raw.shape[1]
+        stride = (rb + 15) // 16 * 16 if padded else rb
+        buf = np.zeros(m * stride + 32, np.uint8)
+        for i in range(m):
+            buf[16 + i * stride:16 + i * stride + rb] = raw[i]
+        s = d.split_q8_0(QWeight(cupy.asarray(buf), "Q8_0", m, k, offset=16, row_stride=stride))
+        quants, scales = ref.split_q8_0(raw, m, k)
+        np.testing.assert_array_equal(s.quants.get(), quants)
+        np.testing.assert_array_equal(s.scales.get().view(np.uint16), scales.view(np.uint16))
+        dense = ref.split_dense(quants, scales)
+        for n in (1, 3, 8, 11):
+            x = _x(rng, n, k) if n > 1 else _x(rng, k)
+            y = poison(cupy.empty(x.shape[:-1] + (m,), cupy.float32))
+            d.dmmv(s, cupy.asarray(x), y)
+            _check(y, ref.matvec(dense, x), f"split {m}x{k} n={n}")
+
+
+@pytest.mark.gpu
+def test_split_q8_0_epilogues(d, rng):
+    m, k = 37, 224
+    raw = ref.random_weight(8, m, k, rng)
+    s = d.split_q8_0(QWeight(cupy.asarray(raw.ravel()), "Q8_0", m, k))
+    dense = ref.dequantize(raw, 8, m, k)
+    x = _x(rng, 3, k)
+    y0 = _x(rng, 3, m)
+    want = ref.matvec(dense, x)
+    y = cupy.asarray(y0)
+    d.dmmv(s, cupy.asarray(x), y, accumulate=True, alpha=-0.375)
+    _check(y, y0 - 0.375 * want, "scale-accumulate")
+    g = np.array([0.3, -2.0, 4.0], np.float32)
+    y = cupy.asarray(y0)
+    d.dmmv_gated_acc(s, cupy.asarray(x), y, cupy.asarray(g))
+    _check(y, y0 + ref.sigmoid(g.astype(np.float64))[:, None] * want, "sigmoid-gated")
+
+
+def _normed(rng, shape, post, *, out=True, offset=0.0):
+    """(NormedX on the device, float64 x, float64 r) with post None, "add" or "norm"."""
+    k = shape[-1]
+    res = _x(rng, *shape) * 3
+    proj = _x(rng, *shape) * 50 if post else None
+    w = rng.uniform(-1, 2, k).astype(np.float32)
+    wp = rng.uniform(-1, 2, k).astype(np.float32) if post == "norm" else None
+    dev = lambda a: None if a is None else cupy.asarray(a)  # noqa: E731
+    nx = D.NormedX(dev(res), dev(w), dev(proj), dev(wp), poison(cupy.empty(shape, cupy.float32)) if out else None,
+                   eps=1e-5, weight_offset=offset)
+    x, r = ref.normed_x(res, w, proj, wp, eps=1e-5, weight_offset=offset)
+    return nx, x, r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("post", [None, "add", "norm"])
+@pytest.mark.parametrize("q", TYPES, ids=NAMES.get)
+def test_dmmv_normed_input(d, rng, q, post):
+    """dmmv, dmmv_pair and dmmv_glu on a NormedX (x made by every block from the residual stream)
+    against the norm and residual add in float64 followed by the matvec; the first block's r."""
+    k = _ks(q)[1]
+    d32 = DmmvDispatch(int8=False)
+    for n in (1, 3, 11):
+        shape = (n, k) if n > 1 else (k,)
+        nx, x, r = _normed(rng, shape, post, offset=1.0 if n == 3 else 0.0)
+        w1, d1 = _weight(q, 37, k, rng)
+        w2, d2 = _weight(q, 5, k, rng)
+        y1 = poison(cupy.empty(shape[:-1] + (37,), cupy.float32))
+        y2 = poison(cupy.empty(shape[:-1] + (5,), cupy.float32))
+        d32.dmmv(w1, nx, y1)
+        _check(y1, ref.matvec(d1, x), f"dmmv n={n}")
+        _check(nx.residual_out, r, "residual_out")
+        d32.dmmv_pair(w1, w2, nx, y1, y2)
+        _check(y1, ref.matvec(d1, x), f"pair y1 n={n}")
+        _check(y2, ref.matvec(d2, x), f"pair y2 n={n}")
+        wu, du = _weight(q, 37, k, rng)
+        y0 = _x(rng, *shape[:-1], 37)
+        y = cupy.asarray(y0)
+        d.dmmv_glu(w1, wu, nx, y, act="geglu", accumulate=True, alpha=0.5)  # the int8 dispatch: f32 path too
+        _check(y, y0 + 0.5 * ref.glu(d1, du, x, "geglu"), f"glu n={n}")
+
+
+@pytest.mark.gpu
+def test_dmmv_normed_input_without_residual_out(d, rng):
+    nx, x, _ = _normed(rng, (640,), "norm", out=False)
+    w, dense = _weight(6, 1029, 640, rng)
+    y = poison(cupy.empty(1029, cupy.float32))
+    d.dmmv(w, nx, y)
+    _check(y, ref.matvec(dense, x))
+
+
+def test_normed_input_rejects(host_if_no_gpu):
+    z = lambda *s: cupy.zeros(s, cupy.float32)  # noqa: E731
+    big = z(3, 64)
+    res = big[:2]
+    with pytest.raises(ValueError, match="overlaps NormedX.residual"):
+        D.NormedX(res, z(64), z(2, 64), residual_out=big[1:])
+    with pytest.raises(ValueError, match="w_post .* needs proj"):
+        D.NormedX(res, z(64), w_post=z(64))
+    with pytest.raises(ValueError, match="eps must be finite"):
+        D.NormedX(res, z(64), eps=float("nan"))
+    with pytest.raises(ValueError, match=r"NormedX.proj must have shape \(2, 64\)"):
+        D.NormedX(res, z(64), z(3, 64))
+    with pytest.raises(ValueError, match="multiple of 4"):
+        D.NormedX(z(2, 62), z(62))
+    d = DmmvDispatch()
+    w = QWeight(cupy.zeros(22 * 2 * 4, cupy.uint8), "Q5_0", 4, 64)
+    nx = D.NormedX(res, z(64))
+    with pytest.raises(ValueError, match="no gate"):
+        d.dmmv(w, nx, z(2, 4), gate=z(2))
+    with pytest.raises(ValueError, match=r"y must have shape \(2, 4\)"):
+        d.dmmv(w, nx, z(4))
+    with pytest.raises(ValueError, match="has k=32, w has k=64"):
+        d.dmmv(w, D.NormedX(z(32), z(32)), z(4))
 
 
 @pytest.mark.gpu

@@ -16,13 +16,19 @@ namespace qmv {
 
 constexpr int kMaxWarps = 8;  // threads per block: 32 ... 256
 
-template <int NC>
+// SX: x lies in shared memory (the normed-input kernels, NormedX), else in global memory.
+template <bool SX>
+CUKERN_DEVICE float4 ld_x4(const float* p) {
+    return SX ? *reinterpret_cast<const float4*>(p) : __ldg(reinterpret_cast<const float4*>(p));
+}
+
+template <int NC, bool SX>
 CUKERN_DEVICE void load_x(const float* const (&xs)[NC], size_t e0, size_t e1, bool ok0, bool ok1,
                           float4 (&xa)[NC], float4 (&xb)[NC]) {
 #pragma unroll
     for (int c = 0; c < NC; ++c) {
-        xa[c] = ok0 ? __ldg(reinterpret_cast<const float4*>(xs[c] + e0)) : make_float4(0.f, 0.f, 0.f, 0.f);
-        xb[c] = ok1 ? __ldg(reinterpret_cast<const float4*>(xs[c] + e1)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        xa[c] = ok0 ? ld_x4<SX>(xs[c] + e0) : make_float4(0.f, 0.f, 0.f, 0.f);
+        xb[c] = ok1 ? ld_x4<SX>(xs[c] + e1) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 }
 
@@ -31,7 +37,7 @@ CUKERN_DEVICE float sum4(float4 x) { return (x.x + x.y) + (x.z + x.w); }
 
 // acc[r][c] += this lane's share of rows[r] . xs[c], over the steps of warp `warp` of `nw`.
 // rows[r]: first byte of weight row r; xs[c]: column c of x (k floats, 16-byte aligned).
-template <int QT, int NR, int NC, int U>
+template <int QT, int NR, int NC, int U, bool SX>
 CUKERN_DEVICE void warp_dots(const uint8_t* const (&rows)[NR], const float* const (&xs)[NC], int n_full,
                              int tail, int warp, int nw, int lane, float (&acc)[NR][NC]) {
     using S = Step<QT>;
@@ -47,7 +53,7 @@ CUKERN_DEVICE void warp_dots(const uint8_t* const (&rows)[NR], const float* cons
 #pragma unroll
             for (int r = 0; r < NR; ++r)
                 raw[u][r] = live ? S::template load<false>(rows[r] + (size_t)s * S::kStepBytes, lane, kStep) : Raw{};
-            load_x<NC>(xs, (size_t)s * kStep + o0, (size_t)s * kStep + o1, live, live, xa[u], xb[u]);
+            load_x<NC, SX>(xs, (size_t)s * kStep + o0, (size_t)s * kStep + o1, live, live, xa[u], xb[u]);
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -67,7 +73,7 @@ CUKERN_DEVICE void warp_dots(const uint8_t* const (&rows)[NR], const float* cons
     if (tail > 0 && warp == n_full % nw) {  // the partial last step (block-32 and float types only)
         const size_t s = n_full;
         float4 xa[NC], xb[NC];
-        load_x<NC>(xs, s * kStep + o0, s * kStep + o1, o0 < tail, o1 < tail, xa, xb);
+        load_x<NC, SX>(xs, s * kStep + o0, s * kStep + o1, o0 < tail, o1 < tail, xa, xb);
 #pragma unroll
         for (int r = 0; r < NR; ++r) {
             Group g0, g1;
@@ -81,7 +87,7 @@ CUKERN_DEVICE void warp_dots(const uint8_t* const (&rows)[NR], const float* cons
 
 // As warp_dots, software-pipelined: the loads of a warp's next step are issued before the
 // current step is decoded, so each warp keeps a step of weights in flight while it computes.
-template <int QT, int NR, int NC>
+template <int QT, int NR, int NC, bool SX>
 CUKERN_DEVICE void warp_dots_pipe(const uint8_t* const (&rows)[NR], const float* const (&xs)[NC], int n_full,
                                   int tail, int warp, int nw, int lane, float (&acc)[NR][NC]) {
     using S = Step<QT>;
@@ -94,7 +100,7 @@ CUKERN_DEVICE void warp_dots_pipe(const uint8_t* const (&rows)[NR], const float*
 #pragma unroll
         for (int r = 0; r < NR; ++r)
             raw[r] = live ? S::template load<false>(rows[r] + (size_t)s * S::kStepBytes, lane, kStep) : Raw{};
-        load_x<NC>(xs, (size_t)s * kStep + o0, (size_t)s * kStep + o1, live, live, a, b);
+        load_x<NC, SX>(xs, (size_t)s * kStep + o0, (size_t)s * kStep + o1, live, live, a, b);
     };
     fetch(warp, cur, xa, xb);
     for (int s = warp; s < n_full; s += nw) {
@@ -120,7 +126,7 @@ CUKERN_DEVICE void warp_dots_pipe(const uint8_t* const (&rows)[NR], const float*
     if (tail > 0 && warp == n_full % nw) {
         const size_t s = n_full;
         float4 ta[NC], tb[NC];
-        load_x<NC>(xs, s * kStep + o0, s * kStep + o1, o0 < tail, o1 < tail, ta, tb);
+        load_x<NC, SX>(xs, s * kStep + o0, s * kStep + o1, o0 < tail, o1 < tail, ta, tb);
 #pragma unroll
         for (int r = 0; r < NR; ++r) {
             Group g0, g1;
@@ -133,11 +139,12 @@ CUKERN_DEVICE void warp_dots_pipe(const uint8_t* const (&rows)[NR], const float*
 }
 
 // Pick the loop: V = 0 batches U steps then decodes them; V = 1 pipelines one step ahead.
-template <int QT, int NR, int NC, int V>
+// SX: the columns of x are in shared memory.
+template <int QT, int NR, int NC, int V, bool SX = false>
 CUKERN_DEVICE void row_dots(const uint8_t* const (&rows)[NR], const float* const (&xs)[NC], int n_full, int tail,
                             int warp, int nw, int lane, float (&acc)[NR][NC]) {
-    if (V == 1) warp_dots_pipe<QT, NR, NC>(rows, xs, n_full, tail, warp, nw, lane, acc);
-    else warp_dots<QT, NR, NC, (NR * NC <= 4 ? 2 : 1)>(rows, xs, n_full, tail, warp, nw, lane, acc);
+    if (V == 1) warp_dots_pipe<QT, NR, NC, SX>(rows, xs, n_full, tail, warp, nw, lane, acc);
+    else warp_dots<QT, NR, NC, (NR * NC <= 4 ? 2 : 1), SX>(rows, xs, n_full, tail, warp, nw, lane, acc);
 }
 
 // Sum acc over the block: on return, red[i] (i = r * NC + c) holds the total for every thread.
@@ -158,6 +165,40 @@ CUKERN_DEVICE void block_reduce(float (&acc)[NR][NC], float* red, int warp, int 
         red[threadIdx.x] = v;  // warp 0's slot: read before written by this same thread only
     }
     __syncthreads();
+}
+
+// Warp sums of V values at once (V a power of two, at most 32): a butterfly that halves the values
+// each lane carries at every step, V - 1 + 5 - log2(V) shuffles instead of 5 V. On return, lane l
+// holds the total of value l >> (5 - log2 V); the lanes with l % (32 / V) == 0 hold one each.
+template <int V>
+CUKERN_DEVICE float warp_sum_many(float (&v)[V], int lane) {
+    static_assert(V >= 1 && V <= 32 && (V & (V - 1)) == 0, "V: a power of two up to 32");
+#pragma unroll
+    for (int half = V / 2, offset = 16; half >= 1; half /= 2, offset /= 2) {
+        const bool upper = lane & offset;  // this lane keeps the upper half of its values
+#pragma unroll
+        for (int i = 0; i < half; ++i) {
+            const float send = upper ? v[i] : v[i + half];
+            const float keep = upper ? v[i + half] : v[i];
+            v[i] = keep + __shfl_xor_sync(0xffffffffu, send, offset);
+        }
+    }
+    float t = v[0];
+#pragma unroll
+    for (int offset = 16 / V; offset >= 1; offset /= 2) t += __shfl_xor_sync(0xffffffffu, t, offset);
+    return t;
+}
+
+// Four int8 quants (one 32-bit word) times four floats, exactly converted: byte b becomes the
+// float with bit pattern 0x4B0000(b ^ 0x80), i.e. 2^23 + 128 + b, and the subtraction leaves b.
+CUKERN_DEVICE float dot_i8x4(uint32_t w, float4 x) {
+    const uint32_t u = w ^ 0x80808080u;
+    constexpr float kBias = 8388736.0f;  // 2^23 + 128
+    const float q0 = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7540)) - kBias;
+    const float q1 = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7541)) - kBias;
+    const float q2 = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7542)) - kBias;
+    const float q3 = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7543)) - kBias;
+    return q0 * x.x + q1 * x.y + q2 * x.z + q3 * x.w;
 }
 
 CUKERN_DEVICE float silu(float g) { return g / (1.0f + expf(-g)); }

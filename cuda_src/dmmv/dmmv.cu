@@ -1,7 +1,10 @@
 // Quantized matrix-vector products over raw GGUF weights (the decode side of the dmmv family):
 //   dmmv      y[c] = epilogue(W x[c]) for NC = 1, 2, 4, 8 columns (weights read once for all);
 //             also the pair form (two matrices sharing x: blocks past blocks1 work on W2)
+//   dmmv_split  as dmmv, on Q8_0 weights split into an int8 matrix and f16 scales (the LM head)
 //   dmmv_glu  y[c] = epilogue(act(Wg x[c]) * (Wu x[c])): fused gate + up + SwiGLU / GEGLU
+//   dmmv_nx, dmmv_glu_nx  dmmv (and pair) and dmmv_glu on x = rms_norm(residual + post(proj)),
+//             computed by every block (the residual add and norm between a layer's matvecs folded in)
 //   dmmv_q8   as dmmv (no pair), on the int8 path of the quantized types (q8.cuh); PQ: on x
 //             already quantized by
 //   quantize_x  f32 x into the int8 path's layout, once for every matvec that shares it
@@ -45,11 +48,149 @@ CUKERN_DEVICE void enter_rows(const uint8_t* const (&rows)[NR], uint64_t row_byt
     pdl_launch_dependents();
 }
 
-CUKERN_DEVICE void store(float* y, float v, int c, const float* gate, const DmmvParams& p) {
+template <class P>  // DmmvParams or DmmvNormParams
+CUKERN_DEVICE void store(float* y, float v, int c, const float* gate, const P& p) {
     v *= p.alpha;
     if (p.mode == 0) *y = v;
     else if (p.mode == 1) *y += v;
     else *y += sigmoid(gate[c]) * v;
+}
+
+// Sum of one float per thread over the block, returned to every thread (red: >= nw floats, shared).
+CUKERN_DEVICE float block_total(float v, float* red, int nw, int lane, int warp) {
+    v = warp_sum(v);
+    __syncthreads();  // red may still be read by a previous call
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float t = 0.0f;
+    for (int i = 0; i < nw; ++i) t += red[i];
+    return t;
+}
+
+CUKERN_DEVICE float4 fma4(float4 a, float s, float4 w, float off, float4 b) {  // a * s * (w + off) + b
+    return make_float4(fmaf(a.x * s, w.x + off, b.x), fmaf(a.y * s, w.y + off, b.y), fmaf(a.z * s, w.z + off, b.z),
+                       fmaf(a.w * s, w.w + off, b.w));
+}
+CUKERN_DEVICE float dot4f(float4 a, float4 b) { return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w; }
+
+// The input of a normed-input kernel (DmmvDispatch's NormedX), computed by every block into shared
+// memory xs [NC][k] (after pdl_wait):
+//   r = residual                                    (p.post 0)
+//     = residual + proj                             (p.post 1)
+//     = residual + rms_norm(proj) * (w_post + off)  (p.post 2)
+//   x = rms_norm(r) * (w_norm + off),  rms_norm(v) = v / sqrt(mean(v^2) + eps),  off = p.weight_offset
+// and block 0 writes r to residual_out where p.write_out. The norm kernel between two matvecs of a decoder
+// layer folded into the second: 2-3 k floats per column read by each block from L2 (a decode step's
+// hidden state: a few KiB) and two block sums, where a kernel of its own costs a launch and a
+// round trip through memory. Each thread rereads only the xs entries it wrote.
+template <int NC>
+CUKERN_DEVICE void normed_x(float* __restrict__ xs, const float* residual, const float* proj, const float* w_post,
+                            const float* w_norm, float* residual_out, const DmmvNormParams& p, float* red) {
+    const int nw = blockDim.x / 32, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const uint32_t k4 = p.k / 4;
+    const float off = p.weight_offset;
+    const float4* wp4 = reinterpret_cast<const float4*>(w_post);
+    const float4* wn4 = reinterpret_cast<const float4*>(w_norm);
+    for (int c = 0; c < NC; ++c) {
+        const float4* res = reinterpret_cast<const float4*>(residual + (size_t)c * p.x_stride);
+        const float4* pr = reinterpret_cast<const float4*>(proj + (size_t)c * p.x_stride);
+        float4* xc = reinterpret_cast<float4*>(xs + (size_t)c * p.k);
+        float s_post = 1.0f;
+        if (p.post == 2) {
+            float ss = 0.0f;
+            for (uint32_t i = threadIdx.x; i < k4; i += blockDim.x) {
+                const float4 v = pr[i];
+                ss += dot4f(v, v);
+            }
+            s_post = rsqrtf(block_total(ss, red, nw, lane, warp) / p.k + p.eps);
+        }
+        float ss = 0.0f;
+        for (uint32_t i = threadIdx.x; i < k4; i += blockDim.x) {
+            float4 r = res[i];
+            if (p.post == 1) r = fma4(pr[i], 1.0f, make_float4(1.f, 1.f, 1.f, 1.f), 0.0f, r);
+            else if (p.post == 2) r = fma4(pr[i], s_post, __ldg(wp4 + i), off, r);
+            xc[i] = r;
+            ss += dot4f(r, r);
+        }
+        const float s = rsqrtf(block_total(ss, red, nw, lane, warp) / p.k + p.eps);
+        float4* out = p.write_out && blockIdx.x == 0
+                          ? reinterpret_cast<float4*>(residual_out + (size_t)c * p.x_stride) : nullptr;
+        for (uint32_t i = threadIdx.x; i < k4; i += blockDim.x) {
+            const float4 r = xc[i];
+            if (out != nullptr) out[i] = r;
+            xc[i] = fma4(r, s, __ldg(wn4 + i), off, make_float4(0.f, 0.f, 0.f, 0.f));
+        }
+    }
+    __syncthreads();
+}
+
+// The weight rows of block blockIdx.x of dmmv / dmmv_nx: R rows of matrix 1, or past p.blocks1 of
+// matrix 2 (pair). Rows past m read row m - 1 again, never stored.
+template <int R>
+struct BlockRows {
+    bool second;
+    uint32_t m, row0;
+    const uint8_t* rows[R];
+    template <class P>
+    CUKERN_DEVICE BlockRows(const uint8_t* w, const uint8_t* w2, const P& p) {
+        second = blockIdx.x >= p.blocks1;
+        m = second ? p.m2 : p.m;
+        row0 = (second ? blockIdx.x - p.blocks1 : blockIdx.x) * R;
+        const uint8_t* base = second ? w2 + p.w2_offset : w + p.w_offset;
+#pragma unroll
+        for (int r = 0; r < R; ++r) rows[r] = base + (size_t)min(row0 + r, m - 1) * p.row_bytes;
+    }
+};
+
+// dmmv's body after the entry: the block's dot products against x (SX: in shared memory) and the stores.
+template <int QT, int NC, int R, int V, bool SX, class P>
+CUKERN_DEVICE void dmmv_rows(const BlockRows<R>& b, float* y, float* y2, const float* x, size_t x_stride,
+                             const float* gate, const P& p, float* red) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+    const float* xs[NC];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) xs[c] = x + (size_t)c * x_stride;
+    float acc[R][NC] = {};
+    row_dots<QT, R, NC, V, SX>(b.rows, xs, p.n_full, p.tail, warp, nw, lane, acc);
+    block_reduce<R, NC>(acc, red, warp, nw, lane);
+    if (threadIdx.x < R * NC) {
+        const int r = threadIdx.x / NC, c = threadIdx.x % NC;
+        if (b.row0 + r < b.m) {
+            float* out = b.second ? y2 + (size_t)c * p.y2_stride : y + (size_t)c * p.y_stride;
+            store(out + b.row0 + r, red[threadIdx.x], c, gate, p);
+        }
+    }
+}
+
+// dmmv_glu's body after the entry: kRows gate rows then kRows up rows, act(gate . x) * (up . x) stored.
+template <int QT, int NC, bool SX, class P>
+CUKERN_DEVICE void glu_rows(const uint8_t* const (&rows)[2 * kRows], uint32_t row0, float* y, const float* x,
+                            size_t x_stride, const float* gate, const P& p, float* red) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+    const float* xs[NC];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) xs[c] = x + (size_t)c * x_stride;
+    float acc[2 * kRows][NC] = {};
+    row_dots<QT, 2 * kRows, NC, 0, SX>(rows, xs, p.n_full, p.tail, warp, nw, lane, acc);
+    block_reduce<2 * kRows, NC>(acc, red, warp, nw, lane);
+    if (threadIdx.x < kRows * NC) {
+        const int r = threadIdx.x / NC, c = threadIdx.x % NC;
+        if (row0 + r < p.m) {
+            const float v = glu_act(p.act, red[threadIdx.x]) * red[kRows * NC + threadIdx.x];
+            store(y + (size_t)c * p.y_stride + row0 + r, v, c, gate, p);
+        }
+    }
+}
+
+template <class P>
+CUKERN_DEVICE void glu_block_rows(const uint8_t* w, const uint8_t* w2, const P& p, uint32_t row0,
+                                  const uint8_t* (&rows)[2 * kRows]) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+        const size_t row = min(row0 + r, p.m - 1);
+        rows[r] = w + p.w_offset + row * p.row_bytes;
+        rows[kRows + r] = w2 + p.w2_offset + row * p.row_bytes;
+    }
 }
 }  // namespace
 
@@ -65,28 +206,94 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dmmv(
     const float* __restrict__ gate,    // [NC] gate logits for mode 2; unused otherwise
     const DmmvParams p) {
     __shared__ float red[kMaxWarps * R * NC];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
-    const bool second = blockIdx.x >= p.blocks1;  // working on matrix 2 (pair)
-    const uint32_t m = second ? p.m2 : p.m;
-    const uint32_t row0 = (second ? blockIdx.x - p.blocks1 : blockIdx.x) * R;
-    const uint8_t* base = second ? w2 + p.w2_offset : w + p.w_offset;
-    const uint8_t* rows[R];
+    const BlockRows<R> b(w, w2, p);
+    enter_rows<R>(b.rows, p.row_bytes);
+    dmmv_rows<QT, NC, R, V, false>(b, y, y2, x, p.x_stride, gate, p, red);
+}
+
+// dmmv (and its pair form) on a normed input (DmmvDispatch's NormedX, normed_x above): every block
+// first computes its x into dynamic shared memory (NC * k floats), then runs dmmv's rows on it.
+// Epilogues: store and accumulate (no gate).
+template <int QT, int NC, int R, int V>
+__global__ void __launch_bounds__(kMaxWarps * 32) dmmv_nx(
+    float* __restrict__ y,             // [NC, y_stride] out: y[c * y_stride + i], i < m
+    float* __restrict__ y2,            // [NC, y2_stride] out of matrix 2 (pair); unused otherwise
+    const uint8_t* __restrict__ w,     // raw GGUF bytes; matrix 1 = m rows from w + w_offset
+    const uint8_t* __restrict__ w2,    // matrix 2 = m2 rows from w2 + w2_offset (pair)
+    const float* residual,             // [NC, x_stride] f32, 16-byte aligned, k used
+    const float* proj,                 // [NC, x_stride] f32 (post 1, 2); unused otherwise
+    const float* __restrict__ w_post,  // [k] f32 post-norm weight of proj (post 2); unused otherwise
+    const float* __restrict__ w_norm,  // [k] f32 weight of the norm that makes x
+    float* residual_out,               // [NC, x_stride] f32: r, written by block 0 (write_out)
+    const DmmvNormParams p) {
+    extern __shared__ __align__(16) float xsm[];  // [NC][k]
+    __shared__ float red[kMaxWarps * R * NC];
+    const BlockRows<R> b(w, w2, p);
+    enter_rows<R>(b.rows, p.row_bytes);
+    normed_x<NC>(xsm, residual, proj, w_post, w_norm, residual_out, p, red);
+    dmmv_rows<QT, NC, R, V, true>(b, y, y2, xsm, p.k, static_cast<const float*>(nullptr), p, red);
+}
+
+// Q8_0 weights split for streaming (DmmvDispatch.split_q8_0 -> SplitQ8): the quants as an int8
+// matrix [m, k] and the block scales as f16 [m, k / 32], W[i, j] = scales[i, j / 32] * quants[i, j],
+// the GGUF blocks' own values and bytes. dmmv reads a GGUF Q8_0 row (34-byte blocks) 2 bytes at a
+// time; split, a lane reads 16 quants with one 16-byte load, which an LM head of 262144 rows
+// needs to stream near copy bandwidth.
+// Block: kSplitWarps warps; warp w takes R consecutive rows from row (blockIdx.x * kSplitWarps + w) R,
+// lane l the 16-element chunks l, l + 32, ... of each (x read once per chunk for all R rows). The
+// R * NC sums leave the warp through one butterfly (warp_sum_many). Traffic: k + k / 16 bytes of
+// weights per row, read once; x from L1/L2.
+constexpr int kSplitWarps = 8;
+
+template <int NC, int R>
+__global__ void __launch_bounds__(kSplitWarps * 32) dmmv_split(
+    float* __restrict__ y,             // [NC, y_stride] out: y[c * y_stride + i], i < m
+    const uint8_t* __restrict__ q,     // [m, k] int8 quants, 16-byte aligned, k a multiple of 32
+    const __half* __restrict__ s,      // [m, k / 32] f16 scales
+    const float* __restrict__ x,       // [NC, x_stride] f32 columns, 16-byte aligned, k used
+    const float* __restrict__ gate,    // [NC] gate logits for mode 2; unused otherwise
+    const DmmvParams p) {
+    static_assert(R * NC <= 32 && ((R * NC) & (R * NC - 1)) == 0, "R * NC: a power of two up to 32");
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const uint32_t row0 = (blockIdx.x * kSplitWarps + warp) * R;
+    const uint32_t chunks = p.k / 16, blocks = p.k / 32;
+    {  // the block's quants are one contiguous range: ask L2 for it before the wait
+        const uint32_t first = blockIdx.x * kSplitWarps * R;
+        const uint8_t* rows[1] = {q + (size_t)first * p.k};
+        prefetch_rows_l2<1>(rows, (uint64_t)min(kSplitWarps * R, (int)(p.m - first)) * p.k);
+    }
+    pdl_enter();
+    const uint8_t* qr[R];
+    const __half* sr[R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) rows[r] = base + (size_t)min(row0 + r, m - 1) * p.row_bytes;  // past m: recompute row m-1, never stored
-    enter_rows<R>(rows, p.row_bytes);
-    const float* xs[NC];
+    for (int r = 0; r < R; ++r) {
+        const size_t row = min(row0 + r, p.m - 1);  // past m: recompute row m-1, never stored
+        qr[r] = q + row * p.k;
+        sr[r] = s + row * blocks;
+    }
+    float acc[R * NC] = {};
+    for (uint32_t t = lane; t < chunks; t += 32) {
+        uint4 raw[R];
+        float d[R];
 #pragma unroll
-    for (int c = 0; c < NC; ++c) xs[c] = x + (size_t)c * p.x_stride;
-    float acc[R][NC] = {};
-    row_dots<QT, R, NC, V>(rows, xs, p.n_full, p.tail, warp, nw, lane, acc);
-    block_reduce<R, NC>(acc, red, warp, nw, lane);
-    if (threadIdx.x < R * NC) {
-        const int r = threadIdx.x / NC, c = threadIdx.x % NC;
-        if (row0 + r < m) {
-            float* out = second ? y2 + (size_t)c * p.y2_stride : y + (size_t)c * p.y_stride;
-            store(out + row0 + r, red[threadIdx.x], c, gate, p);
+        for (int r = 0; r < R; ++r) {
+            raw[r] = ld_stream_u128(qr[r] + 16 * t);
+            d[r] = __half2float(sr[r][t / 2]);
+        }
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            const float4* xc = reinterpret_cast<const float4*>(x + (size_t)c * p.x_stride + 16 * t);
+            const float4 x0 = __ldg(xc), x1 = __ldg(xc + 1), x2 = __ldg(xc + 2), x3 = __ldg(xc + 3);
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                acc[r * NC + c] += d[r] * (dot_i8x4(raw[r].x, x0) + dot_i8x4(raw[r].y, x1) + dot_i8x4(raw[r].z, x2)
+                                           + dot_i8x4(raw[r].w, x3));
         }
     }
+    const float v = warp_sum_many<R * NC>(acc, lane);
+    constexpr int kLanesPer = 32 / (R * NC);
+    const int i = lane / kLanesPer, r = i / NC, c = i % NC;
+    if (lane % kLanesPer == 0 && row0 + r < p.m) store(y + (size_t)c * p.y_stride + row0 + r, v, c, gate, p);
 }
 
 template <int QT, int NC>
@@ -98,29 +305,34 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dmmv_glu(
     const float* __restrict__ gate,    // [NC] gate logits for mode 2; unused otherwise
     const DmmvParams p) {
     __shared__ float red[kMaxWarps * 2 * kRows * NC];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
     const uint32_t row0 = blockIdx.x * kRows;
     const uint8_t* rows[2 * kRows];  // gate rows, then up rows
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-        const size_t row = min(row0 + r, p.m - 1);
-        rows[r] = w + p.w_offset + row * p.row_bytes;
-        rows[kRows + r] = w2 + p.w2_offset + row * p.row_bytes;
-    }
+    glu_block_rows(w, w2, p, row0, rows);
     enter_rows<2 * kRows>(rows, p.row_bytes);
-    const float* xs[NC];
-#pragma unroll
-    for (int c = 0; c < NC; ++c) xs[c] = x + (size_t)c * p.x_stride;
-    float acc[2 * kRows][NC] = {};
-    row_dots<QT, 2 * kRows, NC, 0>(rows, xs, p.n_full, p.tail, warp, nw, lane, acc);
-    block_reduce<2 * kRows, NC>(acc, red, warp, nw, lane);
-    if (threadIdx.x < kRows * NC) {
-        const int r = threadIdx.x / NC, c = threadIdx.x % NC;
-        if (row0 + r < p.m) {
-            const float v = glu_act(p.act, red[threadIdx.x]) * red[kRows * NC + threadIdx.x];
-            store(y + (size_t)c * p.y_stride + row0 + r, v, c, gate, p);
-        }
-    }
+    glu_rows<QT, NC, false>(rows, row0, y, x, p.x_stride, gate, p, red);
+}
+
+// dmmv_glu on a normed input (NormedX), as dmmv_nx: the FFN's gate + up + activation with the norm
+// before it (and the residual add before that) computed by every block.
+template <int QT, int NC>
+__global__ void __launch_bounds__(kMaxWarps * 32) dmmv_glu_nx(
+    float* __restrict__ y,             // [NC, y_stride] out: act(gate . x) * (up . x)
+    const uint8_t* __restrict__ w,     // gate matrix: m rows from w + w_offset
+    const uint8_t* __restrict__ w2,    // up matrix: m rows from w2 + w2_offset, same type and k
+    const float* residual,             // [NC, x_stride] f32, 16-byte aligned, k used
+    const float* proj,                 // [NC, x_stride] f32 (post 1, 2); unused otherwise
+    const float* __restrict__ w_post,  // [k] f32 post-norm weight of proj (post 2); unused otherwise
+    const float* __restrict__ w_norm,  // [k] f32 weight of the norm that makes x
+    float* residual_out,               // [NC, x_stride] f32: r, written by block 0 (write_out)
+    const DmmvNormParams p) {
+    extern __shared__ __align__(16) float xsm[];  // [NC][k]
+    __shared__ float red[kMaxWarps * 2 * kRows * NC];
+    const uint32_t row0 = blockIdx.x * kRows;
+    const uint8_t* rows[2 * kRows];
+    glu_block_rows(w, w2, p, row0, rows);
+    enter_rows<2 * kRows>(rows, p.row_bytes);
+    normed_x<NC>(xsm, residual, proj, w_post, w_norm, residual_out, p, red);
+    glu_rows<QT, NC, true>(rows, row0, y, xsm, p.k, static_cast<const float*>(nullptr), p, red);
 }
 
 // The int8 path (q8.cuh): a persistent grid (the host sizes it to the resident blocks), block b

@@ -26,6 +26,30 @@ struct DmmvParams {
     uint32_t pad0;
 };
 
+// dmmv_nx, dmmv_glu_nx: dmmv (pair) and dmmv_glu on x = rms_norm(r) * (w_norm + weight_offset), r the
+// residual plus the sub-layer output (post), computed by every block (DmmvDispatch's NormedX)
+struct DmmvNormParams {
+    uint64_t w_offset;    // bytes: where matrix 1 (or the gate matrix) starts in w
+    uint64_t w2_offset;   // bytes: where matrix 2 (pair) or the up matrix (glu) starts in w2
+    uint64_t row_bytes;   // bytes per weight row: k / block_elems * block_bytes
+    uint32_t m;           // rows of matrix 1 (outputs per column)
+    uint32_t m2;          // rows of matrix 2 (pair); 0 otherwise
+    uint32_t k;           // elements per row (and of x): a multiple of 4
+    uint32_t n_full;      // full 256-element steps per row: k / 256
+    uint32_t tail;        // elements of the last, partial step: k % 256
+    uint32_t blocks1;     // thread blocks working on matrix 1; later blocks work on matrix 2
+    uint32_t x_stride;    // floats between consecutive columns of residual, proj and residual_out
+    uint32_t y_stride;    // elements between consecutive columns of y
+    uint32_t y2_stride;   // elements between consecutive columns of y2 (pair)
+    uint32_t mode;        // 0: y = alpha*v; 1: y += alpha*v
+    uint32_t act;         // glu: 0 SiLU (SwiGLU), 1 GELU-tanh (GEGLU)
+    float alpha;          // output scale
+    float eps;            // the norms' epsilon: v / sqrt(mean(v^2) + eps)
+    float weight_offset;  // the norms multiply by (weight + weight_offset)
+    uint32_t post;        // r = residual (0), residual + proj (1), residual + rms_norm(proj) * (w_post + off) (2)
+    uint32_t write_out;   // 1: block 0 writes r to residual_out
+};
+
 // moe_dmmv, moe_dmmv_packed, moe_down: experts picked per slot from a device routing buffer
 struct MoeParams {
     uint64_t w_offset;      // bytes: where expert 0 of the (gate) weights starts in w

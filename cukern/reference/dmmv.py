@@ -62,6 +62,32 @@ def dequantize(raw: np.ndarray, qtype: int, m: int, k: int) -> np.ndarray:
     return np.asarray(out, dtype=np.float64).reshape(m, k)
 
 
+def split_q8_0(raw: np.ndarray, m: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF Q8_0 bytes [m, k / 32 * 34] as (quants int8 [m, k], scales f16 [m, k / 32]): the layout of
+    cukern.dmmv.SplitQ8, W[i, j] = scales[i, j // 32] * quants[i, j]."""
+    blocks = np.ascontiguousarray(np.asarray(raw, dtype=np.uint8)).reshape(m, k // 32, 34)
+    quants = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(m, k)
+    scales = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16).reshape(m, k // 32)
+    return quants, scales
+
+
+def split_dense(quants: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """float64 [m, k] of a split Q8_0 matrix."""
+    return np.repeat(scales.astype(np.float64), 32, axis=1) * quants.astype(np.float64)
+
+
+def normed_x(residual, w, proj=None, w_post=None, *, eps: float = 1e-6, weight_offset: float = 0.0):
+    """(x, r) of a cukern.dmmv.NormedX in float64: r = residual [+ proj | + rms_norm(proj) * (w_post + off)],
+    x = rms_norm(r) * (w + off)."""
+    def rms_norm(v, wt):
+        return v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + eps) * (np.asarray(wt, np.float64) + weight_offset)
+    r = np.asarray(residual, np.float64)
+    if proj is not None:
+        p = np.asarray(proj, np.float64)
+        r = r + (p if w_post is None else rms_norm(p, w_post))
+    return rms_norm(r, w), r
+
+
 def quantize_q8_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(q, d) of the int8 path's x^ (cuda_src/dmmv/q8.cuh), emulated bit for bit: per 32 elements
     along the last axis, d = max|x| * float32(1/127) in float32 (flushed to 0 below the smallest
