@@ -25,6 +25,7 @@ import numpy as np
 
 from cukern.dispatch import Dispatch, check_array
 from cukern.params import check_real
+from cukern.streams import resolve_stream
 from cukern.runtime import FamilySpec, KernelSpec
 
 __all__ = ["DmmvDispatch", "QWeight", "SplitQ8", "NormedX", "QuantizedX", "MoeRoute", "QTYPES", "Q8_TYPES", "FAMILY", "GLU_FAMILY",
@@ -745,13 +746,20 @@ class DmmvDispatch(Dispatch):
         if w.qtype != _Q8_0 or w.n_experts:
             raise ValueError(f"split_q8_0 takes a single Q8_0 matrix, got {w.name}"
                              + (f" x {w.n_experts} experts" if w.n_experts else ""))
-        nb = w.k // 32
-        with cupy.cuda.Device(self.device_id), resolve_stream(stream):
-            blocks = cupy.lib.stride_tricks.as_strided(w.buf[w.offset:], shape=(w.m, nb, 34),
-                                                       strides=(w.row_stride, 34, 1))
-            quants = cupy.ascontiguousarray(blocks[:, :, 2:]).view(cupy.int8).reshape(w.m, w.k)
-            scales = cupy.ascontiguousarray(blocks[:, :, :2]).view(cupy.float16).reshape(w.m, nb)
+        with cupy.cuda.Device(self.device_id):
+            quants = cupy.empty((w.m, w.k), cupy.int8)
+            scales = cupy.empty((w.m, w.k // 32), cupy.float16)
+            self._split_copy(w, quants, scales, resolve_stream(stream))
         return SplitQ8(quants, scales)
+
+    @staticmethod
+    def _split_copy(w: QWeight, quants: cupy.ndarray, scales: cupy.ndarray, stream) -> None:
+        """quants, scales = the Q8_0 blocks of w, by two strided CuPy copies on ``stream``."""
+        blocks = cupy.lib.stride_tricks.as_strided(w.buf[w.offset:], shape=(w.m, w.k // 32, 34),
+                                                   strides=(w.row_stride, 34, 1))
+        with stream:
+            quants.reshape(w.m, w.k // 32, 32).view(cupy.uint8)[...] = blocks[:, :, 2:]
+            scales.view(cupy.uint8).reshape(w.m, w.k // 32, 2)[...] = blocks[:, :, :2]
 
     def dmmv(self, w: QWeight | SplitQ8, x: cupy.ndarray | QuantizedX, y: cupy.ndarray, *,
              accumulate: bool = False, alpha: float = 1.0, gate: cupy.ndarray | None = None,

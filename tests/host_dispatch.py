@@ -103,7 +103,7 @@ def patch(monkeypatch, array_methods: bool = False) -> collections.Counter:
     (kernel name -> launches). ``array_methods``: ``cupy.zeros`` and the like make :class:`HostArray`\\ s,
     whose ``astype``/``copy``/``get``/``fill`` work on the host (not exactly ``cupy.ndarray``, so
     dispatch caches keyed on that type stay off)."""
-    from cukern import attention, dispatch, matmul
+    from cukern import attention, dispatch, dmmv, matmul
     from cukern.models import gguf_loader
     from cukern.models import transformer as T
 
@@ -133,6 +133,14 @@ def patch(monkeypatch, array_methods: bool = False) -> collections.Counter:
     monkeypatch.setattr(matmul.MatmulDispatch, "_zero_for_split", lambda self, *a, **k: None, raising=False)
     monkeypatch.setattr(matmul.MatmulDispatch, "_copy_rows", staticmethod(
         lambda dst, src, stream=None: host_view(dst).__setitem__(Ellipsis, host_view(src))))
+
+    def split_copy(w, quants, scales, stream=None):
+        raw = host_view(w.buf)[w.offset:]
+        blocks = np.lib.stride_tricks.as_strided(raw, shape=(w.m, w.k // 32, 34), strides=(w.row_stride, 34, 1))
+        host_view(quants).view(np.uint8).reshape(w.m, w.k // 32, 32)[...] = blocks[:, :, 2:]
+        host_view(scales).view(np.uint8).reshape(w.m, w.k // 32, 2)[...] = blocks[:, :, :2]
+
+    monkeypatch.setattr(dmmv.DmmvDispatch, "_split_copy", staticmethod(split_copy))
 
     def upload_slot(cache, slot, stream=None):
         host_view(cache.page_table)[slot] = cache.alloc.page_table[slot]

@@ -9,11 +9,13 @@ model reference in the GPU tests of test_models.py. Sampling is greedy only.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import numpy as np
 
 import cukern.models.transformer as T
+from cukern.reference import dmmv as D_REF
 from cukern.reference import models as R
 
 
@@ -204,16 +206,42 @@ class Attention:
                                        _window(window_left))
 
 
+@dataclasses.dataclass(frozen=True)
+class NormedX:
+    """cukern.dmmv.NormedX's fields, unchecked (the fakes' arrays are NumPy)."""
+    residual: np.ndarray
+    w: np.ndarray
+    proj: np.ndarray | None = None
+    w_post: np.ndarray | None = None
+    residual_out: np.ndarray | None = None
+    eps: float = 1e-6
+    weight_offset: float = 0.0
+
+
+def _input(x):
+    """The matvec input: x itself, or a NormedX's x (its r written to residual_out, as the first block does)."""
+    if not isinstance(x, NormedX):
+        return np.asarray(x)
+    h, r = D_REF.normed_x(x.residual, x.w, x.proj, x.w_post, eps=x.eps, weight_offset=x.weight_offset)
+    if x.residual_out is not None:
+        x.residual_out[...] = r
+    return h
+
+
 class Dmmv:
+    int8 = False
+
     def dmmv(self, w, x, y, stream=None):
-        y[...] = (np.asarray(x) @ w.dense.T).reshape(y.shape)
+        y[...] = (_input(x) @ w.dense.T).reshape(y.shape)
 
     def dmmv_pair(self, w1, w2, x, y1, y2, stream=None):
+        x = _input(x)
         self.dmmv(w1, x, y1)
         self.dmmv(w2, x, y2)
 
     def dmmv_glu(self, w_gate, w_up, x, y, *, act, stream=None):
-        g, u = np.asarray(x) @ w_gate.dense.T, np.asarray(x) @ w_up.dense.T
+        x = _input(x)
+        g, u = x @ w_gate.dense.T, x @ w_up.dense.T
         y[...] = (R.gelu_tanh(g) if act == "geglu" else R.silu(g)) * u
 
 
@@ -305,9 +333,10 @@ def fake_transformer(model, monkeypatch, *, max_seqs, max_tokens, page_size, pre
     t.rope_freqs = {local: None if c.rope_is_plain(local) else c.rope_inv_freq(local, factors)
                     for local in (False, True)}
     t.embed_table, t.embed_qtype = None, int(model["token_embd.weight"].qtype)
-    t.head = weight("token_embd.weight" if c.tied_output else "output.weight")
+    t.head = t.head_mv = weight("token_embd.weight" if c.tied_output else "output.weight")
     t._dec = None
     t._chunks, t._stream = {}, None
     monkeypatch.setattr(T, "check_array", lambda name, a, **kw: a)
+    monkeypatch.setattr(T, "NormedX", NormedX)
     monkeypatch.setattr(T, "_address", lambda a: a.ctypes.data)
     return t

@@ -38,7 +38,9 @@ import numpy as np
 
 from cukern.attention import PREFILL_HEAD_DIMS, AttentionDispatch, PagedKVCache
 from cukern.dispatch import bounded_put, check_array, check_int
-from cukern.dmmv import DmmvDispatch, QWeight
+import dataclasses
+
+from cukern.dmmv import DmmvDispatch, NormedX, QWeight
 from cukern.elementwise import ROPE_VEC_HEAD_DIMS, ElementwiseDispatch
 from cukern.matmul import GEMM_QTYPES, MatmulDispatch, PackedWeight
 from cukern.models.gguf_loader import GGUFModel, ModelConfig, load_gguf
@@ -117,6 +119,7 @@ class _Buffers:
         f = cupy.float32
         self.n = n
         self.x = cupy.empty((n, cfg.d_model), f)         # residual stream
+        self.x2 = cupy.empty((n, cfg.d_model), f)        # the matvec path's other residual buffer (NormedX)
         self.h = cupy.empty((n, cfg.d_model), f)         # normed input of the next projection
         self.q = cupy.empty((n, cfg.q_dim), f)
         self.k = cupy.empty((n, cfg.kv_dim), f)
@@ -172,7 +175,7 @@ class _Chunk:
         lm._embed(self.ids, buf, rows, stream)
         lm._layers(buf, rows, attend, self.pos, self.plan.seq_ids, "consecutive", stream)
         if logits_out is not None:
-            lm.mm.dmmv(lm.head, buf.h[n - 1:n], logits_out.reshape(1, -1), stream=stream)
+            lm.mm.dmmv(lm.head_mv, buf.h[n - 1:n], logits_out.reshape(1, -1), stream=stream)
 
 
 class Transformer:
@@ -247,6 +250,9 @@ class Transformer:
         emb = model["token_embd.weight"]
         self.embed_table, self.embed_qtype = raw["token_embd.weight"], int(emb.qtype)
         self.head = qw("token_embd.weight" if c.tied_output else "output.weight")
+        # the LM head's matvec reads Q8_0 split into quants and scales (16-byte loads; a copy beside the
+        # GGUF bytes, which the embedding gather and the prompt GEMMs keep reading)
+        self.head_mv = self.mm.split_q8_0(self.head) if self.head.qtype == 8 else self.head
         self._dec = None  # decode state of the current batch (see _setup_decode)
         self._chunks: dict[int, _Chunk] = {}  # prompt-chunk length -> its buffers, uploads and graphs
         self._stream = None  # prefill's own stream where the caller's is the legacy default one
@@ -334,23 +340,66 @@ class Transformer:
             (self.ew.geglu if act == "geglu" else self.ew.swiglu)(gate, up, gate, stream=stream)
         self._matmul(L.wd, gate, buf.proj[rows], stream, self._gemm_copy(L, "wd", n))
 
-    def _residual(self, buf: _Buffers, rows: slice, post_norm, next_norm, stream):
+    def _residual(self, proj, x, post_norm, next_norm, h, stream):
         """x += [post_norm](proj); h = next_norm(x)."""
         eps = self.cfg.rms_eps
         if post_norm is not None:
-            self.ew.post_norm_residual_rms_norm(buf.proj[rows], buf.x[rows], post_norm, next_norm, buf.h[rows],
-                                                eps=eps, stream=stream)
+            self.ew.post_norm_residual_rms_norm(proj, x, post_norm, next_norm, h, eps=eps, stream=stream)
         else:
-            self.ew.residual_rms_norm(buf.proj[rows], buf.x[rows], next_norm, buf.h[rows], eps=eps, stream=stream)
+            self.ew.residual_rms_norm(proj, x, next_norm, h, eps=eps, stream=stream)
+
+    def _normed_path(self, n: int) -> bool:
+        """Whether n rows run the layers on the matvecs' normed inputs (NormedX: each residual add and
+        norm folded into the matvecs that read it, two launches a layer fewer): the f32 matvec path."""
+        return n <= MatmulDispatch.MATVEC_MAX_N and not self.mm.int8
+
+    def _project_normed(self, L: _Layer, buf: _Buffers, rows: slice, x_in: NormedX, stream):
+        """q, k, v from a NormedX: the first launch writes its residual_out, the others only read."""
+        q, k, v = buf.q[rows], buf.k[rows], buf.v[rows]
+        rest = dataclasses.replace(x_in, residual_out=None) if x_in.residual_out is not None else x_in
+        if L.wq.qtype == L.wk.qtype:
+            self.mm.dmmv_pair(L.wq, L.wk, x_in, q, k, stream=stream)
+        else:
+            self.mm.dmmv(L.wq, x_in, q, stream=stream)
+            self.mm.dmmv(L.wk, rest, k, stream=stream)
+        self.mm.dmmv(L.wv, rest, v, stream=stream)
+        if L.bq is not None:
+            for y, bias in ((q, L.bq), (k, L.bk), (v, L.bv)):
+                self.ew.bias_add(y, bias, y, stream=stream)
+
+    def _mlp_normed(self, L: _Layer, buf: _Buffers, rows: slice, x_in: NormedX, stream):
+        c = self.cfg
+        gate, up = buf.gate[rows], buf.up[rows]
+        act = "geglu" if c.activation == "gelu_tanh" else "swiglu"
+        if L.gate_up_alike:
+            self.mm.dmmv_glu(L.wg, L.wu, x_in, gate, act=act, stream=stream)
+        else:
+            self.mm.dmmv(L.wg, x_in, gate, stream=stream)
+            self.mm.dmmv(L.wu, dataclasses.replace(x_in, residual_out=None), up, stream=stream)
+            (self.ew.geglu if act == "geglu" else self.ew.swiglu)(gate, up, gate, stream=stream)
+        self.mm.dmmv(L.wd, gate, buf.proj[rows], stream=stream)
 
     def _layers(self, buf: _Buffers, rows: slice, attend, positions, seq_ids, pos_mode: str, stream):
-        """Every layer over buf rows ``rows``; ``attend(i, q_rot, o)`` runs attention of layer i.
-        Leaves the final-normed hidden state in buf.h."""
+        """Every layer over buf rows ``rows`` (the embedded tokens in buf.x); ``attend(i, q_rot, o)`` runs
+        attention of layer i. Leaves the final-normed hidden state in buf.h.
+
+        On the normed path (:meth:`_normed_path`) the residual stream alternates between buf.x and buf.x2:
+        the matvecs after each sub-layer read the residual, the sub-layer's output and the norms
+        (NormedX) and the first of them writes the new residual into the other buffer."""
         c = self.cfg
         n = rows.stop - rows.start
+        normed = self._normed_path(n)
+        xs, cur = (buf.x[rows], buf.x2[rows]), 0
+        x_in = NormedX(xs[0], self.layers[0].attn_norm, eps=c.rms_eps) if normed else None
+        if not normed:
+            self.ew.rms_norm(buf.x[rows], self.layers[0].attn_norm, buf.h[rows], eps=c.rms_eps, stream=stream)
         for i, L in enumerate(self.layers):
             with nvtx_range(f"layer {i}"):  # per-layer ranges under nsys (CUKERN_NVTX=1); free otherwise
-                self._project(L, buf, rows, stream)
+                if normed:
+                    self._project_normed(L, buf, rows, x_in, stream)
+                    cur = cur if x_in.residual_out is None else 1 - cur
+                else:
+                    self._project(L, buf, rows, stream)
                 local = c.local_layers[i]
                 base = c.rope_base_local if local else c.rope_base
                 self.ew.qk_norm_rope_kv_write(
@@ -362,16 +411,24 @@ class Transformer:
                 attend(i, buf.q_rot[rows], buf.o[rows])
                 self._matmul(L.wo, buf.o[rows].reshape(n, c.q_dim), buf.proj[rows], stream,
                              self._gemm_copy(L, "wo", n))
-                self._residual(buf, rows, L.post_attn_norm, L.ffn_norm, stream)
-                self._mlp(L, buf, rows, stream)
                 nxt = self.layers[i + 1].attn_norm if i + 1 < c.n_layers else self.output_norm
-                self._residual(buf, rows, L.post_ffn_norm, nxt, stream)
+                if not normed:
+                    self._residual(buf.proj[rows], buf.x[rows], L.post_attn_norm, L.ffn_norm, buf.h[rows], stream)
+                    self._mlp(L, buf, rows, stream)
+                    self._residual(buf.proj[rows], buf.x[rows], L.post_ffn_norm, nxt, buf.h[rows], stream)
+                    continue
+                x_in = NormedX(xs[cur], L.ffn_norm, buf.proj[rows], L.post_attn_norm, xs[1 - cur], eps=c.rms_eps)
+                cur = 1 - cur
+                self._mlp_normed(L, buf, rows, x_in, stream)
+                if i + 1 < c.n_layers:
+                    x_in = NormedX(xs[cur], nxt, buf.proj[rows], L.post_ffn_norm, xs[1 - cur], eps=c.rms_eps)
+                else:  # the LM head's input: the last residual add and the output norm, in place
+                    self._residual(buf.proj[rows], xs[cur], L.post_ffn_norm, nxt, buf.h[rows], stream)
 
     def _embed(self, ids: cupy.ndarray, buf: _Buffers, rows: slice, stream):
         c = self.cfg
         self.tok.embed(self.embed_table, self.embed_qtype, c.d_model, ids, buf.x[rows], scale=c.embed_scale,
                        stream=stream)
-        self.ew.rms_norm(buf.x[rows], self.layers[0].attn_norm, buf.h[rows], eps=c.rms_eps, stream=stream)
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, tokens, slot: int, logits_out: cupy.ndarray, *, stream=None) -> cupy.ndarray:
@@ -464,7 +521,7 @@ class Transformer:
 
         self._embed(sp.next_ids, buf, rows, stream)
         self._layers(buf, rows, attend, d["positions"], plan.seq_ids, "per_token", stream)
-        self.mm.dmmv(self.head, buf.h, d["logits"], stream=stream)
+        self.mm.dmmv(self.head_mv, buf.h, d["logits"], stream=stream)
         self.tok.sample(sp, d["logits"], temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                         stream=stream)
         self.tok.advance_positions(d["positions"], self.cache.lengths, plan.seq_ids, stream=stream)
