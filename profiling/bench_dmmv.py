@@ -22,7 +22,7 @@ import cupy
 import numpy as np
 
 from cukern.benchmark import Row, measure_ceilings, rotating, script_main, time_graph_us, time_torch_graph_us
-from cukern.dmmv import Q8_TYPES, QTYPES, DmmvDispatch, QuantizedX, QWeight, qtype_id, row_bytes
+from cukern.dmmv import Q8_TYPES, QTYPES, DmmvDispatch, NormedX, QuantizedX, QWeight, qtype_id, row_bytes
 from cukern.elementwise import ElementwiseDispatch
 
 try:
@@ -116,6 +116,47 @@ def bench(quick: bool = False) -> tuple[list, object]:
                 row(f"dmmv {name} pdl q8x", f"{m}x{k}", us, wbytes + qx.buf.nbytes + 4 * m, peer_us)
             del sets
             cupy.get_default_memory_pool().free_all_blocks()
+
+    # an LM head (Gemma 3's 262144 x 640 Q8_0): the GGUF blocks on the f32 path against the SplitQ8 copy
+    # (quants and scales apart, 16-byte loads), one column and eight; pdl as in a decode step
+    m, k = 262144, 640
+    qt = qtype_id("Q8_0")
+    (sets, nxt), wbytes = _weights(qt, m, k)
+    d_f32_pdl = DmmvDispatch(int8=False, pdl=True)
+    split = [d.split_q8_0(w) for w in sets]
+    ring = iter(range(1 << 60))
+    peer_us = _peer_gemv_us(m, k)
+    for n in (1, 8):
+        x = cupy.random.standard_normal((n, k), dtype=cupy.float32)
+        y = cupy.empty((n, m), cupy.float32)
+        nbytes = wbytes + 4 * n * (k + m)
+        us_gguf = time_graph_us(lambda: d_f32_pdl.dmmv(nxt(), x, y))
+        row(f"lm head Q8_0 f32 path pdl n={n}", f"{m}x{k}", us_gguf, nbytes, peer_us if n == 1 else None)
+        us = time_graph_us(lambda: d_f32_pdl.dmmv(split[next(ring) % len(split)], x, y))
+        row(f"lm head Q8_0 split pdl n={n}", f"{m}x{k}", us, nbytes, us_gguf, peer="GGUF blocks, f32 path")
+    del sets, split
+    cupy.get_default_memory_pool().free_all_blocks()
+
+    # a decoder layer's residual add + norm before its FFN (Gemma 3 270M: 640 -> 2 x 2048 Q5_0): the
+    # elementwise post_norm_residual_rms_norm then dmmv_glu, against dmmv_glu on a NormedX (every block
+    # makes its x); pdl, weights rotating; bytes: the weights, proj, residual, and the outputs
+    ew = ElementwiseDispatch(pdl=True)
+    m, k = 2048, 640
+    qt = qtype_id("Q5_0")
+    (gsets, gnext), wbytes = _weights(qt, m, k)
+    (usets, unext), _ = _weights(qt, m, k)
+    proj, res = (cupy.random.standard_normal((1, k), dtype=cupy.float32) for _ in range(2))
+    wp, wn = (cupy.random.standard_normal(k, dtype=cupy.float32) for _ in range(2))
+    res2, h, y = cupy.empty((1, k), cupy.float32), cupy.empty((1, k), cupy.float32), cupy.empty((1, m), cupy.float32)
+    nbytes = 2 * wbytes + 4 * (4 * k + m)
+    us_two = time_graph_us(lambda: (ew.post_norm_residual_rms_norm(proj, res2, wp, wn, h),
+                                    d_f32_pdl.dmmv_glu(gnext(), unext(), h, y)))
+    row("norm + glu Q5_0 two launches pdl", f"2x{m}x{k}", us_two, nbytes)
+    nx = NormedX(res, wn, proj, wp, res2)
+    us = time_graph_us(lambda: d_f32_pdl.dmmv_glu(gnext(), unext(), nx, y))
+    row("norm + glu Q5_0 NormedX pdl", f"2x{m}x{k}", us, nbytes, us_two, peer="norm kernel + dmmv_glu")
+    del gsets, usets
+    cupy.get_default_memory_pool().free_all_blocks()
 
     # the quantization a QuantizedX costs, once per input shared by several matvecs
     for k in sorted({k for _, k in shapes}):
