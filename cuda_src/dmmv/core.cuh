@@ -37,7 +37,7 @@ CUKERN_DEVICE float sum4(float4 x) { return (x.x + x.y) + (x.z + x.w); }
 
 // acc[r][c] += this lane's share of rows[r] . xs[c], over the steps of warp `warp` of `nw`.
 // rows[r]: first byte of weight row r; xs[c]: column c of x (k floats, 16-byte aligned).
-template <int QT, int NR, int NC, int U, bool SX>
+template <int QT, int NR, int NC, int U, bool SX = false>
 CUKERN_DEVICE void warp_dots(const uint8_t* const (&rows)[NR], const float* const (&xs)[NC], int n_full,
                              int tail, int warp, int nw, int lane, float (&acc)[NR][NC]) {
     using S = Step<QT>;
@@ -87,7 +87,7 @@ CUKERN_DEVICE void warp_dots(const uint8_t* const (&rows)[NR], const float* cons
 
 // As warp_dots, software-pipelined: the loads of a warp's next step are issued before the
 // current step is decoded, so each warp keeps a step of weights in flight while it computes.
-template <int QT, int NR, int NC, bool SX>
+template <int QT, int NR, int NC, bool SX = false>
 CUKERN_DEVICE void warp_dots_pipe(const uint8_t* const (&rows)[NR], const float* const (&xs)[NC], int n_full,
                                   int tail, int warp, int nw, int lane, float (&acc)[NR][NC]) {
     using S = Step<QT>;
