@@ -184,11 +184,12 @@ def _kernel(qt: int, n: int) -> str:
 
 
 _SPLIT_WARPS = 8  # warps per block of dmmv_split (kSplitWarps)
-_SPLIT_ROWS = {1: 8, 2: 4, 4: 2, 8: 2}  # rows per warp of dmmv_split<NC, R>: R * NC a power of two <= 32
+_SPLIT_ROWS, _SPLIT_UNROLL = 2, 2  # rows per warp R, chunks per lane loaded at once U of dmmv_split<NC, R, U>
+_NORM_ITEMS = 4  # float4s of each input a thread of a NormedX prologue holds (kNormItems)
 
 
 def _split_kernel(n: int) -> str:
-    return f"dmmv_split<{n}, {_SPLIT_ROWS[n]}>"
+    return f"dmmv_split<{n}, {_SPLIT_ROWS}, {_SPLIT_UNROLL}>"
 
 
 FAMILY = FamilySpec(
@@ -555,6 +556,13 @@ def _warps(k: int) -> int:
     return max(1, min(4, steps // 2))
 
 
+def _normed_warps(k: int) -> int:
+    """Warps per block of a NormedX kernel: the matvec's, or enough that every thread of the prologue
+    holds at most _NORM_ITEMS float4s of an input (one load each, all in flight together; past
+    8 warps, k > 4096, the prologue loops)."""
+    return max(_warps(k), min(8, -(-k // (4 * _NORM_ITEMS * 32))))
+
+
 class DmmvDispatch(Dispatch):
     """Records quantized matvec kernels into a stream. Every method takes ``stream=`` (None:
     CuPy's current stream), validates its arguments before launching, and never synchronises,
@@ -814,7 +822,7 @@ class DmmvDispatch(Dispatch):
         for c0, width in self._chunks(n):
             xs, ys = (x, y) if n == 1 else (x[c0:], y[c0:])
             g = ys if gate is None else gate[c0:]
-            blocks = -(-w.m // (_SPLIT_WARPS * _SPLIT_ROWS[width]))
+            blocks = -(-w.m // (_SPLIT_WARPS * _SPLIT_ROWS))
             params = self.struct("DmmvParams").pack(
                 w_offset=0, w2_offset=0, row_bytes=w.k, m=w.m, m2=0, k=w.k, n_full=0, tail=0, blocks1=blocks,
                 x_stride=w.k, y_stride=w.m, y2_stride=0, mode=mode, act=0, alpha=float(alpha), l2_items=0, pad0=0)
@@ -935,8 +943,8 @@ class DmmvDispatch(Dispatch):
                             eps=x.eps, weight_offset=x.weight_offset, post=x.post,
                             write_out=int(x.residual_out is not None))
             args = (yy[0], yy[-1], w.buf, w2.buf) if glu is None else (yy[0], w.buf, w2.buf)
-            self._nx._launch(kernel, blocks, _warps(w.k) * 32, args + (res, proj, w_post, w_norm, out), params,
-                             stream=stream, shared_mem=smem, pdl=self.pdl)
+            self._nx._launch(kernel, blocks, _normed_warps(w.k) * 32, args + (res, proj, w_post, w_norm, out),
+                             params, stream=stream, shared_mem=smem, pdl=self.pdl)
 
     def dmmv_scale_acc(self, w: QWeight, x, y, scale: float, *, stream=None) -> cupy.ndarray:
         """``y += scale * W x`` (fused scale-accumulate)."""

@@ -189,16 +189,18 @@ CUKERN_DEVICE float warp_sum_many(float (&v)[V], int lane) {
     return t;
 }
 
-// Four int8 quants (one 32-bit word) times four floats, exactly converted: byte b becomes the
-// float with bit pattern 0x4B0000(b ^ 0x80), i.e. 2^23 + 128 + b, and the subtraction leaves b.
-CUKERN_DEVICE float dot_i8x4(uint32_t w, float4 x) {
-    const uint32_t u = w ^ 0x80808080u;
+// Sixteen int8 quants (a 16-byte load) as d * q in f32, exactly converted before the scaling: byte b
+// becomes the float with bit pattern 0x4B0000(b ^ 0x80), i.e. 2^23 + 128 + b, and subtracting
+// 2^23 + 128 leaves b (one byte permute and one add per quant, where a conversion instruction runs
+// at a quarter of the FMA rate).
+CUKERN_DEVICE void i8x16_to_float(uint4 raw, float d, float (&w)[16]) {
     constexpr float kBias = 8388736.0f;  // 2^23 + 128
-    const float q0 = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7540)) - kBias;
-    const float q1 = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7541)) - kBias;
-    const float q2 = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7542)) - kBias;
-    const float q3 = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7543)) - kBias;
-    return q0 * x.x + q1 * x.y + q2 * x.z + q3 * x.w;
+    const uint32_t words[4] = {raw.x ^ 0x80808080u, raw.y ^ 0x80808080u, raw.z ^ 0x80808080u, raw.w ^ 0x80808080u};
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            w[4 * i + j] = d * (__uint_as_float(__byte_perm(words[i], 0x4B000000u, 0x7540 + j)) - kBias);
 }
 
 CUKERN_DEVICE float silu(float g) { return g / (1.0f + expf(-g)); }

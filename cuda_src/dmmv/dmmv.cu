@@ -79,13 +79,24 @@ CUKERN_DEVICE float dot4f(float4 a, float4 b) { return a.x * b.x + a.y * b.y + a
 //     = residual + proj                             (p.post 1)
 //     = residual + rms_norm(proj) * (w_post + off)  (p.post 2)
 //   x = rms_norm(r) * (w_norm + off),  rms_norm(v) = v / sqrt(mean(v^2) + eps),  off = p.weight_offset
-// and block 0 writes r to residual_out where p.write_out. The norm kernel between two matvecs of a decoder
-// layer folded into the second: 2-3 k floats per column read by each block from L2 (a decode step's
-// hidden state: a few KiB) and two block sums, where a kernel of its own costs a launch and a
-// round trip through memory. Each thread rereads only the xs entries it wrote.
+// and block 0 writes r to residual_out where p.write_out. The norm kernel between two matvecs of a
+// decoder layer folded into the second: 2-4 k floats per column read by each block from L2 (a decode
+// step's hidden state: a few KiB) and two block sums, where a kernel of its own costs a launch and a
+// round trip through memory. A thread holds up to kNormItems float4s of each array in registers, all
+// loaded at once (one L2 round trip per column: k <= 4 * 4 * 32 * warps, which the host's warp count
+// keeps); longer rows take the strided loops of normed_x_loop, one round trip per item.
+constexpr int kNormItems = 4;
+
+CUKERN_DEVICE float4 post_add(float4 r, float4 v, float s, float4 w, float off, uint32_t post) {
+    if (post == 1) return make_float4(r.x + v.x, r.y + v.y, r.z + v.z, r.w + v.w);
+    if (post == 2) return fma4(v, s, w, off, r);
+    return r;
+}
+
 template <int NC>
-CUKERN_DEVICE void normed_x(float* __restrict__ xs, const float* residual, const float* proj, const float* w_post,
-                            const float* w_norm, float* residual_out, const DmmvNormParams& p, float* red) {
+CUKERN_DEVICE void normed_x_loop(float* __restrict__ xs, const float* residual, const float* proj,
+                                 const float* w_post, const float* w_norm, float* residual_out,
+                                 const DmmvNormParams& p, float* red) {
     const int nw = blockDim.x / 32, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const uint32_t k4 = p.k / 4;
     const float off = p.weight_offset;
@@ -98,17 +109,12 @@ CUKERN_DEVICE void normed_x(float* __restrict__ xs, const float* residual, const
         float s_post = 1.0f;
         if (p.post == 2) {
             float ss = 0.0f;
-            for (uint32_t i = threadIdx.x; i < k4; i += blockDim.x) {
-                const float4 v = pr[i];
-                ss += dot4f(v, v);
-            }
+            for (uint32_t i = threadIdx.x; i < k4; i += blockDim.x) ss += dot4f(pr[i], pr[i]);
             s_post = rsqrtf(block_total(ss, red, nw, lane, warp) / p.k + p.eps);
         }
         float ss = 0.0f;
         for (uint32_t i = threadIdx.x; i < k4; i += blockDim.x) {
-            float4 r = res[i];
-            if (p.post == 1) r = fma4(pr[i], 1.0f, make_float4(1.f, 1.f, 1.f, 1.f), 0.0f, r);
-            else if (p.post == 2) r = fma4(pr[i], s_post, __ldg(wp4 + i), off, r);
+            const float4 r = p.post ? post_add(res[i], pr[i], s_post, __ldg(wp4 + i), off, p.post) : res[i];
             xc[i] = r;
             ss += dot4f(r, r);
         }
@@ -119,6 +125,63 @@ CUKERN_DEVICE void normed_x(float* __restrict__ xs, const float* residual, const
             const float4 r = xc[i];
             if (out != nullptr) out[i] = r;
             xc[i] = fma4(r, s, __ldg(wn4 + i), off, make_float4(0.f, 0.f, 0.f, 0.f));
+        }
+    }
+    __syncthreads();
+}
+
+template <int NC>
+CUKERN_DEVICE void normed_x(float* __restrict__ xs, const float* residual, const float* proj, const float* w_post,
+                            const float* w_norm, float* residual_out, const DmmvNormParams& p, float* red) {
+    const uint32_t k4 = p.k / 4;
+    if (k4 > kNormItems * blockDim.x) {
+        normed_x_loop<NC>(xs, residual, proj, w_post, w_norm, residual_out, p, red);
+        return;
+    }
+    const int nw = blockDim.x / 32, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const float off = p.weight_offset;
+    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+    float4 wp[kNormItems], wn[kNormItems];
+#pragma unroll
+    for (int j = 0; j < kNormItems; ++j) {
+        const uint32_t i = threadIdx.x + j * blockDim.x;
+        wn[j] = i < k4 ? __ldg(reinterpret_cast<const float4*>(w_norm) + i) : zero;
+        wp[j] = i < k4 && p.post == 2 ? __ldg(reinterpret_cast<const float4*>(w_post) + i) : zero;
+    }
+    for (int c = 0; c < NC; ++c) {
+        const float4* res = reinterpret_cast<const float4*>(residual + (size_t)c * p.x_stride);
+        const float4* pr = reinterpret_cast<const float4*>(proj + (size_t)c * p.x_stride);
+        float4 r[kNormItems], v[kNormItems];
+#pragma unroll
+        for (int j = 0; j < kNormItems; ++j) {
+            const uint32_t i = threadIdx.x + j * blockDim.x;
+            r[j] = i < k4 ? res[i] : zero;
+            v[j] = i < k4 && p.post ? pr[i] : zero;
+        }
+        float s_post = 1.0f;
+        if (p.post == 2) {
+            float ss = 0.0f;
+#pragma unroll
+            for (int j = 0; j < kNormItems; ++j) ss += dot4f(v[j], v[j]);
+            s_post = rsqrtf(block_total(ss, red, nw, lane, warp) / p.k + p.eps);
+        }
+        float ss = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kNormItems; ++j) {
+            r[j] = post_add(r[j], v[j], s_post, wp[j], off, p.post);  // zero past k: adds nothing to ss
+            ss += dot4f(r[j], r[j]);
+        }
+        const float s = rsqrtf(block_total(ss, red, nw, lane, warp) / p.k + p.eps);
+        const bool out = p.write_out && blockIdx.x == 0;
+        float4* xc = reinterpret_cast<float4*>(xs + (size_t)c * p.k);
+        float4* rc = reinterpret_cast<float4*>(residual_out + (size_t)c * p.x_stride);
+#pragma unroll
+        for (int j = 0; j < kNormItems; ++j) {
+            const uint32_t i = threadIdx.x + j * blockDim.x;
+            if (i < k4) {
+                if (out) rc[i] = r[j];
+                xc[i] = fma4(r[j], s, wn[j], off, zero);
+            }
         }
     }
     __syncthreads();
@@ -240,12 +303,14 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dmmv_nx(
 // time; split, a lane reads 16 quants with one 16-byte load, which an LM head of 262144 rows
 // needs to stream near copy bandwidth.
 // Block: kSplitWarps warps; warp w takes R consecutive rows from row (blockIdx.x * kSplitWarps + w) R,
-// lane l the 16-element chunks l, l + 32, ... of each (x read once per chunk for all R rows). The
-// R * NC sums leave the warp through one butterfly (warp_sum_many). Traffic: k + k / 16 bytes of
-// weights per row, read once; x from L1/L2.
+// lane l the 16-element chunks l, l + 32, ... of each, U of them per lane loaded at once (every load of
+// a row of up to 32 U chunks in flight together). A chunk's quants become floats once and serve every
+// column; x is read from L1 once per chunk and column for the R rows. The R * NC sums leave the warp
+// through one butterfly (warp_sum_many). Traffic: k + k / 16 bytes of weights per row, read once; x
+// from L1/L2.
 constexpr int kSplitWarps = 8;
 
-template <int NC, int R>
+template <int NC, int R, int U>
 __global__ void __launch_bounds__(kSplitWarps * 32) dmmv_split(
     float* __restrict__ y,             // [NC, y_stride] out: y[c * y_stride + i], i < m
     const uint8_t* __restrict__ q,     // [m, k] int8 quants, 16-byte aligned, k a multiple of 32
@@ -272,22 +337,39 @@ __global__ void __launch_bounds__(kSplitWarps * 32) dmmv_split(
         sr[r] = s + row * blocks;
     }
     float acc[R * NC] = {};
-    for (uint32_t t = lane; t < chunks; t += 32) {
-        uint4 raw[R];
-        float d[R];
+    for (uint32_t t0 = 0; t0 < chunks; t0 += 32 * U) {
+        uint4 raw[U][R];
+        float d[U][R];
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            raw[r] = ld_stream_u128(qr[r] + 16 * t);
-            d[r] = __half2float(sr[r][t / 2]);
+        for (int u = 0; u < U; ++u) {
+            const uint32_t t = t0 + u * 32 + lane;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                raw[u][r] = t < chunks ? ld_stream_u128(qr[r] + 16 * t) : make_uint4(0, 0, 0, 0);
+                d[u][r] = t < chunks ? __half2float(sr[r][t / 2]) : 0.0f;
+            }
         }
 #pragma unroll
-        for (int c = 0; c < NC; ++c) {
-            const float4* xc = reinterpret_cast<const float4*>(x + (size_t)c * p.x_stride + 16 * t);
-            const float4 x0 = __ldg(xc), x1 = __ldg(xc + 1), x2 = __ldg(xc + 2), x3 = __ldg(xc + 3);
+        for (int u = 0; u < U; ++u) {
+            const uint32_t t = t0 + u * 32 + lane;
+            if (t >= chunks) break;  // the later u of this lane are past the row too
+            float w[R][16];
 #pragma unroll
-            for (int r = 0; r < R; ++r)
-                acc[r * NC + c] += d[r] * (dot_i8x4(raw[r].x, x0) + dot_i8x4(raw[r].y, x1) + dot_i8x4(raw[r].z, x2)
-                                           + dot_i8x4(raw[r].w, x3));
+            for (int r = 0; r < R; ++r) i8x16_to_float(raw[u][r], d[u][r], w[r]);
+#pragma unroll
+            for (int c = 0; c < NC; ++c) {
+                const float4* xc = reinterpret_cast<const float4*>(x + (size_t)c * p.x_stride + 16 * t);
+                const float4 xv[4] = {__ldg(xc), __ldg(xc + 1), __ldg(xc + 2), __ldg(xc + 3)};
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    float a = acc[r * NC + c];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        a += w[r][4 * e] * xv[e].x + w[r][4 * e + 1] * xv[e].y + w[r][4 * e + 2] * xv[e].z
+                             + w[r][4 * e + 3] * xv[e].w;
+                    acc[r * NC + c] = a;
+                }
+            }
         }
     }
     const float v = warp_sum_many<R * NC>(acc, lane);
