@@ -19,7 +19,8 @@ FAMILY_MODULES = {
     "elementwise": "cukern.elementwise", "elementwise_rope": "cukern.elementwise",  # two units: elementwise.FAMILIES
     "tokens": "cukern.tokens",
     "dmmv": "cukern.dmmv", "dmmv_glu": "cukern.dmmv", "dmmv_moe": "cukern.dmmv", "dmmv_moe_packed": "cukern.dmmv",
-    "dmmv_q8x": "cukern.dmmv", "dmmv_two": "cukern.dmmv", "dmmv_nx": "cukern.dmmv",  # units: dmmv.FAMILIES
+    "dmmv_q8x": "cukern.dmmv", "dmmv_two": "cukern.dmmv", "dmmv_nx": "cukern.dmmv",
+    "dmmv_three": "cukern.dmmv",  # units: dmmv.FAMILIES
     **{name: "cukern.matmul" for name in ("matmul", "matmul_f16_q4_0", "matmul_f16_q5_0", "matmul_f16_q8_0",
                                           "matmul_f16_q4_k", "matmul_f16_q5_k", "matmul_f16_q6_k",
                                           "matmul_i8_q4_0", "matmul_i8_q5_0", "matmul_i8_q8_0",

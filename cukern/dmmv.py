@@ -29,7 +29,8 @@ from cukern.streams import resolve_stream
 from cukern.runtime import FamilySpec, KernelSpec
 
 __all__ = ["DmmvDispatch", "QWeight", "SplitQ8", "NormedX", "QuantizedX", "MoeRoute", "QTYPES", "Q8_TYPES", "FAMILY", "GLU_FAMILY",
-           "MOE_FAMILY", "PACKED_FAMILY", "Q8X_FAMILY", "TWO_FAMILY", "NX_FAMILY", "DeviceError"]
+           "MOE_FAMILY", "PACKED_FAMILY", "Q8X_FAMILY", "TWO_FAMILY", "NX_FAMILY", "THREE_FAMILY", "THREE_TYPES",
+           "DeviceError"]
 
 # GGML type id -> (name, elements per block, bytes per block, byte alignment the kernels need)
 QTYPES = {
@@ -45,6 +46,7 @@ QTYPES = {
     14: ("Q6_K", 256, 210, 2),
 }
 _BY_NAME = {v[0]: k for k, v in QTYPES.items()}
+_Q8_0, _Q6_K = 8, 14
 _COLS = (1, 2, 4, 8)  # columns per dmmv launch (wider batches are split)
 _STEP = 256  # elements per warp step (cuda_src/dmmv/step.cuh)
 _ROWS = 2  # weight rows per block of dmmv_glu and the MoE kernels (kRows in the .cu files)
@@ -188,6 +190,11 @@ _SPLIT_ROWS, _SPLIT_UNROLL = 2, 2  # rows per warp R, chunks per lane loaded at 
 _NORM_ITEMS = 4  # float4s of each input a thread of a NormedX prologue holds (kNormItems)
 
 
+def _three_kernel(qt: int, qt3: int) -> str:
+    """dmmv_nx3<QT, R, V, QT3, R3, V3>: each matrix at its type's one-column (R, V)."""
+    return f"dmmv_nx3<{qt}, {_ONE_COL[qt][0]}, {_ONE_COL[qt][1]}, {qt3}, {_ONE_COL[qt3][0]}, {_ONE_COL[qt3][1]}>"
+
+
 def _split_kernel(n: int) -> str:
     return f"dmmv_split<{n}, {_SPLIT_ROWS}, {_SPLIT_UNROLL}>"
 
@@ -236,7 +243,15 @@ NX_FAMILY = FamilySpec(  # dmmv, dmmv_pair and dmmv_glu on a NormedX: compiled o
                    for n in _COLS]
                   + [KernelSpec(f"dmmv_glu_nx<{q}, {n}>", "DmmvNormParams") for q in QTYPES for n in _COLS]),
 )
-FAMILIES = {f.name: f for f in (FAMILY, GLU_FAMILY, MOE_FAMILY, PACKED_FAMILY, Q8X_FAMILY, TWO_FAMILY, NX_FAMILY)}  # cukern.families() lists each unit
+# dmmv_three's (type of W1 and W2, type of W3): W3 of the same type, or Q8_0 or Q6_K (the v projection
+# that GGUF mixes such as Q4_K_M and Gemma 3's Q5_0 files give more bits)
+THREE_TYPES = tuple((q, q3) for q in QTYPES for q3 in sorted({q, _Q8_0, _Q6_K}))
+THREE_FAMILY = FamilySpec(  # dmmv_three: compiled only by a process that uses it
+    name="dmmv_three", source="dmmv/dmmv.cu", params_header="dmmv/params.cuh",
+    kernels=tuple(KernelSpec(_three_kernel(q, q3), "DmmvNormParams") for q, q3 in THREE_TYPES),
+)
+FAMILIES = {f.name: f for f in (FAMILY, GLU_FAMILY, MOE_FAMILY, PACKED_FAMILY, Q8X_FAMILY, TWO_FAMILY, NX_FAMILY,
+                                 THREE_FAMILY)}  # cukern.families() lists each unit
 
 
 class DeviceError(RuntimeError):
@@ -338,7 +353,6 @@ class QWeight:
 
 
 _MXFP4 = 39
-_Q8_0 = 8
 
 
 @dataclass(frozen=True, eq=False)
@@ -599,6 +613,7 @@ class DmmvDispatch(Dispatch):
         self._q8x = _Unit(Q8X_FAMILY, device)
         self._two = _Unit(TWO_FAMILY, device)
         self._nx = _Unit(NX_FAMILY, device)
+        self._three = _Unit(THREE_FAMILY, device)
         self._err = None
         self._resident: dict[tuple, tuple] = {}  # (unit, kernel, k[, m, slots]) -> _q8_plan / _q8_plan_dots
 
@@ -941,10 +956,50 @@ class DmmvDispatch(Dispatch):
                             tail=w.k % _STEP, blocks1=b1, x_stride=w.k, y_stride=w.m,
                             y2_stride=w2.m if glu is None else 0, mode=mode, act=glu or 0, alpha=float(alpha),
                             eps=x.eps, weight_offset=x.weight_offset, post=x.post,
-                            write_out=int(x.residual_out is not None))
+                            write_out=int(x.residual_out is not None), w3_offset=0, row_bytes3=0, m3=0,
+                            blocks2=blocks)
             args = (yy[0], yy[-1], w.buf, w2.buf) if glu is None else (yy[0], w.buf, w2.buf)
             self._nx._launch(kernel, blocks, _normed_warps(w.k) * 32, args + (res, proj, w_post, w_norm, out),
                              params, stream=stream, shared_mem=smem, pdl=self.pdl)
+
+    def dmmv_three(self, w1: QWeight, w2: QWeight, w3: QWeight, x: NormedX, y1, y2, y3, *,
+                   stream=None) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray]:
+        """``y1, y2, y3 = W1 x, W2 x, W3 x`` in one launch on a :class:`NormedX` of one column: a decoder
+        layer's q, k and v projections with the norm before them. w1, w2: one type; w3 of any type
+        (Gemma 3's Q8_0 v beside Q5_0 q and k). Blocks of dmmv_nx3 take the rows of W1, then W2, then
+        W3, each at its type's rows per block.
+
+        w1: [m1, k], w2: [m2, k], w3: [m3, k]; x: NormedX of shape [k] or [1, k]; y_i: [m_i] or [1, m_i] f32."""
+        w1, w2, w3 = (self._check_weight(n, w) for n, w in (("w1", w1), ("w2", w2), ("w3", w3)))
+        if w1.qtype != w2.qtype or not w1.k == w2.k == w3.k:
+            raise ValueError(f"dmmv_three: w1 ({w1.name}, k={w1.k}) and w2 ({w2.name}, k={w2.k}) must share a type, "
+                             f"and w3 (k={w3.k}) their k")
+        if (w1.qtype, w3.qtype) not in THREE_TYPES:
+            raise ValueError(f"dmmv_three: W3 of {w3.name} beside {w1.name} is not built (dmmv.THREE_TYPES: W3 of "
+                             "W1's type, Q8_0 or Q6_K): use dmmv_pair and dmmv")
+        if not isinstance(x, NormedX):
+            raise TypeError(f"dmmv_three takes a NormedX, got {type(x).__name__}")
+        if x.k != w1.k or (x.residual.ndim == 2 and x.residual.shape[0] != 1):
+            raise ValueError(f"dmmv_three: x must be one column of k={w1.k} ([k] or [1, k]), got {x.shape}")
+        for name, y, w in (("y1", y1, w1), ("y2", y2, w2), ("y3", y3, w3)):
+            check_array(name, y, dtype=_F32, shape=x.shape[:-1] + (w.m,))
+        smem = w1.k * 4
+        if smem > self.max_shared_optin():
+            raise ValueError(f"a NormedX of k={w1.k} needs {smem} bytes of shared memory per block, the device "
+                             f"allows {self.max_shared_optin()}")
+        (r, v), (r3, v3) = _ONE_COL[w1.qtype], _ONE_COL[w3.qtype]
+        b1, b2, b3 = -(-w1.m // r), -(-w2.m // r), -(-w3.m // r3)
+        params = self.struct("DmmvNormParams").pack(
+            w_offset=w1.offset, w2_offset=w2.offset, row_bytes=w1.row_bytes, m=w1.m, m2=w2.m, k=w1.k,
+            n_full=w1.k // _STEP, tail=w1.k % _STEP, blocks1=b1, x_stride=w1.k, y_stride=w1.m, y2_stride=w2.m,
+            mode=0, act=0, alpha=1.0, eps=x.eps, weight_offset=x.weight_offset, post=x.post,
+            write_out=int(x.residual_out is not None), w3_offset=w3.offset, row_bytes3=w3.row_bytes, m3=w3.m,
+            blocks2=b1 + b2)
+        res, proj, w_post, w_norm, out = x.columns(0, 1)
+        self._three._launch(_three_kernel(w1.qtype, w3.qtype), b1 + b2 + b3, _normed_warps(w1.k) * 32,
+                         (y1, y2, y3, w1.buf, w2.buf, w3.buf, res, proj, w_post, w_norm, out), params,
+                         stream=stream, shared_mem=smem, pdl=self.pdl)
+        return y1, y2, y3
 
     def dmmv_scale_acc(self, w: QWeight, x, y, scale: float, *, stream=None) -> cupy.ndarray:
         """``y += scale * W x`` (fused scale-accumulate)."""

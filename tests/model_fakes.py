@@ -239,6 +239,11 @@ class Dmmv:
         self.dmmv(w1, x, y1)
         self.dmmv(w2, x, y2)
 
+    def dmmv_three(self, w1, w2, w3, x, y1, y2, y3, stream=None):
+        x = _input(x)
+        for w, y in ((w1, y1), (w2, y2), (w3, y3)):
+            self.dmmv(w, x, y)
+
     def dmmv_glu(self, w_gate, w_up, x, y, *, act, stream=None):
         x = _input(x)
         g, u = x @ w_gate.dense.T, x @ w_up.dense.T

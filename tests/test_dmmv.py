@@ -89,7 +89,8 @@ def d():
 
 # ---------------------------------------------------------------------------- CPU
 def test_families_declared():
-    assert set(D.FAMILIES) == {"dmmv", "dmmv_glu", "dmmv_moe", "dmmv_moe_packed", "dmmv_q8x", "dmmv_two", "dmmv_nx"}
+    assert set(D.FAMILIES) == {"dmmv", "dmmv_glu", "dmmv_moe", "dmmv_moe_packed", "dmmv_q8x", "dmmv_two", "dmmv_nx",
+                               "dmmv_three"}
     names = {k.name for f in D.FAMILIES.values() for k in f.kernels}
     for q in TYPES:
         for n in (1, 2, 4, 8):
@@ -453,6 +454,40 @@ def test_dmmv_normed_input(d, rng, q, post):
         y = cupy.asarray(y0)
         d.dmmv_glu(w1, wu, nx, y, act="geglu", accumulate=True, alpha=0.5)  # the int8 dispatch: f32 path too
         _check(y, y0 + 0.5 * ref.glu(d1, du, x, "geglu"), f"glu n={n}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q, q3", D.THREE_TYPES, ids=lambda t: NAMES.get(t, str(t)))
+def test_dmmv_three(d, rng, q, q3):
+    """q, k and v in one launch (dmmv_nx3): the third matrix of its own type, every block count
+    ragged, against the norm in float64 followed by the three matvecs; the first block's r."""
+    k = 1280  # whole blocks of every type
+    for post, shape in (("norm", (k,)), (None, (1, k))):
+        nx, x, r = _normed(rng, shape, post)
+        ws = [_weight(qt, m, k, rng) for qt, m in ((q, 37), (q, 5), (q3, 13))]
+        ys = [poison(cupy.empty(shape[:-1] + (m,), cupy.float32)) for m in (37, 5, 13)]
+        d.dmmv_three(*(w for w, _ in ws), nx, *ys)
+        for i, (y, (_, dense)) in enumerate(zip(ys, ws)):
+            _check(y, ref.matvec(dense, x), f"y{i + 1} post={post}")
+        _check(nx.residual_out, r, "residual_out")
+
+
+def test_dmmv_three_rejects(host_if_no_gpu):
+    d = DmmvDispatch()
+    z = lambda *s: cupy.zeros(s, cupy.float32)  # noqa: E731
+    q5 = QWeight(cupy.zeros(22 * 2 * 4, cupy.uint8), "Q5_0", 4, 64)
+    q4 = QWeight(cupy.zeros(18 * 2 * 4, cupy.uint8), "Q4_0", 4, 64)
+    nx = D.NormedX(z(64), z(64))
+    with pytest.raises(ValueError, match="must share a type"):
+        d.dmmv_three(q5, q4, q5, nx, z(4), z(4), z(4))
+    with pytest.raises(ValueError, match="W3 of Q4_0 beside Q5_0 is not built"):
+        d.dmmv_three(q5, q5, q4, nx, z(4), z(4), z(4))
+    with pytest.raises(TypeError, match="takes a NormedX"):
+        d.dmmv_three(q5, q5, q5, z(64), z(4), z(4), z(4))
+    with pytest.raises(ValueError, match="one column"):
+        d.dmmv_three(q5, q5, q5, D.NormedX(z(2, 64), z(64)), z(2, 4), z(2, 4), z(2, 4))
+    with pytest.raises(ValueError, match=r"y3 must have shape \(4\)"):
+        d.dmmv_three(q5, q5, q5, nx, z(4), z(4), z(5))
 
 
 @pytest.mark.gpu

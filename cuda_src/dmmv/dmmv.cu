@@ -5,6 +5,7 @@
 //   dmmv_glu  y[c] = epilogue(act(Wg x[c]) * (Wu x[c])): fused gate + up + SwiGLU / GEGLU
 //   dmmv_nx, dmmv_glu_nx  dmmv (and pair) and dmmv_glu on x = rms_norm(residual + post(proj)),
 //             computed by every block (the residual add and norm between a layer's matvecs folded in)
+//   dmmv_nx3  dmmv_nx over three matrices, the third of its own type (q, k, v), one column
 //   dmmv_q8   as dmmv (no pair), on the int8 path of the quantized types (q8.cuh); PQ: on x
 //             already quantized by
 //   quantize_x  f32 x into the int8 path's layout, once for every matvec that shares it
@@ -194,6 +195,12 @@ struct BlockRows {
     bool second;
     uint32_t m, row0;
     const uint8_t* rows[R];
+    // R rows of m from row0 of the matrix at base (dmmv_nx3's matrix 3), stored through y
+    CUKERN_DEVICE BlockRows(const uint8_t* base, uint32_t m_, uint32_t row0_, uint64_t row_bytes)
+        : second(false), m(m_), row0(row0_) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) rows[r] = base + (size_t)min(row0 + r, m - 1) * row_bytes;
+    }
     template <class P>
     CUKERN_DEVICE BlockRows(const uint8_t* w, const uint8_t* w2, const P& p) {
         second = blockIdx.x >= p.blocks1;
@@ -376,6 +383,38 @@ __global__ void __launch_bounds__(kSplitWarps * 32) dmmv_split(
     constexpr int kLanesPer = 32 / (R * NC);
     const int i = lane / kLanesPer, r = i / NC, c = i % NC;
     if (lane % kLanesPer == 0 && row0 + r < p.m) store(y + (size_t)c * p.y_stride + row0 + r, v, c, gate, p);
+}
+
+// dmmv_nx with a third matrix of its own type (a decoder layer's q, k and v in one launch; one
+// column): blocks [0, blocks1) take R rows of matrix 1, [blocks1, blocks2) R rows of matrix 2 (both
+// type QT, loop variant V), [blocks2, grid) R3 rows of matrix 3 (type QT3, variant V3).
+template <int QT, int R, int V, int QT3, int R3, int V3>
+__global__ void __launch_bounds__(kMaxWarps * 32) dmmv_nx3(
+    float* __restrict__ y,             // [m] out of matrix 1
+    float* __restrict__ y2,            // [m2] out of matrix 2
+    float* __restrict__ y3,            // [m3] out of matrix 3
+    const uint8_t* __restrict__ w,     // raw GGUF bytes; matrix 1 = m rows from w + w_offset
+    const uint8_t* __restrict__ w2,    // matrix 2 = m2 rows from w2 + w2_offset (type QT)
+    const uint8_t* __restrict__ w3,    // matrix 3 = m3 rows from w3 + w3_offset (type QT3)
+    const float* residual,             // [x_stride] f32, 16-byte aligned, k used
+    const float* proj,                 // [x_stride] f32 (post 1, 2); unused otherwise
+    const float* __restrict__ w_post,  // [k] f32 post-norm weight of proj (post 2); unused otherwise
+    const float* __restrict__ w_norm,  // [k] f32 weight of the norm that makes x
+    float* residual_out,               // [x_stride] f32: r, written by block 0 (write_out)
+    const DmmvNormParams p) {
+    extern __shared__ __align__(16) float xsm[];  // [k]
+    __shared__ float red[kMaxWarps * (R > R3 ? R : R3)];
+    if (blockIdx.x >= p.blocks2) {
+        const BlockRows<R3> b(w3 + p.w3_offset, p.m3, (blockIdx.x - p.blocks2) * R3, p.row_bytes3);
+        enter_rows<R3>(b.rows, p.row_bytes3);
+        normed_x<1>(xsm, residual, proj, w_post, w_norm, residual_out, p, red);
+        dmmv_rows<QT3, 1, R3, V3, true>(b, y3, y3, xsm, p.k, static_cast<const float*>(nullptr), p, red);
+    } else {
+        const BlockRows<R> b(w, w2, p);
+        enter_rows<R>(b.rows, p.row_bytes);
+        normed_x<1>(xsm, residual, proj, w_post, w_norm, residual_out, p, red);
+        dmmv_rows<QT, 1, R, V, true>(b, y, y2, xsm, p.k, static_cast<const float*>(nullptr), p, red);
+    }
 }
 
 template <int QT, int NC>

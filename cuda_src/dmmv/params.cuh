@@ -48,6 +48,10 @@ struct DmmvNormParams {
     float weight_offset;  // the norms multiply by (weight + weight_offset)
     uint32_t post;        // r = residual (0), residual + proj (1), residual + rms_norm(proj) * (w_post + off) (2)
     uint32_t write_out;   // 1: block 0 writes r to residual_out
+    uint64_t w3_offset;   // dmmv_nx3: bytes: where matrix 3 starts in w3
+    uint64_t row_bytes3;  // dmmv_nx3: bytes per row of matrix 3 (its own type)
+    uint32_t m3;          // dmmv_nx3: rows of matrix 3; 0 otherwise
+    uint32_t blocks2;     // dmmv_nx3: thread blocks working on matrices 1 and 2; later blocks work on matrix 3
 };
 
 // moe_dmmv, moe_dmmv_packed, moe_down: experts picked per slot from a device routing buffer

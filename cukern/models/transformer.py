@@ -40,7 +40,7 @@ from cukern.attention import PREFILL_HEAD_DIMS, AttentionDispatch, PagedKVCache
 from cukern.dispatch import bounded_put, check_array, check_int
 import dataclasses
 
-from cukern.dmmv import DmmvDispatch, NormedX, QWeight
+from cukern.dmmv import THREE_TYPES, DmmvDispatch, NormedX, QWeight
 from cukern.elementwise import ROPE_VEC_HEAD_DIMS, ElementwiseDispatch
 from cukern.matmul import GEMM_QTYPES, MatmulDispatch, PackedWeight
 from cukern.models.gguf_loader import GGUFModel, ModelConfig, load_gguf
@@ -175,7 +175,7 @@ class _Chunk:
         lm._embed(self.ids, buf, rows, stream)
         lm._layers(buf, rows, attend, self.pos, self.plan.seq_ids, "consecutive", stream)
         if logits_out is not None:
-            lm.mm.dmmv(lm.head_mv, buf.h[n - 1:n], logits_out.reshape(1, -1), stream=stream)
+            lm.mm.dmmv(lm._head(1), buf.h[n - 1:n], logits_out.reshape(1, -1), stream=stream)
 
 
 class Transformer:
@@ -317,9 +317,7 @@ class Transformer:
             self._matmul(L.wq, h, q, stream, self._gemm_copy(L, "wq", n))
             self._matmul(L.wk, h, k, stream, self._gemm_copy(L, "wk", n))
         self._matmul(L.wv, h, v, stream, self._gemm_copy(L, "wv", n))
-        if L.bq is not None:
-            for y, bias in ((q, L.bq), (k, L.bk), (v, L.bv)):
-                self.ew.bias_add(y, bias, y, stream=stream)
+        self._biases(L, q, k, v, stream)
 
     def _mlp(self, L: _Layer, buf: _Buffers, rows: slice, stream):
         c = self.cfg
@@ -350,12 +348,23 @@ class Transformer:
 
     def _normed_path(self, n: int) -> bool:
         """Whether n rows run the layers on the matvecs' normed inputs (NormedX: each residual add and
-        norm folded into the matvecs that read it, two launches a layer fewer): the f32 matvec path."""
-        return n <= MatmulDispatch.MATVEC_MAX_N and not self.mm.int8
+        norm folded into the matvecs that read it, two launches a layer fewer): one row on the f32
+        matvec path. Batches keep the norm kernels: every block of a NormedX matvec makes its columns'
+        inputs one after the other (H200, Gemma 3 270M: b1 713 against 774 us a step, b8 1,503
+        against 981; docs/notes/models.md)."""
+        return n == 1 and not self.mm.int8
+
+    def _head(self, n: int):
+        """The LM head's weights for n rows: the split Q8_0 copy for one (H200, Gemma 3's 262144 x 640:
+        72 against 159 us), the GGUF blocks for more (eight columns: 270 against 508 us)."""
+        return self.head_mv if n == 1 else self.head
 
     def _project_normed(self, L: _Layer, buf: _Buffers, rows: slice, x_in: NormedX, stream):
         """q, k, v from a NormedX: the first launch writes its residual_out, the others only read."""
         q, k, v = buf.q[rows], buf.k[rows], buf.v[rows]
+        if L.wq.qtype == L.wk.qtype and (L.wq.qtype, L.wv.qtype) in THREE_TYPES:
+            self.mm.dmmv_three(L.wq, L.wk, L.wv, x_in, q, k, v, stream=stream)
+            return self._biases(L, q, k, v, stream)
         rest = dataclasses.replace(x_in, residual_out=None) if x_in.residual_out is not None else x_in
         if L.wq.qtype == L.wk.qtype:
             self.mm.dmmv_pair(L.wq, L.wk, x_in, q, k, stream=stream)
@@ -363,6 +372,9 @@ class Transformer:
             self.mm.dmmv(L.wq, x_in, q, stream=stream)
             self.mm.dmmv(L.wk, rest, k, stream=stream)
         self.mm.dmmv(L.wv, rest, v, stream=stream)
+        self._biases(L, q, k, v, stream)
+
+    def _biases(self, L: _Layer, q, k, v, stream):
         if L.bq is not None:
             for y, bias in ((q, L.bq), (k, L.bk), (v, L.bv)):
                 self.ew.bias_add(y, bias, y, stream=stream)
@@ -521,7 +533,7 @@ class Transformer:
 
         self._embed(sp.next_ids, buf, rows, stream)
         self._layers(buf, rows, attend, d["positions"], plan.seq_ids, "per_token", stream)
-        self.mm.dmmv(self.head_mv, buf.h, d["logits"], stream=stream)
+        self.mm.dmmv(self._head(buf.n), buf.h, d["logits"], stream=stream)
         self.tok.sample(sp, d["logits"], temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                         stream=stream)
         self.tok.advance_positions(d["positions"], self.cache.lengths, plan.seq_ids, stream=stream)
