@@ -23,6 +23,11 @@ One layer, in launch order (Gemma 3; Llama-family differences in brackets)::
     a         = gelu(Wg h) * (Wu h)                     dmmv_glu          [silu]
     x, h      = x + norm(Wd a), norm_next(x)            dmmv, post_norm_residual_rms_norm  [residual_rms_norm]
 
+A decode step of one sequence folds each ``x, h`` line into the matvecs after it (``NormedX``: every
+block makes h from x and the sub-layer output, the first writes the new x into the other residual
+buffer), runs q, k and v as one launch (``dmmv_three``) and reads the LM head from its split Q8_0
+copy: seven launches a layer.
+
 A decode step (embed, every layer, LM head, sample, advance) reads its token ids, positions and
 sequence lengths from device buffers and writes the next ids back, so it is captured once as a
 CUDA graph (:func:`cukern.streams.capture_graph`) and replayed per token with no host round trip.
