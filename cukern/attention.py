@@ -63,7 +63,8 @@ _TC_KEYS = 16  # keys of a decode_tc warp tile (DecodeTcShape::KW)
 
 @dataclass(frozen=True)
 class _SplitModel:
-    """Constants of the decode split model (bytes per us, us), fitted to H100 runs of bench_attention."""
+    """Constants of the decode split model (bytes per us, us), fitted to H100 runs of bench_attention
+    (docs/notes/attention.md)."""
 
     block_rate: float  # K/V bytes one block streams per us, alone on its SM
     sm_rate: float  # ... all blocks of one SM together
@@ -86,10 +87,8 @@ class _SplitModel:
 
 _SIMT_MODEL = _SplitModel(block_rate=12.5e3, sm_rate=13.5e3, block_us=2.0, blocks_per_sm=_DECODE_BLOCKS_PER_SM)
 # decode_tc by warps per block: 4 warps (two blocks per SM up to head_dim 128, else one), 8 warps (one).
-# Fitted to H100 graph timings of B1/B32 32/8 D128 (fixed cost of a launch ~4.4 us, merge ~2 us + trips);
-# apart_us to B1 KV8k 8/1 and 4/1 D256 (2026-11-25, pdl: merged apart at 64 splits 15.7 / 13.5 us with one
-# merge block per head, 13.2 / 10.9 us with column blocks (_merge_cols4; 128 splits 13.6 / 11.3 us), in the
-# last block at its best split count 22.5 / 15.9 us; at 32/8 D128 the two places are within a few %).
+# Fitted to H100 graph timings of B1/B32 32/8 D128 (fixed cost of a launch ~4.4 us, merge ~2 us + trips) and
+# apart_us to B1 KV8k 8/1 and 4/1 D256 (docs/notes/attention.md).
 _TC_MODELS = {nw: _SplitModel(block_rate=33e3 if nw == 4 else 36e3, sm_rate=22e3, block_us=4.6 if nw == 4 else 4.3,
                               blocks_per_sm=2 if nw == 4 else 1, merge_us=2.0, merge_trip_us=0.6, threads=32 * nw,
                               apart_us=2.5, dram_rate=2.9e6) for nw in (4, 8)}
@@ -838,14 +837,8 @@ class AttentionDispatch:
         then stream with an evict-first policy so that the next launch's prefetched lines stay in L2).
 
         With t tiles a warp: none up to 2 (the prologue holds them), then t // 8 between 1 and 3, where no
-        other head block reads the same K/V. H100, pdl, graph, the default plans, in turns (prefetch 0 /
-        the old rule, 4 from t = 8 / this rule): B1 32/8 D128 KV8k (t = 4) 16.36 / 16.36 / 15.75 us, KV16k
-        28.4 / 28.6 / 27.4, KV32k 50.4 / 49.25 / 48.6, KV64k 98.5 / 95.7 / 95.0, KV128k 192.5 / 189.4 / 189.5;
-        8/1 D256 KV32k (t = 4) 22.4 / 22.4 / 21.1, 4/1 D256 KV32k 20.0 / 20.0 / 18.55; B32 KV4k (t = 64)
-        186.3 / 184.5 / 184.2. Eight tiles lost everywhere (KV128k 194.8), all of a short chunk's tiles too
-        (KV8k with 2: 17.0). The prefetches are one prefetch.global.L2 per 128-byte line (prefetch_l2_lines):
-        against one bulk prefetch per K/V slice, KV8k 15.9-16.1 -> 15.5-15.8 us in three runs in turns, KV32k
-        and KV128k within 0.5%."""
+        other head block reads the same K/V. Example: B1 32/8 D128 at 128k keys, w8 s16: 8192 keys a split,
+        t = 64, so 3 tiles (8 lost everywhere; measurements in docs/notes/attention.md)."""
         if not self.pdl or not plan.warps:
             return 0
         if self._l2_prefetch is not None:
@@ -855,22 +848,10 @@ class AttentionDispatch:
     def _ahead_tiles(self, plan: DecodePlan, tiles: int) -> int:
         """How many tiles after the one it copies next each decode_tc warp keeps L2 asked for (0: none): under
         pdl two from 48 tiles a warp, where a warp's three-stage ring is too short to keep its SM's share of DRAM
-        busy; without pdl one from 16 up to head_dim 128.
-        H100, pdl, graph, the default plans, three runs in turns (ahead 0 / 1 / 2): B1 32/8 D128 KV8k (4 tiles)
-        15.9 / 16.5 / 16.9 us, KV32k (16) 48.8 / 49.9 / 49.8, KV64k (32) 95.5 / 96.7 / 95.2, KV96k (48) 144.5 /
-        140.1 / 139.0, KV128k (64) 192.4 / 184.3 / 183.1; B32 KV4k w4 (64) 184.9 / 180.1 / 179.3; 8/1 D256 KV128k
-        (16) 53.6 / 56.6 / 57.5. Three tiles ahead lost at KV128k (185.6), four far more (210: the prefetches
-        crowd out the ring's copies, with evict_last lines too).
-
-        Without pdl (no prefetch before the wait, no next launch overlapping this one's tail) one tile ahead pays
-        from 16 tiles a warp: B1 KV32k (16) 54.5 -> 51.9-52.6 us, KV64k (32) 101.4-106.3 -> 97.0-98.2, KV128k (64)
-        184.3-184.6 -> 182.7-183.9 (two ahead 54.1-54.4, 98.5-100.8, 184.3-184.6; three 189.3-190.3; torch SDPA
-        51.5-52.1, 95.3-95.6, 180.6-181.0; under pdl one ahead lost at KV32k, 48.4 -> 50.1); B8 KV4k s2 (16)
-        54.2 -> 52.5 against SDPA's 51.6; but B32 KV4k 4/1 D256 s4 (16, a two-stage ring) 57.2 -> 58.2.
-
-        K/V then stream evict-first (as under pdl's prefetch), so that the lines asked for stay in L2 until the
-        ring copies them: without pdl, B1 KV128k 195.5 -> 184.4-185.2 us (torch SDPA 180.6-181.6; three turns,
-        H100, 2026-11-27)."""
+        busy; without pdl one from 16 up to head_dim 128. K/V then stream evict-first, so that the lines asked
+        for stay in L2 until the ring copies them. Example: B1 32/8 D128 at 128k keys, w8 s16, t = 64 tiles a
+        warp: 2 under pdl, 1 without (three ahead lost, four far more: the prefetches crowd out the ring's
+        copies; measurements in docs/notes/attention.md)."""
         if not plan.warps:
             return 0
         if self._l2_ahead is not None:

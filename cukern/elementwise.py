@@ -61,8 +61,9 @@ _ROPE_MAX_TOKENS = 8
 _ROPE_VEC_LPH = (4, 8, 16, 32)
 ROPE_VEC_HEAD_DIMS = tuple(8 * lph for lph in _ROPE_VEC_LPH)  # the vectorised RoPE kernels' head dims
 _ROPE_VEC_ROWS = 2  # VEC_ROWS in rope_vec.cuh
-# k_norm_rope_kv_vec: consecutive head rows per thread (its ROWS argument): 2 (H100, 16384x8x128 f16: 95% of
-# copy; 1: 87%, 4: 93%, 8: 91%), or 1 below _K_ROPE_FEW_ROWS rows (decode 1x8x128: 2.17 us; 2: 2.42 us)
+# k_norm_rope_kv_vec: consecutive head rows per thread (its ROWS argument): 2, or 1 below _K_ROPE_FEW_ROWS rows,
+# where fewer, smaller blocks lose more than the pairs gain (e.g. 16384x8x128 f16: 2 rows; decode 1x8x128: 1;
+# docs/notes/elementwise.md)
 _K_ROPE_ROWS = (1, 2)
 _K_ROPE_FEW_ROWS = 4096
 _RESIDENT_ROPE_BLOCKS = 8  # 256-thread blocks per SM (2048 threads)
@@ -74,9 +75,9 @@ _TOPK_EPL = (2, 4, 8)  # experts per lane of softmax_topk_reg: n_experts <= 32 *
 _TOPK_MAX_EXPERTS = 2048  # 4 warps x 2048 x 4 B = 32 KiB of shared memory
 # softmax_topk_lanes (a group of 8 lanes per token): (V, M) instances, n_experts <= 32 V, n_experts % 4 == 0,
 # 16-byte aligned logits, k <= _TOPK_LANES_KMAX; M kept logits per lane: the first M with k <= 4 M. From
-# _TOPK_LANES_MIN_TOKENS tokens (H100, 128 experts, k = 8: lanes vs warp kernel 2.59 / 2.16 us at 64 tokens,
-# 4.79 / 4.47 at 4096, 11.5 / 21.5 at 32768, 58.2 / 155 at 262144; the thread-per-token kernel it replaced
-# took 20.3 and 106); the warp kernels serve fewer tokens and the other shapes.
+# _TOPK_LANES_MIN_TOKENS tokens, where the lanes' parallelism beats a warp per token (e.g. 128 experts, k = 8:
+# the warp kernel ahead at 4096 tokens, the lanes 2x at 32768; docs/notes/elementwise.md); the warp kernels
+# serve fewer tokens and the other shapes.
 _TOPK_LANES_V = (1, 2, 4, 8)
 _TOPK_LANES_M = (1, 2, 4)
 _TOPK_LANES_KMAX = 16
@@ -92,10 +93,9 @@ _DELTANET_TILED_DK = (64, 128)
 _ROUTER_SMALL = (1, 1, 256)  # (experts, tokens, threads) per block below _ROUTER_BATCH tokens
 _ROUTER_LARGE = (8, 8, 64)  # fewer threads: each covers more of n_embd before the 64-value reduction
 _ROUTER_BATCH = 16
-# router_gemm (register-tiled f32 GEMM) from _ROUTER_GEMM_MIN_TOKENS tokens and _ROUTER_GEMM_MIN_EXPERTS experts;
-# H100, n_embd 2048, 128 experts, gemm vs the tiled matvec (cuBLAS sgemm): 129 vs 321 (100) us at 8192 tokens,
-# 77 vs 86 at 2048, 76 vs 25 at 512; 8192 x 4096 @ 64: 241 vs 313; 8192 x 2880 @ 32: 167 vs 124. (columns per
-# stage, stages) instances: (32, 4) beat (16, 3) at every shape (8192 tokens: 129 vs 145 us) and is the one kept.
+# router_gemm (register-tiled f32 GEMM) from _ROUTER_GEMM_MIN_TOKENS tokens and _ROUTER_GEMM_MIN_EXPERTS experts,
+# the tiled matvec below. Example: n_embd 2048, 128 experts, 8192 tokens: the GEMM 129 us against 321 (at 512
+# tokens the matvec wins, 25 against 76; docs/notes/elementwise.md).
 _ROUTER_GEMM_MIN_TOKENS = 4096
 _ROUTER_GEMM_MIN_EXPERTS = 64
 _ROUTER_GEMM_TILE = (32, 128, 128)  # (tokens, experts, threads) per block: RG_TOKENS, RG_EXPERTS, RG_THREADS

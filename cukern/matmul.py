@@ -3,133 +3,38 @@ gate+up+activation GEMMs, one-pass activation quantizers and the whole-matrix de
 
 Kernels: ``cuda_src/matmul/`` (block formats in ``cuda_src/common/quants.cuh``, Q8_1 in
 ``cuda_src/common/q8_1.cuh``); float64 references: ``cukern/reference/matmul.py``; tests:
-``tests/test_matmul.py``; benchmark: ``profiling/bench_matmul.py``.
+``tests/test_matmul.py``; benchmark: ``profiling/bench_matmul.py``; measurements and the designs
+not kept: ``docs/notes/matmul.md``.
 
 Layouts (the dmmv family's): a weight is a :class:`cukern.dmmv.QWeight` (raw GGUF bytes, type,
-``m`` rows of ``k`` elements, byte offset). Activations ``b`` are ``[n, k]`` (one row per token,
-i.e. a column-major K x N matrix), outputs ``d`` are ``[n, m]``; both may be row-strided views
-(unit stride along the row). ``b`` is f32 or f16; ``d`` is f32.
+``m`` rows of ``k`` elements, byte offset). Activations ``b`` are ``[n, k]`` (one row per token),
+outputs ``d`` are ``[n, m]``; both may be row-strided views (unit stride along the row). ``b`` is
+f32 or f16; ``d`` is f32.
 
 Paths (:meth:`MatmulDispatch.plan_path` is the rule, :meth:`MatmulDispatch.matmul` applies it,
-``path=`` overrides it):
+``path=`` overrides it): ``"matvec"`` for N <= 8 (the dmmv family's batched matvec reads the
+weights once per launch), ``"int8"`` only when the activations already are Q8_1 (it never beat the
+f16 path), ``"f16"`` otherwise. The f16 path (:meth:`gemm`, :meth:`gemm_glu`) has two kernels:
 
-* ``"f16"`` (:meth:`gemm`, :meth:`gemm_glu`), two kernels:
+* ``gemm_wgr`` (gemm_wgr.cuh; sm_90a, from ``WG_MIN_N`` = 256 columns, ``wgmma=`` overrides):
+  ``wgmma`` with the weights dequantized straight into the A-operand registers, activations
+  (an f32 b first rounded to f16 into a staging buffer) by the tensor copy engine. Token tile
+  (128 or 256) and K split come from a stage-cost model over the waves of CTAs (``_wgr_plan``).
+  On a :class:`PackedWeight` (:meth:`pack`, :meth:`pack_glu`: weights repacked tile-major once at
+  load) the same kernel moves each super-stage by one bulk copy and runs at any N.
+* ``gemm_f16`` (gemm.cuh; any arch): W dequantized to f16 tiles in shared memory,
+  ``mma.sync.m16n8k16``; token tiles 16..128, K split across CTAs (atomics into a zeroed ``d``)
+  when the tile grid cannot fill the GPU.
 
-  - ``gemm_wgr`` (gemm_wgr.cuh; Hopper only, N >= ``WG_MIN_N`` = 256, ``wgmma=`` overrides; an
-    f32 b is first rounded to f16 into the dispatch's staging buffer, see below):
-    ``wgmma.mma_async`` m64nNk16 with the weights dequantized straight into the A-operand
-    registers and the activations (B) in shared memory. CTA: a producer warpgroup (the tensor
-    copy engine loads 64-element activation stages through a tensor map, 128-byte swizzle, 4-6
-    slots; three warps copy raw GGUF super-stages by cp.async) and two consumer warpgroups of 64
-    weight rows x 128 or 256 tokens each, mbarrier rings between them, one CTA per SM. Token tile
-    and K split (whole 256-element super-stages, atomics into a zeroed ``d``) come from a
-    stage-cost model over the waves of CTAs (``_wgr_plan``; ``WG_TILE`` forces the tile). The
-    A fragments come from f16 arithmetic on the exact integer quants: the _0 types are the values
-    :meth:`dequantize` writes, the K-quants carry one more f16 rounding (their scale and min split
-    into two halves; ``cukern.reference.matmul.wgr_values`` is the same arithmetic in float64). The
-    activations' tensor map (:func:`cukern.dispatch.tensor_map_2d`) is cached per array. The f16
-    units are compiled for sm_90a on an sm_90 device (NVRTC to a cubin, loaded through
-    ``cupy.RawModule(path=)``: CuPy's own compile always appends ``-arch=sm_90``), cached under
-    CUPY_CACHE_DIR.
-  - ``gemm_wgr`` on a :class:`PackedWeight` (:meth:`pack`, packed_wgr.cuh; Hopper, any N): the same
-    kernel on weights repacked once on the device, at load, for prefill: per 128-row tile and
-    256-element super-block one contiguous chunk (rows of 160 bytes for Q4_K, 320 for the byte
-    layouts of Q4_0, Q5_0, Q8_0, Q5_K and Q6_K), each lane's quants of a 64-element stage contiguous
-    and the scales already f16 (Q4_K, Q5_K: f16(d sc) and f16(-dmin m) per sub-block; Q6_K f16(d sc)
-    per 16-group; the _0 types their d). One thread issues one bulk copy (cp.async.bulk) per
-    super-stage where three warps issued ~2,000 16-byte copies, and a lane converts a stage with two
-    8- or 16-byte shared loads and ~4 instructions per f16 pair. Values: the _0 types exactly
-    :meth:`dequantize`'s, the K-quants within one f16 rounding of the scale (and min) more
-    (``cukern.reference.matmul.pack_wgr`` builds the bytes bit for bit and the values). The packed
-    copy costs 5 (Q4_K) to 10 bits a weight beside the GGUF bytes, which the matvec path reads.
-    :meth:`pack_glu` packs a gated MLP's gate and up matrices into one PackedWeight whose tiles hold
-    64 rows of each, as the fused GLU reads them (:meth:`gemm_glu` with ``w_up=None``).
-  - ``gemm_f16`` (gemm.cuh; any arch, f32 or f16 b): raw GGUF super-stages (256 elements) copied
-    to shared memory by coalesced cp.async, W dequantized to f16 tiles there, B converted to f16
-    tiles, ``mma.sync.m16n8k16`` with f32 accumulation. Token tiles of 16/32/64/128 (the smallest
-    that holds N, 128 beyond); when the tile grid cannot fill the GPU (small N), K is split across
-    CTAs whose partial sums are added with atomics into ``d`` (zeroed first by a fill on the same
-    stream). The fused gate+up GEMMs never split K.
-* ``"int8"`` (:meth:`gemm_q8`, :meth:`gemm_q8_glu`): Q8_1 activations against int8 quants on
-  ``mma.sync`` s8 tensor cores (m16n8k32; m16n8k16 for Q6_K's 16-element scales); exact integer
-  dot products per 32-block, scales in f32. ``gemm_q8_glu`` can emit Q8_1/Q8_0 for the next one.
-  The minimum arch is sm_80 (``runtime.MIN_ARCH``), where int8 ``mma.sync`` always exists, so
-  there is no DP4a fallback to select. The s32 dot products start at a 1.5 * 2^23 bias and reach
-  f32 by two FMAs (no conversion instructions); 128-token tiles (N > 64) run one CTA per SM with 3
-  activation stages and a whole raw super-stage in flight. Latency-bound (H100, 2026-11-22,
-  14336x4096: 0.27x-0.29x of dequant + cuBLAS at N = 512, 0.20x at N = 2048; ncu at N = 2048: 31%
-  issue-slot use, 78% excess L2 sectors from the 4-byte cp.async of 36-byte Q8_1 blocks).
-* ``"matvec"``: the dmmv family's batched matvec (``DmmvDispatch.dmmv``), weights read once per
-  launch of up to 8 columns.
+The int8 path (:meth:`gemm_q8`, :meth:`gemm_q8_glu`) runs Q8_1 activations against int8 quants on
+``mma.sync`` s8 tensor cores with exact integer dot products per 32-block.
 
-Measured (H100, 2026-11-26, ``profiling/bench_matmul.py``, the session's last run, f16
-activations, ratios = peer time / cukern time; eager timings over 10 back-to-back calls on both
-sides, graph replays below ~50 us; 4096x4096, 14336x4096, 4096x14336; Q4_K, Q6_K, Q8_0, Q5_0):
-
-=====  ===================================  ===================================
-N      ``gemm`` vs dmmv batched matvec      ``gemm`` vs dequant + cuBLAS
-=====  ===================================  ===================================
-16     1.2x - 2.6x faster (gemm_f16)        1.6x - 5.0x faster (gemm_f16)
-64     3.4x - 7.5x faster (gemm_f16)        1.06x - 2.2x faster (gemm_f16)
-512    (not run)                            0.97x - 1.49x (gemm_wgr; 4096x4096 Q6_K 0.97x,
-                                            Q5_0 1.02x, the rest 1.05x or more)
-2048   (not run)                            0.77x - 1.03x (gemm_wgr; Q4_K 0.86x - 1.03x,
-                                            Q8_0 0.88x - 1.02x, Q5_0 0.79x - 0.92x, Q6_K
-                                            0.77x - 0.84x: slower but for two rows)
-=====  ===================================  ===================================
-
-The session's two earlier runs put N = 512 at 1.03x - 1.45x and 0.97x - 1.44x (4096x4096 Q6_K and
-Q5_0 are the rows that move around 1.0) and N = 2048 at 0.72x - 1.05x.
-
-On packed weights (:meth:`pack`; H100, 2026-11-26, ninth session, ``bench_matmul.py``, two runs, the
-same method and peers): N = 512 1.11x - 1.59x for all twelve rows in both; N = 2048 1.02x - 1.18x but
-for 4096x4096 Q4_K (0.98x, 0.91x; 1.05x graph-timed in turns with the peer,
-``profiling/probe_matmul_packed.py``) and 4096x4096 Q5_0 in the second run (0.98x). The GGUF-byte
-rows of the same runs: N = 2048 0.72x - 1.02x. What the packing changed (probe, 14336x4096 N = 2048): the layout alone
-(row-major, copied as the GGUF bytes are) took Q4_K 479 -> 439 us and Q6_K 596-618 -> 478-495, not
-Q8_0 (the copies, not the conversion, held it); the tile-major bulk copies then 439 -> ~385-414,
-Q8_0 494-504 -> 382-406, Q6_K -> 369-413.
-Tenth session (from N = 512 the gemm rows and the peer timed in turns, three rounds, medians; d by
-tensor stores). With a five-slot activation ring three runs put packed 14336x4096 Q4_K N = 2048 at
-1.009x, 0.997x and 0.978x; with the ring capped at four slots (gemm_wgr_stages) the last two runs:
-packed N = 512 1.18x - 1.64x and 1.26x - 1.63x, N = 2048 1.05x - 1.16x and 1.06x - 1.17x (all 24 rows
-ahead in both); the GGUF bytes N = 512 1.06x - 1.35x and 1.04x - 1.37x, N = 2048 0.74x - 0.93x and
-0.76x - 0.97x. The fused GLU on a pair packed by :meth:`pack_glu` (2x14336x4096, N = 512): 1.43x
-(Q4_K) and 1.52x (Q8_0) two dequantize + cuBLAS products without the activation.
-From f32 activations the same rows run at 0.75x - 1.36x (N = 512): gemm_wgr after an f16 cast
-into the staging buffer (before 2026-11-26 they took gemm_f16, 0.24x - 0.33x).
-
-so: ``"matvec"`` for N <= 8 (one dmmv launch reads the weights once; not measured against the
-GEMM below N = 16), ``"f16"`` above, ``"int8"`` only when the activations already are Q8_1 (it
-never beat the f16 path).
-
-gemm_wgr replaced gemm_wg (2026-11-23 to -26), which had both operands in shared memory: every
-warp dequantized f16 W tiles that wgmma read back, activations came by 16-byte cp.async. It ran at
-0.37x-0.57x (N = 512) and 0.34x-0.43x (N = 2048) of dequantize + cuBLAS and gemm_wgr at 1.7-2x it
-(CUDA-graph replays, same run). A warp-specialized variant of it (a producer warpgroup
-dequantizing into f16 W tiles for two consumers, 2-CTA multicast of the activations) was no
-faster: the f16 round trip through shared memory cost more than the MMAs.
-What limits gemm_wgr (``profiling/probe_matmul_wgr.py --skips``, 14336x4096 N = 2048, graph
-replays): the MMAs alone take 296 us (812 TFLOP/s), the MMAs and activation copies 311, without
-the dequantization 346-383, the whole kernel 440-500 (Q8_0, Q4_K) and 530-560 (Q6_K), where
-dequantize + cuBLAS takes ~390-410. ncu (Q4_K): tensor pipe 57% busy, 0.37 instructions issued
-per cycle and scheduler at 7.4 cycles each; the consumers' dequantization does not hide under the
-MMAs with two warps per scheduler. Its stalls sit on the integer-pipe instructions (dispatch and
-math-pipe stalls on LOP3/PRMT/SHF), almost none on wgmma.wait: the tensor core waits for the
-consumers. The K-quants' f16 arithmetic and fewer instructions per stage (2026-11-26: Q4_K 270 ->
-227, Q8_0 181 -> 153, Q6_K 358 -> 312 per warp and stage) took ~11% off Q4_K and ~5% off Q8_0 and
-Q6_K; Q6_K and Q5_0 stay the furthest from the target, which needs fewer conversion instructions
-per element still (the register budget allows no more consumer warps).
-
-Every method validates its arguments and raises TypeError/ValueError before any launch; nothing
-here synchronises or reads device values (graph-capturable), and nothing allocates device memory
-but :meth:`pack` and :meth:`pack_glu` (the packed copy they return) and the f16 staging buffer of f32
-activations on the gemm_wgr path: one per (k, stream), allocated
-by the first such call and regrown by a call with more rows (so run one call of each shape
-before capturing a graph of them). :meth:`gemm` and :meth:`gemm_glu` replay a repeated call's
-checked launch (same weights, buffers, shapes, dtypes and options; the last 256 distinct calls),
-so an eager prefill loop pays the checks once per call site: host time per call 9-16 us instead
-of 40-58 on the H100 machine (profiling/probe_host_cost.py).
+Every method validates its arguments before any launch; nothing here synchronises or reads device
+values (graph-capturable), and nothing allocates device memory but :meth:`pack` / :meth:`pack_glu`
+and the f16 staging buffer of f32 activations (one per (k, stream), regrown by a call with more rows:
+run one call of each shape before capturing a graph). :meth:`gemm` and :meth:`gemm_glu` replay a
+repeated call's checked launch (the last 256 distinct calls), so an eager prefill loop pays the
+checks once per call site.
 """
 
 from __future__ import annotations
@@ -419,8 +324,8 @@ class MatmulDispatch(Dispatch):
     # ------------------------------------------------------------------ path choice
     @staticmethod
     def plan_path(qtype: int, n: int, *, q8_1: bool = False) -> str:
-        """The path for N = ``n`` token columns of a weight of type ``qtype`` (the module
-        docstring has the measurements): ``"matvec"`` when ``n <= MATVEC_MAX_N``, ``"int8"``
+        """The path for N = ``n`` token columns of a weight of type ``qtype`` (measurements:
+        docs/notes/matmul.md): ``"matvec"`` when ``n <= MATVEC_MAX_N``, ``"int8"``
         when the activations are already Q8_1 (``q8_1``), else ``"f16"``. ``qtype`` is kept
         for type-dependent thresholds (none measured so far)."""
         if n <= MatmulDispatch.MATVEC_MAX_N:
@@ -535,8 +440,8 @@ class MatmulDispatch(Dispatch):
 
     # ------------------------------------------------------------------ repeated calls
     # A prefill loop issues the same GEMMs (same weights, activation and output buffers) layer after
-    # layer; validation, planning and packing them again cost more host time than a 4096x4096 N = 512
-    # product takes on an H100 (~40 us). gemm and gemm_glu therefore keep each call's checked launch,
+    # layer; validation, planning and packing them again can cost more host time than the product
+    # takes (a 4096x4096 N = 512 one: ~40 us). gemm and gemm_glu therefore keep each call's checked launch,
     # keyed by everything the checks and the plan read (pointers, shapes, strides, dtypes, options),
     # and replay it when the same call comes again. A kept launch holds bare pointers, not arrays.
     _REPLAYS = 256  # calls remembered per dispatch
@@ -582,8 +487,7 @@ class MatmulDispatch(Dispatch):
         """Whether a GGUF-byte gemm / gemm_glu runs on gemm_wgr: forced by ``wgmma``, else from WG_MIN_N
         columns on sm_90 where every weight row is 16-byte aligned. Rows that are not (k = 640 in Q5_0 or
         Q8_0: 440 or 680 bytes) reach shared memory by 2-byte copies, which gemm_wgr's three producer warps
-        issue far slower than gemm_f16's whole CTA: Gemma 3 270M's prefill of 1024 tokens, H200, 14.7 ms
-        on gemm_wgr against 10.2 ms on gemm_f16."""
+        issue far slower than gemm_f16's whole CTA (docs/notes/matmul.md)."""
         if wgmma is not None and not isinstance(wgmma, bool):
             raise TypeError(f"wgmma must be None, True or False, got {wgmma!r}")
         if wgmma is False or (wgmma is None and (n < self.WG_MIN_N or not _raw16(w, w2))):
@@ -616,11 +520,11 @@ class MatmulDispatch(Dispatch):
         with resolve_stream(stream):
             view[...] = b  # an elementwise cast on the launch stream
 
-    # gemm_wgr's time per 64-element stage at 128 tokens relative to 256 (H100, every SM busy:
-    # 0.72 against 1.05 us; the dequantization per stage is the same, the MMAs half), and a CTA's
-    # fixed cost (pipeline fill, epilogue) and a K split's (the memset of d, the atomics), in
-    # 256-token stages. 4096x4096 N = 512 (graph replays): 256 tokens x 2 slices 41-49 us against
-    # 128 tokens unsplit 48-60 us.
+    # gemm_wgr's time per 64-element stage at 128 tokens relative to 256 (the dequantization per stage
+    # is the same, the MMAs half), and a CTA's fixed cost (pipeline fill, epilogue) and a K split's (the
+    # memset of d, the atomics), in 256-token stages. Example, 4096x4096 N = 512 on 132 SMs (32 row
+    # tiles, 64 stages): 256 tokens x 2 slices = 64 CTAs x 32 stages, one wave: 32 + 4 + 6 = 42; 128
+    # tokens unsplit = 128 CTAs x 64 stages, one wave: 64 * 0.69 + 4 = 48.2; so 256 x 2 slices.
     _WGR_STAGE_COST = {128: 0.69, 256: 1.0}
     _WGR_CTA_COST, _WGR_SPLIT_COST = 4.0, 6.0
 
@@ -872,7 +776,7 @@ class MatmulDispatch(Dispatch):
     def pack(self, w: QWeight, *, stream=None) -> PackedWeight:
         """``w`` repacked into gemm_wgr's layout (:class:`PackedWeight`), on the device: a one-time step at
         load for the prefill GEMMs, which then run 1.05-1.6x as fast as dequantize + cuBLAS at N >= 512
-        (H100; the module docstring). A PackedWeight goes through :meth:`gemm` only (not :meth:`matmul`
+        (docs/notes/matmul.md). A PackedWeight goes through :meth:`gemm` only (not :meth:`matmul`
         or the matvec path, which take the QWeight). Every type of the tiled GEMM, with k a multiple of 256;
         the packed bytes are 5 (Q4_K) to 10 (the byte layouts) bits a weight."""
         w = self._weight("w", w)

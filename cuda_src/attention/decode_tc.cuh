@@ -41,38 +41,6 @@
 #include "attention/decode.cuh"
 #include "attention/params.cuh"
 
-// Profiling only (profiling/attention_blocks.py builds the variants): CUKERN_DECODE_EARLY caps the prologue
-// tiles issued before pdl_wait; with CUKERN_DECODE_CLOCKS=1 thread 0 of every block records
-// %globaltimer at entry, after pdl_wait, after the block's last tile, and on leaving, with its SM, in
-// cukern_decode_clocks[5 * block + 0..4] (block = the linear block index of the launch).
-#ifndef CUKERN_DECODE_EARLY  // profiling: at most this many prologue tiles are issued before pdl_wait
-#define CUKERN_DECODE_EARLY NS
-#endif
-#ifndef CUKERN_DECODE_CLOCKS
-#define CUKERN_DECODE_CLOCKS 0
-#endif
-#if CUKERN_DECODE_CLOCKS
-extern "C" {
-__device__ unsigned long long cukern_decode_clocks[5 * 8192];
-}
-#define CUKERN_DECODE_CLOCK(i)                                                                        \
-    do {                                                                                              \
-        const uint32_t blk = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);          \
-        if (threadIdx.x == 0 && blk < 8192) {                                                         \
-            unsigned long long t;                                                                     \
-            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));                                     \
-            cukern_decode_clocks[5 * blk + (i)] = t;                                                  \
-            if ((i) == 0) {                                                                           \
-                uint32_t sm;                                                                          \
-                asm("mov.u32 %0, %%smid;" : "=r"(sm));                                                \
-                cukern_decode_clocks[5 * blk + 4] = sm;                                               \
-            }                                                                                         \
-        }                                                                                             \
-    } while (0)
-#else
-#define CUKERN_DECODE_CLOCK(i) do {} while (0)
-#endif
-
 namespace cukern {
 namespace attn {
 
@@ -135,7 +103,6 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
     if (dyn_smem < (uint32_t)Sh::SMEM) __trap();
     pdl_launch_dependents();
-    CUKERN_DECODE_CLOCK(0);
 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int g = lane / 4, tq = lane % 4;  // fragment row (the head) 0..7 and column pair 0..3
@@ -202,7 +169,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
     int early = 0;  // prologue tiles issued before the wait
 #pragma unroll
     for (int st = 0; st < NS - 1; ++st) {
-        if (st < CUKERN_DECODE_EARLY && st < my_tiles && key0(st) + KW < r.hi) {
+        if (st < my_tiles && key0(st) + KW < r.hi) {
             issue(st, st, row_of(rows0[st]));
             cp_async_commit();
             early = st + 1;
@@ -221,7 +188,6 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
         if (st < pf_end) ask_l2(st, row_of(rows0[st]), min(c1, r.hi - 1));
     for (int32_t i = PRE; i < pf_end; ++i) ask_l2(i, row_of(lookup(i)), min(c1, r.hi - 1));
     pdl_wait();  // the previous kernel in the stream is done: q, sinks, outputs, partials and counters
-    CUKERN_DECODE_CLOCK(1);
 #pragma unroll
     for (int st = 0; st < NS - 1; ++st) {
         if (st >= early) {
@@ -368,7 +334,6 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
     }
     cp_async_wait_all();  // (only the epoch words and empty groups can be left) the stages become the merge scratch
     __syncthreads();
-    CUKERN_DECODE_CLOCK(2);
 
     // the warp's state: red[warp][g][d] relative to its maximum m, its sum of weights over the quad
     float* const red = reinterpret_cast<float*>(smem_raw);
@@ -387,5 +352,4 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
     __syncthreads();
     decode_finish<D, G, WARPS>(red, sm_m, sm_l, &sm_last, o, lse, o_part, lse_part, counters, sinks, p,
                                qi, split, h0, n_h, merge_wait ? sm_epochs[grid_row & 3] : -1);
-    CUKERN_DECODE_CLOCK(3);
 }
