@@ -35,7 +35,7 @@ _LAZY = {
     "TokensDispatch": "cukern.tokens",
     "DmmvDispatch": "cukern.dmmv",
     "MatmulDispatch": "cukern.matmul",
-    "AttentionDispatch": "cukern.attention", "PagedKVCache": "cukern.attention",
+    "AttentionDispatch": "cukern.attention", "PagedKVCache": "cukern.attention", "DecodeOverrides": "cukern.attention",
 }
 
 

@@ -35,8 +35,8 @@ from cukern import runtime
 from cukern.dispatch import Dispatch, check_array, check_int
 from cukern.runtime import FamilySpec, KernelSpec
 
-__all__ = ["AttentionDispatch", "PagedKVCache", "PageAllocator", "DecodePlan", "BatchedPlan", "FAMILY", "FAMILIES",
-           "HEAD_DIMS", "BF16"]
+__all__ = ["AttentionDispatch", "PagedKVCache", "PageAllocator", "DecodePlan", "DecodeOverrides", "BatchedPlan",
+           "FAMILY", "FAMILIES", "HEAD_DIMS", "BF16"]
 
 BF16 = "bfloat16"
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256, 512)  # decode and the cache
@@ -467,6 +467,52 @@ class _nullctx:
 
 # ============================================================================= plans
 
+@dataclass(frozen=True)
+class DecodeOverrides:
+    """Overrides of :meth:`AttentionDispatch.plan_decode`'s heuristics, as FlashInfer's ``plan(...)`` keywords:
+    every field None (the default) leaves that choice to the plan. For tests, benchmarks and tuning; the
+    heuristics' reasons and measurements are in ``docs/notes/attention.md``.
+
+    Attributes
+    ----------
+    warps : int or None
+        Warps per block of the tensor-core decode (``decode_tc``): 4, or 8 up to head_dim 128. Ignored by the
+        SIMT kernel (f32 caches, head_dim 512).
+    merge_apart : bool or None
+        Where split states merge (``n_splits > 1``): True in a :meth:`AttentionDispatch.merge_states` launch after
+        the decode, False in the decode's last block to finish. None: the split model's choice.
+    l2_prefetch : int or None
+        ``decode_tc`` warp tiles after the prologue's asked of L2 before ``pdl_wait`` (>= 0; only under pdl).
+        None: :meth:`AttentionDispatch._prefetch_tiles`'s rule.
+    l2_ahead : int or None
+        ``decode_tc``'s in-loop L2 prefetch distance in warp tiles (>= 0). None:
+        :meth:`AttentionDispatch._ahead_tiles`'s rule.
+    evict_first : bool or None
+        Whether ``decode_tc`` streams K/V with an L2 evict-first policy. None: wherever it prefetches.
+    """
+
+    warps: int | None = None
+    merge_apart: bool | None = None
+    l2_prefetch: int | None = None
+    l2_ahead: int | None = None
+    evict_first: bool | None = None
+
+    def __post_init__(self):
+        if self.warps is not None and (isinstance(self.warps, bool) or self.warps not in (4, 8)):
+            raise ValueError(f"DecodeOverrides.warps must be None, 4 or 8, got {self.warps!r}")
+        for f in ("merge_apart", "evict_first"):
+            v = getattr(self, f)
+            if v is not None and not isinstance(v, bool):
+                raise TypeError(f"DecodeOverrides.{f} must be None, True or False, got {v!r}")
+        for f in ("l2_prefetch", "l2_ahead"):
+            v = getattr(self, f)
+            if v is not None and (not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"DecodeOverrides.{f} must be None or an int >= 0, got {v!r}")
+
+
+_NO_OVERRIDES = DecodeOverrides()
+
+
 @dataclass
 class DecodePlan:
     """Host-side schedule and device buffers of one decode batch (see AttentionDispatch.plan_decode)."""
@@ -479,11 +525,10 @@ class DecodePlan:
     head_block: int  # query heads per block (template G)
     warps: int  # decode_tc: warps per block (template NW); 0: the SIMT kernel
     merge_apart: bool  # n_splits > 1: the states merged by a merge_states launch, not by the decode's last block
-    merge_wait: bool  # merged in the launch by the first split's block, which waits for the others' states
     o_part: cupy.ndarray | None  # [batch, n_splits, n_heads, head_dim] f32 (n_splits > 1)
     lse_part: cupy.ndarray  # [batch, n_splits, n_heads] f32
-    counters: cupy.ndarray  # [batch * n_kv_heads * head blocks, padded to fours] int32 zeros: blocks done per merge
-    #                         (left zero; merge_wait: the epoch of the next launch, 0 / 1)
+    counters: cupy.ndarray  # [batch * n_kv_heads * head blocks] int32 zeros: blocks done per merge (left zero)
+    overrides: DecodeOverrides = _NO_OVERRIDES  # what plan_decode was asked to override (the launch reads its L2 fields)
 
     @property
     def batch(self) -> int:
@@ -616,15 +661,6 @@ class AttentionDispatch:
         self._device = device
         self.pdl = bool(pdl)
         self._units = {name: _Unit(spec, device) for name, spec in FAMILIES.items()}
-        self._tc_warps: int | None = None  # probes: force decode_tc's warps per block (4 or 8)
-        self._l2_prefetch: int | None = None  # probes: force decode_tc's L2 prefetch (warp tiles) under pdl
-        self._evict_first: bool | None = None  # probes: force the evict-first K/V policy (None: with a prefetch)
-        self._merge_apart: bool | None = None  # probes / tests: force where split states merge (None: the model)
-        self._l2_ahead: int | None = None  # probes: force decode_tc's in-loop L2 prefetch distance (warp tiles)
-        # probes / tests: True merges split states by the first split's polling block where the grid fits at once
-        # (merge_wait); off by default until an intermittent test mismatch with it on is explained (see
-        # profiling/attention_probe.py's notes of 2026-11-27)
-        self._merge_wait = False
 
     def _unit(self, kind: str, prefill: bool = False) -> _Unit:
         return self._units[f"attention_prefill_{_SHORT[kind]}" if prefill else
@@ -695,20 +731,24 @@ class AttentionDispatch:
 
     # ------------------------------------------------------------------ decode
     def plan_decode(self, cache: PagedKVCache, seq_ids, n_heads: int, *, max_kv_len: int | None = None,
-                    n_splits: int | None = None, window_left: int = -1) -> DecodePlan:
+                    n_splits: int | None = None, window_left: int = -1,
+                    overrides: DecodeOverrides | None = None) -> DecodePlan:
         """Schedule a decode batch: one query token for each sequence of ``seq_ids`` (host ints).
 
         Validates the slots, uploads them, picks the split count (default: :func:`_choose_splits`, chunks
         of at least 32 tokens, at most 256 splits; ``n_splits`` overrides it), with it the tensor-core
-        kernel's warps and where the splits merge (``merge_apart``, and ``merge_wait`` where it is asked for,
-        see :meth:`flash_attn_decode`; that asks the driver how many blocks an SM holds, which compiles the
-        kernel now), and allocates the partial buffers and the merge counters. ``max_kv_len`` (default: the longest of
+        kernel's warps and where the splits merge (``merge_apart``, see :meth:`flash_attn_decode`), and
+        allocates the partial buffers and the merge counters. ``overrides`` (a :class:`DecodeOverrides`)
+        forces any of those choices and the launch's L2 settings. ``max_kv_len`` (default: the longest of
         these sequences now) sizes the chunks; a sequence that later grows past it is still computed
         right (its last chunk runs to its end), only less parallel. Reuse the plan across steps (and
         graph replays) while the batch holds, on one stream at a time (launches of one plan share its
         partial buffers and counters)."""
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+        ov = _NO_OVERRIDES if overrides is None else overrides
+        if not isinstance(ov, DecodeOverrides):
+            raise TypeError(f"overrides must be a DecodeOverrides, got {type(overrides).__name__}")
         ids = _int_list("seq_ids", seq_ids)
         if len(ids) > 65535:
             raise ValueError(f"at most 65535 sequences per decode call, got {len(ids)}")
@@ -734,11 +774,13 @@ class AttentionDispatch:
         if not tc:
             models = [(0, _SIMT_MODEL)]
         else:
-            nws = (self._tc_warps,) if self._tc_warps is not None else _tc_warps(d)
+            if ov.warps is not None and ov.warps not in _tc_warps(d):
+                raise ValueError(f"overrides.warps: decode_tc at head_dim {d} runs {_tc_warps(d)} warps, got {ov.warps}")
+            nws = (ov.warps,) if ov.warps is not None else _tc_warps(d)
             models = [(nw, _TC_MODELS[nw] if d <= 128 else _TC_MODEL_WIDE) for nw in nws]
         aparts = (False, True) if tc else (False,)
-        if self._merge_apart is not None:
-            aparts = (self._merge_apart,)
+        if ov.merge_apart is not None:
+            aparts = (ov.merge_apart,)
         cands = []  # (modelled us, warps, merge apart, splits); a given n_splits leaves the rest to choose
         for nw, base in models:
             for apart in aparts:
@@ -748,21 +790,12 @@ class AttentionDispatch:
                 cands.append((_split_time(n, blocks, visible, row_bytes, state_bytes, sms, model), nw, apart, n))
         _, warps, apart, n_splits = min(cands)
         apart = apart and n_splits > 1
-        # merge_wait (opt-in): decode_tc merges the states in the launch by the first split's block, which polls the
-        # others' (no fence, no counter), where every block of the grid is resident at once: it waits for the others
-        wait = bool(self._merge_wait and tc and n_splits > 1 and not apart and blocks * n_splits
-                    <= sms * self._unit(cache.kind).resident_blocks(f"decode_tc<{_CTYPE[cache.kind]}, {d}, {warps}>",
-                                                                    32 * warps, _decode_tc_smem(d, warps)))
         b = len(ids)
-        if wait:  # words of parity 1 (lowest bit set): the first launch (epoch 0) writes parity 0
-            o_part = cupy.full((b, n_splits, n_heads, d), 0xFFFFFFFF, cupy.uint32).view(cupy.float32)
-            lse_part = cupy.full((b, n_splits, n_heads), 0xFFFFFFFF, cupy.uint32).view(cupy.float32)
-        else:
-            o_part = cupy.empty((b, n_splits, n_heads, d), cupy.float32) if n_splits > 1 else None
-            lse_part = cupy.empty((b, n_splits, n_heads), cupy.float32)
-        counters = cupy.zeros(-(-blocks // 4) * 4, cupy.int32)  # padded to fours (decode_tc reads 16 bytes)
+        o_part = cupy.empty((b, n_splits, n_heads, d), cupy.float32) if n_splits > 1 else None
+        lse_part = cupy.empty((b, n_splits, n_heads), cupy.float32)
+        counters = cupy.zeros(blocks, cupy.int32)
         return DecodePlan(cache, cupy.asarray(ids.astype(np.int32)), int(n_heads), max_kv_len, int(n_splits), hb,
-                          int(warps), apart, wait, o_part, lse_part, counters)
+                          int(warps), apart, o_part, lse_part, counters, ov)
 
     def flash_attn_decode(self, plan: DecodePlan, layer: int, q: cupy.ndarray, out: cupy.ndarray, *,
                           scale: float = 0.0, window_left: int = -1, softcap: float = 0.0,
@@ -775,11 +808,7 @@ class AttentionDispatch:
         query heads of their group. With ``plan.n_splits > 1`` the chunks write normalised partial
         (O, LSE) into the plan's buffers and, in the same launch, one block of each (query, head block)
         merges them (as :meth:`merge_states` would), adding the sinks once: the last block to finish (an
-        atomic counter), or with ``plan.merge_wait`` (opt-in, a probe setting for now) the first split's
-        block, which polls the other blocks' states (tagged with the launch's parity, so no fence or
-        counter; only for the tensor-core kernel where the whole grid fits on the SMs at once, and it
-        cannot deadlock while the SMs hold more blocks than the grid has merging blocks, since every other
-        block finishes without waiting); or, with ``plan.merge_apart``, a :meth:`merge_states` launch after
+        atomic counter); or, with ``plan.merge_apart``, a :meth:`merge_states` launch after
         the decode merges them (blocks of columns of each query and head instead of one block per head
         block: the plan's choice where that single block's merge would be long, e.g. head_dim 256 with one
         KV head).
@@ -810,15 +839,15 @@ class AttentionDispatch:
         tiles = -(-chunk // (_TC_KEYS * plan.warps)) if plan.warps else 0  # decode_tc: 16-key tiles a warp
         pf = self._prefetch_tiles(plan, tiles, nhb)
         ahead = self._ahead_tiles(plan, tiles)
+        ef = plan.overrides.evict_first
         unit = self._unit(cache.kind)
         params = unit.struct("DecodeParams").pack(
             n_queries=b, n_seqs=b, batched=0, n_heads=h, n_kv_heads=cache.n_kv_heads, group=group, n_head_blocks=nhb,
             page_size=cache.page_size, max_pages=cache.max_pages_per_seq, n_splits=plan.n_splits,
             chunk=chunk, has_sinks=int(sinks is not None), causal=1,
             write_lse=int(lse is not None), page_shift=_page_shift(cache.page_size),
-            l2_prefetch=pf, evict_first=int(pf > 0 or ahead > 0 if self._evict_first is None else self._evict_first),
-            merge_apart=int(plan.merge_apart), l2_ahead=ahead, merge_wait=int(plan.merge_wait),
-            **fields)
+            l2_prefetch=pf, evict_first=int(pf > 0 or ahead > 0 if ef is None else ef),
+            merge_apart=int(plan.merge_apart), l2_ahead=ahead, pad0=0, **fields)
         if plan.warps:
             name, smem = f"decode_tc<{_CTYPE[cache.kind]}, {d}, {plan.warps}>", _decode_tc_smem(d, plan.warps)
         else:
@@ -841,8 +870,8 @@ class AttentionDispatch:
         t = 64, so 3 tiles (8 lost everywhere; measurements in docs/notes/attention.md)."""
         if not self.pdl or not plan.warps:
             return 0
-        if self._l2_prefetch is not None:
-            return self._l2_prefetch
+        if plan.overrides.l2_prefetch is not None:
+            return plan.overrides.l2_prefetch
         return min(3, max(1, tiles // 8)) if n_head_blocks == 1 and tiles > 2 else 0
 
     def _ahead_tiles(self, plan: DecodePlan, tiles: int) -> int:
@@ -854,8 +883,8 @@ class AttentionDispatch:
         copies; measurements in docs/notes/attention.md)."""
         if not plan.warps:
             return 0
-        if self._l2_ahead is not None:
-            return self._l2_ahead
+        if plan.overrides.l2_ahead is not None:
+            return plan.overrides.l2_ahead
         if self.pdl:
             return 2 if tiles >= 48 else 0
         return 1 if tiles >= 16 and plan.cache.head_dim <= 128 else 0
@@ -978,7 +1007,7 @@ class AttentionDispatch:
             n_head_blocks=nhb, page_size=cache.page_size, max_pages=cache.max_pages_per_seq, n_splits=1,
             chunk=cache.capacity_tokens(), has_sinks=int(sinks is not None), causal=int(causal),
             write_lse=int(lse is not None), page_shift=_page_shift(cache.page_size), l2_prefetch=0,
-            evict_first=0, merge_apart=0, l2_ahead=0, merge_wait=0, **fields)
+            evict_first=0, merge_apart=0, l2_ahead=0, pad0=0, **fields)
         lse_arg = lse if lse is not None else out
         unit._launch(f"decode<{_CTYPE[cache.kind]}, {d}, {hb}>", (1, cache.n_kv_heads * nhb, n_q), _DECODE_THREADS,
                      (out, lse_arg, out, lse_arg, plan.seq_ids, q, cache.k_pools[layer], cache.v_pools[layer],
