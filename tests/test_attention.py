@@ -672,7 +672,7 @@ def test_reference_split_merge_equals_whole(rng):
 
 def test_merge_cols4():
     """merge_states' column blocks: whole heads once the rows fill the SMs, else at least 8 float4s."""
-    from cukern.attention import _merge_cols4
+    from cukern.attention.plan import _merge_cols4
     assert _merge_cols4(8, 256, 132) == 8      # B1, 8 heads of 256: 8 column blocks per head, 64 blocks
     assert _merge_cols4(32, 128, 132) == 8     # B1 32 heads of 128: 4 per head
     assert _merge_cols4(256, 128, 132) == 32   # enough rows: one block per row
@@ -681,7 +681,7 @@ def test_merge_cols4():
 
 
 def test_choose_splits_fills_waves_without_needless_partials():
-    from cukern.attention import _choose_splits
+    from cukern.attention.plan import _choose_splits
     row = 2 * 128 * 2  # f16 D128: a K and a V row of one KV head
     assert _choose_splits(8, 8192, row, 4 * 128 * 8, 132) == 33      # B1, 8 KV heads: one full wave of 264 blocks
     assert _choose_splits(256, 4096, row, 4 * 128 * 8, 132) == 1     # B32: 256 blocks already fill the wave

@@ -24,9 +24,9 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from cukern import matmul as M  # noqa: E402
 from cukern.dmmv import QWeight  # noqa: E402
 from cukern.matmul import MatmulDispatch  # noqa: E402
+from cukern.matmul import common as M  # noqa: E402 (the family's constants and operand helpers)
 from cukern.reference import matmul as ref  # noqa: E402
 from cukern.reference import dmmv as dmmv_ref  # noqa: E402
 from cukern.testing import assert_close, poison  # noqa: E402

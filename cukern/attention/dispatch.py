@@ -1,155 +1,39 @@
-"""AttentionDispatch and PagedKVCache: paged KV cache, split-KV decode, tensor-core prefill, varlen.
+"""AttentionDispatch: the family's compilation units and the launches (cache writes, split-KV decode,
+merge, tensor-core batched prefill and varlen).
 
-Kernels: ``cuda_src/attention/``; float64 references: ``cukern/reference/attention.py``;
-tests: ``tests/test_attention.py``; benchmark: ``profiling/bench_attention.py``.
-
-Conventions (every method):
-
-* a query at position ``i`` sees key ``j`` when ``max(0, i - window_left) <= j <= i``
-  (``window_left < 0``: no window); the last query of a sequence sits at its last cached
-  token, so queries are aligned to the end of the cache (``seq_start = kv_len - q_len``);
-* logits are ``scale * q.k`` (``scale = 0`` means ``1 / sqrt(head_dim)``), then
-  ``softcap * tanh(logit / softcap)`` when ``softcap > 0``;
-* ``sinks`` ([n_heads] f32) are one logit per query head that joins the softmax denominator
-  exactly once (gpt-oss), never scaled or capped;
-* every log-sum-exp (LSE) is a **natural** logarithm, laid out ``[tokens, heads]`` f32;
-* bfloat16 arrays are passed as ``uint16`` bit patterns (NumPy and CuPy have no bfloat16
-  dtype; an ``ml_dtypes`` bfloat16 array is accepted too).
-
-Host work (validating sequence ids against the allocator, choosing the split count,
-uploading index arrays, allocating workspaces) happens in :class:`PagedKVCache` and in the
-``plan_*`` methods; the dispatch methods then only pack a struct and launch, so they can be
-captured in CUDA graphs (FlashInfer's plan/run split).
+Each method validates its arguments, packs one params struct and launches; the host work is in the
+plans (:mod:`cukern.attention.plan`) and the cache (:mod:`cukern.attention.cache`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
 
 import cupy
 import numpy as np
 
-from cukern import runtime
-from cukern.dispatch import Dispatch, check_array, check_int
+from cukern.attention.cache import BF16, HEAD_DIMS, PagedKVCache
+from cukern.attention.plan import (_ITEMSIZE, _MAX_SPLITS, _MERGE_THREADS, _NO_OVERRIDES, _TC_DECODE_MAX_D, _TC_GROUP,
+                                   _TC_KEYS, BatchedPlan, DecodeOverrides, DecodePlan, _decode_smem, _decode_tc_smem,
+                                   _groups, _head_block, _merge_cols4, _prefill_shape, _prefill_wg_shape, _schedule,
+                                   _tc_decode, _tc_warps)
+from cukern.dispatch import Unit, check_array, check_int
 from cukern.runtime import FamilySpec, KernelSpec
 
-__all__ = ["AttentionDispatch", "PagedKVCache", "PageAllocator", "DecodePlan", "DecodeOverrides", "BatchedPlan",
-           "FAMILY", "FAMILIES", "HEAD_DIMS", "BF16"]
+__all__ = ["AttentionDispatch", "FAMILY", "FAMILIES", "PREFILL_HEAD_DIMS", "PREFILL_WG_HEAD_DIMS"]
 
-BF16 = "bfloat16"
-HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256, 512)  # decode and the cache
 PREFILL_HEAD_DIMS = HEAD_DIMS[:-1]  # tensor-core prefill / varlen (512: use f32 queries, SIMT path)
 PREFILL_WG_HEAD_DIMS = (128, 256)  # prefill_wg (Hopper wgmma) head dims; the others run prefill (mma.sync)
-_GROUPS = (1, 4, 8)  # query heads per decode block (GQA heads beyond 8 take several blocks)
 _CTYPE = {"float16": "__half", BF16: "__nv_bfloat16", "float32": "float"}
 _SHORT = {"float16": "f16", BF16: "bf16", "float32": "f32"}
-_ITEMSIZE = {"float16": 2, BF16: 2, "float32": 4}
 _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)
 _DECODE_THREADS = 128
-_MERGE_THREADS = 128
 _KV_WRITE_THREADS = 128
-_MIN_CHUNK = 32  # smallest KV chunk of a split (tokens)
-_MAX_SPLITS = 256  # grid.x of a decode launch; the merging block reads n_splits partial states
-_DECODE_PIPE_BYTES = 64 * 1024  # K/V stages of a decode block (DECODE_PIPE_BYTES in decode.cuh)
-_DECODE_BLOCKS_PER_SM = 2  # decode's __launch_bounds__ minimum: resident blocks per SM in the split model
-_TC_DECODE_MAX_D = 256  # decode_tc: f16/bf16 caches up to this head_dim
-_TC_GROUP = 8  # query heads per decode_tc block (DecodeTcShape::G)
-_DECODE_TC_WARP_BYTES = 26 * 1024  # DECODE_TC_WARP_BYTES in decode_tc.cuh
-_TC_KEYS = 16  # keys of a decode_tc warp tile (DecodeTcShape::KW)
-
-
-@dataclass(frozen=True)
-class _SplitModel:
-    """Constants of the decode split model (bytes per us, us), fitted to H100 runs of bench_attention
-    (docs/notes/attention.md)."""
-
-    block_rate: float  # K/V bytes one block streams per us, alone on its SM
-    sm_rate: float  # ... all blocks of one SM together
-    block_us: float  # a block's start-up and epilogue
-    blocks_per_sm: int  # resident blocks per SM (the kernel's __launch_bounds__ minimum)
-    merge_rate: float = 64e3  # partial-state bytes the merging block reads per us
-    merge_us: float = 1.0  # the merge's fixed cost (counter, weights)
-    # decode_tc's form of the model (used when merge_trip_us > 0): the merging block's threads each combine
-    # float4 columns of 16 states per L2 round trip; the SMs in use share dram_rate
-    merge_trip_us: float = 0.0  # one round trip of the merge's loads
-    threads: int = 128  # threads of a block
-    dram_rate: float = 0.0  # K/V bytes per us of the whole device
-    # merge_apart (decode_tc): the states merged by a merge_states launch after the decode (blocks of columns of
-    # each query and head) instead of by the decode's last block: apart_us fixed, then one merge_trip_us per 8
-    # states of a thread group (merge.cuh: 128 threads in groups of _merge_cols4 columns)
-    merge_apart: bool = False
-    apart_us: float = 0.0
-    head_dim: int = 128
-
-
-_SIMT_MODEL = _SplitModel(block_rate=12.5e3, sm_rate=13.5e3, block_us=2.0, blocks_per_sm=_DECODE_BLOCKS_PER_SM)
-# decode_tc by warps per block: 4 warps (two blocks per SM up to head_dim 128, else one), 8 warps (one).
-# Fitted to H100 graph timings of B1/B32 32/8 D128 (fixed cost of a launch ~4.4 us, merge ~2 us + trips) and
-# apart_us to B1 KV8k 8/1 and 4/1 D256 (docs/notes/attention.md).
-_TC_MODELS = {nw: _SplitModel(block_rate=33e3 if nw == 4 else 36e3, sm_rate=22e3, block_us=4.6 if nw == 4 else 4.3,
-                              blocks_per_sm=2 if nw == 4 else 1, merge_us=2.0, merge_trip_us=0.6, threads=32 * nw,
-                              apart_us=2.5, dram_rate=2.9e6) for nw in (4, 8)}
-_TC_MODEL_WIDE = _SplitModel(block_rate=30e3, sm_rate=22e3, block_us=4.6, blocks_per_sm=1, merge_us=2.0,
-                             merge_trip_us=0.6, threads=128, dram_rate=2.9e6, apart_us=2.5)  # head_dim > 128: 4 warps
-
-
-def _groups(d: int) -> tuple[int, ...]:
-    """Query heads per decode block available at head_dim d (8 heads of 512 would spill registers)."""
-    return _GROUPS if d <= 256 else _GROUPS[:-1]
-
-
-def _decode_smem(kind: str, d: int, g: int) -> int:
-    """Dynamic shared bytes of decode<T, d, g>: DecodeShape::SMEM in cuda_src/attention/decode.cuh (the
-    kernel traps when launched with less)."""
-    vec = 16 // _ITEMSIZE[kind]
-    nv = d // vec
-    lpk = min(nv & -nv, 32)
-    vpl = nv // lpk
-    step = 4 * (32 // lpk)
-    s = max(1, (2 if g >= 8 else 4) // vpl)
-    stage = 2 * s * step * nv * 16
-    ns = min(8, max(2, _DECODE_PIPE_BYTES // stage))
-    return max(ns * stage, 4 * g * d * 4)
-
-
-def _prefill_shape(d: int) -> tuple[int, int, int]:
-    """(threads, query rows per block, dynamic shared bytes) of prefill<T, d> (PrefillShape)."""
-    mt = 2 if d <= 128 else 1
-    bn = 64 if d <= 128 else 32
-    bm = 64 * mt
-    return 128, bm, (bm + 4 * bn) * (d + 8) * 2
-
-
-def _prefill_wg_shape(d: int) -> tuple[int, int, int]:
-    """(threads, query rows per block, dynamic shared bytes) of prefill_wg<T, d> (PrefillWgShape): two
-    warpgroups of 64 rows; 1 KB of alignment slack, the Q tile and two stages of K and V tiles of 128 keys
-    (64 at head_dim 256)."""
-    bn = 64 if d > 128 else 128
-    return 256, 128, 1024 + 128 * d * 2 + 4 * bn * d * 2
 
 
 def _page_shift(page_size: int) -> int:
     return page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
-
-
-def _tc_decode(kind: str, d: int) -> bool:
-    """Whether decode of this cache runs decode_tc (tensor cores): f16/bf16 K/V, head_dim up to 256."""
-    return kind != "float32" and d <= _TC_DECODE_MAX_D
-
-
-def _decode_tc_smem(d: int, nw: int) -> int:
-    """Dynamic shared bytes of decode_tc<T, d, nw>: DecodeTcShape::SMEM in cuda_src/attention/decode_tc.cuh."""
-    stage = 2 * 16 * (d + 8)  # elements of K and V of a 16-key warp tile
-    ns = min(8, max(2, _DECODE_TC_WARP_BYTES // (2 * stage)))
-    return max(nw * ns * stage * 2, nw * _TC_GROUP * d * 4)
-
-
-def _tc_warps(d: int) -> tuple[int, ...]:
-    """Warp counts of decode_tc at head_dim d (8 warps need ~26 KB of stages each: up to d = 128)."""
-    return (4, 8) if d <= 128 else (4,)
 
 
 def _decode_unit(kv: str) -> FamilySpec:
@@ -165,29 +49,23 @@ def _decode_unit(kv: str) -> FamilySpec:
     return FamilySpec(name, tuple(kernels), source="attention/attention.cu", params_header="attention/params.cuh")
 
 
-def _prefill_unit(kv: str) -> FamilySpec:
+def _prefill_unit(kv: str, kernel: str = "prefill") -> FamilySpec:
+    """The unit of ``kernel`` (prefill: mma.sync, PREFILL_HEAD_DIMS; prefill_wg: wgmma, PREFILL_WG_HEAD_DIMS) for
+    one KV dtype."""
     t = _CTYPE[kv]
-    kernels = [KernelSpec(f"prefill<{t}, {d}, {paged}>", "PrefillParams")
-               for d in PREFILL_HEAD_DIMS for paged in ("true", "false")]
-    return FamilySpec(f"attention_prefill_{_SHORT[kv]}", tuple(kernels), source="attention/prefill.cu",
+    dims = PREFILL_WG_HEAD_DIMS if kernel == "prefill_wg" else PREFILL_HEAD_DIMS
+    kernels = [KernelSpec(f"{kernel}<{t}, {d}, {paged}>", "PrefillParams") for d in dims for paged in ("true", "false")]
+    return FamilySpec(f"attention_{kernel}_{_SHORT[kv]}", tuple(kernels), source=f"attention/{kernel}.cu",
                       params_header="attention/params.cuh")
 
 
-def _prefill_wg_unit(kv: str) -> FamilySpec:
-    t = _CTYPE[kv]
-    kernels = [KernelSpec(f"prefill_wg<{t}, {d}, {paged}>", "PrefillParams")
-               for d in PREFILL_WG_HEAD_DIMS for paged in ("true", "false")]
-    return FamilySpec(f"attention_prefill_wg_{_SHORT[kv]}", tuple(kernels), source="attention/prefill_wg.cu",
-                      params_header="attention/params.cuh")
-
-
-_SM90A_UNITS = {f"attention_prefill_wg_{_SHORT[kv]}" for kv in ("float16", BF16)}  # built for sm_90a on sm_90
+_SM90A_UNITS = {f"attention_prefill_wg_{_SHORT[kv]}" for kv in ("float16", BF16)}  # built for sm_90a on sm_90 (Unit)
 
 
 # One RawModule per unit: decode + cache writes + merge per KV dtype, prefill and prefill_wg per dtype.
 FAMILIES = {spec.name: spec for spec in (
     [_decode_unit(kv) for kv in ("float16", BF16, "float32")] + [_prefill_unit(kv) for kv in ("float16", BF16)]
-    + [_prefill_wg_unit(kv) for kv in ("float16", BF16)])}
+    + [_prefill_unit(kv, "prefill_wg") for kv in ("float16", BF16)])}
 FAMILY = FAMILIES["attention"]
 
 
@@ -201,26 +79,6 @@ def _kind(a) -> str:
     if dt == np.uint16 or str(dt) == BF16:
         return BF16
     return "other"
-
-
-def _norm_kv_dtype(dtype) -> str:
-    if isinstance(dtype, str) and dtype.lower() in (BF16, "bf16"):
-        return BF16
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"KV dtype must be float16, bfloat16 or float32, got {dtype!r}") from None
-    if dt == np.float16:
-        return "float16"
-    if dt == np.float32:
-        return "float32"
-    if str(dt) == BF16:
-        return BF16
-    raise TypeError(f"KV dtype must be float16, bfloat16 or float32, got {dt}")
-
-
-def _storage(kind: str) -> np.dtype:
-    return np.dtype(np.uint16) if kind == BF16 else np.dtype(kind)
 
 
 def _check_kind(name: str, a, kinds: tuple[str, ...]) -> str:
@@ -238,392 +96,6 @@ def _int_list(name: str, values) -> np.ndarray:
     if arr.ndim != 1 or arr.size == 0 or arr.dtype.kind not in "iu":
         raise ValueError(f"{name} must be a non-empty 1-D sequence of integers, got {values!r}")
     return arr.astype(np.int64)
-
-
-# ============================================================================= paged cache
-
-class PageAllocator:
-    """The host side of a paged KV cache: page table, lengths, free list and page reference counts.
-
-    Pure NumPy (no GPU): :class:`PagedKVCache` wraps one and mirrors its rows on the device. Every
-    mutation checks first and changes nothing when it raises ValueError (bad slot, full pool,
-    sequence longer than its page-table row)."""
-
-    def __init__(self, n_pages: int, page_size: int, max_seqs: int, max_pages_per_seq: int | None = None):
-        n_pages, max_seqs = check_int("n_pages", n_pages, 1), check_int("max_seqs", max_seqs, 1)
-        page_size = check_int("page_size (tokens)", page_size, 1, 256)
-        max_pages_per_seq = n_pages if max_pages_per_seq is None else check_int("max_pages_per_seq",
-                                                                                  max_pages_per_seq, 1)
-        if n_pages * page_size >= 2**31 or max_pages_per_seq * page_size >= 2**31:
-            raise ValueError("positions and page rows must fit in int32")
-        self.n_pages, self.page_size = int(n_pages), int(page_size)
-        self.max_seqs, self.max_pages_per_seq = int(max_seqs), int(max_pages_per_seq)
-        self.page_table = np.full((self.max_seqs, self.max_pages_per_seq), -1, np.int32)  # -1: no page
-        self.lengths = np.zeros(self.max_seqs, np.int32)
-        self.active = np.zeros(self.max_seqs, bool)
-        self.refs = np.zeros(self.n_pages, np.int32)  # sequences holding each page
-        self._free = list(range(self.n_pages - 1, -1, -1))  # pop() hands out low page ids first
-
-    @property
-    def n_free_pages(self) -> int:
-        return len(self._free)
-
-    def capacity_tokens(self) -> int:
-        return self.max_pages_per_seq * self.page_size
-
-    def n_pages_for(self, n_tokens: int) -> int:
-        return -(-n_tokens // self.page_size)
-
-    def active_slots(self) -> list[int]:
-        return [int(s) for s in np.flatnonzero(self.active)]
-
-    def check_slot(self, slot) -> int:
-        slot = check_int("sequence id", slot)
-        if not 0 <= slot < self.max_seqs or not self.active[slot]:
-            raise ValueError(f"sequence {slot} does not exist (active: {self.active_slots()})")
-        return int(slot)
-
-    def pages(self, slot: int) -> list[int]:
-        slot = self.check_slot(slot)
-        return [int(p) for p in self.page_table[slot, :self.n_pages_for(int(self.lengths[slot]))]]
-
-    def _free_slot(self) -> int:
-        free_slots = np.flatnonzero(~self.active)
-        if free_slots.size == 0:
-            raise ValueError(f"no free sequence slot (max_seqs = {self.max_seqs})")
-        return int(free_slots[0])
-
-    def _check_pages(self, n: int, what: str) -> None:
-        if n > len(self._free):
-            raise ValueError(f"{what}: the page pool is full ({n} pages needed, {len(self._free)} free "
-                             f"of {self.n_pages})")
-
-    def _take(self, n: int) -> list[int]:
-        pages = [self._free.pop() for _ in range(n)]
-        self.refs[pages] = 1
-        return pages
-
-    def add(self, length: int = 0) -> int:
-        """A new sequence with room for ``length`` tokens; returns its slot."""
-        length = check_int("length", length, 0)
-        if length > self.capacity_tokens():
-            raise ValueError(f"length {length} exceeds max_pages_per_seq * page_size = {self.capacity_tokens()}")
-        slot = self._free_slot()
-        n = self.n_pages_for(length)
-        self._check_pages(n, "add")
-        self.active[slot] = True
-        self.page_table[slot] = -1
-        self.page_table[slot, :n] = self._take(n)
-        self.lengths[slot] = length
-        return slot
-
-    def extend(self, slot: int, n: int = 1) -> int:
-        """Grow a sequence by ``n`` tokens; returns the first new position."""
-        slot = self.check_slot(slot)
-        n = check_int("n", n, 0)
-        old = int(self.lengths[slot])
-        if old + n > self.capacity_tokens():
-            raise ValueError(f"sequence {slot}: {old} + {n} tokens exceed max_pages_per_seq * page_size = "
-                             f"{self.capacity_tokens()}")
-        have, need = self.n_pages_for(old), self.n_pages_for(old + n)
-        self._check_pages(need - have, f"extend sequence {slot}")
-        self.page_table[slot, have:need] = self._take(need - have)
-        self.lengths[slot] = old + n
-        return old
-
-    def fork(self, slot: int) -> tuple[int, tuple[int, int] | None]:
-        """A new sequence with the same tokens: full pages shared, a partly filled last page copied.
-        Returns (child slot, (src page, dst page) to copy on the device, or None)."""
-        slot = self.check_slot(slot)
-        child = self._free_slot()
-        n = int(self.lengths[slot])
-        n_full, n_all = n // self.page_size, self.n_pages_for(n)
-        self._check_pages(n_all - n_full, f"fork sequence {slot}")
-        self.active[child] = True
-        self.page_table[child] = -1
-        self.page_table[child, :n_full] = self.page_table[slot, :n_full]
-        self.refs[self.page_table[slot, :n_full]] += 1
-        copy = None
-        if n_all > n_full:
-            dst = self._take(1)[0]
-            self.page_table[child, n_full] = dst
-            copy = (int(self.page_table[slot, n_full]), dst)
-        self.lengths[child] = n
-        return child, copy
-
-    def free(self, slot: int) -> None:
-        """Release a sequence and every page no other sequence holds."""
-        slot = self.check_slot(slot)
-        for page in self.page_table[slot, :self.n_pages_for(int(self.lengths[slot]))]:
-            self.refs[page] -= 1
-            if self.refs[page] == 0:
-                self._free.append(int(page))
-        self.active[slot] = False
-        self.page_table[slot] = -1
-        self.lengths[slot] = 0
-
-
-class PagedKVCache:
-    """Per-layer K and V page pools, a page table and sequence lengths on the device, planned by a
-    host :class:`PageAllocator` (``.alloc``).
-
-    Device arrays (point other kernels at them, e.g. the elementwise family's fused
-    norm + RoPE + KV write):
-
-    * ``k_pools[layer]``, ``v_pools[layer]``: ``[n_pages, page_size, n_kv_heads, head_dim]``
-      (float16, float32, or bfloat16 stored as uint16);
-    * ``page_table``: ``[max_seqs, max_pages_per_seq]`` int32, the page ids of each slot's
-      sequence in order, -1 where no page is assigned;
-    * ``lengths``: ``[max_seqs]`` int32, tokens cached per slot (0 for free slots).
-
-    Sequences live in slots ``0 .. max_seqs-1``. :meth:`add`, :meth:`extend`, :meth:`fork`
-    and :meth:`free` update the allocator and upload the changed page-table row and length
-    (small host-to-device copies on ``stream``); they are host work, not meant for a captured
-    graph. A full pool or a bad slot raises ValueError and changes nothing.
-
-    Token ``pos`` of a slot lives in page ``page_table[slot, pos // page_size]``, row
-    ``pos % page_size`` (``cuda_src/common/kv_cache.cuh``). :meth:`fork` shares the full
-    pages of the parent (reference-counted) and copies the partly filled last page, so both
-    sequences can be extended independently; rewriting a shared position changes both.
-    """
-
-    def __init__(self, n_layers: int, n_pages: int, page_size: int, n_kv_heads: int, head_dim: int, *,
-                 max_seqs: int, max_pages_per_seq: int | None = None, dtype="float16", device: int | None = None):
-        n_layers, n_kv_heads = check_int("n_layers", n_layers, 1), check_int("n_kv_heads", n_kv_heads, 1)
-        if check_int("head_dim", head_dim) not in HEAD_DIMS:
-            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim!r}")
-        self.kind = _norm_kv_dtype(dtype)
-        self.alloc = PageAllocator(n_pages, page_size, max_seqs, max_pages_per_seq)
-        self.n_layers, self.n_kv_heads, self.head_dim = int(n_layers), int(n_kv_heads), int(head_dim)
-        self.n_pages, self.page_size = self.alloc.n_pages, self.alloc.page_size
-        self.max_seqs, self.max_pages_per_seq = self.alloc.max_seqs, self.alloc.max_pages_per_seq
-        shape = (self.n_pages, self.page_size, self.n_kv_heads, self.head_dim)
-        st = _storage(self.kind)
-        with cupy.cuda.Device(device) if device is not None else _nullctx():
-            self.k_pools = [cupy.zeros(shape, st) for _ in range(self.n_layers)]
-            self.v_pools = [cupy.zeros(shape, st) for _ in range(self.n_layers)]
-            self.page_table = cupy.asarray(self.alloc.page_table)
-            self.lengths = cupy.asarray(self.alloc.lengths)
-
-    @property
-    def dtype(self) -> str:
-        """'float16', 'bfloat16' or 'float32'."""
-        return self.kind
-
-    @property
-    def n_free_pages(self) -> int:
-        return self.alloc.n_free_pages
-
-    def length(self, slot: int) -> int:
-        return int(self.alloc.lengths[self.alloc.check_slot(slot)])
-
-    def pages(self, slot: int) -> list[int]:
-        return self.alloc.pages(slot)
-
-    def capacity_tokens(self) -> int:
-        return self.alloc.capacity_tokens()
-
-    def _upload(self, slot: int, stream=None) -> None:
-        st = stream if stream is not None else cupy.cuda.get_current_stream()
-        self.page_table[slot].set(self.alloc.page_table[slot], stream=st)
-        self.lengths[slot:slot + 1].set(self.alloc.lengths[slot:slot + 1], stream=st)
-
-    def add(self, length: int = 0, *, stream=None) -> int:
-        """A new sequence with room for ``length`` tokens (their K/V still to be written); returns its slot."""
-        slot = self.alloc.add(length)
-        self._upload(slot, stream)
-        return slot
-
-    def extend(self, slot: int, n: int = 1, *, stream=None) -> int:
-        """Grow a sequence by ``n`` tokens (pages assigned as needed); returns the first new position."""
-        old = self.alloc.extend(slot, n)
-        self._upload(slot, stream)
-        return old
-
-    def fork(self, slot: int, *, stream=None) -> int:
-        """A copy of a sequence (shared full pages, copied last page); returns the new slot."""
-        child, copy = self.alloc.fork(slot)
-        if copy is not None:
-            st = stream if stream is not None else cupy.cuda.get_current_stream()
-            with st:
-                for pool in (*self.k_pools, *self.v_pools):
-                    pool[copy[1]] = pool[copy[0]]
-        self._upload(child, stream)
-        return child
-
-    def free(self, slot: int, *, stream=None) -> None:
-        """Release a sequence and the pages no other sequence shares."""
-        self.alloc.free(slot)
-        self._upload(int(slot), stream)
-
-
-class _nullctx:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-# ============================================================================= plans
-
-@dataclass(frozen=True)
-class DecodeOverrides:
-    """Overrides of :meth:`AttentionDispatch.plan_decode`'s heuristics, as FlashInfer's ``plan(...)`` keywords:
-    every field None (the default) leaves that choice to the plan. For tests, benchmarks and tuning; the
-    heuristics' reasons and measurements are in ``docs/notes/attention.md``.
-
-    Attributes
-    ----------
-    warps : int or None
-        Warps per block of the tensor-core decode (``decode_tc``): 4, or 8 up to head_dim 128. Ignored by the
-        SIMT kernel (f32 caches, head_dim 512).
-    merge_apart : bool or None
-        Where split states merge (``n_splits > 1``): True in a :meth:`AttentionDispatch.merge_states` launch after
-        the decode, False in the decode's last block to finish. None: the split model's choice.
-    l2_prefetch : int or None
-        ``decode_tc`` warp tiles after the prologue's asked of L2 before ``pdl_wait`` (>= 0; only under pdl).
-        None: :meth:`AttentionDispatch._prefetch_tiles`'s rule.
-    l2_ahead : int or None
-        ``decode_tc``'s in-loop L2 prefetch distance in warp tiles (>= 0). None:
-        :meth:`AttentionDispatch._ahead_tiles`'s rule.
-    evict_first : bool or None
-        Whether ``decode_tc`` streams K/V with an L2 evict-first policy. None: wherever it prefetches.
-    """
-
-    warps: int | None = None
-    merge_apart: bool | None = None
-    l2_prefetch: int | None = None
-    l2_ahead: int | None = None
-    evict_first: bool | None = None
-
-    def __post_init__(self):
-        if self.warps is not None and (isinstance(self.warps, bool) or self.warps not in (4, 8)):
-            raise ValueError(f"DecodeOverrides.warps must be None, 4 or 8, got {self.warps!r}")
-        for f in ("merge_apart", "evict_first"):
-            v = getattr(self, f)
-            if v is not None and not isinstance(v, bool):
-                raise TypeError(f"DecodeOverrides.{f} must be None, True or False, got {v!r}")
-        for f in ("l2_prefetch", "l2_ahead"):
-            v = getattr(self, f)
-            if v is not None and (not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0):
-                raise ValueError(f"DecodeOverrides.{f} must be None or an int >= 0, got {v!r}")
-
-
-_NO_OVERRIDES = DecodeOverrides()
-
-
-@dataclass
-class DecodePlan:
-    """Host-side schedule and device buffers of one decode batch (see AttentionDispatch.plan_decode)."""
-
-    cache: PagedKVCache
-    seq_ids: cupy.ndarray  # [batch] int32 slots
-    n_heads: int
-    max_kv_len: int  # grid bound: chunks are sized from it, the last chunk runs to the real length
-    n_splits: int
-    head_block: int  # query heads per block (template G)
-    warps: int  # decode_tc: warps per block (template NW); 0: the SIMT kernel
-    merge_apart: bool  # n_splits > 1: the states merged by a merge_states launch, not by the decode's last block
-    o_part: cupy.ndarray | None  # [batch, n_splits, n_heads, head_dim] f32 (n_splits > 1)
-    lse_part: cupy.ndarray  # [batch, n_splits, n_heads] f32
-    counters: cupy.ndarray  # [batch * n_kv_heads * head blocks] int32 zeros: blocks done per merge (left zero)
-    overrides: DecodeOverrides = _NO_OVERRIDES  # what plan_decode was asked to override (the launch reads its L2 fields)
-
-    @property
-    def batch(self) -> int:
-        return int(self.seq_ids.shape[0])
-
-
-@dataclass
-class BatchedPlan:
-    """Sequences and query counts of one batched prefill (see AttentionDispatch.plan_batched)."""
-
-    cache: PagedKVCache
-    seq_ids: cupy.ndarray  # [n_seqs] int32 slots
-    q_indptr: cupy.ndarray  # [n_seqs + 1] int32 first query row of each sequence
-    n_q: int  # total query rows
-    max_q_len: int
-
-
-# ============================================================================= dispatch
-
-class _Unit(Dispatch):
-    """One compilation unit of the family (a FamilySpec with its own RawModule). The units of
-    _SM90A_UNITS are built for sm_90a (wgmma) on an sm_90 device, which CuPy's RawModule cannot be
-    asked for (runtime.load_module_sm90a); elsewhere they compile to stubs that are never launched."""
-
-    def __init__(self, spec: FamilySpec, device=None):
-        self.family = spec
-        self._sm90: bool | None = None
-        super().__init__(device)
-
-    def is_sm90(self) -> bool:
-        if self._sm90 is None:
-            with cupy.cuda.Device(self.device_id):
-                self._sm90 = runtime.device_arch() == 90
-        return self._sm90
-
-    def load(self):
-        if self._module is None and self.family.name in _SM90A_UNITS and self.is_sm90():
-            with cupy.cuda.Device(self.device_id):
-                self._module = runtime.load_module_sm90a(self.family.name, self.family.unit_source(),
-                                                         tuple(k.name for k in self.family.kernels),
-                                                         self.family.defines)
-        return super().load()
-
-
-def _merge_cols4(rows: int, d: int, sms: int) -> int:
-    """float4 columns per merge_states block (MergeParams.cols4): the whole head where the (token, head)
-    rows fill the SMs, else narrower column blocks (at least 8 columns) until about ``sms`` blocks
-    share the merge (B1 one KV head: 8 rows of head_dim 256 become 64 blocks of 8 columns)."""
-    d4 = d // 4
-    chunks = min(max(1, d4 // 8), max(1, -(-sms // rows)))
-    return -(-d4 // chunks)
-
-
-def _head_block(group: int, d: int) -> int:
-    for g in _groups(d):
-        if group <= g:
-            return g
-    return _groups(d)[-1]
-
-
-def _split_time(n: int, blocks: int, visible: int, row_bytes: int, state_bytes: int, sms: int,
-                model: _SplitModel) -> float:
-    """Modelled time (us) of a decode launch in n splits (see _choose_splits)."""
-    k = -(-blocks * n // sms)
-    sm_rate = model.sm_rate
-    if model.dram_rate:  # fewer busy SMs each get a larger share of the device's bandwidth
-        sm_rate = max(sm_rate, model.dram_rate / min(sms, blocks * n))
-    rate = min(model.block_rate * k, sm_rate)
-    t = k * -(-visible // n) * row_bytes / rate + -(-k // model.blocks_per_sm) * model.block_us
-    if n > 1 and model.merge_apart:
-        rows = blocks * max(1, state_bytes // (4 * model.head_dim))  # (query, head) rows of the merge
-        groups = max(1, _MERGE_THREADS // _merge_cols4(rows, model.head_dim, sms))
-        t += model.apart_us + -(-n // (8 * groups)) * model.merge_trip_us
-    elif n > 1 and model.merge_trip_us:
-        t += model.merge_us + -(-state_bytes // (16 * model.threads)) * -(-n // 16) * model.merge_trip_us
-    elif n > 1:
-        t += model.merge_us + n * state_bytes / model.merge_rate
-    return t
-
-
-def _choose_splits(blocks: int, visible: int, row_bytes: int, state_bytes: int, sms: int,
-                   model: _SplitModel = _SIMT_MODEL) -> int:
-    """Split count of a decode launch: the n that minimises a time model fitted to H100 runs (us).
-
-    The busiest SM holds ``k = ceil(blocks * n / sms)`` blocks, each streaming ``ceil(visible / n)`` K/V
-    rows of ``row_bytes``: one block alone at ``model.block_rate``, several together at most at
-    ``model.sm_rate``; each wave of ``model.blocks_per_sm`` blocks pays ``model.block_us``. With n > 1 the
-    last block reads back n partial states of ``state_bytes`` at ``model.merge_rate`` after a fixed
-    ``model.merge_us``. Chunks stay at least ``_MIN_CHUNK`` tokens, n at most ``_MAX_SPLITS``."""
-    best, best_t = 1, None
-    for n in range(1, max(1, min(_MAX_SPLITS, visible // _MIN_CHUNK)) + 1):
-        t = _split_time(n, blocks, visible, row_bytes, state_bytes, sms, model)
-        if best_t is None or t < best_t:
-            best, best_t = n, t
-    return best
 
 
 def _scale_fields(scale: float, head_dim: int, softcap: float, window_left: int) -> dict:
@@ -660,9 +132,9 @@ class AttentionDispatch:
     def __init__(self, device: int | None = None, *, pdl: bool = False):
         self._device = device
         self.pdl = bool(pdl)
-        self._units = {name: _Unit(spec, device) for name, spec in FAMILIES.items()}
+        self._units = {name: Unit(spec, device, sm90a=name in _SM90A_UNITS) for name, spec in FAMILIES.items()}
 
-    def _unit(self, kind: str, prefill: bool = False) -> _Unit:
+    def _unit(self, kind: str, prefill: bool = False) -> Unit:
         return self._units[f"attention_prefill_{_SHORT[kind]}" if prefill else
                            ("attention" if kind == "float16" else f"attention_{_SHORT[kind]}")]
 
@@ -769,26 +241,9 @@ class AttentionDispatch:
         state_bytes = min(hb, group) * cache.head_dim * 4
         if n_splits is not None and (not isinstance(n_splits, (int, np.integer)) or not 1 <= n_splits <= _MAX_SPLITS):
             raise ValueError(f"n_splits must be 1 ... {_MAX_SPLITS}, got {n_splits!r}")
-        sms = self.sm_count()
         d = cache.head_dim
-        if not tc:
-            models = [(0, _SIMT_MODEL)]
-        else:
-            if ov.warps is not None and ov.warps not in _tc_warps(d):
-                raise ValueError(f"overrides.warps: decode_tc at head_dim {d} runs {_tc_warps(d)} warps, got {ov.warps}")
-            nws = (ov.warps,) if ov.warps is not None else _tc_warps(d)
-            models = [(nw, _TC_MODELS[nw] if d <= 128 else _TC_MODEL_WIDE) for nw in nws]
-        aparts = (False, True) if tc else (False,)
-        if ov.merge_apart is not None:
-            aparts = (ov.merge_apart,)
-        cands = []  # (modelled us, warps, merge apart, splits); a given n_splits leaves the rest to choose
-        for nw, base in models:
-            for apart in aparts:
-                model = dataclasses.replace(base, merge_apart=apart, head_dim=d)
-                n = n_splits if n_splits is not None else _choose_splits(blocks, visible, row_bytes, state_bytes,
-                                                                         sms, model)
-                cands.append((_split_time(n, blocks, visible, row_bytes, state_bytes, sms, model), nw, apart, n))
-        _, warps, apart, n_splits = min(cands)
+        warps, apart, n_splits = _schedule(tc, d, blocks, visible, row_bytes, state_bytes, self.sm_count(), n_splits,
+                                           ov)
         apart = apart and n_splits > 1
         b = len(ids)
         o_part = cupy.empty((b, n_splits, n_heads, d), cupy.float32) if n_splits > 1 else None
