@@ -12,10 +12,11 @@ import numpy as np
 
 from cukern.dispatch import check_array
 from cukern.dmmv import QTYPES, QWeight
+from cukern.qtypes import GGMLType as T
 from cukern.runtime import FamilySpec, KernelSpec
 
 # weight types of the tiled GEMMs: GGML id -> short name (unit suffix)
-GEMM_QTYPES = {2: "q4_0", 6: "q5_0", 8: "q8_0", 12: "q4_k", 13: "q5_k", 14: "q6_k"}
+GEMM_QTYPES = {T.Q4_0: "q4_0", T.Q5_0: "q5_0", T.Q8_0: "q8_0", T.Q4_K: "q4_k", T.Q5_K: "q5_k", T.Q6_K: "q6_k"}
 Q8_1_BYTES, Q8_0_BYTES = 36, 34  # bytes per 32-value activation block
 
 # Tiling of gemm_f16 / gemm_q8 (cuda_src/matmul/gemm.cuh: kThreads, kRows, BK, SUPER, Cfg<BT>)
@@ -27,10 +28,11 @@ _ROW_TILE_GLU = 64
 _BK = 64  # K elements per stage
 _D_BOX = 32  # gemm_wgr tensor stores of d: boxes of 32 rows (128 bytes of f32, the swizzle span) x the token tile
 _SUPER = 256  # K elements per raw super-stage; K splits are multiples of it
-_W_ALIGN = {2: 2, 6: 2, 8: 2, 12: 16, 13: 16, 14: 2}  # bytes: the K4/K5 quants are read as uint4
+_W_ALIGN = {T.Q4_0: 2, T.Q5_0: 2, T.Q8_0: 2, T.Q4_K: 16, T.Q5_K: 16, T.Q6_K: 2}  # bytes: K4/K5 quants are read as uint4
 # gemm_wgr's packed layouts (packed_wgr.cuh, MatmulDispatch.pack): GGUF type -> (bytes per row and 256
 # elements, shared row stride = the tile-major row stride); kernel type code 100 + GGUF type
-PACKED_LAYOUTS = {2: (272, 320), 6: (272, 320), 8: (272, 320), 12: (160, 160), 13: (288, 320), 14: (288, 320)}
+PACKED_LAYOUTS = {T.Q4_0: (272, 320), T.Q5_0: (272, 320), T.Q8_0: (272, 320), T.Q4_K: (160, 160), T.Q5_K: (288, 320),
+                  T.Q6_K: (288, 320)}
 # gemm_wgr (Hopper wgmma, gemm_wgr.cuh): 128 weight rows (GLU: 64 of each matrix) x 128 or 256 tokens,
 # three warpgroups
 _WG_TILES = (128, 256)
