@@ -14,35 +14,36 @@ import importlib
 
 __version__ = "0.1.0"
 
-# family name -> module that defines FAMILY (a runtime.FamilySpec) and its Dispatch class
-FAMILY_MODULES = {
-    "elementwise": "cukern.elementwise", "elementwise_rope": "cukern.elementwise",  # two units: elementwise.FAMILIES
-    "tokens": "cukern.tokens",
-    "dmmv": "cukern.dmmv", "dmmv_glu": "cukern.dmmv", "dmmv_moe": "cukern.dmmv", "dmmv_moe_packed": "cukern.dmmv",
-    "dmmv_q8x": "cukern.dmmv", "dmmv_two": "cukern.dmmv", "dmmv_nx": "cukern.dmmv",
-    "dmmv_three": "cukern.dmmv",  # units: dmmv.FAMILIES
-    **{name: "cukern.matmul" for name in ("matmul", "matmul_f16_q4_0", "matmul_f16_q5_0", "matmul_f16_q8_0",
-                                          "matmul_f16_q4_k", "matmul_f16_q5_k", "matmul_f16_q6_k",
-                                          "matmul_i8_q4_0", "matmul_i8_q5_0", "matmul_i8_q8_0",
-                                          "matmul_i8_q4_k", "matmul_i8_q5_k", "matmul_i8_q6_k")},  # matmul.FAMILIES
-    # the attention family is seven units (FamilySpecs) of one module, listed in its FAMILIES
-    **{name: "cukern.attention" for name in ("attention", "attention_bf16", "attention_f32",
-                                             "attention_prefill_f16", "attention_prefill_bf16",
-                                             "attention_prefill_wg_f16", "attention_prefill_wg_bf16")},
-}
+# the family modules, in a stable order; each declares its compilation units (runtime.FamilySpec) in FAMILIES,
+# or a single one in FAMILY
+_FAMILY_PACKAGES = ("cukern.elementwise", "cukern.tokens", "cukern.dmmv", "cukern.matmul", "cukern.attention")
+_family_modules: dict[str, str] | None = None
 
 _LAZY = {
     "ElementwiseDispatch": "cukern.elementwise",
     "TokensDispatch": "cukern.tokens",
     "DmmvDispatch": "cukern.dmmv",
     "MatmulDispatch": "cukern.matmul",
-    "AttentionDispatch": "cukern.attention", "PagedKVCache": "cukern.attention",
+    "AttentionDispatch": "cukern.attention", "PagedKVCache": "cukern.attention", "DecodeOverrides": "cukern.attention",
 }
+
+
+def _units() -> dict[str, str]:
+    """Unit name -> module that declares it (``cukern.FAMILY_MODULES``): read from each family module's
+    FAMILIES (or FAMILY) on first use, so ``import cukern`` imports none of them."""
+    global _family_modules
+    if _family_modules is None:
+        units = {}
+        for mod in _FAMILY_PACKAGES:
+            m = importlib.import_module(mod)
+            units.update({name: mod for name in getattr(m, "FAMILIES", None) or {m.FAMILY.name: m.FAMILY}})
+        _family_modules = units
+    return _family_modules
 
 
 def families():
     """Every family's FamilySpec, in a stable order (imports the family modules)."""
-    return [_spec(name, mod) for name, mod in FAMILY_MODULES.items()]
+    return [_spec(name, mod) for name, mod in _units().items()]
 
 
 def _spec(name: str, mod: str):
@@ -53,12 +54,15 @@ def _spec(name: str, mod: str):
 
 def family(name: str):
     from cukern.runtime import UnknownKernelError
-    if name not in FAMILY_MODULES:
-        raise UnknownKernelError(f"unknown family {name!r} (known: {', '.join(FAMILY_MODULES)})")
-    return _spec(name, FAMILY_MODULES[name])
+    units = _units()
+    if name not in units:
+        raise UnknownKernelError(f"unknown family {name!r} (known: {', '.join(units)})")
+    return _spec(name, units[name])
 
 
 def __getattr__(name):
+    if name == "FAMILY_MODULES":
+        return dict(_units())
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'cukern' has no attribute {name!r}")

@@ -63,7 +63,7 @@ class Ceilings:
 def measure_ceilings(nbytes: int = 1 << 30, rounds: int = 3) -> Ceilings:
     """A large device-to-device copy (bytes read + written) on this GPU, now: the best of ``rounds``
     medians of 20 copies (a ceiling is the highest rate seen; never below one median). Across runs it
-    still moves a few per cent: 2,856-2,971 GB/s on H100s on 2026-11-26, while a kernel timed in the
+    still moves a few per cent (2,856-2,971 GB/s over H100 runs of one day), while a kernel timed in the
     same runs moved under 0.5%; compare times, not shares of the ceiling, between runs."""
     src = cupy.empty(nbytes // 4, dtype=cupy.float32)
     src.fill(1.0)

@@ -26,8 +26,9 @@ from cukern import params, runtime
 
 def sm90a_units() -> set[str]:
     """The units an sm_90 device runs built for sm_90a."""
-    from cukern import attention, matmul
-    return set(attention._SM90A_UNITS) | {matmul.FAMILIES[f"matmul_f16_{s}"].name for s in matmul.GEMM_QTYPES.values()}
+    from cukern import matmul
+    from cukern.attention.dispatch import _SM90A_UNITS
+    return set(_SM90A_UNITS) | {matmul.FAMILIES[f"matmul_f16_{s}"].name for s in matmul.GEMM_QTYPES.values()}
 
 
 @dataclass

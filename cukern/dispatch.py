@@ -31,8 +31,8 @@ from cukern.params import ParamStruct, check_int, check_real, load_header  # noq
 from cukern.runtime import FamilySpec
 from cukern.streams import resolve_stream
 
-__all__ = ["Dispatch", "check_array", "check_int", "check_real", "enable_nvtx", "nvtx_enabled", "set_launch_timer",
-           "tensor_map_2d"]
+__all__ = ["Dispatch", "Unit", "check_array", "check_int", "check_real", "enable_nvtx", "nvtx_enabled",
+           "set_launch_timer", "tensor_map_2d"]
 
 _MAX_GRID = (2**31 - 1, 65535, 65535)
 
@@ -395,3 +395,31 @@ class Dispatch:
                 timer.end(token)
             if dom is not None:
                 dom.pop_range()
+
+
+class Unit(Dispatch):
+    """One more compilation unit of a family (a FamilySpec with its own RawModule), launched through the
+    same checks as the family's dispatch. ``sm90a``: on an sm_90 device the unit is built for sm_90a
+    (wgmma), which CuPy's RawModule cannot be asked for (runtime.load_module_sm90a); elsewhere its
+    sm_90a kernels compile to stubs that the dispatch never launches."""
+
+    def __init__(self, family: FamilySpec, device: int | None = None, sm90a: bool = False):
+        self.family = family
+        self.sm90a = sm90a
+        self._sm90: bool | None = None
+        super().__init__(device)
+
+    def is_sm90(self) -> bool:
+        """Whether this unit's device is an sm_90 (Hopper) one."""
+        if self._sm90 is None:
+            with cupy.cuda.Device(self.device_id):
+                self._sm90 = runtime.device_arch() == 90
+        return self._sm90
+
+    def load(self):
+        if self._module is None and self.sm90a and self.is_sm90():
+            with cupy.cuda.Device(self.device_id):
+                self._module = runtime.load_module_sm90a(self.family.name, self.family.unit_source(),
+                                                         tuple(k.name for k in self.family.kernels),
+                                                         self.family.defines)
+        return super().load()

@@ -17,7 +17,7 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from cukern.attention import AttentionDispatch, PageAllocator, PagedKVCache  # noqa: E402
+from cukern.attention import AttentionDispatch, DecodeOverrides, PageAllocator, PagedKVCache  # noqa: E402
 from cukern.reference import attention as ref  # noqa: E402
 from cukern.testing import assert_close, poison  # noqa: E402
 
@@ -249,7 +249,7 @@ def test_decode_tc_warps(rng, warps, kind, d, ahead):
     a window, a softcap and large queries (the power-of-two rescale that keeps f16 Q in range); with
     the in-loop L2 prefetch as the rule sets it (off at these lengths) and forced on."""
     attn = AttentionDispatch()
-    attn._tc_warps, attn._l2_ahead = warps, ahead
+    forced = DecodeOverrides(warps=warps, l2_ahead=ahead)
     cache, slots = _make_cache(rng, [1, 63, 64, 65, 2000], n_kv_heads=2, head_dim=d, page_size=16, kind=kind,
                                attn=attn)
     h = 10  # GQA 5: the block's rows 5-7 are padding
@@ -257,7 +257,8 @@ def test_decode_tc_warps(rng, warps, kind, d, ahead):
     for kw, n_splits, qscale in ((dict(sinks=sinks), 5, 1.0), (dict(softcap=4.0, scale=0.3), None, 1.0),
                                  (dict(window_left=70), None, 3e5)):  # q * scale * log2(e) past the f16 range
         qh, q = _q(rng, (len(slots), h, d), scale=qscale)
-        plan = attn.plan_decode(cache, slots, h, n_splits=n_splits, window_left=kw.get("window_left", -1))
+        plan = attn.plan_decode(cache, slots, h, n_splits=n_splits, window_left=kw.get("window_left", -1),
+                                overrides=forced)
         assert plan.warps == warps
         out = poison(cupy.empty((len(slots), h, d), cupy.float32))
         lse = poison(cupy.empty((len(slots), h), cupy.float32))
@@ -277,7 +278,7 @@ def test_decode_tc_page_tables(rng, page_size, warps):
     page size that is not a power of two among them, lengths at page boundaries +- 1, with the L2 prefetch before
     the wait (pdl) and in the loop forced on, each over more tiles than the prologue looks up."""
     attn = AttentionDispatch(pdl=True)
-    attn._tc_warps, attn._l2_ahead, attn._l2_prefetch = warps, 2, 5
+    forced = DecodeOverrides(warps=warps, l2_ahead=2, l2_prefetch=5)
     lengths = [1, page_size - 1, page_size, page_size + 1, 333, 3000]
     cache, slots = _make_cache(rng, lengths, n_kv_heads=2, head_dim=64, page_size=page_size, attn=attn, scatter=True)
     kp, vp, pt, lens = _host(cache)
@@ -285,7 +286,7 @@ def test_decode_tc_page_tables(rng, page_size, warps):
     h = 8
     for n_splits in (None, 3):
         qh, q = _q(rng, (len(slots), h, 64))
-        plan = attn.plan_decode(cache, slots, h, n_splits=n_splits)
+        plan = attn.plan_decode(cache, slots, h, n_splits=n_splits, overrides=forced)
         assert plan.warps == warps
         out = poison(cupy.empty((len(slots), h, 64), cupy.float32))
         attn.flash_attn_decode(plan, 0, q, out)
@@ -338,11 +339,11 @@ def test_decode_many_splits(rng, d, h, hk, warps, n_splits, apart):
     (merge_states launched after the decode): sinks and the LSE, two sequences (the second shorter
     than the split count, so some of its chunks are empty), against the float64 reference."""
     attn = AttentionDispatch()
-    attn._tc_warps, attn._merge_apart = warps, apart
     cache, slots = _make_cache(rng, [6000, 150], n_kv_heads=hk, head_dim=d, page_size=16, attn=attn)
     qh, q = _q(rng, (2, h, d))
     sinks = rng.standard_normal(h).astype(np.float32)
-    plan = attn.plan_decode(cache, slots, h, n_splits=n_splits)
+    plan = attn.plan_decode(cache, slots, h, n_splits=n_splits,
+                            overrides=DecodeOverrides(warps=warps, merge_apart=apart))
     assert plan.n_splits == n_splits and plan.merge_apart == apart
     out = poison(cupy.empty((2, h, d), cupy.float32))
     lse = poison(cupy.empty((2, h), cupy.float32))
@@ -352,46 +353,6 @@ def test_decode_many_splits(rng, d, h, hk, warps, n_splits, apart):
     want_o, want_lse = ref.paged_attention(qh, kp, vp, pt, lens, slots, [1, 1], 16, sinks=sinks)
     assert_close(out, want_o, **DECODE_TOL)
     assert_close(lse, want_lse, atol=1e-4 * max(1.0, float(np.abs(want_lse).max())), rtol=0, name="lse")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("warps", [4, 8])
-@pytest.mark.parametrize("n_splits, max_kv_len", [(16, None), (5, 9000), (3, None)])
-def test_decode_merge_wait(rng, warps, n_splits, max_kv_len):
-    """decode_tc's merge by the first split's block, which polls the other blocks' parity-tagged states: launch
-    after launch of one plan (the parity flips; a new q each time, so a state left from the launch before would
-    show), eagerly and from a graph, under pdl; ragged lengths, so that some chunks are short or empty (max_kv_len
-    beyond the lengths too), sinks and the LSE; the same plan without it (the last block to finish merges) agrees."""
-    from cukern.streams import capture_graph
-    lengths = [4000, 150, 1, 2049]
-    cache, slots = _make_cache(rng, lengths, n_kv_heads=2, head_dim=128, page_size=16)
-    kp, vp, pt, lens = _host(cache)
-    h = 8
-    sinks = rng.standard_normal(h).astype(np.float32)
-    sinks_d = cupy.asarray(sinks)
-    steps = [_q(rng, (len(slots), h, 128)) for _ in range(5)]
-    for pdl in (False, True):
-        attn = AttentionDispatch(pdl=pdl)
-        attn._tc_warps, attn._merge_wait = warps, True
-        plan = attn.plan_decode(cache, slots, h, n_splits=n_splits, max_kv_len=max_kv_len)
-        attn._merge_wait = False
-        counted = attn.plan_decode(cache, slots, h, n_splits=n_splits, max_kv_len=max_kv_len)
-        assert plan.merge_wait and not counted.merge_wait and plan.n_splits == counted.n_splits == n_splits
-        outs = [poison(cupy.empty((len(slots), h, 128), cupy.float32)) for _ in steps]
-        lses = [poison(cupy.empty((len(slots), h), cupy.float32)) for _ in steps]
-        for (_, q), out, lse in zip(steps[:3], outs, lses):  # eager, then the rest from one graph
-            attn.flash_attn_decode(plan, 0, q, out, lse=lse, sinks=sinks_d)
-        work = list(zip(steps[3:], outs[3:], lses[3:]))
-        graph = capture_graph(lambda st, attn=attn, plan=plan, work=work: [
-            attn.flash_attn_decode(plan, 0, q, out, lse=lse, sinks=sinks_d, stream=st) for (_, q), out, lse in work])
-        graph.replay(cupy.cuda.get_current_stream())
-        for i, ((qh, q), out, lse) in enumerate(zip(steps, outs, lses)):
-            want_o, want_lse = ref.paged_attention(qh, kp, vp, pt, lens, slots, [1] * len(slots), 16, sinks=sinks)
-            assert_close(out, want_o, **DECODE_TOL, name=f"step {i} (pdl={pdl})")
-            assert_close(lse, want_lse, atol=1e-4 * max(1.0, float(np.abs(want_lse).max())), rtol=0, name="lse")
-            other = poison(cupy.empty_like(out))
-            attn.flash_attn_decode(counted, 0, q, other, sinks=sinks_d)
-            assert_close(out, other.get(), atol=1e-6, rtol=1e-6, name=f"step {i}: waiting vs counting merge")
 
 
 @pytest.mark.gpu
@@ -409,9 +370,10 @@ def test_decode_pdl_chain_matches_plain_launches(rng, kind, d, h, hk, monkeypatc
     pdl_launches = []
     real = dispatch._launch_pdl
     monkeypatch.setattr(dispatch, "_launch_pdl", lambda *a: (pdl_launches.append(a[0]), real(*a)))
-    plain, fast, fast_pf = AttentionDispatch(), AttentionDispatch(pdl=True), AttentionDispatch(pdl=True)
-    fast_pf._l2_prefetch = 5  # the L2 prefetch of a warp's next tiles before the wait, on or off by default
-    fast_pf._l2_ahead = 3  # and the in-loop one, off by default at these lengths
+    plain, fast = AttentionDispatch(), AttentionDispatch(pdl=True)
+    # the L2 prefetch of a warp's next tiles before the wait (on or off by default), and the in-loop one (off by
+    # default at these lengths), forced on in a second set of plans
+    prefetch = dict(l2_prefetch=5, l2_ahead=3)
     lengths = [1, 17, 40, 300, 1500]  # the newest token in a warp's first tiles, split or not
     cache, slots = _make_cache(rng, lengths, n_kv_heads=hk, head_dim=d, page_size=16, kind=kind, n_layers=2,
                                attn=plain)
@@ -423,13 +385,16 @@ def test_decode_pdl_chain_matches_plain_launches(rng, kind, d, h, hk, monkeypatc
              cupy.asarray(rng.standard_normal((b, hk, d)).astype(np.float32))) for _ in range(n_steps)]
     sinks = cupy.asarray(rng.standard_normal(h).astype(np.float32))
     q0 = cupy.asarray(rng.standard_normal((b, h, d)).astype(np.float32))
-    plans = [plain.plan_decode(cache, slots, h, n_splits=n) for n in (None, 5)]
-    plain._merge_apart = True  # the split states merged by a merge_states launch (under pdl too)
-    plans.append(plain.plan_decode(cache, slots, h, n_splits=5))
-    plain._merge_apart = None
+    plan_sets = {}  # the split states of the third plan merged by a merge_states launch (under pdl too)
+    for name, extra in (("plain", {}), ("prefetch", prefetch)):
+        plan_sets[name] = [plain.plan_decode(cache, slots, h, n_splits=n, overrides=DecodeOverrides(**extra))
+                           for n in (None, 5)]
+        plan_sets[name].append(plain.plan_decode(cache, slots, h, n_splits=5,
+                                                 overrides=DecodeOverrides(merge_apart=True, **extra)))
+    plans = plan_sets["plain"]
     assert plans[2].merge_apart and not plans[1].merge_apart
 
-    def chain(a, outs):
+    def chain(a, outs, plans=plans):
         q = q0
         for i, out in enumerate(outs):
             layer = i % 2
@@ -440,15 +405,15 @@ def test_decode_pdl_chain_matches_plain_launches(rng, kind, d, h, hk, monkeypatc
 
     want = [poison(cupy.empty((b, h, d), cupy.float32)) for _ in range(n_steps)]
     chain(plain, want)
-    for a, graph in ((fast, False), (fast, True), (fast_pf, False), (fast_pf, True)):  # eager first: it also
-        got = [poison(cupy.empty((b, h, d), cupy.float32)) for _ in range(n_steps)]  # compiles outside the capture
-        if graph:
-            capture_graph(lambda stream: chain(a, got)).replay(cupy.cuda.get_current_stream())
+    for name, graph in (("plain", False), ("plain", True), ("prefetch", False), ("prefetch", True)):  # eager first:
+        got = [poison(cupy.empty((b, h, d), cupy.float32)) for _ in range(n_steps)]  # it also compiles outside the
+        if graph:  # capture
+            capture_graph(lambda stream: chain(fast, got, plan_sets[name])).replay(cupy.cuda.get_current_stream())
         else:
-            chain(a, got)
+            chain(fast, got, plan_sets[name])
         for i, (x, y) in enumerate(zip(got, want)):
             assert bool(cupy.isfinite(y).all()), f"step {i}: the plain chain went wrong"
-            assert bool((x == y).all()), f"step {i} differs with pdl (graph={graph}, l2_prefetch={a._l2_prefetch})"
+            assert bool((x == y).all()), f"step {i} differs with pdl (graph={graph}, plans={name})"
     assert len(pdl_launches) >= 4 * n_steps, "the pdl path was not taken"
 
 
@@ -707,7 +672,7 @@ def test_reference_split_merge_equals_whole(rng):
 
 def test_merge_cols4():
     """merge_states' column blocks: whole heads once the rows fill the SMs, else at least 8 float4s."""
-    from cukern.attention import _merge_cols4
+    from cukern.attention.plan import _merge_cols4
     assert _merge_cols4(8, 256, 132) == 8      # B1, 8 heads of 256: 8 column blocks per head, 64 blocks
     assert _merge_cols4(32, 128, 132) == 8     # B1 32 heads of 128: 4 per head
     assert _merge_cols4(256, 128, 132) == 32   # enough rows: one block per row
@@ -716,7 +681,7 @@ def test_merge_cols4():
 
 
 def test_choose_splits_fills_waves_without_needless_partials():
-    from cukern.attention import _choose_splits
+    from cukern.attention.plan import _choose_splits
     row = 2 * 128 * 2  # f16 D128: a K and a V row of one KV head
     assert _choose_splits(8, 8192, row, 4 * 128 * 8, 132) == 33      # B1, 8 KV heads: one full wave of 264 blocks
     assert _choose_splits(256, 4096, row, 4 * 128 * 8, 132) == 1     # B32: 256 blocks already fill the wave
@@ -739,10 +704,9 @@ def test_decode_merge_place_host(monkeypatch, kind, h, hk, d, kv, force, want):
     monkeypatch.setattr(dispatch, "_pdl_supported", lambda device_id: True)  # as on an H100
     for pdl in (False, True):
         attn = AttentionDispatch(pdl=pdl)
-        attn._merge_apart = force
         cache = PagedKVCache(1, kv // 16 + 1, 16, hk, d, max_seqs=1, dtype=kind)
         slot = cache.add(kv)
-        plan = attn.plan_decode(cache, [slot], h)
+        plan = attn.plan_decode(cache, [slot], h, overrides=DecodeOverrides(merge_apart=force))
         assert plan.n_splits > 1 and plan.merge_apart == ("merge_states" in want)
         q, out = cupy.empty((1, h, d)), cupy.empty((1, h, d))
         launches.clear()
@@ -750,31 +714,22 @@ def test_decode_merge_place_host(monkeypatch, kind, h, hk, d, kv, force, want):
         assert dict(launches) == want
 
 
-def test_decode_merge_wait_place_host(monkeypatch):
-    """On CPU (tests/host_dispatch.py, an H100's 132 SMs and occupancy): asked for (it is off by default), the
-    plan merges by the first split's polling block (merge_wait) only for the tensor-core kernel with its states
-    merged in the launch and a grid the SMs hold at once; its partial buffers start with every word's lowest bit
-    set (parity 1: the first launch writes parity 0), the counters (epochs) at zero, padded to fours."""
-    from host_dispatch import host_view, patch
-
-    from cukern import dispatch
-    launches = patch(monkeypatch)
-    monkeypatch.setattr(dispatch, "_pdl_supported", lambda device_id: True)  # as on an H100
-    attn = AttentionDispatch(pdl=True)
-    cache = PagedKVCache(1, 64 * 4096 // 16 + 1, 16, 8, 128, max_seqs=64)
-    one = cache.add(8192 - 4096 + 1)
-    assert not attn.plan_decode(cache, [one], 32).merge_wait  # off by default
-    attn._merge_wait = True
-    plan = attn.plan_decode(cache, [one], 32)
-    assert plan.warps == 8 and plan.n_splits * 8 <= 132 and plan.merge_wait and not plan.merge_apart
-    assert (host_view(plan.o_part).view(np.uint32) & 1).all() and (host_view(plan.lse_part).view(np.uint32) & 1).all()
-    assert plan.counters.shape == (8,) and not host_view(plan.counters).any()
-    q, out = cupy.empty((1, 32, 128)), cupy.empty((1, 32, 128))
-    attn.flash_attn_decode(plan, 0, q, out)
-    assert dict(launches) == {"decode_tc<__half, 128, 8>": 1}
-    assert not attn.plan_decode(cache, [one], 32, n_splits=17).merge_wait  # 136 blocks of one per SM
-    many = [cache.add(2000) for _ in range(60)]
-    plan = attn.plan_decode(cache, many, 32, n_splits=2)  # 960 blocks
-    assert not plan.merge_wait and plan.counters.shape == (60 * 8,)
-    f32 = PagedKVCache(1, 600, 16, 2, 96, max_seqs=1, dtype="float32")
-    assert not attn.plan_decode(f32, [f32.add(8000)], 4, n_splits=8).merge_wait  # the SIMT kernel counts
+def test_decode_overrides_checked(monkeypatch):
+    """On CPU: DecodeOverrides rejects values no plan can take, and plan_decode a warp count the head_dim's
+    decode_tc does not have, or anything but a DecodeOverrides."""
+    from host_dispatch import patch
+    patch(monkeypatch)
+    for bad in (dict(warps=6), dict(warps=True), dict(l2_prefetch=-1), dict(l2_ahead=1.5)):
+        with pytest.raises(ValueError):
+            DecodeOverrides(**bad)
+    for bad in (dict(merge_apart=1), dict(evict_first="yes")):
+        with pytest.raises(TypeError):
+            DecodeOverrides(**bad)
+    attn = AttentionDispatch()
+    cache = PagedKVCache(1, 64, 16, 1, 256, max_seqs=1)
+    slot = cache.add(500)
+    assert attn.plan_decode(cache, [slot], 4, overrides=DecodeOverrides(warps=4)).warps == 4
+    with pytest.raises(ValueError, match="overrides.warps"):
+        attn.plan_decode(cache, [slot], 4, overrides=DecodeOverrides(warps=8))
+    with pytest.raises(TypeError, match="DecodeOverrides"):
+        attn.plan_decode(cache, [slot], 4, overrides={"warps": 4})

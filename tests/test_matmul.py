@@ -24,9 +24,10 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from cukern import matmul as M  # noqa: E402
 from cukern.dmmv import QWeight  # noqa: E402
 from cukern.matmul import MatmulDispatch  # noqa: E402
+from cukern.matmul import common as M  # noqa: E402 (the family's constants and operand helpers)
+from cukern.qtypes import GGMLType as T  # noqa: E402
 from cukern.reference import matmul as ref  # noqa: E402
 from cukern.reference import dmmv as dmmv_ref  # noqa: E402
 from cukern.testing import assert_close, poison  # noqa: E402
@@ -123,10 +124,10 @@ def test_reference_quantizer_rule():
 
 
 def test_plan_path_rule():
-    assert MatmulDispatch.plan_path(12, 1) == "matvec"
-    assert MatmulDispatch.plan_path(12, MatmulDispatch.MATVEC_MAX_N + 1) == "f16"
-    assert MatmulDispatch.plan_path(12, 512) == "f16"
-    assert MatmulDispatch.plan_path(12, 512, q8_1=True) == "int8"
+    assert MatmulDispatch.plan_path(T.Q4_K, 1) == "matvec"
+    assert MatmulDispatch.plan_path(T.Q4_K, MatmulDispatch.MATVEC_MAX_N + 1) == "f16"
+    assert MatmulDispatch.plan_path(T.Q4_K, 512) == "f16"
+    assert MatmulDispatch.plan_path(T.Q4_K, 512, q8_1=True) == "int8"
 
 
 @pytest.mark.parametrize("q", TYPES, ids=lambda q: NAMES[q])
@@ -143,7 +144,7 @@ def test_wgr_values(q):
     if ref.TYPES[q][0] not in ("Q4_K", "Q5_K", "Q6_K"):
         assert np.array_equal(w, ref.f16(dense))
         return
-    scale = np.repeat(np.abs(ref.k_scales(raw, q, m, k)), 32 if q != 14 else 16, axis=1)
+    scale = np.repeat(np.abs(ref.k_scales(raw, q, m, k)), 32 if q != T.Q6_K else 16, axis=1)
     assert np.all(np.abs(w - dense) <= 2 ** -10 * (np.abs(dense) + scale + np.repeat(ref.k_mins(raw, q, m, k), 32, 1)))
     b = rng.standard_normal((n, k)).astype(np.float16)
     want = ref.gemm(dense, b)
@@ -164,7 +165,7 @@ def test_gemm_replays_repeated_calls(monkeypatch):
     mm = MatmulDispatch()
     m, n, k = 64, 40, 512
     raw = [ref.random_weight(12, m, k, np.random.default_rng(i)).ravel() for i in range(2)]
-    w, w2 = (QWeight(host_array(r.shape, np.uint8, r), 12, m, k) for r in raw)
+    w, w2 = (QWeight(host_array(r.shape, np.uint8, r), T.Q4_K, m, k) for r in raw)
     b, d = host_array((n, k), np.float32, 0.5), host_array((n, m))
     for _ in range(3):
         mm.gemm(w, b, d)
@@ -214,10 +215,10 @@ def test_wgr_needs_aligned_rows(monkeypatch):
     k = 640 (440 bytes) stay on gemm_f16 unless forced; k = 512 (352 bytes) take gemm_wgr."""
     from host_dispatch import host_array
     mm = MatmulDispatch()
-    monkeypatch.setattr(mm._units[6], "is_sm90", lambda: True)
-    aligned = QWeight(host_array(64 * 352, np.uint8, 0), 6, 64, 512)
-    odd = QWeight(host_array(64 * 440, np.uint8, 0), 6, 64, 640)
-    shifted = QWeight(host_array(64 * 352 + 8, np.uint8, 0), 6, 64, 512, offset=8)
+    monkeypatch.setattr(mm._units[T.Q5_0], "is_sm90", lambda: True)
+    aligned = QWeight(host_array(64 * 352, np.uint8, 0), T.Q5_0, 64, 512)
+    odd = QWeight(host_array(64 * 440, np.uint8, 0), T.Q5_0, 64, 640)
+    shifted = QWeight(host_array(64 * 352 + 8, np.uint8, 0), T.Q5_0, 64, 512, offset=8)
     assert mm._use_wg(aligned, aligned, mm.WG_MIN_N, None)
     assert not mm._use_wg(aligned, aligned, mm.WG_MIN_N - 1, None)
     assert not mm._use_wg(odd, odd, 4096, None)
@@ -299,7 +300,7 @@ def test_gemm_glu(mm, rng, q, act, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("q", [6, 8, 2], ids=lambda q: NAMES[q])
+@pytest.mark.parametrize("q", [T.Q5_0, T.Q8_0, T.Q4_0], ids=lambda q: NAMES[q])
 @pytest.mark.parametrize("n", [37, 300])
 def test_gemm_padded_rows(mm, rng, q, n):
     """pad_rows: rows of k = 640 (Q5_0 440 bytes, Q8_0 680; Q4_0's 360) copied 16 bytes apart, the gap
@@ -336,18 +337,18 @@ def test_pad_rows_host(monkeypatch):
     launches = patch(monkeypatch)
     mm = MatmulDispatch()
     raw = np.random.default_rng(1).integers(0, 256, 5 * 440, dtype=np.uint8)
-    w = QWeight(host_array(raw.size, np.uint8, raw), 6, 5, 640)
+    w = QWeight(host_array(raw.size, np.uint8, raw), T.Q5_0, 5, 640)
     pw = mm.pad_rows(w)
     assert (pw.row_bytes, pw.row_stride, pw.m, pw.k) == (440, 448, 5, 640)
     rows = host_view(pw.buf).reshape(5, 448)
     assert (rows[:, :440] == raw.reshape(5, 440)).all() and not rows[:, 440:].any()
-    aligned = QWeight(host_array(4 * 352, np.uint8, 0), 6, 4, 512)
+    aligned = QWeight(host_array(4 * 352, np.uint8, 0), T.Q5_0, 4, 512)
     assert mm.pad_rows(aligned) is aligned and mm.pad_rows(pw) is pw
     for stride, err in ((400, "must be >= 440"), (441, "multiple of 2")):
         with pytest.raises(ValueError, match=err):
-            QWeight(host_array(5 * 448, np.uint8, 0), 6, 5, 640, row_stride=stride)
+            QWeight(host_array(5 * 448, np.uint8, 0), T.Q5_0, 5, 640, row_stride=stride)
     with pytest.raises(ValueError, match="needs"):
-        QWeight(host_array(4 * 448 + 100, np.uint8, 0), 6, 5, 640, row_stride=448)
+        QWeight(host_array(4 * 448 + 100, np.uint8, 0), T.Q5_0, 5, 640, row_stride=448)
     x, y = host_array(640), host_array(5)
     with pytest.raises(ValueError, match="padded rows are the tiled GEMMs'"):
         DmmvDispatch().dmmv(pw, x, y)
@@ -495,7 +496,7 @@ def test_gemm_large(mm, rng, q, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("q", [12, 8], ids=lambda q: NAMES[q])
+@pytest.mark.parametrize("q", [T.Q4_K, T.Q8_0], ids=lambda q: NAMES[q])
 def test_gemm_replay(mm, rng, q):
     """A repeated call replays the first one's launch: it reads the buffers' new contents and, with K
     slices, zeroes d again first (gemm_wgr on Hopper at this N, gemm_f16 elsewhere)."""
@@ -516,7 +517,7 @@ def test_gemm_replay(mm, rng, q):
 # ---------------------------------------------------------------------------- GPU: Hopper wgmma GEMM
 
 def _needs_wg(mm):
-    if not mm._units[8].is_sm90():
+    if not mm._units[T.Q8_0].is_sm90():
         pytest.skip("gemm_wgr runs on sm_90 (Hopper) only")
 
 
@@ -540,7 +541,7 @@ def test_gemm_wg(mm, rng, q, m, n, bt, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("q", [12, 14, 2], ids=lambda q: NAMES[q])
+@pytest.mark.parametrize("q", [T.Q4_K, T.Q6_K, T.Q4_0], ids=lambda q: NAMES[q])
 def test_gemm_wg_f32_activations(mm, rng, q):
     """f32 activations on the gemm_wgr path (the default rule from WG_MIN_N columns on Hopper):
     rounded to f16 into the dispatch's staging buffer from a row-strided b, at an n that fits the
@@ -654,7 +655,7 @@ def test_gemm_q8(mm, rng, q, m, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("q", [2, 8, 12, 14], ids=lambda q: NAMES[q])
+@pytest.mark.parametrize("q", [T.Q4_0, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda q: NAMES[q])
 @pytest.mark.parametrize("pad,split", [(16, 1), (2, 2)], ids=["aligned", "unaligned-split2"])
 def test_gemm_q8_deep_pipeline(mm, rng, q, pad, split):
     """128-token tiles (4 activation stages in flight, 2 raw super-stage buffers) over a long K with
@@ -662,7 +663,7 @@ def test_gemm_q8_deep_pipeline(mm, rng, q, pad, split):
     m, n, k = 200, 260, _k(q, 9)
     raw = ref.random_weight(q, m, k, rng)
     dense = ref.dequantize(raw, q, m, k)
-    if pad % 2 == 0 and q in (12, 13):
+    if pad % 2 == 0 and q in (T.Q4_K, T.Q5_K):
         pad = 16  # K4/K5 quants are read as uint4: their rows must start 16-byte aligned
     w = QWeight(cupy.asarray(np.concatenate([np.zeros(pad, np.uint8), raw.ravel()])), q, m, k, offset=pad)
     b = _b(rng, n, k, np.float32)
@@ -674,7 +675,7 @@ def test_gemm_q8_deep_pipeline(mm, rng, q, pad, split):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("q", [2, 12, 14], ids=lambda q: NAMES[q])
+@pytest.mark.parametrize("q", [T.Q4_0, T.Q4_K, T.Q6_K], ids=lambda q: NAMES[q])
 def test_gemm_q8_split_accumulate_strided(mm, rng, q):
     m, n, k = 140, 20, _k(q, 4)
     raw = ref.random_weight(q, m, k, rng)

@@ -110,24 +110,11 @@ struct MergeAcc {
     }
 };
 
-// Split states merged under merge_wait carry the launch's parity (0 / 1) in the lowest mantissa bit of every
-// f32 (O and LSE): a word with the other parity is the previous launch's, not yet overwritten. Tagging moves a
-// value by at most one unit in the last place; untagging restores -inf (whose tagged form is a NaN) and zero.
-CUKERN_DEVICE float tag_parity(float x, uint32_t par) { return __uint_as_float((__float_as_uint(x) & ~1u) | par); }
-CUKERN_DEVICE bool has_parity(float x, uint32_t par) { return (__float_as_uint(x) & 1u) == par; }
-CUKERN_DEVICE float untag(float x) { return __uint_as_float(__float_as_uint(x) & ~1u); }
-
-CUKERN_DEVICE bool fresh_state(float l, float4 x, uint32_t par) {
-    return has_parity(l, par) && has_parity(x.x, par) && has_parity(x.y, par) && has_parity(x.z, par) &&
-           has_parity(x.w, par);
-}
-
 // Adds states first, first + step, ... (< ns) of one column to m: their LSEs (ls[s * nh]) and O columns
 // (src[s * stride]) loaded MB at a time, all in flight together (an empty state has LSE -inf and O 0).
-// WAIT (merge_wait): the states are polled until they carry the launch's parity par, then untagged.
-template <int MB, bool WAIT>
+template <int MB>
 CUKERN_DEVICE void merge_column(MergeAcc& m, const float4* src, uint64_t stride, const float* ls, uint32_t nh,
-                                uint32_t first, uint32_t step, uint32_t ns, uint32_t par) {
+                                uint32_t first, uint32_t step, uint32_t ns) {
     for (uint32_t s0 = first; s0 < ns; s0 += MB * step) {
         float4 x[MB];
         float ll[MB];
@@ -135,38 +122,8 @@ CUKERN_DEVICE void merge_column(MergeAcc& m, const float4* src, uint64_t stride,
         for (int u = 0; u < MB; ++u) {
             const uint32_t s = s0 + u * step;
             const bool ok = s < ns;
-            if (WAIT) {
-                ll[u] = ok ? ld_relaxed_gpu(ls + (uint64_t)s * nh) : -INFINITY;
-                x[u] = ok ? ld_relaxed_gpu(src + s * stride) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            } else {
-                ll[u] = ok ? __ldcg(ls + (uint64_t)s * nh) : -INFINITY;
-                x[u] = ok ? __ldcg(src + s * stride) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            }
-        }
-        if (WAIT) {  // poll every state not yet written, all in flight together; ~8 s without one: trap
-            uint32_t pause = 32, polls = 0;
-            for (;;) {
-                bool all = true;
-#pragma unroll
-                for (int u = 0; u < MB; ++u) all = all && (s0 + u * step >= ns || fresh_state(ll[u], x[u], par));
-                if (all) break;
-                __nanosleep(pause);
-                pause = min(2 * pause, 256u);
-                if (++polls == (1u << 23)) __trap();
-#pragma unroll
-                for (int u = 0; u < MB; ++u) {
-                    const uint32_t s = s0 + u * step;
-                    if (s < ns && !fresh_state(ll[u], x[u], par)) {
-                        ll[u] = ld_relaxed_gpu(ls + (uint64_t)s * nh);
-                        x[u] = ld_relaxed_gpu(src + s * stride);
-                    }
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < MB; ++u) {
-                ll[u] = untag(ll[u]);
-                x[u] = make_float4(untag(x[u].x), untag(x[u].y), untag(x[u].z), untag(x[u].w));
-            }
+            ll[u] = ok ? __ldcg(ls + (uint64_t)s * nh) : -INFINITY;
+            x[u] = ok ? __ldcg(src + s * stride) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
         float mx = m.mu;
 #pragma unroll
@@ -190,16 +147,8 @@ CUKERN_DEVICE void merge_column(MergeAcc& m, const float4* src, uint64_t stride,
 // The end of every decode block. On entry (after a barrier) red[w][g][0..D) holds warp w's output of
 // head g relative to its maximum sm_m[w][g] (base 2), with the sum of weights sm_l[w][g]. Combines the
 // warps, then writes the final O / LSE (n_splits == 1, sinks added here) or the block's normalised
-// partial state; in split mode one block of the (query, head block) merges the n_splits states (sinks
-// added once):
-//   * epoch < 0: the last block to finish (an acq_rel counter), which leaves the counter zero for the next
-//     launch;
-//   * epoch >= 0 (merge_wait; the launch's epoch, its counter word read after pdl_wait): the block of the
-//     first split (dispatched first, so the likeliest to be polling already when the last state lands),
-//     polling the other blocks' states until they carry the epoch's parity (the states are written by
-//     relaxed stores, each word tagged: tag_parity); it then flips the counter word for the next launch.
-//     No fence and no atomic: the states' words are their own flags. Every block of the grid must be
-//     resident at once (the merging block waits for the others), which the plan checks.
+// partial state; in split mode the last block of the (query, head block) to finish (an acq_rel counter)
+// merges the n_splits states (sinks added once) and leaves the counter zero for the next launch.
 template <int D, int G, int WARPS>
 CUKERN_DEVICE void decode_finish(
     float* red,                              // shared [WARPS][G][D]
@@ -208,7 +157,7 @@ CUKERN_DEVICE void decode_finish(
     int* sm_last_p,                          // shared flag
     float* __restrict__ o, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part,
     int32_t* __restrict__ counters, const float* __restrict__ sinks, const DecodeParams& p, uint32_t qi,
-    uint32_t split, uint32_t h0, int n_h, int epoch) {
+    uint32_t split, uint32_t h0, int n_h) {
     constexpr int NT = WARPS * 32;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     int& sm_last = *sm_last_p;
@@ -237,13 +186,8 @@ CUKERN_DEVICE void decode_finish(
         const float lse2 = L > 0.0f ? (mx + log2f(L)) * LN2 : -INFINITY;
         if (split_mode) {
             const uint64_t row = ((uint64_t)qi * p.n_splits + split) * p.n_heads + h0 + g;
-            if (epoch >= 0) {  // merge_wait: tagged words, polled by the merging block
-                st_relaxed_gpu(o_part + row * D + d, tag_parity(out, epoch & 1));
-                if (d == 0) st_relaxed_gpu(lse_part + row, tag_parity(lse2, epoch & 1));
-            } else {
-                o_part[row * D + d] = out;
-                if (d == 0) lse_part[row] = lse2;
-            }
+            o_part[row * D + d] = out;
+            if (d == 0) lse_part[row] = lse2;
         } else {
             const uint64_t row = (uint64_t)qi * p.n_heads + h0 + g;
             o[row * D + d] = out;
@@ -252,21 +196,15 @@ CUKERN_DEVICE void decode_finish(
     }
     if (!split_mode || p.merge_apart) return;  // merge_apart: merge_states, launched next, merges them
 
-    // ---- split mode, merged in this launch. merge_wait: the first split's block merges (its own state's
-    // words, stored by other threads of the block, are ordered before its loads by the barrier).
-    // Otherwise the last block of this (query, head block) to count merges: thread 0's acq_rel add
-    // publishes the block's partials (every thread's stores, ordered before it by the barrier: a release
-    // is cumulative) and, in the last block, acquires the other blocks' (the barrier after it orders every
-    // thread's loads below): one atomic where a fence in every thread, the atomic and a second fence were.
-    const bool wait = epoch >= 0;
-    if (wait && split != 0) return;
+    // ---- split mode, merged in this launch by the last block of this (query, head block) to count: thread
+    // 0's acq_rel add publishes the block's partials (every thread's stores, ordered before it by the
+    // barrier: a release is cumulative) and, in the last block, acquires the other blocks' (the barrier
+    // after it orders every thread's loads below): one atomic, no fence in every thread.
     __syncthreads();
     int32_t* const counter = counters + (uint64_t)qi * gridDim.y + blockIdx.y;
-    if (!wait) {
-        if (threadIdx.x == 0) sm_last = atomic_add_acq_rel_gpu(counter, 1) == (int32_t)p.n_splits - 1;
-        __syncthreads();
-        if (!sm_last) return;
-    }
+    if (threadIdx.x == 0) sm_last = atomic_add_acq_rel_gpu(counter, 1) == (int32_t)p.n_splits - 1;
+    __syncthreads();
+    if (!sm_last) return;
     // One (head, float4 column) per thread, or per pair of threads where the block has twice as many
     // threads as columns (each pair member merging every other state, the pair combined by a shuffle:
     // half the dependent chain after the loads).
@@ -282,12 +220,9 @@ CUKERN_DEVICE void decode_finish(
         MergeAcc m;  // the sink's exp(sink - mu) joins the denominator once
         m.mu = p.has_sinks && part == 0 && active ? sinks[h0 + g] : -INFINITY;
         m.den = p.has_sinks && part == 0 && active ? 1.0f : 0.0f;
-        if (active && wait) {
-            if (parts == 2) merge_column<8, true>(m, src, (uint64_t)nh * D4, ls, nh, part, 2, ns, epoch & 1);
-            else merge_column<16, true>(m, src, (uint64_t)nh * D4, ls, nh, 0, 1, ns, epoch & 1);
-        } else if (active) {
-            if (parts == 2) merge_column<8, false>(m, src, (uint64_t)nh * D4, ls, nh, part, 2, ns, 0);
-            else merge_column<16, false>(m, src, (uint64_t)nh * D4, ls, nh, 0, 1, ns, 0);
+        if (active) {
+            if (parts == 2) merge_column<8>(m, src, (uint64_t)nh * D4, ls, nh, part, 2, ns);
+            else merge_column<16>(m, src, (uint64_t)nh * D4, ls, nh, 0, 1, ns);
         }
         if (parts == 2) m.combine_pair();
         if (active && part == 0) {
@@ -298,9 +233,8 @@ CUKERN_DEVICE void decode_finish(
             if (c == 0 && p.write_lse) lse[row] = m.den > 0.0f ? m.mu + logf(m.den) : -INFINITY;
         }
     }
-    // every block of this row has counted (ready for the next launch), or the next launch's epoch (every block
-    // read this one's before its state, which the loads above saw)
-    if (threadIdx.x == 0) *counter = wait ? epoch ^ 1 : 0;
+    // every block of this row has counted: ready for the next launch
+    if (threadIdx.x == 0) *counter = 0;
 }
 
 }  // namespace attn
@@ -554,5 +488,5 @@ __global__ void __launch_bounds__(cukern::attn::DECODE_WARPS * 32, 2) decode(
     }
     __syncthreads();
     decode_finish<D, G, WARPS>(red, sm_m, sm_l, &sm_last, o, lse, o_part, lse_part, counters, sinks, p,
-                               qi, split, h0, n_h, -1);
+                               qi, split, h0, n_h);
 }

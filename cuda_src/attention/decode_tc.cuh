@@ -20,9 +20,7 @@
 // block barrier until the end: a warp waits for its own copies only.
 //
 // Splits: each block writes its chunk's normalised state, and one block of the (query, head block) merges
-// them in the same launch (decode_finish): the last to finish, or with merge_wait (a grid resident at
-// once) the first split's block, which polls the others' parity-tagged states, so that no block fences,
-// counts or waits for a counter (the epoch word it tags with is copied in with the tiles).
+// them in the same launch (decode_finish): the last to finish, by an acq_rel counter.
 //
 // Bytes: every visible K and V row once per (KV head, head block of 8 heads), q once, O once; with
 // splits the partial O / LSE once written and once read back (from L2) by the merging block.
@@ -40,38 +38,6 @@
 #include "attention/common.cuh"
 #include "attention/decode.cuh"
 #include "attention/params.cuh"
-
-// Profiling only (profiling/attention_blocks.py builds the variants): CUKERN_DECODE_EARLY caps the prologue
-// tiles issued before pdl_wait; with CUKERN_DECODE_CLOCKS=1 thread 0 of every block records
-// %globaltimer at entry, after pdl_wait, after the block's last tile, and on leaving, with its SM, in
-// cukern_decode_clocks[5 * block + 0..4] (block = the linear block index of the launch).
-#ifndef CUKERN_DECODE_EARLY  // profiling: at most this many prologue tiles are issued before pdl_wait
-#define CUKERN_DECODE_EARLY NS
-#endif
-#ifndef CUKERN_DECODE_CLOCKS
-#define CUKERN_DECODE_CLOCKS 0
-#endif
-#if CUKERN_DECODE_CLOCKS
-extern "C" {
-__device__ unsigned long long cukern_decode_clocks[5 * 8192];
-}
-#define CUKERN_DECODE_CLOCK(i)                                                                        \
-    do {                                                                                              \
-        const uint32_t blk = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);          \
-        if (threadIdx.x == 0 && blk < 8192) {                                                         \
-            unsigned long long t;                                                                     \
-            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));                                     \
-            cukern_decode_clocks[5 * blk + (i)] = t;                                                  \
-            if ((i) == 0) {                                                                           \
-                uint32_t sm;                                                                          \
-                asm("mov.u32 %0, %%smid;" : "=r"(sm));                                                \
-                cukern_decode_clocks[5 * blk + 4] = sm;                                               \
-            }                                                                                         \
-        }                                                                                             \
-    } while (0)
-#else
-#define CUKERN_DECODE_CLOCK(i) do {} while (0)
-#endif
 
 namespace cukern {
 namespace attn {
@@ -108,8 +74,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
     float* __restrict__ lse,                 // [n_queries, n_heads] final natural-log LSE, sinks included (write_lse)
     float* __restrict__ o_part,              // n_splits > 1: [n_queries, n_splits, n_heads, D] normalised partial O
     float* __restrict__ lse_part,            // n_splits > 1: [n_queries, n_splits, n_heads] their natural-log LSE
-    int32_t* __restrict__ counters,          // n_splits > 1: [n_queries * gridDim.y, padded to fours] zeros (left
-                                             //    zero on exit; merge_wait: epochs, flipped by each launch)
+    int32_t* __restrict__ counters,          // n_splits > 1: [n_queries * gridDim.y] zeros (left zero on exit)
     const float* __restrict__ q,             // [n_queries, n_heads, D]
     const T* __restrict__ k_pool,            // [n_pages, page_size, n_kv_heads, D]
     const T* __restrict__ v_pool,            // [n_pages, page_size, n_kv_heads, D]
@@ -129,13 +94,11 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
     __shared__ float sm_m[WARPS][G];
     __shared__ float sm_l[WARPS][G];
     __shared__ int sm_last;
-    __shared__ __align__(16) int sm_epochs[4];  // merge_wait: the counter words of four grid rows, this one's among them
 
     uint32_t dyn_smem;  // the host mirrors SMEM (_decode_tc_smem): a mismatch must fail loudly, not overrun
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
     if (dyn_smem < (uint32_t)Sh::SMEM) __trap();
     pdl_launch_dependents();
-    CUKERN_DECODE_CLOCK(0);
 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int g = lane / 4, tq = lane % 4;  // fragment row (the head) 0..7 and column pair 0..3
@@ -202,7 +165,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
     int early = 0;  // prologue tiles issued before the wait
 #pragma unroll
     for (int st = 0; st < NS - 1; ++st) {
-        if (st < CUKERN_DECODE_EARLY && st < my_tiles && key0(st) + KW < r.hi) {
+        if (st < my_tiles && key0(st) + KW < r.hi) {
             issue(st, st, row_of(rows0[st]));
             cp_async_commit();
             early = st + 1;
@@ -221,7 +184,6 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
         if (st < pf_end) ask_l2(st, row_of(rows0[st]), min(c1, r.hi - 1));
     for (int32_t i = PRE; i < pf_end; ++i) ask_l2(i, row_of(lookup(i)), min(c1, r.hi - 1));
     pdl_wait();  // the previous kernel in the stream is done: q, sinks, outputs, partials and counters
-    CUKERN_DECODE_CLOCK(1);
 #pragma unroll
     for (int st = 0; st < NS - 1; ++st) {
         if (st >= early) {
@@ -229,11 +191,6 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
             cp_async_commit();
         }
     }
-    // merge_wait: this launch's epoch (the counter word of the block's grid row) lands in shared memory with the
-    // tile copies, by a 16-byte copy through L2 of the four words around it (the plan pads the counters to fours)
-    const bool merge_wait = p.merge_wait && p.n_splits > 1 && !p.merge_apart;
-    const uint32_t grid_row = qi * gridDim.y + blockIdx.y;
-    if (merge_wait && threadIdx.x == 0) cp_async16(sm_epochs, counters + (grid_row & ~3u), 16);
     uint2 next = rows0[NS - 1];  // lookup() of the next tile to issue
     // p.l2_ahead: L2 is asked for the warp's tiles up to l2_ahead after the one it copies next (those the
     // prologue did not ask for now, then one per tile in the loop, its pool row looked up a tile early)
@@ -366,9 +323,8 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
             mma16816<T>(oacc[2 * d2 + 1], pa, b[2], b[3]);
         }
     }
-    cp_async_wait_all();  // (only the epoch words and empty groups can be left) the stages become the merge scratch
+    cp_async_wait_all();  // (only empty groups can be left) the stages become the merge scratch
     __syncthreads();
-    CUKERN_DECODE_CLOCK(2);
 
     // the warp's state: red[warp][g][d] relative to its maximum m, its sum of weights over the quad
     float* const red = reinterpret_cast<float*>(smem_raw);
@@ -386,6 +342,5 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
     }
     __syncthreads();
     decode_finish<D, G, WARPS>(red, sm_m, sm_l, &sm_last, o, lse, o_part, lse_part, counters, sinks, p,
-                               qi, split, h0, n_h, merge_wait ? sm_epochs[grid_row & 3] : -1);
-    CUKERN_DECODE_CLOCK(3);
+                               qi, split, h0, n_h);
 }

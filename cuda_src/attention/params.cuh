@@ -55,8 +55,7 @@ struct DecodeParams {
                              //    after this one (no counters touched); 0: the last block merges them
     uint32_t l2_ahead;       // decode_tc: each warp keeps L2 asked for its tiles up to this many after the one it
                              //    copies next (0: none), more of its stream in flight than its ring of stages holds
-    uint32_t merge_wait;     // decode_tc, n_splits > 1, merged in the launch: 1 the first split's block waits for
-                             //    the others' states (the grid must be resident at once), 0 the last to finish merges
+    uint32_t pad0;           // keeps the struct a multiple of 8 bytes
 };
 
 // merge_states: combine n_states partial results (O, LSE) per (token, head)

@@ -36,16 +36,8 @@
 #include "common/wgmma.cuh"
 #include "attention/prefill.cuh"
 
-// Profiling only (profiling/prefill_wg_probe.py builds variants): skip parts of the work to see what limits
-// the kernel. 1: K/V copies after the first tile, 2: the softmax (P = S rounded), 4: S = Q K^T, 8: O += P V.
-#ifndef CUKERN_PREFILL_WG_SKIP
-#define CUKERN_PREFILL_WG_SKIP 0
-#endif
-// 1 (default): warpgroup 1 starts S = Q K^T of a tile when warpgroup 0's has completed (a named barrier),
-// so that each warpgroup's softmax runs beside the other's products; 0: both start together.
-#ifndef CUKERN_PREFILL_WG_PINGPONG
-#define CUKERN_PREFILL_WG_PINGPONG 1
-#endif
+// Pingpong: warpgroup 1 starts S = Q K^T of a tile when warpgroup 0's has completed (a named barrier), so that
+// each warpgroup's softmax runs beside the other's products (docs/notes/attention.md has the alternatives).
 
 namespace cukern {
 namespace attn {
@@ -216,31 +208,26 @@ __global__ void __launch_bounds__(cukern::attn::PrefillWgShape<D>::NT, 1) prefil
         const uint32_t kt = k_s + st * Sh::KV_BYTES, vt = v_s + st * Sh::KV_BYTES;
         // this thread's copies of tile t + 1 (which run while tile t is used), and the pool rows of tile t + 2
         auto copy_ahead = [&]() {
-            if (t + 1 < t_end && (!(CUKERN_PREFILL_WG_SKIP & 1) || t == t_begin)) load_kv(t + 1, (st + 1) % Sh::STAGES);
+            if (t + 1 < t_end) load_kv(t + 1, (st + 1) % Sh::STAGES);
             cp_async_commit();
             if (PAGED && t + 2 < t_end) next_row = fetch_row(t + 2);
         };
         // S = Q K^T. Warpgroup 0 issues it first and then its copies; warpgroup 1 copies first and, with
         // pingpong, waits for warpgroup 0's S to complete (barrier 1: warpgroup 0 arrives, 1 waits).
-        const bool copy_first = CUKERN_PREFILL_WG_PINGPONG && wgi == 1;
+        const bool copy_first = wgi == 1;
         if (copy_first) {
             copy_ahead();
             named_bar_sync(1, Sh::NT);
         }
         float sacc[1][BN / 8][4];
-        if (CUKERN_PREFILL_WG_SKIP & 4) {
+        wg::fence();
 #pragma unroll
-            for (int j = 0; j < BN / 8; ++j) sacc[0][j][0] = sacc[0][j][1] = sacc[0][j][2] = sacc[0][j][3] = 0.0f;
-        } else {
-            wg::fence();
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) wg::mma_ss<T>(sacc[0], q_desc(kk), k_desc(kt, kk), kk > 0);
-            wg::commit();
-        }
+        for (int kk = 0; kk < D / 16; ++kk) wg::mma_ss<T>(sacc[0], q_desc(kk), k_desc(kt, kk), kk > 0);
+        wg::commit();
         if (!copy_first) copy_ahead();
         wg::wait<0>();
         wg::pin(sacc[0]);
-        if (CUKERN_PREFILL_WG_PINGPONG && wgi == 0) named_bar_arrive(1, Sh::NT);
+        if (wgi == 0) named_bar_arrive(1, Sh::NT);
         // Without a softcap the scores stay raw and the scale joins the exponent's FMA; with one they become
         // base-2 logits here. Masks only on tiles that cross a boundary of this warp's rows (a tile none of
         // them sees is one).
@@ -250,30 +237,20 @@ __global__ void __launch_bounds__(cukern::attn::PrefillWgShape<D>::NT, 1) prefil
         if (__any_sync(0xffffffffu, need_mask))
             mask_scores(sacc, offset + wr0 + g, j0 + 2 * tq, kv_len, p.causal, windowed, p.window_left);
         uint32_t pa[1][BN / 16][4];
-        if (CUKERN_PREFILL_WG_SKIP & 2) {
-#pragma unroll
-            for (int j = 0; j < BN / 8; ++j) {
-                pa[0][j / 2][(j % 2) * 2] = pack2<T>(sacc[0][j][0], sacc[0][j][1]);
-                pa[0][j / 2][(j % 2) * 2 + 1] = pack2<T>(sacc[0][j][2], sacc[0][j][3]);
-            }
-        } else {
-            float corr[1][2];
-            online_softmax<T>(sacc, pa, m, l, corr, sl);
-            rescale_rows(oacc, corr);  // always: a branch around the accumulators serializes the wgmma
-        }
+        float corr[1][2];
+        online_softmax<T>(sacc, pa, m, l, corr, sl);
+        rescale_rows(oacc, corr);  // always: a branch around the accumulators serializes the wgmma
         // O += P V
-        if (!(CUKERN_PREFILL_WG_SKIP & 8)) {
-            wg::fence();
+        wg::fence();
 #pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk)
+        for (int kk = 0; kk < BN / 16; ++kk)
 #pragma unroll
-                for (int c = 0; c < D / 128; ++c)
-                    wg::mma_rs_128_mn<T>(*reinterpret_cast<float(*)[16][4]>(&oacc[0][16 * c][0]), pa[0][kk],
-                                         v_desc(vt, kk, c));
-            wg::commit();
-            wg::wait<0>();
-            wg::pin(oacc[0]);
-        }
+            for (int c = 0; c < D / 128; ++c)
+                wg::mma_rs_128_mn<T>(*reinterpret_cast<float(*)[16][4]>(&oacc[0][16 * c][0]), pa[0][kk],
+                                     v_desc(vt, kk, c));
+        wg::commit();
+        wg::wait<0>();
+        wg::pin(oacc[0]);
         // tile t's rows (its slot) were used by its copies: the slot takes tile t + 2's (read after the
         // next iteration's barrier)
         if (PAGED && t + 2 < t_end && tid < BN) sm_rows[(t - t_begin) & 1][tid] = next_row;

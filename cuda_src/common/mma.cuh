@@ -47,7 +47,7 @@ CUKERN_DEVICE void prefetch_l2_bulk(const void* src, uint32_t bytes) {
 }
 
 // Ask L2 to fetch every 128-byte line that holds one of the BYTES at src, one prefetch.global.L2 per line.
-// decode_tc measured these better than one bulk prefetch per K/V slice (profiling/attention_probe.py).
+// decode_tc measured these better than one bulk prefetch per K/V slice (docs/notes/attention.md).
 template <int BYTES>
 CUKERN_DEVICE void prefetch_l2_lines(const void* src) {
     const uint64_t a = reinterpret_cast<uint64_t>(src);

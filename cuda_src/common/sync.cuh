@@ -19,22 +19,4 @@ CUKERN_DEVICE int32_t atomic_add_acq_rel_gpu(int32_t* p, int32_t v) {
     return old;
 }
 
-// Relaxed (strong, unordered) device-scope accesses, for words one block writes and another polls: each
-// 32-bit element is read or written whole (a vector access is one such access per element).
-CUKERN_DEVICE void st_relaxed_gpu(float* p, float v) {
-    asm volatile("st.relaxed.gpu.global.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
-}
-CUKERN_DEVICE float ld_relaxed_gpu(const float* p) {
-    float v;
-    asm volatile("ld.relaxed.gpu.global.f32 %0, [%1];" : "=f"(v) : "l"(p));
-    return v;
-}
-CUKERN_DEVICE float4 ld_relaxed_gpu(const float4* p) {
-    float4 v;
-    asm volatile("ld.relaxed.gpu.global.v4.f32 {%0, %1, %2, %3}, [%4];"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "l"(p));
-    return v;
-}
-
 }  // namespace cukern

@@ -37,76 +37,13 @@
 // map's 128-byte swizzle and one thread per consumer issues tensor stores of 32-row boxes (reduce-add
 // for accumulate and split K); the block exits once the copy engine has read them, so its writes drain
 // while the next block on the SM fills its pipeline. Otherwise each lane stores its values (put1).
-// Measured against element stores (H100, in turns, graph replays): GGUF 14336x4096 N = 2048 Q6_K 541.6
-// -> 509.6 us, Q4_K 461.2 -> 445.4; packed 4096x4096 N = 512 Q4_K 40.6 -> 38.7, Q5_0 40.2 -> 38.0;
-// packed 4096x4096 N = 2048 and 14336x4096 N = 2048 within the spread.
 // Ragged M (rows past m read row m-1, never stored), ragged N (zero-filled tokens, never stored) and
 // split K (blockIdx.z slices of whole super-stages, atomics) as in gemm_f16. A K tail (k % 64 = 32:
 // the last stage's second segment lies past k) needs no masking: the copy engine zero-fills the
 // activations there and the raw bytes past the row's end are zeros (copy_raw), so A is 0 x 0. The
 // fused GLU interleaves gate and up rows by 8-row groups (tile row r: matrix (r / 8) % 2, output row
 // 8 (r / 16) + r % 8), so rows R and R+8 of a lane are the gate and up of one output.
-//
-// Measured (H100, profiling/probe_matmul_wgr.py, CUDA-graph replays, 14336x4096 N = 2048, 256-token
-// tiles; ncu on Q4_K): 1.7-2x gemm_wg, which it replaced (both operands in shared memory, every
-// warp dequantizing into f16 tiles, 16-byte cp.async activations). The MMAs alone (CUKERN_WGR_SKIP=7) take 296 us (812
-// TFLOP/s); the whole kernel 440-500 us for Q8_0 / Q4_K, 530-560 us for Q6_K. The consumers are
-// latency-bound: 0.37 instructions issued per cycle and scheduler, 7.4 cycles per instruction
-// (stalls: fixed-latency dependencies 1.9, shared-memory loads 1.3, dispatch 1.2, math pipe 0.7),
-// tensor pipe 57% busy; Q4_K's dequantization is ~330 instructions per warp and stage, Q8_0's ~200.
-// Neither loading a stage's raw bytes one step ahead nor a third register set (two stages of MMAs
-// in flight instead of one) changed the time by more than the run-to-run spread.
-// 2026-11-26 (ncu source counters, Q4_K): the consumers' dispatch and math-pipe stalls sit on the
-// integer-pipe instructions of the conversion (LOP3, PRMT, SHF), hardly any samples on wgmma.wait:
-// the tensor core waits for the consumers' instruction stream. The K-quants' f16 arithmetic (above,
-// SASS per warp and stage Q4_K 270 -> 229, Q5_K 318 -> 290, Q6_K 358 -> 339) measured, against
-// the exact f32 decoders in turns in one run (probe_matmul_wgr.py --ab): Q4_K 14336x4096 N = 2048
-// 507 -> 453 us, 4096x4096 N = 512 48.0 -> 42.3; Q6_K 568 -> 557 and unchanged. Not kept: the
-// K-quant constants computed by the producer into a shared table beside each raw super-stage (10%
-// slower: the producer's global loads of the headers then set the raw ring's pace), a third raw
-// slot (same time). Then fewer instructions per stage for every type: d broadcast by a register-
-// operand select (h2_low), Q8_0's 0x64 bytes by the permute from zero and one XOR (no constant
-// register), Q6_K's two quant words assembled as one and its scales split two at a time: SASS per
-// warp and stage Q8_0 181 -> 153, Q5_0 266 -> 246, Q6_K 339 -> 312; in turns against the version
-// before, 14336x4096 N = 2048 Q8_0 505.6 -> 480.7 us, Q6_K 577.9 -> 551.7 (medians of six; the
-// best of six within 3% either way). Then the K-quants' scale splits in f16 arithmetic (the same
-// values, no f32 conversions): SASS per warp and stage Q6_K 312 -> 280-295, Q4_K / Q5_K -15; in turns
-// against the version before, 14336x4096 N = 2048 Q6_K 563.7 -> 547.4 us, Q4_K 460.8 -> 453.8, Q5_K
-// 511.1 -> 521.3 (within the spread); 4096x4096 N = 512 Q6_K 50.9 -> 50.0. Then Q5_0's fifth bits by
-// one permute per pair of halves (with the 0x6400 bits, FragDeqQ0) and spread64's 0x64646464 in a
-// register (bytes64): SASS per warp and stage Q5_0 195-266 -> 171-242, Q6_K 220-295 -> 203-280, Q4_K /
-// Q5_K -7 to -12; in turns against the version before (medians of 6-10 graph replays), 4096x4096 N =
-// 512 Q5_0 42.9 -> 42.0 and 44.8 -> 43.8 us, Q5_K 44.3 -> 43.5, 14336x4096 N = 2048 Q5_0 475 -> 466 and
-// 496 -> 481; Q6_K and Q4_K unchanged at both sizes (Q6_K 4096^2 N = 512 46.1 / 46.3, 48.0 / 48.1): at
-// N = 512 Q6_K is not bound by the conversion's instruction count. Not kept: split K without the zero
-// fill of d (slice 0 stores its tile and publishes a per-tile flag; the other slices wait for it and add
-// with atomics): in turns against memset + atomics from every slice, 4096x4096 N = 512 Q6_K 46.3 / 46.4
-// us, Q5_0 41.4 / 41.7, Q4_K 39.6 / 39.8, 4096x14336 N = 512 within +-1: the wait for slice 0's stores
-// costs what the memset did. Where 4096x4096 N = 512 Q6_K (46.3 us) goes, by the skip variants in turns:
-// no dequantization 37.6, no raw copies 38.7, no activation copies 45.5, no MMAs 26.2, MMAs only 34.0
-// (Q4_K: 39.5 / 36.3 / 36.0 / 38.8 / 23.8 / 34.0); a third raw slot (one activation slot fewer) changed
-// nothing there (46.6 / 46.5) and cost Q8_0 10-20% (41.3 -> 45.8 us, N = 2048 453 -> 545): not kept.
-// 2026-11-26, eighth session: the weights dequantized by a warpgroup of their own instead, into a swizzled
-// f16 ring (the copy engine's 128-byte layout) that the two consumer warpgroups read with wgmma SS (gemm_wgs,
-// Q8_0 only, prototyped in commit 97ad977 with profiling/probe_matmul_wgs.py, then removed). The numbers are
-// 14336x4096 N = 2048 in one run, with deq + cuBLAS at 401 us and this kernel at 493:
-//   * the SS MMAs, activation ring and hand-offs alone: 321-344 us, so the structure could reach 1.17x the peer;
-//   * the dequantizer warpgroup's copies and stores (raw rows by 4-byte cp.async, two stages ahead), with no
-//     conversion: 453 us;
-//   * with Q8_0's conversion: 524 us.
-// Loading the raw rows per thread straight from global memory (uncoalesced) was worse still: 836 us.
-// One warpgroup, one warp per scheduler, cannot convert and move a stage in the MMAs' ~1,100 cycles, and the
-// register file leaves no room for a second one beside two m64n256 consumers. ptxas compiles the whole
-// kernel to its launch bounds whatever setmaxnreg raises later: 168 registers a thread at 384 threads, 128
-// at 512, and 128 accumulators need more. Not kept.
-// Also measured, not built: dequantize + cuBLAS in row bands through an L2-sized f16 staging buffer (each
-// band dequantized, then cublasGemmEx into d's columns; one stream, or the dequantization on a second; the
-// probe is in commit 5019fa8, profiling/probe_matmul_blas.py). At N = 2048, against the whole-matrix peer:
-//   * 14336x4096 Q6_K: peer 427, gemm_wgr 552, 16 MB bands 450 us (523 with two streams);
-//   * 14336x4096 Q4_K: peer 394, gemm_wgr 465, bands 434 us.
-// Smaller bands are bound by the host's launches. The band GEMMs run below the whole matrix's rate, and a
-// second stream competes with cuBLAS for the SMs. At N = 512 gemm_wgr (1.03-1.53x the peer) beats every
-// band variant.
+// Measurements (what limits it, each change's effect) and the designs not kept: docs/notes/matmul.md.
 #pragma once
 
 #include "common/mbarrier.cuh"
@@ -116,16 +53,6 @@
 
 namespace cukern {
 namespace mm {
-
-// Profiling only (profiling/probe_matmul_wgr.py builds variants): skip parts of the work to see what
-// limits the kernel. 1: dequantization (A = 1.0), 2: raw weight copies, 4: activation copies, 8: the MMAs.
-#ifndef CUKERN_WGR_SKIP
-#define CUKERN_WGR_SKIP 0
-#endif
-// Profiling only: 0 writes d by element stores even where the host passed a tensor map (p.d_tma).
-#ifndef CUKERN_WGR_D_TMA
-#define CUKERN_WGR_D_TMA 1
-#endif
 
 constexpr uint32_t kTileBytes = BK * 2;  // bytes per token row of a 64-element f16 activation stage
 constexpr uint32_t kWgrSmemLimit = 227 * 1024;  // dynamic shared memory one block may opt in to (sm_90)
@@ -141,11 +68,9 @@ constexpr int kWgrProducerRegs = 40, kWgrConsumerRegs = 232;
 __host__ __device__ constexpr uint32_t gemm_wgr_smem_bytes(int bn, int raw_stride, int stages) {
     return 1024u + (uint32_t)stages * bn * kTileBytes + 2u * kRows * raw_stride + 2u * (stages + 2) * 8u;
 }
-// Activation slots: as many as fit beside the raw ring, at most 6 and 128 KB (4 at 256 tokens). A fifth
-// 32 KB slot, which fits beside every ring but Q8_0's and the byte layouts', measured slower or equal (H100,
-// in turns, graph replays, 256-token tiles): packed Q4_K 4096x4096 N = 2048 111.0 -> 104.0 us with four,
-// 14336x4096 390 -> 364, 4096x14336 379 -> 349, N = 512 35.0 -> 33.8 and 100.8 -> 97.3; GGUF bytes
-// 14336x4096 N = 2048 Q5_0 479 -> 442, Q4_K and Q6_K and 4096x4096 N = 512 within the spread.
+// Activation slots: as many as fit beside the raw ring, at most 6 and 128 KB. Example: 256 tokens take
+// 32 KB a slot, so 4 (a fifth, which fits beside most raw rings, measured slower or equal:
+// docs/notes/matmul.md); 128 tokens take 16 KB, so 6.
 __host__ __device__ constexpr int gemm_wgr_stages(int bn, int raw_stride) {
     int s = kWgrMaxStages;
     while (s > 2 && (gemm_wgr_smem_bytes(bn, raw_stride, s) > kWgrSmemLimit ||
@@ -433,12 +358,8 @@ __global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(
                 for (int t = 0; t < n_stages; ++t) {
                     const int slot = t % S;
                     if (t >= S) mbar_wait(empty_act + slot, ((t / S) - 1) & 1);
-                    if (CUKERN_WGR_SKIP & 4) {
-                        mbar_arrive(full_act + slot);
-                    } else {
-                        mbar_arrive_expect(full_act + slot, ACT_BYTES);
-                        tma_load_2d(sact + slot * ACT_BYTES, &tb, (int32_t)(kbeg + BK * t), (int32_t)t0, full_act + slot);
-                    }
+                    mbar_arrive_expect(full_act + slot, ACT_BYTES);
+                    tma_load_2d(sact + slot * ACT_BYTES, &tb, (int32_t)(kbeg + BK * t), (int32_t)t0, full_act + slot);
                 }
             }
             return;
@@ -459,11 +380,10 @@ __global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(
             const int slot = s & 1;
             if (s >= 2) mbar_wait(empty_raw + slot, ((s >> 1) - 1) & 1);
             const uint32_t e0 = kbeg + SUPER * s, nel = min((uint32_t)SUPER, kend - e0);
-            if (!(CUKERN_WGR_SKIP & 2))
-                copy_raw<RSTRIDE, kWgrRawThreads>(sraw + slot * RAW_BYTES, rowptr, raw_off(s),
-                                                  nel / QTraits<QT>::kElems * QTraits<QT>::kBytes, p.raw16 != 0, false,
-                                                  tid - 32);
-            if (p.raw16 && !(CUKERN_WGR_SKIP & 2)) mbar_arrive_cp_async(full_raw + slot);
+            copy_raw<RSTRIDE, kWgrRawThreads>(sraw + slot * RAW_BYTES, rowptr, raw_off(s),
+                                              nel / QTraits<QT>::kElems * QTraits<QT>::kBytes, p.raw16 != 0, false,
+                                              tid - 32);
+            if (p.raw16) mbar_arrive_cp_async(full_raw + slot);
             else mbar_arrive(full_raw + slot);
         }
         cp_async_commit();
@@ -493,13 +413,8 @@ __global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(
     // A fragments of stage t from its raw registers: a[4 kk + i] = register i of k step kk
     auto convert = [&](int t, const typename Frag::Raw (&r)[2], uint32_t (&a)[16]) {
         uint32_t x0[8], x1[8];
-        if (CUKERN_WGR_SKIP & 1) {
-#pragma unroll
-            for (int j = 0; j < 8; ++j) x0[j] = x1[j] = 0x3C003C00u;
-        } else {
-            Frag::convert(x0, r[0], t % SPS);
-            Frag::convert(x1, r[1], t % SPS);
-        }
+        Frag::convert(x0, r[0], t % SPS);
+        Frag::convert(x1, r[1], t % SPS);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             a[4 * (j / 2) + 2 * (j % 2)] = x0[j];
@@ -516,7 +431,7 @@ __global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(
         wg::fence();
         const uint64_t desc = act_desc(smem_addr(sact + slot * ACT_BYTES));
 #pragma unroll
-        for (int kk = 0; kk < BK / 16 * !(CUKERN_WGR_SKIP & 8); ++kk)  // k step kk: 32 bytes on, 2 in the address field
+        for (int kk = 0; kk < BK / 16; ++kk)  // k step kk: 32 bytes on, 2 in the address field
             wg::MmaRsK<BN>::run(acc, a[4 * kk], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3], desc + 2 * kk);
         wg::commit();
         wg::wait<2>();  // stage t-2's MMAs are done: its slot and register set (b) are free
@@ -549,7 +464,7 @@ __global__ void __launch_bounds__(cukern::mm::kWgrThreads, 1) gemm_wgr(
     for (int i = 0; i < 16; ++i) wg::pin(f0[i]), wg::pin(f1[i]), wg::pin(f2[i]);
 
     // epilogue: quad j = rows (R, R+8) x tokens (tc, tc+1)
-    if (CUKERN_WGR_D_TMA && p.d_tma) {
+    if (p.d_tma) {
         // through shared memory and the copy engine: the tile's outputs into the activation ring (free
         // once both consumers' MMAs have retired) as boxes of 32 rows x BN tokens in the map's 128-byte
         // swizzle (conflict-free: a warp's 32 values fall in 8 distinct 16-byte chunks x 4 words), then

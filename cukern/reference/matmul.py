@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from cukern.qtypes import GGMLType
 from cukern.reference.dmmv import TYPES, dequantize, gelu_tanh, random_weight, silu  # noqa: F401
 
 Q8_1_BYTES, Q8_0_BYTES = 36, 34
@@ -156,8 +157,8 @@ def _pack_q4_k(raw: np.ndarray, m: int, k: int) -> tuple[np.ndarray, np.ndarray]
     computes from them [m, k])."""
     nb = k // 256
     blk = raw.reshape(m, nb, 144)
-    s16 = k_scales(raw, 12, m, k).reshape(m, nb, 8).astype(np.float16)  # d * sc exact, rounded once
-    nm16 = (-k_mins(raw, 12, m, k)).reshape(m, nb, 8).astype(np.float16)
+    s16 = k_scales(raw, GGMLType.Q4_K, m, k).reshape(m, nb, 8).astype(np.float16)  # d * sc exact, rounded once
+    nm16 = (-k_mins(raw, GGMLType.Q4_K, m, k)).reshape(m, nb, 8).astype(np.float16)
     qs = blk[..., 16:144].reshape(m, nb, 4, 32)
     v = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.uint32)  # [m, nb, st, 64]: stage elements
     out = np.empty((m, nb, 160), np.uint8)
@@ -180,8 +181,8 @@ def _pack_q5_k(raw: np.ndarray, m: int, k: int) -> tuple[np.ndarray, np.ndarray]
     the eight sub-blocks as Q4_K's; the f16 values f16(q s - m))."""
     nb = k // 256
     blk = raw.reshape(m, nb, 176)
-    s16 = k_scales(raw, 13, m, k).reshape(m, nb, 8).astype(np.float16)
-    nm16 = (-k_mins(raw, 13, m, k)).reshape(m, nb, 8).astype(np.float16)
+    s16 = k_scales(raw, GGMLType.Q5_K, m, k).reshape(m, nb, 8).astype(np.float16)
+    nm16 = (-k_mins(raw, GGMLType.Q5_K, m, k)).reshape(m, nb, 8).astype(np.float16)
     qh, qs = blk[..., 16:48].astype(np.uint32), blk[..., 48:176].astype(np.uint32)
     e = np.arange(256)
     j, lo = e // 32, e % 32  # sub-block; low nibbles of qs[32 (j // 2) + l] for even j, high for odd; bit j of qh[l]

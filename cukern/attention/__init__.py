@@ -1,0 +1,32 @@
+"""AttentionDispatch and PagedKVCache: paged KV cache, split-KV decode, tensor-core prefill, varlen.
+
+Kernels: ``cuda_src/attention/``; float64 references: ``cukern/reference/attention.py``;
+tests: ``tests/test_attention.py``; benchmark: ``profiling/bench_attention.py``; measurements:
+``docs/notes/attention.md``. Modules: ``cache`` (page allocator and paged cache), ``plan`` (plans,
+kernel shapes, the fitted split model), ``dispatch`` (units and launches).
+
+Conventions (every method):
+
+* a query at position ``i`` sees key ``j`` when ``max(0, i - window_left) <= j <= i``
+  (``window_left < 0``: no window); the last query of a sequence sits at its last cached
+  token, so queries are aligned to the end of the cache (``seq_start = kv_len - q_len``);
+* logits are ``scale * q.k`` (``scale = 0`` means ``1 / sqrt(head_dim)``), then
+  ``softcap * tanh(logit / softcap)`` when ``softcap > 0``;
+* ``sinks`` ([n_heads] f32) are one logit per query head that joins the softmax denominator
+  exactly once (gpt-oss), never scaled or capped;
+* every log-sum-exp (LSE) is a **natural** logarithm, laid out ``[tokens, heads]`` f32;
+* bfloat16 arrays are passed as ``uint16`` bit patterns (NumPy and CuPy have no bfloat16
+  dtype; an ``ml_dtypes`` bfloat16 array is accepted too).
+
+Host work (validating sequence ids against the allocator, choosing the split count,
+uploading index arrays, allocating workspaces) happens in :class:`PagedKVCache` and in the
+``plan_*`` methods; the dispatch methods then only pack a struct and launch, so they can be
+captured in CUDA graphs (FlashInfer's plan/run split).
+"""
+
+from cukern.attention.cache import BF16, HEAD_DIMS, PageAllocator, PagedKVCache
+from cukern.attention.dispatch import FAMILIES, FAMILY, PREFILL_HEAD_DIMS, PREFILL_WG_HEAD_DIMS, AttentionDispatch
+from cukern.attention.plan import BatchedPlan, DecodeOverrides, DecodePlan
+
+__all__ = ["AttentionDispatch", "PagedKVCache", "PageAllocator", "DecodePlan", "DecodeOverrides", "BatchedPlan",
+           "FAMILY", "FAMILIES", "HEAD_DIMS", "PREFILL_HEAD_DIMS", "PREFILL_WG_HEAD_DIMS", "BF16"]

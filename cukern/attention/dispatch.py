@@ -1,0 +1,551 @@
+"""AttentionDispatch: the family's compilation units and the launches (cache writes, split-KV decode,
+merge, tensor-core batched prefill and varlen).
+
+Each method validates its arguments, packs one params struct and launches; the host work is in the
+plans (:mod:`cukern.attention.plan`) and the cache (:mod:`cukern.attention.cache`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import cupy
+import numpy as np
+
+from cukern.attention.cache import BF16, HEAD_DIMS, PagedKVCache
+from cukern.attention.plan import (_ITEMSIZE, _MAX_SPLITS, _MERGE_THREADS, _NO_OVERRIDES, _TC_DECODE_MAX_D, _TC_GROUP,
+                                   _TC_KEYS, BatchedPlan, DecodeOverrides, DecodePlan, _decode_smem, _decode_tc_smem,
+                                   _groups, _head_block, _merge_cols4, _prefill_shape, _prefill_wg_shape, _schedule,
+                                   _tc_decode, _tc_warps)
+from cukern.dispatch import Unit, check_array, check_int
+from cukern.runtime import FamilySpec, KernelSpec
+
+__all__ = ["AttentionDispatch", "FAMILY", "FAMILIES", "PREFILL_HEAD_DIMS", "PREFILL_WG_HEAD_DIMS"]
+
+PREFILL_HEAD_DIMS = HEAD_DIMS[:-1]  # tensor-core prefill / varlen (512: use f32 queries, SIMT path)
+PREFILL_WG_HEAD_DIMS = (128, 256)  # prefill_wg (Hopper wgmma) head dims; the others run prefill (mma.sync)
+_CTYPE = {"float16": "__half", BF16: "__nv_bfloat16", "float32": "float"}
+_SHORT = {"float16": "f16", BF16: "bf16", "float32": "f32"}
+_F32 = np.dtype(np.float32)
+_I32 = np.dtype(np.int32)
+_DECODE_THREADS = 128
+_KV_WRITE_THREADS = 128
+
+
+def _page_shift(page_size: int) -> int:
+    return page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
+
+
+def _decode_unit(kv: str) -> FamilySpec:
+    t = _CTYPE[kv]
+    kernels = [KernelSpec(f"decode<{t}, {d}, {g}>", "DecodeParams") for d in HEAD_DIMS for g in _groups(d)]
+    if kv != "float32":
+        kernels += [KernelSpec(f"decode_tc<{t}, {d}, {nw}>", "DecodeParams")
+                    for d in HEAD_DIMS if d <= _TC_DECODE_MAX_D for nw in _tc_warps(d)]
+    kernels.append(KernelSpec("merge_states", "MergeParams"))
+    srcs = [t] if kv == "float32" else [t, "float"]
+    kernels += [KernelSpec(f"kv_write<{t}, {s}>", "KvWriteParams") for s in srcs]
+    name = "attention" if kv == "float16" else f"attention_{_SHORT[kv]}"
+    return FamilySpec(name, tuple(kernels), source="attention/attention.cu", params_header="attention/params.cuh")
+
+
+def _prefill_unit(kv: str, kernel: str = "prefill") -> FamilySpec:
+    """The unit of ``kernel`` (prefill: mma.sync, PREFILL_HEAD_DIMS; prefill_wg: wgmma, PREFILL_WG_HEAD_DIMS) for
+    one KV dtype."""
+    t = _CTYPE[kv]
+    dims = PREFILL_WG_HEAD_DIMS if kernel == "prefill_wg" else PREFILL_HEAD_DIMS
+    kernels = [KernelSpec(f"{kernel}<{t}, {d}, {paged}>", "PrefillParams") for d in dims for paged in ("true", "false")]
+    return FamilySpec(f"attention_{kernel}_{_SHORT[kv]}", tuple(kernels), source=f"attention/{kernel}.cu",
+                      params_header="attention/params.cuh")
+
+
+_SM90A_UNITS = {f"attention_prefill_wg_{_SHORT[kv]}" for kv in ("float16", BF16)}  # built for sm_90a on sm_90 (Unit)
+
+
+# One RawModule per unit: decode + cache writes + merge per KV dtype, prefill and prefill_wg per dtype.
+FAMILIES = {spec.name: spec for spec in (
+    [_decode_unit(kv) for kv in ("float16", BF16, "float32")] + [_prefill_unit(kv) for kv in ("float16", BF16)]
+    + [_prefill_unit(kv, "prefill_wg") for kv in ("float16", BF16)])}
+FAMILY = FAMILIES["attention"]
+
+
+def _kind(a) -> str:
+    """'float16', 'bfloat16' (uint16 bits or ml_dtypes) or 'float32'; anything else 'other'."""
+    dt = a.dtype
+    if dt == np.float16:
+        return "float16"
+    if dt == np.float32:
+        return "float32"
+    if dt == np.uint16 or str(dt) == BF16:
+        return BF16
+    return "other"
+
+
+def _check_kind(name: str, a, kinds: tuple[str, ...]) -> str:
+    check_array(name, a)
+    k = _kind(a)
+    if k not in kinds:
+        raise TypeError(f"{name} must be {' or '.join(kinds)} (bfloat16 as uint16 bits), got {a.dtype}")
+    return k
+
+
+def _int_list(name: str, values) -> np.ndarray:
+    if isinstance(values, cupy.ndarray):
+        raise TypeError(f"{name} must be host integers (a list or NumPy array): plans validate them on the host")
+    arr = np.asarray(values)
+    if arr.ndim != 1 or arr.size == 0 or arr.dtype.kind not in "iu":
+        raise ValueError(f"{name} must be a non-empty 1-D sequence of integers, got {values!r}")
+    return arr.astype(np.int64)
+
+
+def _scale_fields(scale: float, head_dim: int, softcap: float, window_left: int) -> dict:
+    if not math.isfinite(scale) or scale < 0:
+        raise ValueError(f"scale must be finite and >= 0 (0: 1/sqrt(head_dim)), got {scale}")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be finite and >= 0 (0: off), got {softcap}")
+    if not isinstance(window_left, (int, np.integer)):
+        raise TypeError(f"window_left must be an int (< 0: no window), got {type(window_left).__name__}")
+    s = scale if scale > 0 else 1.0 / math.sqrt(head_dim)
+    return dict(scale_log2=s * math.log2(math.e), softcap=softcap, inv_softcap=1.0 / softcap if softcap else 0.0,
+                window_left=max(int(window_left), -1))
+
+
+class AttentionDispatch:
+    """Records attention kernels into a stream. Every method takes ``stream=`` (None: CuPy's
+    current stream) and validates its arguments before launching; none synchronises,
+    allocates or reads device memory (``plan_*`` and the cache do the host work).
+
+    ``pdl`` (default False; sm_90+) launches :meth:`flash_attn_decode` (and :meth:`merge_states`, which
+    touches memory only after the wait) with programmatic dependent launch: its blocks start while
+    the previous kernel in the stream finishes and stream their first
+    K/V tiles before waiting for it (``pdl_wait`` in common/pdl.cuh), which hides the launch gap and
+    the ramp-up of a decode loop's back-to-back attention calls (with long chunks it also asks L2 for
+    a few more tiles and streams K/V evict-first: :meth:`_prefetch_tiles`). Before the wait the kernel reads
+    only the plan's ``seq_ids``, the cache's ``lengths`` and ``page_table``, and the K/V rows of the
+    positions below each sequence's last token (``length - 1``); so a kernel still in flight may
+    write q, sinks, the outputs and the newest token's K/V (the decode step's KV write), but must not
+    write the lengths, the page table or older K/V rows (host uploads through
+    :class:`PagedKVCache` are never in flight). The attribute may be changed between calls."""
+
+    families = FAMILIES
+
+    def __init__(self, device: int | None = None, *, pdl: bool = False):
+        self._device = device
+        self.pdl = bool(pdl)
+        self._units = {name: Unit(spec, device, sm90a=name in _SM90A_UNITS) for name, spec in FAMILIES.items()}
+
+    def _unit(self, kind: str, prefill: bool = False) -> Unit:
+        return self._units[f"attention_prefill_{_SHORT[kind]}" if prefill else
+                           ("attention" if kind == "float16" else f"attention_{_SHORT[kind]}")]
+
+    def struct(self, name: str):
+        return self._units["attention"].struct(name)
+
+    def sm_count(self) -> int:
+        return self._units["attention"].sm_count()
+
+    # ------------------------------------------------------------------ cache writes
+    def _kv_src(self, cache: PagedKVCache, k, v, n: int | None):
+        kinds = (cache.kind,) if cache.kind == "float32" else (cache.kind, "float32")
+        ks = _check_kind("k", k, kinds)
+        vs = _check_kind("v", v, kinds)
+        if ks != vs:
+            raise TypeError(f"k and v must have the same dtype, got {k.dtype} and {v.dtype}")
+        check_array("k", k, shape=(n, cache.n_kv_heads, cache.head_dim))
+        check_array("v", v, shape=k.shape)   # as many rows as k: the kernel reads both per token
+        if k.shape[0] == 0:
+            raise ValueError("k and v must hold at least one token")
+        return ks
+
+    def _check_layer(self, cache: PagedKVCache, layer: int) -> int:
+        if not isinstance(cache, PagedKVCache):
+            raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+        return check_int("layer", layer, 0, cache.n_layers - 1)
+
+    def write_kv(self, cache: PagedKVCache, layer: int, k: cupy.ndarray, v: cupy.ndarray, slot_ids: cupy.ndarray,
+                 positions: cupy.ndarray, *, stream=None) -> None:
+        """Write one K/V row per token: row i to slot ``slot_ids[i]`` at ``positions[i]`` (a decode step).
+
+        k, v: [n, n_kv_heads, head_dim], the cache dtype or float32; slot_ids, positions: [n] int32
+        (device values, not read on the host: positions outside the slot's allocated pages are skipped,
+        so call :meth:`PagedKVCache.extend` first)."""
+        layer = self._check_layer(cache, layer)
+        src = self._kv_src(cache, k, v, None)
+        n = k.shape[0]
+        check_array("slot_ids", slot_ids, dtype=_I32, shape=(n,))
+        check_array("positions", positions, dtype=_I32, shape=(n,))
+        self._kv_launch(cache, layer, k, v, src, slot_ids, positions, n, 1, 0, 0, stream)
+
+    def write_kv_run(self, cache: PagedKVCache, layer: int, k: cupy.ndarray, v: cupy.ndarray, slot: int, pos0: int,
+                     *, stream=None) -> None:
+        """Write n consecutive tokens of one sequence at positions ``pos0 ... pos0 + n - 1`` (a prefill chunk).
+
+        The positions must already be part of the sequence (``cache.extend``), checked on the host."""
+        layer = self._check_layer(cache, layer)
+        src = self._kv_src(cache, k, v, None)
+        n = k.shape[0]
+        slot = cache.alloc.check_slot(slot)
+        pos0 = check_int("pos0", pos0, 0)
+        if pos0 + n > cache.length(slot):
+            raise ValueError(f"positions {pos0} ... {pos0 + n - 1} are outside sequence {slot} "
+                             f"(length {cache.length(slot)}; extend it first)")
+        self._kv_launch(cache, layer, k, v, src, cache.page_table, cache.page_table, n, 0, slot, int(pos0), stream)
+
+    def _kv_launch(self, cache, layer, k, v, src, slot_ids, positions, n, per_token, slot, pos0, stream):
+        unit = self._unit(cache.kind)
+        params = unit.struct("KvWriteParams").pack(
+            n_tokens=n, row_elems=cache.n_kv_heads * cache.head_dim, page_size=cache.page_size,
+            max_pages=cache.max_pages_per_seq, per_token=per_token, slot=slot, pos0=pos0, pad0=0)
+        name = f"kv_write<{_CTYPE[cache.kind]}, {_CTYPE[src]}>"
+        unit._launch(name, n, _KV_WRITE_THREADS,
+                     (cache.k_pools[layer], cache.v_pools[layer], k, v, cache.page_table, slot_ids, positions),
+                     params, stream=stream, pdl=self.pdl)
+
+    # ------------------------------------------------------------------ decode
+    def plan_decode(self, cache: PagedKVCache, seq_ids, n_heads: int, *, max_kv_len: int | None = None,
+                    n_splits: int | None = None, window_left: int = -1,
+                    overrides: DecodeOverrides | None = None) -> DecodePlan:
+        """Schedule a decode batch: one query token for each sequence of ``seq_ids`` (host ints).
+
+        Validates the slots, uploads them, picks the split count (default: :func:`_choose_splits`, chunks
+        of at least 32 tokens, at most 256 splits; ``n_splits`` overrides it), with it the tensor-core
+        kernel's warps and where the splits merge (``merge_apart``, see :meth:`flash_attn_decode`), and
+        allocates the partial buffers and the merge counters. ``overrides`` (a :class:`DecodeOverrides`)
+        forces any of those choices and the launch's L2 settings. ``max_kv_len`` (default: the longest of
+        these sequences now) sizes the chunks; a sequence that later grows past it is still computed
+        right (its last chunk runs to its end), only less parallel. Reuse the plan across steps (and
+        graph replays) while the batch holds, on one stream at a time (launches of one plan share its
+        partial buffers and counters)."""
+        if not isinstance(cache, PagedKVCache):
+            raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+        ov = _NO_OVERRIDES if overrides is None else overrides
+        if not isinstance(ov, DecodeOverrides):
+            raise TypeError(f"overrides must be a DecodeOverrides, got {type(overrides).__name__}")
+        ids = _int_list("seq_ids", seq_ids)
+        if len(ids) > 65535:
+            raise ValueError(f"at most 65535 sequences per decode call, got {len(ids)}")
+        for s in ids:
+            cache.alloc.check_slot(int(s))
+        if not isinstance(n_heads, (int, np.integer)) or n_heads < 1 or n_heads % cache.n_kv_heads:
+            raise ValueError(f"n_heads ({n_heads}) must be a positive multiple of n_kv_heads ({cache.n_kv_heads})")
+        longest = int(max(cache.alloc.lengths[ids]))
+        max_kv_len = max(longest, 1) if max_kv_len is None else int(max_kv_len)
+        if max_kv_len < 1:
+            raise ValueError(f"max_kv_len must be >= 1, got {max_kv_len}")
+        group = n_heads // cache.n_kv_heads
+        tc = _tc_decode(cache.kind, cache.head_dim)
+        hb = _TC_GROUP if tc else _head_block(group, cache.head_dim)
+        blocks = len(ids) * cache.n_kv_heads * -(-group // hb)
+        visible = max_kv_len if window_left < 0 else min(max_kv_len, window_left + 1)
+        row_bytes = 2 * cache.head_dim * _ITEMSIZE[cache.kind]  # a K and a V row of one KV head
+        state_bytes = min(hb, group) * cache.head_dim * 4
+        if n_splits is not None and (not isinstance(n_splits, (int, np.integer)) or not 1 <= n_splits <= _MAX_SPLITS):
+            raise ValueError(f"n_splits must be 1 ... {_MAX_SPLITS}, got {n_splits!r}")
+        d = cache.head_dim
+        warps, apart, n_splits = _schedule(tc, d, blocks, visible, row_bytes, state_bytes, self.sm_count(), n_splits,
+                                           ov)
+        apart = apart and n_splits > 1
+        b = len(ids)
+        o_part = cupy.empty((b, n_splits, n_heads, d), cupy.float32) if n_splits > 1 else None
+        lse_part = cupy.empty((b, n_splits, n_heads), cupy.float32)
+        counters = cupy.zeros(blocks, cupy.int32)
+        return DecodePlan(cache, cupy.asarray(ids.astype(np.int32)), int(n_heads), max_kv_len, int(n_splits), hb,
+                          int(warps), apart, o_part, lse_part, counters, ov)
+
+    def flash_attn_decode(self, plan: DecodePlan, layer: int, q: cupy.ndarray, out: cupy.ndarray, *,
+                          scale: float = 0.0, window_left: int = -1, softcap: float = 0.0,
+                          sinks: cupy.ndarray | None = None, lse: cupy.ndarray | None = None,
+                          stream=None) -> cupy.ndarray:
+        """Single-query attention of a batch of sequences over the paged cache (split-KV + merge).
+
+        q: [batch, n_heads, head_dim] f32 (16-byte aligned); out: the same (written); lse: optional
+        [batch, n_heads] f32, natural log (sinks included). K/V of a tile are read once for all the
+        query heads of their group. With ``plan.n_splits > 1`` the chunks write normalised partial
+        (O, LSE) into the plan's buffers and, in the same launch, one block of each (query, head block)
+        merges them (as :meth:`merge_states` would), adding the sinks once: the last block to finish (an
+        atomic counter); or, with ``plan.merge_apart``, a :meth:`merge_states` launch after
+        the decode merges them (blocks of columns of each query and head instead of one block per head
+        block: the plan's choice where that single block's merge would be long, e.g. head_dim 256 with one
+        KV head).
+        out must be 16-byte aligned.
+
+        f16/bf16 caches up to head_dim 256 run on tensor cores (``decode_tc``): q (scaled to base-2 logits
+        and by a power of two that keeps it in f16 range) and the softmax weights are each split into
+        hi + lo parts of the cache dtype, so S and O keep f32 accuracy (the same tolerance as the SIMT
+        kernel, which serves f32 caches and head_dim 512)."""
+        if not isinstance(plan, DecodePlan):
+            raise TypeError(f"plan must be a DecodePlan (AttentionDispatch.plan_decode), got {type(plan).__name__}")
+        cache = plan.cache
+        layer = self._check_layer(cache, layer)
+        b, h, d = plan.batch, plan.n_heads, cache.head_dim
+        check_array("q", q, dtype=_F32, shape=(b, h, d), align=16)
+        check_array("out", out, dtype=_F32, shape=(b, h, d), align=16)
+        if lse is not None:
+            check_array("lse", lse, dtype=_F32, shape=(b, h))
+        if sinks is not None:
+            check_array("sinks", sinks, dtype=_F32, shape=(h,))
+        fields = _scale_fields(scale, d, softcap, window_left)
+        group = h // cache.n_kv_heads
+        hb = plan.head_block
+        nhb = -(-group // hb)
+        visible = plan.max_kv_len if fields["window_left"] < 0 else min(plan.max_kv_len, fields["window_left"] + 1)
+        split = plan.n_splits > 1
+        chunk = -(-visible // plan.n_splits)
+        tiles = -(-chunk // (_TC_KEYS * plan.warps)) if plan.warps else 0  # decode_tc: 16-key tiles a warp
+        pf = self._prefetch_tiles(plan, tiles, nhb)
+        ahead = self._ahead_tiles(plan, tiles)
+        ef = plan.overrides.evict_first
+        unit = self._unit(cache.kind)
+        params = unit.struct("DecodeParams").pack(
+            n_queries=b, n_seqs=b, batched=0, n_heads=h, n_kv_heads=cache.n_kv_heads, group=group, n_head_blocks=nhb,
+            page_size=cache.page_size, max_pages=cache.max_pages_per_seq, n_splits=plan.n_splits,
+            chunk=chunk, has_sinks=int(sinks is not None), causal=1,
+            write_lse=int(lse is not None), page_shift=_page_shift(cache.page_size),
+            l2_prefetch=pf, evict_first=int(pf > 0 or ahead > 0 if ef is None else ef),
+            merge_apart=int(plan.merge_apart), l2_ahead=ahead, pad0=0, **fields)
+        if plan.warps:
+            name, smem = f"decode_tc<{_CTYPE[cache.kind]}, {d}, {plan.warps}>", _decode_tc_smem(d, plan.warps)
+        else:
+            name, smem = f"decode<{_CTYPE[cache.kind]}, {d}, {hb}>", _decode_smem(cache.kind, d, hb)
+        unit._launch(name, (plan.n_splits, cache.n_kv_heads * nhb, b), 32 * plan.warps or _DECODE_THREADS,
+                     (out, lse if lse is not None else out, plan.o_part if split else out, plan.lse_part,
+                      plan.counters, q, cache.k_pools[layer], cache.v_pools[layer], cache.page_table, cache.lengths,
+                      plan.seq_ids, plan.seq_ids, sinks if sinks is not None else plan.lse_part), params,
+                     stream=stream, shared_mem=smem, pdl=self.pdl)
+        if plan.merge_apart:
+            self._merge(unit, plan.o_part, plan.lse_part, out, lse, sinks, b, plan.n_splits, h, d, stream)
+        return out
+
+    def _prefetch_tiles(self, plan: DecodePlan, tiles: int, n_head_blocks: int) -> int:
+        """Warp tiles after the prologue's that decode_tc asks L2 to prefetch before pdl_wait (pdl only; K/V
+        then stream with an evict-first policy so that the next launch's prefetched lines stay in L2).
+
+        With t tiles a warp: none up to 2 (the prologue holds them), then t // 8 between 1 and 3, where no
+        other head block reads the same K/V. Example: B1 32/8 D128 at 128k keys, w8 s16: 8192 keys a split,
+        t = 64, so 3 tiles (8 lost everywhere; measurements in docs/notes/attention.md)."""
+        if not self.pdl or not plan.warps:
+            return 0
+        if plan.overrides.l2_prefetch is not None:
+            return plan.overrides.l2_prefetch
+        return min(3, max(1, tiles // 8)) if n_head_blocks == 1 and tiles > 2 else 0
+
+    def _ahead_tiles(self, plan: DecodePlan, tiles: int) -> int:
+        """How many tiles after the one it copies next each decode_tc warp keeps L2 asked for (0: none): under
+        pdl two from 48 tiles a warp, where a warp's three-stage ring is too short to keep its SM's share of DRAM
+        busy; without pdl one from 16 up to head_dim 128. K/V then stream evict-first, so that the lines asked
+        for stay in L2 until the ring copies them. Example: B1 32/8 D128 at 128k keys, w8 s16, t = 64 tiles a
+        warp: 2 under pdl, 1 without (three ahead lost, four far more: the prefetches crowd out the ring's
+        copies; measurements in docs/notes/attention.md)."""
+        if not plan.warps:
+            return 0
+        if plan.overrides.l2_ahead is not None:
+            return plan.overrides.l2_ahead
+        if self.pdl:
+            return 2 if tiles >= 48 else 0
+        return 1 if tiles >= 16 and plan.cache.head_dim <= 128 else 0
+
+    # ------------------------------------------------------------------ merge
+    def merge_states(self, v: cupy.ndarray, s: cupy.ndarray, out: cupy.ndarray, *, lse: cupy.ndarray | None = None,
+                     sinks: cupy.ndarray | None = None, stream=None) -> cupy.ndarray:
+        """Merge partial attention states of the same queries.
+
+        v: [n_tokens, n_states, n_heads, head_dim] f32, each state's output normalised over its own keys;
+        s: [n_tokens, n_states, n_heads] f32, each state's **natural-log** LSE (-inf: empty state);
+        out: [n_tokens, n_heads, head_dim] f32; lse: optional [n_tokens, n_heads] f32 merged LSE;
+        sinks: optional [n_heads] f32 natural-log logits added to the denominator once.
+        A row whose states are all empty (and no sink) gets 0 and LSE -inf."""
+        check_array("v", v, dtype=_F32, ndim=4, align=16)
+        n, ns, h, d = v.shape
+        if min(v.shape) == 0:
+            raise ValueError(f"v must be non-empty, got shape {v.shape}")
+        if d % 4 or d > 4 * _MERGE_THREADS:
+            raise ValueError(f"head_dim must be a multiple of 4 up to {4 * _MERGE_THREADS}, got {d}")
+        check_array("s", s, dtype=_F32, shape=(n, ns, h))
+        check_array("out", out, dtype=_F32, shape=(n, h, d), align=16)
+        if lse is not None:
+            check_array("lse", lse, dtype=_F32, shape=(n, h))
+        if sinks is not None:
+            check_array("sinks", sinks, dtype=_F32, shape=(h,))
+        if n > 65535:
+            raise ValueError(f"merge_states takes at most 65535 tokens per call, got {n}")
+        self._merge(self._units["attention"], v, s, out, lse, sinks, n, ns, h, d, stream)
+        return out
+
+    def _merge(self, unit, v, s, out, lse, sinks, n, ns, h, d, stream):
+        cols4 = _merge_cols4(n * h, d, self.sm_count())
+        params = unit.struct("MergeParams").pack(n_tokens=n, n_states=ns, n_heads=h, head_dim=d,
+                                                 has_sinks=int(sinks is not None), write_lse=int(lse is not None),
+                                                 cols4=cols4, pad0=0)
+        unit._launch("merge_states", (h, n, -(-(d // 4) // cols4)), _MERGE_THREADS,
+                     (out, lse if lse is not None else out, v, s, sinks if sinks is not None else s), params,
+                     stream=stream, pdl=self.pdl)
+
+    # ------------------------------------------------------------------ batched prefill
+    def plan_batched(self, cache: PagedKVCache, seq_ids, q_lens) -> BatchedPlan:
+        """Schedule queries of several sequences against the cache: sequence ``seq_ids[i]`` (host ints)
+        has ``q_lens[i]`` query rows, its last ``q_lens[i]`` cached tokens (write their K/V first), so
+        ``seq_start = length - q_len`` (0 on a fresh prefill, > 0 when extending)."""
+        if not isinstance(cache, PagedKVCache):
+            raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+        ids = _int_list("seq_ids", seq_ids)
+        ql = _int_list("q_lens", q_lens)
+        if len(ids) != len(ql):
+            raise ValueError(f"seq_ids and q_lens differ in length ({len(ids)} vs {len(ql)})")
+        if len(ids) > 65535:
+            raise ValueError(f"at most 65535 sequences per call, got {len(ids)}")
+        for s, n in zip(ids, ql):
+            cache.alloc.check_slot(int(s))
+            if not 1 <= n <= cache.alloc.lengths[s]:
+                raise ValueError(f"sequence {s}: q_len {n} must be 1 ... its cached length {cache.alloc.lengths[s]}")
+        indptr = np.concatenate([[0], np.cumsum(ql)]).astype(np.int32)
+        return BatchedPlan(cache, cupy.asarray(ids.astype(np.int32)), cupy.asarray(indptr), int(indptr[-1]),
+                           int(ql.max()))
+
+    def flash_attn_batched(self, plan: BatchedPlan, layer: int, q: cupy.ndarray, out: cupy.ndarray, *,
+                           causal: bool = True, scale: float = 0.0, window_left: int = -1, softcap: float = 0.0,
+                           sinks: cupy.ndarray | None = None, lse: cupy.ndarray | None = None,
+                           wgmma: bool | None = None, stream=None) -> cupy.ndarray:
+        """Many queries per sequence against the paged cache (prefill, or a chunk that extends one).
+
+        q, out: [n_q, n_heads, head_dim] with the rows of sequence i at ``q_indptr[i] ...``. Q in the cache
+        dtype (float16 / bfloat16) runs on tensor cores (f32 accumulation; head_dim up to 256): on sm_90 at
+        head_dim 128 and 256 the wgmma kernel prefill_wg, else mma.sync m16n8k16 (prefill); ``wgmma`` None picks,
+        True forces prefill_wg (ValueError where it cannot run), False prefill. float32 Q runs the SIMT
+        decode kernel over every query row (any cache dtype, head_dim up to 512). lse: optional [n_q,
+        n_heads] f32, natural log."""
+        if not isinstance(plan, BatchedPlan):
+            raise TypeError(f"plan must be a BatchedPlan (AttentionDispatch.plan_batched), got {type(plan).__name__}")
+        cache = plan.cache
+        layer = self._check_layer(cache, layer)
+        d = cache.head_dim
+        qk = _check_kind("q", q, ("float16", BF16, "float32"))
+        check_array("q", q, ndim=3)
+        n_q, h = q.shape[0], q.shape[1]
+        if n_q != plan.n_q or q.shape[2] != d:
+            raise ValueError(f"q must have shape ({plan.n_q}, n_heads, {d}), got {q.shape}")
+        if h % cache.n_kv_heads:
+            raise ValueError(f"n_heads ({h}) must be a multiple of n_kv_heads ({cache.n_kv_heads})")
+        if _check_kind("out", out, (qk,)) != qk:
+            raise TypeError("out must have q's dtype")
+        check_array("out", out, shape=q.shape)
+        if lse is not None:
+            check_array("lse", lse, dtype=_F32, shape=(n_q, h))
+        if sinks is not None:
+            check_array("sinks", sinks, dtype=_F32, shape=(h,))
+        fields = _scale_fields(scale, d, softcap, window_left)
+        if qk == "float32":
+            return self._batched_simt(plan, layer, q, out, bool(causal), fields, sinks, lse, stream)
+        if qk != cache.kind:
+            raise TypeError(f"q is {qk} but the cache holds {cache.kind}: tensor-core prefill needs Q in the "
+                            f"cache dtype (or float32 Q for the SIMT path)")
+        if d not in PREFILL_HEAD_DIMS:
+            raise ValueError(f"tensor-core prefill supports head_dim {PREFILL_HEAD_DIMS}; use float32 Q for {d}")
+        check_array("q", q, align=16)
+        check_array("out", out, align=4)
+        self._prefill(qk, d, True, out, lse, q, cache.k_pools[layer], cache.v_pools[layer], plan.q_indptr,
+                      cache.lengths, cache.page_table, plan.seq_ids, sinks, len(plan.seq_ids), h, cache.n_kv_heads,
+                      plan.max_q_len, cache.page_size, cache.max_pages_per_seq, bool(causal), fields, wgmma, stream)
+        return out
+
+    def _batched_simt(self, plan, layer, q, out, causal, fields, sinks, lse, stream):
+        cache = plan.cache
+        n_q, h, d = q.shape
+        check_array("q", q, align=16)
+        if n_q > 65535:
+            raise ValueError(f"the float32 (SIMT) path takes at most 65535 query rows per call, got {n_q}")
+        group = h // cache.n_kv_heads
+        hb = _head_block(group, cache.head_dim)
+        nhb = -(-group // hb)
+        unit = self._unit(cache.kind)
+        params = unit.struct("DecodeParams").pack(
+            n_queries=n_q, n_seqs=len(plan.seq_ids), batched=1, n_heads=h, n_kv_heads=cache.n_kv_heads, group=group,
+            n_head_blocks=nhb, page_size=cache.page_size, max_pages=cache.max_pages_per_seq, n_splits=1,
+            chunk=cache.capacity_tokens(), has_sinks=int(sinks is not None), causal=int(causal),
+            write_lse=int(lse is not None), page_shift=_page_shift(cache.page_size), l2_prefetch=0,
+            evict_first=0, merge_apart=0, l2_ahead=0, pad0=0, **fields)
+        lse_arg = lse if lse is not None else out
+        unit._launch(f"decode<{_CTYPE[cache.kind]}, {d}, {hb}>", (1, cache.n_kv_heads * nhb, n_q), _DECODE_THREADS,
+                     (out, lse_arg, out, lse_arg, plan.seq_ids, q, cache.k_pools[layer], cache.v_pools[layer],
+                      cache.page_table, cache.lengths, plan.seq_ids, plan.q_indptr,
+                      sinks if sinks is not None else out), params, stream=stream,
+                     shared_mem=_decode_smem(cache.kind, d, hb))
+        return out
+
+    def _use_wg(self, kind: str, d: int, h: int, wgmma) -> bool:
+        """Whether a tensor-core prefill runs prefill_wg (see flash_attn_batched's ``wgmma``)."""
+        if wgmma is not None and not isinstance(wgmma, bool):
+            raise TypeError(f"wgmma must be None, True or False, got {wgmma!r}")
+        if wgmma is False:
+            return False
+        ok = d in PREFILL_WG_HEAD_DIMS and h <= 65535 and self._units[f"attention_prefill_wg_{_SHORT[kind]}"].is_sm90()
+        if wgmma and not ok:
+            raise ValueError(f"wgmma=True needs an sm_90 (Hopper) device, head_dim in {PREFILL_WG_HEAD_DIMS} "
+                             f"and at most 65535 heads")
+        return ok
+
+    def _prefill(self, kind, d, paged, out, lse, q, k, v, q_indptr, kv_info, page_table, seq_ids, sinks, n_seqs, h,
+                 n_kv_heads, max_q_len, page_size, max_pages, causal, fields, wgmma, stream):
+        wg = self._use_wg(kind, d, h, wgmma)
+        threads, bm, smem = _prefill_wg_shape(d) if wg else _prefill_shape(d)
+        n_tiles = -(-max_q_len // bm)
+        unit = self._units[f"attention_prefill_wg_{_SHORT[kind]}"] if wg else self._unit(kind, prefill=True)
+        params = unit.struct("PrefillParams").pack(
+            n_seqs=n_seqs, n_heads=h, n_kv_heads=n_kv_heads, group=h // n_kv_heads, n_q_tiles=n_tiles,
+            page_size=page_size, max_pages=max_pages, causal=int(causal), has_sinks=int(sinks is not None),
+            write_lse=int(lse is not None), page_shift=_page_shift(page_size), pad0=0, **fields)
+        name = f"prefill{'_wg' if wg else ''}<{_CTYPE[kind]}, {d}, {'true' if paged else 'false'}>"
+        if not wg and n_tiles > 65535:
+            raise ValueError(f"at most {65535 * bm} query rows per sequence, got {max_q_len}")
+        # prefill: grid (heads, sequences, query tiles); prefill_wg: (query tiles, heads, sequences)
+        grid = (n_tiles, h, n_seqs) if wg else (h, n_seqs, n_tiles)
+        unit._launch(name, grid, threads,
+                     (out, lse if lse is not None else q_indptr, q, k, v, q_indptr, kv_info, page_table, seq_ids,
+                      sinks if sinks is not None else q_indptr), params, stream=stream, shared_mem=smem)
+
+    # ------------------------------------------------------------------ varlen
+    def flash_attn_varlen(self, q: cupy.ndarray, k: cupy.ndarray, v: cupy.ndarray, cu_seqlens_q: cupy.ndarray,
+                          cu_seqlens_k: cupy.ndarray, out: cupy.ndarray, *, max_seqlen_q: int, causal: bool = False,
+                          scale: float = 0.0, window_left: int = -1, softcap: float = 0.0,
+                          sinks: cupy.ndarray | None = None, lse: cupy.ndarray | None = None,
+                          wgmma: bool | None = None, stream=None) -> tuple[cupy.ndarray, cupy.ndarray | None]:
+        """Packed variable-length attention (FlashAttention's varlen forward) on tensor cores.
+
+        q, out: [total_q, n_heads, head_dim]; k, v: [total_k, n_kv_heads, head_dim], float16 or bfloat16
+        (uint16 bits), head_dim a multiple of 32 up to 256; cu_seqlens_q / cu_seqlens_k: [batch + 1] int32
+        prefix sums (device values, not read here); max_seqlen_q: host bound on any sequence's q length
+        (sizes the grid; rows past it are not computed). Causal masking aligns the last query with the last
+        key (query r of a sequence sees keys j <= k_len - q_len + r). lse: optional [total_q, n_heads] f32,
+        natural log. ``wgmma``: as in :meth:`flash_attn_batched`. Returns (out, lse)."""
+        kind = _check_kind("q", q, ("float16", BF16))
+        for name, a in (("k", k), ("v", v), ("out", out)):
+            if _check_kind(name, a, (kind,)) != kind:
+                raise TypeError(f"{name} must have q's dtype")
+        check_array("q", q, ndim=3, align=16)
+        check_array("k", k, ndim=3, align=16)
+        check_array("v", v, shape=k.shape, align=16)
+        check_array("out", out, shape=q.shape, align=4)
+        total_q, h, d = q.shape
+        total_k, hk = k.shape[0], k.shape[1]
+        if k.shape[2] != d:
+            raise ValueError(f"k has head_dim {k.shape[2]}, q has {d}")
+        if d not in PREFILL_HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {PREFILL_HEAD_DIMS}, got {d}")
+        if hk < 1 or h % hk:
+            raise ValueError(f"n_heads ({h}) must be a multiple of n_kv_heads ({hk})")
+        check_array("cu_seqlens_q", cu_seqlens_q, dtype=_I32, ndim=1)
+        b = cu_seqlens_q.shape[0] - 1
+        if b < 1 or b > 65535:
+            raise ValueError(f"cu_seqlens_q must hold batch + 1 entries, 1 <= batch <= 65535, got {b + 1}")
+        check_array("cu_seqlens_k", cu_seqlens_k, dtype=_I32, shape=(b + 1,))
+        if not isinstance(max_seqlen_q, (int, np.integer)) or max_seqlen_q < 1:
+            raise ValueError(f"max_seqlen_q must be an int >= 1, got {max_seqlen_q!r}")
+        if total_q == 0 or total_k == 0:
+            raise ValueError("q and k must hold at least one token")
+        if lse is not None:
+            check_array("lse", lse, dtype=_F32, shape=(total_q, h))
+        if sinks is not None:
+            check_array("sinks", sinks, dtype=_F32, shape=(h,))
+        fields = _scale_fields(scale, d, softcap, window_left)
+        self._prefill(kind, d, False, out, lse, q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k, cu_seqlens_k, sinks,
+                      b, h, hk, int(max_seqlen_q), 1, 1, bool(causal), fields, wgmma, stream)
+        return out, lse

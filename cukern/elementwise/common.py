@@ -1,0 +1,54 @@
+"""Shared pieces of the elementwise family's modules: dtypes, grid limits and the argument checks
+every group uses.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_F32 = np.dtype(np.float32)
+_I32 = np.dtype(np.int32)
+_KV_TYPES = {np.dtype(np.float16): "__half", np.dtype(np.float32): "float"}
+_FLAT_BLOCK = 256
+_FLAT_MAX_BLOCKS = 4096  # kernels grid-stride beyond
+_MAX_GRID_Y = 65535
+_MAX_U32 = 2**32 - 1
+_POS_MODES = {"consecutive": 0, "per_token": 1, "mrope": 2, "imrope": 3}
+
+
+def _aligned(*arrays) -> bool:
+    return all(a.data.ptr % 16 == 0 for a in arrays)
+
+
+def _vec(ok: bool) -> str:
+    return "true" if ok else "false"
+
+
+def _flat_grid(units: int) -> int:
+    return max(1, min(-(-units // _FLAT_BLOCK), _FLAT_MAX_BLOCKS))
+
+
+def _check_eps(eps, what):
+    if not eps >= 0:
+        raise ValueError(f"{what}: eps must be >= 0, got {eps}")
+
+
+def _check_disjoint(what, writes: dict, reads: dict) -> None:
+    """Raise when an array the kernel writes overlaps another written or read one (reads may alias)."""
+    w = [(n, a) for n, a in writes.items() if a is not None]
+    r = [(n, a) for n, a in reads.items() if a is not None]
+    for i, (n1, a1) in enumerate(w):
+        for n2, a2 in w[i + 1:] + r:
+            if a1.data.ptr < a2.data.ptr + a2.nbytes and a2.data.ptr < a1.data.ptr + a1.nbytes:
+                raise ValueError(f"{what}: {n1} and {n2} must not overlap")
+
+
+def _check_distinct(what, **arrays):
+    """Raise when two named arrays share memory that the kernel reads and writes separately."""
+    items = [(n, a) for n, a in arrays.items() if a is not None]
+    for i, (n1, a1) in enumerate(items):
+        lo1, hi1 = a1.data.ptr, a1.data.ptr + a1.nbytes
+        for n2, a2 in items[i + 1:]:
+            lo2, hi2 = a2.data.ptr, a2.data.ptr + a2.nbytes
+            if lo1 < hi2 and lo2 < hi1:
+                raise ValueError(f"{what}: {n1} and {n2} must not overlap")

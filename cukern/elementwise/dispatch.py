@@ -1,0 +1,84 @@
+"""ElementwiseDispatch: the family's two compilation units (``elementwise.cu``, ``rope_kv.cu``) and the
+dispatch class, assembled from one mixin per kernel header.
+"""
+
+from __future__ import annotations
+
+from cukern.dispatch import Dispatch, Unit
+from cukern.elementwise.activations import Activations
+from cukern.elementwise.common import _KV_TYPES
+from cukern.elementwise.kv import KvWrites
+from cukern.elementwise.moe import (_ROUTER_GEMM_CONFIGS, _ROUTER_LARGE, _ROUTER_SMALL, _TOPK_EPL, _TOPK_LANES_M,
+                                    _TOPK_LANES_V, Moe)
+from cukern.elementwise.norms import (_GROUP_VPL, _LOOP_BLOCK, _LOOP_KERNELS, _REG_CONFIGS, _REG_CONFIGS_FEW_ROWS,
+                                      _REG_KERNELS, Norms)
+from cukern.elementwise.rope import _K_ROPE_ROWS, _ROPE_PPL, _ROPE_VEC_LPH, Rope, _qkv_vec_kernel
+from cukern.elementwise.ssm import _CONV_K, _DELTANET_TILED_DK, Ssm
+from cukern.runtime import FamilySpec, KernelSpec
+
+
+def _kernels() -> list[KernelSpec]:
+    """Kernels of the first unit, elementwise.cu: norms, activations, MoE routing, SSM/DeltaNet."""
+    ks = []
+    for name in _REG_KERNELS:
+        ks += [KernelSpec(f"{name}_reg<{b}, {i}>", "RmsNormParams") for b, i in _REG_CONFIGS + _REG_CONFIGS_FEW_ROWS]
+    ks.append(KernelSpec("quantize_q8_1", "QuantizeParams"))
+    ks += [KernelSpec(f"{name}_loop<{_LOOP_BLOCK}>", "RmsNormParams") for name in _LOOP_KERNELS]
+    ks += [KernelSpec(f"group_norm<{g}>", "GroupNormParams") for g in ("false", "true")]
+    ks += [KernelSpec(f"group_norm_reg<{g}, {v}>", "GroupNormParams") for g in ("false", "true") for v in _GROUP_VPL]
+    ks += [KernelSpec(f"binary_rows<{op}, {v}>", "BinaryParams") for op in range(6) for v in ("true", "false")]
+    ks.append(KernelSpec("softmax_topk", "TopkParams"))
+    ks += [KernelSpec(f"softmax_topk_reg<{e}>", "TopkParams") for e in _TOPK_EPL]
+    ks += [KernelSpec(f"softmax_topk_lanes<{v}, {m}>", "TopkParams") for v in _TOPK_LANES_V for m in _TOPK_LANES_M]
+    ks += [KernelSpec(f"moe_weighted_sum<{v}>", "MoeSumParams") for v in ("true", "false")]
+    ks += [KernelSpec(f"shared_expert_accumulate<{v}>", "SharedGateParams") for v in ("true", "false")]
+    ks += [KernelSpec(f"router_matvec<{e}, {t}, {b}>", "RouterParams") for e, t, b in (_ROUTER_SMALL, _ROUTER_LARGE)]
+    ks += [KernelSpec(f"router_gemm<{n}, {bk}, {st}>", "RouterParams") for n in ("false", "true")
+           for bk, st in _ROUTER_GEMM_CONFIGS]
+    ks += [KernelSpec(f"conv1d_silu<{k}>", "ConvParams") for k in _CONV_K]
+    ks.append(KernelSpec("deltanet", "DeltaNetParams"))
+    ks += [KernelSpec(f"deltanet_tiled<{dk}>", "DeltaNetParams") for dk in _DELTANET_TILED_DK]
+    return ks
+
+
+def _rope_kernels() -> list[KernelSpec]:
+    """Kernels of the second unit, rope_kv.cu: RoPE and its fusions, KV writes, deinterleave."""
+    ks = [KernelSpec(f"rope<{n}, {ppl}, {g}>", "RopeParams") for n in ("false", "true") for ppl, g in _ROPE_PPL]
+    ks += [KernelSpec(f"rope_vec<{n}, {lph}>", "RopeParams") for n in ("false", "true") for lph in _ROPE_VEC_LPH]
+    for kv in _KV_TYPES.values():
+        ks += [KernelSpec(f"qk_norm_rope_kv<{kv}, {hq}, {ppl}, {g}>", "QkvRopeParams")
+               for hq in ("true, true", "false, false") for ppl, g in _ROPE_PPL]
+        ks += [KernelSpec(_qkv_vec_kernel(kv, lph, qo), "QkvRopeParams")
+               for lph in _ROPE_VEC_LPH for qo in (("float",) if kv == "float" else ("float", kv))]
+        ks += [KernelSpec(f"k_norm_rope_kv_vec<{kv}, {lph}, {r}>", "QkvRopeParams")
+               for lph in _ROPE_VEC_LPH for r in _K_ROPE_ROWS]
+        ks += [KernelSpec(f"kv_write<{kv}, {v}>", "KvWriteParams") for v in ("true", "false")]
+    ks += [KernelSpec(f"deinterleave<{v}>", "DeinterleaveParams") for v in ("float", "float4")]
+    return ks
+
+
+FAMILY = FamilySpec(name="elementwise", kernels=tuple(_kernels()))
+ROPE_FAMILY = FamilySpec(name="elementwise_rope", kernels=tuple(_rope_kernels()), source="elementwise/rope_kv.cu",
+                         params_header="elementwise/params.cuh")
+FAMILIES = {f.name: f for f in (FAMILY, ROPE_FAMILY)}  # cukern.families() lists each unit
+
+
+class ElementwiseDispatch(Norms, Activations, Rope, KvWrites, Moe, Ssm, Dispatch):
+    """Records elementwise kernels into a stream. Every method takes ``stream=`` (None: CuPy's
+    current stream), validates its arguments before launching, and returns its main output.
+
+    ``pdl`` (default False; sm_90+) launches every kernel with programmatic dependent launch: each
+    waits for the previous kernel in the stream first thing (``pdl_enter`` in common/pdl.cuh), so
+    its launch and block start-up overlap that kernel's tail, as in a model's decode step."""
+
+    family = FAMILY
+    _ROPE_KERNELS = frozenset(k.name for k in ROPE_FAMILY.kernels)
+
+    def __init__(self, device: int | None = None, *, pdl: bool = False):
+        super().__init__(device)
+        self.pdl = bool(pdl)
+        self._rope_unit = Unit(ROPE_FAMILY, device)
+
+    def _launch(self, kernel, grid, block, pointers, params, *, stream=None, shared_mem=0):
+        unit = self._rope_unit if kernel in self._ROPE_KERNELS else super()
+        unit._launch(kernel, grid, block, pointers, params, stream=stream, shared_mem=shared_mem, pdl=self.pdl)

@@ -1,0 +1,78 @@
+"""SSM / DeltaNet: causal conv1d + SiLU and the gated delta rule: the kernels of
+``cuda_src/elementwise/ssm.cuh``.
+"""
+
+from __future__ import annotations
+
+import cupy
+
+from cukern.dispatch import check_array
+from cukern.elementwise.common import _F32, _MAX_GRID_Y, _check_disjoint
+
+_CONV_CHUNK = 16
+_CONV_K = (2, 3, 4)
+_DELTANET_TILED_DK = (64, 128)
+
+
+class Ssm:
+    """ElementwiseDispatch's ssm methods (a mixin: launches through the dispatch's ``_launch``)."""
+
+    def conv1d_silu(self, x: cupy.ndarray, state: cupy.ndarray, w: cupy.ndarray, y: cupy.ndarray, *,
+                    stream=None) -> cupy.ndarray:
+        """Depthwise causal conv1d + SiLU over n_tokens tokens (1: decode; more: prefill) with a rolling
+        state of the previous kernel_size - 1 inputs: x, y [n_tokens, n_channels] f32; state
+        [kernel_size - 1, n_channels] f32, oldest first, updated in place; w [n_channels, kernel_size] f32
+        (taps oldest first), kernel_size in (2, 3, 4)."""
+        n_tokens, n_ch = self._rows(x)
+        check_array("w", w, dtype=_F32, ndim=2)
+        K = w.shape[1]
+        if w.shape[0] != n_ch or K not in _CONV_K:
+            raise ValueError(f"conv1d_silu: w must be [{n_ch}, kernel_size] with kernel_size in {_CONV_K}, got {w.shape}")
+        check_array("state", state, dtype=_F32, shape=(K - 1, n_ch))
+        check_array("y", y, dtype=_F32, shape=(n_tokens, n_ch))
+        _check_disjoint("conv1d_silu", dict(y=y, state=state), dict(x=x, w=w))
+        grid = (-(-n_ch // 128), -(-n_tokens // _CONV_CHUNK))
+        if grid[1] > _MAX_GRID_Y:
+            raise ValueError(f"conv1d_silu: at most {_MAX_GRID_Y * _CONV_CHUNK} tokens per call")
+        params = self.struct("ConvParams").pack(n_tokens=n_tokens, n_channels=n_ch, kernel_size=K)
+        self._launch(f"conv1d_silu<{K}>", grid, 128, (y, state, x, w), params, stream=stream)
+        return y
+
+    def deltanet(self, q: cupy.ndarray, k: cupy.ndarray, v: cupy.ndarray, g: cupy.ndarray, beta: cupy.ndarray,
+                 state: cupy.ndarray, o: cupy.ndarray, *, q_scale: float | None = None, tiled: bool | None = None,
+                 stream=None) -> cupy.ndarray:
+        """Gated delta rule over n_tokens tokens of one sequence (1: decode), state updated in place.
+        Per value head h (q/k head h // (n_v_heads // n_qk_heads)) and token t:
+        ``S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T (q_scale q)``.
+
+        q, k: [n_tokens, n_qk_heads, dk]; v, o: [n_tokens, n_v_heads, dv]; g (log decay), beta:
+        [n_tokens, n_v_heads]; state: [n_v_heads, dk, dv]; all f32. q_scale defaults to dk**-0.5.
+        tiled: the register-tiled kernel (dk in (64, 128)); None picks it when dk allows."""
+        check_array("q", q, dtype=_F32, ndim=3)
+        n_tokens, n_qk, dk = q.shape
+        check_array("k", k, dtype=_F32, shape=q.shape)
+        check_array("v", v, dtype=_F32, ndim=3)
+        n_v, dv = v.shape[1], v.shape[2]
+        if v.shape[0] != n_tokens or q.size == 0 or v.size == 0:
+            raise ValueError(f"deltanet: v must be [{n_tokens}, n_v_heads, dv] and non-empty, got {v.shape}")
+        if n_v % n_qk:
+            raise ValueError(f"deltanet: n_v_heads ({n_v}) must be a multiple of n_qk_heads ({n_qk})")
+        check_array("g", g, dtype=_F32, shape=(n_tokens, n_v))
+        check_array("beta", beta, dtype=_F32, shape=(n_tokens, n_v))
+        check_array("state", state, dtype=_F32, shape=(n_v, dk, dv))
+        check_array("o", o, dtype=_F32, shape=(n_tokens, n_v, dv))
+        _check_disjoint("deltanet", dict(o=o, state=state), dict(q=q, k=k, v=v, g=g, beta=beta))
+        if n_v > _MAX_GRID_Y:
+            raise ValueError(f"deltanet: at most {_MAX_GRID_Y} value heads")
+        if tiled is None:
+            tiled = dk in _DELTANET_TILED_DK
+        elif tiled and dk not in _DELTANET_TILED_DK:
+            raise ValueError(f"deltanet: the tiled kernel needs dk in {_DELTANET_TILED_DK}, got {dk}")
+        params = self.struct("DeltaNetParams").pack(n_tokens=n_tokens, n_v_heads=n_v, n_qk_heads=n_qk, dk=dk, dv=dv,
+                                                    q_scale=dk ** -0.5 if q_scale is None else q_scale)
+        ptrs = (o, state, q, k, v, g, beta)
+        if tiled:
+            self._launch(f"deltanet_tiled<{dk}>", (-(-dv // 16), n_v), 128, ptrs, params, stream=stream)
+        else:
+            self._launch("deltanet", (-(-dv // 64), n_v), 64, ptrs, params, stream=stream)
+        return o
