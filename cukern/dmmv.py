@@ -17,13 +17,12 @@ int8 matvecs that read it) and ``dmmv_two`` (pair and gate + up + activation on 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import cupy
 import numpy as np
 
-from cukern.dispatch import Dispatch, check_array
+from cukern.dispatch import Dispatch, Unit, check_array
 from cukern.params import check_real
 from cukern.streams import resolve_stream
 from cukern.runtime import FamilySpec, KernelSpec
@@ -57,7 +56,7 @@ _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)
 
 # (rows per block R, loop variant V) of dmmv<QT, NC, R, V> (cuda_src/dmmv/dmmv.cu, core.cuh row_dots), per
-# type for one column, from profiling/tune_dmmv.py on an H100 (14336x4096 and 4096x14336): 4-bit types gain
+# type for one column, measured on an H100 (14336x4096 and 4096x14336; docs/notes/dmmv.md): 4-bit types gain
 # from sharing each x load over 4 rows, the K-quants also from the pipelined loop; batches use (2, 0).
 _ONE_COL = {0: (2, 1), 1: (2, 1), 30: (2, 1), 2: (4, 0), 6: (4, 0), 8: (2, 0), 39: (4, 0), 12: (4, 1), 13: (4, 1),
             14: (2, 0)}
@@ -72,35 +71,12 @@ Q8_TYPES = (2, 6, 8, 39, 12, 13, 14)
 _Q8_MAX_WARPS = 32  # q8::kMaxWarps
 _Q8_SPLIT_K = 8192  # k up to which the int8 path runs two blocks of 16 warps per SM (_q8_plan)
 # (LU units per lane and iteration, ST ring slots per warp, BULK: Hopper bulk copies) of
-# dmmv_q8<QT, NC, LU, ST, BULK> and moe_dmmv_q8<QT, LU, ST, BULK>, per type, from
-# profiling/tune_dmmv_q8.py and profiling/probe_dmmv_q8.py on an H100 (14336x4096 and 4096x14336,
-# under programmatic dependent launch: two units per lane and three slots; MXFP4 four units and
-# two slots, 2026-11-24: 82.8 / 74.5% of copy against 76.8 / 74.2% with two units, one run).
+# dmmv_q8<QT, NC, LU, ST, BULK> and moe_dmmv_q8<QT, LU, ST, BULK>, per type: under programmatic
+# dependent launch two units per lane and three slots, MXFP4 four units and two slots (H100 sweeps
+# at 14336x4096 and 4096x14336: docs/notes/dmmv.md).
 _Q8_CONFIG = {2: (2, 3, 1), 6: (2, 3, 1), 8: (2, 3, 0), 39: (4, 2, 1), 12: (2, 3, 1), 13: (2, 3, 1), 14: (2, 3, 1)}
 
 
-def _q8_config_override(text: str, table: dict) -> dict:
-    """``table`` with the (LU, ST) of some types replaced, from ``"MXFP4=4x2,Q6_K=2x4"`` (the
-    environment variable CUKERN_DMMV_Q8_CONFIG, read once at import): a tuning run measures and
-    tests a candidate configuration without editing the table (profiling/probe_dmmv_q8.py
-    --adopt). BULK stays the type's. Kernel names follow the table, so the families declare the
-    overriding instantiations."""
-    out = dict(table)
-    for item in filter(None, (t.strip() for t in text.split(","))):
-        name, _, cfg = item.partition("=")
-        qt = _BY_NAME.get(name.strip().upper())
-        try:
-            lu, st = (int(v) for v in cfg.lower().split("x"))
-        except ValueError:
-            lu = st = 0
-        if qt not in table or lu not in (1, 2, 4) or not 2 <= st <= 8:
-            raise ValueError(f"CUKERN_DMMV_Q8_CONFIG: {item!r} is not TYPE=LUxST with TYPE one of "
-                             f"{', '.join(QTYPES[q][0] for q in table)}, LU 1, 2 or 4 and ST 2...8")
-        out[qt] = (lu, st, table[qt][2])
-    return out
-
-
-_Q8_CONFIG = _q8_config_override(os.environ.get("CUKERN_DMMV_Q8_CONFIG", ""), _Q8_CONFIG)
 
 
 def _q8_slot(qt: int, lu: int) -> int:
@@ -555,14 +531,6 @@ class MoeRoute:
     n_items: cupy.ndarray  # [1] int32
 
 
-class _Unit(Dispatch):
-    """One more compilation unit of the family, launched through the same checks."""
-
-    def __init__(self, family: FamilySpec, device=None):
-        self.family = family
-        super().__init__(device)
-
-
 def _warps(k: int) -> int:
     """Warps per block: at least two 256-element steps per warp, at most 4 warps (the sweep's
     best for k = 4096 ... 14336 on an H100)."""
@@ -607,13 +575,13 @@ class DmmvDispatch(Dispatch):
         super().__init__(device)
         self.int8 = bool(int8)
         self.pdl = bool(pdl)
-        self._glu = _Unit(GLU_FAMILY, device)
-        self._moe = _Unit(MOE_FAMILY, device)
-        self._packed = _Unit(PACKED_FAMILY, device)
-        self._q8x = _Unit(Q8X_FAMILY, device)
-        self._two = _Unit(TWO_FAMILY, device)
-        self._nx = _Unit(NX_FAMILY, device)
-        self._three = _Unit(THREE_FAMILY, device)
+        self._glu = Unit(GLU_FAMILY, device)
+        self._moe = Unit(MOE_FAMILY, device)
+        self._packed = Unit(PACKED_FAMILY, device)
+        self._q8x = Unit(Q8X_FAMILY, device)
+        self._two = Unit(TWO_FAMILY, device)
+        self._nx = Unit(NX_FAMILY, device)
+        self._three = Unit(THREE_FAMILY, device)
         self._err = None
         self._resident: dict[tuple, tuple] = {}  # (unit, kernel, k[, m, slots]) -> _q8_plan / _q8_plan_dots
         self._split_blocks: dict[str, int] = {}  # dmmv_split kernel -> its persistent grid
@@ -681,10 +649,9 @@ class DmmvDispatch(Dispatch):
     def _l2_items(self, w: QWeight) -> int:
         """Items per warp that dmmv_q8 asks L2 for before pdl_wait, beyond its ring's first ST - 1
         (DmmvParams::l2_items): one for MXFP4 (two ring slots) at k >= 12288 under pdl, else none.
-        H100, pdl, two runs in opposite orders (probe_dmmv_q8 --l2), with the weights evict-first:
-        MXFP4 4096x14336 80.6 / 82.0 -> 82.1 / 83.4% of copy with one item, 74.8 / 76.1 with two;
-        at 14336x4096 one item lost (87.5 / 88.9 -> 84.6 / 85.8), and Q4_K / Q5_K (three slots) lost
-        0.9-2.6 points at 4096x14336."""
+        Example (H100, pdl, weights evict-first): MXFP4 4096x14336 gains ~1.5 points of copy with one
+        item and loses ~6 with two; one loses at 14336x4096 and for the three-slot types
+        (docs/notes/dmmv.md)."""
         return int(self.pdl and w.qtype == _MXFP4 and w.k >= 12288)
 
     @staticmethod

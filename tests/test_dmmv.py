@@ -16,6 +16,7 @@ import pytest
 cupy = pytest.importorskip("cupy")
 
 from cukern import dmmv as D  # noqa: E402
+from cukern.dispatch import Unit  # noqa: E402
 from cukern.dmmv import DeviceError, DmmvDispatch, QWeight  # noqa: E402
 from cukern.reference import dmmv as ref  # noqa: E402
 from cukern.testing import assert_close, nmse, poison  # noqa: E402
@@ -24,14 +25,14 @@ TYPES = list(ref.TYPES)  # every GGML type id the family supports
 NAMES = {q: ref.TYPES[q][0] for q in TYPES}
 RTOL = 2e-3
 # The int8 path against the exact x: the NMSE of x's 8-bit rounding alone, from the float64
-# reference at these tests' shapes (2026-11-26, 300-4000 random draws per type and k): median ~3e-5,
+# reference at these tests' shapes (300-4000 random draws per type and k): median ~3e-5,
 # heavy-tailed at few blocks per row (max 8.7e-4, MXFP4 k = 32; Q4_K/Q5_K k = 256 up to 4.4e-4),
 # so the former 2e-4 failed about 0.1-0.5% of checks. One wrong unit of 32 among a row's <= 41 is
 # >= 2e-2; the element-wise check against x^ comes first in any case.
 Q8_NMSE = 1e-3
 # act(g) * u of two int8-path dots: g's error passes through act's log-derivative (1 + |g| on SiLU's
 # negative tail), so the product's NMSE is a few times a dot's; over 33 outputs it measured up to
-# 5.2e-4 (H100, 2026-11-25). Element-wise against x^, the kernel's own math, the bound stays RTOL.
+# 5.2e-4 (H100). Element-wise against x^, the kernel's own math, the bound stays RTOL.
 Q8_NMSE_GLU = 2e-3
 
 
@@ -104,16 +105,6 @@ def test_families_declared():
         assert all(D._q8_two_kernel(q, n, g) in names for n in (1, 2, 4, 8) for g in (False, True))
     assert {"quantize_x<false>", "quantize_x<true>"} <= names
     assert {f"quantize_glu<{il}, {a}>" for il in ("false", "true") for a in (0, 1)} <= names
-
-
-def test_q8_config_override():
-    """CUKERN_DMMV_Q8_CONFIG's parser: (LU, ST) replaced per named type, BULK kept, bad items refused."""
-    table = {2: (2, 3, 1), 39: (2, 2, 1), 8: (2, 3, 0)}
-    assert D._q8_config_override("", table) == table
-    assert D._q8_config_override("mxfp4=4x3, Q8_0=1x2", table) == {2: (2, 3, 1), 39: (4, 3, 1), 8: (1, 2, 0)}
-    for bad in ("MXFP4", "MXFP4=3x2", "MXFP4=2x1", "Q4_K=2x3", "F16=2x2", "MXFP4=axb"):
-        with pytest.raises(ValueError, match="CUKERN_DMMV_Q8_CONFIG"):
-            D._q8_config_override(bad, table)
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
@@ -1098,13 +1089,13 @@ def test_bad_input_raises_before_launch(d, rng, host_if_no_gpu):
 
 @pytest.mark.gpu
 def test_loop_variants(d, rng):
-    """Every (rows per block R, loop V) instantiation of dmmv<QT, NC, R, V> that the tuning sweep
-    (profiling/tune_dmmv.py) may promote, on ragged rows and a k with a partial last step."""
+    """Every (rows per block R, loop V) instantiation of dmmv<QT, NC, R, V> that _ONE_COL may pick
+    (a unit of its own), on ragged rows and a k with a partial last step."""
     from cukern.runtime import FamilySpec, KernelSpec
     combos = [(nc, r, v) for nc in (1, 2) for r in (1, 4) for v in (0, 1)]
     names = [f"dmmv<{q}, {nc}, {r}, {v}>" for q in TYPES for nc, r, v in combos]
-    unit = D._Unit(FamilySpec("dmmv_variants", tuple(KernelSpec(n, "DmmvParams") for n in names),
-                              source="dmmv/dmmv.cu", params_header="dmmv/params.cuh"))
+    unit = Unit(FamilySpec("dmmv_variants", tuple(KernelSpec(n, "DmmvParams") for n in names),
+                           source="dmmv/dmmv.cu", params_header="dmmv/params.cuh"))
     for q in TYPES:
         m, k = 7, _ks(q)[-1]
         w, dense = _weight(q, m, k, rng)

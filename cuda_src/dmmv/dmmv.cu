@@ -265,7 +265,7 @@ CUKERN_DEVICE void glu_block_rows(const uint8_t* w, const uint8_t* w2, const P& 
 }  // namespace
 
 // R: rows per block; V: the loop variant (core.cuh row_dots). The FamilySpec instantiates the
-// tuned defaults; profiling/tune_dmmv.py instantiates the others.
+// tuned defaults (_ONE_COL); tests/test_dmmv.py instantiates the others.
 template <int QT, int NC, int R = kRows, int V = 0>
 __global__ void __launch_bounds__(kMaxWarps * 32) dmmv(
     float* __restrict__ y,             // [NC, y_stride] out: y[c * y_stride + i], i < m

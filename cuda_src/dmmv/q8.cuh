@@ -158,7 +158,7 @@ CUKERN_DEVICE constexpr bool x_interleaved() { return QT == QT_MXFP4; }
 // misalign4(blk).
 //   kBlockUnits: units per GGUF block; kBlockBytes: its size.
 //   kHoist: whole one-column iterations address a lane's units from one base computed once (fewer
-//     instructions per unit); measured (H100, pdl, 2026-11-26) it gains MXFP4 1.3 points of copy
+//     instructions per unit); measured (H100, pdl) it gains MXFP4 1.3 points of copy
 //     bandwidth at 4096x14336 and loses the other types 0-3, so only MXFP4 takes it.
 template <int QT> struct Unit;
 
@@ -547,7 +547,7 @@ struct Share {
 // lane 0 completing on the slot's mbarrier, else 16-byte cp.async by all lanes.
 // Start-up: every warp's first ST - 1 copies are issued, then wait() (all threads: the wait for
 // the kernel this one depends on), then prepare() (all threads: it quantizes x and syncs the
-// block); the ring's last slot is filled only after that (issued before prepare(), probe_dmmv_q8.py
+// block); the ring's last slot is filled only after that (issued before prepare(), a probe
 // measured 3-5 points of copy bandwidth lost, presumably its bytes delaying x's). end(j): the end
 // of the weight matrix that holds local row j (copies stop there: reading past a row end inside the
 // matrix is harmless, past the matrix it may leave the allocation); rows may come from several
