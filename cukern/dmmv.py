@@ -584,7 +584,6 @@ class DmmvDispatch(Dispatch):
         self._three = Unit(THREE_FAMILY, device)
         self._err = None
         self._resident: dict[tuple, tuple] = {}  # (unit, kernel, k[, m, slots]) -> _q8_plan / _q8_plan_dots
-        self._split_blocks: dict[str, int] = {}  # dmmv_split kernel -> its persistent grid
 
     # ------------------------------------------------------------------ errors
     @property
@@ -795,8 +794,7 @@ class DmmvDispatch(Dispatch):
     dmmv_batch = dmmv  # the engine's name for the multi-column form
 
     def _dmmv_split(self, w: SplitQ8, x, y, *, accumulate, alpha, gate, stream) -> cupy.ndarray:
-        """dmmv on a SplitQ8: dmmv_split<NC, R, U>, a persistent grid of 8-warp blocks whose warps take
-        groups of R rows in turn."""
+        """dmmv on a SplitQ8: dmmv_split<NC, R>, blocks of 8 warps taking R rows each."""
         if isinstance(x, QuantizedX):
             raise TypeError("a SplitQ8 takes f32 x (its matvec multiplies the quants by x exactly)")
         x, n = self._cols("x", x, w.k)
@@ -806,22 +804,13 @@ class DmmvDispatch(Dispatch):
         for c0, width in self._chunks(n):
             xs, ys = (x, y) if n == 1 else (x[c0:], y[c0:])
             g = ys if gate is None else gate[c0:]
-            kernel = _split_kernel(width)
-            groups = -(-w.m // _SPLIT_ROWS)
-            blocks = min(-(-groups // _SPLIT_WARPS), self._split_resident(kernel))
+            blocks = -(-w.m // (_SPLIT_WARPS * _SPLIT_ROWS))
             params = self.struct("DmmvParams").pack(
                 w_offset=0, w2_offset=0, row_bytes=w.k, m=w.m, m2=0, k=w.k, n_full=0, tail=0, blocks1=blocks,
                 x_stride=w.k, y_stride=w.m, y2_stride=0, mode=mode, act=0, alpha=float(alpha), l2_items=0, pad0=0)
-            self._launch(kernel, blocks, _SPLIT_WARPS * 32, (ys, w.quants, w.scales, xs, g), params,
+            self._launch(_split_kernel(width), blocks, _SPLIT_WARPS * 32, (ys, w.quants, w.scales, xs, g), params,
                          stream=stream, pdl=self.pdl)
         return y
-
-    def _split_resident(self, kernel: str) -> int:
-        """Blocks of dmmv_split the device holds at once (its persistent grid), cached per kernel."""
-        got = self._split_blocks.get(kernel)
-        if got is None:
-            got = self._split_blocks[kernel] = self.sm_count() * max(1, self.resident_blocks(kernel, _SPLIT_WARPS * 32))
-        return got
 
     def quantize_x(self, x: cupy.ndarray, out: QuantizedX, *, stream=None) -> QuantizedX:
         """``out`` = x quantized for the int8 path (see :class:`QuantizedX`): one launch, 4 bytes

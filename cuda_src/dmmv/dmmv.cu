@@ -309,29 +309,13 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dmmv_nx(
 // the GGUF blocks' own values and bytes. dmmv reads a GGUF Q8_0 row (34-byte blocks) 2 bytes at a
 // time; split, a lane reads 16 quants with one 16-byte load, which an LM head of 262144 rows
 // needs to stream near copy bandwidth.
-// A persistent grid (the host sizes it to the resident blocks): warp w of block b takes the groups
-// of R consecutive rows g = b * kSplitWarps + w, then g + gridDim.x * kSplitWarps, ... Lane l takes
-// the 16-element chunks l, l + 32, ... of a group's rows, U of them loaded at once (every load of a
-// row of up to 32 U chunks in flight together), and asks L2 for the warp's next group before it
-// computes the current one, so that DRAM works on the next rows while the warp converts and sums.
-// A chunk's quants become floats once and serve every column; x is read from L1 once per chunk and
-// column for the R rows. The R * NC sums leave the warp through one butterfly (warp_sum_many).
-// Traffic: k + k / 16 bytes of weights per row, read once; x from L1/L2.
+// Block: kSplitWarps warps; warp w takes R consecutive rows from row (blockIdx.x * kSplitWarps + w) R,
+// lane l the 16-element chunks l, l + 32, ... of each, U of them per lane loaded at once (every load of
+// a row of up to 32 U chunks in flight together). A chunk's quants become floats once and serve every
+// column; x is read from L1 once per chunk and column for the R rows. The R * NC sums leave the warp
+// through one butterfly (warp_sum_many). Traffic: k + k / 16 bytes of weights per row, read once; x
+// from L1/L2.
 constexpr int kSplitWarps = 8;
-
-template <int R>
-CUKERN_DEVICE void prefetch_split_group(const uint8_t* q, const __half* s, uint32_t g, const DmmvParams& p,
-                                        int lane) {
-    const uint32_t row0 = g * R, rows = min((uint32_t)R, p.m - row0);
-    const uint64_t a = reinterpret_cast<uint64_t>(q + (size_t)row0 * p.k);
-    const uint64_t first = a & ~uint64_t(127), last = (a + (uint64_t)rows * p.k - 1) & ~uint64_t(127);
-    for (uint64_t l = first + 128u * lane; l <= last; l += 128u * 32)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(l) : "memory");
-    if (lane == 31) {  // the rows' scales: R * k / 32 f16, a line or two
-        const uint64_t sa = reinterpret_cast<uint64_t>(s + (size_t)row0 * (p.k / 32));
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(sa) : "memory");
-    }
-}
 
 template <int NC, int R, int U>
 __global__ void __launch_bounds__(kSplitWarps * 32) dmmv_split(
@@ -343,63 +327,62 @@ __global__ void __launch_bounds__(kSplitWarps * 32) dmmv_split(
     const DmmvParams p) {
     static_assert(R * NC <= 32 && ((R * NC) & (R * NC - 1)) == 0, "R * NC: a power of two up to 32");
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const uint32_t row0 = (blockIdx.x * kSplitWarps + warp) * R;
     const uint32_t chunks = p.k / 16, blocks = p.k / 32;
-    const uint32_t groups = (p.m + R - 1) / R, stride = gridDim.x * kSplitWarps;
-    uint32_t g = blockIdx.x * kSplitWarps + warp;
-    if (g < groups) prefetch_split_group<R>(q, s, g, p, lane);  // weights only: before the wait
+    {  // the block's quants are one contiguous range: ask L2 for it before the wait
+        const uint32_t first = blockIdx.x * kSplitWarps * R;
+        const uint8_t* rows[1] = {q + (size_t)first * p.k};
+        prefetch_rows_l2<1>(rows, (uint64_t)min(kSplitWarps * R, (int)(p.m - first)) * p.k);
+    }
     pdl_enter();
-    for (; g < groups; g += stride) {
-        if (g + stride < groups) prefetch_split_group<R>(q, s, g + stride, p, lane);
-        const uint32_t row0 = g * R;
-        const uint8_t* qr[R];
-        const __half* sr[R];
+    const uint8_t* qr[R];
+    const __half* sr[R];
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const size_t row = min(row0 + r, p.m - 1);  // past m: recompute row m-1, never stored
-            qr[r] = q + row * p.k;
-            sr[r] = s + row * blocks;
+    for (int r = 0; r < R; ++r) {
+        const size_t row = min(row0 + r, p.m - 1);  // past m: recompute row m-1, never stored
+        qr[r] = q + row * p.k;
+        sr[r] = s + row * blocks;
+    }
+    float acc[R * NC] = {};
+    for (uint32_t t0 = 0; t0 < chunks; t0 += 32 * U) {
+        uint4 raw[U][R];
+        float d[U][R];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const uint32_t t = t0 + u * 32 + lane;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                raw[u][r] = t < chunks ? ld_stream_u128(qr[r] + 16 * t) : make_uint4(0, 0, 0, 0);
+                d[u][r] = t < chunks ? __half2float(sr[r][t / 2]) : 0.0f;
+            }
         }
-        float acc[R * NC] = {};
-        for (uint32_t t0 = 0; t0 < chunks; t0 += 32 * U) {
-            uint4 raw[U][R];
-            float d[U][R];
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const uint32_t t = t0 + u * 32 + lane;
+        for (int u = 0; u < U; ++u) {
+            const uint32_t t = t0 + u * 32 + lane;
+            if (t >= chunks) break;  // the later u of this lane are past the row too
+            float w[R][16];
+#pragma unroll
+            for (int r = 0; r < R; ++r) i8x16_to_float(raw[u][r], d[u][r], w[r]);
+#pragma unroll
+            for (int c = 0; c < NC; ++c) {
+                const float4* xc = reinterpret_cast<const float4*>(x + (size_t)c * p.x_stride + 16 * t);
+                const float4 xv[4] = {__ldg(xc), __ldg(xc + 1), __ldg(xc + 2), __ldg(xc + 3)};
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
-                    raw[u][r] = t < chunks ? ld_stream_u128(qr[r] + 16 * t) : make_uint4(0, 0, 0, 0);
-                    d[u][r] = t < chunks ? __half2float(sr[r][t / 2]) : 0.0f;
-                }
-            }
+                    float a = acc[r * NC + c];
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const uint32_t t = t0 + u * 32 + lane;
-                if (t >= chunks) break;  // the later u of this lane are past the row too
-                float w[R][16];
-#pragma unroll
-                for (int r = 0; r < R; ++r) i8x16_to_float(raw[u][r], d[u][r], w[r]);
-#pragma unroll
-                for (int c = 0; c < NC; ++c) {
-                    const float4* xc = reinterpret_cast<const float4*>(x + (size_t)c * p.x_stride + 16 * t);
-                    const float4 xv[4] = {__ldg(xc), __ldg(xc + 1), __ldg(xc + 2), __ldg(xc + 3)};
-#pragma unroll
-                    for (int r = 0; r < R; ++r) {
-                        float a = acc[r * NC + c];
-#pragma unroll
-                        for (int e = 0; e < 4; ++e)
-                            a += w[r][4 * e] * xv[e].x + w[r][4 * e + 1] * xv[e].y + w[r][4 * e + 2] * xv[e].z
-                                 + w[r][4 * e + 3] * xv[e].w;
-                        acc[r * NC + c] = a;
-                    }
+                    for (int e = 0; e < 4; ++e)
+                        a += w[r][4 * e] * xv[e].x + w[r][4 * e + 1] * xv[e].y + w[r][4 * e + 2] * xv[e].z
+                             + w[r][4 * e + 3] * xv[e].w;
+                    acc[r * NC + c] = a;
                 }
             }
         }
-        const float v = warp_sum_many<R * NC>(acc, lane);
-        constexpr int kLanesPer = 32 / (R * NC);
-        const int i = lane / kLanesPer, r = i / NC, c = i % NC;
-        if (lane % kLanesPer == 0 && row0 + r < p.m) store(y + (size_t)c * p.y_stride + row0 + r, v, c, gate, p);
     }
+    const float v = warp_sum_many<R * NC>(acc, lane);
+    constexpr int kLanesPer = 32 / (R * NC);
+    const int i = lane / kLanesPer, r = i / NC, c = i % NC;
+    if (lane % kLanesPer == 0 && row0 + r < p.m) store(y + (size_t)c * p.y_stride + row0 + r, v, c, gate, p);
 }
 
 // dmmv_nx with a third matrix of its own type (a decoder layer's q, k and v in one launch; one
