@@ -1067,7 +1067,7 @@ def test_bad_arguments_raise_before_launch(d, host_if_no_gpu):
         (lambda: d.residual_rms_norm_q8_1(x, x.copy(), w, cupy.empty((4, 9), cupy.uint8)), ValueError, "multiple of 32"),
         (lambda: d.add_scaled(x, w, out), ValueError, "b must have shape"),
         (lambda: d.scale(x, out, alpha=float("nan")), ValueError, "NaN"),
-        (lambda: d.scale(x, out, alpha=1.0, stream=1), TypeError, "stream must be"),
+        (lambda: d.scale(x, out, alpha=1.0, stream=1.5), TypeError, "stream must be"),
         (lambda: d.bias_add(x, w, out, offset=1), ValueError, "exceeds bias length"),
         (lambda: d.swiglu(x[:, :7], None, out[:, :3]), ValueError, "C-contiguous"),
         (lambda: d.swiglu(cupy.ones((4, 7), cupy.float32), None, out[:, :3]), ValueError, "2 \\* n_ff"),
