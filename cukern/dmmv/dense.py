@@ -281,9 +281,8 @@ class Dense:
                  alpha: float = 1.0, stream=None) -> cupy.ndarray:
         """``y = alpha * act(W_gate x) * (W_up x)`` (``accumulate``: ``y +=``): act "swiglu" (SiLU)
         or "geglu" (GELU, tanh form). On the int8 path (dmmv_q8_two) a block streams the gate and up
-        rows of its outputs as one sequence and combines each pair's dot products in shared memory:
-        H100, Q4_K 2x14336x4096, 28.0 us (25.1 us with ``pdl``, 89% of copy) where the f32 path's
-        fused kernel takes 52.7 us.
+        rows of its outputs as one sequence and combines each pair's dot products in shared memory
+        (about half the f32 path's fused kernel's time: docs/notes/dmmv.md).
 
         w_gate, w_up: [m, k] of one type; x: [k] or [n, k] f32, or a :class:`NormedX`; y: [m] or [n, m]."""
         wg = self._check_weight("w_gate", w_gate)

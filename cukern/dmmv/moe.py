@@ -85,8 +85,7 @@ class Moe:
         ``... x[t, j]`` (x [n_tokens, top_k, k]); with ``w_up``, ``act(Wg x) * (Wu x)``. All slots in one
         launch; expert ids are read on the device (out of range: zeros and the error flag). On the
         int8 path a block quantizes its slot's x and streams rows of the slot's expert (with GLU its
-        outputs' gate and up rows as one sequence, as :meth:`dmmv_glu`; H100, top-8 of 128 Q4_K
-        experts of 2x2048x7168: 52.9 us, 84% of copy, where the f32 path takes 111.9 us).
+        outputs' gate and up rows as one sequence, as :meth:`dmmv_glu`; timings: docs/notes/dmmv.md).
 
         w (, w_up): expert QWeight [n_experts, m, k]; ids: [n_tokens, top_k] int32; y: [n_tokens, top_k, m]."""
         w, n_tokens, top_k, per_slot = self._moe_inputs(w, w_up, x, ids, act)
@@ -187,8 +186,8 @@ class Moe:
         weighted sum over each token's experts in one launch (no atomics; an out-of-range id drops its term
         and sets the error flag). On the int8 path (top_k <= 16) a block quantizes the h of each of its
         token's slots, streams its outputs' rows of every slot's expert as one sequence and sums the
-        dot products over the slots in slot order (H100, top-8 of 128 Q4_K experts of 2048x7168:
-        39.5 us, 57% of copy, where the f32 path takes 79.7 us; every block quantizes all top_k h).
+        dot products over the slots in slot order (every block quantizes all top_k h; timings:
+        docs/notes/dmmv.md).
 
         w: expert QWeight [n_experts, m, k]; h: [n_tokens, top_k, k]; ids: [n_tokens, top_k] int32;
         weights: [n_tokens, top_k] f32; y: [n_tokens, m]."""
