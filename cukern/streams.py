@@ -22,14 +22,36 @@ import numpy as np
 __all__ = ["resolve_stream", "EventTimer", "Timing", "benchmark", "Graph", "capture_graph"]
 
 
+_EXTERNAL: dict = {}  # (handle, device) -> the cupy.cuda.ExternalStream wrapping it
+_EXTERNAL_LIMIT = 256
+
+
 def resolve_stream(stream=None):
-    """``None`` -> CuPy's current stream; a CuPy stream -> itself; anything else -> TypeError."""
+    """The CuPy stream a dispatch launches on: ``None`` -> CuPy's current stream; a CuPy stream ->
+    itself; a torch ``cuda.Stream`` (anything with a ``cuda_stream`` handle, on its ``device``) or a
+    raw ``cudaStream_t`` handle as an int (0 the legacy default stream, 2 the per-thread one) -> a
+    ``cupy.cuda.ExternalStream`` over it (made once per handle; it does not own the stream, so the
+    caller keeps it alive while work is queued); anything else -> TypeError."""
     if stream is None:
         return cupy.cuda.get_current_stream()
     if isinstance(stream, (cupy.cuda.Stream, cupy.cuda.ExternalStream)):
         return stream
-    raise TypeError(f"stream must be a cupy.cuda.Stream, cupy.cuda.ExternalStream or None, "
-                    f"got {type(stream).__name__}")
+    handle, device = getattr(stream, "cuda_stream", None), -1
+    if handle is not None:
+        device = getattr(getattr(stream, "device", None), "index", None)
+        device = -1 if device is None else device
+    elif isinstance(stream, (int, np.integer)) and not isinstance(stream, (bool, np.bool_)):
+        handle = stream
+    if handle is None or isinstance(handle, bool) or not isinstance(handle, (int, np.integer)) or handle < 0:
+        raise TypeError(f"stream must be a cupy.cuda.Stream, a torch.cuda.Stream, a cudaStream_t handle (int) or "
+                        f"None, got {type(stream).__name__}")
+    key = (int(handle), int(device))
+    ext = _EXTERNAL.get(key)
+    if ext is None:
+        if len(_EXTERNAL) >= _EXTERNAL_LIMIT:
+            _EXTERNAL.pop(next(iter(_EXTERNAL)))
+        ext = _EXTERNAL[key] = cupy.cuda.ExternalStream(key[0], key[1])
+    return ext
 
 
 class EventTimer:

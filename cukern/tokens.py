@@ -19,7 +19,7 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from cukern.dispatch import Dispatch, check_array, check_int, check_real
+from cukern.dispatch import Dispatch, check_array, check_int, check_real, repeatable
 from cukern.runtime import FamilySpec, KernelSpec
 
 __all__ = ["TokensDispatch", "SamplePlan", "sample_chunks", "FAMILY", "MAX_TOP_K", "MAX_SAMPLE_COLS", "EMBED_QTYPES",
@@ -137,7 +137,8 @@ class TokensDispatch(Dispatch):
     memory, so every method can be captured in a CUDA graph.
 
     ``pdl`` (default False; sm_90+) launches every kernel with programmatic dependent launch (each
-    waits for the previous kernel first thing: ``pdl_enter`` in common/pdl.cuh)."""
+    waits for the previous kernel first thing: ``pdl_enter`` in common/pdl.cuh). ``embed`` and
+    ``advance_positions`` are ``repeatable`` (cukern.dispatch): a repeated call replays its launches."""
 
     family = FAMILY
 
@@ -149,6 +150,7 @@ class TokensDispatch(Dispatch):
         return super()._launch(kernel, grid, block, pointers, params, stream=stream, shared_mem=shared_mem,
                                pdl=self.pdl)
 
+    @repeatable
     def embed(self, table: cupy.ndarray, qtype: int, n_cols: int, ids: cupy.ndarray, out: cupy.ndarray, *,
               scale: float = 1.0, stream=None) -> cupy.ndarray:
         """``out[t] = scale * dequantize(table row ids[t])``; an id outside the table gives a zero row.
@@ -209,6 +211,7 @@ class TokensDispatch(Dispatch):
                      (plan.next_ids, plan.history, plan.draws, plan.cand_val, plan.cand_idx), params, stream=stream)
         return plan.next_ids
 
+    @repeatable
     def advance_positions(self, positions: cupy.ndarray, lengths: cupy.ndarray, seq_ids: cupy.ndarray, *,
                           stream=None) -> cupy.ndarray:
         """After a decode step: ``positions[r] += 1`` and ``lengths[seq_ids[r]] = positions[r] + 1``.

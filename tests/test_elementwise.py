@@ -60,6 +60,43 @@ def test_rejects_host_arrays_before_launch():
         d.softmax_topk(x, np.zeros((2, 1), np.int32), np.zeros((2, 1), np.float32), k=1)
 
 
+def test_repeated_calls_replay_the_first_ones_launches(host_if_no_gpu, monkeypatch):
+    """A call repeated with the same arrays and values (dispatch.repeatable) issues the first one's launches
+    without running the method's body again; any difference in an array's pointer, shape or dtype, a
+    value, the dispatch's pdl or the keywords runs it in full; a call that raised is not remembered."""
+    from cukern.elementwise import norms
+    bodies = []
+    real = norms.Norms._row_norm
+    monkeypatch.setattr(norms.Norms, "_row_norm", lambda self, *a, **k: (bodies.append(1), real(self, *a, **k))[1])
+    rng = np.random.default_rng(0)
+    ew = ElementwiseDispatch(pdl=True)
+    xh = rng.standard_normal((3, 64)).astype(np.float32)
+    wh = rng.standard_normal(64).astype(np.float32)
+    x, w = cupy.asarray(xh), cupy.asarray(wh)
+    y = poison(cupy.empty((3, 64), cupy.float32))
+    assert ew.rms_norm(x, w, y, eps=1e-5) is y
+    assert len(bodies) == 1
+    y2 = y.view()  # another array object over the same memory: the same key
+    y2.fill(np.nan) if host_if_no_gpu is not None else poison(y2)
+    assert ew.rms_norm(x, w, y2, eps=1e-5) is y2
+    assert len(bodies) == 1
+    if host_if_no_gpu is not None:  # the launch counter of tests/host_dispatch.py: the replay launched too
+        assert sum(n for k, n in host_if_no_gpu.items() if k.startswith("rms_norm")) == 2
+    if host_if_no_gpu is None:  # on a GPU the replayed launch computed the norm again
+        assert_close(y, ref.rms_norm(xh, wh, eps=1e-5), atol=1e-5, rtol=1e-5)
+    ew.rms_norm(x, w, y, eps=2e-5)                      # another value
+    ew.rms_norm(x[:2], w, y[:2], eps=1e-5)              # another shape
+    ew.rms_norm(x.copy(), w, y, eps=1e-5)               # another pointer
+    ew.rms_norm(x, w, y, eps=1e-5, weight_offset=0.0)   # another keyword
+    ew.pdl = False
+    ew.rms_norm(x, w, y, eps=1e-5)                      # another pdl
+    assert len(bodies) == 6
+    with pytest.raises(TypeError, match="dtype"):
+        ew.rms_norm(x.astype(np.float16), w, y)
+    with pytest.raises(TypeError, match="dtype"):
+        ew.rms_norm(x.astype(np.float16), w, y)
+
+
 def test_family_declares_every_group():
     from cukern.elementwise import FAMILIES
     names = {k.name.split("<")[0] for f in FAMILIES.values() for k in f.kernels}

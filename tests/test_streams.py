@@ -11,10 +11,34 @@ from cukern import streams  # noqa: E402
 
 
 def test_resolve_stream_rejects_other_objects():
-    with pytest.raises(TypeError, match="stream must be"):
-        streams.resolve_stream(object())
-    with pytest.raises(TypeError, match="stream must be"):
-        streams.resolve_stream(0)
+    for bad in (object(), 1.0, True, -1, "0"):
+        with pytest.raises(TypeError, match="stream must be"):
+            streams.resolve_stream(bad)
+
+
+def test_resolve_stream_wraps_handles_and_torch_streams(monkeypatch):
+    """A raw cudaStream_t (int) or a torch.cuda.Stream (its cuda_stream handle, on its device) becomes a
+    cupy.cuda.ExternalStream over the same handle, made once per (handle, device)."""
+    made = []
+
+    class External:  # cupy.cuda.ExternalStream's constructor, without a driver
+        def __init__(self, ptr, device_id=-1):
+            self.ptr, self.device_id = ptr, device_id
+            made.append(self)
+
+    class TorchLike:  # what torch.cuda.Stream offers
+        cuda_stream = 0x5000
+        device = type("device", (), {"index": 1})()
+
+    monkeypatch.setattr(cupy.cuda, "ExternalStream", External)
+    monkeypatch.setattr(streams, "_EXTERNAL", {})
+    a = streams.resolve_stream(0x1234)
+    assert (a.ptr, a.device_id) == (0x1234, -1)
+    assert streams.resolve_stream(np.int64(0x1234)) is a and len(made) == 1
+    b = streams.resolve_stream(TorchLike())
+    assert (b.ptr, b.device_id) == (0x5000, 1)
+    assert streams.resolve_stream(0).ptr == 0
+    assert streams.resolve_stream(b) is b  # an ExternalStream passes through
 
 
 @pytest.mark.gpu
@@ -77,3 +101,19 @@ def test_graph_replay_matches_eager(rng):
 def test_capture_rejects_default_stream():
     with pytest.raises(ValueError, match="non-default stream"):
         streams.capture_graph(lambda s: None, stream=cupy.cuda.Stream.null)
+
+
+@pytest.mark.gpu
+def test_dispatch_on_a_torch_stream_and_a_raw_handle():
+    """stream= a torch.cuda.Stream or its raw handle: the launch is ordered on that stream."""
+    torch = pytest.importorskip("torch", reason="the torch stream test needs torch")
+    from cukern.elementwise import ElementwiseDispatch
+    d = ElementwiseDispatch()
+    a = cupy.random.standard_normal(1 << 20, dtype=cupy.float32)
+    cupy.cuda.Device().synchronize()
+    for make in (lambda s: s, lambda s: s.cuda_stream):
+        s = torch.cuda.Stream()
+        out = cupy.full_like(a, np.nan)
+        d.scale(a, out, alpha=3.0, stream=make(s))
+        s.synchronize()
+        assert cupy.allclose(out, 3.0 * a)

@@ -4,7 +4,7 @@ dispatch class, assembled from one mixin per kernel header.
 
 from __future__ import annotations
 
-from cukern.dispatch import Dispatch, Unit
+from cukern.dispatch import Dispatch, Unit, repeatable
 from cukern.elementwise.activations import Activations
 from cukern.elementwise.common import _KV_TYPES
 from cukern.elementwise.kv import KvWrites
@@ -69,7 +69,10 @@ class ElementwiseDispatch(Norms, Activations, Rope, KvWrites, Moe, Ssm, Dispatch
 
     ``pdl`` (default False; sm_90+) launches every kernel with programmatic dependent launch: each
     waits for the previous kernel in the stream first thing (``pdl_enter`` in common/pdl.cuh), so
-    its launch and block start-up overlap that kernel's tail, as in a model's decode step."""
+    its launch and block start-up overlap that kernel's tail, as in a model's decode step.
+
+    Every method is ``repeatable`` (cukern.dispatch): a call repeated with the same arrays (pointer,
+    shape, strides, dtype), values and keywords replays the first one's launches, checks skipped."""
 
     family = FAMILY
     _ROPE_KERNELS = frozenset(k.name for k in ROPE_FAMILY.kernels)
@@ -82,3 +85,11 @@ class ElementwiseDispatch(Norms, Activations, Rope, KvWrites, Moe, Ssm, Dispatch
     def _launch(self, kernel, grid, block, pointers, params, *, stream=None, shared_mem=0):
         unit = self._rope_unit if kernel in self._ROPE_KERNELS else super()
         unit._launch(kernel, grid, block, pointers, params, stream=stream, shared_mem=shared_mem, pdl=self.pdl)
+
+
+# Every public method of the family is a function of its arguments alone (arrays, numbers, the
+# dispatch's pdl): a call repeated with the same arrays and values replays the first one's launches.
+for _mixin in (Norms, Activations, Rope, KvWrites, Moe, Ssm):
+    for _name, _fn in vars(_mixin).items():
+        if not _name.startswith("_") and callable(_fn):
+            setattr(ElementwiseDispatch, _name, repeatable(_fn))
