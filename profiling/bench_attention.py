@@ -27,6 +27,7 @@ import sys
 import cupy
 import numpy as np
 
+from cukern import traffic
 from cukern.attention import AttentionDispatch, PagedKVCache
 from cukern.benchmark import Row, measure_ceilings, script_main, time_graph_us, time_us
 
@@ -50,7 +51,7 @@ def _decode_rows(attn, ceil, rng, b, kv_len, h, hk, d, n_splits=None, label="", 
     on the same plan) timed through CUDA graphs of back-to-back calls over rotating layers, with torch
     SDPA at the same shape as the peer of both (none for labelled sweep rows); with the peer, the three
     are timed in _ROUNDS alternating rounds and each row takes its best."""
-    kv_bytes = b * kv_len * hk * d * 2 * 2
+    kv_bytes = traffic.kv_cache(b, kv_len, hk, d)
     n_layers = max(1, min(16, math.ceil(4 * _L2_BYTES / kv_bytes)))
     page = 16
     pages = b * -(-kv_len // page)
@@ -60,7 +61,7 @@ def _decode_rows(attn, ceil, rng, b, kv_len, h, hk, d, n_splits=None, label="", 
     plan = attn.plan_decode(cache, slots, h, n_splits=n_splits)
     q = rng.standard_normal((b, h, d), dtype=cupy.float32)
     out = cupy.empty_like(q)
-    nbytes = kv_bytes + 2 * b * h * d * 4
+    nbytes = traffic.attention_decode(b, kv_len, h, hk, d)
 
     def timed(a):
         k = {"i": 0}
@@ -146,10 +147,6 @@ def _rounds_us(fns: dict) -> dict:
     return best
 
 
-def _flops(b, h, L, d, causal):
-    return (2.0 if causal else 4.0) * b * h * L * L * d
-
-
 def _prefill_fn(attn, rng, b, L, h, hk, d, causal=True):
     """A paged batched prefill of b sequences of L tokens (page size 64), ready to time."""
     page = 64
@@ -182,7 +179,7 @@ def _tc_rows(kernel, fn, b, L, h, hk, d, causal):
 def _tc_row(kernel, b, L, h, hk, d, causal, us, peers):
     flash, cudnn = peers
     best = min([t for t in (flash, cudnn) if t is not None], default=None)
-    tf = _flops(b, h, L, d, causal) / (us * 1e-6) / 1e12
+    tf = traffic.attention_prefill_flops(b, h, L, d, causal) / (us * 1e-6) / 1e12
     extra = {"cudnn_us": cudnn, "flash_us": flash}
     pct = best / us if best else None  # = our TFLOP/s / the fastest SDPA backend's
     return Row("attention", kernel, f"B{b} L{L} {h}/{hk} D{d}{' causal' if causal else ''}", us, tflops=tf,

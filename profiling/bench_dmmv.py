@@ -21,6 +21,7 @@ import sys
 import cupy
 import numpy as np
 
+from cukern import traffic
 from cukern.benchmark import Row, measure_ceilings, rotating, script_main, time_graph_us, time_torch_graph_us
 from cukern.dmmv import Q8_TYPES, QTYPES, DmmvDispatch, NormedX, QuantizedX, QWeight, qtype_id, row_bytes
 from cukern.elementwise import ElementwiseDispatch
@@ -106,14 +107,14 @@ def bench(quick: bool = False) -> tuple[list, object]:
             x = cupy.random.standard_normal(k, dtype=cupy.float32)
             y = cupy.empty(m, cupy.float32)
             us = time_graph_us(lambda: d.dmmv(nxt(), x, y))
-            row(f"dmmv {name}", f"{m}x{k}", us, wbytes + 4 * (k + m), peer_us)
+            row(f"dmmv {name}", f"{m}x{k}", us, traffic.dmmv(wbytes, m, k), peer_us)
             if qt in Q8_TYPES:  # the int8 path, where pdl applies
                 us = time_graph_us(lambda: d_pdl.dmmv(nxt(), x, y))
-                row(f"dmmv {name} pdl", f"{m}x{k}", us, wbytes + 4 * (k + m), peer_us)
+                row(f"dmmv {name} pdl", f"{m}x{k}", us, traffic.dmmv(wbytes, m, k), peer_us)
                 # x quantized once (QuantizedX) for the matvecs that share it: its bytes are read instead
                 qx = d_pdl.quantize_x(x, QuantizedX.empty(x.shape, qt))
                 us = time_graph_us(lambda: d_pdl.dmmv(nxt(), qx, y))
-                row(f"dmmv {name} pdl q8x", f"{m}x{k}", us, wbytes + qx.buf.nbytes + 4 * m, peer_us)
+                row(f"dmmv {name} pdl q8x", f"{m}x{k}", us, traffic.dmmv_prequantized(wbytes, m, qx.buf.nbytes), peer_us)
             del sets
             cupy.get_default_memory_pool().free_all_blocks()
 
@@ -129,7 +130,7 @@ def bench(quick: bool = False) -> tuple[list, object]:
     for n in (1, 8):
         x = cupy.random.standard_normal((n, k), dtype=cupy.float32)
         y = cupy.empty((n, m), cupy.float32)
-        nbytes = wbytes + 4 * n * (k + m)
+        nbytes = traffic.dmmv(wbytes, m, k, n)
         us_gguf = time_graph_us(lambda: d_f32_pdl.dmmv(nxt(), x, y))
         row(f"lm head Q8_0 f32 path pdl n={n}", f"{m}x{k}", us_gguf, nbytes, peer_us if n == 1 else None)
         us = time_graph_us(lambda: d_f32_pdl.dmmv(split[next(ring) % len(split)], x, y))
@@ -148,7 +149,7 @@ def bench(quick: bool = False) -> tuple[list, object]:
     proj, res = (cupy.random.standard_normal((1, k), dtype=cupy.float32) for _ in range(2))
     wp, wn = (cupy.random.standard_normal(k, dtype=cupy.float32) for _ in range(2))
     res2, h, y = cupy.empty((1, k), cupy.float32), cupy.empty((1, k), cupy.float32), cupy.empty((1, m), cupy.float32)
-    nbytes = 2 * wbytes + 4 * (4 * k + m)
+    nbytes = traffic.dmmv_glu_normed(wbytes, m, k)
     us_two = time_graph_us(lambda: (ew.post_norm_residual_rms_norm(proj, res2, wp, wn, h),
                                     d_f32_pdl.dmmv_glu(gnext(), unext(), h, y)))
     row("norm + glu Q5_0 two launches pdl", f"2x{m}x{k}", us_two, nbytes)
@@ -163,7 +164,7 @@ def bench(quick: bool = False) -> tuple[list, object]:
         x = cupy.random.standard_normal(k, dtype=cupy.float32)
         qx = QuantizedX.empty((k,), "Q4_K")
         us = time_graph_us(lambda: d_pdl.quantize_x(x, qx))
-        row(f"quantize_x pdl k={k}", f"1x{k}", us, 4 * k + qx.buf.nbytes)
+        row(f"quantize_x pdl k={k}", f"1x{k}", us, traffic.quantize_x(k, qx.buf.nbytes))
 
     # the FFN's down projection after gate and up, two kernels either way: the elementwise SwiGLU then
     # the matvec on its f32 output, against quantize_glu (the activation written as a QuantizedX) then
@@ -176,7 +177,7 @@ def bench(quick: bool = False) -> tuple[list, object]:
         gate, up = (cupy.random.standard_normal(k, dtype=cupy.float32) for _ in range(2))
         h, y = cupy.empty(k, cupy.float32), cupy.empty(m, cupy.float32)
         qx = QuantizedX.empty((k,), qt)
-        nbytes = wbytes + 8 * k + 4 * m
+        nbytes = traffic.ffn_down(wbytes, m, k)
         f32_us = time_graph_us(lambda: (ew.swiglu(gate[None], up[None], h[None]), d_pdl.dmmv(nxt(), h, y)))
         row(f"ffn down {name} swiglu+dmmv pdl", f"{m}x{k}", f32_us, nbytes)
         us = time_graph_us(lambda: (d_pdl.quantize_glu(gate, up, qx), d_pdl.dmmv(nxt(), qx, y)))
@@ -193,7 +194,7 @@ def bench(quick: bool = False) -> tuple[list, object]:
             x = cupy.random.standard_normal((n, k), dtype=cupy.float32)
             y = cupy.empty((n, m), cupy.float32)
             us = time_graph_us(lambda: d.dmmv_batch(nxt(), x, y))
-            row(f"dmmv_batch {name} n={n}", f"{m}x{k}", us, wbytes + 4 * n * (k + m))
+            row(f"dmmv_batch {name} n={n}", f"{m}x{k}", us, traffic.dmmv(wbytes, m, k, n))
         del sets
         cupy.get_default_memory_pool().free_all_blocks()
 
@@ -205,7 +206,7 @@ def bench(quick: bool = False) -> tuple[list, object]:
         (sets, nxt), wbytes = _weights(qt, m, k)
         x = cupy.random.standard_normal(k, dtype=cupy.float32)
         y = cupy.empty(m, cupy.float32)
-        nbytes = 2 * wbytes + 4 * (k + m)
+        nbytes = traffic.dmmv_glu(wbytes, m, k)
         f32_us = time_graph_us(lambda: d_f32.dmmv_glu(nxt(), nxt(), x, y, act="swiglu"))
         row(f"dmmv_glu {name} f32 path", f"2x{m}x{k}", f32_us, nbytes)
         us = time_graph_us(lambda: d.dmmv_glu(nxt(), nxt(), x, y, act="swiglu"))
@@ -225,11 +226,11 @@ def bench(quick: bool = False) -> tuple[list, object]:
         x = cupy.random.standard_normal((1, k), dtype=cupy.float32)
         y = cupy.empty((1, top_k, m), cupy.float32)
         us = time_graph_us(lambda: d.moe_dmmv(w, x, ids(), y))
-        row(f"moe_dmmv {name} top{top_k}/{n_e}", f"{m}x{k}", us, top_k * ebytes + 4 * (k + top_k * m))
+        row(f"moe_dmmv {name} top{top_k}/{n_e}", f"{m}x{k}", us, traffic.moe_dmmv(ebytes, m, k, top_k))
         # gate + up + SwiGLU of the same slots: the int8 path (moe_dmmv_q8_glu) against the f32 path's
         # fused kernel (DmmvDispatch(int8=False), what moe_dmmv with w_up ran before 2026-11-25)
         wu, _ = _moe_weight(qt, n_e, m, k)
-        nbytes = 2 * top_k * ebytes + 4 * (k + top_k * m)
+        nbytes = traffic.moe_dmmv(ebytes, m, k, top_k, glu=True)
         f32_us = time_graph_us(lambda: d_f32.moe_dmmv(w, x, ids(), y, w_up=wu))
         row(f"moe_dmmv glu {name} f32 path", f"2x{m}x{k}", f32_us, nbytes)
         us = time_graph_us(lambda: d.moe_dmmv(w, x, ids(), y, w_up=wu))
@@ -238,7 +239,7 @@ def bench(quick: bool = False) -> tuple[list, object]:
         h = cupy.random.standard_normal((1, top_k, k), dtype=cupy.float32)
         wts = cupy.full((1, top_k), 0.125, cupy.float32)
         yd = cupy.empty((1, m), cupy.float32)
-        nbytes = top_k * ebytes + 4 * top_k * (k + 1) + 4 * m
+        nbytes = traffic.moe_down(ebytes, m, k, top_k)
         f32_us = time_graph_us(lambda: d_f32.moe_down(w, h, ids(), wts, yd))
         row(f"moe_down {name} top{top_k}/{n_e} f32 path", f"{m}x{k}", f32_us, nbytes)
         us = time_graph_us(lambda: d.moe_down(w, h, ids(), wts, yd))
@@ -259,7 +260,7 @@ def bench(quick: bool = False) -> tuple[list, object]:
             d.moe_dmmv_packed(w, xt, tids, route, yt)
         us = time_graph_us(packed_step)
         n_active = sum(len(set(s.get().ravel().tolist())) for s in tid_sets) / len(tid_sets)  # experts read per call
-        row(f"moe pack+packed {name} T={T}", f"{m}x{k}", us, n_active * ebytes + 4 * T * (k + top_k * m))
+        row(f"moe pack+packed {name} T={T}", f"{m}x{k}", us, traffic.moe_packed(ebytes, m, k, top_k, T, n_active))
         del w
         cupy.get_default_memory_pool().free_all_blocks()
     d.check_errors()

@@ -18,6 +18,7 @@ import sys
 
 import cupy
 
+from cukern import traffic
 from cukern.benchmark import (Row, host_us_per_call, measure_ceilings, rotating, script_main, time_graph_us,
                               time_torch_graph_us, time_us)
 from cukern.elementwise import ElementwiseDispatch, contiguous_page_table  # noqa: F401
@@ -105,27 +106,27 @@ def bench_norms(b: Bench):
             d.add(r, x, r)
             d.rms_norm(r, w, out)
 
-        b.row("rms_norm", shape, lambda: (lambda s: d.rms_norm(s[0], s[2], s[4]))(nxt()), nbytes=2 * nb + H * 4,
+        b.row("rms_norm", shape, lambda: (lambda s: d.rms_norm(s[0], s[2], s[4]))(nxt()), nbytes=traffic.rows("rms_norm", n, H),
               decode=decode, peer="torch F.rms_norm",
               peer_fn=lambda: (lambda s: F.rms_norm(s[0], (H,), s[2], eps=1e-6))(tnext()))
         b.row("residual_rms_norm", shape, lambda: (lambda s: d.residual_rms_norm(s[0], s[1], s[2], s[4]))(nxt()),
-              nbytes=4 * nb + H * 4, decode=decode, peer="chain add+rms_norm",
+              nbytes=traffic.rows("residual_rms_norm", n, H), decode=decode, peer="chain add+rms_norm",
               peer_fn=lambda: (lambda s: chain_res(s[0], s[1], s[2], s[4]))(nxt()), peer_is_torch=False)
         b.row("post_norm_residual_rms_norm", shape,
               lambda: (lambda s: d.post_norm_residual_rms_norm(s[0], s[1], s[2], s[3], s[4]))(nxt()),
-              nbytes=4 * nb + 2 * H * 4, decode=decode, peer="chain rms_norm+add+rms_norm",
+              nbytes=traffic.rows("post_norm_residual_rms_norm", n, H), decode=decode, peer="chain rms_norm+add+rms_norm",
               peer_fn=lambda: (lambda s: (d.rms_norm(s[0], s[2], s[4]), d.add(s[1], s[4], s[1]),
                                           d.rms_norm(s[1], s[3], s[4])))(nxt()), peer_is_torch=False)
         b.row("rms_norm_accumulate", shape, lambda: (lambda s: d.rms_norm_accumulate(s[0], s[2], s[1]))(nxt()),
-              nbytes=3 * nb + H * 4, decode=decode, peer="chain rms_norm+add",
+              nbytes=traffic.rows("rms_norm_accumulate", n, H), decode=decode, peer="chain rms_norm+add",
               peer_fn=lambda: (lambda s: (d.rms_norm(s[0], s[2], s[4]), d.add(s[1], s[4], s[1])))(nxt()),
               peer_is_torch=False)
         b.row("residual_rms_norm_q8_1", shape, lambda: (lambda s: d.residual_rms_norm_q8_1(s[0], s[1], s[2], s[5]))(nxt()),
-              nbytes=3 * nb + nb * 36 // 128 + H * 4, decode=decode, peer="chain residual_rms_norm+quantize",
+              nbytes=traffic.residual_rms_norm_q8_1(n, H), decode=decode, peer="chain residual_rms_norm+quantize",
               peer_fn=lambda: (lambda s: (d.residual_rms_norm(s[0], s[1], s[2], s[4]),
                                           d.quantize_q8_1(s[4], s[5])))(nxt()), peer_is_torch=False)
         b.row("quantize_q8_1", shape, lambda: (lambda s: d.quantize_q8_1(s[0], s[5]))(nxt()),
-              nbytes=nb + nb * 36 // 128, decode=decode)
+              nbytes=traffic.quantize_q8_1(n, H), decode=decode)
 
 
 def bench_heads(b: Bench):
@@ -175,17 +176,16 @@ def bench_heads(b: Bench):
             torch.add(x * cos, torch.cat([-x2, x1], -1) * sin, out=out)
 
         b.row("head_rms_norm", shape, lambda: (lambda s: d.head_rms_norm(s[0], s[5], s[1]))(nxt()),
-              nbytes=2 * nb, decode=decode, peer="torch F.rms_norm",
+              nbytes=traffic.rows("head_rms_norm", n, nq * hd), decode=decode, peer="torch F.rms_norm",
               peer_fn=lambda: (lambda s: F.rms_norm(s[0], (hd,), s[5], eps=1e-6))(tnext()))
         b.row("rope neox", shape, lambda: (lambda s: d.rope(s[0], pos, s[1], freq_base=1e6))(nxt()),
-              nbytes=2 * nb, decode=decode, peer="torch rope (eager)",
+              nbytes=traffic.rows("rope", n, nq * hd), decode=decode, peer="torch rope (eager)",
               peer_fn=lambda: (lambda s: torch_rope(s[0], s[1]))(tnext()))
         b.row("rms_norm_rope", shape, lambda: (lambda s: d.rms_norm_rope(s[0], s[5], pos, s[1], freq_base=1e6))(nxt()),
-              nbytes=2 * nb, decode=decode, peer="chain head_rms_norm+rope",
+              nbytes=traffic.rows("rms_norm_rope", n, nq * hd), decode=decode, peer="chain head_rms_norm+rope",
               peer_fn=lambda: (lambda s: (d.head_rms_norm(s[0], s[5], s[1]),
                                           d.rope(s[1], pos, s[1], freq_base=1e6)))(nxt()), peer_is_torch=False)
-        kvb = n * nkv * hd
-        qkv_bytes = 2 * nb + 2 * kvb * 4 + 2 * kvb * 2
+        qkv_bytes = traffic.qk_norm_rope_kv_write(n, nq, nkv, hd)
 
         def qkv_chain(s, kp):
             d.head_rms_norm(s[0], s[5], s[1])
@@ -202,28 +202,28 @@ def bench_heads(b: Bench):
               peer_fn=lambda: qkv_chain(nxt(), kvpos()), peer_is_torch=False)
         b.row("k_norm_rope_kv_write", f"{n}x{nkv}x{hd}",
               lambda: (lambda s: d.k_norm_rope_kv_write(s[2], s[6], kc, page_table, kvpos(), seq, freq_base=1e6))(nxt()),
-              nbytes=kvb * 6, decode=decode, peer="chain norm+rope+kv_write",
+              nbytes=traffic.kv_write(n, nkv, hd), decode=decode, peer="chain norm+rope+kv_write",
               peer_fn=lambda: (lambda s, kp: (d.head_rms_norm(s[2], s[6], s[4]), d.rope(s[4], kp, s[4], freq_base=1e6),
                                               d.kv_write(s[4], kc, page_table, kp, seq)))(nxt(), kvpos()),
               peer_is_torch=False)
         kc_t = _t(kc) if torch is not None else None
         b.row("kv_write (f16 cache)", f"{n}x{nkv}x{hd}",
-              lambda: (lambda s: d.kv_write(s[3], kc, page_table, kvpos(), seq))(nxt()), nbytes=kvb * 6,
+              lambda: (lambda s: d.kv_write(s[3], kc, page_table, kvpos(), seq))(nxt()), nbytes=traffic.kv_write(n, nkv, hd),
               decode=decode, peer="torch cache[idx] = k.half()",
               peer_fn=lambda: (lambda s: kc_t.view(-1, nkv, hd).__setitem__(kv_rows(), s[3].half()))(tnext()))
         b.row("rope per_token positions", shape,
               lambda: (lambda s: d.rope(s[0], pos_tok, s[1], freq_base=1e6, pos_mode="per_token"))(nxt()),
-              nbytes=2 * nb + n * 4, decode=decode)
+              nbytes=traffic.rows("rope_per_token", n, nq * hd), decode=decode)
         b.row("deinterleave", f"{n}x{nq}x(2x{hd})", lambda: (lambda s: d.deinterleave(s[7], s[0], s[1]))(nxt()),
-              nbytes=4 * nb, decode=decode, peer="torch split+copy",
+              nbytes=traffic.rows("deinterleave", n, nq * hd), decode=decode, peer="torch split+copy",
               peer_fn=lambda: (lambda s: (s[0].copy_(s[7][..., :hd]), s[1].copy_(s[7][..., hd:])))(tnext()))
         b.row("gated_rms_norm", shape, lambda: (lambda s: d.gated_rms_norm(s[0], s[8], s[5], s[1], group_size=hd))(nxt()),
-              nbytes=3 * nb, decode=decode, peer="chain head_rms_norm+swiglu",
+              nbytes=traffic.rows("gated_rms_norm", n, nq * hd), decode=decode, peer="chain head_rms_norm+swiglu",
               peer_fn=lambda: (lambda s: (d.head_rms_norm(s[0], s[5], s[1]),
                                           d.swiglu(s[8].reshape(n, -1), s[1].reshape(n, -1),
                                                    s[1].reshape(n, -1))))(nxt()), peer_is_torch=False)
         b.row("group_norm (l2)", shape, lambda: (lambda s: d.group_norm(s[0], s[1], group_size=hd, l2=True))(nxt()),
-              nbytes=2 * nb, decode=decode, peer="torch F.normalize",
+              nbytes=traffic.rows("group_norm", n, nq * hd), decode=decode, peer="torch F.normalize",
               peer_fn=lambda: (lambda s: F.normalize(s[0], dim=-1))(tnext()))
 
 
@@ -259,15 +259,15 @@ def bench_activations(b: Bench):
             ("add_scaled", lambda s: d.add_scaled(s[0], s[1], s[2], alpha=0.5),
              lambda s: torch.add(s[0], s[1], alpha=0.5, out=s[2]), "torch.add(alpha)"),
         ]:
-            b.row(name, shape, lambda fn=fn: fn(nxt()), nbytes=3 * nb, decode=decode, peer=peer,
+            b.row(name, shape, lambda fn=fn: fn(nxt()), nbytes=traffic.rows("binary", n, ff), decode=decode, peer=peer,
                   peer_fn=lambda pfn=pfn: pfn(tnext()))
         b.row("scale_accumulate", shape, lambda: (lambda s: d.scale_accumulate(s[2], s[1], 0.5))(nxt()),
-              nbytes=3 * nb, decode=decode, peer="torch.add_(alpha)",
+              nbytes=traffic.rows("binary", n, ff), decode=decode, peer="torch.add_(alpha)",
               peer_fn=lambda: (lambda s: s[2].add_(s[1], alpha=0.5))(tnext()))
-        b.row("scale", shape, lambda: (lambda s: d.scale(s[0], s[2], alpha=0.5))(nxt()), nbytes=2 * nb, decode=decode,
-              peer="torch.mul", peer_fn=lambda: (lambda s: torch.mul(s[0], 0.5, out=s[2]))(tnext()))
+        b.row("scale", shape, lambda: (lambda s: d.scale(s[0], s[2], alpha=0.5))(nxt()), nbytes=traffic.rows("scale", n, ff),
+              decode=decode, peer="torch.mul", peer_fn=lambda: (lambda s: torch.mul(s[0], 0.5, out=s[2]))(tnext()))
         b.row("bias_add", shape, lambda: (lambda s: d.bias_add(s[0], s[3], s[2], offset=64))(nxt()),
-              nbytes=2 * nb + ff * 4, decode=decode, peer="torch x + b",
+              nbytes=traffic.rows("bias_add", n, ff), decode=decode, peer="torch x + b",
               peer_fn=lambda: (lambda s: torch.add(s[0], s[3][64:], out=s[2]))(tnext()))
 
 
@@ -293,7 +293,7 @@ def bench_moe(b: Bench):
             return s
         b.row("softmax_topk", f"{n_tok_topk}x{E} k={k}",
               lambda: (lambda s: d.softmax_topk(s[0], s[1], s[2], k=k))(lnxt()),
-              nbytes=n_tok_topk * (E + 2 * k) * 4, decode=decode, peer="torch softmax+topk+renorm",
+              nbytes=traffic.softmax_topk(n_tok_topk, E, k), decode=decode, peer="torch softmax+topk+renorm",
               peer_fn=lambda: torch_topk(tl_next()[0]))
 
         n_sum = n if decode else n // 2
@@ -307,7 +307,7 @@ def bench_moe(b: Bench):
             ce["i"] += 1
             return s
         b.row("moe_weighted_sum", f"{n_sum}x{k}x{2 * H}", lambda: (lambda s: d.moe_weighted_sum(s[0], s[1], s[2]))(enxt()),
-              nbytes=n_sum * (k + 1) * 2 * H * 4, decode=decode, peer="torch (e*w).sum(1)",
+              nbytes=traffic.moe_weighted_sum(n_sum, k, 2 * H), decode=decode, peer="torch (e*w).sum(1)",
               peer_fn=lambda: (lambda s: torch.sum(s[0] * s[1][..., None], 1, out=s[2]))(te_next()))
 
         # router: x [n, H] f32, W [E, H] f32 (1 MiB); the fused version adds the RMS norm. One token is a
@@ -316,7 +316,7 @@ def bench_moe(b: Bench):
         xs, xnxt = b.sets(n * H * 4, lambda i: (b.randn(n, H), cupy.empty((n, H), cupy.float32)))
         W, wn, lg = b.randn(E, H, scale=0.02), b.randn(H), cupy.empty((n, E), cupy.float32)
         lg_peer = cupy.empty((n, E), cupy.float32)
-        flops = 2 * n * E * H
+        flops = traffic.router_flops(n, H, E)
         gemm = "" if decode else " [f32 GEMM]"
         if decode:  # one token: the torch peer (cuBLAS too) in a graph, as eager calls would time the host
             peer = dict(peer="torch x @ W.T (cuBLAS)",
@@ -325,10 +325,10 @@ def bench_moe(b: Bench):
             peer = dict(peer="cuBLAS sgemm (cupy.matmul)", peer_fn=lambda: cupy.matmul(xnxt()[0], W.T, out=lg_peer),
                         peer_is_torch=False, peer_eager=True)
         b.row("router_matvec" + gemm, f"{n}x{H} @ {E}x{H}", lambda: d.router_matvec(xnxt()[0], W, lg),
-              nbytes=(n * H + E * H + n * E) * 4 if decode else None, flops=flops, decode=decode, **peer)
+              nbytes=traffic.router_matvec(n, H, E) if decode else None, flops=flops, decode=decode, **peer)
         b.row("router_rms_norm_matvec" + gemm, f"{n}x{H} @ {E}x{H}",
               lambda: d.router_rms_norm_matvec(xnxt()[0], wn, W, lg),
-              nbytes=(n * H + E * H + n * E + H) * 4 if decode else None, flops=flops, decode=decode,
+              nbytes=traffic.router_matvec(n, H, E, norm=True) if decode else None, flops=flops, decode=decode,
               peer="chain rms_norm+router_matvec",
               peer_fn=lambda: (lambda s: (d.rms_norm(s[0], wn, s[1]), d.router_matvec(s[1], W, lg)))(xnxt()),
               peer_is_torch=False)
@@ -348,7 +348,7 @@ def bench_shared_expert(b: Bench):
             cur["i"] += 1
             return s
         b.row("shared_expert_accumulate", f"{n}x{H}", lambda: (lambda s: d.shared_expert_accumulate(s[0], s[1], s[2]))(nxt()),
-              nbytes=3 * nb + n * 4, decode=decode, peer="torch h += sigmoid(g)*s",
+              nbytes=traffic.rows("shared_expert_accumulate", n, H), decode=decode, peer="torch h += sigmoid(g)*s",
               peer_fn=lambda: (lambda s: s[0].add_(torch.sigmoid(s[2])[:, None] * s[1]))(tnext()))
 
 
@@ -361,7 +361,7 @@ def bench_ssm(b: Bench):
         sets, nxt = b.sets(2 * nb, lambda i: (b.randn(n, C), cupy.empty((n, C), cupy.float32)))
         state, w = b.randn(K - 1, C), b.randn(C, K)
         b.row("conv1d_silu (K=4)", f"{n}x{C}", lambda: (lambda s: d.conv1d_silu(s[0], state, w, s[1]))(nxt()),
-              nbytes=2 * nb + 2 * state.nbytes + w.nbytes, decode=decode)
+              nbytes=traffic.conv1d_silu(n, C, state.nbytes, w.nbytes), decode=decode)
         n_tok = n if decode else (256 if b.quick else 1024)
         q = b.randn(n_tok, n_qk, dk) * (dk ** -0.5)
         kk = b.randn(n_tok, n_qk, dk) * (dk ** -0.5)
@@ -370,7 +370,7 @@ def bench_ssm(b: Bench):
         beta = cupy.abs(b.randn(n_tok, n_v)) * 0.3
         S = b.randn(n_v, dk, dv) * 0.1
         o = cupy.empty((n_tok, n_v, dv), cupy.float32)
-        nbytes = 2 * S.nbytes + q.nbytes + kk.nbytes + v.nbytes + o.nbytes
+        nbytes = traffic.deltanet(S.nbytes, q.nbytes, kk.nbytes, v.nbytes, o.nbytes)
         b.row("deltanet_tiled", f"{n_tok} tok {n_v}x{dk}x{dv}", lambda: d.deltanet(q, kk, v, g, beta, S, o, tiled=True),
               nbytes=nbytes, decode=decode, peer="deltanet (baseline)",
               peer_fn=lambda: d.deltanet(q, kk, v, g, beta, S, o, tiled=False), peer_is_torch=False)

@@ -32,6 +32,7 @@ import sys
 
 import cupy
 
+from cukern import traffic
 from cukern.benchmark import (Ceilings, Row, measure_ceilings, measure_gemm_tflops, medians_in_turns, rotating,
                               script_main, time_graph_us, time_stream_us)
 from cukern.dmmv import QTYPES, DmmvDispatch, QWeight
@@ -92,7 +93,7 @@ def bench(quick: bool = False) -> tuple[list, Ceilings]:
                 d = cupy.empty((n, m), cupy.float32)
                 d16 = cupy.empty((n, m), cupy.float16)
                 _, nxt = rotating(n_sets, lambda i: weights[i])
-                flops = 2.0 * m * n * k
+                flops = traffic.gemm_flops(m, n, k)
                 guess = flops / 150e12 * 1e6 + 5  # us, to choose event or graph timing
                 timer = _timer(guess)
                 # cukern's GEMMs and the first peer in turns (medians of _ROUNDS from N = 512, where the ratio
@@ -142,9 +143,10 @@ def bench(quick: bool = False) -> tuple[list, Ceilings]:
         for n in [64, 512]:
             b16 = rng.standard_normal((n, k), dtype=cupy.float32).astype(cupy.float16)
             d = cupy.empty((n, m), cupy.float32)
-            us = _timer(4 * m * n * k / 150e12 * 1e6)(lambda: mm.gemm_glu(wg, wu, b16, d))
-            two = _timer(4 * m * n * k / 150e12 * 1e6)(lambda: (mm.gemm(wg, b16, d), mm.gemm(wu, b16, d)))
-            tf = 4.0 * m * n * k / (us * 1e-6) / 1e12
+            flops = traffic.gemm_flops(m, n, k, glu=True)
+            us = _timer(flops / 150e12 * 1e6)(lambda: mm.gemm_glu(wg, wu, b16, d))
+            two = _timer(flops / 150e12 * 1e6)(lambda: (mm.gemm(wg, b16, d), mm.gemm(wu, b16, d)))
+            tf = flops / (us * 1e-6) / 1e12
             rows.append(Row("matmul", f"gemm_glu {name}", f"2x{m}x{k} N={n}", us, tflops=tf,
                             pct_ceiling=tf / ceil.gemm_tflops, peer="2 x gemm_f16 (no act)", peer_us=two))
             if pg is not None and n >= mm.WG_MIN_N:  # both matrices packed once at load (pack_glu)
@@ -153,16 +155,16 @@ def bench(quick: bool = False) -> tuple[list, Ceilings]:
                     "packed": lambda: time_stream_us(lambda: mm.gemm_glu(pg, None, b16, d)),
                     "deq": lambda: time_stream_us(lambda: [(mm.dequantize(w, dense), cupy.matmul(b16, dense.T, out=d16))
                                                            for w in (wg, wu)])}, _ROUNDS)
-                tfp = 4.0 * m * n * k / (med["packed"] * 1e-6) / 1e12
+                tfp = flops / (med["packed"] * 1e-6) / 1e12
                 rows.append(Row("matmul", f"gemm_glu packed {name}", f"2x{m}x{k} N={n}", med["packed"], tflops=tfp,
                                 pct_ceiling=tfp / ceil.gemm_tflops, peer="2 x deq+cuBLAS (no act)",
                                 peer_us=med["deq"]))
             b32 = b16.astype(cupy.float32)
             qa = cupy.empty((n, k // 32 * 36), cupy.uint8)
             hq = cupy.empty((n, m // 32 * 36), cupy.uint8)
-            us8 = _timer(4 * m * n * k / 150e12 * 1e6)(
+            us8 = _timer(flops / 150e12 * 1e6)(
                 lambda: (mm.quantize_q8_1(b32, qa), mm.gemm_q8_glu(wg, wu, qa, hq, out_format="q8_1")))
-            tf8 = 4.0 * m * n * k / (us8 * 1e-6) / 1e12
+            tf8 = flops / (us8 * 1e-6) / 1e12
             rows.append(Row("matmul", f"quantize+gemm_q8_glu->q8_1 {name}", f"2x{m}x{k} N={n}", us8, tflops=tf8,
                             pct_ceiling=tf8 / ceil.gemm_tflops, peer="gemm_glu (f16)", peer_us=us))
         wg = wu = pg = dense = None

@@ -14,6 +14,7 @@ import sys
 import cupy
 import numpy as np
 
+from cukern import traffic
 from cukern.benchmark import Row, measure_ceilings, rotating, script_main, time_graph_us, time_torch_graph_us
 from cukern.tokens import SamplePlan, TokensDispatch
 
@@ -63,12 +64,12 @@ def bench(quick: bool = False) -> tuple[list, object]:
         out = cupy.empty((n, d_model), cupy.float32)
         t_ids = torch.from_dlpack(ids).long() if torch is not None else None
         row("embed Q8_0", f"{n} x {d_model}", lambda: d.embed(table, _Q8_0, d_model, ids, out, scale=25.3),
-            n * (row_bytes + 4 * d_model), "F.embedding f32 * scale",
+            traffic.embed(n, row_bytes, d_model), "F.embedding f32 * scale",
             (lambda: torch.nn.functional.embedding(t_ids, t_table) * 25.3) if torch is not None else None)
 
     # ---- sampling over a 262144-token vocabulary
     for batch in ((1,) if quick else (1, 8)):
-        nbytes = batch * vocab * 4
+        nbytes = traffic.sample(batch, vocab)
         sets, nxt = _sets(nbytes, lambda i: rng.standard_normal((batch, vocab), dtype=cupy.float32) * 3)
         greedy, nucleus = SamplePlan(batch, vocab, sampling=False), SamplePlan(batch, vocab, sampling=True)
         t_sets = [torch.from_dlpack(s) for s in sets] if torch is not None else None

@@ -16,6 +16,9 @@ import pytest
 cupy = pytest.importorskip("cupy")
 
 from cukern import dmmv as D  # noqa: E402
+from cukern.dmmv import dense as DENSE  # noqa: E402 (kernel names of the f32 path)
+from cukern.dmmv import q8 as Q8  # noqa: E402 (the int8 path's kernel names, shared memory, blocks)
+from cukern.dmmv.weights import _q8x_col_bytes  # noqa: E402
 from cukern.dispatch import Unit  # noqa: E402
 from cukern.dmmv import DeviceError, DmmvDispatch, QWeight  # noqa: E402
 from cukern.reference import dmmv as ref  # noqa: E402
@@ -95,14 +98,14 @@ def test_families_declared():
     names = {k.name for f in D.FAMILIES.values() for k in f.kernels}
     for q in TYPES:
         for n in (1, 2, 4, 8):
-            assert D._kernel(q, n) in names and f"dmmv_glu<{q}, {n}>" in names
+            assert DENSE._kernel(q, n) in names and f"dmmv_glu<{q}, {n}>" in names
         assert f"moe_down<{q}>" in names and f"dequantize<{q}>" in names
     for q in D.Q8_TYPES:
-        assert D._q8_moe_glu_kernel(q) in names and D._q8_down_kernel(q) in names
+        assert Q8._q8_moe_glu_kernel(q) in names and Q8._q8_down_kernel(q) in names
     for q in D.Q8_TYPES:
-        assert D._q8_kernel(q, None) in names and all(D._q8_kernel(q, n) in names for n in (1, 2, 4, 8))
-        assert all(D._q8_kernel(q, n, pq=True) in names for n in (1, 2, 4, 8))
-        assert all(D._q8_two_kernel(q, n, g) in names for n in (1, 2, 4, 8) for g in (False, True))
+        assert Q8._q8_kernel(q, None) in names and all(Q8._q8_kernel(q, n) in names for n in (1, 2, 4, 8))
+        assert all(Q8._q8_kernel(q, n, pq=True) in names for n in (1, 2, 4, 8))
+        assert all(Q8._q8_two_kernel(q, n, g) in names for n in (1, 2, 4, 8) for g in (False, True))
     assert {"quantize_x<false>", "quantize_x<true>"} <= names
     assert {f"quantize_glu<{il}, {a}>" for il in ("false", "true") for a in (0, 1)} <= names
 
@@ -114,7 +117,7 @@ def test_decode_quantized_x_layout(rng, interleaved):
     16...31; interleaved: byte 2j = element j, 2j + 1 = element 16 + j), then (f32 d, int16 sums)."""
     n, k = 3, 96
     q, d = ref.quantize_q8_blocks(_x(rng, n, k))
-    buf = np.full((n, D._q8x_col_bytes(k)), 0xEE, np.uint8)
+    buf = np.full((n, _q8x_col_bytes(k)), 0xEE, np.uint8)
     for c in range(n):
         for e in range(k):
             blk, j = divmod(e, 32)
@@ -128,7 +131,7 @@ def test_decode_quantized_x_layout(rng, interleaved):
     np.testing.assert_array_equal(got_q, q)
     np.testing.assert_array_equal(got_d, d)
     np.testing.assert_array_equal(sums, q.reshape(n, -1, 2, 16).astype(np.int64).sum(-1))
-    assert D._q8x_col_bytes(k) == 128 and D._q8x_col_bytes(64) == 80  # 16-byte rounded k + k / 4
+    assert _q8x_col_bytes(k) == 128 and _q8x_col_bytes(64) == 80  # 16-byte rounded k + k / 4
 
 
 def test_prequantized_host_path(monkeypatch):
@@ -143,7 +146,7 @@ def test_prequantized_host_path(monkeypatch):
         w = QWeight(host_array((5 * D.row_bytes(q, k),), np.uint8, 0), q, 5, k)
         x, y = host_array((11, k)), host_array((11, 5))
         qx = D.QuantizedX.empty((11, k), q)
-        assert qx.interleaved == (name == "MXFP4") and qx.buf.shape == (11, D._q8x_col_bytes(k))
+        assert qx.interleaved == (name == "MXFP4") and qx.buf.shape == (11, _q8x_col_bytes(k))
         launches.clear()
         d.quantize_x(x, qx)
         d.quantize_glu(x, x, qx, act="geglu")
@@ -152,7 +155,7 @@ def test_prequantized_host_path(monkeypatch):
         il = "true" if qx.interleaved else "false"
         want = {f"quantize_x<{il}>": 1, f"quantize_glu<{il}, 1>": 1}
         for n in (8, 2, 1):
-            want[D._q8_kernel(q, n, pq=True)] = want[D._q8_kernel(q, n)] = 1
+            want[Q8._q8_kernel(q, n, pq=True)] = want[Q8._q8_kernel(q, n)] = 1
         assert dict(launches) == want
 
 
@@ -174,7 +177,7 @@ def test_two_matrix_int8_host_path(monkeypatch):
     w2 = QWeight(host_array((1024 * D.row_bytes(q, k),), np.uint8, 0), q, 1024, k)
     x = host_array((11, k))
     d.dmmv_pair(w1, w2, x, host_array((11, 14336)), host_array((11, 1024)))
-    assert [c[0] for c in calls] == [D._q8_two_kernel(q, n, False) for n in (8, 2, 1)]
+    assert [c[0] for c in calls] == [Q8._q8_two_kernel(q, n, False) for n in (8, 2, 1)]
     for kernel, grid, smem, args in calls:
         _, plan_smem, resident = d._resident[("dmmv_two", kernel, k)]
         p = args[-1]
@@ -183,18 +186,18 @@ def test_two_matrix_int8_host_path(monkeypatch):
         assert max(-(-14336 // b1), -(-1024 // (blocks - b1))) <= -(-15360 // resident) + 1  # balanced
     calls.clear()
     d.dmmv_glu(w1, w1, x, host_array((11, 14336)), act="geglu", accumulate=True)
-    assert [c[0] for c in calls] == [D._q8_two_kernel(q, n, True) for n in (8, 2, 1)]
+    assert [c[0] for c in calls] == [Q8._q8_two_kernel(q, n, True) for n in (8, 2, 1)]
     for kernel, grid, smem, args in calls:
         nc = int(kernel.split(", ")[1])
         nw, plan_smem, resident = d._resident[("dmmv_two", kernel, k, 14336, 1)]
-        assert grid[0] == D._q8_blocks(14336, resident) and int(args[-1]["mode"]) == 1
-        assert smem == plan_smem >= D._q8_smem(q, nw, nc, k) + 8 * nc * -(-14336 // resident)
+        assert grid[0] == Q8._q8_blocks(14336, resident) and int(args[-1]["mode"]) == 1
+        assert smem == plan_smem >= Q8._q8_smem(q, nw, nc, k) + 8 * nc * -(-14336 // resident)
         assert smem <= d.max_shared_optin()
     calls.clear()
     d32 = DmmvDispatch(int8=False)
     d32.dmmv_glu(w1, w1, x[:1], host_array((1, 14336)))
     d32.dmmv_pair(w1, w2, x[:1], host_array((1, 14336)), host_array((1, 1024)))
-    assert [c[0] for c in calls] == [f"dmmv_glu<{q}, 1>", D._kernel(q, 1)]
+    assert [c[0] for c in calls] == [f"dmmv_glu<{q}, 1>", DENSE._kernel(q, 1)]
 
 
 def test_quantize_q8_reference():
@@ -580,10 +583,10 @@ def test_q8_two_rows_split_between_warps(d, rng, q):
     wu, du = _weight(q, 7, k, rng)
     x = _x(rng, 2, k)
     for nc, nw, resident in ((1, 8, 1), (2, 4, 3), (1, 2, 2)):
-        kern = D._q8_two_kernel(q, nc, True)
+        kern = Q8._q8_two_kernel(q, nc, True)
         key = ("dmmv_two", kern, k, 7, 1)
         saved = d._resident.get(key)
-        smem = D._q8_smem(q, nw, nc, k) + (8 * nc * -(-7 // resident) + 15) // 16 * 16
+        smem = Q8._q8_smem(q, nw, nc, k) + (8 * nc * -(-7 // resident) + 15) // 16 * 16
         d._resident[key] = (nw, smem, resident)
         d._two._function(kern, smem)
         try:
@@ -592,11 +595,11 @@ def test_q8_two_rows_split_between_warps(d, rng, q):
             _check(y, ref.glu(dg, du, _xhat(q, x[:nc]), "swiglu"), f"{NAMES[q]} glu nw={nw} blocks={resident}")
         finally:
             d._resident.pop(key) if saved is None else d._resident.__setitem__(key, saved)
-        kern = D._q8_two_kernel(q, nc, False)
+        kern = Q8._q8_two_kernel(q, nc, False)
         key = ("dmmv_two", kern, k)
         saved = d._resident.get(key)
-        d._resident[key] = (nw, D._q8_smem(q, nw, nc, k), max(2, resident))
-        d._two._function(kern, D._q8_smem(q, nw, nc, k))
+        d._resident[key] = (nw, Q8._q8_smem(q, nw, nc, k), max(2, resident))
+        d._two._function(kern, Q8._q8_smem(q, nw, nc, k))
         try:
             y1 = poison(cupy.empty((nc, 7), cupy.float32))
             y2 = poison(cupy.empty((nc, 7), cupy.float32))
@@ -616,9 +619,9 @@ def test_q8_rows_through_small_ring(d, rng, q):
     w, dense = _weight(q, m, k, rng, pad_front=D.QTYPES[q][3] * 5)
     x = _x(rng, 2, k)
     for nc in (1, 2):
-        key = ("dmmv", D._q8_kernel(q, nc), k)
+        key = ("dmmv", Q8._q8_kernel(q, nc), k)
         saved = d._resident.get(key)
-        d._resident[key] = (4, D._q8_smem(q, 4, nc, k), 1)  # 1 block of 4 warps: ~11 rows per warp
+        d._resident[key] = (4, Q8._q8_smem(q, 4, nc, k), 1)  # 1 block of 4 warps: ~11 rows per warp
         try:
             y = poison(cupy.empty((nc, m), cupy.float32))
             d.dmmv(w, cupy.asarray(x[:nc]), y)
@@ -628,9 +631,9 @@ def test_q8_rows_through_small_ring(d, rng, q):
     n_e, T, top_k = 3, 2, 2
     we, de = _weight(q, m, k, rng, n_experts=n_e)
     ids = _ids(rng, T, top_k, n_e)
-    key = ("dmmv_moe", D._q8_kernel(q, None), k)
+    key = ("dmmv_moe", Q8._q8_kernel(q, None), k)
     saved = d._resident.get(key)
-    d._resident[key] = (2, D._q8_smem(q, 2, 1, k), 4)  # 1 block of 2 warps per slot
+    d._resident[key] = (2, Q8._q8_smem(q, 2, 1, k), 4)  # 1 block of 2 warps per slot
     try:
         y = poison(cupy.empty((T, top_k, m), cupy.float32))
         d.moe_dmmv(we, cupy.asarray(x), cupy.asarray(ids), y)
@@ -651,9 +654,9 @@ def test_q8_rows_split_between_warps(d, rng, q):
         x = _x(rng, 2, kk)
         y0 = _x(rng, 2, m)
         for nc in (1, 2):
-            key = ("dmmv", D._q8_kernel(q, nc), kk)
+            key = ("dmmv", Q8._q8_kernel(q, nc), kk)
             saved = d._resident.get(key)
-            d._resident[key] = (nw, D._q8_smem(q, nw, nc, kk), blocks)
+            d._resident[key] = (nw, Q8._q8_smem(q, nw, nc, kk), blocks)
             try:
                 y = cupy.asarray(y0[:nc])
                 d.dmmv(w, cupy.asarray(x[:nc]), y, accumulate=True)
@@ -732,7 +735,7 @@ def test_mxfp4_long_k_l2_prefetch(rng, m, nw, blocks):
     assert dp._l2_items(w) == 1 and plain._l2_items(w) == 0
     ys = []
     for dd in (plain, dp):
-        dd._resident[("dmmv", D._q8_kernel(q, 1), k)] = (nw, D._q8_smem(q, nw, 1, k), blocks)
+        dd._resident[("dmmv", Q8._q8_kernel(q, 1), k)] = (nw, Q8._q8_smem(q, nw, 1, k), blocks)
         ys.append(poison(cupy.empty(m, cupy.float32)))
         dd.dmmv(w, x, ys[-1])
     assert bool((ys[1] == ys[0]).all()), "pdl with the L2 prefetch differs from the plain launch"

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from cukern.models.gguf_loader import GGUFError, _Reader, load_gguf, required_tensors
+from cukern.models.gguf_loader import GGUFError, load_gguf, required_tensors
+from cukern.models.gguf_parse import _Reader
 from cukern.models.tiny import TinySpec, write_tiny_gguf
 from cukern.models.tokenizer import StreamDecoder, Tokenizer, TokenizerError
 

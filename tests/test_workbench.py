@@ -456,3 +456,17 @@ def test_sigterm_interrupts_cleanly_inside_interruptible():
             for _ in range(1000):  # the handler runs between bytecodes
                 pass
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_traffic_formulas():
+    """The benchmarks' byte counts (cukern.traffic) on worked examples: a Q4_K matvec (the module's
+    docstring), a norm row, Q8_1 blocks, and a decode step's K/V stream."""
+    from cukern import traffic
+    q4k = 4096 * 14336 // 256 * 144
+    assert traffic.dmmv(q4k, 4096, 14336) == 33_103_872
+    assert traffic.dmmv(q4k, 4096, 14336, n=8) == q4k + 4 * 8 * (14336 + 4096)
+    assert traffic.rows("rms_norm", 1, 4096) == 2 * 4096 * 4 + 4096 * 4
+    assert traffic.quantize_q8_1(3, 64) == 3 * 64 * 4 + 3 * 2 * 36
+    assert traffic.attention_decode(1, 8192, 32, 8, 128) == 8192 * 8 * 128 * 2 * 2 + 2 * 32 * 128 * 4
+    with pytest.raises(KeyError):
+        traffic.rows("no_such_op", 1, 1)

@@ -117,7 +117,7 @@ class Tokenizer:
         """From a GGUF path, a ``gguf.GGUFReader`` or a :class:`cukern.models.GGUFModel`."""
         import gguf
 
-        from cukern.models.gguf_loader import GGUFError, _Reader, read_key
+        from cukern.models.gguf_parse import GGUFError, _Reader, read_key
         path = getattr(source, "path", source)
         try:
             reader = getattr(source, "reader", None) or (source if isinstance(source, gguf.GGUFReader)

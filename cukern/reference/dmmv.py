@@ -1,4 +1,4 @@
-"""Float64 references for the dmmv family (cukern/dmmv.py), and random valid GGUF weights.
+"""Float64 references for the dmmv family (cukern/dmmv/), and random valid GGUF weights.
 
 The ``gguf`` package's NumPy dequantization is the reference of record for every block format:
 :func:`dequantize` calls it and widens to float64. :func:`random_weight` builds random *valid*
