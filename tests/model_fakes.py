@@ -14,6 +14,7 @@ import types
 
 import numpy as np
 
+import cukern.models.layers as L
 import cukern.models.transformer as T
 from cukern.reference import dmmv as D_REF
 from cukern.reference import models as R
@@ -342,6 +343,6 @@ def fake_transformer(model, monkeypatch, *, max_seqs, max_tokens, page_size, pre
     t._dec = None
     t._chunks, t._stream = {}, None
     monkeypatch.setattr(T, "check_array", lambda name, a, **kw: a)
-    monkeypatch.setattr(T, "NormedX", NormedX)
+    monkeypatch.setattr(L, "NormedX", NormedX)
     monkeypatch.setattr(T, "_address", lambda a: a.ctypes.data)
     return t

@@ -43,13 +43,11 @@ import numpy as np
 
 from cukern.attention import PREFILL_HEAD_DIMS, AttentionDispatch, PagedKVCache
 from cukern.dispatch import bounded_put, check_array, check_int
-import dataclasses
-
-from cukern.dmmv import THREE_TYPES, DmmvDispatch, NormedX, QWeight
+from cukern.dmmv import DmmvDispatch, QWeight
 from cukern.elementwise import ROPE_VEC_HEAD_DIMS, ElementwiseDispatch
-from cukern.matmul import GEMM_QTYPES, MatmulDispatch, PackedWeight
+from cukern.matmul import GEMM_QTYPES, MatmulDispatch
 from cukern.models.gguf_loader import GGUFModel, ModelConfig, load_gguf
-from cukern.profiler import nvtx_range
+from cukern.models.layers import Layers
 from cukern.streams import capture_graph, resolve_stream
 from cukern.tokens import MAX_TOP_K, SamplePlan, TokensDispatch, check_sampling
 
@@ -183,7 +181,7 @@ class _Chunk:
             lm.mm.dmmv(lm._head(1), buf.h[n - 1:n], logits_out.reshape(1, -1), stream=stream)
 
 
-class Transformer:
+class Transformer(Layers):
     """A GGUF model on the GPU. ``Transformer.load(path)`` parses, validates and uploads it.
 
     ``max_seqs`` sequences of up to ``max_tokens`` tokens each share a page pool of
@@ -267,185 +265,6 @@ class Transformer:
         m = load_gguf(path)
         m.upload(progress=progress)
         return cls(m, **kwargs)
-
-    # ------------------------------------------------------------------ one layer
-    def _gemm_ok(self, w: QWeight, n: int) -> bool:
-        return n > MatmulDispatch.MATVEC_MAX_N and w.qtype in GEMM_QTYPES
-
-    def _pack(self, L: _Layer) -> None:
-        """pack_prefill: L's packable projections (MatmulDispatch.packable), the gate and up as one pair where
-        alike, else each where it packs."""
-        glu = L.gate_up_alike and self.gemm.packable(L.wg)
-        if glu:
-            L.packed["glu"] = self.gemm.pack_glu(L.wg, L.wu)
-        for name in ("wq", "wk", "wv", "wo", "wd") + (() if glu else ("wg", "wu")):
-            if self.gemm.packable(getattr(L, name)):
-                L.packed[name] = self.gemm.pack(getattr(L, name))
-
-    def _pad(self, L: _Layer) -> None:
-        """L's projections whose GGUF rows are not 16-byte multiples (k = 640 in Q5_0 or Q8_0), copied once
-        with rows padded to 16 bytes (MatmulDispatch.pad_rows) for the prompt GEMMs, which copy such rows
-        16 bytes at a time instead of 2; the matvecs keep reading the GGUF bytes."""
-        for name in ("wq", "wk", "wv", "wo", "wg", "wu", "wd"):
-            w = getattr(L, name)
-            if w.qtype in GEMM_QTYPES and w.row_bytes % 16:
-                L.padded[name] = self.gemm.pad_rows(w)
-
-    def _gemm_copy(self, L: _Layer, name: str, n: int) -> PackedWeight | QWeight | None:
-        """L's copy of a projection made for the prompt GEMMs that serves a chunk of n rows: the packed one
-        (pack_prefill, from WG_MIN_N rows), else the padded one (past the matvec's MATVEC_MAX_N), else None."""
-        p = L.packed.get(name)
-        if p is not None and n >= self.gemm.WG_MIN_N:
-            return p
-        return L.padded.get(name) if n > MatmulDispatch.MATVEC_MAX_N else None
-
-    def _matmul(self, w: QWeight, x, y, stream, copy: PackedWeight | QWeight | None = None):
-        """y = x W^T for n = x.shape[0] rows: the tiled GEMM for a prompt chunk (on ``copy``, W's packed or
-        padded copy, where given), the matvec otherwise."""
-        if copy is not None:
-            self.gemm.gemm(copy, x, y, stream=stream)
-        elif self._gemm_ok(w, x.shape[0]):
-            self.gemm.gemm(w, x, y, stream=stream)
-        else:
-            self.mm.dmmv(w, x, y, stream=stream)
-
-    def _window(self, i: int) -> int:
-        c = self.cfg
-        return c.sliding_window - 1 if c.local_layers[i] and c.sliding_window else -1
-
-    def _project(self, L: _Layer, buf: _Buffers, rows: slice, stream):
-        h, q, k, v = buf.h[rows], buf.q[rows], buf.k[rows], buf.v[rows]
-        n = h.shape[0]
-        if L.wq.qtype == L.wk.qtype and not self._gemm_ok(L.wq, n):
-            self.mm.dmmv_pair(L.wq, L.wk, h, q, k, stream=stream)
-        else:
-            self._matmul(L.wq, h, q, stream, self._gemm_copy(L, "wq", n))
-            self._matmul(L.wk, h, k, stream, self._gemm_copy(L, "wk", n))
-        self._matmul(L.wv, h, v, stream, self._gemm_copy(L, "wv", n))
-        self._biases(L, q, k, v, stream)
-
-    def _mlp(self, L: _Layer, buf: _Buffers, rows: slice, stream):
-        c = self.cfg
-        h, gate, up = buf.h[rows], buf.gate[rows], buf.up[rows]
-        act = "geglu" if c.activation == "gelu_tanh" else "swiglu"
-        n = h.shape[0]
-        if self._gemm_copy(L, "glu", n) is not None:
-            self.gemm.gemm_glu(L.packed["glu"], None, h, gate, act=act, stream=stream)
-        elif L.gate_up_alike:
-            if self._gemm_ok(L.wg, n):
-                self.gemm.gemm_glu(L.padded.get("wg", L.wg), L.padded.get("wu", L.wu), h, gate, act=act,
-                                   stream=stream)
-            else:
-                self.mm.dmmv_glu(L.wg, L.wu, h, gate, act=act, stream=stream)
-        else:
-            self._matmul(L.wg, h, gate, stream, self._gemm_copy(L, "wg", n))
-            self._matmul(L.wu, h, up, stream, self._gemm_copy(L, "wu", n))
-            (self.ew.geglu if act == "geglu" else self.ew.swiglu)(gate, up, gate, stream=stream)
-        self._matmul(L.wd, gate, buf.proj[rows], stream, self._gemm_copy(L, "wd", n))
-
-    def _residual(self, proj, x, post_norm, next_norm, h, stream):
-        """x += [post_norm](proj); h = next_norm(x)."""
-        eps = self.cfg.rms_eps
-        if post_norm is not None:
-            self.ew.post_norm_residual_rms_norm(proj, x, post_norm, next_norm, h, eps=eps, stream=stream)
-        else:
-            self.ew.residual_rms_norm(proj, x, next_norm, h, eps=eps, stream=stream)
-
-    def _normed_path(self, n: int) -> bool:
-        """Whether n rows run the layers on the matvecs' normed inputs (NormedX: each residual add and
-        norm folded into the matvecs that read it, two launches a layer fewer): one row on the f32
-        matvec path. Batches keep the norm kernels: every block of a NormedX matvec makes its columns'
-        inputs one after the other (H200, Gemma 3 270M: b1 713 against 774 us a step, b8 1,503
-        against 981; docs/notes/models.md)."""
-        return n == 1 and not self.mm.int8
-
-    def _head(self, n: int):
-        """The LM head's weights for n rows: the split Q8_0 copy for one (H200, Gemma 3's 262144 x 640:
-        72 against 159 us), the GGUF blocks for more (eight columns: 270 against 508 us)."""
-        return self.head_mv if n == 1 else self.head
-
-    def _project_normed(self, L: _Layer, buf: _Buffers, rows: slice, x_in: NormedX, stream):
-        """q, k, v from a NormedX: the first launch writes its residual_out, the others only read."""
-        q, k, v = buf.q[rows], buf.k[rows], buf.v[rows]
-        if L.wq.qtype == L.wk.qtype and (L.wq.qtype, L.wv.qtype) in THREE_TYPES:
-            self.mm.dmmv_three(L.wq, L.wk, L.wv, x_in, q, k, v, stream=stream)
-            return self._biases(L, q, k, v, stream)
-        rest = dataclasses.replace(x_in, residual_out=None) if x_in.residual_out is not None else x_in
-        if L.wq.qtype == L.wk.qtype:
-            self.mm.dmmv_pair(L.wq, L.wk, x_in, q, k, stream=stream)
-        else:
-            self.mm.dmmv(L.wq, x_in, q, stream=stream)
-            self.mm.dmmv(L.wk, rest, k, stream=stream)
-        self.mm.dmmv(L.wv, rest, v, stream=stream)
-        self._biases(L, q, k, v, stream)
-
-    def _biases(self, L: _Layer, q, k, v, stream):
-        if L.bq is not None:
-            for y, bias in ((q, L.bq), (k, L.bk), (v, L.bv)):
-                self.ew.bias_add(y, bias, y, stream=stream)
-
-    def _mlp_normed(self, L: _Layer, buf: _Buffers, rows: slice, x_in: NormedX, stream):
-        c = self.cfg
-        gate, up = buf.gate[rows], buf.up[rows]
-        act = "geglu" if c.activation == "gelu_tanh" else "swiglu"
-        if L.gate_up_alike:
-            self.mm.dmmv_glu(L.wg, L.wu, x_in, gate, act=act, stream=stream)
-        else:
-            self.mm.dmmv(L.wg, x_in, gate, stream=stream)
-            self.mm.dmmv(L.wu, dataclasses.replace(x_in, residual_out=None), up, stream=stream)
-            (self.ew.geglu if act == "geglu" else self.ew.swiglu)(gate, up, gate, stream=stream)
-        self.mm.dmmv(L.wd, gate, buf.proj[rows], stream=stream)
-
-    def _layers(self, buf: _Buffers, rows: slice, attend, positions, seq_ids, pos_mode: str, stream):
-        """Every layer over buf rows ``rows`` (the embedded tokens in buf.x); ``attend(i, q_rot, o)`` runs
-        attention of layer i. Leaves the final-normed hidden state in buf.h.
-
-        On the normed path (:meth:`_normed_path`) the residual stream alternates between buf.x and buf.x2:
-        the matvecs after each sub-layer read the residual, the sub-layer's output and the norms
-        (NormedX) and the first of them writes the new residual into the other buffer."""
-        c = self.cfg
-        n = rows.stop - rows.start
-        normed = self._normed_path(n)
-        xs, cur = (buf.x[rows], buf.x2[rows]), 0
-        x_in = NormedX(xs[0], self.layers[0].attn_norm, eps=c.rms_eps) if normed else None
-        if not normed:
-            self.ew.rms_norm(buf.x[rows], self.layers[0].attn_norm, buf.h[rows], eps=c.rms_eps, stream=stream)
-        for i, L in enumerate(self.layers):
-            with nvtx_range(f"layer {i}"):  # per-layer ranges under nsys (CUKERN_NVTX=1); free otherwise
-                if normed:
-                    self._project_normed(L, buf, rows, x_in, stream)
-                    cur = cur if x_in.residual_out is None else 1 - cur
-                else:
-                    self._project(L, buf, rows, stream)
-                local = c.local_layers[i]
-                base = c.rope_base_local if local else c.rope_base
-                self.ew.qk_norm_rope_kv_write(
-                    buf.q[rows].reshape(n, c.n_heads, c.head_dim), buf.k[rows].reshape(n, c.n_kv_heads, c.head_dim),
-                    buf.v[rows].reshape(n, c.n_kv_heads, c.head_dim), L.q_norm, L.k_norm, buf.q_rot[rows],
-                    self.cache.k_pools[i], self.cache.v_pools[i], self.cache.page_table, positions, seq_ids,
-                    eps=c.rms_eps, neox=c.rope_neox, freq_base=base, freqs=self.rope_freqs[local], pos_mode=pos_mode,
-                    stream=stream)
-                attend(i, buf.q_rot[rows], buf.o[rows])
-                self._matmul(L.wo, buf.o[rows].reshape(n, c.q_dim), buf.proj[rows], stream,
-                             self._gemm_copy(L, "wo", n))
-                nxt = self.layers[i + 1].attn_norm if i + 1 < c.n_layers else self.output_norm
-                if not normed:
-                    self._residual(buf.proj[rows], buf.x[rows], L.post_attn_norm, L.ffn_norm, buf.h[rows], stream)
-                    self._mlp(L, buf, rows, stream)
-                    self._residual(buf.proj[rows], buf.x[rows], L.post_ffn_norm, nxt, buf.h[rows], stream)
-                    continue
-                x_in = NormedX(xs[cur], L.ffn_norm, buf.proj[rows], L.post_attn_norm, xs[1 - cur], eps=c.rms_eps)
-                cur = 1 - cur
-                self._mlp_normed(L, buf, rows, x_in, stream)
-                if i + 1 < c.n_layers:
-                    x_in = NormedX(xs[cur], nxt, buf.proj[rows], L.post_ffn_norm, xs[1 - cur], eps=c.rms_eps)
-                else:  # the LM head's input: the last residual add and the output norm, in place
-                    self._residual(buf.proj[rows], xs[cur], L.post_ffn_norm, nxt, buf.h[rows], stream)
-
-    def _embed(self, ids: cupy.ndarray, buf: _Buffers, rows: slice, stream):
-        c = self.cfg
-        self.tok.embed(self.embed_table, self.embed_qtype, c.d_model, ids, buf.x[rows], scale=c.embed_scale,
-                       stream=stream)
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, tokens, slot: int, logits_out: cupy.ndarray, *, stream=None) -> cupy.ndarray:
