@@ -270,8 +270,7 @@ def test_tokenizer_matches_hf_tokenizers_on_real_model():
     and every string decodes back to itself.
 
     transformers' own GGUF tokenizer is no reference here: for Gemma 3 it under-merges ("The capital
-    of France is" -> 10 pieces instead of 5; 272 of these 300 strings differ with transformers 4.57.6,
-    all 300 with 5.17.0, on an H100 machine, 2026-11-22)."""
+    of France is" -> 10 pieces instead of 5; most of these 300 strings differ: docs/notes/models.md)."""
     tk = pytest.importorskip("tokenizers", reason="the comparison needs Hugging Face tokenizers")
     m = load_gguf(real_model_path())
     tok = Tokenizer.from_gguf(m)
