@@ -14,6 +14,7 @@ import types
 
 import numpy as np
 
+import cukern.dmmv
 import cukern.models.layers as L
 import cukern.models.transformer as T
 from cukern.reference import dmmv as D_REF
@@ -207,16 +208,10 @@ class Attention:
                                        _window(window_left))
 
 
-@dataclasses.dataclass(frozen=True)
-class NormedX:
-    """cukern.dmmv.NormedX's fields, unchecked (the fakes' arrays are NumPy)."""
-    residual: np.ndarray
-    w: np.ndarray
-    proj: np.ndarray | None = None
-    w_post: np.ndarray | None = None
-    residual_out: np.ndarray | None = None
-    eps: float = 1e-6
-    weight_offset: float = 0.0
+# cukern.dmmv.NormedX's fields, unchecked (the fakes' arrays are NumPy)
+NormedX = dataclasses.make_dataclass(
+    "NormedX", [(f.name, f.type) if f.default is dataclasses.MISSING else (f.name, f.type, f.default)
+                for f in dataclasses.fields(cukern.dmmv.NormedX)], frozen=True)
 
 
 def _input(x):
