@@ -20,6 +20,7 @@ into CUDA graphs.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import os
 import threading
@@ -238,7 +239,8 @@ class _NotKeyable(Exception):
 
 def _arg_key(v):
     """A hashable value that is equal for two arguments exactly when a repeatable method's checks and
-    launches come out the same for both; _NotKeyable for a type it does not know."""
+    launches come out the same for both (a frozen dataclass by its fields); _NotKeyable for a type it
+    does not know."""
     t = type(v)
     if t is cupy.ndarray or isinstance(v, cupy.ndarray):
         return (t, v.data.ptr, v.shape, v.strides, v.dtype.char)
@@ -250,7 +252,15 @@ def _arg_key(v):
         return (t, v.tobytes())
     if t in (tuple, list):
         return (t, tuple(_arg_key(x) for x in v))
+    names = _FROZEN.get(t)
+    if names is None and dataclasses.is_dataclass(t) and t.__dataclass_params__.frozen:
+        names = _FROZEN[t] = tuple(f.name for f in dataclasses.fields(t))
+    if names is not None:  # a frozen dataclass (QWeight, NormedX, ...): by its fields
+        return (t, *[_arg_key(getattr(v, n)) for n in names])
     raise _NotKeyable(t)
+
+
+_FROZEN: dict = {}  # frozen dataclass type -> its field names
 
 
 class _Replay:
@@ -302,7 +312,8 @@ def _pick(where, args: tuple, kwargs: dict):
 
 def repeatable(method):
     """Mark a dispatch method whose checks and launches depend on nothing but its arguments and the
-    dispatch's ``pdl`` (no host state, no allocation): a call whose arguments equal an earlier
+    dispatch's settings (``Dispatch._repeat_state``: its ``pdl``; no other host state, no allocation
+    the launches keep pointing to after the call): a call whose arguments equal an earlier
     successful call's (:func:`_arg_key`) issues that call's launches again on the given stream and
     returns the same argument. Arguments of other types make the call go through in full."""
 
@@ -312,8 +323,7 @@ def repeatable(method):
     def call(self, *args, **kwargs):
         stream = kwargs.pop("stream", None)
         try:  # keywords in the caller's order: another order is another key (a miss, never a wrong hit)
-            key = (name, getattr(self, "pdl", False), *map(_arg_key, args),
-                   *[(k, _arg_key(v)) for k, v in kwargs.items()])
+            key = (name, self._repeat_state(), *map(_arg_key, args), *[(k, _arg_key(v)) for k, v in kwargs.items()])
         except _NotKeyable:
             return method(self, *args, stream=stream, **kwargs)
         cache = self.__dict__.get("_repeats")
@@ -532,6 +542,10 @@ class Dispatch:
         else:
             with resolve_stream(stream):
                 Dispatch._call(*launch)
+
+    def _repeat_state(self):
+        """The settings a repeatable method's launches depend on besides its arguments."""
+        return getattr(self, "pdl", False)
 
     @staticmethod
     def _replay_pdl(replay: _Replay, i: int, stream) -> None:

@@ -346,6 +346,28 @@ def test_split_q8_0_reference_is_gguf_dequantization():
     np.testing.assert_array_equal(ref.split_dense(quants, scales), ref.dequantize(raw, 8, 7, 96))
 
 
+def test_repeated_matvec_calls_replay(host_if_no_gpu, monkeypatch):
+    """dmmv calls repeated with equal weights (QWeight and NormedX by their fields, so a new NormedX
+    over the same arrays is the same call) replay the first call's launches; a change of int8 or of a
+    weight's field runs the call in full."""
+    from cukern.dmmv import dense
+    bodies = []
+    real = dense.Dense._normed
+    monkeypatch.setattr(dense.Dense, "_normed", lambda self, *a, **k: (bodies.append(1), real(self, *a, **k))[1])
+    d = DmmvDispatch(pdl=True)
+    buf = cupy.zeros(22 * 2 * 8, cupy.uint8)
+    z = lambda *s: cupy.zeros(s, cupy.float32)  # noqa: E731
+    res, w_norm, y = z(64), z(64), z(8)
+    for _ in range(3):
+        assert d.dmmv(QWeight(buf, "Q5_0", 8, 64), D.NormedX(res, w_norm, eps=1e-6), y) is y
+    assert len(bodies) == 1
+    d.dmmv(QWeight(buf, "Q5_0", 4, 64), D.NormedX(res, w_norm, eps=1e-6), y[:4])   # another m
+    d.dmmv(QWeight(buf, "Q5_0", 8, 64), D.NormedX(res, w_norm, eps=1e-5), y)       # another eps
+    d.int8 = False
+    d.dmmv(QWeight(buf, "Q5_0", 8, 64), D.NormedX(res, w_norm, eps=1e-6), y)       # another int8
+    assert len(bodies) == 4
+
+
 def test_split_q8_0_rejects(host_if_no_gpu):
     d = DmmvDispatch()
     w = QWeight(cupy.zeros(22 * 2, cupy.uint8), "Q5_0", 1, 64)
@@ -697,12 +719,9 @@ def test_pdl_chain_matches_plain_launches(rng, q, monkeypatch):
     """DmmvDispatch(pdl=True): a chain of matvecs, each reading the previous one's output as x (the
     dependency pdl_wait must honour), eager and replayed from a CUDA graph, equals the same chain
     launched plainly bit for bit (the kernel is deterministic, so any race shows)."""
-    from cukern import dispatch
     if int(cupy.cuda.Device().compute_capability) < 90:
         pytest.skip("programmatic dependent launch needs sm_90")
-    pdl_launches = []
-    real = dispatch._launch_pdl
-    monkeypatch.setattr(dispatch, "_launch_pdl", lambda *a: (pdl_launches.append(a[0]), real(*a)))
+    pdl_launches = _count_pdl_launches(monkeypatch)
     n = 1536
     ws = [_weight(q, n, n, rng) for _ in range(6)]
     alphas = [float(np.sqrt(n) / np.linalg.norm(dense)) for _, dense in ws]  # keeps |x| about steady
@@ -740,6 +759,18 @@ def test_mxfp4_long_k_l2_prefetch(rng, m, nw, blocks):
         dd.dmmv(w, x, ys[-1])
     assert bool((ys[1] == ys[0]).all()), "pdl with the L2 prefetch differs from the plain launch"
     _check_q(ys[1], q, lambda v: ref.matvec(dense, v), cupy.asnumpy(x), name=f"MXFP4 {m}x{k} pdl")
+
+
+def _count_pdl_launches(monkeypatch) -> list:
+    """The kernel names of every pdl launch from here on: first calls (dispatch._launch_pdl) and the
+    replays of repeated ones (Dispatch._replay_pdl)."""
+    from cukern import dispatch
+    names = []
+    launch, replay = dispatch._launch_pdl, dispatch.Dispatch._replay_pdl
+    monkeypatch.setattr(dispatch, "_launch_pdl", lambda *a: (names.append(a[0]), launch(*a)))
+    monkeypatch.setattr(dispatch.Dispatch, "_replay_pdl", staticmethod(
+        lambda r, i, stream: (names.append(r.launches[i][0]), replay(r, i, stream))))
+    return names
 
 
 def _assert_pdl_chain_matches_plain(chain, steps: int, shape):
@@ -986,12 +1017,9 @@ def test_prequantized_pdl_chain_and_graph(rng, q, monkeypatch):
     """Under pdl, per step: quantize_x of the previous step's output (overwriting the QuantizedX the
     matvecs before it read), then two matvecs sharing it (store, then accumulate), two columns;
     eager and from a CUDA graph, equal to the plain launches bit for bit."""
-    from cukern import dispatch
     if int(cupy.cuda.Device().compute_capability) < 90:
         pytest.skip("programmatic dependent launch needs sm_90")
-    pdl_launches = []
-    real = dispatch._launch_pdl
-    monkeypatch.setattr(dispatch, "_launch_pdl", lambda *a: (pdl_launches.append(a[0]), real(*a)))
+    pdl_launches = _count_pdl_launches(monkeypatch)
     n, cols, steps = 1536, 2, 3
     ws = [(_weight(q, n, n, rng), _weight(q, n, n, rng)) for _ in range(steps)]
     alphas = [float(np.sqrt(n) / np.linalg.norm(a[1]) / 2) for a, _ in ws]  # keeps |x| about steady

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import cupy
 
-from cukern.dispatch import Dispatch, Unit, check_array
+from cukern.dispatch import Dispatch, Unit, check_array, repeatable
 from cukern.dmmv.common import _ACTS, _COLS, _F32, _STEP
 from cukern.dmmv.dense import THREE_TYPES, Dense, _kernel, _split_kernel, _three_kernel
 from cukern.dmmv.moe import Moe
@@ -107,6 +107,9 @@ class DmmvDispatch(Dense, Int8Path, Moe, Dispatch):
         self._err = None
         self._resident: dict[tuple, tuple] = {}  # (unit, kernel, k[, m, slots]) -> _q8_plan / _q8_plan_dots
 
+    def _repeat_state(self):
+        return self.pdl, self.int8
+
     # ------------------------------------------------------------------ validation helpers
     @staticmethod
     def _check_weight(name: str, w, experts: bool = False) -> QWeight:
@@ -164,3 +167,12 @@ class DmmvDispatch(Dense, Int8Path, Moe, Dispatch):
             while n - c >= width:
                 yield c, width
                 c += width
+
+
+# The matvecs are functions of their arguments (weights and inputs by their fields and arrays) and of
+# the dispatch's pdl and int8: a call repeated with equal ones replays the first one's launches.
+# split_q8_0 and plan_moe_route allocate what they return, check_errors reads the device: not these.
+for _name in ("dequantize", "dmmv", "dmmv_three", "dmmv_scale_acc", "dmmv_gated_acc", "dmmv_pair", "dmmv_glu",
+              "quantize_x", "quantize_glu", "moe_dmmv", "moe_route_pack", "moe_count_experts", "moe_dmmv_packed",
+              "moe_down"):
+    setattr(DmmvDispatch, _name, repeatable(getattr(DmmvDispatch, _name)))
