@@ -137,9 +137,11 @@ def _bandwidth_roof(ax, runs: _Runs) -> None:
 
 def _bars(ax, runs: _Runs, key: str, ceiling_of, unit: str, xlabel: str, title: str) -> None:
     """One horizontal bar per row: its ``key`` figure over its run's ceiling (``ceiling_of(k)``;
-    absolute when that is None)."""
+    absolute when that is None); with several runs, the runs of a row next to each other."""
     import numpy as np
     rows = [(k, r) for k, r in runs.rows if r.get(key)]
+    if len(runs.runs) > 1:   # a row's runs side by side
+        rows.sort(key=lambda kr: (kr[1]["family"], kr[1]["kernel"], kr[1]["shape"]))
     y = np.arange(len(rows))
     vals = [r[key] / ceiling_of(k) if ceiling_of(k) else r[key] for k, r in rows]
     ax.barh(y, vals, color=[runs.colour[r["family"]] for _, r in rows])
