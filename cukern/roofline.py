@@ -86,6 +86,25 @@ class _Runs:
         return f"{row['kernel']} {row['shape']}" + (f" [{run}]" if run and len(self.runs) > 1 else "")
 
 
+def _points(ax, runs: _Runs, points, xlabel: str, ylabel: str, title: str, missing: str) -> None:
+    """``(x, y, run, row)`` points as markers (colour: family; shape: run), named when few, on log axes."""
+    for x, y, k, r in points:
+        ax.loglog(x, y, runs.marker(k), color=runs.colour[r["family"]])
+        if len(points) <= 30:
+            ax.annotate(runs.label(k, r), (x, y), fontsize=7, xytext=(4, 2), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    if not points:
+        ax.text(0.5, 0.5, f"no row reports {missing}", transform=ax.transAxes, ha="center", color="0.4")
+
+
+_ROOF_STYLES = ("-", "--", ":", "-.")   # one per distinct set of ceilings
+
+
 def _roofline(ax, runs: _Runs) -> None:
     import numpy as np
     placed = [(intensity(r), k, r) for k, r in runs.rows]
@@ -97,42 +116,24 @@ def _roofline(ax, runs: _Runs) -> None:
     x = np.geomspace(lo, hi, 200)
     for i, (copy, gemm, names) in enumerate(roofs):
         mem = copy * x / 1e3  # TFLOP/s the memory system allows at intensity x
-        ax.loglog(x, np.minimum(mem, gemm) if gemm else mem, color="k", ls=("-", "--", ":", "-.")[i % 4], lw=1.5,
+        ax.loglog(x, np.minimum(mem, gemm) if gemm else mem, color="k", ls=_ROOF_STYLES[i % 4], lw=1.5,
                   label=f"ceiling: copy {copy:,.0f} GB/s" + (f", GEMM {gemm:,.0f} TFLOP/s" if gemm else "") + names)
         if gemm:
             ax.axvline(gemm * 1e3 / copy, color="0.7", ls=":", lw=1)
-    for ai, k, r in placed:
-        tf = r["tflops"] if r.get("tflops") else r["extra"]["flops"] / (r["us"] * 1e-6) / 1e12
-        ax.loglog(ai, tf, runs.marker(k), color=runs.colour[r["family"]])
-        if len(placed) <= 30:
-            ax.annotate(runs.label(k, r), (ai, tf), fontsize=7, xytext=(4, 2), textcoords="offset points")
-    ax.set_xlabel("arithmetic intensity (FLOP / byte)")
-    ax.set_ylabel("achieved TFLOP/s")
-    ax.set_title(f"roofline: the {len(placed)} rows that report both FLOPs and bytes")
-    ax.grid(True, which="both", alpha=0.3)
-    if not placed:
-        ax.text(0.5, 0.5, "no row reports both FLOPs and bytes", transform=ax.transAxes, ha="center", color="0.4")
+    points = [(ai, r["tflops"] if r.get("tflops") else r["extra"]["flops"] / (r["us"] * 1e-6) / 1e12, k, r)
+              for ai, k, r in placed]
+    _points(ax, runs, points, "arithmetic intensity (FLOP / byte)", "achieved TFLOP/s",
+            f"roofline: the {len(points)} rows that report both FLOPs and bytes", "both FLOPs and bytes")
 
 
 def _bandwidth_roof(ax, runs: _Runs) -> None:
     """Achieved GB/s against bytes per call for every row that reports bytes, under each run's copy roof."""
-    placed = [(bytes_moved(r), k, r) for k, r in runs.rows]
-    placed = [(b, k, r) for b, k, r in placed if b]
     for i, (copy, _, names) in enumerate(runs.roofs()):
-        ax.axhline(copy, color="k", ls=("-", "--", ":", "-.")[i % 4], lw=1.5, label=f"copy {copy:,.0f} GB/s{names}")
-    for b, k, r in placed:
-        gbs = b / (r["us"] * 1e-6) / 1e9
-        ax.loglog(b, gbs, runs.marker(k), color=runs.colour[r["family"]])
-        if len(placed) <= 30:
-            ax.annotate(runs.label(k, r), (b, gbs), fontsize=7, xytext=(4, 2), textcoords="offset points")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("bytes moved per call")
-    ax.set_ylabel("achieved GB/s")
-    ax.set_title(f"bandwidth roof: the {len(placed)} rows that report bytes")
-    ax.grid(True, which="both", alpha=0.3)
-    if not placed:
-        ax.text(0.5, 0.5, "no row reports bytes", transform=ax.transAxes, ha="center", color="0.4")
+        ax.axhline(copy, color="k", ls=_ROOF_STYLES[i % 4], lw=1.5, label=f"copy {copy:,.0f} GB/s{names}")
+    placed = [(bytes_moved(r), k, r) for k, r in runs.rows]
+    points = [(b, b / (r["us"] * 1e-6) / 1e9, k, r) for b, k, r in placed if b]
+    _points(ax, runs, points, "bytes moved per call", "achieved GB/s",
+            f"bandwidth roof: the {len(points)} rows that report bytes", "bytes")
 
 
 def _bars(ax, runs: _Runs, key: str, ceiling_of, unit: str, xlabel: str, title: str) -> None:
