@@ -18,7 +18,7 @@ A unit is compiled for the target the GPU runs it as: on sm_90 the Hopper units
 :func:`run` compiles the units in a process pool (NVRTC holds one core per unit) and keeps
 each unit's PTX in an on-disk cache (:func:`cache_dir`), keyed by the unit's text (which
 carries a SHA-256 of every file under ``cuda_src/``), the options, the target, the kernel
-names and the NVRTC version: an unchanged tree is checked again from the PTX, and any edit to
+names, the NVRTC version and the CUDA headers: an unchanged tree is checked again from the PTX, and any edit to
 a source or header compiles the units anew.
 """
 
@@ -30,6 +30,7 @@ import os
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import cukern
@@ -133,13 +134,26 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cukern"
 
 
+@lru_cache(maxsize=1)
+def _toolchain() -> str:
+    """The NVRTC version and a hash of the CUDA headers the kernels include (a CUDA wheel
+    upgraded in place keeps its path)."""
+    h = hashlib.sha256(".".join(map(str, runtime._nvrtc().getVersion())).encode())
+    inc = runtime.cuda_include_dir()
+    for name in ("cuda_fp16.h", "cuda_fp16.hpp", "cuda_bf16.h", "cuda_bf16.hpp"):
+        try:
+            h.update((Path(inc) / name).read_bytes() if inc else b"")
+        except OSError:
+            h.update(b"-")
+    return h.hexdigest()
+
+
 def _cache_path(cache: Path, unit: str, code: str, names, arch: int, defines, specific: bool) -> Path:
     """The file holding this compile's PTX: a SHA-256 of everything the PTX depends on. ``code``
     names the family file by path only, so the hash of every source (:func:`runtime.sources_hash`)
     is part of the key even where ``code`` does not carry it (the layout probes)."""
-    nvrtc = ".".join(map(str, runtime._nvrtc().getVersion()))
     key = hashlib.sha256("\0".join(["cukern-check-ptx/1", unit, code, runtime.sources_hash(), *names, str(arch),
-                                    str(specific), *runtime.compile_options(arch, defines), nvrtc]).encode())
+                                    str(specific), *runtime.compile_options(arch, defines), _toolchain()]).encode())
     return cache / "ptx" / f"{unit.replace(':', '_').replace('/', '_')}-{key.hexdigest()[:32]}.json"
 
 

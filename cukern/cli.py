@@ -338,8 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only the units of this family, all of them (attention: its 7 units; repeatable)")
     p.add_argument("--unit", action="append", metavar="NAME",
                    help="only this compilation unit (e.g. attention_bf16; repeatable)")
-    p.add_argument("-j", "--jobs", type=number_arg("int", lo=1), default=os.cpu_count() or 1, metavar="N",
-                   help="compile N units at once, one process each (default: the CPU count)")
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    p.add_argument("-j", "--jobs", type=number_arg("int", lo=1), default=cpus, metavar="N",
+                   help=f"compile N units at once, one process each (default: the CPUs this process may use, {cpus})")
     p.add_argument("--cache-dir", metavar="DIR",
                    help="keep the PTX here (default $CUKERN_CACHE_DIR, else $XDG_CACHE_HOME/cukern, else "
                         "~/.cache/cukern); keyed by the sources, options, arch and NVRTC version")

@@ -621,3 +621,17 @@ def test_readme_code_compiles_and_names_what_it_uses():
             for name in names.split(","):
                 name = name.split(" as ")[0].strip()
                 assert hasattr(m, name) or importlib.util.find_spec(f"{module}.{name}"), (module, name)
+
+
+def test_check_progress_bar_on_a_terminal_only(monkeypatch, capsys):
+    pytest.importorskip("tqdm")
+    from cukern import cli
+    assert cli._progress("check") is None   # stderr is captured here: not a terminal, no bar
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    update = cli._progress("check")
+    for done in (1, 2, 3):
+        update(("tokens", 90, False), done, 3)
+    err = capsys.readouterr().err
+    assert "check" in err and "0/3" in err
+    rc, _, err = _cli(capsys, "check", "--jobs", "0")
+    _one_line_error(rc, err, 2)
