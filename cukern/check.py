@@ -15,19 +15,19 @@ A unit is compiled for the target the GPU runs it as: on sm_90 the Hopper units
 ``runtime.load_module_sm90a`` builds them (for ``compute_90`` they are empty stubs);
 ``--arch sm_90a`` builds every unit for ``compute_90a``.
 
-:func:`run` compiles the units in a process pool (NVRTC holds one core per unit) and keeps
-each unit's PTX in an on-disk cache (:func:`cache_dir`), keyed by the unit's text (which
-carries a SHA-256 of every file under ``cuda_src/``), the options, the target, the kernel
-names, the NVRTC version and the CUDA headers: an unchanged tree is checked again from the PTX, and any edit to
-a source or header compiles the units anew.
+:func:`run` compiles the units in a process pool (NVRTC compiles a unit on one core) and
+keeps each unit's PTX in an on-disk cache (:func:`cache_dir`), keyed by the unit's text
+(which carries a SHA-256 of every file under ``cuda_src/``), the options, the target, the
+kernel names, the NVRTC version and the CUDA headers: an unchanged tree is checked again
+from the PTX, and any edit to a source or header compiles the units anew.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import multiprocessing
+import os
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from functools import lru_cache
