@@ -87,6 +87,7 @@ def _check_unit(spec, structs, names, arch: int, specific: bool, cache: Path | N
         compiled = _compile(spec.name, spec.unit_source(), names, arch, spec.defines, specific, cache)
     except runtime.CukernError as e:
         return [Row(arch, spec.name, "(unit)", "", 0, -1, str(e))]
+    entries = runtime.ptx_entries(compiled.ptx)   # parsed once (CompiledPtx.params parses it per call)
     rows = []
     for k in spec.kernels:
         struct = structs.get(k.params)
@@ -95,9 +96,11 @@ def _check_unit(spec, structs, names, arch: int, specific: bool, cache: Path | N
                             f"{spec.params_header} declares no struct {k.params}"))
             continue
         size, align = struct.dtype.itemsize, struct.dtype.alignment
-        ps = compiled.params(k.name)
+        ps = entries.get(compiled.lowered.get(k.name, k.name))
         row = Row(arch, spec.name, k.name, k.params, size, ps[-1].size if ps else -1)
-        if not ps:
+        if ps is None:
+            row.error = "no entry for it in the PTX"
+        elif not ps:
             row.error = "takes no parameters (expected pointers, then the struct)"
         elif ps[-1].kind != ".b8" or ps[-1].size != size or ps[-1].align != align:
             row.error = (f"last parameter is {ps[-1].kind}[{ps[-1].size}] align {ps[-1].align}; "
@@ -109,7 +112,7 @@ def _check_unit(spec, structs, names, arch: int, specific: bool, cache: Path | N
                              f"may precede the struct (no bare scalars in a launch)")
         rows.append(row)
     declared = set(compiled.lowered.values())
-    for entry in runtime.ptx_entries(compiled.ptx):
+    for entry in entries:
         if entry not in declared:
             rows.append(Row(arch, spec.name, entry, "", 0, -1, "kernel in the unit but not declared in its FamilySpec"))
     return rows
