@@ -4,15 +4,22 @@
   versions and the kernel cache location; says plainly when there is no GPU.
 * ``check`` - compile every kernel with NVRTC for the given archs (no GPU
   needed) and list each kernel with its parameter-struct size from the PTX;
-  exits 1 on any error. ``check --gpu`` instead runs every kernel against its
-  reference (the quick GPU tests) and prints the error against the tolerance
-  (:mod:`cukern.selfcheck`).
+  exits 1 on any error. The units compile in parallel (``-j``) behind a progress
+  bar on a terminal, and their PTX is cached (:mod:`cukern.check`); ``--family``
+  takes every unit of a family, ``--unit`` one unit. ``check --gpu`` instead
+  runs every kernel against its reference (the quick GPU tests) and prints the
+  error against the tolerance (:mod:`cukern.selfcheck`).
 * ``bench`` - every family's benchmark in one process, one table, ``--json``
   and ``--plot`` (:mod:`cukern.workbench`, :mod:`cukern.roofline`).
-* ``compare`` - the change per row between two ``bench --json`` files.
-* ``roofline`` - the ``bench --plot`` chart of saved results (no GPU needed).
+* ``compare`` - the change per row between two ``bench --json`` files;
+  ``--fail-above PCT`` exits 1 on a row slower by more than PCT percent.
+* ``roofline`` - the ``bench --plot`` chart of saved results (no GPU needed),
+  one labelled run per file.
 * ``notebooks`` - check (CPU) or run headless (GPU) the checkout's notebooks
   (:mod:`cukern.notebooks`).
+
+``info``, ``check`` and ``compare`` take ``--json``: what they print, as one JSON object
+on stdout. ``python -m cukern --version`` prints the version.
 
 Bad input ends in one line on stderr, never a traceback: exit 2 for a flag or argument of the
 wrong form (a NaN threshold, an output folder that does not exist), exit 1 for a file that cannot
@@ -93,28 +100,35 @@ def _cuda_version(v: int) -> str:
     return f"{v // 1000}.{v % 1000 // 10}"
 
 
-def cmd_info(args) -> int:
+def _print_json(value) -> None:
+    import json
+    print(json.dumps(value, indent=1))
+
+
+def info() -> dict:
+    """What ``info`` prints, as a dict: versions, paths, and ``gpus`` (a list; empty, with
+    ``no_gpu`` saying why, when no device is visible)."""
     import numpy as np
 
     import cukern
-    print(f"cukern          {cukern.__version__}")
-    print(f"python          {platform.python_version()}")
-    print(f"numpy           {np.__version__}")
+    out = {"cukern": cukern.__version__, "python": platform.python_version(), "numpy": np.__version__}
     try:
         import cupy
     except ImportError:
-        print("cupy            not installed (pip install 'cukern[cuda12]' or 'cukern[cuda13]')")
-        return 0
+        return {**out, "cupy": None, "gpus": [], "no_gpu": "cupy is not installed"}
     from cupy.cuda import nvrtc, runtime as cudart
 
-    from cukern import runtime
-    print(f"cupy            {cupy.__version__}")
-    print(f"nvrtc           {_version(lambda: '.'.join(map(str, nvrtc.getVersion())))}")
-    print(f"cuda runtime    {_version(lambda: _cuda_version(cudart.runtimeGetVersion()))}")
-    print(f"cuda driver     {_version(lambda: _cuda_version(cudart.driverGetVersion()))}")
-    print(f"cuda headers    {_version(lambda: runtime.cuda_include_dir() or 'not found')}")
-    print(f"kernel cache    {os.environ.get('CUPY_CACHE_DIR', os.path.expanduser('~/.cupy/kernel_cache'))}")
-    print(f"sources         {_version(lambda: str(runtime.source_root()))}")
+    from cukern import check, runtime
+    out.update({
+        "cupy": cupy.__version__,
+        "nvrtc": _version(lambda: ".".join(map(str, nvrtc.getVersion()))),
+        "cuda_runtime": _version(lambda: _cuda_version(cudart.runtimeGetVersion())),
+        "cuda_driver": _version(lambda: _cuda_version(cudart.driverGetVersion())),
+        "cuda_headers": _version(lambda: runtime.cuda_include_dir() or "not found"),
+        "kernel_cache": os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache")),
+        "check_cache": str(check.cache_dir()),
+        "sources": _version(lambda: str(runtime.source_root())),
+        "gpus": []})
     try:
         count = cudart.getDeviceCount()
     except Exception as e:
@@ -122,28 +136,89 @@ def cmd_info(args) -> int:
     else:
         reason = "the driver reports 0 devices"
     if count == 0:
-        print(f"gpu             none: no CUDA device is visible ({reason})")
-        return 0
+        out["no_gpu"] = f"no CUDA device is visible ({reason})"
     for i in range(count):
         p = cudart.getDeviceProperties(i)
-        name = p["name"].decode() if isinstance(p["name"], bytes) else p["name"]
         free, total = cupy.cuda.Device(i).mem_info
-        print(f"gpu {i}           {name}, sm_{p['major']}{p['minor']}, {p['multiProcessorCount']} SMs, "
-              f"{total / 2**30:.1f} GiB ({free / 2**30:.1f} free), L2 {p['l2CacheSize'] / 2**20:.0f} MiB")
+        out["gpus"].append({"index": i, "name": p["name"].decode() if isinstance(p["name"], bytes) else p["name"],
+                            "sm": f"sm_{p['major']}{p['minor']}", "sms": p["multiProcessorCount"],
+                            "memory_bytes": total, "free_bytes": free, "l2_bytes": p["l2CacheSize"]})
+    return out
+
+
+_INFO_LINES = (("cukern", "cukern"), ("python", "python"), ("numpy", "numpy"), ("cupy", "cupy"),
+               ("nvrtc", "nvrtc"), ("cuda_runtime", "cuda runtime"), ("cuda_driver", "cuda driver"),
+               ("cuda_headers", "cuda headers"), ("kernel_cache", "kernel cache"),
+               ("check_cache", "check cache"), ("sources", "sources"))
+
+
+def cmd_info(args) -> int:
+    facts = info()
+    if args.json:
+        _print_json(facts)
+        return 0
+    for key, label in _INFO_LINES:
+        if key == "cupy" and facts["cupy"] is None:
+            print("cupy            not installed (pip install 'cukern[cuda12]' or 'cukern[cuda13]')")
+            return 0
+        print(f"{label:<15} {facts[key]}")
+    if not facts["gpus"]:
+        print(f"gpu             none: {facts['no_gpu']}")
+    for g in facts["gpus"]:
+        print(f"gpu {g['index']:<11} {g['name']}, {g['sm']}, {g['sms']} SMs, {g['memory_bytes'] / 2**30:.1f} GiB "
+              f"({g['free_bytes'] / 2**30:.1f} free), L2 {g['l2_bytes'] / 2**20:.0f} MiB")
     return 0
+
+
+def _progress(desc: str):
+    """A ``progress(item, done, total)`` callback drawing a tqdm bar on stderr when stderr is a
+    terminal and tqdm is installed; None (quiet) otherwise, as in a log or a pipe."""
+    if not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    bar = None
+
+    def update(item, done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, desc=desc, unit="unit", file=sys.stderr, dynamic_ncols=True, leave=False)
+        bar.set_postfix_str(item[0] if isinstance(item, tuple) else str(item), refresh=False)
+        bar.update(1)
+        if done == total:
+            bar.close()
+    return update
 
 
 def cmd_check(args) -> int:
     if args.gpu:
+        if args.json or args.unit:
+            return _usage_error(f"{'--json' if args.json else '--unit'} is for the compile check, not --gpu")
         from cukern import selfcheck
         return selfcheck.run(args.tests or None, keyword=args.keyword, by_function=not args.verbose)
+    from pathlib import Path
+
     from cukern import check, runtime
     targets = args.arch or [runtime.parse_target("sm_90")]
+    cache = None if args.no_cache else Path(args.cache_dir) if args.cache_dir else check.cache_dir()
     try:
-        rows = check.run(targets, args.family)
+        rows = check.run(targets, args.family, args.unit, jobs=args.jobs, cache=cache,
+                         progress=_progress("check"))
     except (runtime.CukernError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    errors = [r for r in rows if not r.ok]
+    n_kernels = sum(1 for r in rows if not r.unit.startswith("probe:"))
+    names = [f"sm_{a}" + ("a" if specific else "") for a, specific in targets]
+    if args.json:
+        _print_json({"targets": names, "kernel_rows": n_kernels, "layout_probes": len(rows) - n_kernels,
+                     "errors": len(errors),
+                     "rows": [{"target": r.target, "unit": r.unit, "kernel": r.kernel, "params": r.struct,
+                               "struct_bytes": r.struct_size or None, "ptx_bytes": r.ptx_size if r.ptx_size > 0
+                               else None, "ok": r.ok, "error": r.error or None} for r in rows]})
+        return 1 if errors else 0
     width = max(len(r.kernel) for r in rows) if rows else 10
     print(f"{'arch':<7} {'unit':<28} {'kernel':<{width}} {'params':<18} {'struct':>7} {'ptx':>7}  status")
     for r in rows:
@@ -151,13 +226,10 @@ def cmd_check(args) -> int:
         ptx = f"{r.ptx_size} B" if r.ptx_size > 0 else ""
         status = "ok" if r.ok else "ERROR"
         print(f"{r.target:<7} {r.unit:<28} {r.kernel:<{width}} {r.struct:<18} {size:>7} {ptx:>7}  {status}")
-    errors = [r for r in rows if not r.ok]
     for r in errors:
         print(f"\nERROR {r.target} {r.unit} {r.kernel}:\n{r.error}", file=sys.stderr)
-    n_kernels = sum(1 for r in rows if not r.unit.startswith("probe:"))
     print(f"\n{n_kernels} kernel rows, {len(rows) - n_kernels} layout probes, {len(errors)} errors "
-          f"({', '.join(f'sm_{a}' + ('a' if specific else '') for a, specific in targets)}; on sm_90 the "
-          f"Hopper units as sm_90a)")
+          f"({', '.join(names)}; on sm_90 the Hopper units as sm_90a)")
     return 1 if errors else 0
 
 
@@ -203,8 +275,17 @@ def cmd_compare(args) -> int:
     except runtime.CukernError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(workbench.format_compare(a, b, workbench.compare(a, b), args.threshold))
-    return 0
+    changes = workbench.compare(a, b)
+    regressed = [] if args.fail_above is None else workbench.regressions(changes, args.fail_above)
+    if args.json:
+        _print_json(workbench.compare_json(a, b, changes, args.threshold, args.fail_above))
+    else:
+        print(workbench.format_compare(a, b, changes, args.threshold))
+    if regressed:
+        print(f"FAIL: {len(regressed)} rows slower by more than {args.fail_above:g}% (--fail-above): "
+              + ", ".join(f"{c.family} {c.kernel} {c.shape} {c.ratio - 1:+.1%}" for c in regressed[:5])
+              + (", ..." if len(regressed) > 5 else ""), file=sys.stderr)
+    return 1 if regressed else 0
 
 
 def cmd_roofline(args) -> int:
@@ -218,12 +299,14 @@ def cmd_roofline(args) -> int:
     except ValueError as e:
         return _usage_error(f"-o {e}")
     try:
-        result = workbench.merge_results([workbench.load_result(p) for p in args.results])
-        plot_roofline(result, out)
+        runs = workbench.label_runs([(p, workbench.load_result(p)) for p in args.results])
+        plot_roofline(runs if len(runs) > 1 else runs[0][1], out)
     except (runtime.CukernError, ImportError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"wrote {out} ({len(result['rows'])} rows)")
+    n = sum(len(r["rows"]) for _, r in runs)
+    print(f"wrote {out} ({n} rows" + (f", {len(runs)} runs: {', '.join(label for label, _ in runs)})"
+                                      if len(runs) > 1 else ")"))
     return 0
 
 
@@ -241,14 +324,28 @@ def cmd_notebooks(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import cukern
     parser = _Parser(prog="python -m cukern", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"cukern {cukern.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", help="GPU, versions and cache location")
+    p.add_argument("--json", action="store_true", help="print the same facts as one JSON object")
     p.set_defaults(fn=cmd_info)
     p = sub.add_parser("check", help="compile every kernel with NVRTC (no GPU needed) and check struct sizes")
     p.add_argument("--arch", action="append", metavar="sm_XX", type=arch_arg,
                    help="target arch, repeatable (default sm_90); sm_80 or newer")
-    p.add_argument("--family", action="append", metavar="NAME", help="only this family (repeatable)")
+    p.add_argument("--family", action="append", metavar="NAME",
+                   help="only the units of this family, all of them (attention: its 7 units; repeatable)")
+    p.add_argument("--unit", action="append", metavar="NAME",
+                   help="only this compilation unit (e.g. attention_bf16; repeatable)")
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    p.add_argument("-j", "--jobs", type=number_arg("int", lo=1), default=cpus, metavar="N",
+                   help=f"compile N units at once, one process each (default: the CPUs this process may use, {cpus})")
+    p.add_argument("--cache-dir", metavar="DIR",
+                   help="keep the PTX here (default $CUKERN_CACHE_DIR, else $XDG_CACHE_HOME/cukern, else "
+                        "~/.cache/cukern); keyed by the sources, options, arch and NVRTC version")
+    p.add_argument("--no-cache", action="store_true", help="compile every unit, read and write no cache")
+    p.add_argument("--json", action="store_true", help="print the rows and the summary as one JSON object")
     p.add_argument("--gpu", action="store_true",
                    help="instead: run every kernel against its reference on this GPU (the quick GPU tests of "
                         "the checkout's tests/, -m 'gpu and not slow') and print error vs tolerance per test")
@@ -276,11 +373,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("b", metavar="B.json")
     p.add_argument("--threshold", type=number_arg("real", lo=0.0), default=0.05,
                    help="mark rows whose time moved by more than this fraction (default 0.05)")
+    p.add_argument("--fail-above", type=number_arg("real", lo=0.0), metavar="PCT",
+                   help="exit 1 when a row present in both is slower in B by more than PCT percent "
+                        "(e.g. 5), to gate CI; the rows are listed on stderr")
+    p.add_argument("--json", action="store_true", help="print the rows and the summary as one JSON object")
     p.set_defaults(fn=cmd_compare)
 
     p = sub.add_parser("roofline", help="the roofline chart of saved `bench --json` results (no GPU needed)",
                        description="Plot one or more saved results (`bench --json`, or a bench_<family>.py "
-                                   "--json file) as the chart `bench --plot` draws; several files are merged.")
+                                   "--json file) as the chart `bench --plot` draws; with several files each "
+                                   "is a run, drawn with its own marker and named in the legend by its file "
+                                   "name (and device, where the files ran on different devices).")
     p.add_argument("results", nargs="+", metavar="RESULT.json")
     p.add_argument("-o", "--out", default="roofline.png",
                    help="chart to write (default roofline.png; .png is added to a name without a suffix)")

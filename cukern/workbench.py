@@ -45,8 +45,8 @@ from pathlib import Path
 from cukern.runtime import CukernError
 
 __all__ = ["checkout_root", "bench_scripts", "no_gpu_reason", "interruptible", "progress", "run_bench",
-           "environment", "rows_of", "write_result", "load_result", "merge_results", "compare", "format_compare",
-           "Change", "SCHEMA"]
+           "environment", "rows_of", "write_result", "load_result", "merge_results", "label_runs", "compare",
+           "format_compare", "compare_json", "regressions", "Change", "SCHEMA"]
 
 SCHEMA = "cukern-bench/1"
 
@@ -296,6 +296,19 @@ def merge_results(results: list[dict]) -> dict:
             "rows": [row for r in results for row in r["rows"]]}
 
 
+def label_runs(runs: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+    """``(path, result)`` pairs as ``(label, result)``: the file's name without ``.json``, the
+    device added where the runs are not all on one device, the folder added where two names
+    are equal (``a/run.json``, ``b/run.json``)."""
+    names = [Path(p).stem for p, _ in runs]
+    if len(set(names)) < len(names):
+        names = [str(Path(p).with_suffix("")) for p, _ in runs]
+    devices = [_device(r) for _, r in runs]
+    if len(set(devices)) > 1:
+        names = [f"{n} ({d})" for n, d in zip(names, devices)]
+    return [(n, r) for n, (_, r) in zip(names, runs)]
+
+
 # ----------------------------------------------------------------------------- compare
 
 @dataclass(frozen=True)
@@ -354,12 +367,41 @@ def format_compare(a: dict, b: dict, changes: list[Change], threshold: float = 0
         if c.ratio is None:
             change = "only A" if c.b_us is None else "only B"
         else:
-            change = f"{c.ratio - 1:+.1%}"
-            if abs(c.ratio - 1) > threshold:
-                change += " faster" if c.ratio < 1 else " slower"
+            change = f"{c.ratio - 1:+.1%}" + (f" {_moved(c, threshold)}" if _moved(c, threshold) else "")
         lines.append(f"{c.family:<12} {c.kernel:<{kw}} {c.shape:<{sw}} {num(c.a_us, '9.2f'):>9} "
                      f"{num(c.b_us, '9.2f'):>9} {change:>14} {num(c.a_gbs, ',.0f'):>7} {num(c.b_gbs, ',.0f'):>7}")
-    moved = [c for c in changes if c.ratio is not None and abs(c.ratio - 1) > threshold]
+    moved = [c for c in changes if _moved(c, threshold)]
     lines.append(f"\n{len(changes)} rows, {len(moved)} moved by more than {threshold:.0%} "
                  f"(change = B time / A time - 1: negative is faster)")
     return "\n".join(lines)
+
+
+def _moved(c: Change, threshold: float) -> str | None:
+    """"faster" or "slower" when the row's time moved by more than ``threshold`` (a fraction)."""
+    if c.ratio is None or abs(c.ratio - 1) <= threshold:
+        return None
+    return "faster" if c.ratio < 1 else "slower"
+
+
+def compare_json(a: dict, b: dict, changes: list[Change], threshold: float = 0.05,
+                 fail_above: float | None = None) -> dict:
+    """What :func:`format_compare` prints, as a dict (``compare --json``): both runs' device,
+    date and ceilings, one entry per row (``change`` = B time / A time - 1, null for a row in
+    one run only; ``moved``: "faster", "slower" or null) and the counts. ``fail_above`` (percent)
+    adds ``regressed``: the rows slower by more than it."""
+    def run(r):
+        return {"device": _device(r), "date": r.get("meta", {}).get("date"), "ceilings": r["ceilings"]}
+    rows = [{"family": c.family, "kernel": c.kernel, "shape": c.shape, "a_us": c.a_us, "b_us": c.b_us,
+             "a_gbs": c.a_gbs, "b_gbs": c.b_gbs, "change": None if c.ratio is None else c.ratio - 1,
+             "moved": _moved(c, threshold)} for c in changes]
+    out = {"a": run(a), "b": run(b), "threshold": threshold, "rows": rows,
+           "moved": sum(1 for r in rows if r["moved"])}
+    if fail_above is not None:
+        out["fail_above_pct"] = fail_above
+        out["regressed"] = len(regressions(changes, fail_above))
+    return out
+
+
+def regressions(changes: list[Change], pct: float) -> list[Change]:
+    """The rows of both runs whose B time is more than ``pct`` percent above A's (``--fail-above``)."""
+    return [c for c in changes if c.ratio is not None and c.ratio - 1 > pct / 100]

@@ -28,8 +28,9 @@ def _run(*args, cwd=REPO):
 
 @pytest.mark.parametrize("command,words", [
     ("bench", ["--quick", "--json", "--plot", "family"]),
-    ("compare", ["A.json", "B.json", "--threshold"]),
-    ("check", ["--gpu", "--arch", "-k"]),
+    ("compare", ["A.json", "B.json", "--threshold", "--fail-above", "--json"]),
+    ("check", ["--gpu", "--arch", "-k", "--family", "--unit", "--jobs", "--cache-dir", "--no-cache", "--json"]),
+    ("info", ["--json"]),
     ("notebooks", ["--run", "--figures"]),
     ("roofline", ["RESULT.json", "--out"]),
 ])
@@ -139,31 +140,54 @@ def test_rows_of_round_trips_a_result():
 
 def test_roofline_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from cukern.roofline import intensity, plot_roofline
+    from cukern.roofline import bytes_moved, intensity, plot_roofline
     assert intensity(A["rows"][2]) == pytest.approx(1.0)
     assert intensity(A["rows"][3]) == pytest.approx(350e12 / 300e9)
     assert intensity(A["rows"][0]) is None
+    assert bytes_moved(A["rows"][2]) == 6.7e7 and bytes_moved(A["rows"][0]) == pytest.approx(10.0 * 4.0 * 1e3)
     path = tmp_path / "a.json"
     path.write_text(json.dumps(A))
     png = tmp_path / "roofline.png"
     fig = plot_roofline(str(path), png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-    roof, bandwidth, arithmetic = fig.axes
+    roof, bandwidth_roof, bandwidth, arithmetic = fig.axes
     assert len(roof.lines) == 1 + 1 + 2  # roof, ridge line, the two rows whose intensity is known
+    assert len(bandwidth_roof.lines) == 1 + 4  # the copy roof, every row that reports bytes
     assert len(bandwidth.patches) == 4  # every row with GB/s
     assert len(arithmetic.patches) == 1  # every row with TFLOP/s
 
 
-def test_roofline_command_merges_saved_results(tmp_path):
+def test_roofline_places_a_bytes_only_row_on_the_bandwidth_roof():
     pytest.importorskip("matplotlib")
-    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    from cukern.roofline import plot_roofline
+    only_bytes = _result([("dmmv", "q4_k", "4096x14336", 17.0, None, None, {"bytes": 3.4e7})])
+    roof, bandwidth_roof, _, _ = plot_roofline(only_bytes).axes
+    (x, y), = [line.get_xydata()[0] for line in bandwidth_roof.lines[1:]]
+    assert x == 3.4e7 and y == pytest.approx(3.4e7 / 17e-6 / 1e9)   # bytes per call, achieved GB/s
+    assert len(roof.lines) == 2 and "1 rows that report bytes" in bandwidth_roof.get_title()
+
+
+def test_roofline_command_labels_each_run(tmp_path):
+    pytest.importorskip("matplotlib")
+    from cukern.roofline import plot_roofline
+    a, b = tmp_path / "before.json", tmp_path / "after.json"
     a.write_text(json.dumps({"ceilings": {"copy_gbs": 2900.0, "device": "H100", "gemm_tflops": None},
                              "rows": A["rows"][:2]}))  # a bench_<family>.py --json file: no meta
     b.write_text(json.dumps(B))
     out = tmp_path / "r.png"
     r = _run("-m", "cukern", "roofline", str(a), str(b), "-o", str(out))
     assert r.returncode == 0, r.stderr
-    assert "6 rows" in r.stdout and out.read_bytes()[:4] == b"\x89PNG"
+    assert "6 rows, 2 runs: before (H100), after (NVIDIA H100 80GB HBM3)" in r.stdout
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    runs = workbench.label_runs([(a, json.loads(a.read_text())), (b, B)])
+    fig = plot_roofline(runs)
+    roof, bandwidth_roof, bandwidth, _ = fig.axes
+    legend = [t.get_text() for t in bandwidth_roof.get_legend().get_texts()]
+    assert "before (H100)" in legend and "after (NVIDIA H100 80GB HBM3)" in legend
+    assert {line.get_marker() for line in bandwidth_roof.lines[2:]} == {"o", "s"}   # one marker per run
+    labels = [t.get_text() for t in bandwidth.get_yticklabels()]
+    assert "rms_norm 1x4096 [before (H100)]" in labels and "rms_norm 1x4096 [after (NVIDIA H100 80GB HBM3)]" in labels
+    assert workbench.label_runs([("x/run.json", A), ("y/run.json", A)])[0][0] == "x/run"
     merged = workbench.merge_results([json.loads(a.read_text()), B])
     assert merged["ceilings"]["gemm_tflops"] == 700.0 and len(merged["rows"]) == 6
 
@@ -470,3 +494,158 @@ def test_traffic_formulas():
     assert traffic.attention_decode(1, 8192, 32, 8, 128) == 8192 * 8 * 128 * 2 * 2 + 2 * 32 * 128 * 4
     with pytest.raises(KeyError):
         traffic.rows("no_such_op", 1, 1)
+
+
+# ----------------------------------------------------------------------------- check (compile), info, compare: JSON, gates
+
+def test_version(capsys):
+    import cukern
+    rc, out, _ = _cli(capsys, "--version")
+    assert rc == 0 and out.strip() == f"cukern {cukern.__version__}"
+
+
+def test_check_family_means_every_unit_of_the_family():
+    from cukern import check
+    from cukern.runtime import UnknownKernelError
+    attention = check.select_units(["attention"])
+    assert len(attention) == 7 and all(u.startswith("attention") for u in attention)
+    dmmv = check.select_units(["dmmv"])
+    assert "dmmv" in dmmv and "dmmv_moe" in dmmv and all(u.startswith("dmmv") for u in dmmv) and len(dmmv) > 2
+    assert check.select_units(None, ["attention_bf16"]) == ["attention_bf16"]
+    assert check.select_units(["tokens"], ["attention_bf16", "tokens"]) == ["tokens", "attention_bf16"]
+    assert len(check.select_units()) == len(__import__("cukern").FAMILY_MODULES)
+    with pytest.raises(UnknownKernelError, match="is a unit: use --unit attention_bf16"):
+        check.select_units(["attention_bf16"])
+    with pytest.raises(UnknownKernelError, match="unknown family 'nope'"):
+        check.select_units(None, ["nope"])
+
+
+def test_check_parallel_rows_equal_serial_rows_in_order(tmp_path):
+    from cukern import check
+    targets = [(90, False), (80, False)]
+    seen = []
+    serial = check.run(targets, None, ["tokens"], jobs=1)
+    parallel = check.run(targets, None, ["tokens"], jobs=2, progress=lambda *a: seen.append(a))
+    assert parallel == serial and all(r.ok for r in serial)
+    assert [r.target for r in serial].index("sm_80") > 0 and serial[-1].unit == "probe:tokens/params.cuh"
+    assert sorted(done for _, done, _ in seen) == [1, 2, 3, 4] and {total for *_, total in seen} == {4}
+
+
+def _copy_sources(tmp_path) -> Path:
+    import shutil
+
+    from cukern import runtime
+    root = tmp_path / "cuda_src"
+    shutil.copytree(runtime.source_root(), root)
+    return root
+
+
+@pytest.fixture
+def own_sources(tmp_path, monkeypatch):
+    """A writable copy of cuda_src/ as the sources ($CUKERN_SRC)."""
+    from cukern import params, runtime
+    root = _copy_sources(tmp_path)
+    monkeypatch.setenv("CUKERN_SRC", str(root))
+    runtime.source_root.cache_clear()
+    params.load_header.cache_clear()
+    yield root
+    monkeypatch.delenv("CUKERN_SRC")
+    runtime.source_root.cache_clear()
+    params.load_header.cache_clear()
+
+
+def test_check_cache_is_reused_and_a_source_edit_invalidates_it(tmp_path, capsys, own_sources, monkeypatch):
+    from cukern import runtime
+    cache = tmp_path / "cache"
+    rc, first, _ = _cli(capsys, "check", "--unit", "tokens", "--cache-dir", cache)
+    assert rc == 0 and " 0 errors" in first
+    files = sorted((cache / "ptx").iterdir())
+    assert len(files) == 2   # the unit and its layout probe
+    compiled = []
+    monkeypatch.setattr(runtime, "compile_ptx", lambda *a, **k: compiled.append(a[0]))
+    rc, second, _ = _cli(capsys, "check", "--unit", "tokens", "--cache-dir", cache)
+    assert rc == 0 and second == first and compiled == []   # the same table, from the cache alone
+    monkeypatch.undo()
+    monkeypatch.setenv("CUKERN_SRC", str(own_sources))
+    # an edit the cached PTX knows nothing of: a kernel no FamilySpec declares
+    with open(own_sources / "tokens" / "tokens.cu", "a") as f:
+        f.write('\nextern "C" __global__ void cukern_undeclared(float* y) { y[0] = 1.0f; }\n')
+    rc, third, err = _cli(capsys, "check", "--unit", "tokens", "--cache-dir", cache)
+    assert rc == 1 and "cukern_undeclared" in third and "not declared in its FamilySpec" in err
+    assert len(list((cache / "ptx").iterdir())) == 4
+    rc, fourth, _ = _cli(capsys, "check", "--unit", "tokens", "--no-cache", "--json")
+    assert rc == 1 and json.loads(fourth)["errors"] == 1
+
+
+def test_check_json(tmp_path, capsys):
+    rc, out, _ = _cli(capsys, "check", "--unit", "tokens", "--arch", "sm_80", "--json", "--cache-dir", tmp_path)
+    assert rc == 0
+    result = json.loads(out)
+    assert result["targets"] == ["sm_80"] and result["errors"] == 0 and result["layout_probes"] == 1
+    assert len(result["rows"]) == result["kernel_rows"] + 1
+    row = result["rows"][0]
+    assert row["unit"] == "tokens" and row["ok"] and row["ptx_bytes"] == row["struct_bytes"] > 0
+    rc, _, err = _cli(capsys, "check", "--gpu", "--json")
+    _one_line_error(rc, err, 2)
+
+
+def test_info_json(capsys):
+    rc, out, _ = _cli(capsys, "info", "--json")
+    facts = json.loads(out)
+    assert rc == 0 and facts["cukern"] and "python" in facts and isinstance(facts["gpus"], list)
+    if not facts["gpus"]:
+        assert "no CUDA device" in facts["no_gpu"] or "not installed" in facts["no_gpu"]
+    rc, text, _ = _cli(capsys, "info")
+    assert rc == 0 and text.startswith(f"cukern          {facts['cukern']}\n")
+
+
+def test_compare_json_and_fail_above(tmp_path, capsys):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(A))
+    b.write_text(json.dumps(B))
+    rc, out, err = _cli(capsys, "compare", a, b, "--json")
+    result = json.loads(out)
+    assert rc == 0 and result["moved"] == 2 and "regressed" not in result and err == ""
+    rows = {r["kernel"]: r for r in result["rows"]}
+    assert rows["rms_norm"]["change"] == pytest.approx(-0.25) and rows["rms_norm"]["moved"] == "faster"
+    assert rows["prefill"]["moved"] == "slower" and rows["decode"]["change"] is None
+    assert result["b"]["date"] == "2026-11-23T10:00:00+00:00"
+    # prefill is 11.1% slower, add_scaled 2.0%
+    rc, out, err = _cli(capsys, "compare", a, b, "--fail-above", "10")
+    assert rc == 1 and "+11.1% slower" in out and "1 rows slower by more than 10%" in err and "prefill" in err
+    rc, out, err = _cli(capsys, "compare", a, b, "--fail-above", "12", "--json")
+    assert rc == 0 and json.loads(out)["regressed"] == 0
+    rc, out, err = _cli(capsys, "compare", a, b, "--fail-above", "1", "--json")
+    assert rc == 1 and json.loads(out)["regressed"] == 2 and "add_scaled" in err
+    rc, _, err = _cli(capsys, "compare", a, b, "--fail-above", "nan")
+    _one_line_error(rc, err, 2)
+
+
+def test_readme_code_compiles_and_names_what_it_uses():
+    """The README's Python blocks parse, and every ``from cukern... import`` in them resolves."""
+    import importlib.util
+    import re
+    text = (REPO / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert blocks
+    for block in blocks:
+        compile(block, "README.md", "exec")
+        for module, names in re.findall(r"^from (cukern[\w.]*) import (.+)$", block, re.M):
+            m = importlib.import_module(module)
+            for name in names.split(","):
+                name = name.split(" as ")[0].strip()
+                assert hasattr(m, name) or importlib.util.find_spec(f"{module}.{name}"), (module, name)
+
+
+def test_check_progress_bar_on_a_terminal_only(monkeypatch, capsys):
+    pytest.importorskip("tqdm")
+    from cukern import cli
+    assert cli._progress("check") is None   # stderr is captured here: not a terminal, no bar
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    update = cli._progress("check")
+    for done in (1, 2, 3):
+        update(("tokens", 90, False), done, 3)
+    err = capsys.readouterr().err
+    assert "check" in err and "0/3" in err
+    rc, _, err = _cli(capsys, "check", "--jobs", "0")
+    _one_line_error(rc, err, 2)
