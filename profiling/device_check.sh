@@ -4,7 +4,8 @@
 #
 #   bash profiling/device_check.sh                 # everything
 #   CUKERN_TESTS="tests/test_params.py" CUKERN_BENCH="" bash profiling/device_check.sh
-#   CUKERN_CHECK_ARGS="--arch sm_90 --family attention" ...   # narrow the compile check (default: all, sm_90 + sm_80)
+#   CUKERN_CHECK_ARGS="--arch sm_90 --unit attention" ...   # narrow the compile check (default: all, sm_90 + sm_80;
+#                                                  # --family attention: every attention unit)
 #   CUKERN_CHECK_ARGS=skip ...                     # no compile check (CI runs it)
 #   CUKERN_JOBS=8 ...                              # pytest-xdist workers for the GPU tests
 #   CUKERN_BENCH_ARGS=--quick ...                  # arguments of every benchmark

@@ -44,13 +44,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# One seed per pytest run, printed in the header: every run draws fresh data and shapes, and
-# `CUKERN_TEST_SEED=<seed> pytest ...` replays a run exactly.
+# One seed per pytest run, printed in the header and, where a test failed, in the summary (the header is
+# hidden under -q): every run draws fresh data and shapes, and `CUKERN_TEST_SEED=<seed> pytest ...`
+# replays a run exactly.
 RUN_SEED = int(os.environ.get("CUKERN_TEST_SEED") or secrets.randbits(32))
 
 
 def pytest_report_header(config):
     return f"cukern test seed: CUKERN_TEST_SEED={RUN_SEED}"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if terminalreporter.stats.get("failed") or terminalreporter.stats.get("error"):
+        terminalreporter.write_line(f"replay with CUKERN_TEST_SEED={RUN_SEED}")
 
 
 @pytest.fixture
