@@ -1,0 +1,157 @@
+"""Repeated calls of a dispatch method: the launches of a call remembered and issued again.
+
+A notebook or an eager decode loop calls the same methods on the same arrays again and again; the
+checks, the struct packing and the grid of such a call come out the same every time. A method
+marked :func:`repeatable` remembers the launches a successful call made (detached: pointers, not the
+caller's arrays), keyed by its arguments (an array by its pointer, shape, strides and dtype; a
+number by its type and exact value; a frozen dataclass by its fields) and the dispatch's settings,
+and a later call with an equal key issues them again without the Python work in between
+(``Dispatch._launch`` appends each launch to :data:`recording` while a call is recorded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+
+import cupy
+import numpy as np
+
+from cukern.streams import resolve_stream
+
+__all__ = ["repeatable", "recording"]
+
+_dispatch = None  # cukern.dispatch (Dispatch, the profiling switches, bounded_put), which imports this module
+
+
+def _dispatch_module():
+    global _dispatch
+    if _dispatch is None:
+        from cukern import dispatch
+        _dispatch = dispatch
+    return _dispatch
+
+recording = threading.local()  # .launches: the list the launches of the call being recorded go to
+_REPEAT_LIMIT = 512  # calls remembered per dispatch object
+
+
+class _NotKeyable(Exception):
+    pass
+
+
+def _arg_key(v):
+    """A hashable value that is equal for two arguments exactly when a repeatable method's checks and
+    launches come out the same for both (a frozen dataclass by its fields); _NotKeyable for a type it
+    does not know."""
+    t = type(v)
+    if t is cupy.ndarray or isinstance(v, cupy.ndarray):
+        return (t, v.data.ptr, v.shape, v.strides, v.dtype.char)
+    if t is float:
+        return (t, v.hex())
+    if v is None or t in (int, bool, str):
+        return (t, v)
+    if isinstance(v, np.generic):
+        return (t, v.tobytes())
+    if t in (tuple, list):
+        return (t, tuple(_arg_key(x) for x in v))
+    names = _FROZEN.get(t)
+    if names is None and dataclasses.is_dataclass(t) and t.__dataclass_params__.frozen:
+        names = _FROZEN[t] = tuple(f.name for f in dataclasses.fields(t))
+    if names is not None:  # a frozen dataclass (QWeight, NormedX, ...): by its fields
+        return (t, *[_arg_key(getattr(v, n)) for n in names])
+    raise _NotKeyable(t)
+
+
+_FROZEN: dict = {}  # frozen dataclass type -> its field names
+
+
+class _Replay:
+    """The launches one call made (detached, a pdl launch's driver arguments prepared) and where its
+    return value was among the arguments."""
+
+    __slots__ = ("launches", "prepared", "ret")
+
+    def __init__(self, launches: list, ret):
+        self.launches = tuple(launches)
+        self.prepared: list = [None] * len(self.launches)  # _PreparedPdl per pdl launch, made on first use
+        self.ret = ret
+
+    def issue(self, stream) -> None:
+        d = _dispatch or _dispatch_module()
+        dispatch = d.Dispatch
+        if d._nvtx_on or d._launch_timer is not None:  # profiled: ranges and events kept
+            for launch in self.launches:
+                dispatch.relaunch(launch, stream)
+            return
+        for i, launch in enumerate(self.launches):
+            if launch[6]:
+                dispatch._replay_pdl(self, i, stream)
+            else:
+                dispatch.relaunch(launch, stream)
+
+
+def _find(result, args: tuple, kwargs: dict):
+    """Where ``result`` is among the arguments (by identity): an index, a keyword, a tuple of those for a
+    tuple result, None for None; raises _NotKeyable when it is none of them."""
+    if result is None:
+        return None
+    if type(result) is tuple:
+        return tuple(_find(r, args, kwargs) for r in result)
+    for i, a in enumerate(args):
+        if a is result:
+            return i
+    for k, a in kwargs.items():
+        if a is result:
+            return k
+    raise _NotKeyable(type(result))
+
+
+def _pick(where, args: tuple, kwargs: dict):
+    if where is None:
+        return None
+    if type(where) is tuple:
+        return tuple(_pick(w, args, kwargs) for w in where)
+    return args[where] if type(where) is int else kwargs[where]
+
+
+def repeatable(method):
+    """Mark a dispatch method whose checks and launches depend on nothing but its arguments and the
+    dispatch's settings (``Dispatch._repeat_state``: its ``pdl``; no other host state, no allocation
+    the launches keep pointing to after the call): a call whose arguments equal an earlier
+    successful call's (:func:`_arg_key`) issues that call's launches again on the given stream and
+    returns the same argument. Arguments of other types make the call go through in full."""
+
+    name = method.__name__
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        stream = kwargs.pop("stream", None)
+        try:  # keywords in the caller's order: another order is another key (a miss, never a wrong hit)
+            key = (name, self._repeat_state(), *map(_arg_key, args), *[(k, _arg_key(v)) for k, v in kwargs.items()])
+        except _NotKeyable:
+            return method(self, *args, stream=stream, **kwargs)
+        cache = self.__dict__.get("_repeats")
+        if cache is None:
+            cache = self._repeats = {}
+        outer = getattr(recording, "launches", None)
+        rec = cache.get(key)
+        if rec is not None:
+            rec.issue(resolve_stream(stream))
+            if outer is not None:
+                outer.extend(rec.launches)
+            return _pick(rec.ret, args, kwargs)
+        recording.launches = launches = []
+        try:
+            result = method(self, *args, stream=stream, **kwargs)
+        finally:
+            recording.launches = outer
+        if outer is not None:
+            outer.extend(launches)
+        try:
+            (_dispatch or _dispatch_module()).bounded_put(cache, key, _Replay(launches, _find(result, args, kwargs)), _REPEAT_LIMIT)
+        except _NotKeyable:
+            pass
+        return result
+
+    return call
