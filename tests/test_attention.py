@@ -82,6 +82,39 @@ def _q(rng, shape, kind="float32", scale=1.0):
 
 # ----------------------------------------------------------------------------- allocator (CPU)
 
+def test_host_mirrors_of_kernel_shapes():
+    """The host's copies of the kernels' shared-memory sizes and tiles (attention/plan.py) equal the
+    shape structs the kernels use (decode.cuh, decode_tc.cuh, prefill.cuh, prefill_wg.cuh) for every
+    instantiation the dispatch launches: generated static_asserts, compiled by NVRTC (no GPU)."""
+    from cukern import runtime
+    from cukern.attention import plan as P
+    from cukern.attention.cache import HEAD_DIMS
+    from cukern.attention.dispatch import _CTYPE, PREFILL_HEAD_DIMS, PREFILL_WG_HEAD_DIMS
+    asserts = []
+    for kind, t in _CTYPE.items():
+        for d in HEAD_DIMS:
+            for g in P._groups(d):
+                asserts.append(f"DecodeShape<{t}, {d}, {g}>::SMEM == {P._decode_smem(kind, d, g)}")
+    for d in HEAD_DIMS:
+        if d <= P._TC_DECODE_MAX_D:
+            for nw in P._tc_warps(d):
+                asserts.append(f"DecodeTcShape<{d}, {nw}>::SMEM == {P._decode_tc_smem(d, nw)}")
+    for d in PREFILL_HEAD_DIMS:
+        nt, bm, smem = P._prefill_shape(d)
+        asserts.append(f"PrefillShape<{d}>::NT == {nt} && PrefillShape<{d}>::BM == {bm} && "
+                       f"PrefillShape<{d}>::SMEM_BYTES == {smem}")
+    for d in PREFILL_WG_HEAD_DIMS:
+        nt, bm, smem = P._prefill_wg_shape(d)
+        asserts.append(f"PrefillWgShape<{d}>::NT == {nt} && PrefillWgShape<{d}>::BM == {bm} && "
+                       f"PrefillWgShape<{d}>::SMEM_BYTES == {smem}")
+    source = "\n".join(['#include "attention/decode.cuh"', '#include "attention/decode_tc.cuh"',
+                         '#include "attention/prefill.cuh"', '#include "attention/prefill_wg.cuh"',
+                         "namespace cukern { namespace attn {"]
+                        + [f'static_assert({a}, "host mirror: {a}");' for a in asserts] + ["} }"])
+    runtime.compile_ptx("probe:attention_shapes", source, (), 90, arch_specific=True)
+    assert len(asserts) > 40
+
+
 def test_allocator_add_extend_fork_free():
     a = PageAllocator(n_pages=8, page_size=4, max_seqs=3)
     s0 = a.add(5)  # 2 pages

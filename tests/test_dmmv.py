@@ -200,6 +200,23 @@ def test_two_matrix_int8_host_path(monkeypatch):
     assert [c[0] for c in calls] == [f"dmmv_glu<{q}, 1>", DENSE._kernel(q, 1)]
 
 
+def test_int8_path_shared_memory_mirror():
+    """The host's size of the int8 kernels' dynamic shared memory (q8._q8_smem, which the launches
+    request) equals the kernels' own q8::smem_bytes for every type's configuration, warp count and
+    column count the plans pick, at short and long k: generated static_asserts compiled by NVRTC."""
+    from cukern import runtime
+    asserts = []
+    for qt in D.Q8_TYPES:
+        lu, st, _ = Q8._Q8_CONFIG[qt]
+        for nw in (4, 8, 16, 32):
+            for nc in (1, 2, 4, 8):
+                for k in (640, 4096, 14336):
+                    asserts.append(f"smem_bytes<{int(qt)}, {lu}, {st}>({nw}, {nc}, {k}u) == {Q8._q8_smem(qt, nw, nc, k)}u")
+    source = "\n".join(['#include "dmmv/q8.cuh"', "namespace cukern { namespace q8 {"]
+                        + [f'static_assert({a}, "host mirror: {a}");' for a in asserts] + ["} }"])
+    runtime.compile_ptx("probe:q8_smem", source, (), 90)
+
+
 def test_quantize_q8_reference():
     """The emulated int8 rounding of x: exact on zeros and on values d * q, within d/2 elsewhere."""
     rng = np.random.default_rng(3)

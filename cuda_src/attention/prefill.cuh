@@ -36,7 +36,7 @@
 namespace cukern {
 namespace attn {
 
-// Shapes of prefill<T, D, PAGED> (mirrored by _prefill_shape in cukern/attention.py).
+// Shapes of prefill<T, D, PAGED> (mirrored by _prefill_shape in cukern/attention/plan.py; tests/test_attention.py checks the two agree).
 template <int D>
 struct PrefillShape {
     static constexpr int WARPS = 4;

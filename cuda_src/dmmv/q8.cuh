@@ -360,12 +360,12 @@ struct Stream {
 
 // Dynamic shared memory of a block of nw warps: a header (ST mbarriers per warp, then the
 // warps' partial row sums [2][nw][nc]), the warps' rings, then nc columns of int8 x and their
-// XInfo (cukern/dmmv.py _q8_smem mirrors this).
+// XInfo (cukern/dmmv/q8.py _q8_smem mirrors this; tests/test_dmmv.py checks the two agree).
 CUKERN_DEVICE constexpr uint32_t header_bytes(int nw, int st, int nc) {
     return (uint32_t)(nw * st * 8 + 2 * nw * nc * 4 + 15) / 16 * 16;
 }
 template <int QT, int LU, int ST>
-CUKERN_DEVICE uint32_t smem_bytes(int nw, int nc, uint32_t k) {
+CUKERN_DEVICE constexpr uint32_t smem_bytes(int nw, int nc, uint32_t k) {
     return header_bytes(nw, ST, nc) + nw * Stream<QT, LU, ST>::kRingBytes +
            nc * (k + k / 32 * (uint32_t)sizeof(XInfo));
 }

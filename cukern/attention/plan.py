@@ -73,7 +73,7 @@ def _groups(d: int) -> tuple[int, ...]:
 
 def _decode_smem(kind: str, d: int, g: int) -> int:
     """Dynamic shared bytes of decode<T, d, g>: DecodeShape::SMEM in cuda_src/attention/decode.cuh (the
-    kernel traps when launched with less)."""
+    kernel traps when launched with less; tests/test_attention.py checks the two agree)."""
     vec = 16 // _ITEMSIZE[kind]
     nv = d // vec
     lpk = min(nv & -nv, 32)
@@ -107,7 +107,8 @@ def _tc_decode(kind: str, d: int) -> bool:
 
 
 def _decode_tc_smem(d: int, nw: int) -> int:
-    """Dynamic shared bytes of decode_tc<T, d, nw>: DecodeTcShape::SMEM in cuda_src/attention/decode_tc.cuh."""
+    """Dynamic shared bytes of decode_tc<T, d, nw>: DecodeTcShape::SMEM in cuda_src/attention/decode_tc.cuh
+    (tests/test_attention.py checks the two agree)."""
     stage = 2 * 16 * (d + 8)  # elements of K and V of a 16-key warp tile
     ns = min(8, max(2, _DECODE_TC_WARP_BYTES // (2 * stage)))
     return max(nw * ns * stage * 2, nw * _TC_GROUP * d * 4)
