@@ -149,7 +149,8 @@ def repeatable(method):
         if outer is not None:
             outer.extend(launches)
         try:
-            (_dispatch or _dispatch_module()).bounded_put(cache, key, _Replay(launches, _find(result, args, kwargs)), _REPEAT_LIMIT)
+            replay = _Replay(launches, _find(result, args, kwargs))
+            (_dispatch or _dispatch_module()).bounded_put(cache, key, replay, _REPEAT_LIMIT)
         except _NotKeyable:
             pass
         return result

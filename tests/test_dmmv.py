@@ -211,7 +211,8 @@ def test_int8_path_shared_memory_mirror():
         for nw in (4, 8, 16, 32):
             for nc in (1, 2, 4, 8):
                 for k in (640, 4096, 14336):
-                    asserts.append(f"smem_bytes<{int(qt)}, {lu}, {st}>({nw}, {nc}, {k}u) == {Q8._q8_smem(qt, nw, nc, k)}u")
+                    want = Q8._q8_smem(qt, nw, nc, k)
+                    asserts.append(f"smem_bytes<{int(qt)}, {lu}, {st}>({nw}, {nc}, {k}u) == {want}u")
     source = "\n".join(['#include "dmmv/q8.cuh"', "namespace cukern { namespace q8 {"]
                         + [f'static_assert({a}, "host mirror: {a}");' for a in asserts] + ["} }"])
     runtime.compile_ptx("probe:q8_smem", source, (), 90)

@@ -40,7 +40,8 @@ namespace attn {
 constexpr int DECODE_WARPS = 4;
 constexpr int DECODE_PIPE_BYTES = 64 * 1024;  // K/V bytes of the stages of one block (target)
 
-// How a block covers K/V rows of D elements of T (mirrored by _decode_smem in cukern/attention/plan.py; tests/test_attention.py checks the two agree).
+// How a block covers K/V rows of D elements of T (mirrored by _decode_smem in cukern/attention/plan.py;
+// tests/test_attention.py checks the two agree).
 template <typename T, int D, int G>
 struct DecodeShape {
     static constexpr int NT = DECODE_WARPS * 32;

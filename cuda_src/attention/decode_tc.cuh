@@ -44,7 +44,8 @@ namespace attn {
 
 constexpr int DECODE_TC_WARP_BYTES = 26 * 1024;  // target bytes of one warp's ring of stages
 
-// Shapes of decode_tc<T, D, NW> (mirrored by _decode_tc_smem in cukern/attention/plan.py; tests/test_attention.py checks the two agree).
+// Shapes of decode_tc<T, D, NW> (mirrored by _decode_tc_smem in cukern/attention/plan.py;
+// tests/test_attention.py checks the two agree).
 template <int D, int NW>
 struct DecodeTcShape {
     static constexpr int WARPS = NW;

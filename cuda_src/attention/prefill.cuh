@@ -36,7 +36,8 @@
 namespace cukern {
 namespace attn {
 
-// Shapes of prefill<T, D, PAGED> (mirrored by _prefill_shape in cukern/attention/plan.py; tests/test_attention.py checks the two agree).
+// Shapes of prefill<T, D, PAGED> (mirrored by _prefill_shape in cukern/attention/plan.py;
+// tests/test_attention.py checks the two agree).
 template <int D>
 struct PrefillShape {
     static constexpr int WARPS = 4;

@@ -42,7 +42,8 @@
 namespace cukern {
 namespace attn {
 
-// Shapes of prefill_wg<T, D, PAGED> (mirrored by _prefill_wg_shape in cukern/attention/plan.py; tests/test_attention.py checks the two agree).
+// Shapes of prefill_wg<T, D, PAGED> (mirrored by _prefill_wg_shape in cukern/attention/plan.py;
+// tests/test_attention.py checks the two agree).
 template <int D>
 struct PrefillWgShape {
     static constexpr int WGS = 2;                        // warpgroups of 64 query rows

@@ -177,7 +177,7 @@ class Dense:
             else:
                 kernel, b1, b2 = f"dmmv_glu_nx<{w.qtype}, {width}>", -(-w.m // _ROWS), 0
             yy = tuple(y if n == 1 else y[c0:] for y in ys)
-            launches.append((kernel, b1 + b2, b1, yy, x.columns(c0, width), smem))
+            launches.append((kernel, b1 + b2, b1, yy, x.columns(c0), smem))
         p = self.struct("DmmvNormParams")
         w2 = w2 if w2 is not None else w
         for kernel, blocks, b1, yy, (res, proj, w_post, w_norm, out), smem in launches:
@@ -225,7 +225,7 @@ class Dense:
             mode=0, act=0, alpha=1.0, eps=x.eps, weight_offset=x.weight_offset, post=x.post,
             write_out=int(x.residual_out is not None), w3_offset=w3.offset, row_bytes3=w3.row_bytes, m3=w3.m,
             blocks2=b1 + b2)
-        res, proj, w_post, w_norm, out = x.columns(0, 1)
+        res, proj, w_post, w_norm, out = x.columns(0)
         self._three._launch(_three_kernel(w1.qtype, w3.qtype), b1 + b2 + b3, _normed_warps(w1.k) * 32,
                          (y1, y2, y3, w1.buf, w2.buf, w3.buf, res, proj, w_post, w_norm, out), params,
                          stream=stream, shared_mem=smem, pdl=self.pdl)

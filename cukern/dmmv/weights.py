@@ -249,11 +249,15 @@ class NormedX:
         """DmmvNormParams.post: 0 no proj, 1 proj added, 2 proj post-normed and added."""
         return 0 if self.proj is None else (1 if self.w_post is None else 2)
 
-    def columns(self, c0: int, n: int) -> tuple:
-        """(residual, proj, w_post, w, residual_out) for columns [c0, c0 + ...) of a launch: the kernel's pointers
-        (the unused ones: residual)."""
+    def columns(self, c0: int) -> tuple:
+        """(residual, proj, w_post, w, residual_out) from column c0 on (a launch's first column): the kernel's
+        pointers (the unused ones: residual)."""
         two = self.residual.ndim == 2
-        pick = lambda a: (a[c0:] if two else a) if a is not None else (self.residual[c0:] if two else self.residual)  # noqa: E731
+
+        def pick(a):
+            a = self.residual if a is None else a
+            return a[c0:] if two else a
+
         return (pick(self.residual), pick(self.proj), self.residual if self.w_post is None else self.w_post, self.w,
                 pick(self.residual_out))
 
