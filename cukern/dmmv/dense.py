@@ -227,8 +227,8 @@ class Dense:
             blocks2=b1 + b2)
         res, proj, w_post, w_norm, out = x.columns(0)
         self._three._launch(_three_kernel(w1.qtype, w3.qtype), b1 + b2 + b3, _normed_warps(w1.k) * 32,
-                         (y1, y2, y3, w1.buf, w2.buf, w3.buf, res, proj, w_post, w_norm, out), params,
-                         stream=stream, shared_mem=smem, pdl=self.pdl)
+                            (y1, y2, y3, w1.buf, w2.buf, w3.buf, res, proj, w_post, w_norm, out), params,
+                            stream=stream, shared_mem=smem, pdl=self.pdl)
         return y1, y2, y3
 
     def dmmv_scale_acc(self, w: QWeight, x, y, scale: float, *, stream=None) -> cupy.ndarray:
