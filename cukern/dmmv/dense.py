@@ -217,7 +217,7 @@ class Dense:
         if smem > self.max_shared_optin():
             raise ValueError(f"a NormedX of k={w1.k} needs {smem} bytes of shared memory per block, the device "
                              f"allows {self.max_shared_optin()}")
-        (r, v), (r3, v3) = _ONE_COL[w1.qtype], _ONE_COL[w3.qtype]
+        r, r3 = _ONE_COL[w1.qtype][0], _ONE_COL[w3.qtype][0]  # rows per block of each matrix
         b1, b2, b3 = -(-w1.m // r), -(-w2.m // r), -(-w3.m // r3)
         params = self.struct("DmmvNormParams").pack(
             w_offset=w1.offset, w2_offset=w2.offset, row_bytes=w1.row_bytes, m=w1.m, m2=w2.m, k=w1.k,
