@@ -166,46 +166,29 @@ def _pdl_attribute():
 
 
 def _launch_pdl(kernel: str, fn, grid, block, args, shared_mem: int) -> None:
-    """``fn(grid, block, args)`` with programmatic stream serialisation allowed: the kernel may
-    start before the previous kernel in the stream ends (it waits for it with pdl_wait()).
-    Argument bytes: one 8-byte slot per device pointer, the struct's (or a detached pointer's) own."""
-    launch, error_name = _cu_launch_kernel_ex()
-    n = len(args)
-    slots = (ctypes.c_uint64 * n)()
-    params = (ctypes.c_void_p * n)()
-    base, keep = ctypes.addressof(slots), []
-    for i, a in enumerate(args):
-        if isinstance(a, cupy.ndarray):
-            slots[i] = a.data.ptr
-            params[i] = base + 8 * i
-        else:
-            keep.append(ctypes.create_string_buffer(a.tobytes(), a.nbytes))
-            params[i] = ctypes.addressof(keep[-1])
-    config = _LaunchConfig(grid, block, shared_mem, cupy.cuda.get_current_stream().ptr, _pdl_attribute(), 1)
-    err = launch(ctypes.byref(config), getattr(fn, "kernel", fn).ptr, params, None)  # RawKernel -> Function
-    if err:
-        name = ctypes.c_char_p()
-        error_name(err, ctypes.byref(name))
-        raise runtime.CukernError(f"{kernel}: cuLaunchKernelEx failed with {name.value.decode()} ({err})")
+    """``fn(grid, block, args)`` with programmatic stream serialisation allowed, on the current stream: the
+    kernel may start before the previous kernel in the stream ends (it waits for it with pdl_wait())."""
+    _PreparedPdl(kernel, fn, grid, block, args, shared_mem)(cupy.cuda.get_current_stream().ptr)
 
 
 class _PreparedPdl:
-    """A detached pdl launch's driver arguments (pointer slots, the struct's bytes, the launch config)
-    built once, so that issuing it again costs the stream's pointer and one driver call."""
+    """A pdl launch's driver arguments built once: one 8-byte slot per device pointer (a cupy array),
+    the bytes of every other argument (a packed struct, a tensor map, a detached pointer), the launch
+    config; calling it issues the launch on a stream. A remembered call (cukern.repeat) keeps one and
+    issues it again for the stream's pointer and one driver call."""
 
     __slots__ = ("kernel", "fn_ptr", "slots", "params", "keep", "config")
 
-    def __init__(self, launch: tuple):
-        kernel, fn, grid, block, args, shared_mem, _ = launch
+    def __init__(self, kernel: str, fn, grid, block, args, shared_mem: int):
         n = len(args)
-        self.kernel, self.fn_ptr = kernel, getattr(fn, "kernel", fn).ptr
+        self.kernel, self.fn_ptr = kernel, getattr(fn, "kernel", fn).ptr  # RawKernel -> Function
         self.slots = (ctypes.c_uint64 * n)()
         self.params = (ctypes.c_void_p * n)()
         self.keep = []
         base = ctypes.addressof(self.slots)
         for i, a in enumerate(args):
-            if isinstance(a, np.uint64):
-                self.slots[i] = int(a)
+            if isinstance(a, cupy.ndarray):
+                self.slots[i] = a.data.ptr
                 self.params[i] = base + 8 * i
             else:
                 self.keep.append(ctypes.create_string_buffer(a.tobytes(), a.nbytes))
@@ -423,7 +406,7 @@ class Dispatch:
         arguments."""
         prepared = replay.prepared[i]
         if prepared is None:
-            prepared = replay.prepared[i] = _PreparedPdl(replay.launches[i])
+            prepared = replay.prepared[i] = _PreparedPdl(*replay.launches[i][:6])
         prepared(stream.ptr)
 
     @staticmethod
