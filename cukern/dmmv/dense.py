@@ -40,6 +40,12 @@ _SPLIT_ROWS, _SPLIT_UNROLL = 2, 2  # rows per warp R, chunks per lane loaded at 
 _NORM_ITEMS = 4  # float4s of each input a thread of a NormedX prologue holds (kNormItems)
 
 
+def _nx_kernel(qt: int, n: int) -> str:
+    """dmmv_nx<QT, NC, R, V>: dmmv's instantiation on a NormedX (the same rows per block and loop)."""
+    r, v = _config(qt, n)
+    return f"dmmv_nx<{qt}, {n}, {r}, {v}>"
+
+
 def _three_kernel(qt: int, qt3: int) -> str:
     """dmmv_nx3<QT, R, V, QT3, R3, V3>: each matrix at its type's one-column (R, V)."""
     return f"dmmv_nx3<{qt}, {_ONE_COL[qt][0]}, {_ONE_COL[qt][1]}, {qt3}, {_ONE_COL[qt3][0]}, {_ONE_COL[qt3][1]}>"
@@ -171,26 +177,31 @@ class Dense:
                 raise ValueError(f"a NormedX of {width} columns of k={w.k} needs {smem} bytes of shared memory per "
                                  f"block, the device allows {self.max_shared_optin()}: pass fewer columns")
             if glu is None:
-                kernel = _kernel(w.qtype, width).replace("dmmv<", "dmmv_nx<")
+                kernel = _nx_kernel(w.qtype, width)
                 rows = _config(w.qtype, width)[0]
                 b1, b2 = -(-w.m // rows), (-(-w2.m // rows) if w2 is not None else 0)
             else:
                 kernel, b1, b2 = f"dmmv_glu_nx<{w.qtype}, {width}>", -(-w.m // _ROWS), 0
             yy = tuple(y if n == 1 else y[c0:] for y in ys)
             launches.append((kernel, b1 + b2, b1, yy, x.columns(c0), smem))
-        p = self.struct("DmmvNormParams")
+        pair = w2 is not None and glu is None
         w2 = w2 if w2 is not None else w
         for kernel, blocks, b1, yy, (res, proj, w_post, w_norm, out), smem in launches:
-            params = p.pack(w_offset=w.offset, w2_offset=w2.offset, row_bytes=w.row_bytes, m=w.m,
-                            m2=w2.m if len(ys) == 2 and glu is None else 0, k=w.k, n_full=w.k // _STEP,
-                            tail=w.k % _STEP, blocks1=b1, x_stride=w.k, y_stride=w.m,
-                            y2_stride=w2.m if glu is None else 0, mode=mode, act=glu or 0, alpha=float(alpha),
-                            eps=x.eps, weight_offset=x.weight_offset, post=x.post,
-                            write_out=int(x.residual_out is not None), w3_offset=0, row_bytes3=0, m3=0,
-                            blocks2=blocks)
+            params = self._nx_params(w, w2, x, m2=w2.m if pair else 0, blocks1=b1, blocks2=blocks,
+                                     y2_stride=0 if glu is not None else w2.m, mode=mode, act=glu or 0, alpha=alpha)
             args = (yy[0], yy[-1], w.buf, w2.buf) if glu is None else (yy[0], w.buf, w2.buf)
             self._nx._launch(kernel, blocks, _normed_warps(w.k) * 32, args + (res, proj, w_post, w_norm, out),
                              params, stream=stream, shared_mem=smem, pdl=self.pdl)
+
+    def _nx_params(self, w: QWeight, w2: QWeight, x: NormedX, *, m2: int, blocks1: int, blocks2: int,
+                   y2_stride: int, mode: int = 0, act: int = 0, alpha: float = 1.0, w3: QWeight | None = None):
+        """DmmvNormParams of a launch on NormedX x: matrix 1 (and 2, and dmmv_nx3's 3) and the norm fields."""
+        return self.struct("DmmvNormParams").pack(
+            w_offset=w.offset, w2_offset=w2.offset, row_bytes=w.row_bytes, m=w.m, m2=m2, k=w.k, n_full=w.k // _STEP,
+            tail=w.k % _STEP, blocks1=blocks1, x_stride=w.k, y_stride=w.m, y2_stride=y2_stride, mode=mode, act=act,
+            alpha=float(alpha), eps=x.eps, weight_offset=x.weight_offset, post=x.post,
+            write_out=int(x.residual_out is not None), w3_offset=w3.offset if w3 is not None else 0,
+            row_bytes3=w3.row_bytes if w3 is not None else 0, m3=w3.m if w3 is not None else 0, blocks2=blocks2)
 
     def dmmv_three(self, w1: QWeight, w2: QWeight, w3: QWeight, x: NormedX, y1, y2, y3, *,
                    stream=None) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray]:
@@ -219,12 +230,7 @@ class Dense:
                              f"allows {self.max_shared_optin()}")
         r, r3 = _ONE_COL[w1.qtype][0], _ONE_COL[w3.qtype][0]  # rows per block of each matrix
         b1, b2, b3 = -(-w1.m // r), -(-w2.m // r), -(-w3.m // r3)
-        params = self.struct("DmmvNormParams").pack(
-            w_offset=w1.offset, w2_offset=w2.offset, row_bytes=w1.row_bytes, m=w1.m, m2=w2.m, k=w1.k,
-            n_full=w1.k // _STEP, tail=w1.k % _STEP, blocks1=b1, x_stride=w1.k, y_stride=w1.m, y2_stride=w2.m,
-            mode=0, act=0, alpha=1.0, eps=x.eps, weight_offset=x.weight_offset, post=x.post,
-            write_out=int(x.residual_out is not None), w3_offset=w3.offset, row_bytes3=w3.row_bytes, m3=w3.m,
-            blocks2=b1 + b2)
+        params = self._nx_params(w1, w2, x, m2=w2.m, blocks1=b1, blocks2=b1 + b2, y2_stride=w2.m, w3=w3)
         res, proj, w_post, w_norm, out = x.columns(0)
         self._three._launch(_three_kernel(w1.qtype, w3.qtype), b1 + b2 + b3, _normed_warps(w1.k) * 32,
                             (y1, y2, y3, w1.buf, w2.buf, w3.buf, res, proj, w_post, w_norm, out), params,

@@ -9,7 +9,7 @@ import cupy
 
 from cukern.dispatch import Dispatch, Unit, check_array, repeatable
 from cukern.dmmv.common import _ACTS, _COLS, _F32, _STEP
-from cukern.dmmv.dense import THREE_TYPES, Dense, _kernel, _split_kernel, _three_kernel
+from cukern.dmmv.dense import THREE_TYPES, Dense, _kernel, _nx_kernel, _split_kernel, _three_kernel
 from cukern.dmmv.moe import Moe
 from cukern.dmmv.q8 import Int8Path, _q8_down_kernel, _q8_kernel, _q8_moe_glu_kernel, _q8_two_kernel
 from cukern.dmmv.weights import Q8_TYPES, QTYPES, QWeight
@@ -55,8 +55,7 @@ TWO_FAMILY = FamilySpec(  # dmmv_pair and dmmv_glu on the int8 path: compiled on
 )
 NX_FAMILY = FamilySpec(  # dmmv, dmmv_pair and dmmv_glu on a NormedX: compiled only by a process that uses them
     name="dmmv_nx", source="dmmv/dmmv.cu", params_header="dmmv/params.cuh",
-    kernels=tuple([KernelSpec(_kernel(q, n).replace("dmmv<", "dmmv_nx<"), "DmmvNormParams") for q in QTYPES
-                   for n in _COLS]
+    kernels=tuple([KernelSpec(_nx_kernel(q, n), "DmmvNormParams") for q in QTYPES for n in _COLS]
                   + [KernelSpec(f"dmmv_glu_nx<{q}, {n}>", "DmmvNormParams") for q in QTYPES for n in _COLS]),
 )
 THREE_FAMILY = FamilySpec(  # dmmv_three: compiled only by a process that uses it
