@@ -168,18 +168,19 @@ def _pdl_attribute():
 def _launch_pdl(kernel: str, fn, grid, block, args, shared_mem: int) -> None:
     """``fn(grid, block, args)`` with programmatic stream serialisation allowed, on the current stream: the
     kernel may start before the previous kernel in the stream ends (it waits for it with pdl_wait())."""
-    _PreparedPdl(kernel, fn, grid, block, args, shared_mem)(cupy.cuda.get_current_stream().ptr)
+    _PreparedLaunch(kernel, fn, grid, block, args, shared_mem, True)(cupy.cuda.get_current_stream().ptr)
 
 
-class _PreparedPdl:
-    """A pdl launch's driver arguments built once: one 8-byte slot per device pointer (a cupy array),
-    the bytes of every other argument (a packed struct, a tensor map, a detached pointer), the launch
-    config; calling it issues the launch on a stream. A remembered call (cukern.repeat) keeps one and
-    issues it again for the stream's pointer and one driver call."""
+class _PreparedLaunch:
+    """A launch's driver arguments built once: one 8-byte slot per device pointer (a cupy array), the
+    bytes of every other argument (a packed struct, a tensor map, a detached pointer), the launch
+    config (with the pdl attribute where ``pdl``); calling it issues the launch on a stream through
+    one cuLaunchKernelEx call. A remembered call (cukern.repeat) keeps one per launch and issues it
+    again for the stream's pointer: none of CuPy's per-call argument marshalling."""
 
     __slots__ = ("kernel", "fn_ptr", "slots", "params", "keep", "config")
 
-    def __init__(self, kernel: str, fn, grid, block, args, shared_mem: int):
+    def __init__(self, kernel: str, fn, grid, block, args, shared_mem: int, pdl: bool):
         n = len(args)
         self.kernel, self.fn_ptr = kernel, getattr(fn, "kernel", fn).ptr  # RawKernel -> Function
         self.slots = (ctypes.c_uint64 * n)()
@@ -193,7 +194,8 @@ class _PreparedPdl:
             else:
                 self.keep.append(ctypes.create_string_buffer(a.tobytes(), a.nbytes))
                 self.params[i] = ctypes.addressof(self.keep[-1])
-        self.config = _LaunchConfig(grid, block, shared_mem, 0, _pdl_attribute(), 1)
+        self.config = (_LaunchConfig(grid, block, shared_mem, 0, _pdl_attribute(), 1) if pdl else
+                       _LaunchConfig(grid, block, shared_mem, 0, None, 0))
 
     def __call__(self, stream_ptr: int) -> None:
         launch, error_name = _cu_launch_kernel_ex()
@@ -401,12 +403,13 @@ class Dispatch:
         return getattr(self, "pdl", False)
 
     @staticmethod
-    def _replay_pdl(replay, i: int, stream) -> None:
-        """Issue pdl launch i of a remembered call (repeatable) on ``stream`` from its prepared driver
-        arguments."""
+    def _replay(replay, i: int, stream) -> None:
+        """Issue launch i of a remembered call (repeatable) on ``stream`` from its prepared driver
+        arguments (made on first use)."""
         prepared = replay.prepared[i]
         if prepared is None:
-            prepared = replay.prepared[i] = _PreparedPdl(*replay.launches[i][:6])
+            kernel, fn, grid, block, args, shared_mem, pdl = replay.launches[i]
+            prepared = replay.prepared[i] = _PreparedLaunch(kernel, fn, grid, block, args, shared_mem, pdl)
         prepared(stream.ptr)
 
     @staticmethod

@@ -4,7 +4,8 @@ A notebook or an eager decode loop calls the same methods on the same arrays aga
 checks, the struct packing and the grid of such a call come out the same every time. A method
 marked :func:`repeatable` remembers the launches a successful call made (detached: pointers, not the
 caller's arrays), keyed by its arguments (an array by its pointer, shape, strides and dtype; a
-number by its type and exact value; a frozen dataclass by its fields) and the dispatch's settings,
+number by its type and exact value; a frozen dataclass by its fields; an object whose class sets
+``_repeat_by_identity``, such as a PagedKVCache, by identity) and the dispatch's settings,
 and a later call with an equal key issues them again without the Python work in between
 (``Dispatch._launch`` appends each launch to :data:`recording` while a call is recorded).
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+import weakref
 
 import cupy
 import numpy as np
@@ -55,26 +57,41 @@ def _arg_key(v):
         return (t, v.tobytes())
     if t in (tuple, list):
         return (t, tuple(_arg_key(x) for x in v))
+    if getattr(t, "_repeat_by_identity", False):
+        # by identity, through a weak reference: equal only while the object lives (a dead one's entry
+        # never matches an object made later at its address) and not kept alive by the cache
+        return weakref.ref(v)
     names = _FROZEN.get(t)
     if names is None and dataclasses.is_dataclass(t) and t.__dataclass_params__.frozen:
         names = _FROZEN[t] = tuple(f.name for f in dataclasses.fields(t))
-    if names is not None:  # a frozen dataclass (QWeight, NormedX, ...): by its fields
-        return (t, *[_arg_key(getattr(v, n)) for n in names])
-    raise _NotKeyable(t)
+    if names is None:
+        raise _NotKeyable(t)
+    # a frozen dataclass (QWeight, NormedX, ...): by its fields, made once per instance and kept on it
+    # (its fields cannot be rebound, and an array's pointer, shape, strides and dtype never change);
+    # an instance holding a list is keyed afresh each time, since the list may change
+    kept = getattr(v, "__dict__", None)  # None for a slotted dataclass: keyed afresh each time
+    key = kept.get(_KEY_ATTR) if kept is not None else None
+    if key is None:
+        fields = [getattr(v, n) for n in names]
+        key = (t, *map(_arg_key, fields))
+        if kept is not None and not any(type(f) is list for f in fields):
+            kept[_KEY_ATTR] = key
+    return key
 
 
 _FROZEN: dict = {}  # frozen dataclass type -> its field names
+_KEY_ATTR = "_repeat_key"  # where a frozen dataclass instance keeps its key
 
 
 class _Replay:
-    """The launches one call made (detached, a pdl launch's driver arguments prepared) and where its
-    return value was among the arguments."""
+    """The launches one call made (detached; each one's driver arguments prepared on first replay) and
+    where its return value was among the arguments."""
 
     __slots__ = ("launches", "prepared", "ret")
 
     def __init__(self, launches: list, ret):
         self.launches = tuple(launches)
-        self.prepared: list = [None] * len(self.launches)  # _PreparedPdl per pdl launch, made on first use
+        self.prepared: list = [None] * len(self.launches)  # dispatch._PreparedLaunch per launch
         self.ret = ret
 
     def issue(self, stream) -> None:
@@ -84,11 +101,8 @@ class _Replay:
             for launch in self.launches:
                 dispatch.relaunch(launch, stream)
             return
-        for i, launch in enumerate(self.launches):
-            if launch[6]:
-                dispatch._replay_pdl(self, i, stream)
-            else:
-                dispatch.relaunch(launch, stream)
+        for i in range(len(self.launches)):
+            dispatch._replay(self, i, stream)
 
 
 def _find(result, args: tuple, kwargs: dict):

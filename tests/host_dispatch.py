@@ -123,7 +123,7 @@ def patch(monkeypatch, array_methods: bool = False) -> collections.Counter:
     monkeypatch.setattr(dispatch.Dispatch, "_function", lambda self, kernel, shared_mem=0: kernel)
     monkeypatch.setattr(dispatch.Dispatch, "_call", staticmethod(
         lambda kernel, fn, grid, block, args, shared_mem, pdl=False: launches.update([kernel])))
-    monkeypatch.setattr(dispatch.Dispatch, "_replay_pdl", staticmethod(
+    monkeypatch.setattr(dispatch.Dispatch, "_replay", staticmethod(
         lambda replay, i, stream: launches.update([replay.launches[i][0]])))
     monkeypatch.setattr(dispatch.Dispatch, "device_id", property(lambda self: 0))
     monkeypatch.setattr(dispatch, "_pdl_supported", lambda device_id: True)  # an sm_90 device

@@ -450,6 +450,54 @@ def test_decode_pdl_chain_matches_plain_launches(rng, kind, d, h, hk, monkeypatc
     assert len(pdl_launches) >= 4 * n_steps, "the pdl path was not taken"
 
 
+def test_repeated_decode_calls_replay(rng, host_if_no_gpu, monkeypatch):
+    """flash_attn_decode calls repeated with an equal plan (by its fields, the cache by identity), layer,
+    arrays and values replay the first call's launches (cukern.repeat); another window or the plan of
+    another cache of the same shapes runs in full, and the first call again replays."""
+    bodies = []
+    real = AttentionDispatch._prefetch_tiles
+    monkeypatch.setattr(AttentionDispatch, "_prefetch_tiles", lambda self, *a: (bodies.append(1), real(self, *a))[1])
+    d = AttentionDispatch()
+    cache, slots = _make_cache(rng, [10, 3], attn=d)
+    twin, twin_slots = _make_cache(rng, [10, 3], attn=d)
+    q = cupy.zeros((2, 4, 64), cupy.float32)
+    out = cupy.zeros_like(q)
+    plan = d.plan_decode(cache, slots, 4)
+    for _ in range(3):
+        assert d.flash_attn_decode(plan, 0, q, out) is out
+    assert len(bodies) == 1
+    d.flash_attn_decode(plan, 0, q, out, window_left=4)
+    d.flash_attn_decode(d.plan_decode(twin, twin_slots, 4), 0, q, out)
+    assert len(bodies) == 3
+    d.flash_attn_decode(plan, 0, q, out)
+    assert len(bodies) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [False, True])
+def test_repeated_decode_reads_the_grown_cache(rng, pdl):
+    """A replayed decode (cukern.repeat) reads the page table and lengths on the device: after the
+    sequences grow (new pages, new K/V) the repeated call matches the reference at the new lengths.
+    Gemma 3's decode shape (one KV head of 256, four query heads), a sliding window and one without."""
+    d = AttentionDispatch(pdl=pdl)
+    cache, slots = _make_cache(rng, [50, 7], n_kv_heads=1, head_dim=256, page_size=16, attn=d)
+    qh, q = _q(rng, (2, 4, 256))
+    out = cupy.empty((2, 4, 256), cupy.float32)
+    for window in (-1, 20):
+        plan = d.plan_decode(cache, slots, 4, max_kv_len=200, window_left=window)
+        for _ in range(3):
+            poison(out)
+            d.flash_attn_decode(plan, 0, q, out, window_left=window)
+            kp, vp, pt, lens = _host(cache)
+            want, _ = ref.paged_attention(qh, kp, vp, pt, lens, slots, [1, 1], 16, window_left=window)
+            assert_close(out, want, **DECODE_TOL)
+            for s in slots:
+                pos = cache.extend(s, 9)
+                kv = cupy.asarray(rng.standard_normal((9, 1, 256)).astype(np.float32))
+                d.write_kv_run(cache, 0, kv, kv * 0.5, s, pos)
+    assert sum(key[0] == "flash_attn_decode" for key in d._repeats) == 2  # one entry a plan: replays
+
+
 def test_decode_rejects_bad_input(attn, rng, host_if_no_gpu):
     cache, slots = _make_cache(rng, [10], n_kv_heads=2, head_dim=64, attn=attn)
     with pytest.raises(ValueError, match="does not exist"):

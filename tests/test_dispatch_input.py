@@ -202,3 +202,39 @@ def test_generate_validates_before_it_touches_the_cache(tmp_path, monkeypatch, k
     with pytest.raises(exc, match=match):
         lm.generate(args.pop("prompts"), args.pop("max_new_tokens"), **args)
     assert _same(before, _state(lm.cache.alloc)) and sum(launches.values()) == n_launches
+
+
+def test_repeat_keys_of_frozen_dataclasses_and_identity_objects():
+    """cukern.repeat's argument keys: a frozen dataclass by its fields, the key kept on the instance
+    unless a field is a list (which may change); an object of a ``_repeat_by_identity`` class by
+    identity, a dead one's key never equal to a later object's."""
+    import dataclasses
+    from cukern.repeat import _KEY_ATTR, _arg_key
+
+    @dataclasses.dataclass(frozen=True, eq=False)
+    class Plan:
+        n: int
+        scale: float
+        ids: object = None
+
+    a, b = Plan(3, 0.5), Plan(3, 0.5)
+    assert _arg_key(a) == _arg_key(b) != _arg_key(Plan(3, 0.25))
+    assert a.__dict__[_KEY_ATTR] == _arg_key(a)
+    listed = Plan(3, 0.5, [1, 2])
+    key = _arg_key(listed)
+    listed.ids.append(3)
+    assert _KEY_ATTR not in listed.__dict__ and _arg_key(listed) != key
+
+    class Cache:
+        _repeat_by_identity = True
+
+    c, other = Cache(), Cache()
+    assert _arg_key(c) == _arg_key(c) != _arg_key(other)
+    old = _arg_key(Plan(1, 1.0, c))
+    addr = id(c)
+    del c
+    for _ in range(1000):  # CPython hands a freed object's address to the next object of its size
+        new = Cache()
+        if id(new) == addr:
+            assert _arg_key(Plan(1, 1.0, new)) != old
+            break

@@ -781,13 +781,13 @@ def test_mxfp4_long_k_l2_prefetch(rng, m, nw, blocks):
 
 def _count_pdl_launches(monkeypatch) -> list:
     """The kernel names of every pdl launch from here on: first calls (dispatch._launch_pdl) and the
-    replays of repeated ones (Dispatch._replay_pdl)."""
+    pdl replays of repeated ones (Dispatch._replay)."""
     from cukern import dispatch
     names = []
-    launch, replay = dispatch._launch_pdl, dispatch.Dispatch._replay_pdl
+    launch, replay = dispatch._launch_pdl, dispatch.Dispatch._replay
     monkeypatch.setattr(dispatch, "_launch_pdl", lambda *a: (names.append(a[0]), launch(*a)))
-    monkeypatch.setattr(dispatch.Dispatch, "_replay_pdl", staticmethod(
-        lambda r, i, stream: (names.append(r.launches[i][0]), replay(r, i, stream))))
+    monkeypatch.setattr(dispatch.Dispatch, "_replay", staticmethod(
+        lambda r, i, stream: (r.launches[i][6] and names.append(r.launches[i][0]), replay(r, i, stream))))
     return names
 
 

@@ -185,6 +185,10 @@ class PagedKVCache:
     sequences can be extended independently; rewriting a shared position changes both.
     """
 
+    # cukern.repeat keys a cache by identity: its device arrays (pools, page table, lengths) and shape are
+    # made once here and never rebound, and the kernels read the table and lengths on the device
+    _repeat_by_identity = True
+
     def __init__(self, n_layers: int, n_pages: int, page_size: int, n_kv_heads: int, head_dim: int, *,
                  max_seqs: int, max_pages_per_seq: int | None = None, dtype="float16", device: int | None = None):
         n_layers, n_kv_heads = check_int("n_layers", n_layers, 1), check_int("n_kv_heads", n_kv_heads, 1)

@@ -18,6 +18,7 @@ from cukern.attention.plan import (_ITEMSIZE, _MAX_SPLITS, _MERGE_THREADS, _NO_O
                                    _groups, _head_block, _merge_cols4, _prefill_shape, _prefill_wg_shape, _schedule,
                                    _tc_decode, _tc_warps)
 from cukern.dispatch import Unit, check_array, check_int
+from cukern.repeat import repeatable
 from cukern.runtime import FamilySpec, KernelSpec
 
 __all__ = ["AttentionDispatch", "FAMILY", "FAMILIES", "PREFILL_HEAD_DIMS", "PREFILL_WG_HEAD_DIMS"]
@@ -133,6 +134,10 @@ class AttentionDispatch:
         self._device = device
         self.pdl = bool(pdl)
         self._units = {name: Unit(spec, device, sm90a=name in _SM90A_UNITS) for name, spec in FAMILIES.items()}
+
+    def _repeat_state(self):
+        """The setting a repeatable method's launches depend on besides its arguments (cukern.repeat)."""
+        return self.pdl
 
     def _unit(self, kind: str, prefill: bool = False) -> Unit:
         return self._units[f"attention_prefill_{_SHORT[kind]}" if prefill else
@@ -252,6 +257,7 @@ class AttentionDispatch:
         return DecodePlan(cache, cupy.asarray(ids.astype(np.int32)), int(n_heads), max_kv_len, int(n_splits), hb,
                           int(warps), apart, o_part, lse_part, counters, ov)
 
+    @repeatable
     def flash_attn_decode(self, plan: DecodePlan, layer: int, q: cupy.ndarray, out: cupy.ndarray, *,
                           scale: float = 0.0, window_left: int = -1, softcap: float = 0.0,
                           sinks: cupy.ndarray | None = None, lse: cupy.ndarray | None = None,

@@ -245,9 +245,10 @@ class DecodeOverrides:
 _NO_OVERRIDES = DecodeOverrides()
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class DecodePlan:
-    """Host-side schedule and device buffers of one decode batch (see AttentionDispatch.plan_decode)."""
+    """Host-side schedule and device buffers of one decode batch (see AttentionDispatch.plan_decode).
+    Frozen: a decode call with an equal plan, layer and arrays repeats its launches (cukern.repeat)."""
 
     cache: PagedKVCache
     seq_ids: cupy.ndarray  # [batch] int32 slots

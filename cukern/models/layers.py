@@ -73,9 +73,8 @@ class Layers:
         c = self.cfg
         return c.sliding_window - 1 if c.local_layers[i] and c.sliding_window else -1
 
-    def _project(self, L: _Layer, buf: _Buffers, rows: slice, stream):
-        h, q, k, v = buf.h[rows], buf.q[rows], buf.k[rows], buf.v[rows]
-        n = h.shape[0]
+    def _project(self, L: _Layer, buf: _Buffers, stream):
+        h, q, k, v, n = buf.h, buf.q, buf.k, buf.v, buf.n
         if L.wq.qtype == L.wk.qtype and not self._gemm_ok(L.wq, n):
             self.mm.dmmv_pair(L.wq, L.wk, h, q, k, stream=stream)
         else:
@@ -84,11 +83,10 @@ class Layers:
         self._matmul(L.wv, h, v, stream, self._gemm_copy(L, "wv", n))
         self._biases(L, q, k, v, stream)
 
-    def _mlp(self, L: _Layer, buf: _Buffers, rows: slice, stream):
+    def _mlp(self, L: _Layer, buf: _Buffers, stream):
         c = self.cfg
-        h, gate, up = buf.h[rows], buf.gate[rows], buf.up[rows]
+        h, gate, up, n = buf.h, buf.gate, buf.up, buf.n
         act = "geglu" if c.activation == "gelu_tanh" else "swiglu"
-        n = h.shape[0]
         if self._gemm_copy(L, "glu", n) is not None:
             self.gemm.gemm_glu(L.packed["glu"], None, h, gate, act=act, stream=stream)
         elif L.gate_up_alike:
@@ -101,7 +99,7 @@ class Layers:
             self._matmul(L.wg, h, gate, stream, self._gemm_copy(L, "wg", n))
             self._matmul(L.wu, h, up, stream, self._gemm_copy(L, "wu", n))
             (self.ew.geglu if act == "geglu" else self.ew.swiglu)(gate, up, gate, stream=stream)
-        self._matmul(L.wd, gate, buf.proj[rows], stream, self._gemm_copy(L, "wd", n))
+        self._matmul(L.wd, gate, buf.proj, stream, self._gemm_copy(L, "wd", n))
 
     def _residual(self, proj, x, post_norm, next_norm, h, stream):
         """x += [post_norm](proj); h = next_norm(x)."""
@@ -124,9 +122,9 @@ class Layers:
         72 against 159 us), the GGUF blocks for more (eight columns: 270 against 508 us)."""
         return self.head_mv if n == 1 else self.head
 
-    def _project_normed(self, L: _Layer, buf: _Buffers, rows: slice, x_in: NormedX, stream):
+    def _project_normed(self, L: _Layer, buf: _Buffers, x_in: NormedX, stream):
         """q, k, v from a NormedX: the first launch writes its residual_out, the others only read."""
-        q, k, v = buf.q[rows], buf.k[rows], buf.v[rows]
+        q, k, v = buf.q, buf.k, buf.v
         if L.wq.qtype == L.wk.qtype and (L.wq.qtype, L.wv.qtype) in THREE_TYPES:
             self.mm.dmmv_three(L.wq, L.wk, L.wv, x_in, q, k, v, stream=stream)
             return self._biases(L, q, k, v, stream)
@@ -144,9 +142,9 @@ class Layers:
             for y, bias in ((q, L.bq), (k, L.bk), (v, L.bv)):
                 self.ew.bias_add(y, bias, y, stream=stream)
 
-    def _mlp_normed(self, L: _Layer, buf: _Buffers, rows: slice, x_in: NormedX, stream):
+    def _mlp_normed(self, L: _Layer, buf: _Buffers, x_in: NormedX, stream):
         c = self.cfg
-        gate, up = buf.gate[rows], buf.up[rows]
+        gate, up = buf.gate, buf.up
         act = "geglu" if c.activation == "gelu_tanh" else "swiglu"
         if L.gate_up_alike:
             self.mm.dmmv_glu(L.wg, L.wu, x_in, gate, act=act, stream=stream)
@@ -154,55 +152,64 @@ class Layers:
             self.mm.dmmv(L.wg, x_in, gate, stream=stream)
             self.mm.dmmv(L.wu, dataclasses.replace(x_in, residual_out=None), up, stream=stream)
             (self.ew.geglu if act == "geglu" else self.ew.swiglu)(gate, up, gate, stream=stream)
-        self.mm.dmmv(L.wd, gate, buf.proj[rows], stream=stream)
+        self.mm.dmmv(L.wd, gate, buf.proj, stream=stream)
 
-    def _layers(self, buf: _Buffers, rows: slice, attend, positions, seq_ids, pos_mode: str, stream):
-        """Every layer over buf rows ``rows`` (the embedded tokens in buf.x); ``attend(i, q_rot, o)`` runs
-        attention of layer i. Leaves the final-normed hidden state in buf.h.
+    def _normed_inputs(self, buf: _Buffers) -> tuple[list[NormedX], list[NormedX], cupy.ndarray]:
+        """The NormedX inputs of every layer's projections (attention) and MLP on buf, made once per
+        buffer set (they depend on nothing else), and the residual buffer the last layer leaves. The
+        residual stream alternates between buf.x and buf.x2: the first matvec after each sub-layer
+        reads the residual, the sub-layer's output and the norms, and writes the new residual into
+        the other buffer (layer 0's attention input is the embedded x itself, which it only reads)."""
+        if buf.normed is None:
+            c, xs, cur = self.cfg, (buf.x, buf.x2), 0
+            attn_in = [NormedX(buf.x, self.layers[0].attn_norm, eps=c.rms_eps)]
+            mlp_in = []
+            for i, L in enumerate(self.layers):
+                mlp_in.append(NormedX(xs[cur], L.ffn_norm, buf.proj, L.post_attn_norm, xs[1 - cur], eps=c.rms_eps))
+                cur = 1 - cur
+                if i + 1 < c.n_layers:
+                    attn_in.append(NormedX(xs[cur], self.layers[i + 1].attn_norm, buf.proj, L.post_ffn_norm,
+                                           xs[1 - cur], eps=c.rms_eps))
+                    cur = 1 - cur
+            buf.normed = (attn_in, mlp_in, xs[cur])
+        return buf.normed
 
-        On the normed path (:meth:`_normed_path`) the residual stream alternates between buf.x and buf.x2:
-        the matvecs after each sub-layer read the residual, the sub-layer's output and the norms
-        (NormedX) and the first of them writes the new residual into the other buffer."""
+    def _layers(self, buf: _Buffers, attend, positions, seq_ids, pos_mode: str, stream):
+        """Every layer over buf's rows (the embedded tokens in buf.x); ``attend(i, q_rot, o)`` runs
+        attention of layer i. Leaves the final-normed hidden state in buf.h. On the normed path
+        (:meth:`_normed_path`) the residual adds and norms are folded into the matvecs
+        (:meth:`_normed_inputs`)."""
         c = self.cfg
-        n = rows.stop - rows.start
-        normed = self._normed_path(n)
-        xs, cur = (buf.x[rows], buf.x2[rows]), 0
-        x_in = NormedX(xs[0], self.layers[0].attn_norm, eps=c.rms_eps) if normed else None
-        if not normed:
-            self.ew.rms_norm(buf.x[rows], self.layers[0].attn_norm, buf.h[rows], eps=c.rms_eps, stream=stream)
+        normed = self._normed_path(buf.n)
+        if normed:
+            attn_in, mlp_in, last = self._normed_inputs(buf)
+        else:
+            self.ew.rms_norm(buf.x, self.layers[0].attn_norm, buf.h, eps=c.rms_eps, stream=stream)
         for i, L in enumerate(self.layers):
             with nvtx_range(f"layer {i}"):  # per-layer ranges under nsys (CUKERN_NVTX=1); free otherwise
                 if normed:
-                    self._project_normed(L, buf, rows, x_in, stream)
-                    cur = cur if x_in.residual_out is None else 1 - cur
+                    self._project_normed(L, buf, attn_in[i], stream)
                 else:
-                    self._project(L, buf, rows, stream)
+                    self._project(L, buf, stream)
                 local = c.local_layers[i]
-                base = c.rope_base_local if local else c.rope_base
                 self.ew.qk_norm_rope_kv_write(
-                    buf.q[rows].reshape(n, c.n_heads, c.head_dim), buf.k[rows].reshape(n, c.n_kv_heads, c.head_dim),
-                    buf.v[rows].reshape(n, c.n_kv_heads, c.head_dim), L.q_norm, L.k_norm, buf.q_rot[rows],
-                    self.cache.k_pools[i], self.cache.v_pools[i], self.cache.page_table, positions, seq_ids,
-                    eps=c.rms_eps, neox=c.rope_neox, freq_base=base, freqs=self.rope_freqs[local], pos_mode=pos_mode,
-                    stream=stream)
-                attend(i, buf.q_rot[rows], buf.o[rows])
-                self._matmul(L.wo, buf.o[rows].reshape(n, c.q_dim), buf.proj[rows], stream,
-                             self._gemm_copy(L, "wo", n))
+                    buf.q3, buf.k3, buf.v3, L.q_norm, L.k_norm, buf.q_rot, self.cache.k_pools[i],
+                    self.cache.v_pools[i], self.cache.page_table, positions, seq_ids, eps=c.rms_eps, neox=c.rope_neox,
+                    freq_base=c.rope_base_local if local else c.rope_base, freqs=self.rope_freqs[local],
+                    pos_mode=pos_mode, stream=stream)
+                attend(i, buf.q_rot, buf.o)
+                self._matmul(L.wo, buf.o2, buf.proj, stream, self._gemm_copy(L, "wo", buf.n))
                 nxt = self.layers[i + 1].attn_norm if i + 1 < c.n_layers else self.output_norm
-                if not normed:
-                    self._residual(buf.proj[rows], buf.x[rows], L.post_attn_norm, L.ffn_norm, buf.h[rows], stream)
-                    self._mlp(L, buf, rows, stream)
-                    self._residual(buf.proj[rows], buf.x[rows], L.post_ffn_norm, nxt, buf.h[rows], stream)
-                    continue
-                x_in = NormedX(xs[cur], L.ffn_norm, buf.proj[rows], L.post_attn_norm, xs[1 - cur], eps=c.rms_eps)
-                cur = 1 - cur
-                self._mlp_normed(L, buf, rows, x_in, stream)
-                if i + 1 < c.n_layers:
-                    x_in = NormedX(xs[cur], nxt, buf.proj[rows], L.post_ffn_norm, xs[1 - cur], eps=c.rms_eps)
-                else:  # the LM head's input: the last residual add and the output norm, in place
-                    self._residual(buf.proj[rows], xs[cur], L.post_ffn_norm, nxt, buf.h[rows], stream)
+                if normed:
+                    self._mlp_normed(L, buf, mlp_in[i], stream)
+                    if i + 1 == c.n_layers:  # the LM head's input: the last residual add and the output norm
+                        self._residual(buf.proj, last, L.post_ffn_norm, nxt, buf.h, stream)
+                else:
+                    self._residual(buf.proj, buf.x, L.post_attn_norm, L.ffn_norm, buf.h, stream)
+                    self._mlp(L, buf, stream)
+                    self._residual(buf.proj, buf.x, L.post_ffn_norm, nxt, buf.h, stream)
 
-    def _embed(self, ids: cupy.ndarray, buf: _Buffers, rows: slice, stream):
+    def _embed(self, ids: cupy.ndarray, buf: _Buffers, stream):
         c = self.cfg
-        self.tok.embed(self.embed_table, self.embed_qtype, c.d_model, ids, buf.x[rows], scale=c.embed_scale,
+        self.tok.embed(self.embed_table, self.embed_qtype, c.d_model, ids, buf.x, scale=c.embed_scale,
                        stream=stream)

@@ -132,6 +132,12 @@ class _Buffers:
         self.proj = cupy.empty((n, cfg.d_model), f)      # attention / FFN output before its norm
         self.gate = cupy.empty((n, cfg.d_ff), f)
         self.up = cupy.empty((n, cfg.d_ff), f)
+        # the views the layers launch on, made once: q, k, v by head; the attention output as rows
+        self.q3 = self.q.reshape(n, cfg.n_heads, cfg.head_dim)
+        self.k3 = self.k.reshape(n, cfg.n_kv_heads, cfg.head_dim)
+        self.v3 = self.v.reshape(n, cfg.n_kv_heads, cfg.head_dim)
+        self.o2 = self.o.reshape(n, cfg.q_dim)
+        self.normed = None  # Layers._normed_inputs: the NormedX inputs of every layer on these buffers
 
 
 class _Chunk:
@@ -169,14 +175,12 @@ class _Chunk:
     def launch(self, lm: "Transformer", logits_out, stream) -> None:
         """The chunk's launches: embed, every layer, and the LM head on its last row where asked."""
         c, buf, n = lm.cfg, self.buf, self.n
-        rows = slice(0, n)
-
         def attend(i, q_rot, o):
             lm.attn.flash_attn_batched(self.plan, i, q_rot, o, causal=True, scale=c.attn_scale,
                                        window_left=lm._window(i), stream=stream)
 
-        lm._embed(self.ids, buf, rows, stream)
-        lm._layers(buf, rows, attend, self.pos, self.plan.seq_ids, "consecutive", stream)
+        lm._embed(self.ids, buf, stream)
+        lm._layers(buf, attend, self.pos, self.plan.seq_ids, "consecutive", stream)
         if logits_out is not None:
             lm.mm.dmmv(lm._head(1), buf.h[n - 1:n], logits_out.reshape(1, -1), stream=stream)
 
@@ -349,14 +353,13 @@ class Transformer(Layers):
         writes the next ids and advances positions and cache lengths. Graph-capturable."""
         c = self.cfg
         buf, plan, sp = d["buf"], d["plan"], d["sample"]
-        rows = slice(0, buf.n)
 
         def attend(i, q_rot, o):
             self.attn.flash_attn_decode(plan, i, q_rot, o, scale=c.attn_scale, window_left=self._window(i),
                                         stream=stream)
 
-        self._embed(sp.next_ids, buf, rows, stream)
-        self._layers(buf, rows, attend, d["positions"], plan.seq_ids, "per_token", stream)
+        self._embed(sp.next_ids, buf, stream)
+        self._layers(buf, attend, d["positions"], plan.seq_ids, "per_token", stream)
         self.mm.dmmv(self._head(buf.n), buf.h, d["logits"], stream=stream)
         self.tok.sample(sp, d["logits"], temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                         stream=stream)
