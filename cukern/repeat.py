@@ -105,28 +105,38 @@ class _Replay:
             dispatch._replay(self, i, stream)
 
 
+class _Field(tuple):
+    """Where a result is a field of a frozen dataclass argument: (argument's index or keyword, field name)."""
+
+
 def _find(result, args: tuple, kwargs: dict):
-    """Where ``result`` is among the arguments (by identity): an index, a keyword, a tuple of those for a
-    tuple result, None for None; raises _NotKeyable when it is none of them."""
+    """Where ``result`` is among the arguments (by identity), or among the fields of a frozen dataclass
+    argument (a plan's buffers): an index, a keyword, a _Field, a tuple of those for a tuple result,
+    None for None; raises _NotKeyable when it is none of them."""
     if result is None:
         return None
     if type(result) is tuple:
         return tuple(_find(r, args, kwargs) for r in result)
-    for i, a in enumerate(args):
+    places = (*enumerate(args), *kwargs.items())
+    for where, a in places:
         if a is result:
-            return i
-    for k, a in kwargs.items():
-        if a is result:
-            return k
+            return where
+    for where, a in places:
+        for name in _FROZEN.get(type(a), ()):
+            if getattr(a, name) is result:
+                return _Field((where, name))
     raise _NotKeyable(type(result))
 
 
 def _pick(where, args: tuple, kwargs: dict):
     if where is None:
         return None
-    if type(where) is tuple:
+    t = type(where)
+    if t is _Field:
+        return getattr(_pick(where[0], args, kwargs), where[1])
+    if t is tuple:
         return tuple(_pick(w, args, kwargs) for w in where)
-    return args[where] if type(where) is int else kwargs[where]
+    return args[where] if t is int else kwargs[where]
 
 
 def repeatable(method):

@@ -480,7 +480,7 @@ def test_repeated_decode_reads_the_grown_cache(rng, pdl):
     sequences grow (new pages, new K/V) the repeated call matches the reference at the new lengths.
     Gemma 3's decode shape (one KV head of 256, four query heads), a sliding window and one without."""
     d = AttentionDispatch(pdl=pdl)
-    cache, slots = _make_cache(rng, [50, 7], n_kv_heads=1, head_dim=256, page_size=16, attn=d)
+    cache, slots = _make_cache(rng, [50, 7], n_kv_heads=1, head_dim=256, page_size=16, attn=d, extra_pages=20)
     qh, q = _q(rng, (2, 4, 256))
     out = cupy.empty((2, 4, 256), cupy.float32)
     for window in (-1, 20):
@@ -496,6 +496,49 @@ def test_repeated_decode_reads_the_grown_cache(rng, pdl):
                 kv = cupy.asarray(rng.standard_normal((9, 1, 256)).astype(np.float32))
                 d.write_kv_run(cache, 0, kv, kv * 0.5, s, pos)
     assert sum(key[0] == "flash_attn_decode" for key in d._repeats) == 2  # one entry a plan: replays
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind, d, h, hk", [("float16", 256, 4, 1), ("bfloat16", 128, 8, 2), ("float32", 64, 6, 3)])
+def test_decode_partials_merge_to_the_decode(rng, kind, d, h, hk):
+    """flash_attn_decode_partials leaves states that merge_states turns into flash_attn_decode's output
+    and LSE, sinks added in the merge (a partials plan at 1, 3 and the plan's own split count; a sliding
+    window that leaves early splits empty; the SIMT kernel for f32), and that match the reference."""
+    d_ = AttentionDispatch(pdl=True)
+    cache, slots = _make_cache(rng, [700, 5, 130], n_kv_heads=hk, head_dim=d, page_size=16, kind=kind, attn=d_)
+    qh, q = _q(rng, (3, h, d), scale=2.0)
+    sinks = cupy.asarray(rng.standard_normal(h).astype(np.float32))
+    kp, vp, pt, lens = _host(cache)
+    for n_splits in (1, 3, None):
+        for window in (-1, 40):
+            plan = d_.plan_decode(cache, slots, h, n_splits=n_splits, window_left=window, partials=True)
+            o_part, lse_part = d_.flash_attn_decode_partials(plan, 0, q, window_left=window)
+            assert o_part is plan.o_part and o_part.shape == (3, plan.n_splits, h, d)
+            out, lse = poison(cupy.empty((3, h, d), cupy.float32)), poison(cupy.empty((3, h), cupy.float32))
+            d_.merge_states(o_part, lse_part, out, lse=lse, sinks=sinks)
+            want_o, want_lse = ref.paged_attention(qh, kp, vp, pt, lens, slots, [1, 1, 1], 16, window_left=window,
+                                                   sinks=sinks.get())
+            assert_close(out, want_o, **DECODE_TOL, name=f"s={plan.n_splits} window={window}")
+            assert_close(lse, want_lse, atol=1e-4, rtol=0, name="lse")
+            direct = poison(cupy.empty((3, h, d), cupy.float32))
+            d_.flash_attn_decode(plan, 0, q, direct, sinks=sinks, window_left=window)  # a partials plan decodes too
+            assert_close(direct, want_o, **DECODE_TOL, name="decode on a partials plan")
+
+
+def test_decode_partials_rejects(rng, host_if_no_gpu):
+    d_ = AttentionDispatch()
+    cache, slots = _make_cache(rng, [10], n_kv_heads=2, head_dim=64, attn=d_)
+    q = cupy.zeros((1, 4, 64), cupy.float32)
+    with pytest.raises(ValueError, match="partials=True"):
+        d_.flash_attn_decode_partials(d_.plan_decode(cache, slots, 4), 0, q)
+    with pytest.raises(ValueError, match="contradicts"):
+        d_.plan_decode(cache, slots, 4, partials=True, overrides=DecodeOverrides(merge_apart=False))
+    plan = d_.plan_decode(cache, slots, 4, partials=True)
+    assert plan.o_part.shape[:2] == (1, plan.n_splits) and plan.merge_apart == (plan.n_splits > 1)
+    with pytest.raises(ValueError, match="shape"):
+        d_.flash_attn_decode_partials(plan, 0, cupy.zeros((1, 4, 32), cupy.float32))
+    with pytest.raises(ValueError, match="layer"):
+        d_.flash_attn_decode_partials(plan, 3, q)
 
 
 def test_decode_rejects_bad_input(attn, rng, host_if_no_gpu):

@@ -94,7 +94,7 @@ def d():
 # ---------------------------------------------------------------------------- CPU
 def test_families_declared():
     assert set(D.FAMILIES) == {"dmmv", "dmmv_glu", "dmmv_moe", "dmmv_moe_packed", "dmmv_q8x", "dmmv_two", "dmmv_nx",
-                               "dmmv_three"}
+                               "dmmv_three", "dmmv_mx"}
     names = {k.name for f in D.FAMILIES.values() for k in f.kernels}
     for q in TYPES:
         for n in (1, 2, 4, 8):
@@ -531,6 +531,90 @@ def test_dmmv_normed_input_without_residual_out(d, rng):
     y = poison(cupy.empty(1029, cupy.float32))
     d.dmmv(w, nx, y)
     _check(y, ref.matvec(dense, x))
+
+
+def _merged(rng, s, h, d, *, sinks=False, empty=()):
+    """(MergedX on the device, float64 x): s states of h heads of d; the states in ``empty`` have no keys
+    (LSE -inf, O poisoned: never read)."""
+    o = rng.standard_normal((s, h, d)).astype(np.float32)
+    lse = (rng.standard_normal((s, h)) * 4).astype(np.float32)
+    for i in empty:
+        lse[i] = -np.inf
+        o[i] = np.nan
+    sk = (rng.standard_normal(h) * 2).astype(np.float32) if sinks else None
+    mx = D.MergedX(cupy.asarray(o), cupy.asarray(lse), None if sk is None else cupy.asarray(sk))
+    return mx, ref.merged_x(o, lse, sk)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q", TYPES, ids=NAMES.get)
+def test_dmmv_merged_input(d, rng, q):
+    """dmmv on a MergedX (the split attention states merged by every block) against the merge in
+    float64 followed by the matvec: one state, many (more than a warp), empty states, a head with no
+    keys at all, sinks, Gemma 3's 4 x 256 and ragged head counts; store and accumulate."""
+    wide = ref.TYPES[q][1] == 256  # k a multiple of the 256-element super-block
+    for s, h, dh, kw in ((1, 4, 256, {}), (7, 5, 256 if wide else 64, dict(sinks=True, empty=(2, 5))),
+                         (37, 3 if not wide else 2, 128, {}), (4, 2, 640 if wide else 160, dict(empty=(0, 1, 2, 3))),
+                         (3, 2, 384 if wide else 96, dict(sinks=True, empty=(0, 1, 2)))):
+        mx, x = _merged(rng, s, h, dh, **kw)
+        w, dense = _weight(q, 37, h * dh, rng)
+        y = poison(cupy.empty(37, cupy.float32))
+        d.dmmv(w, mx, y)
+        _check(y, ref.matvec(dense, x), f"merged s={s} h={h} d={dh} {kw}")
+        y0 = _x(rng, 1, 37)
+        y = cupy.asarray(y0)
+        d.dmmv(w, mx, y, accumulate=True, alpha=-0.5)
+        _check(y, y0 - 0.5 * ref.matvec(dense, x), "merged, accumulate")
+
+
+@pytest.mark.gpu
+def test_dmmv_merged_input_from_split_decode(rng):
+    """The attention output projection after a split decode: flash_attn_decode_partials' states as a
+    MergedX into dmmv equal flash_attn_decode's merged output followed by the matvec (Gemma 3's decode
+    shape: 4 query heads on 1 KV head of 256, an f16 cache), with and without sinks, under pdl."""
+    from cukern.attention import AttentionDispatch, PagedKVCache
+    attn, dp = AttentionDispatch(pdl=True), DmmvDispatch(int8=False, pdl=True)
+    cache = PagedKVCache(1, 64, 16, 1, 256, max_seqs=2, dtype="float16")
+    slots = [cache.add(0) for _ in range(2)]
+    for s, n in zip(slots, (300, 9)):
+        cache.extend(s, n)
+        kv = cupy.asarray(rng.standard_normal((n, 1, 256)).astype(np.float32))
+        attn.write_kv_run(cache, 0, kv, kv * 0.5, s, 0)
+    w, dense = _weight(12, 640, 1024, rng)  # Q4_K o_proj
+    for slot in slots:
+        for sinks in (None, cupy.asarray(rng.standard_normal(4).astype(np.float32))):
+            plan = attn.plan_decode(cache, [slot], 4, n_splits=5, partials=True)
+            q = cupy.asarray(rng.standard_normal((1, 4, 256)).astype(np.float32))
+            out = poison(cupy.empty((1, 4, 256), cupy.float32))
+            attn.flash_attn_decode(plan, 0, q, out, sinks=sinks)
+            o_part, lse_part = attn.flash_attn_decode_partials(plan, 0, q)
+            y = poison(cupy.empty(640, cupy.float32))
+            dp.dmmv(w, D.MergedX(o_part, lse_part, sinks), y)
+            _check(y, ref.matvec(dense, out.get().reshape(-1).astype(np.float64)), f"slot {slot} sinks={sinks is not None}")
+
+
+def test_merged_input_rejects(host_if_no_gpu):
+    z = lambda *s: cupy.zeros(s, cupy.float32)  # noqa: E731
+    with pytest.raises(ValueError, match=r"o_part must be \[S, H, D\]"):
+        D.MergedX(z(4, 64), z(4))
+    with pytest.raises(ValueError, match="multiple of 4"):
+        D.MergedX(z(2, 3, 62), z(2, 3))
+    with pytest.raises(ValueError, match=r"lse_part must have shape \(2, 3\)"):
+        D.MergedX(z(2, 3, 64), z(3, 2))
+    with pytest.raises(ValueError, match=r"sinks must have shape \(3\)"):
+        D.MergedX(z(2, 3, 64), z(2, 3), z(4))
+    with pytest.raises(TypeError, match="dtype float32"):
+        D.MergedX(cupy.zeros((2, 3, 64), cupy.float16), z(2, 3))
+    d = DmmvDispatch()
+    w = QWeight(cupy.zeros(22 * 6 * 4, cupy.uint8), "Q5_0", 4, 192)
+    mx = D.MergedX(z(2, 3, 64), z(2, 3))
+    assert mx.k == 192 and D.MergedX(z(1, 2, 3, 64), z(1, 2, 3)).n_states == 2
+    with pytest.raises(ValueError, match="no gate"):
+        d.dmmv(w, mx, z(4), gate=z(1))
+    with pytest.raises(ValueError, match=r"one column"):
+        d.dmmv(w, mx, z(2, 4))
+    with pytest.raises(ValueError, match="has k=128, w has k=192"):
+        d.dmmv(w, D.MergedX(z(2, 2, 64), z(2, 2)), z(4))
 
 
 def test_normed_input_rejects(host_if_no_gpu):

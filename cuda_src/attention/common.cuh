@@ -11,10 +11,6 @@
 #include "common/mma.cuh"
 #include "common/types.cuh"
 
-#ifndef INFINITY  // NVRTC has no <math.h>
-#define INFINITY __int_as_float(0x7f800000)
-#endif
-
 namespace cukern {
 namespace attn {
 

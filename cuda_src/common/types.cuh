@@ -18,6 +18,10 @@ typedef unsigned int uint32_t;
 typedef long long int64_t;
 typedef unsigned long long uint64_t;
 
+#ifndef INFINITY  // NVRTC has no <math.h>
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
 // NVRTC has no <cstddef> and no __builtin_offsetof; its front end (EDG) offers
 // __INTADDR__, which keeps offsetof a constant expression (usable in static_assert).
 #ifndef offsetof

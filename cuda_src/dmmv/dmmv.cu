@@ -6,6 +6,8 @@
 //   dmmv_nx, dmmv_glu_nx  dmmv (and pair) and dmmv_glu on x = rms_norm(residual + post(proj)),
 //             computed by every block (the residual add and norm between a layer's matvecs folded in)
 //   dmmv_nx3  dmmv_nx over three matrices, the third of its own type (q, k, v), one column
+//   dmmv_mx   dmmv on x merged by every block from split attention states (o_proj after split-KV
+//             decode: the merge folded in), one column
 //   dmmv_q8   as dmmv (no pair), on the int8 path of the quantized types (q8.cuh); PQ: on x
 //             already quantized by
 //   quantize_x  f32 x into the int8 path's layout, once for every matvec that shares it
@@ -415,6 +417,86 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dmmv_nx3(
         normed_x<1>(xsm, residual, proj, w_post, w_norm, residual_out, p, red);
         dmmv_rows<QT, 1, R, V, true>(b, y, y2, xsm, p.k, static_cast<const float*>(nullptr), p, red);
     }
+}
+
+// x of dmmv_mx (DmmvDispatch's MergedX) into shared memory, in two passes. First warp w weighs the
+// states of heads w, w + nw, ...: M = the largest LSE (or the sink), den = sum_s exp(lse - M) (+ the
+// sink's), kept as (M, 1 / den) in st; an empty state (LSE -inf) weighs nothing, and a head with no
+// keys and no sink gets x = 0 (merge_states' rule). Then every thread takes float4 columns of the
+// heads and sums their states kMergeUnroll at a time, the loads of a group issued together before
+// any is weighed (an empty state's O is loaded but never added). Reads n_states * (head_dim + 1)
+// floats a head from L2 (a decode step's partials: a few to some tens of KiB).
+constexpr int kMergeUnroll = 4;
+
+CUKERN_DEVICE void merged_x(float* __restrict__ xs, float* __restrict__ st, const float* o_part,
+                            const float* lse_part, const float* sinks, const DmmvMergeParams& p) {
+    const int nw = blockDim.x / 32, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const uint32_t ns = p.n_states, nh = p.n_heads, d4 = p.head_dim / 4;
+    for (uint32_t h = warp; h < nh; h += nw) {
+        const float* l = lse_part + h;  // state s at l[s * nh]
+        float mx = p.has_sinks ? sinks[h] : -INFINITY;
+        for (uint32_t s = lane; s < ns; s += 32) mx = fmaxf(mx, l[(size_t)s * nh]);
+        mx = warp_max(mx);
+        const float mu = mx == -INFINITY ? 0.0f : mx;
+        float den = 0.0f;
+        for (uint32_t s = lane; s < ns; s += 32) den += __expf(l[(size_t)s * nh] - mu);
+        den = warp_sum(den);
+        if (p.has_sinks) den += __expf(sinks[h] - mu);
+        if (lane == 0) {
+            st[2 * h] = mu;
+            st[2 * h + 1] = den > 0.0f ? 1.0f / den : 0.0f;
+        }
+    }
+    __syncthreads();
+    const size_t state4 = (size_t)nh * d4;  // float4s from one state to the next
+    for (uint32_t i = threadIdx.x; i < nh * d4; i += blockDim.x) {
+        const uint32_t h = i / d4;
+        const float mu = st[2 * h], inv = st[2 * h + 1];
+        const float* l = lse_part + h;
+        const float4* o4 = reinterpret_cast<const float4*>(o_part) + i;  // (h, column) of state 0
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (uint32_t s0 = 0; s0 < ns; s0 += kMergeUnroll) {
+            float e[kMergeUnroll];
+            float4 v[kMergeUnroll];
+#pragma unroll
+            for (int u = 0; u < kMergeUnroll; ++u) {
+                const bool in = s0 + u < ns;
+                e[u] = in ? l[(size_t)(s0 + u) * nh] : -INFINITY;
+                v[u] = in ? o4[(s0 + u) * state4] : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (int u = 0; u < kMergeUnroll; ++u) {
+                const float ws = __expf(e[u] - mu);
+                if (ws > 0.0f) {
+                    acc.x = fmaf(ws, v[u].x, acc.x);
+                    acc.y = fmaf(ws, v[u].y, acc.y);
+                    acc.z = fmaf(ws, v[u].z, acc.z);
+                    acc.w = fmaf(ws, v[u].w, acc.w);
+                }
+            }
+        }
+        reinterpret_cast<float4*>(xs)[i] = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+    }
+    __syncthreads();
+}
+
+// dmmv on x merged from split attention states (merged_x above), one column: the attention output
+// projection after a split-KV decode with the merge folded in, where a merge launch of its own costs
+// a launch and a round trip through memory. Epilogues: store and accumulate.
+template <int QT, int R, int V>
+__global__ void __launch_bounds__(kMaxWarps * 32) dmmv_mx(
+    float* __restrict__ y,             // [m] out
+    const uint8_t* __restrict__ w,     // raw GGUF bytes; the matrix = m rows from w + w_offset
+    const float* o_part,               // [n_states, n_heads, head_dim] f32 normalised partial outputs, 16-byte aligned
+    const float* lse_part,             // [n_states, n_heads] f32 their natural-log LSE (-inf: no keys)
+    const float* __restrict__ sinks,   // [n_heads] f32 natural-log sink logits (has_sinks); unused otherwise
+    const DmmvMergeParams p) {
+    extern __shared__ __align__(16) float xsm[];  // [k] x, then [n_heads][2] each head's (M, 1 / den)
+    __shared__ float red[kMaxWarps * R];
+    const BlockRows<R> b(w, w, p);
+    enter_rows<R>(b.rows, p.row_bytes);
+    merged_x(xsm, xsm + p.k, o_part, lse_part, sinks, p);
+    dmmv_rows<QT, 1, R, V, true>(b, y, y, xsm, p.k, static_cast<const float*>(nullptr), p, red);
 }
 
 template <int QT, int NC>

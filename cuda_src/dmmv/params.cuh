@@ -54,6 +54,28 @@ struct DmmvNormParams {
     uint32_t blocks2;     // dmmv_nx3: thread blocks working on matrices 1 and 2; later blocks work on matrix 3
 };
 
+// dmmv_mx: dmmv on x merged from split attention states, computed by every block (DmmvDispatch's
+// MergedX): x[h * head_dim + j] = sum_s e_s o[s, h, j] / (sum_s e_s + e_sink), e_s = exp(lse[s, h] - M)
+struct DmmvMergeParams {
+    uint64_t w_offset;    // bytes: where the matrix starts in w
+    uint64_t w2_offset;   // unused (0): the matvec body's pair field
+    uint64_t row_bytes;   // bytes per weight row: k / block_elems * block_bytes
+    uint32_t m;           // rows (outputs)
+    uint32_t m2;          // unused (0)
+    uint32_t k;           // elements per row: n_heads * head_dim
+    uint32_t n_full;      // full 256-element steps per row: k / 256
+    uint32_t tail;        // elements of the last, partial step: k % 256
+    uint32_t blocks1;     // thread blocks (all on the one matrix)
+    uint32_t y_stride;    // unused (one column)
+    uint32_t y2_stride;   // unused (0)
+    uint32_t mode;        // 0: y = alpha*v; 1: y += alpha*v
+    float alpha;          // output scale
+    uint32_t n_states;    // states merged per head: 1 ... 65535
+    uint32_t n_heads;     // heads of x
+    uint32_t head_dim;    // elements per head: a multiple of 4
+    uint32_t has_sinks;   // 1: a sink logit per head adds exp(sink - M) to the denominator
+};
+
 // moe_dmmv, moe_dmmv_packed, moe_down: experts picked per slot from a device routing buffer
 struct MoeParams {
     uint64_t w_offset;      // bytes: where expert 0 of the (gate) weights starts in w

@@ -7,6 +7,7 @@ plans (:mod:`cukern.attention.plan`) and the cache (:mod:`cukern.attention.cache
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import cupy
@@ -209,7 +210,7 @@ class AttentionDispatch:
     # ------------------------------------------------------------------ decode
     def plan_decode(self, cache: PagedKVCache, seq_ids, n_heads: int, *, max_kv_len: int | None = None,
                     n_splits: int | None = None, window_left: int = -1,
-                    overrides: DecodeOverrides | None = None) -> DecodePlan:
+                    overrides: DecodeOverrides | None = None, partials: bool = False) -> DecodePlan:
         """Schedule a decode batch: one query token for each sequence of ``seq_ids`` (host ints).
 
         Validates the slots, uploads them, picks the split count (default: :func:`_choose_splits`, chunks
@@ -220,12 +221,21 @@ class AttentionDispatch:
         these sequences now) sizes the chunks; a sequence that later grows past it is still computed
         right (its last chunk runs to its end), only less parallel. Reuse the plan across steps (and
         graph replays) while the batch holds, on one stream at a time (launches of one plan share its
-        partial buffers and counters)."""
+        partial buffers and counters).
+
+        ``partials``: the plan also serves :meth:`flash_attn_decode_partials` (the split states left
+        for a separate merge, e.g. ``DmmvDispatch.dmmv`` on a ``MergedX``): its states always merge
+        apart and its ``o_part`` holds them at every split count, one included."""
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
         ov = _NO_OVERRIDES if overrides is None else overrides
         if not isinstance(ov, DecodeOverrides):
             raise TypeError(f"overrides must be a DecodeOverrides, got {type(overrides).__name__}")
+        if partials and ov.merge_apart is False:
+            raise ValueError("partials=True leaves the states for a separate merge: overrides.merge_apart=False "
+                             "(merged in the decode's last block) contradicts it")
+        if partials:
+            ov = dataclasses.replace(ov, merge_apart=True)
         ids = _int_list("seq_ids", seq_ids)
         if len(ids) > 65535:
             raise ValueError(f"at most 65535 sequences per decode call, got {len(ids)}")
@@ -251,11 +261,11 @@ class AttentionDispatch:
                                            ov)
         apart = apart and n_splits > 1
         b = len(ids)
-        o_part = cupy.empty((b, n_splits, n_heads, d), cupy.float32) if n_splits > 1 else None
+        o_part = cupy.empty((b, n_splits, n_heads, d), cupy.float32) if n_splits > 1 or partials else None
         lse_part = cupy.empty((b, n_splits, n_heads), cupy.float32)
         counters = cupy.zeros(blocks, cupy.int32)
         return DecodePlan(cache, cupy.asarray(ids.astype(np.int32)), int(n_heads), max_kv_len, int(n_splits), hb,
-                          int(warps), apart, o_part, lse_part, counters, ov)
+                          int(warps), apart, o_part, lse_part, counters, ov, bool(partials))
 
     @repeatable
     def flash_attn_decode(self, plan: DecodePlan, layer: int, q: cupy.ndarray, out: cupy.ndarray, *,
@@ -279,18 +289,54 @@ class AttentionDispatch:
         and by a power of two that keeps it in f16 range) and the softmax weights are each split into
         hi + lo parts of the cache dtype, so S and O keep f32 accuracy (the same tolerance as the SIMT
         kernel, which serves f32 caches and head_dim 512)."""
-        if not isinstance(plan, DecodePlan):
-            raise TypeError(f"plan must be a DecodePlan (AttentionDispatch.plan_decode), got {type(plan).__name__}")
-        cache = plan.cache
-        layer = self._check_layer(cache, layer)
-        b, h, d = plan.batch, plan.n_heads, cache.head_dim
-        check_array("q", q, dtype=_F32, shape=(b, h, d), align=16)
+        layer = self._check_decode(plan, layer, q)
+        b, h, d = plan.batch, plan.n_heads, plan.cache.head_dim
         check_array("out", out, dtype=_F32, shape=(b, h, d), align=16)
         if lse is not None:
             check_array("lse", lse, dtype=_F32, shape=(b, h))
         if sinks is not None:
             check_array("sinks", sinks, dtype=_F32, shape=(h,))
         fields = _scale_fields(scale, d, softcap, window_left)
+        unit = self._decode_launch(plan, layer, q, out, lse, sinks, fields, stream)
+        if plan.merge_apart:
+            self._merge(unit, plan.o_part, plan.lse_part, out, lse, sinks, b, plan.n_splits, h, d, stream)
+        return out
+
+    @repeatable
+    def flash_attn_decode_partials(self, plan: DecodePlan, layer: int, q: cupy.ndarray, *, scale: float = 0.0,
+                                   window_left: int = -1, softcap: float = 0.0,
+                                   stream=None) -> tuple[cupy.ndarray, cupy.ndarray]:
+        """The split pass of :meth:`flash_attn_decode` alone: returns the plan's ``(o_part, lse_part)``,
+        ``[batch, n_splits, n_heads, head_dim]`` normalised partial outputs and ``[batch, n_splits,
+        n_heads]`` their natural-log LSE (-inf for a split with no keys), for a separate merge:
+        :meth:`merge_states`, or ``DmmvDispatch.dmmv`` on a ``MergedX`` (the output projection with the
+        merge folded in), which also adds sinks. With one split the state is the whole attention
+        without sinks. The plan must come from ``plan_decode(..., partials=True)``; the states are
+        overwritten by the plan's next launch."""
+        layer = self._check_decode(plan, layer, q)
+        if not plan.partials:
+            raise ValueError("flash_attn_decode_partials needs a plan made with plan_decode(..., partials=True)")
+        b, h, d = plan.batch, plan.n_heads, plan.cache.head_dim
+        fields = _scale_fields(scale, d, softcap, window_left)
+        if plan.n_splits > 1:
+            self._decode_launch(plan, layer, q, plan.o_part, None, None, fields, stream)
+        else:  # one split writes its state as the final output (no sinks: the merge adds them)
+            self._decode_launch(plan, layer, q, plan.o_part.reshape(b, h, d), plan.lse_part.reshape(b, h), None,
+                                fields, stream)
+        return plan.o_part, plan.lse_part
+
+    def _check_decode(self, plan: DecodePlan, layer: int, q: cupy.ndarray) -> int:
+        if not isinstance(plan, DecodePlan):
+            raise TypeError(f"plan must be a DecodePlan (AttentionDispatch.plan_decode), got {type(plan).__name__}")
+        layer = self._check_layer(plan.cache, layer)
+        check_array("q", q, dtype=_F32, shape=(plan.batch, plan.n_heads, plan.cache.head_dim), align=16)
+        return layer
+
+    def _decode_launch(self, plan: DecodePlan, layer: int, q, out, lse, sinks, fields: dict, stream) -> Unit:
+        """The decode kernel's launch on checked arguments: final O (and LSE) into out (lse) with one
+        split, else the split states into the plan's buffers (merged in the launch unless merge_apart)."""
+        cache = plan.cache
+        b, h, d = plan.batch, plan.n_heads, cache.head_dim
         group = h // cache.n_kv_heads
         hb = plan.head_block
         nhb = -(-group // hb)
@@ -318,9 +364,7 @@ class AttentionDispatch:
                       plan.counters, q, cache.k_pools[layer], cache.v_pools[layer], cache.page_table, cache.lengths,
                       plan.seq_ids, plan.seq_ids, sinks if sinks is not None else plan.lse_part), params,
                      stream=stream, shared_mem=smem, pdl=self.pdl)
-        if plan.merge_apart:
-            self._merge(unit, plan.o_part, plan.lse_part, out, lse, sinks, b, plan.n_splits, h, d, stream)
-        return out
+        return unit
 
     def _prefetch_tiles(self, plan: DecodePlan, tiles: int, n_head_blocks: int) -> int:
         """Warp tiles after the prologue's that decode_tc asks L2 to prefetch before pdl_wait (pdl only; K/V

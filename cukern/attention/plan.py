@@ -262,6 +262,7 @@ class DecodePlan:
     lse_part: cupy.ndarray  # [batch, n_splits, n_heads] f32
     counters: cupy.ndarray  # [batch * n_kv_heads * head blocks] int32 zeros: blocks done per merge (left zero)
     overrides: DecodeOverrides = _NO_OVERRIDES  # what plan_decode was asked to override (the launch: L2 fields)
+    partials: bool = False  # plan_decode(partials=True): o_part at every split count, states merged apart
 
     @property
     def batch(self) -> int:

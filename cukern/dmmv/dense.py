@@ -1,7 +1,7 @@
 """The f32 path's matvecs (``cuda_src/dmmv/dmmv.cu`` over ``core.cuh``): :class:`Dense`, DmmvDispatch's
 ``dmmv`` (plain, batched, the accumulate and gate epilogues, on a :class:`~cukern.dmmv.SplitQ8`),
 ``dmmv_pair``, ``dmmv_glu``, the forms on a :class:`~cukern.dmmv.NormedX` (``dmmv_nx``,
-``dmmv_glu_nx``, ``dmmv_three``) and ``dequantize``; each sends the int8-path types to
+``dmmv_glu_nx``, ``dmmv_three``) and on a :class:`~cukern.dmmv.MergedX` (``dmmv_mx``) and ``dequantize``; each sends the int8-path types to
 :mod:`cukern.dmmv.q8` where it has a plan.
 """
 
@@ -12,7 +12,7 @@ import cupy
 from cukern.dispatch import check_array
 from cukern.dmmv.common import _ACTS, _F32, _ROWS, _STEP, _warps
 from cukern.dmmv.q8 import _q8_blocks, _q8_kernel, _q8_pair_blocks, _q8_two_kernel
-from cukern.dmmv.weights import QTYPES, NormedX, QuantizedX, QWeight, SplitQ8
+from cukern.dmmv.weights import QTYPES, MergedX, NormedX, QuantizedX, QWeight, SplitQ8
 from cukern.qtypes import GGMLType as T
 from cukern.streams import resolve_stream
 
@@ -49,6 +49,12 @@ def _nx_kernel(qt: int, n: int) -> str:
 def _three_kernel(qt: int, qt3: int) -> str:
     """dmmv_nx3<QT, R, V, QT3, R3, V3>: each matrix at its type's one-column (R, V)."""
     return f"dmmv_nx3<{qt}, {_ONE_COL[qt][0]}, {_ONE_COL[qt][1]}, {qt3}, {_ONE_COL[qt3][0]}, {_ONE_COL[qt3][1]}>"
+
+
+def _mx_kernel(qt: int) -> str:
+    """dmmv_mx<QT, R, V>: dmmv's one-column instantiation on a MergedX."""
+    r, v = _ONE_COL[qt]
+    return f"dmmv_mx<{qt}, {r}, {v}>"
 
 
 def _split_kernel(n: int) -> str:
@@ -108,12 +114,16 @@ class Dense:
 
         w: QWeight [m, k], or a :class:`SplitQ8` (f32 x only); x: [k] or [n, k] f32 (n columns:
         weights are read once per 8), a :class:`NormedX` of that shape (x made by every block from the
-        residual stream: the f32 path, no gate), or a :class:`QuantizedX` of that shape made for w's
-        type (int8 path only: the same result as from the f32 x it holds, without quantizing it
-        again); y: [m] or [n, m] f32 (same leading shape as x); gate: [n] f32 logits on the device."""
+        residual stream: the f32 path, no gate), a :class:`MergedX` of k = heads * head_dim (x merged
+        by every block from split attention states: one column, the f32 path, no gate), or a
+        :class:`QuantizedX` of that shape made for w's type (int8 path only: the same result as from
+        the f32 x it holds, without quantizing it again); y: [m] or [n, m] f32 (same leading shape as
+        x; [m] or [1, m] for a MergedX); gate: [n] f32 logits on the device."""
         if isinstance(w, SplitQ8):
             return self._dmmv_split(w, x, y, accumulate=accumulate, alpha=alpha, gate=gate, stream=stream)
         w = self._check_weight("w", w)
+        if isinstance(x, MergedX):
+            return self._merged(w, x, y, accumulate=accumulate, alpha=alpha, gate=gate, stream=stream)
         if isinstance(x, NormedX):
             if gate is not None:
                 raise ValueError("dmmv on a NormedX: no gate epilogue (store or accumulate)")
@@ -159,6 +169,30 @@ class Dense:
                 x_stride=w.k, y_stride=w.m, y2_stride=0, mode=mode, act=0, alpha=float(alpha), l2_items=0, pad0=0)
             self._launch(_split_kernel(width), blocks, _SPLIT_WARPS * 32, (ys, w.quants, w.scales, xs, g), params,
                          stream=stream, pdl=self.pdl)
+        return y
+
+    def _merged(self, w: QWeight, x: MergedX, y, *, accumulate: bool, alpha: float, gate, stream) -> cupy.ndarray:
+        """dmmv_mx: dmmv on a MergedX (one column), at dmmv's one-column rows per block and loop."""
+        if gate is not None:
+            raise ValueError("dmmv on a MergedX: no gate epilogue (store or accumulate)")
+        if x.k != w.k:
+            raise ValueError(f"x (a MergedX of {x.n_heads} heads x {x.head_dim}) has k={x.k}, w has k={w.k}")
+        if y is None or getattr(y, "shape", None) not in ((w.m,), (1, w.m)):
+            raise ValueError(f"y must have shape ({w.m},) or (1, {w.m}) for a MergedX (one column), got "
+                             f"{getattr(y, 'shape', type(y).__name__)}")
+        check_array("y", y, dtype=_F32)
+        smem = (w.k + 2 * x.n_heads) * 4  # x and each head's (M, 1 / den)
+        if smem > self.max_shared_optin():
+            raise ValueError(f"a MergedX of k={w.k} needs {smem} bytes of shared memory per block, the device "
+                             f"allows {self.max_shared_optin()}")
+        blocks = -(-w.m // _ONE_COL[w.qtype][0])
+        params = self.struct("DmmvMergeParams").pack(
+            w_offset=w.offset, w2_offset=0, row_bytes=w.row_bytes, m=w.m, m2=0, k=w.k, n_full=w.k // _STEP,
+            tail=w.k % _STEP, blocks1=blocks, y_stride=0, y2_stride=0, mode=int(accumulate), alpha=float(alpha),
+            n_states=x.n_states, n_heads=x.n_heads, head_dim=x.head_dim, has_sinks=int(x.sinks is not None))
+        self._mx._launch(_mx_kernel(w.qtype), blocks, _normed_warps(w.k) * 32,
+                         (y, w.buf, x.o_part, x.lse_part, x.sinks if x.sinks is not None else x.lse_part), params,
+                         stream=stream, shared_mem=smem, pdl=self.pdl)
         return y
 
     def _normed(self, w: QWeight, w2: QWeight | None, x: NormedX, ys: tuple, *, mode: int, alpha: float,

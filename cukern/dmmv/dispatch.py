@@ -1,4 +1,4 @@
-"""DmmvDispatch: the family's eight compilation units and the dispatch class, assembled from one mixin
+"""DmmvDispatch: the family's nine compilation units and the dispatch class, assembled from one mixin
 per kernel source (:class:`~cukern.dmmv.dense.Dense`, :class:`~cukern.dmmv.q8.Int8Path`,
 :class:`~cukern.dmmv.moe.Moe`) over the checks and parameter packing they share.
 """
@@ -9,7 +9,7 @@ import cupy
 
 from cukern.dispatch import Dispatch, Unit, check_array, repeatable
 from cukern.dmmv.common import _ACTS, _COLS, _F32, _STEP
-from cukern.dmmv.dense import THREE_TYPES, Dense, _kernel, _nx_kernel, _split_kernel, _three_kernel
+from cukern.dmmv.dense import THREE_TYPES, Dense, _kernel, _mx_kernel, _nx_kernel, _split_kernel, _three_kernel
 from cukern.dmmv.moe import Moe
 from cukern.dmmv.q8 import Int8Path, _q8_down_kernel, _q8_kernel, _q8_moe_glu_kernel, _q8_two_kernel
 from cukern.dmmv.weights import Q8_TYPES, QTYPES, QWeight
@@ -62,8 +62,12 @@ THREE_FAMILY = FamilySpec(  # dmmv_three: compiled only by a process that uses i
     name="dmmv_three", source="dmmv/dmmv.cu", params_header="dmmv/params.cuh",
     kernels=tuple(KernelSpec(_three_kernel(q, q3), "DmmvNormParams") for q, q3 in THREE_TYPES),
 )
+MX_FAMILY = FamilySpec(  # dmmv on a MergedX: compiled only by a process that uses it
+    name="dmmv_mx", source="dmmv/dmmv.cu", params_header="dmmv/params.cuh",
+    kernels=tuple(KernelSpec(_mx_kernel(q), "DmmvMergeParams") for q in QTYPES),
+)
 FAMILIES = {f.name: f for f in (FAMILY, GLU_FAMILY, MOE_FAMILY, PACKED_FAMILY, Q8X_FAMILY, TWO_FAMILY, NX_FAMILY,
-                                 THREE_FAMILY)}  # cukern.families() lists each unit
+                                 THREE_FAMILY, MX_FAMILY)}  # cukern.families() lists each unit
 
 
 class DmmvDispatch(Dense, Int8Path, Moe, Dispatch):
@@ -103,6 +107,7 @@ class DmmvDispatch(Dense, Int8Path, Moe, Dispatch):
         self._two = Unit(TWO_FAMILY, device)
         self._nx = Unit(NX_FAMILY, device)
         self._three = Unit(THREE_FAMILY, device)
+        self._mx = Unit(MX_FAMILY, device)
         self._err = None
         self._resident: dict[tuple, tuple] = {}  # (unit, kernel, k[, m, slots]) -> _q8_plan / _q8_plan_dots
 

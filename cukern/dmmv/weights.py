@@ -262,6 +262,62 @@ class NormedX:
                 pick(self.residual_out))
 
 
+@dataclass(frozen=True, eq=False)
+class MergedX:
+    """The input of a matvec made from split attention states by each of the matvec's blocks
+    (:meth:`DmmvDispatch.dmmv` takes one in place of x), which folds the merge of a split-KV decode
+    into the output projection after it (``AttentionDispatch.flash_attn_decode_partials`` leaves the
+    states)::
+
+        x[h * D + j] = sum_s e[s, h] * o_part[s, h, j] / (sum_s e[s, h] + exp(sinks[h] - M_h))
+        e[s, h] = exp(lse_part[s, h] - M_h),   M_h = max(max_s lse_part[s, h], sinks[h])
+
+    the sink term only with ``sinks``; a state with LSE -inf weighs nothing, and a head with no
+    keys and no sink gives x = 0 (AttentionDispatch.merge_states' rule). One column (a decode step
+    of one sequence).
+
+    o_part: [S, H, D] or [1, S, H, D] f32, C-contiguous, 16-byte aligned, D a multiple of 4;
+    lse_part: [S, H] or [1, S, H] f32 (natural log); sinks: [H] f32 natural-log logits. Every
+    block keeps x in shared memory ((H * D + 2 * H) * 4 bytes)."""
+
+    o_part: cupy.ndarray
+    lse_part: cupy.ndarray
+    sinks: cupy.ndarray | None = None
+
+    def __post_init__(self):
+        o = check_array("MergedX.o_part", self.o_part, dtype=_F32, align=16)
+        if o.ndim == 4 and o.shape[0] == 1:
+            o = o.reshape(o.shape[1:])
+        if o.ndim != 3 or o.size == 0:
+            raise ValueError(f"MergedX.o_part must be [S, H, D] (or [1, S, H, D]), got shape {self.o_part.shape}")
+        s, h, d = o.shape
+        if d % 4:
+            raise ValueError(f"MergedX: head_dim={d} must be a multiple of 4 (the merge reads float4s)")
+        if s > 65535:
+            raise ValueError(f"MergedX: at most 65535 states, got {s}")
+        lse = check_array("MergedX.lse_part", self.lse_part, dtype=_F32)
+        if lse.shape not in ((s, h), (1, s, h)):
+            raise ValueError(f"MergedX.lse_part must have shape ({s}, {h}) (or (1, {s}, {h})), got {lse.shape}")
+        if self.sinks is not None:
+            check_array("MergedX.sinks", self.sinks, dtype=_F32, shape=(h,))
+
+    @property
+    def n_states(self) -> int:
+        return self.o_part.shape[-3]
+
+    @property
+    def n_heads(self) -> int:
+        return self.o_part.shape[-2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.o_part.shape[-1]
+
+    @property
+    def k(self) -> int:
+        return self.n_heads * self.head_dim
+
+
 def _overlap(a: cupy.ndarray, b: cupy.ndarray) -> bool:
     return a.data.ptr < b.data.ptr + b.nbytes and b.data.ptr < a.data.ptr + a.nbytes
 

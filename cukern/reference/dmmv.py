@@ -88,6 +88,22 @@ def normed_x(residual, w, proj=None, w_post=None, *, eps: float = 1e-6, weight_o
     return rms_norm(r, w), r
 
 
+def merged_x(o_part, lse_part, sinks=None) -> np.ndarray:
+    """x of a cukern.dmmv.MergedX in float64: per head h, the states s weighed by exp(lse[s, h] - M_h)
+    (M_h the largest LSE or sink), normalised by their sum plus exp(sink_h - M_h); a head with no keys
+    and no sink (every LSE -inf) is 0. o_part [S, H, D], lse_part [S, H] -> x [H * D]."""
+    o = np.asarray(o_part, np.float64)
+    lse = np.asarray(lse_part, np.float64)
+    s_, h, d = o.shape
+    sink = np.full(h, -np.inf) if sinks is None else np.asarray(sinks, np.float64)
+    mx = np.maximum(lse.max(axis=0), sink)
+    mu = np.where(np.isneginf(mx), 0.0, mx)
+    e = np.exp(lse - mu)                                        # [S, H]; -inf states weigh 0
+    den = e.sum(axis=0) + np.exp(sink - mu)
+    num = np.einsum("sh,shd->hd", e, np.where(e[..., None] > 0, o, 0.0))
+    return np.where(den[:, None] > 0, num / np.where(den > 0, den, 1.0)[:, None], 0.0).reshape(h * d)
+
+
 def quantize_q8_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(q, d) of the int8 path's x^ (cuda_src/dmmv/q8.cuh), emulated bit for bit: per 32 elements
     along the last axis, d = max|x| * float32(1/127) in float32 (flushed to 0 below the smallest
