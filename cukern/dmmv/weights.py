@@ -13,6 +13,7 @@ import cupy
 import numpy as np
 
 from cukern.dispatch import check_array
+from cukern.interop import as_cupy
 from cukern.params import check_real
 from cukern.qtypes import GGMLType
 
@@ -92,6 +93,7 @@ class QWeight:
         t = qtype_id(self.qtype)
         object.__setattr__(self, "qtype", t)
         name, be, bb, align = QTYPES[t]
+        object.__setattr__(self, "buf", as_cupy(self.buf, "buf"))  # a torch uint8 tensor: a view that keeps it
         check_array("buf", self.buf, dtype=np.uint8)
         for f in ("m", "k", "offset", "n_experts", "expert_stride", "row_stride"):
             v = getattr(self, f)
@@ -210,6 +212,8 @@ class NormedX:
     weight_offset: float = 0.0
 
     def __post_init__(self):
+        for f in ("residual", "w", "proj", "w_post", "residual_out"):  # torch tensors: views that keep them
+            object.__setattr__(self, f, as_cupy(getattr(self, f), f"NormedX.{f}"))
         check_array("NormedX.residual", self.residual, dtype=_F32, align=16)
         if self.residual.ndim not in (1, 2) or self.residual.size == 0:
             raise ValueError(f"NormedX.residual must be [k] or [n, k], got shape {self.residual.shape}")
@@ -293,6 +297,7 @@ class QuantizedX:
         if not shape or len(shape) > 2 or min(shape) < 1:
             raise ValueError(f"QuantizedX.shape must be (k,) or (n, k) with n, k >= 1, got {self.shape!r}")
         object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "buf", as_cupy(self.buf, "QuantizedX.buf"))
         k = shape[-1]
         if k % 32 or k >= 2**31:
             raise ValueError(f"QuantizedX: k={k} must be a multiple of 32 (the int8 path's block) and < 2**31")
