@@ -134,8 +134,9 @@ class SamplePlan:
 
 class TokensDispatch(Dispatch):
     """Records embedding and sampling kernels into a stream (``stream=`` on every method; None: CuPy's
-    current). Validation raises before any launch; nothing here synchronises, allocates or reads device
-    memory, so every method can be captured in a CUDA graph.
+    current, torch's for torch tensors: cukern.interop). Validation raises before any launch; nothing
+    here synchronises or reads device memory, nor allocates it but an output left None, so every
+    method can be captured in a CUDA graph.
 
     ``pdl`` (default False; sm_90+) launches every kernel with programmatic dependent launch (each
     waits for the previous kernel first thing: ``pdl_enter`` in common/pdl.cuh). ``embed`` and

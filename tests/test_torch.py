@@ -81,7 +81,7 @@ def test_norm_and_activation(ew, rng, rows, cols):
     g = ew.swiglu(_t(gate_up), None)                      # fused [gate | up]: out [rows, cols]
     assert tuple(g.shape) == (rows, cols)
     assert_close(_np(g), ref.swiglu(gate_up[:, :cols], gate_up[:, cols:]), name="swiglu")
-    strided = _t(_randn(rng, rows, cols + 1))[:, :cols]    # a view torch made: refused, not misread
+    strided = _t(_randn(rng, rows + 1, cols + 1))[:, :cols]  # a view torch made: refused, not misread
     with pytest.raises(ValueError, match="C-contiguous"):
         ew.rms_norm(strided, wt)
 
@@ -193,6 +193,7 @@ def test_streams_order_like_torch_ops(ew, rng):
     torch.cuda.current_stream().wait_stream(s)
     assert_close(_np(y), ref.rms_norm(_np(x), w), name="on the current torch stream")
     s2 = torch.cuda.Stream()
+    s2.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s2):
         x2 = (a @ a)[:64, :512] * 1e-3
         z = _poisoned(64, 512)

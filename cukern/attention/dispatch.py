@@ -113,8 +113,9 @@ def _scale_fields(scale: float, head_dim: int, softcap: float, window_left: int)
 
 class AttentionDispatch:
     """Records attention kernels into a stream. Every method takes ``stream=`` (None: CuPy's
-    current stream) and validates its arguments before launching; none synchronises,
-    allocates or reads device memory (``plan_*`` and the cache do the host work).
+    current stream, torch's for torch tensors) and validates its arguments before launching; none
+    synchronises, allocates or reads device memory (``plan_*`` and the cache do the host work; an
+    output left None is allocated by cukern.interop).
 
     ``pdl`` (default False; sm_90+) launches :meth:`flash_attn_decode` (and :meth:`merge_states`, which
     touches memory only after the wait) with programmatic dependent launch: its blocks start while
