@@ -89,7 +89,9 @@ def check_array(name: str, a, *, dtype=None, shape=None, ndim=None, contiguous: 
     the data pointer (e.g. 16 for float4 loads). Runs on every dispatch, so the
     common path is kept to a few attribute reads."""
     if type(a) is not cupy.ndarray and not isinstance(a, cupy.ndarray):
-        raise TypeError(f"{name} must be a cupy.ndarray on the GPU, got {type(a).__name__}")
+        raise TypeError(f"{name} must be a cupy.ndarray on the GPU, got {type(a).__name__} (the dispatch methods take "
+                        f"torch tensors and other DLPack / __cuda_array_interface__ device arrays too; "
+                        f"cukern.interop.as_cupy makes a zero-copy CuPy view of one)")
     if dtype is not None and a.dtype != dtype and (not isinstance(dtype, tuple) or a.dtype not in dtype):
         accepted = _dtypes(dtype)
         if a.dtype not in accepted:

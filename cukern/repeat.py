@@ -3,8 +3,9 @@
 A notebook or an eager decode loop calls the same methods on the same arrays again and again; the
 checks, the struct packing and the grid of such a call come out the same every time. A method
 marked :func:`repeatable` remembers the launches a successful call made (detached: pointers, not the
-caller's arrays), keyed by its arguments (an array by its pointer, shape, strides and dtype; a
-number by its type and exact value; a frozen dataclass by its fields; an object whose class sets
+caller's arrays), keyed by its arguments (an array by its pointer, shape, strides and dtype, a torch
+tensor by those and its device; a number by its type and exact value; a frozen dataclass by its
+fields; an object whose class sets
 ``_repeat_by_identity``, such as a PagedKVCache, by identity) and the dispatch's settings,
 and a later call with an equal key issues them again without the Python work in between
 (``Dispatch._launch`` appends each launch to :data:`recording` while a call is recorded).
@@ -20,6 +21,7 @@ import weakref
 import cupy
 import numpy as np
 
+from cukern.interop import TORCH_TYPES, wrap_inside
 from cukern.streams import resolve_stream
 
 __all__ = ["repeatable", "recording"]
@@ -53,6 +55,8 @@ def _arg_key(v):
         return (t, v.hex())
     if v is None or t in (int, bool, str):
         return (t, v)
+    if t in TORCH_TYPES:  # a torch tensor (cukern.interop): its own fields, no CuPy view made
+        return (t, v.data_ptr(), v.shape, v.stride(), v.dtype, v.get_device())
     if isinstance(v, np.generic):
         return (t, v.tobytes())
     if t in (tuple, list):
@@ -144,7 +148,11 @@ def repeatable(method):
     dispatch's settings (``Dispatch._repeat_state``: its ``pdl``; no other host state, no allocation
     the launches keep pointing to after the call): a call whose arguments equal an earlier
     successful call's (:func:`_arg_key`) issues that call's launches again on the given stream and
-    returns the same argument. Arguments of other types make the call go through in full."""
+    returns the same argument. Arguments of other types make the call go through in full. On a method
+    wrapped by ``interop.tensors`` the cache goes between its two layers (``interop.wrap_inside``): it
+    sees the launch stream and the outputs the outer layer chose and keys torch tensors themselves."""
+    if hasattr(method, "__cukern_tensors__"):
+        return wrap_inside(method, repeatable)
 
     name = method.__name__
 

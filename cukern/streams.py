@@ -1,8 +1,9 @@
 """Streams, event timing and CUDA graphs.
 
 Every dispatch method takes ``stream=``: a ``cupy.cuda.Stream`` (or
-``ExternalStream``), or None for CuPy's current stream. Nothing here
-synchronises unless its name says so.
+``ExternalStream``), a torch stream, a raw ``cudaStream_t`` handle, or None for
+CuPy's current stream (torch's current one when a torch tensor is among the
+arguments: cukern.interop). Nothing here synchronises unless its name says so.
 
 * :class:`EventTimer` brackets device work with two CUDA events;
 * :func:`benchmark` times a callable with ``cupyx.profiler.benchmark`` and
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import cupy
 import numpy as np
 
-__all__ = ["resolve_stream", "EventTimer", "Timing", "benchmark", "Graph", "capture_graph"]
+__all__ = ["resolve_stream", "external_stream", "EventTimer", "Timing", "benchmark", "Graph", "capture_graph"]
 
 
 _EXTERNAL: dict = {}  # (handle, device) -> the cupy.cuda.ExternalStream wrapping it
@@ -45,12 +46,18 @@ def resolve_stream(stream=None):
     if handle is None or isinstance(handle, bool) or not isinstance(handle, (int, np.integer)) or handle < 0:
         raise TypeError(f"stream must be a cupy.cuda.Stream, a torch.cuda.Stream, a cudaStream_t handle (int) or "
                         f"None, got {type(stream).__name__}")
-    key = (int(handle), int(device))
+    return external_stream(int(handle), int(device))
+
+
+def external_stream(handle: int, device: int = -1):
+    """The ``cupy.cuda.ExternalStream`` over the ``cudaStream_t`` ``handle`` of ``device`` (-1: the current
+    one), made once per pair (the last 256 kept)."""
+    key = (handle, device)
     ext = _EXTERNAL.get(key)
     if ext is None:
         if len(_EXTERNAL) >= _EXTERNAL_LIMIT:
             _EXTERNAL.pop(next(iter(_EXTERNAL)))
-        ext = _EXTERNAL[key] = cupy.cuda.ExternalStream(key[0], key[1])
+        ext = _EXTERNAL[key] = cupy.cuda.ExternalStream(handle, device)
     return ext
 
 

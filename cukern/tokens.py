@@ -20,6 +20,7 @@ import cupy
 import numpy as np
 
 from cukern.dispatch import Dispatch, check_array, check_int, check_real, repeatable
+from cukern.interop import like, tensors
 from cukern.runtime import FamilySpec, KernelSpec
 
 __all__ = ["TokensDispatch", "SamplePlan", "sample_chunks", "FAMILY", "MAX_TOP_K", "MAX_SAMPLE_COLS", "EMBED_QTYPES",
@@ -133,8 +134,9 @@ class SamplePlan:
 
 class TokensDispatch(Dispatch):
     """Records embedding and sampling kernels into a stream (``stream=`` on every method; None: CuPy's
-    current). Validation raises before any launch; nothing here synchronises, allocates or reads device
-    memory, so every method can be captured in a CUDA graph.
+    current, torch's for torch tensors: cukern.interop). Validation raises before any launch; nothing
+    here synchronises or reads device memory, nor allocates it but an output left None, so every
+    method can be captured in a CUDA graph.
 
     ``pdl`` (default False; sm_90+) launches every kernel with programmatic dependent launch (each
     waits for the previous kernel first thing: ``pdl_enter`` in common/pdl.cuh). ``embed`` and
@@ -151,7 +153,8 @@ class TokensDispatch(Dispatch):
                                pdl=self.pdl)
 
     @repeatable
-    def embed(self, table: cupy.ndarray, qtype: int, n_cols: int, ids: cupy.ndarray, out: cupy.ndarray, *,
+    @tensors(out=like("ids", shape=lambda a: (a("ids").shape[0], a("n_cols")), dtype=np.float32))
+    def embed(self, table: cupy.ndarray, qtype: int, n_cols: int, ids: cupy.ndarray, out: cupy.ndarray | None = None, *,
               scale: float = 1.0, stream=None) -> cupy.ndarray:
         """``out[t] = scale * dequantize(table row ids[t])``; an id outside the table gives a zero row.
 
@@ -185,6 +188,7 @@ class TokensDispatch(Dispatch):
         self._launch(f"embed_rows<{qt}>", (grid_x, n), _EMBED_THREADS, (out, table, ids), params, stream=stream)
         return out
 
+    @tensors
     def sample(self, plan: SamplePlan, logits: cupy.ndarray, *, temperature: float = 0.0, top_k: int = MAX_TOP_K,
                top_p: float = 1.0, seed: int = 0, stream=None) -> cupy.ndarray:
         """Choose one token per row of ``logits [n_rows, n_cols]`` f32 into ``plan.next_ids`` [n_rows] int32.
@@ -212,6 +216,7 @@ class TokensDispatch(Dispatch):
         return plan.next_ids
 
     @repeatable
+    @tensors
     def advance_positions(self, positions: cupy.ndarray, lengths: cupy.ndarray, seq_ids: cupy.ndarray, *,
                           stream=None) -> cupy.ndarray:
         """After a decode step: ``positions[r] += 1`` and ``lengths[seq_ids[r]] = positions[r] + 1``.

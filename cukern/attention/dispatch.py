@@ -19,6 +19,7 @@ from cukern.attention.plan import (_ITEMSIZE, _MAX_SPLITS, _MERGE_THREADS, _NO_O
                                    _groups, _head_block, _merge_cols4, _prefill_shape, _prefill_wg_shape, _schedule,
                                    _tc_decode, _tc_warps)
 from cukern.dispatch import Unit, check_array, check_int
+from cukern.interop import like, tensors
 from cukern.repeat import repeatable
 from cukern.runtime import FamilySpec, KernelSpec
 
@@ -114,8 +115,9 @@ def _scale_fields(scale: float, head_dim: int, softcap: float, window_left: int)
 
 class AttentionDispatch:
     """Records attention kernels into a stream. Every method takes ``stream=`` (None: CuPy's
-    current stream) and validates its arguments before launching; none synchronises,
-    allocates or reads device memory (``plan_*`` and the cache do the host work).
+    current stream, torch's for torch tensors) and validates its arguments before launching; none
+    synchronises, allocates or reads device memory (``plan_*`` and the cache do the host work; an
+    output left None is allocated by cukern.interop).
 
     ``pdl`` (default False; sm_90+) launches :meth:`flash_attn_decode` (and :meth:`merge_states`, which
     touches memory only after the wait) with programmatic dependent launch: its blocks start while
@@ -168,6 +170,7 @@ class AttentionDispatch:
             raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
         return check_int("layer", layer, 0, cache.n_layers - 1)
 
+    @tensors
     def write_kv(self, cache: PagedKVCache, layer: int, k: cupy.ndarray, v: cupy.ndarray, slot_ids: cupy.ndarray,
                  positions: cupy.ndarray, *, stream=None) -> None:
         """Write one K/V row per token: row i to slot ``slot_ids[i]`` at ``positions[i]`` (a decode step).
@@ -182,6 +185,7 @@ class AttentionDispatch:
         check_array("positions", positions, dtype=_I32, shape=(n,))
         self._kv_launch(cache, layer, k, v, src, slot_ids, positions, n, 1, 0, 0, stream)
 
+    @tensors
     def write_kv_run(self, cache: PagedKVCache, layer: int, k: cupy.ndarray, v: cupy.ndarray, slot: int, pos0: int,
                      *, stream=None) -> None:
         """Write n consecutive tokens of one sequence at positions ``pos0 ... pos0 + n - 1`` (a prefill chunk).
@@ -268,7 +272,8 @@ class AttentionDispatch:
                           int(warps), apart, o_part, lse_part, counters, ov, bool(partials))
 
     @repeatable
-    def flash_attn_decode(self, plan: DecodePlan, layer: int, q: cupy.ndarray, out: cupy.ndarray, *,
+    @tensors(out=like("q"))
+    def flash_attn_decode(self, plan: DecodePlan, layer: int, q: cupy.ndarray, out: cupy.ndarray | None = None, *,
                           scale: float = 0.0, window_left: int = -1, softcap: float = 0.0,
                           sinks: cupy.ndarray | None = None, lse: cupy.ndarray | None = None,
                           stream=None) -> cupy.ndarray:
@@ -303,6 +308,7 @@ class AttentionDispatch:
         return out
 
     @repeatable
+    @tensors
     def flash_attn_decode_partials(self, plan: DecodePlan, layer: int, q: cupy.ndarray, *, scale: float = 0.0,
                                    window_left: int = -1, softcap: float = 0.0,
                                    stream=None) -> tuple[cupy.ndarray, cupy.ndarray]:
@@ -395,8 +401,9 @@ class AttentionDispatch:
         return 1 if tiles >= 16 and plan.cache.head_dim <= 128 else 0
 
     # ------------------------------------------------------------------ merge
-    def merge_states(self, v: cupy.ndarray, s: cupy.ndarray, out: cupy.ndarray, *, lse: cupy.ndarray | None = None,
-                     sinks: cupy.ndarray | None = None, stream=None) -> cupy.ndarray:
+    @tensors(out=like("v", shape=lambda a: a("v").shape[:1] + a("v").shape[2:]))
+    def merge_states(self, v: cupy.ndarray, s: cupy.ndarray, out: cupy.ndarray | None = None, *,
+                     lse: cupy.ndarray | None = None, sinks: cupy.ndarray | None = None, stream=None) -> cupy.ndarray:
         """Merge partial attention states of the same queries.
 
         v: [n_tokens, n_states, n_heads, head_dim] f32, each state's output normalised over its own keys;
@@ -451,7 +458,8 @@ class AttentionDispatch:
         return BatchedPlan(cache, cupy.asarray(ids.astype(np.int32)), cupy.asarray(indptr), int(indptr[-1]),
                            int(ql.max()))
 
-    def flash_attn_batched(self, plan: BatchedPlan, layer: int, q: cupy.ndarray, out: cupy.ndarray, *,
+    @tensors(out=like("q"))
+    def flash_attn_batched(self, plan: BatchedPlan, layer: int, q: cupy.ndarray, out: cupy.ndarray | None = None, *,
                            causal: bool = True, scale: float = 0.0, window_left: int = -1, softcap: float = 0.0,
                            sinks: cupy.ndarray | None = None, lse: cupy.ndarray | None = None,
                            wgmma: bool | None = None, stream=None) -> cupy.ndarray:
@@ -553,11 +561,12 @@ class AttentionDispatch:
                       sinks if sinks is not None else q_indptr), params, stream=stream, shared_mem=smem)
 
     # ------------------------------------------------------------------ varlen
+    @tensors(out=like("q"))
     def flash_attn_varlen(self, q: cupy.ndarray, k: cupy.ndarray, v: cupy.ndarray, cu_seqlens_q: cupy.ndarray,
-                          cu_seqlens_k: cupy.ndarray, out: cupy.ndarray, *, max_seqlen_q: int, causal: bool = False,
-                          scale: float = 0.0, window_left: int = -1, softcap: float = 0.0,
-                          sinks: cupy.ndarray | None = None, lse: cupy.ndarray | None = None,
-                          wgmma: bool | None = None, stream=None) -> tuple[cupy.ndarray, cupy.ndarray | None]:
+                          cu_seqlens_k: cupy.ndarray, out: cupy.ndarray | None = None, *, max_seqlen_q: int,
+                          causal: bool = False, scale: float = 0.0, window_left: int = -1, softcap: float = 0.0,
+                          sinks: cupy.ndarray | None = None, lse: cupy.ndarray | None = None, wgmma: bool | None = None,
+                          stream=None) -> tuple[cupy.ndarray, cupy.ndarray | None]:
         """Packed variable-length attention (FlashAttention's varlen forward) on tensor cores.
 
         q, out: [total_q, n_heads, head_dim]; k, v: [total_k, n_kv_heads, head_dim], float16 or bfloat16

@@ -14,6 +14,12 @@ _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)
 
 
+def _y_shape(w: str):
+    """The shape of y for weight argument ``w`` and input x ([k] or [n, k], an array or a NormedX /
+    QuantizedX): interop.like's shape function."""
+    return lambda a: (*a("x").shape[:-1], a(w).m)
+
+
 def _warps(k: int) -> int:
     """Warps per block: at least two 256-element steps per warp, at most 4 warps (the sweep's
     best for k = 4096 ... 14336 on an H100)."""

@@ -8,11 +8,13 @@
 from __future__ import annotations
 
 import cupy
+import numpy as np
 
 from cukern.dispatch import check_array
-from cukern.dmmv.common import _ACTS, _F32, _ROWS, _STEP, _warps
+from cukern.dmmv.common import _ACTS, _F32, _ROWS, _STEP, _warps, _y_shape
 from cukern.dmmv.q8 import _q8_blocks, _q8_kernel, _q8_pair_blocks, _q8_two_kernel
 from cukern.dmmv.weights import QTYPES, MergedX, NormedX, QuantizedX, QWeight, SplitQ8
+from cukern.interop import like, tensors
 from cukern.qtypes import GGMLType as T
 from cukern.streams import resolve_stream
 
@@ -73,7 +75,8 @@ class Dense:
     plans are :class:`~cukern.dmmv.q8.Int8Path`'s, ``_params``, ``_cols``, ``_chunks``, ``_mode`` and
     ``_check_gate`` DmmvDispatch's)."""
 
-    def dequantize(self, w: QWeight, out: cupy.ndarray, *, stream=None) -> cupy.ndarray:
+    @tensors(out=like("w", shape=lambda a: (a("w").m, a("w").k), dtype=np.float32))
+    def dequantize(self, w: QWeight, out: cupy.ndarray | None = None, *, stream=None) -> cupy.ndarray:
         """``out = W`` as f32 [m, k] (per-element path; for tests and dense fallbacks)."""
         w = self._check_weight("w", w)
         check_array("out", out, dtype=_F32, shape=(w.m, w.k))
@@ -82,6 +85,7 @@ class Dense:
         self._launch(f"dequantize<{w.qtype}>", blocks, 256, (out, w.buf), params, stream=stream)
         return out
 
+    @tensors
     def split_q8_0(self, w: QWeight, *, stream=None) -> SplitQ8:
         """A :class:`SplitQ8` copy of Q8_0 weights ``w`` (GGUF rows or rows padded by
         ``MatmulDispatch.pad_rows``): new device arrays of ``w.m * w.k * 34 / 32`` bytes, made by CuPy
@@ -106,7 +110,8 @@ class Dense:
             quants.reshape(w.m, w.k // 32, 32).view(cupy.uint8)[...] = blocks[:, :, 2:]
             scales.view(cupy.uint8).reshape(w.m, w.k // 32, 2)[...] = blocks[:, :, :2]
 
-    def dmmv(self, w: QWeight | SplitQ8, x: cupy.ndarray | QuantizedX, y: cupy.ndarray, *,
+    @tensors(y=like("x", shape=_y_shape("w"), dtype=np.float32))
+    def dmmv(self, w: QWeight | SplitQ8, x: cupy.ndarray | QuantizedX, y: cupy.ndarray | None = None, *,
              accumulate: bool = False, alpha: float = 1.0, gate: cupy.ndarray | None = None,
              stream=None) -> cupy.ndarray:
         """``y = alpha * W x``; with ``accumulate``, ``y += alpha * W x``; with ``gate``,
@@ -237,7 +242,9 @@ class Dense:
             write_out=int(x.residual_out is not None), w3_offset=w3.offset if w3 is not None else 0,
             row_bytes3=w3.row_bytes if w3 is not None else 0, m3=w3.m if w3 is not None else 0, blocks2=blocks2)
 
-    def dmmv_three(self, w1: QWeight, w2: QWeight, w3: QWeight, x: NormedX, y1, y2, y3, *,
+    @tensors(y1=like("x", shape=_y_shape("w1"), dtype=np.float32), y2=like("x", shape=_y_shape("w2"), dtype=np.float32),
+             y3=like("x", shape=_y_shape("w3"), dtype=np.float32))
+    def dmmv_three(self, w1: QWeight, w2: QWeight, w3: QWeight, x: NormedX, y1=None, y2=None, y3=None, *,
                    stream=None) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray]:
         """``y1, y2, y3 = W1 x, W2 x, W3 x`` in one launch on a :class:`NormedX` of one column: a decoder
         layer's q, k and v projections with the norm before them. w1, w2: one type; w3 of any type
@@ -271,15 +278,19 @@ class Dense:
                             stream=stream, shared_mem=smem, pdl=self.pdl)
         return y1, y2, y3
 
+    @tensors
     def dmmv_scale_acc(self, w: QWeight, x, y, scale: float, *, stream=None) -> cupy.ndarray:
         """``y += scale * W x`` (fused scale-accumulate)."""
         return self.dmmv(w, x, y, accumulate=True, alpha=scale, stream=stream)
 
+    @tensors
     def dmmv_gated_acc(self, w: QWeight, x, y, gate: cupy.ndarray, *, alpha: float = 1.0, stream=None):
         """``y[c] += alpha * sigmoid(gate[c]) * W x[c]`` (sigmoid-gated accumulate; gate on the device)."""
         return self.dmmv(w, x, y, gate=gate, alpha=alpha, stream=stream)
 
-    def dmmv_pair(self, w1: QWeight, w2: QWeight, x, y1, y2, *, stream=None) -> tuple[cupy.ndarray, cupy.ndarray]:
+    @tensors(y1=like("x", shape=_y_shape("w1"), dtype=np.float32), y2=like("x", shape=_y_shape("w2"), dtype=np.float32))
+    def dmmv_pair(self, w1: QWeight, w2: QWeight, x, y1=None, y2=None, *,
+                  stream=None) -> tuple[cupy.ndarray, cupy.ndarray]:
         """``y1 = W1 x; y2 = W2 x`` in one launch (two matrices of one type sharing the input). On the
         int8 path one block quantizes x for rows of one matrix; the resident blocks are split
         between the matrices by their rows (``_q8_pair_blocks``).
@@ -317,7 +328,8 @@ class Dense:
                          stream=stream, pdl=self.pdl)
         return y1, y2
 
-    def dmmv_glu(self, w_gate: QWeight, w_up: QWeight, x, y, *, act: str = "swiglu", accumulate: bool = False,
+    @tensors(y=like("x", shape=_y_shape("w_gate"), dtype=np.float32))
+    def dmmv_glu(self, w_gate: QWeight, w_up: QWeight, x, y=None, *, act: str = "swiglu", accumulate: bool = False,
                  alpha: float = 1.0, stream=None) -> cupy.ndarray:
         """``y = alpha * act(W_gate x) * (W_up x)`` (``accumulate``: ``y +=``): act "swiglu" (SiLU)
         or "geglu" (GELU, tanh form). On the int8 path (dmmv_q8_two) a block streams the gate and up

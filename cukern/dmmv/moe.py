@@ -13,6 +13,7 @@ from cukern.dispatch import check_array
 from cukern.dmmv.common import _ACTS, _F32, _I32, _ROWS, _STEP, _warps
 from cukern.dmmv.q8 import _Q8_MAX_TOP_K, _q8_blocks, _q8_down_kernel, _q8_kernel, _q8_moe_glu_kernel
 from cukern.dmmv.weights import MoeRoute, QWeight
+from cukern.interop import tensors
 
 _PACK_COLS = 4  # slots per work item of moe_dmmv_packed (kPackCols)
 _MAX_EXPERTS = 1023  # moe_route_pack: one thread per bucket, 1024 threads
@@ -79,6 +80,7 @@ class Moe:
             raise ValueError(f"x must be 16-byte aligned (data pointer {x.data.ptr:#x})")
         return w, n_tokens, top_k, per_slot
 
+    @tensors
     def moe_dmmv(self, w: QWeight, x: cupy.ndarray, ids: cupy.ndarray, y: cupy.ndarray, *,
                  w_up: QWeight | None = None, act: str = "swiglu", alpha: float = 1.0, stream=None) -> cupy.ndarray:
         """For every token t and slot j: ``y[t, j] = alpha * W[ids[t, j]] x[t]`` (x [n_tokens, k]) or
@@ -136,6 +138,7 @@ class Moe:
             return MoeRoute(n_slots, n_experts, max_items, z(n_experts), z(n_experts + 1), z(n_slots),
                             z(max_items, 3), z(1))
 
+    @tensors
     def moe_route_pack(self, ids: cupy.ndarray, route: MoeRoute, *, stream=None) -> MoeRoute:
         """Group the slots of ``ids`` [n_tokens, top_k] int32 by expert into ``route`` (device only)."""
         if not isinstance(route, MoeRoute):
@@ -149,6 +152,7 @@ class Moe:
                                                      route.n_items, self.error_flag, ids), params, stream=stream)
         return route
 
+    @tensors
     def moe_count_experts(self, ids: cupy.ndarray, counts: cupy.ndarray, *, stream=None) -> cupy.ndarray:
         """``counts[e]`` = slots of ``ids`` [n_tokens, top_k] int32 routed to expert e; counts: [n_experts] int32."""
         check_array("ids", ids, dtype=_I32, ndim=2)
@@ -162,6 +166,7 @@ class Moe:
         self._moe._launch("moe_count_experts", 1, 1024, (counts, self.error_flag, ids), params, stream=stream)
         return counts
 
+    @tensors
     def moe_dmmv_packed(self, w: QWeight, x: cupy.ndarray, ids: cupy.ndarray, route: MoeRoute, y: cupy.ndarray, *,
                         w_up: QWeight | None = None, act: str = "swiglu", alpha: float = 1.0,
                         stream=None) -> cupy.ndarray:
@@ -180,6 +185,7 @@ class Moe:
                           params, stream=stream)
         return y
 
+    @tensors
     def moe_down(self, w: QWeight, h: cupy.ndarray, ids: cupy.ndarray, weights: cupy.ndarray, y: cupy.ndarray, *,
                  accumulate: bool = False, alpha: float = 1.0, stream=None) -> cupy.ndarray:
         """``y[t] (+)= alpha * sum_j weights[t, j] * W[ids[t, j]] h[t, j]``: the MoE down projection and the

@@ -12,6 +12,7 @@ import cupy
 from cukern.dispatch import Dispatch, check_array
 from cukern.dmmv.common import _ACTS, _F32
 from cukern.dmmv.weights import Q8_TYPES, QTYPES, QuantizedX, QWeight
+from cukern.interop import tensors
 from cukern.qtypes import GGMLType as T
 
 _Q8_MAX_WARPS = 32  # q8::kMaxWarps
@@ -148,6 +149,7 @@ class Int8Path:
         (docs/notes/dmmv.md)."""
         return int(self.pdl and w.qtype == T.MXFP4 and w.k >= 12288)
 
+    @tensors
     def quantize_x(self, x: cupy.ndarray, out: QuantizedX, *, stream=None) -> QuantizedX:
         """``out`` = x quantized for the int8 path (see :class:`QuantizedX`): one launch, 4 bytes
         read and 1.25 written per element; then ``dmmv(w, out, y)`` for every w that out serves.
@@ -162,6 +164,7 @@ class Int8Path:
         self._quantize_launch(f"quantize_x<{'true' if out.interleaved else 'false'}>", (out.buf, x), out, n, stream)
         return out
 
+    @tensors
     def quantize_glu(self, gate: cupy.ndarray, up: cupy.ndarray, out: QuantizedX, *, act: str = "swiglu",
                      stream=None) -> QuantizedX:
         """``out`` = act(gate) * up quantized for the int8 path: the FFN's gated activation written

@@ -13,6 +13,7 @@ import cupy
 import numpy as np
 
 from cukern.dispatch import check_array
+from cukern.interop import as_cupy
 from cukern.params import check_real
 from cukern.qtypes import GGMLType
 
@@ -92,6 +93,7 @@ class QWeight:
         t = qtype_id(self.qtype)
         object.__setattr__(self, "qtype", t)
         name, be, bb, align = QTYPES[t]
+        object.__setattr__(self, "buf", as_cupy(self.buf, "buf"))  # a torch uint8 tensor: a view that keeps it
         check_array("buf", self.buf, dtype=np.uint8)
         for f in ("m", "k", "offset", "n_experts", "expert_stride", "row_stride"):
             v = getattr(self, f)
@@ -210,6 +212,8 @@ class NormedX:
     weight_offset: float = 0.0
 
     def __post_init__(self):
+        for f in ("residual", "w", "proj", "w_post", "residual_out"):  # torch tensors: views that keep them
+            object.__setattr__(self, f, as_cupy(getattr(self, f), f"NormedX.{f}"))
         check_array("NormedX.residual", self.residual, dtype=_F32, align=16)
         if self.residual.ndim not in (1, 2) or self.residual.size == 0:
             raise ValueError(f"NormedX.residual must be [k] or [n, k], got shape {self.residual.shape}")
@@ -285,6 +289,8 @@ class MergedX:
     sinks: cupy.ndarray | None = None
 
     def __post_init__(self):
+        for f in ("o_part", "lse_part", "sinks"):  # torch tensors (or other frameworks'): CuPy views
+            object.__setattr__(self, f, as_cupy(getattr(self, f), f"MergedX.{f}"))
         o = check_array("MergedX.o_part", self.o_part, dtype=_F32, align=16)
         if o.ndim == 4 and o.shape[0] == 1:
             o = o.reshape(o.shape[1:])
@@ -300,6 +306,11 @@ class MergedX:
             raise ValueError(f"MergedX.lse_part must have shape ({s}, {h}) (or (1, {s}, {h})), got {lse.shape}")
         if self.sinks is not None:
             check_array("MergedX.sinks", self.sinks, dtype=_F32, shape=(h,))
+
+    @property
+    def shape(self) -> tuple:
+        """The shape of the x it stands for: [k], or [1, k] from 4-D states."""
+        return (self.k,) if self.o_part.ndim == 3 else (1, self.k)
 
     @property
     def n_states(self) -> int:
@@ -349,6 +360,7 @@ class QuantizedX:
         if not shape or len(shape) > 2 or min(shape) < 1:
             raise ValueError(f"QuantizedX.shape must be (k,) or (n, k) with n, k >= 1, got {self.shape!r}")
         object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "buf", as_cupy(self.buf, "QuantizedX.buf"))
         k = shape[-1]
         if k % 32 or k >= 2**31:
             raise ValueError(f"QuantizedX: k={k} must be a multiple of 32 (the int8 path's block) and < 2**31")

@@ -8,7 +8,9 @@ import cupy
 import numpy as np
 
 from cukern.dispatch import check_array
-from cukern.elementwise.common import _F32, _FLAT_BLOCK, _MAX_GRID_Y, _aligned, _check_distinct, _flat_grid, _vec
+from cukern.elementwise.common import (_F32, _FLAT_BLOCK, _MAX_GRID_Y, _aligned, _check_distinct, _flat_grid,
+                                       _glu_shape, _vec)
+from cukern.interop import like, tensors
 
 # binary_rows ops (cuda_src/elementwise/activations.cuh, EwOp)
 _OP_AXPY, _OP_SCALE, _OP_SIGMOID_MUL, _OP_SWIGLU, _OP_SWIGLU_OAI, _OP_GEGLU = range(6)
@@ -44,33 +46,40 @@ class Activations:
             check_array(name, a, dtype=_F32, shape=out.shape)
         return n
 
-    def add_scaled(self, a: cupy.ndarray, b: cupy.ndarray, out: cupy.ndarray, *, alpha: float = 1.0,
+    @tensors(out=like("a"))
+    def add_scaled(self, a: cupy.ndarray, b: cupy.ndarray, out: cupy.ndarray | None = None, *, alpha: float = 1.0,
                    stream=None) -> cupy.ndarray:
         """``out = a + alpha * b`` elementwise, f32, any shape (out may be a: ``a += alpha * b``)."""
         n = self._flat(out, ("a", a), ("b", b))
         return self._binary(_OP_AXPY, out, a, b, n_rows=1, n_cols=n, a_stride=0, b_stride=0, alpha=alpha,
                             stream=stream)
 
-    def add(self, a: cupy.ndarray, b: cupy.ndarray, out: cupy.ndarray, *, stream=None) -> cupy.ndarray:
+    @tensors(out=like("a"))
+    def add(self, a: cupy.ndarray, b: cupy.ndarray, out: cupy.ndarray | None = None, *, stream=None) -> cupy.ndarray:
         """``out = a + b`` elementwise, f32, any shape (out may be a or b)."""
         return self.add_scaled(a, b, out, alpha=1.0, stream=stream)
 
+    @tensors
     def scale_accumulate(self, a: cupy.ndarray, b: cupy.ndarray, s: float, *, stream=None) -> cupy.ndarray:
         """``a += s * b`` in place (vectorised), f32, any shape."""
         return self.add_scaled(a, b, a, alpha=s, stream=stream)
 
-    def scale(self, a: cupy.ndarray, out: cupy.ndarray, *, alpha: float, stream=None) -> cupy.ndarray:
+    @tensors(out=like("a"))
+    def scale(self, a: cupy.ndarray, out: cupy.ndarray | None = None, *, alpha: float, stream=None) -> cupy.ndarray:
         """``out = alpha * a`` elementwise, f32, any shape (out may be a)."""
         n = self._flat(out, ("a", a))
         return self._binary(_OP_SCALE, out, a, None, n_rows=1, n_cols=n, a_stride=0, b_stride=0, alpha=alpha,
                             stream=stream)
 
-    def sigmoid_mul(self, x: cupy.ndarray, g: cupy.ndarray, out: cupy.ndarray, *, stream=None) -> cupy.ndarray:
+    @tensors(out=like("x"))
+    def sigmoid_mul(self, x: cupy.ndarray, g: cupy.ndarray, out: cupy.ndarray | None = None, *,
+                    stream=None) -> cupy.ndarray:
         """``out = x * sigmoid(g)`` elementwise (gated attention output), f32, any shape (out may be x)."""
         n = self._flat(out, ("x", x), ("g", g))
         return self._binary(_OP_SIGMOID_MUL, out, x, g, n_rows=1, n_cols=n, a_stride=0, b_stride=0, stream=stream)
 
-    def bias_add(self, x: cupy.ndarray, bias: cupy.ndarray, out: cupy.ndarray, *, offset: int = 0,
+    @tensors(out=like("x"))
+    def bias_add(self, x: cupy.ndarray, bias: cupy.ndarray, out: cupy.ndarray | None = None, *, offset: int = 0,
                  stream=None) -> cupy.ndarray:
         """``out[r] = x[r] + bias[offset : offset + n_cols]`` for every row r.
 
@@ -102,13 +111,16 @@ class Activations:
         return self._binary(op, out, a, b, n_rows=n_rows, n_cols=n_ff, a_stride=stride, b_stride=stride,
                             alpha=alpha, limit=limit, stream=stream)
 
-    def swiglu(self, gate: cupy.ndarray, up: cupy.ndarray | None, out: cupy.ndarray, *, stream=None) -> cupy.ndarray:
+    @tensors(out=like("gate", shape=_glu_shape))
+    def swiglu(self, gate: cupy.ndarray, up: cupy.ndarray | None, out: cupy.ndarray | None = None, *,
+               stream=None) -> cupy.ndarray:
         """``out = silu(gate) * up``. gate, up, out: [n_rows, n_ff] f32 (out may be gate or up); or
         ``up=None`` and gate the fused [n_rows, 2 * n_ff] matmul output ([gate | up] per row)."""
         return self._glu(_OP_SWIGLU, "swiglu", gate, up, out, stream=stream)
 
-    def swiglu_oai(self, gate: cupy.ndarray, up: cupy.ndarray | None, out: cupy.ndarray, *, alpha: float = 1.702,
-                   limit: float = 7.0, stream=None) -> cupy.ndarray:
+    @tensors(out=like("gate", shape=_glu_shape))
+    def swiglu_oai(self, gate: cupy.ndarray, up: cupy.ndarray | None, out: cupy.ndarray | None = None, *,
+                   alpha: float = 1.702, limit: float = 7.0, stream=None) -> cupy.ndarray:
         """gpt-oss SwiGLU: ``g = min(gate, limit)``, ``u = clip(up, -limit, limit)``,
         ``out = g * sigmoid(alpha * g) * (u + 1)``. Shapes as :meth:`swiglu` (gpt-oss interleaves gate
         and up in its weights; de-interleave the weight rows once at load time to use this layout)."""
@@ -116,6 +128,8 @@ class Activations:
             raise ValueError(f"swiglu_oai: limit must be > 0, got {limit}")
         return self._glu(_OP_SWIGLU_OAI, "swiglu_oai", gate, up, out, alpha=alpha, limit=limit, stream=stream)
 
-    def geglu(self, gate: cupy.ndarray, up: cupy.ndarray | None, out: cupy.ndarray, *, stream=None) -> cupy.ndarray:
+    @tensors(out=like("gate", shape=_glu_shape))
+    def geglu(self, gate: cupy.ndarray, up: cupy.ndarray | None, out: cupy.ndarray | None = None, *,
+              stream=None) -> cupy.ndarray:
         """``out = gelu_tanh(gate) * up`` (Gemma). Shapes as :meth:`swiglu`."""
         return self._glu(_OP_GEGLU, "geglu", gate, up, out, stream=stream)

@@ -16,6 +16,25 @@ _MAX_U32 = 2**32 - 1
 _POS_MODES = {"consecutive": 0, "per_token": 1, "mrope": 2, "imrope": 3}
 
 
+# Output shapes for interop.like, from the call's argument getter ``a``.
+def _glu_shape(a):
+    gate = a("gate")
+    return gate.shape if a("up") is not None else (gate.shape[0], gate.shape[1] // 2)
+
+
+def _half_heads(a):
+    x = a("x")
+    return (*x.shape[:-1], x.shape[-1] // 2)
+
+
+def _topk_shape(a):
+    return a("logits").shape[0], a("k")
+
+
+def _router_shape(a):
+    return a("x").shape[0], a("W").shape[0]
+
+
 def _aligned(*arrays) -> bool:
     return all(a.data.ptr % 16 == 0 for a in arrays)
 

@@ -65,7 +65,8 @@ FAMILIES = {f.name: f for f in (FAMILY, ROPE_FAMILY)}  # cukern.families() lists
 
 class ElementwiseDispatch(Norms, Activations, Rope, KvWrites, Moe, Ssm, Dispatch):
     """Records elementwise kernels into a stream. Every method takes ``stream=`` (None: CuPy's
-    current stream), validates its arguments before launching, and returns its main output.
+    current stream, torch's for torch tensors: cukern.interop), validates its arguments before
+    launching, and returns its main output.
 
     ``pdl`` (default False; sm_90+) launches every kernel with programmatic dependent launch: each
     waits for the previous kernel in the stream first thing (``pdl_enter`` in common/pdl.cuh), so

@@ -7,7 +7,8 @@ import cupy
 
 from cukern.dispatch import check_array
 from cukern.elementwise.common import (_F32, _FLAT_BLOCK, _I32, _KV_TYPES, _MAX_U32, _POS_MODES, _aligned,
-                                       _check_disjoint, _flat_grid, _vec)
+                                       _check_disjoint, _flat_grid, _half_heads, _vec)
+from cukern.interop import like, tensors
 
 _KV_UNROLL = 4  # KV_UNROLL in kv.cuh
 
@@ -43,6 +44,7 @@ class KvWrites:
             raise ValueError(f"{what}: positions and seq_ids must not be empty")
         return _POS_MODES[pos_mode]
 
+    @tensors
     def kv_write(self, src: cupy.ndarray, cache: cupy.ndarray, page_table: cupy.ndarray, positions: cupy.ndarray,
                  seq_ids: cupy.ndarray, *, pos_mode: str = "consecutive", stream=None) -> cupy.ndarray:
         """Write src: [n_tokens, n_kv_heads, head_dim] f32 into a paged K or V cache
@@ -67,6 +69,7 @@ class KvWrites:
                      (cache, src, positions, seq_ids, page_table), params, stream=stream)
         return cache
 
+    @tensors
     def kv_write_contiguous(self, src: cupy.ndarray, cache: cupy.ndarray, page_table: cupy.ndarray,
                             positions: cupy.ndarray, seq_ids: cupy.ndarray, *, pos_mode: str = "consecutive",
                             stream=None) -> cupy.ndarray:
@@ -78,7 +81,9 @@ class KvWrites:
         self.kv_write(src, cache, page_table, positions, seq_ids, pos_mode=pos_mode, stream=stream)
         return cache
 
-    def deinterleave(self, x: cupy.ndarray, q: cupy.ndarray, gate: cupy.ndarray, *, stream=None):
+    @tensors(q=like("x", shape=_half_heads), gate=like("x", shape=_half_heads))
+    def deinterleave(self, x: cupy.ndarray, q: cupy.ndarray | None = None, gate: cupy.ndarray | None = None, *,
+                     stream=None):
         """Split per-head interleaved [Q | gate]: x [n_tokens, n_heads, 2 * head_dim] f32 into
         q, gate [n_tokens, n_heads, head_dim] f32. Returns (q, gate)."""
         check_array("x", x, dtype=_F32, ndim=3)

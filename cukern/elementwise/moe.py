@@ -9,7 +9,8 @@ import numpy as np
 
 from cukern.dispatch import check_array
 from cukern.elementwise.common import (_F32, _FLAT_BLOCK, _I32, _MAX_GRID_Y, _aligned, _check_disjoint, _check_distinct,
-                                       _check_eps, _flat_grid, _vec)
+                                       _check_eps, _flat_grid, _router_shape, _topk_shape, _vec)
+from cukern.interop import like, tensors
 
 _TOPK_WARPS = 4
 _TOPK_MAX_K = 32
@@ -41,8 +42,10 @@ _ROUTER_GEMM_STAGES = _ROUTER_GEMM_CONFIGS[0]  # the instance dispatched
 class Moe:
     """ElementwiseDispatch's moe methods (a mixin: launches through the dispatch's ``_launch``)."""
 
-    def softmax_topk(self, logits: cupy.ndarray, ids: cupy.ndarray, weights: cupy.ndarray, *, k: int,
-                     renorm: bool = True, scale: float = 1.0, stream=None):
+    @tensors(ids=like("logits", shape=_topk_shape, dtype=np.int32),
+             weights=like("logits", shape=_topk_shape, dtype=np.float32))
+    def softmax_topk(self, logits: cupy.ndarray, ids: cupy.ndarray | None = None, weights: cupy.ndarray | None = None,
+                     *, k: int, renorm: bool = True, scale: float = 1.0, stream=None):
         """Router top-k: per token, the k largest logits (ties: lower id first) in descending order into
         ids: [n_tokens, k] int32 and weights: [n_tokens, k] f32 = scale * softmax(logits)[id], rescaled to
         sum to scale when ``renorm`` (equal to a softmax over the k selected logits, as gpt-oss and
@@ -72,7 +75,8 @@ class Moe:
                          shared_mem=_TOPK_WARPS * n_experts * 4)
         return ids, weights
 
-    def moe_weighted_sum(self, expert_out: cupy.ndarray, weights: cupy.ndarray, out: cupy.ndarray, *,
+    @tensors(out=like("expert_out", shape=lambda a: (a("expert_out").shape[0], a("expert_out").shape[2])))
+    def moe_weighted_sum(self, expert_out: cupy.ndarray, weights: cupy.ndarray, out: cupy.ndarray | None = None, *,
                          accumulate: bool = False, stream=None) -> cupy.ndarray:
         """``out[t] (+)= sum_j weights[t, j] * expert_out[t, j]``: expert_out [n_tokens, n_used, n_cols] f32,
         weights [n_tokens, n_used] f32, out [n_tokens, n_cols] f32 (``accumulate``: add to out)."""
@@ -91,6 +95,7 @@ class Moe:
                      stream=stream)
         return out
 
+    @tensors
     def shared_expert_accumulate(self, hidden: cupy.ndarray, shared_out: cupy.ndarray, gate_logit: cupy.ndarray, *,
                                  stream=None) -> cupy.ndarray:
         """``hidden[t] += sigmoid(gate_logit[t]) * shared_out[t]``: hidden, shared_out [n_tokens, n_cols]
@@ -106,15 +111,17 @@ class Moe:
                      params, stream=stream)
         return hidden
 
-    def router_matvec(self, x: cupy.ndarray, W: cupy.ndarray, logits: cupy.ndarray, *, scale: float = 1.0,
+    @tensors(logits=like("x", shape=_router_shape))
+    def router_matvec(self, x: cupy.ndarray, W: cupy.ndarray, logits: cupy.ndarray | None = None, *, scale: float = 1.0,
                       stream=None) -> cupy.ndarray:
         """``logits = scale * x @ W.T``: x [n_tokens, n_embd] f32, W [n_experts, n_embd] f32 (n_embd % 4 == 0,
         16-byte aligned), logits [n_tokens, n_experts] f32."""
         return self._router("router_matvec", x, None, W, logits, 0.0, 0.0, scale, stream)
 
-    def router_rms_norm_matvec(self, x: cupy.ndarray, w_norm: cupy.ndarray, W: cupy.ndarray, logits: cupy.ndarray, *,
-                               eps: float = 1e-6, weight_offset: float = 0.0, scale: float = 1.0,
-                               stream=None) -> cupy.ndarray:
+    @tensors(logits=like("x", shape=_router_shape))
+    def router_rms_norm_matvec(self, x: cupy.ndarray, w_norm: cupy.ndarray, W: cupy.ndarray,
+                               logits: cupy.ndarray | None = None, *, eps: float = 1e-6, weight_offset: float = 0.0,
+                               scale: float = 1.0, stream=None) -> cupy.ndarray:
         """Fused router norm: ``logits = scale * (rms_norm(x) * (w_norm + weight_offset)) @ W.T`` without
         writing the normed x. Shapes as :meth:`router_matvec`; w_norm: [n_embd] f32."""
         _check_eps(eps, "router_rms_norm_matvec")

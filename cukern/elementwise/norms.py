@@ -9,6 +9,7 @@ import numpy as np
 
 from cukern.dispatch import check_array
 from cukern.elementwise.common import _F32, _MAX_U32, _aligned, _check_disjoint, _check_distinct, _check_eps, _vec
+from cukern.interop import like, tensors
 
 Q8_1_BLOCK = 32         # values per Q8_1 block (cuda_src/common/q8_1.cuh)
 Q8_1_BLOCK_BYTES = 36   # bytes per block: half d, half s, int8 qs[32]
@@ -26,6 +27,12 @@ _RESIDENT_GROUP_BLOCKS = 16  # 128-thread group_norm_reg blocks per SM
 _QUANT_UNROLL = 4  # QUANT_UNROLL in norms.cuh
 _GROUP_VPL = (1, 2, 8)  # float4s per lane of group_norm_reg: group_size <= 128 * VPL
 _GROUPS_PER_BLOCK = 8  # 4 warps x GROUPS_PER_WARP (norms.cuh)
+
+
+def _q8_1_shape(a):
+    """The Q8_1 rows of x (interop.like)."""
+    x = a("x")
+    return x.shape[0], x.shape[1] // Q8_1_BLOCK * Q8_1_BLOCK_BYTES
 
 
 class Norms:
@@ -67,7 +74,8 @@ class Norms:
             block, items = cfg
             self._launch(f"{name}_reg<{block}, {items}>", n_rows, block, arrays, params, stream=stream)
 
-    def rms_norm(self, x: cupy.ndarray, w: cupy.ndarray, out: cupy.ndarray, *, eps: float = 1e-6,
+    @tensors(out=like("x"))
+    def rms_norm(self, x: cupy.ndarray, w: cupy.ndarray, out: cupy.ndarray | None = None, *, eps: float = 1e-6,
                  weight_offset: float = 0.0, stream=None) -> cupy.ndarray:
         """``out = x * rsqrt(mean(x**2, axis=-1) + eps) * (w + weight_offset)``.
 
@@ -79,8 +87,10 @@ class Norms:
         self._row_norm("rms_norm", n_rows, n_cols, (out, x, w), params, stream)
         return out
 
-    def residual_rms_norm(self, x: cupy.ndarray, residual: cupy.ndarray, w: cupy.ndarray, out: cupy.ndarray, *,
-                          eps: float = 1e-6, weight_offset: float = 0.0, stream=None) -> cupy.ndarray:
+    @tensors(out=like("x"))
+    def residual_rms_norm(self, x: cupy.ndarray, residual: cupy.ndarray, w: cupy.ndarray,
+                          out: cupy.ndarray | None = None, *, eps: float = 1e-6, weight_offset: float = 0.0,
+                          stream=None) -> cupy.ndarray:
         """``residual += x; out = rms_norm(residual) * (w + weight_offset)``.
 
         x, residual, out: [n_rows, n_cols] f32 (residual updated in place; out must not overlap it)."""
@@ -93,8 +103,9 @@ class Norms:
         self._row_norm("residual_rms_norm", n_rows, n_cols, (out, residual, x, w), params, stream)
         return out
 
+    @tensors(out=like("x"))
     def post_norm_residual_rms_norm(self, x: cupy.ndarray, residual: cupy.ndarray, w_post: cupy.ndarray,
-                                    w: cupy.ndarray, out: cupy.ndarray, *, eps: float = 1e-6,
+                                    w: cupy.ndarray, out: cupy.ndarray | None = None, *, eps: float = 1e-6,
                                     weight_offset: float = 0.0, stream=None) -> cupy.ndarray:
         """Gemma's post-attention chain: ``residual += rms_norm(x) * (w_post + off)``, then
         ``out = rms_norm(residual) * (w + off)``.
@@ -110,6 +121,7 @@ class Norms:
         self._row_norm("post_norm_residual_rms_norm", n_rows, n_cols, (out, residual, x, w_post, w), params, stream)
         return out
 
+    @tensors
     def rms_norm_accumulate(self, src: cupy.ndarray, w: cupy.ndarray, hidden: cupy.ndarray, *, eps: float = 1e-6,
                             weight_offset: float = 0.0, stream=None) -> cupy.ndarray:
         """``hidden += rms_norm(src) * (w + weight_offset)`` (post-FFN norm fused with the residual add).
@@ -123,8 +135,10 @@ class Norms:
         self._row_norm("rms_norm_accumulate", n_rows, n_cols, (hidden, src, w), params, stream)
         return hidden
 
-    def residual_rms_norm_q8_1(self, x: cupy.ndarray, residual: cupy.ndarray, w: cupy.ndarray, q: cupy.ndarray, *,
-                               eps: float = 1e-6, weight_offset: float = 0.0, stream=None) -> cupy.ndarray:
+    @tensors(q=like("x", shape=_q8_1_shape, dtype=np.uint8))
+    def residual_rms_norm_q8_1(self, x: cupy.ndarray, residual: cupy.ndarray, w: cupy.ndarray,
+                               q: cupy.ndarray | None = None, *, eps: float = 1e-6, weight_offset: float = 0.0,
+                               stream=None) -> cupy.ndarray:
         """``residual += x`` and ``q = Q8_1(rms_norm(residual) * (w + weight_offset))``.
 
         x, residual: [n_rows, n_cols] f32, n_cols % 32 == 0; q: [n_rows, n_cols // 32 * 36] uint8, GGUF
@@ -140,7 +154,8 @@ class Norms:
         self._row_norm("residual_rms_norm_q8_1", n_rows, n_cols, (q, residual, x, w), params, stream, q8=True)
         return q
 
-    def quantize_q8_1(self, x: cupy.ndarray, q: cupy.ndarray, *, stream=None) -> cupy.ndarray:
+    @tensors(q=like("x", shape=_q8_1_shape, dtype=np.uint8))
+    def quantize_q8_1(self, x: cupy.ndarray, q: cupy.ndarray | None = None, *, stream=None) -> cupy.ndarray:
         """``q = Q8_1(x)`` row by row: x [n_rows, n_cols] f32 (n_cols % 32 == 0, 16-byte aligned);
         q [n_rows, n_cols // 32 * 36] uint8 as :meth:`residual_rms_norm_q8_1` writes it."""
         n_rows, n_cols = self._rows(x)
@@ -184,7 +199,8 @@ class Norms:
             self._launch(f"group_norm<{_vec(z is not None)}>", -(-n_groups // 4), 128, ptrs, params, stream=stream)
         return out
 
-    def head_rms_norm(self, x: cupy.ndarray, w: cupy.ndarray, out: cupy.ndarray, *, eps: float = 1e-6,
+    @tensors(out=like("x"))
+    def head_rms_norm(self, x: cupy.ndarray, w: cupy.ndarray, out: cupy.ndarray | None = None, *, eps: float = 1e-6,
                       weight_offset: float = 0.0, stream=None) -> cupy.ndarray:
         """Per-head Q/K RMS norm: every row of the last axis (head_dim) is normed and scaled by
         ``w + weight_offset``. x, out: [..., head_dim] f32 (out may be x); w: [head_dim] f32."""
@@ -193,14 +209,17 @@ class Norms:
             raise ValueError("head_rms_norm: x must have at least one dimension")
         return self._group_norm("head_rms_norm", x, out, w, None, x.shape[-1], False, eps, weight_offset, stream)
 
-    def group_norm(self, x: cupy.ndarray, out: cupy.ndarray, *, group_size: int, w: cupy.ndarray | None = None,
-                   l2: bool = False, eps: float = 1e-6, weight_offset: float = 0.0, stream=None) -> cupy.ndarray:
+    @tensors(out=like("x"))
+    def group_norm(self, x: cupy.ndarray, out: cupy.ndarray | None = None, *, group_size: int,
+                   w: cupy.ndarray | None = None, l2: bool = False, eps: float = 1e-6, weight_offset: float = 0.0,
+                   stream=None) -> cupy.ndarray:
         """Norm of every contiguous group of ``group_size`` elements (DeltaNet's grouped Q/K norm):
         RMS (``rsqrt(mean(x**2) + eps)``) or, with ``l2``, L2 (``rsqrt(sum(x**2) + eps)``); times
         ``w + weight_offset`` when w ([group_size]) is given. x, out: same shape, f32 (out may be x)."""
         return self._group_norm("group_norm", x, out, w, None, group_size, l2, eps, weight_offset, stream)
 
-    def gated_rms_norm(self, y: cupy.ndarray, z: cupy.ndarray, w: cupy.ndarray, out: cupy.ndarray, *,
+    @tensors(out=like("y"))
+    def gated_rms_norm(self, y: cupy.ndarray, z: cupy.ndarray, w: cupy.ndarray, out: cupy.ndarray | None = None, *,
                        group_size: int, eps: float = 1e-6, weight_offset: float = 0.0, stream=None) -> cupy.ndarray:
         """``out = rms_norm(y) * (w + weight_offset) * silu(z)`` per group of ``group_size`` (the gated
         RMS norm of DeltaNet's output). y, z, out: same shape f32; w: [group_size] f32."""

@@ -9,6 +9,7 @@ import numpy as np
 
 from cukern.dispatch import check_array
 from cukern.elementwise.common import _F32, _I32, _KV_TYPES, _POS_MODES, _aligned, _check_distinct, _check_eps, _vec
+from cukern.interop import like, tensors
 
 _ROPE_BLOCK = 256
 _ROPE_MAX_HEAD_DIM = 1024
@@ -92,9 +93,11 @@ class Rope:
             sections = [0, 0, 0, 0]
         return mode, sections
 
-    def rope(self, x: cupy.ndarray, positions: cupy.ndarray, out: cupy.ndarray, *, rope_dim: int | None = None,
-             neox: bool = True, freq_base: float = 10000.0, freqs: cupy.ndarray | None = None,
-             pos_mode: str = "consecutive", sections=None, stream=None) -> cupy.ndarray:
+    @tensors(out=like("x"))
+    def rope(self, x: cupy.ndarray, positions: cupy.ndarray, out: cupy.ndarray | None = None, *,
+             rope_dim: int | None = None, neox: bool = True, freq_base: float = 10000.0,
+             freqs: cupy.ndarray | None = None, pos_mode: str = "consecutive", sections=None,
+             stream=None) -> cupy.ndarray:
         """Rotary embedding of x: [n_tokens, n_heads, head_dim] f32 into out (may be x).
 
         rope_dim: rotated leading elements (even, default head_dim); the rest are copied. neox: pairs
@@ -106,8 +109,9 @@ class Rope:
         return self._rope("rope", x, None, positions, out, rope_dim, neox, freq_base, freqs, pos_mode, sections,
                           0.0, 0.0, stream)
 
-    def rms_norm_rope(self, x: cupy.ndarray, w: cupy.ndarray, positions: cupy.ndarray, out: cupy.ndarray, *,
-                      eps: float = 1e-6, weight_offset: float = 0.0, rope_dim: int | None = None, neox: bool = True,
+    @tensors(out=like("x"))
+    def rms_norm_rope(self, x: cupy.ndarray, w: cupy.ndarray, positions: cupy.ndarray, out: cupy.ndarray | None = None,
+                      *, eps: float = 1e-6, weight_offset: float = 0.0, rope_dim: int | None = None, neox: bool = True,
                       freq_base: float = 10000.0, freqs: cupy.ndarray | None = None, pos_mode: str = "consecutive",
                       sections=None, stream=None) -> cupy.ndarray:
         """Per-head RMS norm (weight w: [head_dim]) then :meth:`rope`, in one pass."""
@@ -141,6 +145,7 @@ class Rope:
                          shared_mem=smem)
         return out
 
+    @tensors
     def qk_norm_rope_kv_write(self, q: cupy.ndarray, k: cupy.ndarray, v: cupy.ndarray, wq: cupy.ndarray | None,
                               wk: cupy.ndarray | None, q_out: cupy.ndarray, k_cache: cupy.ndarray,
                               v_cache: cupy.ndarray, page_table: cupy.ndarray, positions: cupy.ndarray,
@@ -176,6 +181,7 @@ class Rope:
         return self._qkv("qk_norm_rope_kv_write", q, k, v, wq, wk, q_out, k_cache, v_cache, page_table, positions,
                          seq_ids, eps, weight_offset, rope_dim, neox, freq_base, freqs, pos_mode, stream)
 
+    @tensors
     def k_norm_rope_kv_write(self, k: cupy.ndarray, wk: cupy.ndarray | None, k_cache: cupy.ndarray,
                              page_table: cupy.ndarray, positions: cupy.ndarray, seq_ids: cupy.ndarray, *,
                              eps: float = 1e-6, weight_offset: float = 0.0, rope_dim: int | None = None,

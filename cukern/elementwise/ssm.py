@@ -8,6 +8,7 @@ import cupy
 
 from cukern.dispatch import check_array
 from cukern.elementwise.common import _F32, _MAX_GRID_Y, _check_disjoint
+from cukern.interop import like, tensors
 
 _CONV_CHUNK = 16
 _CONV_K = (2, 3, 4)
@@ -17,7 +18,8 @@ _DELTANET_TILED_DK = (64, 128)
 class Ssm:
     """ElementwiseDispatch's ssm methods (a mixin: launches through the dispatch's ``_launch``)."""
 
-    def conv1d_silu(self, x: cupy.ndarray, state: cupy.ndarray, w: cupy.ndarray, y: cupy.ndarray, *,
+    @tensors(y=like("x"))
+    def conv1d_silu(self, x: cupy.ndarray, state: cupy.ndarray, w: cupy.ndarray, y: cupy.ndarray | None = None, *,
                     stream=None) -> cupy.ndarray:
         """Depthwise causal conv1d + SiLU over n_tokens tokens (1: decode; more: prefill) with a rolling
         state of the previous kernel_size - 1 inputs: x, y [n_tokens, n_channels] f32; state
@@ -38,9 +40,10 @@ class Ssm:
         self._launch(f"conv1d_silu<{K}>", grid, 128, (y, state, x, w), params, stream=stream)
         return y
 
+    @tensors(o=like("v"))
     def deltanet(self, q: cupy.ndarray, k: cupy.ndarray, v: cupy.ndarray, g: cupy.ndarray, beta: cupy.ndarray,
-                 state: cupy.ndarray, o: cupy.ndarray, *, q_scale: float | None = None, tiled: bool | None = None,
-                 stream=None) -> cupy.ndarray:
+                 state: cupy.ndarray, o: cupy.ndarray | None = None, *, q_scale: float | None = None,
+                 tiled: bool | None = None, stream=None) -> cupy.ndarray:
         """Gated delta rule over n_tokens tokens of one sequence (1: decode), state updated in place.
         Per value head h (q/k head h // (n_v_heads // n_qk_heads)) and token t:
         ``S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T (q_scale q)``.

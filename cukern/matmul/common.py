@@ -211,6 +211,16 @@ def _cols(name: str, a, dtypes, k: int) -> int:
     return a.strides[0] // isz if n > 1 else k
 
 
+def _d_shape(w: str, b: str = "b"):
+    """d [n, m] for weight argument ``w`` and activations ``b`` [n, ...]: interop.like's shape function."""
+    return lambda a: (a(b).shape[0], a(w).m)
+
+
+def _q_rows(block_bytes: int):
+    """The quantized rows of x [n_rows, n_cols] at ``block_bytes`` per 32 values: interop.like's shape function."""
+    return lambda a: (a("x").shape[0], a("x").shape[1] // 32 * block_bytes)
+
+
 def _extent(a) -> tuple[int, int]:
     """[first, last + 1) bytes that a 2-D row-strided view spans."""
     return a.data.ptr, a.data.ptr + (a.shape[0] - 1) * a.strides[0] + a.shape[1] * a.itemsize

@@ -5,12 +5,15 @@ gemm_wgr and int8 methods come from the :mod:`cukern.matmul.wgr` and :mod:`cuker
 from __future__ import annotations
 
 import cupy
+import numpy as np
 
 from cukern.dispatch import Dispatch, Unit, bounded_put, check_array
 from cukern.dmmv import QTYPES, QWeight
+from cukern.interop import like, tensors
 from cukern.matmul.common import (FAMILIES, FAMILY, GEMM_QTYPES, _ACTS, _B_TYPES, _F32, _ROW_TILE, _ROW_TILE_GLU,
                                   _SUPER, _THREADS, _TOKEN_TILES, _U8, _W_ALIGN, PackedWeight, _check_act, _cols,
-                                  _k_slice, _overlap, _raw16, _smem, _split_arg)
+                                  _d_shape, _k_slice, _overlap, _raw16, _smem,
+                                  _split_arg)
 from cukern.matmul.int8 import Int8
 from cukern.matmul.wgr import Wgr
 from cukern.streams import resolve_stream
@@ -67,7 +70,8 @@ class MatmulDispatch(Wgr, Int8, Dispatch):
 
     MATVEC_MAX_N = 8  # at or below: DmmvDispatch.dmmv (one launch of 1..8 columns)
 
-    def matmul(self, w: QWeight, b: cupy.ndarray, d: cupy.ndarray, *, accumulate: bool = False,
+    @tensors(d=like("b", shape=_d_shape("w"), dtype=np.float32))
+    def matmul(self, w: QWeight, b: cupy.ndarray, d: cupy.ndarray | None = None, *, accumulate: bool = False,
                path: str | None = None, stream=None) -> cupy.ndarray:
         """``d = W b`` (``d += W b`` with ``accumulate``) by the path :meth:`plan_path` picks, or
         by ``path`` (``"matvec"``, ``"f16"``, ``"int8"``). b: [n, k] f32 or f16 activations, or
@@ -137,8 +141,10 @@ class MatmulDispatch(Wgr, Int8, Dispatch):
             raise ValueError("b and d must not overlap")
         return n, b_stride, d_stride
 
-    def gemm(self, w: QWeight | PackedWeight, b: cupy.ndarray, d: cupy.ndarray, *, accumulate: bool = False,
-             split_k: int | None = None, wgmma: bool | None = None, stream=None) -> cupy.ndarray:
+    @tensors(d=like("b", shape=_d_shape("w"), dtype=np.float32))
+    def gemm(self, w: QWeight | PackedWeight, b: cupy.ndarray, d: cupy.ndarray | None = None, *,
+             accumulate: bool = False, split_k: int | None = None, wgmma: bool | None = None,
+             stream=None) -> cupy.ndarray:
         """``d = b W^T`` (each token column: ``d[c] = W b[c]``); ``accumulate``: ``d += b W^T``.
 
         w: QWeight [m, k] of Q4_0, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K, or a PackedWeight (:meth:`pack`;
@@ -242,8 +248,10 @@ class MatmulDispatch(Wgr, Int8, Dispatch):
             else:
                 d.fill(0)  # an elementwise kernel on the launch stream: no allocation, capturable
 
-    def gemm_glu(self, w_gate: QWeight | PackedWeight, w_up: QWeight | None, b: cupy.ndarray, d: cupy.ndarray, *,
-                 act: str = "swiglu", wgmma: bool | None = None, stream=None) -> cupy.ndarray:
+    @tensors(d=like("b", shape=_d_shape("w_gate"), dtype=np.float32))
+    def gemm_glu(self, w_gate: QWeight | PackedWeight, w_up: QWeight | None, b: cupy.ndarray,
+                 d: cupy.ndarray | None = None, *, act: str = "swiglu", wgmma: bool | None = None,
+                 stream=None) -> cupy.ndarray:
         """``d[c] = act(W_gate b[c]) * (W_up b[c])``: the fused gate+up GEMM of a gated MLP; the
         two products never leave registers. act: ``"swiglu"`` (SiLU gate) or ``"geglu"`` (GELU-tanh).
 

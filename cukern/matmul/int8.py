@@ -9,14 +9,17 @@ import numpy as np
 
 from cukern.dispatch import check_array
 from cukern.dmmv import QWeight
+from cukern.interop import like, tensors
 from cukern.matmul.common import (Q8_0_BYTES, Q8_1_BYTES, _ACTS, _F32, _I8_MAX_TILE, _MAX_BLOCKS, _Q_THREADS,
-                                  _ROW_TILE_GLU, _THREADS, _U8, _cols, _overlap, _raw16, _smem_q8)
+                                  _ROW_TILE_GLU, _THREADS, _U8, _cols, _d_shape, _overlap, _q_rows, _raw16,
+                                  _smem_q8)
 
 
 class Int8:
     """MatmulDispatch's int8 GEMMs, quantizers and dequantizer (a mixin)."""
 
-    def gemm_q8(self, w: QWeight, a: cupy.ndarray, d: cupy.ndarray, *, accumulate: bool = False,
+    @tensors(d=like("a", shape=_d_shape("w", "a"), dtype=np.float32))
+    def gemm_q8(self, w: QWeight, a: cupy.ndarray, d: cupy.ndarray | None = None, *, accumulate: bool = False,
                 split_k: int | None = None, stream=None) -> cupy.ndarray:
         """``d = W a`` on int8 tensor cores, a holding Q8_1 activations (:meth:`quantize_q8_1`, or
         ``ElementwiseDispatch.residual_rms_norm_q8_1``); ``accumulate``: ``d += W a``.
@@ -56,6 +59,7 @@ class Int8:
             raise ValueError("a rows must start 4-byte aligned")
         return n, a_stride
 
+    @tensors
     def gemm_q8_glu(self, w_gate: QWeight, w_up: QWeight, a: cupy.ndarray, out: cupy.ndarray, *,
                     act: str = "swiglu", out_format: str = "f32", stream=None) -> cupy.ndarray:
         """``h[c] = act(W_gate a[c]) * (W_up a[c])`` on int8 tensor cores, a holding Q8_1 rows; the
@@ -126,17 +130,20 @@ class Int8:
         self._launch(f"quantize_q8<{fmt}>", blocks, _Q_THREADS, (q, x), params, stream=stream)
         return q
 
-    def quantize_q8_1(self, x: cupy.ndarray, q: cupy.ndarray, *, stream=None) -> cupy.ndarray:
+    @tensors(q=like("x", shape=_q_rows(36), dtype=np.uint8))
+    def quantize_q8_1(self, x: cupy.ndarray, q: cupy.ndarray | None = None, *, stream=None) -> cupy.ndarray:
         """Quantize the rows of x (f32 [n_rows, n_cols], n_cols % 32 == 0) to Q8_1 blocks
         (``cuda_src/common/q8_1.cuh``) in q: uint8 [n_rows, n_cols / 32 * 36]. One pass."""
         return self._quantize(0, x, q, stream)
 
-    def quantize_q8_0(self, x: cupy.ndarray, q: cupy.ndarray, *, stream=None) -> cupy.ndarray:
+    @tensors(q=like("x", shape=_q_rows(34), dtype=np.uint8))
+    def quantize_q8_0(self, x: cupy.ndarray, q: cupy.ndarray | None = None, *, stream=None) -> cupy.ndarray:
         """Quantize the rows of x to GGUF Q8_0 blocks (half d = absmax / 127, 32 int8 rounded half
         away from zero) in q: uint8 [n_rows, n_cols / 32 * 34]. One pass."""
         return self._quantize(1, x, q, stream)
 
-    def dequantize(self, w: QWeight, out: cupy.ndarray, *, stream=None) -> cupy.ndarray:
+    @tensors(out=like("w", shape=lambda a: (a("w").m, a("w").k), dtype=np.float16))
+    def dequantize(self, w: QWeight, out: cupy.ndarray | None = None, *, stream=None) -> cupy.ndarray:
         """``out = W`` as f16 [m, k] (C-contiguous, 16-byte aligned): what a dequantize + cuBLAS
         pipeline runs first."""
         w = self._weight("w", w)

@@ -10,6 +10,7 @@ import numpy as np
 
 from cukern.dispatch import tensor_map_2d
 from cukern.dmmv import QWeight
+from cukern.interop import tensors
 from cukern.matmul.common import (PACKED_LAYOUTS, _ACTS, _BK, _D_BOX, _ROW_TILE, _ROW_TILE_GLU, _SUPER, _WGR_THREADS,
                                   _WG_TILES, PackedWeight, _k_slice, _raw16, _smem_wgr, _split_arg)
 from cukern.streams import resolve_stream
@@ -138,6 +139,7 @@ class Wgr:
         256, and a device that runs gemm_wgr (sm_90)."""
         return w.qtype in PACKED_LAYOUTS and w.k % _SUPER == 0 and self._units[w.qtype].is_sm90()
 
+    @tensors
     def pad_rows(self, w: QWeight, *, stream=None) -> QWeight:
         """A copy of ``w`` whose rows start 16 bytes apart (``row_stride``: the row's bytes rounded up to 16,
         the gap zero), made once on the device at load, like :meth:`pack`: the tiled GEMMs copy such rows to
@@ -159,6 +161,7 @@ class Wgr:
         with resolve_stream(stream):
             dst[...] = src
 
+    @tensors
     def pack(self, w: QWeight, *, stream=None) -> PackedWeight:
         """``w`` repacked into gemm_wgr's layout (:class:`PackedWeight`), on the device: a one-time step at
         load for the prefill GEMMs, which then run 1.05-1.6x as fast as dequantize + cuBLAS at N >= 512
@@ -168,6 +171,7 @@ class Wgr:
         w = self._weight("w", w)
         return self._pack(w, w, False, stream)
 
+    @tensors
     def pack_glu(self, w_gate: QWeight, w_up: QWeight, *, stream=None) -> PackedWeight:
         """The gate and up matrices of a gated MLP packed together (``PackedWeight.glu``: each 128-row tile
         holds 64 rows of each, as gemm_wgr's fused GLU reads them), for :meth:`gemm_glu`. Types and shapes
