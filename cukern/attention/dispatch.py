@@ -42,11 +42,25 @@ def _decode_unit(kv: str) -> FamilySpec:
     if kv != "float32":
         kernels += [KernelSpec(f"decode_tc<{t}, {d}, {nw}>", "DecodeParams")
                     for d in HEAD_DIMS if d <= _TC_DECODE_MAX_D for nw in _tc_warps(d)]
-    kernels.append(KernelSpec("merge_states", "MergeParams"))
+    kernels.append(KernelSpec("merge_states<float>", "MergeParams"))
     srcs = [t] if kv == "float32" else [t, "float"]
     kernels += [KernelSpec(f"kv_write<{t}, {s}>", "KvWriteParams") for s in srcs]
     name = "attention" if kv == "float16" else f"attention_{_SHORT[kv]}"
     return FamilySpec(name, tuple(kernels), source="attention/attention.cu", params_header="attention/params.cuh")
+
+
+def _decode_q16_unit(kv: str) -> FamilySpec:
+    """Decode with q and out in the (16-bit) cache's dtype: the kernels flash_attn_decode runs for such a cache
+    (decode_tc up to head_dim 256, decode beyond) and their merge, a unit apart so that the f32-q units compile
+    as before and these only when first used."""
+    t = _CTYPE[kv]
+    kernels = [KernelSpec(f"decode_tc<{t}, {d}, {nw}, {t}>", "DecodeParams")
+               for d in HEAD_DIMS if d <= _TC_DECODE_MAX_D for nw in _tc_warps(d)]
+    kernels += [KernelSpec(f"decode<{t}, {d}, {g}, {t}>", "DecodeParams")
+                for d in HEAD_DIMS if d > _TC_DECODE_MAX_D for g in _groups(d)]
+    kernels.append(KernelSpec(f"merge_states<{t}>", "MergeParams"))
+    return FamilySpec(f"attention_{_SHORT[kv]}_q16", tuple(kernels), source="attention/attention.cu",
+                      params_header="attention/params.cuh")
 
 
 def _prefill_unit(kv: str, kernel: str = "prefill") -> FamilySpec:
@@ -62,9 +76,11 @@ def _prefill_unit(kv: str, kernel: str = "prefill") -> FamilySpec:
 _SM90A_UNITS = {f"attention_prefill_wg_{_SHORT[kv]}" for kv in ("float16", BF16)}  # built for sm_90a on sm_90 (Unit)
 
 
-# One RawModule per unit: decode + cache writes + merge per KV dtype, prefill and prefill_wg per dtype.
+# One RawModule per unit: decode + cache writes + merge per KV dtype, decode with 16-bit q / out per 16-bit KV
+# dtype, prefill and prefill_wg per dtype.
 FAMILIES = {spec.name: spec for spec in (
-    [_decode_unit(kv) for kv in ("float16", BF16, "float32")] + [_prefill_unit(kv) for kv in ("float16", BF16)]
+    [_decode_unit(kv) for kv in ("float16", BF16, "float32")] + [_decode_q16_unit(kv) for kv in ("float16", BF16)]
+    + [_prefill_unit(kv) for kv in ("float16", BF16)]
     + [_prefill_unit(kv, "prefill_wg") for kv in ("float16", BF16)])}
 FAMILY = FAMILIES["attention"]
 
@@ -115,6 +131,12 @@ class AttentionDispatch:
     current stream) and validates its arguments before launching; none synchronises,
     allocates or reads device memory (``plan_*`` and the cache do the host work).
 
+    Dtypes: :meth:`flash_attn_decode` takes q and out in float32 or in the cache's dtype (a float16 or
+    bfloat16 cache; bf16 as uint16 bits), out in q's dtype; :meth:`flash_attn_batched` takes Q in the
+    cache's 16-bit dtype (tensor cores) or float32 (SIMT); :meth:`flash_attn_varlen` float16 / bfloat16
+    (f32 varlen is not built: docs/notes/attention.md says why). Arithmetic is f32 throughout; LSE, sinks
+    and the merge's inputs are f32.
+
     ``pdl`` (default False; sm_90+) launches :meth:`flash_attn_decode` (and :meth:`merge_states`, which
     touches memory only after the wait) with programmatic dependent launch: its blocks start while
     the previous kernel in the stream finishes and stream their first
@@ -134,9 +156,11 @@ class AttentionDispatch:
         self.pdl = bool(pdl)
         self._units = {name: Unit(spec, device, sm90a=name in _SM90A_UNITS) for name, spec in FAMILIES.items()}
 
-    def _unit(self, kind: str, prefill: bool = False) -> Unit:
-        return self._units[f"attention_prefill_{_SHORT[kind]}" if prefill else
-                           ("attention" if kind == "float16" else f"attention_{_SHORT[kind]}")]
+    def _unit(self, kind: str, prefill: bool = False, q16: bool = False) -> Unit:
+        """The unit of a cache of this kind: prefill, decode with 16-bit q / out (q16), else decode and writes."""
+        if prefill or q16:
+            return self._units[f"attention_{'prefill_' if prefill else ''}{_SHORT[kind]}{'_q16' if q16 else ''}"]
+        return self._units["attention" if kind == "float16" else f"attention_{_SHORT[kind]}"]
 
     def struct(self, name: str):
         return self._units["attention"].struct(name)
@@ -258,8 +282,10 @@ class AttentionDispatch:
                           stream=None) -> cupy.ndarray:
         """Single-query attention of a batch of sequences over the paged cache (split-KV + merge).
 
-        q: [batch, n_heads, head_dim] f32 (16-byte aligned); out: the same (written); lse: optional
-        [batch, n_heads] f32, natural log (sinks included). K/V of a tile are read once for all the
+        q: [batch, n_heads, head_dim], float32 or the cache's dtype (float16 / bfloat16 as uint16 bits;
+        16-byte aligned); out: the same shape and dtype as q (written: f32 arithmetic, rounded once); lse:
+        optional [batch, n_heads] f32, natural log (sinks included). Mixed q / cache dtypes other than an
+        f32 q are not taken (an f32 cache takes f32 q). K/V of a tile are read once for all the
         query heads of their group. With ``plan.n_splits > 1`` the chunks write normalised partial
         (O, LSE) into the plan's buffers and, in the same launch, one block of each (query, head block)
         merges them (as :meth:`merge_states` would), adding the sinks once: the last block to finish (an
@@ -278,8 +304,10 @@ class AttentionDispatch:
         cache = plan.cache
         layer = self._check_layer(cache, layer)
         b, h, d = plan.batch, plan.n_heads, cache.head_dim
-        check_array("q", q, dtype=_F32, shape=(b, h, d), align=16)
-        check_array("out", out, dtype=_F32, shape=(b, h, d), align=16)
+        qk = _check_kind("q", q, tuple(dict.fromkeys(("float32", cache.kind))))
+        check_array("q", q, shape=(b, h, d), align=16)
+        check_array("out", out, dtype=q.dtype, shape=(b, h, d), align=16)
+        qo = "" if qk == "float32" else f", {_CTYPE[qk]}"  # the kernels' trailing q/out type (default float)
         if lse is not None:
             check_array("lse", lse, dtype=_F32, shape=(b, h))
         if sinks is not None:
@@ -295,7 +323,7 @@ class AttentionDispatch:
         pf = self._prefetch_tiles(plan, tiles, nhb)
         ahead = self._ahead_tiles(plan, tiles)
         ef = plan.overrides.evict_first
-        unit = self._unit(cache.kind)
+        unit = self._unit(cache.kind, q16=qk != "float32")
         params = unit.struct("DecodeParams").pack(
             n_queries=b, n_seqs=b, batched=0, n_heads=h, n_kv_heads=cache.n_kv_heads, group=group, n_head_blocks=nhb,
             page_size=cache.page_size, max_pages=cache.max_pages_per_seq, n_splits=plan.n_splits,
@@ -304,16 +332,17 @@ class AttentionDispatch:
             l2_prefetch=pf, evict_first=int(pf > 0 or ahead > 0 if ef is None else ef),
             merge_apart=int(plan.merge_apart), l2_ahead=ahead, pad0=0, **fields)
         if plan.warps:
-            name, smem = f"decode_tc<{_CTYPE[cache.kind]}, {d}, {plan.warps}>", _decode_tc_smem(d, plan.warps)
+            name, smem = f"decode_tc<{_CTYPE[cache.kind]}, {d}, {plan.warps}{qo}>", _decode_tc_smem(d, plan.warps)
         else:
-            name, smem = f"decode<{_CTYPE[cache.kind]}, {d}, {hb}>", _decode_smem(cache.kind, d, hb)
+            name, smem = f"decode<{_CTYPE[cache.kind]}, {d}, {hb}{qo}>", _decode_smem(cache.kind, d, hb)
         unit._launch(name, (plan.n_splits, cache.n_kv_heads * nhb, b), 32 * plan.warps or _DECODE_THREADS,
                      (out, lse if lse is not None else out, plan.o_part if split else out, plan.lse_part,
                       plan.counters, q, cache.k_pools[layer], cache.v_pools[layer], cache.page_table, cache.lengths,
                       plan.seq_ids, plan.seq_ids, sinks if sinks is not None else plan.lse_part), params,
                      stream=stream, shared_mem=smem, pdl=self.pdl)
         if plan.merge_apart:
-            self._merge(unit, plan.o_part, plan.lse_part, out, lse, sinks, b, plan.n_splits, h, d, stream)
+            self._merge(unit, plan.o_part, plan.lse_part, out, lse, sinks, b, plan.n_splits, h, d, stream,
+                        _CTYPE[qk])
         return out
 
     def _prefetch_tiles(self, plan: DecodePlan, tiles: int, n_head_blocks: int) -> int:
@@ -371,12 +400,12 @@ class AttentionDispatch:
         self._merge(self._units["attention"], v, s, out, lse, sinks, n, ns, h, d, stream)
         return out
 
-    def _merge(self, unit, v, s, out, lse, sinks, n, ns, h, d, stream):
+    def _merge(self, unit, v, s, out, lse, sinks, n, ns, h, d, stream, out_type="float"):
         cols4 = _merge_cols4(n * h, d, self.sm_count())
         params = unit.struct("MergeParams").pack(n_tokens=n, n_states=ns, n_heads=h, head_dim=d,
                                                  has_sinks=int(sinks is not None), write_lse=int(lse is not None),
                                                  cols4=cols4, pad0=0)
-        unit._launch("merge_states", (h, n, -(-(d // 4) // cols4)), _MERGE_THREADS,
+        unit._launch(f"merge_states<{out_type}>", (h, n, -(-(d // 4) // cols4)), _MERGE_THREADS,
                      (out, lse if lse is not None else out, v, s, sinks if sinks is not None else s), params,
                      stream=stream, pdl=self.pdl)
 
