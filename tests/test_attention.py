@@ -815,8 +815,8 @@ def test_choose_splits_fills_waves_without_needless_partials():
 
 @pytest.mark.parametrize("kind, h, hk, d, kv, force, want", [
     ("float16", 32, 8, 128, 8192, None, {"decode_tc<__half, 128, 8>": 1}),             # merged in the last block
-    ("float16", 4, 1, 256, 8192, None, {"decode_tc<__half, 256, 4>": 1, "merge_states": 1}),  # Gemma 3: apart
-    ("float32", 4, 1, 96, 4096, True, {"decode<float, 96, 4>": 1, "merge_states": 1}),  # SIMT, forced apart
+    ("float16", 4, 1, 256, 8192, None, {"decode_tc<__half, 256, 4>": 1, "merge_states<float>": 1}),  # Gemma 3: apart
+    ("float32", 4, 1, 96, 4096, True, {"decode<float, 96, 4>": 1, "merge_states<float>": 1}),  # SIMT, forced apart
     ("float16", 4, 1, 256, 8192, False, {"decode_tc<__half, 256, 4>": 1}),              # forced into the block
 ])
 def test_decode_merge_place_host(monkeypatch, kind, h, hk, d, kv, force, want):
@@ -831,7 +831,7 @@ def test_decode_merge_place_host(monkeypatch, kind, h, hk, d, kv, force, want):
         cache = PagedKVCache(1, kv // 16 + 1, 16, hk, d, max_seqs=1, dtype=kind)
         slot = cache.add(kv)
         plan = attn.plan_decode(cache, [slot], h, overrides=DecodeOverrides(merge_apart=force))
-        assert plan.n_splits > 1 and plan.merge_apart == ("merge_states" in want)
+        assert plan.n_splits > 1 and plan.merge_apart == ("merge_states<float>" in want)
         q, out = cupy.empty((1, h, d)), cupy.empty((1, h, d))
         launches.clear()
         attn.flash_attn_decode(plan, 0, q, out, lse=cupy.empty((1, h)), sinks=cupy.zeros(h))

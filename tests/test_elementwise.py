@@ -1058,7 +1058,7 @@ def test_bad_arguments_raise_before_launch(d, host_if_no_gpu):
     pt = cupy.zeros((1, 4), cupy.int32)
     cases = [
         (lambda: d.rms_norm(x, cupy.ones(7, cupy.float32), out), ValueError, "w must have shape"),
-        (lambda: d.rms_norm(x.astype(cupy.float16), w, out), TypeError, "x must have dtype float32"),
+        (lambda: d.rms_norm(x.astype(cupy.float16), w, out), TypeError, "out must have dtype float16"),
         (lambda: d.rms_norm(x, w, cupy.empty((4, 9), cupy.float32)), ValueError, "out must have shape"),
         (lambda: d.rms_norm(x[:, ::2], w[:4], out[:, :4]), ValueError, "C-contiguous"),
         (lambda: d.rms_norm(x, w, out, eps=-1.0), ValueError, "eps must be >= 0"),

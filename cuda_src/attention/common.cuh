@@ -115,5 +115,24 @@ CUKERN_DEVICE void split2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
     lo = pack2<T>(x0 - h.x, x1 - h.y);
 }
 
+// q and the final output of the decode kernels: f32, or the cache's 16-bit type Q (widened on the load,
+// rounded once on the store). Groups aligned to their size: 8 / 16 bytes for 4 values, 4 / 8 for 2.
+CUKERN_DEVICE float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+template <typename Q>
+CUKERN_DEVICE float4 load4(const Q* p) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    const float2 lo = unpack2(u.x, p), hi = unpack2(u.y, p);
+    return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
+CUKERN_DEVICE float2 load2(const float* p) { return *reinterpret_cast<const float2*>(p); }
+template <typename Q>
+CUKERN_DEVICE float2 load2(const Q* p) { return unpack2(*reinterpret_cast<const uint32_t*>(p), p); }
+// store4: the i-th group of 4 values from p (p + 4 i).
+CUKERN_DEVICE void store4(float* p, uint64_t i, float4 v) { reinterpret_cast<float4*>(p)[i] = v; }
+template <typename Q>
+CUKERN_DEVICE void store4(Q* p, uint64_t i, float4 v) {
+    reinterpret_cast<uint2*>(p)[i] = make_uint2(pack2<Q>(v.x, v.y), pack2<Q>(v.z, v.w));
+}
+
 }  // namespace attn
 }  // namespace cukern

@@ -150,13 +150,13 @@ CUKERN_DEVICE void merge_column(MergeAcc& m, const float4* src, uint64_t stride,
 // warps, then writes the final O / LSE (n_splits == 1, sinks added here) or the block's normalised
 // partial state; in split mode the last block of the (query, head block) to finish (an acq_rel counter)
 // merges the n_splits states (sinks added once) and leaves the counter zero for the next launch.
-template <int D, int G, int WARPS>
+template <int D, int G, int WARPS, typename QO>
 CUKERN_DEVICE void decode_finish(
     float* red,                              // shared [WARPS][G][D]
     const float (*sm_m)[G],                  // shared [WARPS][G] warp maxima (base 2)
     const float (*sm_l)[G],                  // shared [WARPS][G] warp sums of weights
     int* sm_last_p,                          // shared flag
-    float* __restrict__ o, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part,
+    QO* __restrict__ o, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part,
     int32_t* __restrict__ counters, const float* __restrict__ sinks, const DecodeParams& p, uint32_t qi,
     uint32_t split, uint32_t h0, int n_h) {
     constexpr int NT = WARPS * 32;
@@ -191,7 +191,7 @@ CUKERN_DEVICE void decode_finish(
             if (d == 0) lse_part[row] = lse2;
         } else {
             const uint64_t row = (uint64_t)qi * p.n_heads + h0 + g;
-            o[row * D + d] = out;
+            o[row * D + d] = from_float<QO>(out);
             if (d == 0 && p.write_lse) lse[row] = lse2;
         }
     }
@@ -229,8 +229,7 @@ CUKERN_DEVICE void decode_finish(
         if (active && part == 0) {
             const float inv = m.den > 0.0f ? 1.0f / m.den : 0.0f;
             const uint64_t row = (uint64_t)qi * nh + h0 + g;
-            reinterpret_cast<float4*>(o + row * D)[c] =
-                make_float4(m.a.x * inv, m.a.y * inv, m.a.z * inv, m.a.w * inv);
+            store4(o + row * D, c, make_float4(m.a.x * inv, m.a.y * inv, m.a.z * inv, m.a.w * inv));
             if (c == 0 && p.write_lse) lse[row] = m.den > 0.0f ? m.mu + logf(m.den) : -INFINITY;
         }
     }
@@ -242,14 +241,14 @@ CUKERN_DEVICE void decode_finish(
 }  // namespace cukern
 
 // One chunk of the visible keys of one query, for the G query heads [h0, h0 + G) of one KV head.
-template <typename T, int D, int G>
+template <typename T, int D, int G, typename QO = float>
 __global__ void __launch_bounds__(cukern::attn::DECODE_WARPS * 32, 2) decode(
-    float* __restrict__ o,                   // [n_queries, n_heads, D] final output
+    QO* __restrict__ o,                      // [n_queries, n_heads, D] final output
     float* __restrict__ lse,                 // [n_queries, n_heads] final natural-log LSE, sinks included (write_lse)
     float* __restrict__ o_part,              // n_splits > 1: [n_queries, n_splits, n_heads, D] normalised partial O
     float* __restrict__ lse_part,            // n_splits > 1: [n_queries, n_splits, n_heads] their natural-log LSE
     int32_t* __restrict__ counters,          // n_splits > 1: [n_queries * gridDim.y] zeros (left zero on exit)
-    const float* __restrict__ q,             // [n_queries, n_heads, D]
+    const QO* __restrict__ q,                // [n_queries, n_heads, D]
     const T* __restrict__ k_pool,            // [n_pages, page_size, n_kv_heads, D]
     const T* __restrict__ v_pool,            // [n_pages, page_size, n_kv_heads, D]
     const int32_t* __restrict__ page_table,  // [n_slots, max_pages]
@@ -344,13 +343,12 @@ __global__ void __launch_bounds__(cukern::attn::DECODE_WARPS * 32, 2) decode(
     float qf[G][E];
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-        const float* qh = q + ((uint64_t)qi * p.n_heads + h0 + min(g, n_h - 1)) * D;
+        const QO* qh = q + ((uint64_t)qi * p.n_heads + h0 + min(g, n_h - 1)) * D;
 #pragma unroll
         for (int i = 0; i < VPL; ++i) {
-            const float4* src = reinterpret_cast<const float4*>(qh + (gl + i * LPK) * VEC);
 #pragma unroll
             for (int e4 = 0; e4 < VEC / 4; ++e4) {
-                const float4 v = src[e4];
+                const float4 v = load4(qh + (gl + i * LPK) * VEC + 4 * e4);
                 qf[g][i * VEC + 4 * e4 + 0] = v.x;
                 qf[g][i * VEC + 4 * e4 + 1] = v.y;
                 qf[g][i * VEC + 4 * e4 + 2] = v.z;

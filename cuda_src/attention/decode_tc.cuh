@@ -69,14 +69,14 @@ struct DecodeTcShape {
 }  // namespace attn
 }  // namespace cukern
 
-template <typename T, int D, int NW>
+template <typename T, int D, int NW, typename QO = float>
 __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_tc(
-    float* __restrict__ o,                   // [n_queries, n_heads, D] final output
+    QO* __restrict__ o,                      // [n_queries, n_heads, D] final output
     float* __restrict__ lse,                 // [n_queries, n_heads] final natural-log LSE, sinks included (write_lse)
     float* __restrict__ o_part,              // n_splits > 1: [n_queries, n_splits, n_heads, D] normalised partial O
     float* __restrict__ lse_part,            // n_splits > 1: [n_queries, n_splits, n_heads] their natural-log LSE
     int32_t* __restrict__ counters,          // n_splits > 1: [n_queries * gridDim.y] zeros (left zero on exit)
-    const float* __restrict__ q,             // [n_queries, n_heads, D]
+    const QO* __restrict__ q,                // [n_queries, n_heads, D]
     const T* __restrict__ k_pool,            // [n_pages, page_size, n_kv_heads, D]
     const T* __restrict__ v_pool,            // [n_pages, page_size, n_kv_heads, D]
     const int32_t* __restrict__ page_table,  // [n_slots, max_pages]
@@ -210,11 +210,11 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
         float qv[D / 16][4];
         float amax = 0.0f;
         const bool real = g < n_h;
-        const float* qh = q + ((uint64_t)qi * p.n_heads + h0 + (real ? g : 0)) * D + 2 * tq;
+        const QO* qh = q + ((uint64_t)qi * p.n_heads + h0 + (real ? g : 0)) * D + 2 * tq;
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
-            const float2 a = real ? *reinterpret_cast<const float2*>(qh + kk * 16) : make_float2(0.0f, 0.0f);
-            const float2 b = real ? *reinterpret_cast<const float2*>(qh + kk * 16 + 8) : make_float2(0.0f, 0.0f);
+            const float2 a = real ? load2(qh + kk * 16) : make_float2(0.0f, 0.0f);
+            const float2 b = real ? load2(qh + kk * 16 + 8) : make_float2(0.0f, 0.0f);
             qv[kk][0] = a.x * p.scale_log2;
             qv[kk][1] = a.y * p.scale_log2;
             qv[kk][2] = b.x * p.scale_log2;

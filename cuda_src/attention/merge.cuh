@@ -11,7 +11,7 @@
 // MERGE_THREADS / cols4 groups of threads each sum a share of the states with float4 loads (many
 // loads in flight per thread), and the groups' sums are added through shared memory. Narrow column
 // blocks spread a merge of few rows (one query, few heads) over many SMs.
-// Bytes: n_states * (head_dim + 1) floats read, head_dim (+ 1) written per (token, head).
+// Bytes: n_states * (head_dim + 1) floats read, head_dim values of O (+ 1 float) written per (token, head).
 // Programmatic dependent launch (decode's merge_apart, after the decode launch): every input is
 // read and the outputs written after pdl_wait.
 #pragma once
@@ -29,8 +29,10 @@ constexpr int MERGE_CHUNK = 512;  // state weights held in shared memory at a ti
 }  // namespace attn
 }  // namespace cukern
 
-extern "C" __global__ void __launch_bounds__(cukern::attn::MERGE_THREADS) merge_states(
-    float* __restrict__ o,            // [n_tokens, n_heads, head_dim] merged output
+// O: the merged output's type (float; or the 16-bit q/out type of a decode whose states merge apart).
+template <typename O = float>
+__global__ void __launch_bounds__(cukern::attn::MERGE_THREADS) merge_states(
+    O* __restrict__ o,                // [n_tokens, n_heads, head_dim] merged output
     float* __restrict__ lse,          // [n_tokens, n_heads] merged natural-log LSE (write_lse only)
     const float* __restrict__ o_in,   // [n_tokens, n_states, n_heads, head_dim] normalised partial outputs
     const float* __restrict__ lse_in, // [n_tokens, n_states, n_heads] their natural-log LSE
@@ -103,8 +105,8 @@ extern "C" __global__ void __launch_bounds__(cukern::attn::MERGE_THREADS) merge_
             sum.w += x.w;
         }
         const float inv = den > 0.0f ? 1.0f / den : 0.0f;
-        reinterpret_cast<float4*>(o + (t * nh + h) * p.head_dim)[col0 + threadIdx.x] =
-            make_float4(sum.x * inv, sum.y * inv, sum.z * inv, sum.w * inv);
+        store4(o + (t * nh + h) * p.head_dim, col0 + threadIdx.x,
+               make_float4(sum.x * inv, sum.y * inv, sum.z * inv, sum.w * inv));
     }
     if (p.write_lse && blockIdx.z == 0 && threadIdx.x == 0) lse[t * nh + h] = den > 0.0f ? mu + logf(den) : -INFINITY;
 }

@@ -10,19 +10,10 @@
 #include "common/types.cuh"
 #include "common/kv_cache.cuh"
 #include "elementwise/params.cuh"
+#include "elementwise/convert.cuh"
 
 namespace cukern {
 namespace ew {
-// Store 4 consecutive f32 values into a cache of element type KV (dst: 4-element aligned).
-template <typename KV> CUKERN_DEVICE void kv_store4(KV* dst, float4 v);
-template <> CUKERN_DEVICE void kv_store4<float>(float* dst, float4 v) { *reinterpret_cast<float4*>(dst) = v; }
-template <> CUKERN_DEVICE void kv_store4<__half>(__half* dst, float4 v) {
-    __half2 lo = __floats2half2_rn(v.x, v.y), hi = __floats2half2_rn(v.z, v.w);
-    uint2 u;
-    u.x = *reinterpret_cast<uint32_t*>(&lo);
-    u.y = *reinterpret_cast<uint32_t*>(&hi);
-    *reinterpret_cast<uint2*>(dst) = u;
-}
 template <bool VEC4> struct KvUnit { using type = float; };
 template <> struct KvUnit<true> { using type = float4; };
 }  // namespace ew
@@ -64,7 +55,7 @@ __global__ void __launch_bounds__(256) kv_write(
         const int32_t seq = p.pos_mode == 0 ? seq_ids[0] : seq_ids[t];
         KV* dst = cache + kv_row_offset(page_table + (uint64_t)seq * p.max_pages, (uint32_t)pos, p.page_size,
                                         p.row_elems) + c;
-        if constexpr (VEC4) ew::kv_store4<KV>(dst, vals[k]);
+        if constexpr (VEC4) ew::st4(dst, 0, vals[k]);
         else kv_store<KV>(dst, 0, vals[k]);
     }
 }

@@ -1,9 +1,10 @@
 // Rotary position embeddings, alone or fused with the per-head RMS norm and the KV-cache write.
 //
-// Layout: x [n_tokens, n_heads, head_dim] f32. The first rope_dim elements of a head rotate in
-// pairs, NeoX (j, j + rope_dim/2) or interleaved (2j, 2j+1), j < rope_dim/2, by the angle
-// pos * inv_freq[j], inv_freq[j] = freq_base^(-2j / rope_dim) or a caller's freqs[j] (scaled
-// RoPE variants precompute them); the remaining head_dim - rope_dim elements are copied.
+// Layout: x [n_tokens, n_heads, head_dim]: f32, f16 or bf16 for rope / rms_norm_rope, f32 for the fused
+// KV kernels; arithmetic in f32. The first rope_dim elements of a head rotate in pairs, NeoX
+// (j, j + rope_dim/2) or interleaved (2j, 2j+1), j < rope_dim/2, by the angle pos * inv_freq[j],
+// inv_freq[j] = freq_base^(-2j / rope_dim) or a caller's freqs[j] (scaled RoPE variants precompute
+// them); the remaining head_dim - rope_dim elements are copied.
 // Positions: consecutive (positions[0] + t), per token (positions[t]), or per token and section
 // (positions [4, n_tokens]: multi-section rotary, contiguous sections or IMRoPE's interleaved ones).
 //
@@ -101,8 +102,8 @@ CUKERN_DEVICE void rope_pair(uint32_t j, uint32_t half, uint32_t rope_dim, bool 
 // s_g = rsqrt(mean(x[g]^2) + eps) when norm, else 1; w == nullptr: no weight. Heads are head_dim apart
 // in x and in out. Lane l holds pairs j = l + 32 k, k < PPL (head_dim <= 64 * PPL) of every head: all
 // G * PPL * 2 loads are issued before the first reduction, so a warp keeps that many in flight.
-template <typename TO, int PPL, int G>
-CUKERN_DEVICE void rope_heads(TO* out, const float* x, uint32_t n_live, const float* __restrict__ w, bool norm,
+template <typename TO, int PPL, int G, typename TI = float>
+CUKERN_DEVICE void rope_heads(TO* out, const TI* x, uint32_t n_live, const float* __restrict__ w, bool norm,
                               float eps, float w_off, const float* cos_t, const float* sin_t, uint32_t head_dim,
                               uint32_t rope_dim, bool neox) {
     const uint32_t lane = threadIdx.x % WARP, half = rope_dim / 2, n_pairs = head_dim / 2;
@@ -117,8 +118,8 @@ CUKERN_DEVICE void rope_heads(TO* out, const float* x, uint32_t n_live, const fl
             if (g < n_live && j < n_pairs) {
                 uint32_t i0, i1;
                 rope_pair(j, half, rope_dim, neox, i0, i1);
-                v0[g][k] = x[g * head_dim + i0];
-                v1[g][k] = x[g * head_dim + i1];
+                v0[g][k] = to_float(x[g * head_dim + i0]);
+                v1[g][k] = to_float(x[g * head_dim + i1]);
                 ss[g] += v0[g][k] * v0[g][k] + v1[g][k] * v1[g][k];
             }
         }
@@ -168,12 +169,13 @@ CUKERN_DEVICE void copy_heads(TO* __restrict__ out, const float* __restrict__ x,
 }  // namespace cukern
 
 // out[t, h] = rope(x[t, h]) or, with NORM, rope(rms_norm(x[t, h]) * (w + weight_offset)).
+// T: storage type of x and out (float, __half, __nv_bfloat16); w, freqs f32.
 // grid: (<= ceil(n_tokens / tokens_per_block)), block: ROPE_BLOCK;
 // dynamic shared memory: 8 * rope_dim/2 + 8 * tokens_per_block * rope_dim/2 bytes.
-template <bool NORM, int PPL, int G>
+template <bool NORM, int PPL, int G, typename T = float>
 __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) rope(
-    float* out,                            // [n_tokens, n_heads, head_dim] (may alias x)
-    const float* x,                        // [n_tokens, n_heads, head_dim]
+    T* out,                                // [n_tokens, n_heads, head_dim] (may alias x)
+    const T* x,                            // [n_tokens, n_heads, head_dim]
     const float* __restrict__ w,           // NORM: [head_dim] norm weight (else unread)
     const float* __restrict__ freqs,       // use_freqs: [rope_dim / 2] inverse frequencies (else unread)
     const int32_t* __restrict__ positions, // pos_mode 0: [1]; 1: [n_tokens]; 2, 3: [4, n_tokens]
@@ -200,7 +202,7 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) rope(
         for (uint32_t task = threadIdx.x / WARP; task < n_tok * groups; task += blockDim.x / WARP) {
             const uint32_t tt = task / groups, h = (task % groups) * G;
             const uint64_t off = ((uint64_t)(t0 + tt) * p.n_heads + h) * p.head_dim;
-            ew::rope_heads<float, PPL, G>(out + off, x + off, min((uint32_t)G, p.n_heads - h), NORM ? w : nullptr,
+            ew::rope_heads<T, PPL, G, T>(out + off, x + off, min((uint32_t)G, p.n_heads - h), NORM ? w : nullptr,
                                           NORM, p.eps, p.weight_offset, tab.cos_t + tt * half, tab.sin_t + tt * half,
                                           p.head_dim, p.rope_dim, p.neox);
         }

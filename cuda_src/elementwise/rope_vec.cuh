@@ -23,14 +23,12 @@
 #include "elementwise/params.cuh"
 #include "elementwise/rope.cuh"
 #include "elementwise/kv.cuh"
+#include "elementwise/convert.cuh"
 
 namespace cukern {
 namespace ew {
 
 constexpr int VEC_ROWS = 2;  // head rows per thread
-
-CUKERN_DEVICE float4 ld4(const float* p, uint32_t i) { return *reinterpret_cast<const float4*>(p + i); }
-CUKERN_DEVICE void st4(float* p, uint32_t i, float4 v) { *reinterpret_cast<float4*>(p + i) = v; }
 
 // One lane's unit of a head row: its element offsets and, for a rotary unit, its 4 inverse frequencies.
 struct RopeUnit {
@@ -101,12 +99,13 @@ CUKERN_DEVICE void norm_unit(float4& A, float4& B, const RopeUnit& un, const flo
 }  // namespace cukern
 
 // out[t, h] = rope(x[t, h]) or, with NORM, rope(rms_norm(x[t, h]) * (w + weight_offset)); every pos_mode.
+// T: storage type of x and out (float, __half, __nv_bfloat16: 4-element loads of 16 or 8 bytes); w, freqs f32.
 // p.tokens_per_block is unused here. grid: (ceil(n_tokens * n_heads / (ROPE_BLOCK / LPH * VEC_ROWS))),
 // block: ROPE_BLOCK, no dynamic shared memory.
-template <bool NORM, int LPH>
+template <bool NORM, int LPH, typename T = float>
 __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) rope_vec(
-    float* out,                            // [n_tokens, n_heads, 8 * LPH] (may alias x)
-    const float* x,                        // [n_tokens, n_heads, 8 * LPH]
+    T* out,                                // [n_tokens, n_heads, 8 * LPH] (may alias x)
+    const T* x,                            // [n_tokens, n_heads, 8 * LPH]
     const float* __restrict__ w,           // NORM: [head_dim] norm weight (else unread)
     const float* __restrict__ freqs,       // use_freqs: [rope_dim / 2] inverse frequencies (else unread)
     const int32_t* __restrict__ positions, // pos_mode 0: [1]; 1: [n_tokens]; 2, 3: [4, n_tokens]
@@ -226,8 +225,8 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) qk_norm_rope_kv_vec(
         }
         if (is_q) {
             QO* dst = q_out + ((uint64_t)t * nq + i) * HD;
-            ew::kv_store4<QO>(dst + un.a, A[j]);
-            ew::kv_store4<QO>(dst + un.b, B[j]);
+            ew::st4(dst, un.a, A[j]);
+            ew::st4(dst, un.b, B[j]);
             continue;
         }
         const int32_t seq = p.pos_mode == 0 ? seq_ids[0] : seq_ids[t];
@@ -235,12 +234,12 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) qk_norm_rope_kv_vec(
                                            row_elems);
         if (!is_v) {
             KV* dst = k_cache + row + (uint64_t)(i - nq) * HD;
-            ew::kv_store4<KV>(dst + un.a, A[j]);
-            ew::kv_store4<KV>(dst + un.b, B[j]);
+            ew::st4(dst, un.a, A[j]);
+            ew::st4(dst, un.b, B[j]);
         } else {
             KV* dst = v_cache + row + (uint64_t)(i - nq - nkv) * HD;
-            ew::kv_store4<KV>(dst + 8 * u, A[j]);
-            ew::kv_store4<KV>(dst + 8 * u + 4, B[j]);
+            ew::st4(dst, 8 * u, A[j]);
+            ew::st4(dst, 8 * u + 4, B[j]);
         }
     }
 }
@@ -299,8 +298,8 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) k_norm_rope_kv_vec(
         if (p.norm) ew::norm_unit<LPH>(A[j], B[j], un, wk, p.eps, p.weight_offset, HD);
         if (un.rot) ew::rotate_unit(A[j], B[j], c, s, p.neox);
         KV* dst = k_cache + row + (uint64_t)head * HD;
-        ew::kv_store4<KV>(dst + a, A[j]);
-        ew::kv_store4<KV>(dst + b, B[j]);
+        ew::st4(dst, a, A[j]);
+        ew::st4(dst, b, B[j]);
         if (++head == nkv) { head = 0; ++t; }
     }
 }

@@ -1,5 +1,5 @@
-"""AttentionDispatch: the family's compilation units and the launches (cache writes, split-KV decode,
-merge, tensor-core batched prefill and varlen).
+"""AttentionDispatch: the family's compilation units and the launches (cache writes, tensor-core batched
+prefill and varlen here; split-KV decode and merge in :mod:`cukern.attention.decode`, a mixin).
 
 Each method validates its arguments, packs one params struct and launches; the host work is in the
 plans (:mod:`cukern.attention.plan`) and the cache (:mod:`cukern.attention.cache`).
@@ -7,36 +7,24 @@ plans (:mod:`cukern.attention.plan`) and the cache (:mod:`cukern.attention.cache
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import cupy
 import numpy as np
 
 from cukern.attention.cache import BF16, HEAD_DIMS, PagedKVCache
-from cukern.attention.plan import (_ITEMSIZE, _MAX_SPLITS, _MERGE_THREADS, _NO_OVERRIDES, _TC_DECODE_MAX_D, _TC_GROUP,
-                                   _TC_KEYS, BatchedPlan, DecodeOverrides, DecodePlan, _decode_smem, _decode_tc_smem,
-                                   _groups, _head_block, _merge_cols4, _prefill_shape, _prefill_wg_shape, _schedule,
-                                   _tc_decode, _tc_warps)
+from cukern.attention.common import (_CTYPE, _DECODE_THREADS, _F32, _I32, _SHORT, _check_kind, _int_list,
+                                     _page_shift, _scale_fields)
+from cukern.attention.decode import Decode
+from cukern.attention.plan import (_TC_DECODE_MAX_D, BatchedPlan, _decode_smem, _groups, _head_block, _prefill_shape,
+                                   _prefill_wg_shape, _tc_warps)
 from cukern.dispatch import Unit, check_array, check_int
 from cukern.interop import like, tensors
-from cukern.repeat import repeatable
 from cukern.runtime import FamilySpec, KernelSpec
 
 __all__ = ["AttentionDispatch", "FAMILY", "FAMILIES", "PREFILL_HEAD_DIMS", "PREFILL_WG_HEAD_DIMS"]
 
 PREFILL_HEAD_DIMS = HEAD_DIMS[:-1]  # tensor-core prefill / varlen (512: use f32 queries, SIMT path)
 PREFILL_WG_HEAD_DIMS = (128, 256)  # prefill_wg (Hopper wgmma) head dims; the others run prefill (mma.sync)
-_CTYPE = {"float16": "__half", BF16: "__nv_bfloat16", "float32": "float"}
-_SHORT = {"float16": "f16", BF16: "bf16", "float32": "f32"}
-_F32 = np.dtype(np.float32)
-_I32 = np.dtype(np.int32)
-_DECODE_THREADS = 128
 _KV_WRITE_THREADS = 128
-
-
-def _page_shift(page_size: int) -> int:
-    return page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
 
 
 def _decode_unit(kv: str) -> FamilySpec:
@@ -45,11 +33,25 @@ def _decode_unit(kv: str) -> FamilySpec:
     if kv != "float32":
         kernels += [KernelSpec(f"decode_tc<{t}, {d}, {nw}>", "DecodeParams")
                     for d in HEAD_DIMS if d <= _TC_DECODE_MAX_D for nw in _tc_warps(d)]
-    kernels.append(KernelSpec("merge_states", "MergeParams"))
+    kernels.append(KernelSpec("merge_states<float>", "MergeParams"))
     srcs = [t] if kv == "float32" else [t, "float"]
     kernels += [KernelSpec(f"kv_write<{t}, {s}>", "KvWriteParams") for s in srcs]
     name = "attention" if kv == "float16" else f"attention_{_SHORT[kv]}"
     return FamilySpec(name, tuple(kernels), source="attention/attention.cu", params_header="attention/params.cuh")
+
+
+def _decode_q16_unit(kv: str) -> FamilySpec:
+    """Decode with q and out in the (16-bit) cache's dtype: the kernels flash_attn_decode runs for such a cache
+    (decode_tc up to head_dim 256, decode beyond) and their merge, a unit apart so that the f32-q units compile
+    as before and these only when first used."""
+    t = _CTYPE[kv]
+    kernels = [KernelSpec(f"decode_tc<{t}, {d}, {nw}, {t}>", "DecodeParams")
+               for d in HEAD_DIMS if d <= _TC_DECODE_MAX_D for nw in _tc_warps(d)]
+    kernels += [KernelSpec(f"decode<{t}, {d}, {g}, {t}>", "DecodeParams")
+                for d in HEAD_DIMS if d > _TC_DECODE_MAX_D for g in _groups(d)]
+    kernels.append(KernelSpec(f"merge_states<{t}>", "MergeParams"))
+    return FamilySpec(f"attention_{_SHORT[kv]}_q16", tuple(kernels), source="attention/attention.cu",
+                      params_header="attention/params.cuh")
 
 
 def _prefill_unit(kv: str, kernel: str = "prefill") -> FamilySpec:
@@ -65,59 +67,28 @@ def _prefill_unit(kv: str, kernel: str = "prefill") -> FamilySpec:
 _SM90A_UNITS = {f"attention_prefill_wg_{_SHORT[kv]}" for kv in ("float16", BF16)}  # built for sm_90a on sm_90 (Unit)
 
 
-# One RawModule per unit: decode + cache writes + merge per KV dtype, prefill and prefill_wg per dtype.
+# One RawModule per unit: decode + cache writes + merge per KV dtype, decode with 16-bit q / out per 16-bit KV
+# dtype, prefill and prefill_wg per dtype.
 FAMILIES = {spec.name: spec for spec in (
-    [_decode_unit(kv) for kv in ("float16", BF16, "float32")] + [_prefill_unit(kv) for kv in ("float16", BF16)]
+    [_decode_unit(kv) for kv in ("float16", BF16, "float32")] + [_decode_q16_unit(kv) for kv in ("float16", BF16)]
+    + [_prefill_unit(kv) for kv in ("float16", BF16)]
     + [_prefill_unit(kv, "prefill_wg") for kv in ("float16", BF16)])}
 FAMILY = FAMILIES["attention"]
 
 
-def _kind(a) -> str:
-    """'float16', 'bfloat16' (uint16 bits or ml_dtypes) or 'float32'; anything else 'other'."""
-    dt = a.dtype
-    if dt == np.float16:
-        return "float16"
-    if dt == np.float32:
-        return "float32"
-    if dt == np.uint16 or str(dt) == BF16:
-        return BF16
-    return "other"
 
 
-def _check_kind(name: str, a, kinds: tuple[str, ...]) -> str:
-    check_array(name, a)
-    k = _kind(a)
-    if k not in kinds:
-        raise TypeError(f"{name} must be {' or '.join(kinds)} (bfloat16 as uint16 bits), got {a.dtype}")
-    return k
-
-
-def _int_list(name: str, values) -> np.ndarray:
-    if isinstance(values, cupy.ndarray):
-        raise TypeError(f"{name} must be host integers (a list or NumPy array): plans validate them on the host")
-    arr = np.asarray(values)
-    if arr.ndim != 1 or arr.size == 0 or arr.dtype.kind not in "iu":
-        raise ValueError(f"{name} must be a non-empty 1-D sequence of integers, got {values!r}")
-    return arr.astype(np.int64)
-
-
-def _scale_fields(scale: float, head_dim: int, softcap: float, window_left: int) -> dict:
-    if not math.isfinite(scale) or scale < 0:
-        raise ValueError(f"scale must be finite and >= 0 (0: 1/sqrt(head_dim)), got {scale}")
-    if not math.isfinite(softcap) or softcap < 0:
-        raise ValueError(f"softcap must be finite and >= 0 (0: off), got {softcap}")
-    if not isinstance(window_left, (int, np.integer)):
-        raise TypeError(f"window_left must be an int (< 0: no window), got {type(window_left).__name__}")
-    s = scale if scale > 0 else 1.0 / math.sqrt(head_dim)
-    return dict(scale_log2=s * math.log2(math.e), softcap=softcap, inv_softcap=1.0 / softcap if softcap else 0.0,
-                window_left=max(int(window_left), -1))
-
-
-class AttentionDispatch:
+class AttentionDispatch(Decode):
     """Records attention kernels into a stream. Every method takes ``stream=`` (None: CuPy's
     current stream, torch's for torch tensors) and validates its arguments before launching; none
     synchronises, allocates or reads device memory (``plan_*`` and the cache do the host work; an
     output left None is allocated by cukern.interop).
+
+    Dtypes: :meth:`flash_attn_decode` takes q and out in float32 or in the cache's dtype (a float16 or
+    bfloat16 cache; bf16 as uint16 bits), out in q's dtype; :meth:`flash_attn_batched` takes Q in the
+    cache's 16-bit dtype (tensor cores) or float32 (SIMT); :meth:`flash_attn_varlen` float16 / bfloat16
+    (f32 varlen is not built: docs/notes/attention.md says why). Arithmetic is f32 throughout; LSE, sinks
+    and the merge's inputs are f32.
 
     ``pdl`` (default False; sm_90+) launches :meth:`flash_attn_decode` (and :meth:`merge_states`, which
     touches memory only after the wait) with programmatic dependent launch: its blocks start while
@@ -142,9 +113,11 @@ class AttentionDispatch:
         """The setting a repeatable method's launches depend on besides its arguments (cukern.repeat)."""
         return self.pdl
 
-    def _unit(self, kind: str, prefill: bool = False) -> Unit:
-        return self._units[f"attention_prefill_{_SHORT[kind]}" if prefill else
-                           ("attention" if kind == "float16" else f"attention_{_SHORT[kind]}")]
+    def _unit(self, kind: str, prefill: bool = False, q16: bool = False) -> Unit:
+        """The unit of a cache of this kind: prefill, decode with 16-bit q / out (q16), else decode and writes."""
+        if prefill or q16:
+            return self._units[f"attention_{'prefill_' if prefill else ''}{_SHORT[kind]}{'_q16' if q16 else ''}"]
+        return self._units["attention" if kind == "float16" else f"attention_{_SHORT[kind]}"]
 
     def struct(self, name: str):
         return self._units["attention"].struct(name)
@@ -210,232 +183,6 @@ class AttentionDispatch:
         unit._launch(name, n, _KV_WRITE_THREADS,
                      (cache.k_pools[layer], cache.v_pools[layer], k, v, cache.page_table, slot_ids, positions),
                      params, stream=stream, pdl=self.pdl)
-
-    # ------------------------------------------------------------------ decode
-    def plan_decode(self, cache: PagedKVCache, seq_ids, n_heads: int, *, max_kv_len: int | None = None,
-                    n_splits: int | None = None, window_left: int = -1,
-                    overrides: DecodeOverrides | None = None, partials: bool = False) -> DecodePlan:
-        """Schedule a decode batch: one query token for each sequence of ``seq_ids`` (host ints).
-
-        Validates the slots, uploads them, picks the split count (default: :func:`_choose_splits`, chunks
-        of at least 32 tokens, at most 256 splits; ``n_splits`` overrides it), with it the tensor-core
-        kernel's warps and where the splits merge (``merge_apart``, see :meth:`flash_attn_decode`), and
-        allocates the partial buffers and the merge counters. ``overrides`` (a :class:`DecodeOverrides`)
-        forces any of those choices and the launch's L2 settings. ``max_kv_len`` (default: the longest of
-        these sequences now) sizes the chunks; a sequence that later grows past it is still computed
-        right (its last chunk runs to its end), only less parallel. Reuse the plan across steps (and
-        graph replays) while the batch holds, on one stream at a time (launches of one plan share its
-        partial buffers and counters).
-
-        ``partials``: the plan also serves :meth:`flash_attn_decode_partials` (the split states left
-        for a separate merge, e.g. ``DmmvDispatch.dmmv`` on a ``MergedX``): its states always merge
-        apart and its ``o_part`` holds them at every split count, one included."""
-        if not isinstance(cache, PagedKVCache):
-            raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
-        ov = _NO_OVERRIDES if overrides is None else overrides
-        if not isinstance(ov, DecodeOverrides):
-            raise TypeError(f"overrides must be a DecodeOverrides, got {type(overrides).__name__}")
-        if partials and ov.merge_apart is False:
-            raise ValueError("partials=True leaves the states for a separate merge: overrides.merge_apart=False "
-                             "(merged in the decode's last block) contradicts it")
-        if partials:
-            ov = dataclasses.replace(ov, merge_apart=True)
-        ids = _int_list("seq_ids", seq_ids)
-        if len(ids) > 65535:
-            raise ValueError(f"at most 65535 sequences per decode call, got {len(ids)}")
-        for s in ids:
-            cache.alloc.check_slot(int(s))
-        if not isinstance(n_heads, (int, np.integer)) or n_heads < 1 or n_heads % cache.n_kv_heads:
-            raise ValueError(f"n_heads ({n_heads}) must be a positive multiple of n_kv_heads ({cache.n_kv_heads})")
-        longest = int(max(cache.alloc.lengths[ids]))
-        max_kv_len = max(longest, 1) if max_kv_len is None else int(max_kv_len)
-        if max_kv_len < 1:
-            raise ValueError(f"max_kv_len must be >= 1, got {max_kv_len}")
-        group = n_heads // cache.n_kv_heads
-        tc = _tc_decode(cache.kind, cache.head_dim)
-        hb = _TC_GROUP if tc else _head_block(group, cache.head_dim)
-        blocks = len(ids) * cache.n_kv_heads * -(-group // hb)
-        visible = max_kv_len if window_left < 0 else min(max_kv_len, window_left + 1)
-        row_bytes = 2 * cache.head_dim * _ITEMSIZE[cache.kind]  # a K and a V row of one KV head
-        state_bytes = min(hb, group) * cache.head_dim * 4
-        if n_splits is not None and (not isinstance(n_splits, (int, np.integer)) or not 1 <= n_splits <= _MAX_SPLITS):
-            raise ValueError(f"n_splits must be 1 ... {_MAX_SPLITS}, got {n_splits!r}")
-        d = cache.head_dim
-        warps, apart, n_splits = _schedule(tc, d, blocks, visible, row_bytes, state_bytes, self.sm_count(), n_splits,
-                                           ov)
-        apart = apart and n_splits > 1
-        b = len(ids)
-        o_part = cupy.empty((b, n_splits, n_heads, d), cupy.float32) if n_splits > 1 or partials else None
-        lse_part = cupy.empty((b, n_splits, n_heads), cupy.float32)
-        counters = cupy.zeros(blocks, cupy.int32)
-        return DecodePlan(cache, cupy.asarray(ids.astype(np.int32)), int(n_heads), max_kv_len, int(n_splits), hb,
-                          int(warps), apart, o_part, lse_part, counters, ov, bool(partials))
-
-    @repeatable
-    @tensors(out=like("q"))
-    def flash_attn_decode(self, plan: DecodePlan, layer: int, q: cupy.ndarray, out: cupy.ndarray | None = None, *,
-                          scale: float = 0.0, window_left: int = -1, softcap: float = 0.0,
-                          sinks: cupy.ndarray | None = None, lse: cupy.ndarray | None = None,
-                          stream=None) -> cupy.ndarray:
-        """Single-query attention of a batch of sequences over the paged cache (split-KV + merge).
-
-        q: [batch, n_heads, head_dim] f32 (16-byte aligned); out: the same (written); lse: optional
-        [batch, n_heads] f32, natural log (sinks included). K/V of a tile are read once for all the
-        query heads of their group. With ``plan.n_splits > 1`` the chunks write normalised partial
-        (O, LSE) into the plan's buffers and, in the same launch, one block of each (query, head block)
-        merges them (as :meth:`merge_states` would), adding the sinks once: the last block to finish (an
-        atomic counter); or, with ``plan.merge_apart``, a :meth:`merge_states` launch after
-        the decode merges them (blocks of columns of each query and head instead of one block per head
-        block: the plan's choice where that single block's merge would be long, e.g. head_dim 256 with one
-        KV head).
-        out must be 16-byte aligned.
-
-        f16/bf16 caches up to head_dim 256 run on tensor cores (``decode_tc``): q (scaled to base-2 logits
-        and by a power of two that keeps it in f16 range) and the softmax weights are each split into
-        hi + lo parts of the cache dtype, so S and O keep f32 accuracy (the same tolerance as the SIMT
-        kernel, which serves f32 caches and head_dim 512)."""
-        layer = self._check_decode(plan, layer, q)
-        b, h, d = plan.batch, plan.n_heads, plan.cache.head_dim
-        check_array("out", out, dtype=_F32, shape=(b, h, d), align=16)
-        if lse is not None:
-            check_array("lse", lse, dtype=_F32, shape=(b, h))
-        if sinks is not None:
-            check_array("sinks", sinks, dtype=_F32, shape=(h,))
-        fields = _scale_fields(scale, d, softcap, window_left)
-        unit = self._decode_launch(plan, layer, q, out, lse, sinks, fields, stream)
-        if plan.merge_apart:
-            self._merge(unit, plan.o_part, plan.lse_part, out, lse, sinks, b, plan.n_splits, h, d, stream)
-        return out
-
-    @repeatable
-    @tensors
-    def flash_attn_decode_partials(self, plan: DecodePlan, layer: int, q: cupy.ndarray, *, scale: float = 0.0,
-                                   window_left: int = -1, softcap: float = 0.0,
-                                   stream=None) -> tuple[cupy.ndarray, cupy.ndarray]:
-        """The split pass of :meth:`flash_attn_decode` alone: returns the plan's ``(o_part, lse_part)``,
-        ``[batch, n_splits, n_heads, head_dim]`` normalised partial outputs and ``[batch, n_splits,
-        n_heads]`` their natural-log LSE (-inf for a split with no keys), for a separate merge:
-        :meth:`merge_states`, or ``DmmvDispatch.dmmv`` on a ``MergedX`` (the output projection with the
-        merge folded in), which also adds sinks. With one split the state is the whole attention
-        without sinks. The plan must come from ``plan_decode(..., partials=True)``; the states are
-        overwritten by the plan's next launch."""
-        layer = self._check_decode(plan, layer, q)
-        if not plan.partials:
-            raise ValueError("flash_attn_decode_partials needs a plan made with plan_decode(..., partials=True)")
-        b, h, d = plan.batch, plan.n_heads, plan.cache.head_dim
-        fields = _scale_fields(scale, d, softcap, window_left)
-        if plan.n_splits > 1:
-            self._decode_launch(plan, layer, q, plan.o_part, None, None, fields, stream)
-        else:  # one split writes its state as the final output (no sinks: the merge adds them)
-            self._decode_launch(plan, layer, q, plan.o_part.reshape(b, h, d), plan.lse_part.reshape(b, h), None,
-                                fields, stream)
-        return plan.o_part, plan.lse_part
-
-    def _check_decode(self, plan: DecodePlan, layer: int, q: cupy.ndarray) -> int:
-        if not isinstance(plan, DecodePlan):
-            raise TypeError(f"plan must be a DecodePlan (AttentionDispatch.plan_decode), got {type(plan).__name__}")
-        layer = self._check_layer(plan.cache, layer)
-        check_array("q", q, dtype=_F32, shape=(plan.batch, plan.n_heads, plan.cache.head_dim), align=16)
-        return layer
-
-    def _decode_launch(self, plan: DecodePlan, layer: int, q, out, lse, sinks, fields: dict, stream) -> Unit:
-        """The decode kernel's launch on checked arguments: final O (and LSE) into out (lse) with one
-        split, else the split states into the plan's buffers (merged in the launch unless merge_apart)."""
-        cache = plan.cache
-        b, h, d = plan.batch, plan.n_heads, cache.head_dim
-        group = h // cache.n_kv_heads
-        hb = plan.head_block
-        nhb = -(-group // hb)
-        visible = plan.max_kv_len if fields["window_left"] < 0 else min(plan.max_kv_len, fields["window_left"] + 1)
-        split = plan.n_splits > 1
-        chunk = -(-visible // plan.n_splits)
-        tiles = -(-chunk // (_TC_KEYS * plan.warps)) if plan.warps else 0  # decode_tc: 16-key tiles a warp
-        pf = self._prefetch_tiles(plan, tiles, nhb)
-        ahead = self._ahead_tiles(plan, tiles)
-        ef = plan.overrides.evict_first
-        unit = self._unit(cache.kind)
-        params = unit.struct("DecodeParams").pack(
-            n_queries=b, n_seqs=b, batched=0, n_heads=h, n_kv_heads=cache.n_kv_heads, group=group, n_head_blocks=nhb,
-            page_size=cache.page_size, max_pages=cache.max_pages_per_seq, n_splits=plan.n_splits,
-            chunk=chunk, has_sinks=int(sinks is not None), causal=1,
-            write_lse=int(lse is not None), page_shift=_page_shift(cache.page_size),
-            l2_prefetch=pf, evict_first=int(pf > 0 or ahead > 0 if ef is None else ef),
-            merge_apart=int(plan.merge_apart), l2_ahead=ahead, pad0=0, **fields)
-        if plan.warps:
-            name, smem = f"decode_tc<{_CTYPE[cache.kind]}, {d}, {plan.warps}>", _decode_tc_smem(d, plan.warps)
-        else:
-            name, smem = f"decode<{_CTYPE[cache.kind]}, {d}, {hb}>", _decode_smem(cache.kind, d, hb)
-        unit._launch(name, (plan.n_splits, cache.n_kv_heads * nhb, b), 32 * plan.warps or _DECODE_THREADS,
-                     (out, lse if lse is not None else out, plan.o_part if split else out, plan.lse_part,
-                      plan.counters, q, cache.k_pools[layer], cache.v_pools[layer], cache.page_table, cache.lengths,
-                      plan.seq_ids, plan.seq_ids, sinks if sinks is not None else plan.lse_part), params,
-                     stream=stream, shared_mem=smem, pdl=self.pdl)
-        return unit
-
-    def _prefetch_tiles(self, plan: DecodePlan, tiles: int, n_head_blocks: int) -> int:
-        """Warp tiles after the prologue's that decode_tc asks L2 to prefetch before pdl_wait (pdl only; K/V
-        then stream with an evict-first policy so that the next launch's prefetched lines stay in L2).
-
-        With t tiles a warp: none up to 2 (the prologue holds them), then t // 8 between 1 and 3, where no
-        other head block reads the same K/V. Example: B1 32/8 D128 at 128k keys, w8 s16: 8192 keys a split,
-        t = 64, so 3 tiles (8 lost everywhere; measurements in docs/notes/attention.md)."""
-        if not self.pdl or not plan.warps:
-            return 0
-        if plan.overrides.l2_prefetch is not None:
-            return plan.overrides.l2_prefetch
-        return min(3, max(1, tiles // 8)) if n_head_blocks == 1 and tiles > 2 else 0
-
-    def _ahead_tiles(self, plan: DecodePlan, tiles: int) -> int:
-        """How many tiles after the one it copies next each decode_tc warp keeps L2 asked for (0: none): under
-        pdl two from 48 tiles a warp, where a warp's three-stage ring is too short to keep its SM's share of DRAM
-        busy; without pdl one from 16 up to head_dim 128. K/V then stream evict-first, so that the lines asked
-        for stay in L2 until the ring copies them. Example: B1 32/8 D128 at 128k keys, w8 s16, t = 64 tiles a
-        warp: 2 under pdl, 1 without (three ahead lost, four far more: the prefetches crowd out the ring's
-        copies; measurements in docs/notes/attention.md)."""
-        if not plan.warps:
-            return 0
-        if plan.overrides.l2_ahead is not None:
-            return plan.overrides.l2_ahead
-        if self.pdl:
-            return 2 if tiles >= 48 else 0
-        return 1 if tiles >= 16 and plan.cache.head_dim <= 128 else 0
-
-    # ------------------------------------------------------------------ merge
-    @tensors(out=like("v", shape=lambda a: a("v").shape[:1] + a("v").shape[2:]))
-    def merge_states(self, v: cupy.ndarray, s: cupy.ndarray, out: cupy.ndarray | None = None, *,
-                     lse: cupy.ndarray | None = None, sinks: cupy.ndarray | None = None, stream=None) -> cupy.ndarray:
-        """Merge partial attention states of the same queries.
-
-        v: [n_tokens, n_states, n_heads, head_dim] f32, each state's output normalised over its own keys;
-        s: [n_tokens, n_states, n_heads] f32, each state's **natural-log** LSE (-inf: empty state);
-        out: [n_tokens, n_heads, head_dim] f32; lse: optional [n_tokens, n_heads] f32 merged LSE;
-        sinks: optional [n_heads] f32 natural-log logits added to the denominator once.
-        A row whose states are all empty (and no sink) gets 0 and LSE -inf."""
-        check_array("v", v, dtype=_F32, ndim=4, align=16)
-        n, ns, h, d = v.shape
-        if min(v.shape) == 0:
-            raise ValueError(f"v must be non-empty, got shape {v.shape}")
-        if d % 4 or d > 4 * _MERGE_THREADS:
-            raise ValueError(f"head_dim must be a multiple of 4 up to {4 * _MERGE_THREADS}, got {d}")
-        check_array("s", s, dtype=_F32, shape=(n, ns, h))
-        check_array("out", out, dtype=_F32, shape=(n, h, d), align=16)
-        if lse is not None:
-            check_array("lse", lse, dtype=_F32, shape=(n, h))
-        if sinks is not None:
-            check_array("sinks", sinks, dtype=_F32, shape=(h,))
-        if n > 65535:
-            raise ValueError(f"merge_states takes at most 65535 tokens per call, got {n}")
-        self._merge(self._units["attention"], v, s, out, lse, sinks, n, ns, h, d, stream)
-        return out
-
-    def _merge(self, unit, v, s, out, lse, sinks, n, ns, h, d, stream):
-        cols4 = _merge_cols4(n * h, d, self.sm_count())
-        params = unit.struct("MergeParams").pack(n_tokens=n, n_states=ns, n_heads=h, head_dim=d,
-                                                 has_sinks=int(sinks is not None), write_lse=int(lse is not None),
-                                                 cols4=cols4, pad0=0)
-        unit._launch("merge_states", (h, n, -(-(d // 4) // cols4)), _MERGE_THREADS,
-                     (out, lse if lse is not None else out, v, s, sinks if sinks is not None else s), params,
-                     stream=stream, pdl=self.pdl)
 
     # ------------------------------------------------------------------ batched prefill
     def plan_batched(self, cache: PagedKVCache, seq_ids, q_lens) -> BatchedPlan:

@@ -14,6 +14,9 @@ _FLAT_MAX_BLOCKS = 4096  # kernels grid-stride beyond
 _MAX_GRID_Y = 65535
 _MAX_U32 = 2**32 - 1
 _POS_MODES = {"consecutive": 0, "per_token": 1, "mrope": 2, "imrope": 3}
+# Activation storage types of the kernels templated on T (cuda_src/elementwise/convert.cuh): f32, f16, and
+# bf16 as uint16 bit patterns (the package's bf16 convention; an ml_dtypes bfloat16 array is taken too).
+_ACT_TYPES = {"float32": "float", "float16": "__half", "uint16": "__nv_bfloat16", "bfloat16": "__nv_bfloat16"}
 
 
 # Output shapes for interop.like, from the call's argument getter ``a``.
@@ -35,8 +38,21 @@ def _router_shape(a):
     return a("x").shape[0], a("W").shape[0]
 
 
-def _aligned(*arrays) -> bool:
-    return all(a.data.ptr % 16 == 0 for a in arrays)
+def _aligned(*arrays, align: int = 16) -> bool:
+    return all(a.data.ptr % align == 0 for a in arrays)
+
+
+def _act_type(name: str, a) -> str:
+    """C storage type of an activation array (float, __half or __nv_bfloat16), or TypeError."""
+    ctype = _ACT_TYPES.get(str(a.dtype))
+    if ctype is None:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16 (uint16 bits), got {a.dtype}")
+    return ctype
+
+
+def _targ(ctype: str) -> str:
+    """The trailing template argument of a kernel templated on the activation type T (default float)."""
+    return "" if ctype == "float" else f", {ctype}"
 
 
 def _vec(ok: bool) -> str:

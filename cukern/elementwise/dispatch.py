@@ -1,12 +1,14 @@
-"""ElementwiseDispatch: the family's two compilation units (``elementwise.cu``, ``rope_kv.cu``) and the
-dispatch class, assembled from one mixin per kernel header.
+"""ElementwiseDispatch: the family's compilation units and the dispatch class, assembled from one mixin per
+kernel header. Units: ``elementwise`` (``elementwise.cu``) and ``elementwise_rope`` (``rope_kv.cu``) hold the
+f32 kernels; ``elementwise_f16`` and ``elementwise_bf16`` (``act16.cu``) the 16-bit instances of the kernels
+templated on the activation type, so that each unit compiles in a few seconds and only when first used.
 """
 
 from __future__ import annotations
 
 from cukern.dispatch import Dispatch, Unit, repeatable
 from cukern.elementwise.activations import Activations
-from cukern.elementwise.common import _KV_TYPES
+from cukern.elementwise.common import _KV_TYPES, _targ
 from cukern.elementwise.kv import KvWrites
 from cukern.elementwise.moe import (_ROUTER_GEMM_CONFIGS, _ROUTER_LARGE, _ROUTER_SMALL, _TOPK_EPL, _TOPK_LANES_M,
                                     _TOPK_LANES_V, Moe)
@@ -18,15 +20,9 @@ from cukern.runtime import FamilySpec, KernelSpec
 
 
 def _kernels() -> list[KernelSpec]:
-    """Kernels of the first unit, elementwise.cu: norms, activations, MoE routing, SSM/DeltaNet."""
-    ks = []
-    for name in _REG_KERNELS:
-        ks += [KernelSpec(f"{name}_reg<{b}, {i}>", "RmsNormParams") for b, i in _REG_CONFIGS + _REG_CONFIGS_FEW_ROWS]
+    """Kernels of the first unit, elementwise.cu: norms, activations, MoE routing, SSM/DeltaNet (f32)."""
+    ks = _act_kernels("float", norms=_REG_KERNELS)
     ks.append(KernelSpec("quantize_q8_1", "QuantizeParams"))
-    ks += [KernelSpec(f"{name}_loop<{_LOOP_BLOCK}>", "RmsNormParams") for name in _LOOP_KERNELS]
-    ks += [KernelSpec(f"group_norm<{g}>", "GroupNormParams") for g in ("false", "true")]
-    ks += [KernelSpec(f"group_norm_reg<{g}, {v}>", "GroupNormParams") for g in ("false", "true") for v in _GROUP_VPL]
-    ks += [KernelSpec(f"binary_rows<{op}, {v}>", "BinaryParams") for op in range(6) for v in ("true", "false")]
     ks.append(KernelSpec("softmax_topk", "TopkParams"))
     ks += [KernelSpec(f"softmax_topk_reg<{e}>", "TopkParams") for e in _TOPK_EPL]
     ks += [KernelSpec(f"softmax_topk_lanes<{v}, {m}>", "TopkParams") for v in _TOPK_LANES_V for m in _TOPK_LANES_M]
@@ -41,10 +37,30 @@ def _kernels() -> list[KernelSpec]:
     return ks
 
 
+def _act_kernels(t: str, norms=_LOOP_KERNELS) -> list[KernelSpec]:
+    """The kernels templated on the activation type t (C type): row norms (register versions of ``norms``,
+    loop versions), group norms and binary_rows."""
+    ks = [KernelSpec(f"{name}_reg<{b}, {i}{_targ(t)}>", "RmsNormParams") for name in norms
+          for b, i in _REG_CONFIGS + _REG_CONFIGS_FEW_ROWS]
+    ks += [KernelSpec(f"{name}_loop<{_LOOP_BLOCK}{_targ(t)}>", "RmsNormParams") for name in _LOOP_KERNELS]
+    ks += [KernelSpec(f"group_norm<{g}{_targ(t)}>", "GroupNormParams") for g in ("false", "true")]
+    ks += [KernelSpec(f"group_norm_reg<{g}, {v}{_targ(t)}>", "GroupNormParams") for g in ("false", "true")
+           for v in _GROUP_VPL[4 if t == "float" else 2]]
+    ks += [KernelSpec(f"binary_rows<{op}, {v}{_targ(t)}>", "BinaryParams") for op in range(6) for v in ("true", "false")]
+    return ks
+
+
+def _rope_act_kernels(t: str) -> list[KernelSpec]:
+    """rope / rms_norm_rope (scalar and vectorised) for the activation type t."""
+    ks = [KernelSpec(f"rope<{n}, {ppl}, {g}{_targ(t)}>", "RopeParams") for n in ("false", "true") for ppl, g in _ROPE_PPL]
+    ks += [KernelSpec(f"rope_vec<{n}, {lph}{_targ(t)}>", "RopeParams") for n in ("false", "true")
+           for lph in _ROPE_VEC_LPH]
+    return ks
+
+
 def _rope_kernels() -> list[KernelSpec]:
     """Kernels of the second unit, rope_kv.cu: RoPE and its fusions, KV writes, deinterleave."""
-    ks = [KernelSpec(f"rope<{n}, {ppl}, {g}>", "RopeParams") for n in ("false", "true") for ppl, g in _ROPE_PPL]
-    ks += [KernelSpec(f"rope_vec<{n}, {lph}>", "RopeParams") for n in ("false", "true") for lph in _ROPE_VEC_LPH]
+    ks = _rope_act_kernels("float")
     for kv in _KV_TYPES.values():
         ks += [KernelSpec(f"qk_norm_rope_kv<{kv}, {hq}, {ppl}, {g}>", "QkvRopeParams")
                for hq in ("true, true", "false, false") for ppl, g in _ROPE_PPL]
@@ -60,13 +76,27 @@ def _rope_kernels() -> list[KernelSpec]:
 FAMILY = FamilySpec(name="elementwise", kernels=tuple(_kernels()))
 ROPE_FAMILY = FamilySpec(name="elementwise_rope", kernels=tuple(_rope_kernels()), source="elementwise/rope_kv.cu",
                          params_header="elementwise/params.cuh")
-FAMILIES = {f.name: f for f in (FAMILY, ROPE_FAMILY)}  # cukern.families() lists each unit
+ACT16_FAMILIES = tuple(FamilySpec(name=f"elementwise_{short}", kernels=tuple(_act_kernels(t) + _rope_act_kernels(t)),
+                                  source="elementwise/act16.cu", params_header="elementwise/params.cuh")
+                       for short, t in (("f16", "__half"), ("bf16", "__nv_bfloat16")))
+FAMILIES = {f.name: f for f in (FAMILY, ROPE_FAMILY) + ACT16_FAMILIES}  # cukern.families() lists each unit
 
 
 class ElementwiseDispatch(Norms, Activations, Rope, KvWrites, Moe, Ssm, Dispatch):
     """Records elementwise kernels into a stream. Every method takes ``stream=`` (None: CuPy's
     current stream, torch's for torch tensors: cukern.interop), validates its arguments before
     launching, and returns its main output.
+
+    Dtypes: the row norms (``rms_norm``, ``residual_rms_norm``, ``post_norm_residual_rms_norm``,
+    ``rms_norm_accumulate``), the group norms (``head_rms_norm``, ``group_norm``, ``gated_rms_norm``), the
+    binary ops and gated activations (``add``, ``add_scaled``, ``scale``, ``scale_accumulate``,
+    ``sigmoid_mul``, ``bias_add``, ``swiglu``, ``swiglu_oai``, ``geglu``) and ``rope`` /
+    ``rms_norm_rope`` take activations in float32, float16 or bfloat16 (uint16 bits), picked by the
+    input's dtype; every activation array of a call has that dtype and so has the output, which is
+    rounded once from f32 arithmetic. Norm weights and RoPE frequencies stay f32. The 16-byte vector paths
+    hold 16 / itemsize elements (4 floats, 8 halves), so a 16-bit row takes them when its length is a
+    multiple of 8 and its arrays are 16-byte aligned (RoPE: 4 elements, 8 bytes); other shapes take the
+    scalar kernels. Every other method is f32 only.
 
     ``pdl`` (default False; sm_90+) launches every kernel with programmatic dependent launch: each
     waits for the previous kernel in the stream first thing (``pdl_enter`` in common/pdl.cuh), so
@@ -76,15 +106,16 @@ class ElementwiseDispatch(Norms, Activations, Rope, KvWrites, Moe, Ssm, Dispatch
     shape, strides, dtype), values and keywords replays the first one's launches, checks skipped."""
 
     family = FAMILY
-    _ROPE_KERNELS = frozenset(k.name for k in ROPE_FAMILY.kernels)
+    _UNIT_OF = {k.name: f.name for f in (ROPE_FAMILY,) + ACT16_FAMILIES for k in f.kernels}  # else FAMILY's
 
     def __init__(self, device: int | None = None, *, pdl: bool = False):
         super().__init__(device)
         self.pdl = bool(pdl)
-        self._rope_unit = Unit(ROPE_FAMILY, device)
+        self._units = {f.name: Unit(f, device) for f in (ROPE_FAMILY,) + ACT16_FAMILIES}  # compiled when first used
 
     def _launch(self, kernel, grid, block, pointers, params, *, stream=None, shared_mem=0):
-        unit = self._rope_unit if kernel in self._ROPE_KERNELS else super()
+        name = self._UNIT_OF.get(kernel)
+        unit = super() if name is None else self._units[name]
         unit._launch(kernel, grid, block, pointers, params, stream=stream, shared_mem=shared_mem, pdl=self.pdl)
 
 

@@ -8,7 +8,8 @@ import cupy
 import numpy as np
 
 from cukern.dispatch import check_array
-from cukern.elementwise.common import _F32, _I32, _KV_TYPES, _POS_MODES, _aligned, _check_distinct, _check_eps, _vec
+from cukern.elementwise.common import (_F32, _I32, _KV_TYPES, _POS_MODES, _act_type, _check_distinct, _check_eps,
+                                      _targ, _vec)
 from cukern.interop import like, tensors
 
 _ROPE_BLOCK = 256
@@ -47,9 +48,11 @@ def _rope_launch(n_tokens: int, heads_per_token: int, head_dim: int, rope_dim: i
 
 def _rope_vec_launch(n_rows: int, head_dim: int, rope_dim: int, arrays) -> tuple[int, int] | None:
     """(lanes per head row, grid) of the vectorised rope kernels, or None when they do not apply: they need
-    head_dim = 8 * LPH (LPH in _ROPE_VEC_LPH), rope_dim % 8 == 0 and 16-byte aligned arrays."""
+    head_dim = 8 * LPH (LPH in _ROPE_VEC_LPH), rope_dim % 8 == 0 and every array aligned to 4 of its elements
+    (they move 4 elements at a time: 16 bytes of f32, 8 of f16 / bf16)."""
     lph = head_dim // 8
-    if head_dim % 8 or lph not in _ROPE_VEC_LPH or rope_dim % 8 or not _aligned(*arrays):
+    if (head_dim % 8 or lph not in _ROPE_VEC_LPH or rope_dim % 8
+            or any(a.data.ptr % (4 * a.itemsize) for a in arrays)):
         return None
     grid = -(-n_rows // (_ROPE_BLOCK // lph * _ROPE_VEC_ROWS))
     return (lph, grid) if grid <= 2**31 - 1 else None
@@ -98,7 +101,8 @@ class Rope:
              rope_dim: int | None = None, neox: bool = True, freq_base: float = 10000.0,
              freqs: cupy.ndarray | None = None, pos_mode: str = "consecutive", sections=None,
              stream=None) -> cupy.ndarray:
-        """Rotary embedding of x: [n_tokens, n_heads, head_dim] f32 into out (may be x).
+        """Rotary embedding of x: [n_tokens, n_heads, head_dim] f32, f16 or bf16 (uint16 bits) into out of x's
+        dtype (may be x); computed in f32 (the angles as below), out rounded once.
 
         rope_dim: rotated leading elements (even, default head_dim); the rest are copied. neox: pairs
         (j, j + rope_dim/2), else interleaved (2j, 2j+1). Angle of pair j: pos * freq_base**(-2j/rope_dim),
@@ -114,17 +118,18 @@ class Rope:
                       *, eps: float = 1e-6, weight_offset: float = 0.0, rope_dim: int | None = None, neox: bool = True,
                       freq_base: float = 10000.0, freqs: cupy.ndarray | None = None, pos_mode: str = "consecutive",
                       sections=None, stream=None) -> cupy.ndarray:
-        """Per-head RMS norm (weight w: [head_dim]) then :meth:`rope`, in one pass."""
+        """Per-head RMS norm (weight w: [head_dim] f32) then :meth:`rope`, in one pass; x, out as :meth:`rope`."""
         return self._rope("rms_norm_rope", x, w, positions, out, rope_dim, neox, freq_base, freqs, pos_mode,
                           sections, eps, weight_offset, stream)
 
     def _rope(self, what, x, w, positions, out, rope_dim, neox, freq_base, freqs, pos_mode, sections, eps,
               weight_offset, stream):
-        check_array("x", x, dtype=_F32, ndim=3)
+        check_array("x", x, ndim=3)
+        t = _targ(_act_type("x", x))
         n_tokens, n_heads, head_dim = x.shape
         if x.size == 0:
             raise ValueError(f"{what}: x must be non-empty, got shape {x.shape}")
-        check_array("out", out, dtype=_F32, shape=x.shape)
+        check_array("out", out, dtype=x.dtype, shape=x.shape)
         if w is not None:
             check_array("w", w, dtype=_F32, shape=(head_dim,))
             _check_eps(eps, what)
@@ -139,9 +144,10 @@ class Rope:
         vec = _rope_vec_launch(n_tokens * n_heads, head_dim, rope_dim, ptrs[:3])
         if vec is not None:
             lph, vgrid = vec
-            self._launch(f"rope_vec<{_vec(w is not None)}, {lph}>", vgrid, _ROPE_BLOCK, ptrs, params, stream=stream)
+            self._launch(f"rope_vec<{_vec(w is not None)}, {lph}{t}>", vgrid, _ROPE_BLOCK, ptrs, params,
+                         stream=stream)
         else:
-            self._launch(f"rope<{_vec(w is not None)}, {ppl}>", grid, _ROPE_BLOCK, ptrs, params, stream=stream,
+            self._launch(f"rope<{_vec(w is not None)}, {ppl}{t}>", grid, _ROPE_BLOCK, ptrs, params, stream=stream,
                          shared_mem=smem)
         return out
 
@@ -159,7 +165,7 @@ class Rope:
         q: [n_tokens, n_q_heads, head_dim] f32; k, v: [n_tokens, n_kv_heads, head_dim] f32; wq, wk:
         [head_dim] f32, or both None for no norm (rotation only); q_out: f32 like q, or of the caches'
         dtype (Q rounded once for a tensor-core attention; the vectorised kernel's shapes only: head_dim
-        8 * 4..32, 16-byte aligned arrays); caches, page_table, positions, seq_ids and pos_mode as
+        8 * 4..32, arrays aligned to 4 elements); caches, page_table, positions, seq_ids and pos_mode as
         :meth:`kv_write` ("per_token" is the batched decode of several sequences); rope arguments as
         :meth:`rope`. Returns q_out."""
         check_array("q", q, dtype=_F32, ndim=3)
@@ -231,7 +237,7 @@ class Rope:
         q_out_type = _KV_TYPES[q_out.dtype] if has_q else "float"
         if vec is None and q_out_type != "float":
             raise ValueError(f"{what}: a {q_out.dtype} q_out needs the vectorised kernel (head_dim in "
-                             f"{ROPE_VEC_HEAD_DIMS}, rope_dim % 8 == 0, 16-byte aligned arrays), got head_dim "
+                             f"{ROPE_VEC_HEAD_DIMS}, rope_dim % 8 == 0, arrays aligned to 4 elements), got head_dim "
                              f"{head_dim}, rope_dim {rope_dim}")
         if vec is not None and not has_q:
             lph = vec[0]

@@ -25,6 +25,14 @@ def bf16_to_float(bits) -> np.ndarray:
     return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
+def to_storage(x, kind: str) -> np.ndarray:
+    """Host array of x stored as ``kind`` ('float16', 'bfloat16' as uint16 bits, 'float32'), rounded to
+    nearest even: the inputs of a 16-bit kernel, whose references then take ``as_float64`` of them."""
+    if kind == "bfloat16":
+        return bf16_bits(x)
+    return np.asarray(x, dtype=np.float32).astype(kind)
+
+
 def as_float64(a, kind: str) -> np.ndarray:
     """Host values of an array stored as ``kind`` ('float16', 'bfloat16' as uint16 bits, 'float32')."""
     a = a.get() if hasattr(a, "get") else np.asarray(a)

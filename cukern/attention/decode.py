@@ -1,0 +1,262 @@
+"""The decode side of AttentionDispatch (a mixin): the decode plan, split-KV decode over the paged cache
+(``decode_tc`` on tensor cores, ``decode`` SIMT), its split pass alone, and merge_states.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import cupy
+import numpy as np
+
+from cukern.attention.cache import PagedKVCache
+from cukern.attention.common import (_CTYPE, _DECODE_THREADS, _F32, _check_kind, _int_list, _page_shift,
+                                     _scale_fields)
+from cukern.attention.plan import (_ITEMSIZE, _MAX_SPLITS, _MERGE_THREADS, _NO_OVERRIDES, _TC_GROUP, _TC_KEYS,
+                                   DecodeOverrides, DecodePlan, _decode_smem, _decode_tc_smem, _head_block,
+                                   _merge_cols4, _schedule, _tc_decode)
+from cukern.dispatch import Unit, check_array
+from cukern.interop import like, tensors
+from cukern.repeat import repeatable
+
+
+class Decode:
+    """AttentionDispatch's decode methods (a mixin over its units, ``pdl``, ``_unit``, ``_check_layer``
+    and ``sm_count``)."""
+
+    # ------------------------------------------------------------------ decode
+    def plan_decode(self, cache: PagedKVCache, seq_ids, n_heads: int, *, max_kv_len: int | None = None,
+                    n_splits: int | None = None, window_left: int = -1,
+                    overrides: DecodeOverrides | None = None, partials: bool = False) -> DecodePlan:
+        """Schedule a decode batch: one query token for each sequence of ``seq_ids`` (host ints).
+
+        Validates the slots, uploads them, picks the split count (default: :func:`_choose_splits`, chunks
+        of at least 32 tokens, at most 256 splits; ``n_splits`` overrides it), with it the tensor-core
+        kernel's warps and where the splits merge (``merge_apart``, see :meth:`flash_attn_decode`), and
+        allocates the partial buffers and the merge counters. ``overrides`` (a :class:`DecodeOverrides`)
+        forces any of those choices and the launch's L2 settings. ``max_kv_len`` (default: the longest of
+        these sequences now) sizes the chunks; a sequence that later grows past it is still computed
+        right (its last chunk runs to its end), only less parallel. Reuse the plan across steps (and
+        graph replays) while the batch holds, on one stream at a time (launches of one plan share its
+        partial buffers and counters).
+
+        ``partials``: the plan also serves :meth:`flash_attn_decode_partials` (the split states left
+        for a separate merge, e.g. ``DmmvDispatch.dmmv`` on a ``MergedX``): its states always merge
+        apart and its ``o_part`` holds them at every split count, one included."""
+        if not isinstance(cache, PagedKVCache):
+            raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+        ov = _NO_OVERRIDES if overrides is None else overrides
+        if not isinstance(ov, DecodeOverrides):
+            raise TypeError(f"overrides must be a DecodeOverrides, got {type(overrides).__name__}")
+        if partials and ov.merge_apart is False:
+            raise ValueError("partials=True leaves the states for a separate merge: overrides.merge_apart=False "
+                             "(merged in the decode's last block) contradicts it")
+        if partials:
+            ov = dataclasses.replace(ov, merge_apart=True)
+        ids = _int_list("seq_ids", seq_ids)
+        if len(ids) > 65535:
+            raise ValueError(f"at most 65535 sequences per decode call, got {len(ids)}")
+        for s in ids:
+            cache.alloc.check_slot(int(s))
+        if not isinstance(n_heads, (int, np.integer)) or n_heads < 1 or n_heads % cache.n_kv_heads:
+            raise ValueError(f"n_heads ({n_heads}) must be a positive multiple of n_kv_heads ({cache.n_kv_heads})")
+        longest = int(max(cache.alloc.lengths[ids]))
+        max_kv_len = max(longest, 1) if max_kv_len is None else int(max_kv_len)
+        if max_kv_len < 1:
+            raise ValueError(f"max_kv_len must be >= 1, got {max_kv_len}")
+        group = n_heads // cache.n_kv_heads
+        tc = _tc_decode(cache.kind, cache.head_dim)
+        hb = _TC_GROUP if tc else _head_block(group, cache.head_dim)
+        blocks = len(ids) * cache.n_kv_heads * -(-group // hb)
+        visible = max_kv_len if window_left < 0 else min(max_kv_len, window_left + 1)
+        row_bytes = 2 * cache.head_dim * _ITEMSIZE[cache.kind]  # a K and a V row of one KV head
+        state_bytes = min(hb, group) * cache.head_dim * 4
+        if n_splits is not None and (not isinstance(n_splits, (int, np.integer)) or not 1 <= n_splits <= _MAX_SPLITS):
+            raise ValueError(f"n_splits must be 1 ... {_MAX_SPLITS}, got {n_splits!r}")
+        d = cache.head_dim
+        warps, apart, n_splits = _schedule(tc, d, blocks, visible, row_bytes, state_bytes, self.sm_count(), n_splits,
+                                           ov)
+        apart = apart and n_splits > 1
+        b = len(ids)
+        o_part = cupy.empty((b, n_splits, n_heads, d), cupy.float32) if n_splits > 1 or partials else None
+        lse_part = cupy.empty((b, n_splits, n_heads), cupy.float32)
+        counters = cupy.zeros(blocks, cupy.int32)
+        return DecodePlan(cache, cupy.asarray(ids.astype(np.int32)), int(n_heads), max_kv_len, int(n_splits), hb,
+                          int(warps), apart, o_part, lse_part, counters, ov, bool(partials))
+
+    @repeatable
+    @tensors(out=like("q"))
+    def flash_attn_decode(self, plan: DecodePlan, layer: int, q: cupy.ndarray, out: cupy.ndarray | None = None, *,
+                          scale: float = 0.0, window_left: int = -1, softcap: float = 0.0,
+                          sinks: cupy.ndarray | None = None, lse: cupy.ndarray | None = None,
+                          stream=None) -> cupy.ndarray:
+        """Single-query attention of a batch of sequences over the paged cache (split-KV + merge).
+
+        q: [batch, n_heads, head_dim], float32 or the cache's dtype (float16 / bfloat16 as uint16 bits;
+        16-byte aligned); out: the same shape and dtype as q (written: f32 arithmetic, rounded once); lse:
+        optional [batch, n_heads] f32, natural log (sinks included). Mixed q / cache dtypes other than an
+        f32 q are not taken (an f32 cache takes f32 q). K/V of a tile are read once for all the
+        query heads of their group. With ``plan.n_splits > 1`` the chunks write normalised partial
+        (O, LSE) into the plan's buffers and, in the same launch, one block of each (query, head block)
+        merges them (as :meth:`merge_states` would), adding the sinks once: the last block to finish (an
+        atomic counter); or, with ``plan.merge_apart``, a :meth:`merge_states` launch after
+        the decode merges them (blocks of columns of each query and head instead of one block per head
+        block: the plan's choice where that single block's merge would be long, e.g. head_dim 256 with one
+        KV head).
+        out must be 16-byte aligned.
+
+        f16/bf16 caches up to head_dim 256 run on tensor cores (``decode_tc``): q (scaled to base-2 logits
+        and by a power of two that keeps it in f16 range) and the softmax weights are each split into
+        hi + lo parts of the cache dtype, so S and O keep f32 accuracy (the same tolerance as the SIMT
+        kernel, which serves f32 caches and head_dim 512)."""
+        layer, qk = self._check_decode(plan, layer, q)
+        b, h, d = plan.batch, plan.n_heads, plan.cache.head_dim
+        check_array("out", out, dtype=q.dtype, shape=(b, h, d), align=16)
+        if lse is not None:
+            check_array("lse", lse, dtype=_F32, shape=(b, h))
+        if sinks is not None:
+            check_array("sinks", sinks, dtype=_F32, shape=(h,))
+        fields = _scale_fields(scale, d, softcap, window_left)
+        unit = self._decode_launch(plan, layer, q, out, lse, sinks, fields, stream, qk)
+        if plan.merge_apart:
+            self._merge(unit, plan.o_part, plan.lse_part, out, lse, sinks, b, plan.n_splits, h, d, stream,
+                        _CTYPE[qk])
+        return out
+
+    @repeatable
+    @tensors
+    def flash_attn_decode_partials(self, plan: DecodePlan, layer: int, q: cupy.ndarray, *, scale: float = 0.0,
+                                   window_left: int = -1, softcap: float = 0.0,
+                                   stream=None) -> tuple[cupy.ndarray, cupy.ndarray]:
+        """The split pass of :meth:`flash_attn_decode` alone: returns the plan's ``(o_part, lse_part)``,
+        ``[batch, n_splits, n_heads, head_dim]`` normalised partial outputs and ``[batch, n_splits,
+        n_heads]`` their natural-log LSE (-inf for a split with no keys), for a separate merge:
+        :meth:`merge_states`, or ``DmmvDispatch.dmmv`` on a ``MergedX`` (the output projection with the
+        merge folded in), which also adds sinks. With one split the state is the whole attention
+        without sinks. q: [batch, n_heads, head_dim] f32 (the states are f32). The plan must come from
+        ``plan_decode(..., partials=True)``; the states are overwritten by the plan's next launch."""
+        layer, _ = self._check_decode(plan, layer, q, ("float32",))
+        if not plan.partials:
+            raise ValueError("flash_attn_decode_partials needs a plan made with plan_decode(..., partials=True)")
+        b, h, d = plan.batch, plan.n_heads, plan.cache.head_dim
+        fields = _scale_fields(scale, d, softcap, window_left)
+        if plan.n_splits > 1:
+            self._decode_launch(plan, layer, q, plan.o_part, None, None, fields, stream)
+        else:  # one split writes its state as the final output (no sinks: the merge adds them)
+            self._decode_launch(plan, layer, q, plan.o_part.reshape(b, h, d), plan.lse_part.reshape(b, h), None,
+                                fields, stream)
+        return plan.o_part, plan.lse_part
+
+    def _check_decode(self, plan: DecodePlan, layer: int, q: cupy.ndarray,
+                      q_kinds: tuple | None = None) -> tuple[int, str]:
+        """(layer, q's kind) of a decode call, q one of ``q_kinds`` (default: f32 or the cache's kind)."""
+        if not isinstance(plan, DecodePlan):
+            raise TypeError(f"plan must be a DecodePlan (AttentionDispatch.plan_decode), got {type(plan).__name__}")
+        layer = self._check_layer(plan.cache, layer)
+        if q_kinds is None:
+            q_kinds = tuple(dict.fromkeys(("float32", plan.cache.kind)))
+        qk = _check_kind("q", q, q_kinds)
+        check_array("q", q, shape=(plan.batch, plan.n_heads, plan.cache.head_dim), align=16)
+        return layer, qk
+
+    def _decode_launch(self, plan: DecodePlan, layer: int, q, out, lse, sinks, fields: dict, stream,
+                       qk: str = "float32") -> Unit:
+        """The decode kernel's launch on checked arguments: final O (and LSE) into out (lse) with one
+        split, else the split states into the plan's buffers (merged in the launch unless merge_apart).
+        qk: the kind of q and out (float32, or the cache's 16-bit kind)."""
+        cache = plan.cache
+        b, h, d = plan.batch, plan.n_heads, cache.head_dim
+        group = h // cache.n_kv_heads
+        hb = plan.head_block
+        nhb = -(-group // hb)
+        visible = plan.max_kv_len if fields["window_left"] < 0 else min(plan.max_kv_len, fields["window_left"] + 1)
+        split = plan.n_splits > 1
+        chunk = -(-visible // plan.n_splits)
+        tiles = -(-chunk // (_TC_KEYS * plan.warps)) if plan.warps else 0  # decode_tc: 16-key tiles a warp
+        pf = self._prefetch_tiles(plan, tiles, nhb)
+        ahead = self._ahead_tiles(plan, tiles)
+        ef = plan.overrides.evict_first
+        qo = "" if qk == "float32" else f", {_CTYPE[qk]}"  # the kernels' trailing q/out type (default float)
+        unit = self._unit(cache.kind, q16=qk != "float32")
+        params = unit.struct("DecodeParams").pack(
+            n_queries=b, n_seqs=b, batched=0, n_heads=h, n_kv_heads=cache.n_kv_heads, group=group, n_head_blocks=nhb,
+            page_size=cache.page_size, max_pages=cache.max_pages_per_seq, n_splits=plan.n_splits,
+            chunk=chunk, has_sinks=int(sinks is not None), causal=1,
+            write_lse=int(lse is not None), page_shift=_page_shift(cache.page_size),
+            l2_prefetch=pf, evict_first=int(pf > 0 or ahead > 0 if ef is None else ef),
+            merge_apart=int(plan.merge_apart), l2_ahead=ahead, pad0=0, **fields)
+        if plan.warps:
+            name, smem = f"decode_tc<{_CTYPE[cache.kind]}, {d}, {plan.warps}{qo}>", _decode_tc_smem(d, plan.warps)
+        else:
+            name, smem = f"decode<{_CTYPE[cache.kind]}, {d}, {hb}{qo}>", _decode_smem(cache.kind, d, hb)
+        unit._launch(name, (plan.n_splits, cache.n_kv_heads * nhb, b), 32 * plan.warps or _DECODE_THREADS,
+                     (out, lse if lse is not None else out, plan.o_part if split else out, plan.lse_part,
+                      plan.counters, q, cache.k_pools[layer], cache.v_pools[layer], cache.page_table, cache.lengths,
+                      plan.seq_ids, plan.seq_ids, sinks if sinks is not None else plan.lse_part), params,
+                     stream=stream, shared_mem=smem, pdl=self.pdl)
+        return unit
+
+    def _prefetch_tiles(self, plan: DecodePlan, tiles: int, n_head_blocks: int) -> int:
+        """Warp tiles after the prologue's that decode_tc asks L2 to prefetch before pdl_wait (pdl only; K/V
+        then stream with an evict-first policy so that the next launch's prefetched lines stay in L2).
+
+        With t tiles a warp: none up to 2 (the prologue holds them), then t // 8 between 1 and 3, where no
+        other head block reads the same K/V. Example: B1 32/8 D128 at 128k keys, w8 s16: 8192 keys a split,
+        t = 64, so 3 tiles (8 lost everywhere; measurements in docs/notes/attention.md)."""
+        if not self.pdl or not plan.warps:
+            return 0
+        if plan.overrides.l2_prefetch is not None:
+            return plan.overrides.l2_prefetch
+        return min(3, max(1, tiles // 8)) if n_head_blocks == 1 and tiles > 2 else 0
+
+    def _ahead_tiles(self, plan: DecodePlan, tiles: int) -> int:
+        """How many tiles after the one it copies next each decode_tc warp keeps L2 asked for (0: none): under
+        pdl two from 48 tiles a warp, where a warp's three-stage ring is too short to keep its SM's share of DRAM
+        busy; without pdl one from 16 up to head_dim 128. K/V then stream evict-first, so that the lines asked
+        for stay in L2 until the ring copies them. Example: B1 32/8 D128 at 128k keys, w8 s16, t = 64 tiles a
+        warp: 2 under pdl, 1 without (three ahead lost, four far more: the prefetches crowd out the ring's
+        copies; measurements in docs/notes/attention.md)."""
+        if not plan.warps:
+            return 0
+        if plan.overrides.l2_ahead is not None:
+            return plan.overrides.l2_ahead
+        if self.pdl:
+            return 2 if tiles >= 48 else 0
+        return 1 if tiles >= 16 and plan.cache.head_dim <= 128 else 0
+
+    # ------------------------------------------------------------------ merge
+    @tensors(out=like("v", shape=lambda a: a("v").shape[:1] + a("v").shape[2:]))
+    def merge_states(self, v: cupy.ndarray, s: cupy.ndarray, out: cupy.ndarray | None = None, *,
+                     lse: cupy.ndarray | None = None, sinks: cupy.ndarray | None = None, stream=None) -> cupy.ndarray:
+        """Merge partial attention states of the same queries.
+
+        v: [n_tokens, n_states, n_heads, head_dim] f32, each state's output normalised over its own keys;
+        s: [n_tokens, n_states, n_heads] f32, each state's **natural-log** LSE (-inf: empty state);
+        out: [n_tokens, n_heads, head_dim] f32; lse: optional [n_tokens, n_heads] f32 merged LSE;
+        sinks: optional [n_heads] f32 natural-log logits added to the denominator once.
+        A row whose states are all empty (and no sink) gets 0 and LSE -inf."""
+        check_array("v", v, dtype=_F32, ndim=4, align=16)
+        n, ns, h, d = v.shape
+        if min(v.shape) == 0:
+            raise ValueError(f"v must be non-empty, got shape {v.shape}")
+        if d % 4 or d > 4 * _MERGE_THREADS:
+            raise ValueError(f"head_dim must be a multiple of 4 up to {4 * _MERGE_THREADS}, got {d}")
+        check_array("s", s, dtype=_F32, shape=(n, ns, h))
+        check_array("out", out, dtype=_F32, shape=(n, h, d), align=16)
+        if lse is not None:
+            check_array("lse", lse, dtype=_F32, shape=(n, h))
+        if sinks is not None:
+            check_array("sinks", sinks, dtype=_F32, shape=(h,))
+        if n > 65535:
+            raise ValueError(f"merge_states takes at most 65535 tokens per call, got {n}")
+        self._merge(self._units["attention"], v, s, out, lse, sinks, n, ns, h, d, stream)
+        return out
+
+    def _merge(self, unit, v, s, out, lse, sinks, n, ns, h, d, stream, out_type="float"):
+        cols4 = _merge_cols4(n * h, d, self.sm_count())
+        params = unit.struct("MergeParams").pack(n_tokens=n, n_states=ns, n_heads=h, head_dim=d,
+                                                 has_sinks=int(sinks is not None), write_lse=int(lse is not None),
+                                                 cols4=cols4, pad0=0)
+        unit._launch(f"merge_states<{out_type}>", (h, n, -(-(d // 4) // cols4)), _MERGE_THREADS,
+                     (out, lse if lse is not None else out, v, s, sinks if sinks is not None else s), params,
+                     stream=stream, pdl=self.pdl)
