@@ -38,6 +38,11 @@ def dmmv_glu_normed(w_bytes: int, m: int, k: int) -> int:
     return 2 * w_bytes + F32 * (4 * k + m)
 
 
+def quantized_x_bytes(k: int, n: int = 1) -> int:
+    """Bytes of a QuantizedX of n columns of k: per column k int8 and 8 bytes per 32, rounded up to 16."""
+    return n * ((k + k // 4 + 15) // 16 * 16)
+
+
 def quantize_x(k: int, qx_bytes: int) -> int:
     """x quantized into a QuantizedX: x read, the QuantizedX written."""
     return F32 * k + qx_bytes
@@ -141,14 +146,16 @@ def router_flops(n_tokens: int, n_embd: int, n_experts: int) -> int:
     return 2 * n_tokens * n_experts * n_embd
 
 
-def conv1d_silu(n_tokens: int, n_channels: int, state_bytes: int, w_bytes: int) -> int:
-    """x read and y written, the state read and written, the filter once."""
-    return 2 * F32 * n_tokens * n_channels + 2 * state_bytes + w_bytes
+def conv1d_silu(n_tokens: int, n_channels: int, k: int) -> int:
+    """x read and y written; the state (the last k - 1 tokens of every channel) read and written; the
+    [n_channels, k] filter once."""
+    return F32 * (2 * n_tokens * n_channels + 2 * (k - 1) * n_channels + n_channels * k)
 
 
-def deltanet(state_bytes: int, q_bytes: int, k_bytes: int, v_bytes: int, o_bytes: int) -> int:
-    """The state read and written, q, k and v read, o written (the gates not counted)."""
-    return 2 * state_bytes + q_bytes + k_bytes + v_bytes + o_bytes
+def deltanet(n_tokens: int, n_qk_heads: int, n_v_heads: int, dk: int, dv: int) -> int:
+    """The state ([n_v_heads, dk, dv]) read and written, q and k ([n_tokens, n_qk_heads, dk]) and v
+    read, o ([n_tokens, n_v_heads, dv]) written (the gates not counted)."""
+    return F32 * (2 * n_v_heads * dk * dv + 2 * n_tokens * n_qk_heads * dk + 2 * n_tokens * n_v_heads * dv)
 
 
 # ------------------------------------------------------------------ attention
@@ -183,3 +190,10 @@ def embed(n_tokens: int, row_bytes: int, d_model: int) -> int:
 def sample(n_rows: int, vocab: int) -> int:
     """The logits read once (the candidates of stage 2 not counted)."""
     return F32 * n_rows * vocab
+
+
+# ------------------------------------------------------------------ models
+def decode_step(matrix_bytes) -> int:
+    """One decode step of a whole batch: every weight matrix (its GGUF bytes, an iterable) read once;
+    activations, norms and the KV cache not counted."""
+    return sum(int(b) for b in matrix_bytes)

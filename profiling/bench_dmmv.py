@@ -9,20 +9,23 @@ programmatic dependent launch (each call overlaps the previous one's tail, as in
 "pdl q8x" rows read x already quantized (QuantizedX, bytes counted as read), and the quantize_x
 rows give what that quantization costs once per input the matvecs share. "ffn down" rows time the
 two kernels between the FFN's gate/up and its output: the elementwise SwiGLU and the matvec on f32 x,
-against quantize_glu (SwiGLU written as the QuantizedX) and the matvec on that.
+against quantize_glu (SwiGLU written as the QuantizedX) and the matvec on that. A row whose peer is
+another row of the table ("f32 path", "two launches") takes that row's time.
 
+The rows are the table of ``specs(quick)`` (bytes from cukern.traffic); ``s`` is one input set.
 Run: PYTHONPATH=. python profiling/bench_dmmv.py [--quick] [--json out.json]
 """
 
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 
 import cupy
 import numpy as np
 
 from cukern import traffic
-from cukern.benchmark import Row, measure_ceilings, rotating, script_main, time_graph_us, time_torch_graph_us
+from cukern.benchmark import Peer, RowSpec, measure_ceilings, run_specs, script_main
 from cukern.dmmv import Q8_TYPES, QTYPES, DmmvDispatch, NormedX, QuantizedX, QWeight, qtype_id, row_bytes
 from cukern.elementwise import ElementwiseDispatch
 
@@ -35,235 +38,238 @@ ROTATE_BYTES = 200 << 20  # > 4x L2
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (262144, 640), (151936, 2048)]
 TYPES = ["Q4_0", "Q5_0", "Q8_0", "MXFP4", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32"]
 QUICK_TYPES = ["Q4_0", "Q5_0", "Q8_0", "MXFP4", "Q4_K", "Q5_K", "Q6_K"]
+N_E, TOP_K, T = 128, 8, 16  # MoE: experts, experts per token, tokens of the packed rows
 
 
-def _weights(qt: int, m: int, k: int, n_experts: int = 0):
-    """Rotating sets of random raw weights (bit patterns only matter for speed, not validity)."""
+def specs(quick: bool) -> list[RowSpec]:
+    """Every row, in the order it runs."""
+    shapes = [(14336, 4096), (4096, 14336)] if quick else SHAPES
+    out = [r for m, k in shapes for name in (QUICK_TYPES if quick else TYPES)
+           if k % QTYPES[qtype_id(name)][1] == 0 for r in _matvec(name, m, k)]  # k = 640: no whole K-quant super-block
+    out += _lm_head(1) + _lm_head(8) + _norm_glu()
+    out += [_quantize_x(k) for k in sorted({k for _, k in shapes})]
+    out += [r for name in (["MXFP4", "Q4_K"] if quick else ["MXFP4", "Q4_K", "Q6_K", "Q8_0"]) for r in _ffn_down(name)]
+    out += [r for name in (["Q4_K"] if quick else ["Q4_K", "Q8_0", "Q6_K"]) for r in _batch(name)]
+    out += [r for name in (["Q4_K", "MXFP4"] if quick else ["Q4_K", "Q8_0", "Q6_K", "MXFP4"]) for r in _glu(name)]
+    out += [r for name in (["Q4_K", "MXFP4"] if quick else ["Q4_K", "Q8_0", "MXFP4", "Q6_K"]) for r in _moe(name)]
+    return out
+
+
+def _gemv(m, k):
+    return Peer("cuBLAS f16 GEMV (torch.mv)", lambda s: torch.mv(s.w, s.x, out=s.y), how="torch_graph",
+                inputs=(_gemv_sets, m, k))
+
+
+def _matvec(name, m, k):
+    g, shape, wb, gemv = (_matvec_sets, name, m, k), f"{m}x{k}", _w_bytes(name, m, k), (_gemv(m, k),)
+    rows = [RowSpec(f"dmmv {name}", shape, g, lambda s: s.d.dmmv(s.w, s.x, s.y), (traffic.dmmv, wb, m, k), peers=gemv)]
+    if qtype_id(name) in Q8_TYPES:  # the int8 path, where pdl applies; x quantized once (QuantizedX) for the
+        rows += [                   # matvecs that share it: its bytes are read instead
+            RowSpec(f"dmmv {name} pdl", shape, g, lambda s: s.d_pdl.dmmv(s.w, s.x, s.y), (traffic.dmmv, wb, m, k),
+                    peers=gemv),
+            RowSpec(f"dmmv {name} pdl q8x", shape, g, lambda s: s.d_pdl.dmmv(s.w, s.qx, s.y),
+                    (traffic.dmmv_prequantized, wb, m, traffic.quantized_x_bytes(k)), peers=gemv)]
+    return rows
+
+
+def _lm_head(n, m=262144, k=640):
+    """An LM head (Gemma 3's 262144 x 640 Q8_0): the GGUF blocks on the f32 path against the SplitQ8 copy
+    (quants and scales apart, 16-byte loads), one column and eight; pdl as in a decode step."""
+    g, shape, nbytes, f32 = (_lm_head_sets, m, k), f"{m}x{k}", (traffic.dmmv, _w_bytes("Q8_0", m, k), m, k, n), \
+        f"lm head Q8_0 f32 path pdl n={n}"
+    return [RowSpec(f32, shape, g, lambda s: s.d_f32_pdl.dmmv(s.w, s.x[n], s.y[n]), nbytes,
+                    peers=(_gemv(m, k),) if n == 1 else ()),
+            RowSpec(f"lm head Q8_0 split pdl n={n}", shape, g, lambda s: s.d_f32_pdl.dmmv(s.split, s.x[n], s.y[n]),
+                    nbytes, peers=(Peer("GGUF blocks, f32 path", row=f32),))]
+
+
+def _norm_glu(m=2048, k=640):
+    """A decoder layer's residual add + norm before its FFN (Gemma 3 270M: 640 -> 2 x 2048 Q5_0): the
+    elementwise post_norm_residual_rms_norm then dmmv_glu, against dmmv_glu on a NormedX (every block
+    makes its x); bytes: the weights, proj, residual, and the outputs."""
+    g, shape, nbytes = (_norm_glu_sets, m, k), f"2x{m}x{k}", (traffic.dmmv_glu_normed, _w_bytes("Q5_0", m, k), m, k)
+    return [RowSpec("norm + glu Q5_0 two launches pdl", shape, g,
+                    lambda s: (s.ew_pdl.post_norm_residual_rms_norm(s.proj, s.res2, s.wp, s.wn, s.h),
+                               s.d_f32_pdl.dmmv_glu(s.wg, s.wu, s.h, s.y)), nbytes),
+            RowSpec("norm + glu Q5_0 NormedX pdl", shape, g, lambda s: s.d_f32_pdl.dmmv_glu(s.wg, s.wu, s.nx, s.y), nbytes,
+                    peers=(Peer("norm kernel + dmmv_glu", row="norm + glu Q5_0 two launches pdl"),))]
+
+
+def _quantize_x(k):
+    """What a QuantizedX costs, once per input shared by several matvecs."""
+    return RowSpec(f"quantize_x pdl k={k}", f"1x{k}", (_quantize_x_sets, k), lambda s: s.d_pdl.quantize_x(s.x, s.qx),
+                   (traffic.quantize_x, k, traffic.quantized_x_bytes(k)))
+
+
+def _ffn_down(name, m=4096, k=14336):
+    """The FFN's down projection after gate and up, two kernels either way: the elementwise SwiGLU then the
+    matvec on its f32 output, against quantize_glu (the activation written as a QuantizedX) then the
+    matvec on it; bytes: the weights, gate and up, y."""
+    g, shape, nbytes, f32 = (_ffn_down_sets, name, m, k), f"{m}x{k}", (traffic.ffn_down, _w_bytes(name, m, k), m, k), \
+        f"ffn down {name} swiglu+dmmv pdl"
+    return [RowSpec(f32, shape, g, lambda s: (s.ew.swiglu(s.gate[None], s.up[None], s.h[None]), s.d_pdl.dmmv(s.w, s.h, s.y)),
+                    nbytes),
+            RowSpec(f"ffn down {name} quantize_glu+dmmv q8x", shape, g,
+                    lambda s: (s.d_pdl.quantize_glu(s.gate, s.up, s.qx), s.d_pdl.dmmv(s.w, s.qx, s.y)), nbytes,
+                    peers=(Peer("swiglu + f32-x dmmv", row=f32),))]
+
+
+def _batch(name, m=4096, k=14336):
+    """Batched columns: the weights read once for all of them."""
+    return [RowSpec(f"dmmv_batch {name} n={n}", f"{m}x{k}", (_batch_sets, name, m, k),
+                    lambda s, n=n: s.d.dmmv_batch(s.w, s.x[n], s.y[n]), (traffic.dmmv, _w_bytes(name, m, k), m, k, n))
+            for n in (2, 4, 8)]
+
+
+def _glu(name, m=14336, k=4096):
+    """Fused gate + up + SwiGLU (two matrices, one input): the int8 path (dmmv_q8_two) against the f32
+    path's fused kernel (DmmvDispatch(int8=False))."""
+    g, shape, nbytes, f32 = (_glu_sets, name, m, k), f"2x{m}x{k}", (traffic.dmmv_glu, _w_bytes(name, m, k), m, k), \
+        f"dmmv_glu {name} f32 path"
+    peer = (Peer("f32-path dmmv_glu", row=f32),)
+    return [RowSpec(f32, shape, g, lambda s: s.d_f32.dmmv_glu(s.wg, s.wu, s.x, s.y, act="swiglu"), nbytes),
+            RowSpec(f"dmmv_glu {name}", shape, g, lambda s: s.d.dmmv_glu(s.wg, s.wu, s.x, s.y, act="swiglu"), nbytes,
+                    peers=peer),
+            RowSpec(f"dmmv_glu {name} pdl", shape, g, lambda s: s.d_pdl.dmmv_glu(s.wg, s.wu, s.x, s.y, act="swiglu"),
+                    nbytes, peers=peer)]
+
+
+def _moe(name, m=2048, k=7168):
+    """128 experts of 2048 x 7168 (Q4_K: 8.3 MB each), top-8, one token, the expert ids rotating; gate + up +
+    SwiGLU of the same slots and the down projection, the int8 path against the f32 path's fused kernels;
+    16 tokens (128 slots) through route packing, weights once per expert chunk."""
+    g, eb, top = (_moe_sets, name, m, k), _w_bytes(name, m, k), f"top{TOP_K}/{N_E}"
+    glu, down = f"moe_dmmv glu {name} f32 path", f"moe_down {name} {top} f32 path"
+    return [
+        RowSpec(f"moe_dmmv {name} {top}", f"{m}x{k}", g, lambda s: s.d.moe_dmmv(s.w, s.x, s.ids, s.y),
+                (traffic.moe_dmmv, eb, m, k, TOP_K)),
+        RowSpec(glu, f"2x{m}x{k}", g, lambda s: s.d_f32.moe_dmmv(s.w, s.x, s.ids, s.y, w_up=s.wu),
+                (traffic.moe_dmmv, eb, m, k, TOP_K, {"glu": True})),
+        RowSpec(f"moe_dmmv glu {name}", f"2x{m}x{k}", g, lambda s: s.d.moe_dmmv(s.w, s.x, s.ids, s.y, w_up=s.wu),
+                (traffic.moe_dmmv, eb, m, k, TOP_K, {"glu": True}), peers=(Peer("f32-path moe_dmmv glu", row=glu),)),
+        RowSpec(down, f"{m}x{k}", g, lambda s: s.d_f32.moe_down(s.w, s.h, s.ids, s.wts, s.yd),
+                (traffic.moe_down, eb, m, k, TOP_K)),
+        RowSpec(f"moe_down {name} {top}", f"{m}x{k}", g, lambda s: s.d.moe_down(s.w, s.h, s.ids, s.wts, s.yd),
+                (traffic.moe_down, eb, m, k, TOP_K), peers=(Peer("f32-path moe_down", row=down),)),
+        RowSpec(f"moe pack+packed {name} T={T}", f"{m}x{k}", g,
+                lambda s: (s.d.moe_route_pack(s.tids, s.route), s.d.moe_dmmv_packed(s.w, s.xt, s.tids, s.route, s.yt)),
+                (traffic.moe_packed, eb, m, k, TOP_K, T, _moe_n_active())),
+    ]
+
+
+def _w_bytes(name, m, k) -> int:
+    """The GGUF bytes of an m x k matrix of type ``name`` (QWeight.nbytes)."""
+    return row_bytes(qtype_id(name), k) * m
+
+
+# ------------------------------------------------------------------ input sets
+def _weights(qt: int, m: int, k: int, n_experts: int = 0, max_sets: int = 8, seed=None) -> list:
+    """Copies of random raw weights spanning ROTATE_BYTES (bit patterns only matter for speed, not validity)."""
     nbytes = row_bytes(qt, k) * m * max(1, n_experts)
-    n_sets = max(1, min(8, -(-ROTATE_BYTES // nbytes)))
-    rng = cupy.random.default_rng(qt)
-
-    def make(i):
-        buf = rng.integers(0, 256, nbytes, dtype=cupy.uint8)
-        return QWeight(buf, qt, m, k, n_experts=n_experts)
-    return rotating(n_sets, make), nbytes
+    rng = cupy.random.default_rng(qt if seed is None else seed)
+    return [QWeight(rng.integers(0, 256, nbytes, dtype=cupy.uint8), qt, m, k, n_experts=n_experts)
+            for _ in range(max(1, min(max_sets, -(-ROTATE_BYTES // nbytes))))]
 
 
-def _moe_weight(qt: int, n_e: int, m: int, k: int) -> tuple[QWeight, int]:
-    """n_e random experts of m x k in one buffer, and the bytes of one expert."""
-    ebytes = row_bytes(qt, k) * m
-    buf = cupy.random.default_rng(1).integers(0, 256, ebytes * n_e, dtype=cupy.uint8)
-    return QWeight(buf, qt, m, k, n_experts=n_e), ebytes
+def _set(ctx, **fields) -> SimpleNamespace:
+    """One input set: ``fields`` and the dispatches of ``ctx``."""
+    return SimpleNamespace(**vars(ctx), **fields)
 
 
-def _rotating_ids(rs: np.random.Generator, n_e: int, top_k: int):
-    """A cursor over 16 routings of one token ([1, top_k] distinct expert ids), so that timed calls
-    read different experts."""
-    return rotating(16, lambda i: cupy.asarray(rs.permutation(n_e)[:top_k].astype(np.int32).reshape(1, top_k)))[1]
-
-
-def _peer_gemv_us(m: int, k: int) -> float | None:
-    """cuBLAS f16 GEMV (torch.mv) on an m x k matrix, rotating copies."""
-    if torch is None:
-        return None
-    n_sets = max(1, min(4, -(-ROTATE_BYTES // (2 * m * k))))
-    if 2 * m * k * n_sets > (8 << 30):
-        return None
-    ws = [torch.randn(m, k, device="cuda", dtype=torch.float16) for _ in range(n_sets)]
+def _gemv_sets(ctx, m, k):
+    """f16 copies of an m x k matrix for cuBLAS GEMV (torch.mv), rotating."""
     x = torch.randn(k, device="cuda", dtype=torch.float16)
     y = torch.empty(m, device="cuda", dtype=torch.float16)
-    state = {"i": 0}
-
-    def run():
-        torch.mv(ws[state["i"] % n_sets], x, out=y)
-        state["i"] += 1
-    us = time_torch_graph_us(run)
-    del ws
-    torch.cuda.empty_cache()
-    return us
+    return [SimpleNamespace(w=torch.randn(m, k, device="cuda", dtype=torch.float16), x=x, y=y)
+            for _ in range(max(1, min(4, -(-ROTATE_BYTES // (2 * m * k)))))]
 
 
-def bench(quick: bool = False) -> tuple[list, object]:
-    d = DmmvDispatch()
-    d_pdl = DmmvDispatch(pdl=True)  # "pdl" rows: each launch overlaps the previous one's tail
-    d_f32 = DmmvDispatch(int8=False)  # the f32 path, the peer of the fused rows it used to run
-    ceil = measure_ceilings()
-    rows: list[Row] = []
-    shapes = [(14336, 4096), (4096, 14336)] if quick else SHAPES
-    types = QUICK_TYPES if quick else TYPES
+def _matvec_sets(ctx, name, m, k):
+    qt = qtype_id(name)
+    x, y = cupy.random.standard_normal(k, dtype=cupy.float32), cupy.empty(m, cupy.float32)
+    qx = ctx.d_pdl.quantize_x(x, QuantizedX.empty(x.shape, qt)) if qt in Q8_TYPES else None
+    return [_set(ctx, w=w, x=x, y=y, qx=qx) for w in _weights(qt, m, k)]
 
-    def row(kernel, shape, us, nbytes, peer_us=None, peer="cuBLAS f16 GEMV (torch.mv)"):
-        gbs = nbytes / (us * 1e-6) / 1e9
-        rows.append(Row("dmmv", kernel, shape, us, gbs=gbs, pct_ceiling=gbs / ceil.copy_gbs,
-                        peer=peer if peer_us else "", peer_us=peer_us))
 
-    for m, k in shapes:
-        peer_us = _peer_gemv_us(m, k)
-        for name in types:
-            qt = qtype_id(name)
-            if k % QTYPES[qt][1]:
-                continue  # k = 640 is not a whole number of K-quant super-blocks
-            (sets, nxt), wbytes = _weights(qt, m, k)
-            x = cupy.random.standard_normal(k, dtype=cupy.float32)
-            y = cupy.empty(m, cupy.float32)
-            us = time_graph_us(lambda: d.dmmv(nxt(), x, y))
-            row(f"dmmv {name}", f"{m}x{k}", us, traffic.dmmv(wbytes, m, k), peer_us)
-            if qt in Q8_TYPES:  # the int8 path, where pdl applies
-                us = time_graph_us(lambda: d_pdl.dmmv(nxt(), x, y))
-                row(f"dmmv {name} pdl", f"{m}x{k}", us, traffic.dmmv(wbytes, m, k), peer_us)
-                # x quantized once (QuantizedX) for the matvecs that share it: its bytes are read instead
-                qx = d_pdl.quantize_x(x, QuantizedX.empty(x.shape, qt))
-                us = time_graph_us(lambda: d_pdl.dmmv(nxt(), qx, y))
-                row(f"dmmv {name} pdl q8x", f"{m}x{k}", us, traffic.dmmv_prequantized(wbytes, m, qx.buf.nbytes), peer_us)
-            del sets
-            cupy.get_default_memory_pool().free_all_blocks()
+def _lm_head_sets(ctx, m, k):
+    ws = _weights(qtype_id("Q8_0"), m, k)
+    x = {n: cupy.random.standard_normal((n, k), dtype=cupy.float32) for n in (1, 8)}
+    y = {n: cupy.empty((n, m), cupy.float32) for n in (1, 8)}
+    return [_set(ctx, w=w, split=ctx.d.split_q8_0(w), x=x, y=y) for w in ws]
 
-    # an LM head (Gemma 3's 262144 x 640 Q8_0): the GGUF blocks on the f32 path against the SplitQ8 copy
-    # (quants and scales apart, 16-byte loads), one column and eight; pdl as in a decode step
-    m, k = 262144, 640
-    qt = qtype_id("Q8_0")
-    (sets, nxt), wbytes = _weights(qt, m, k)
-    d_f32_pdl = DmmvDispatch(int8=False, pdl=True)
-    split = [d.split_q8_0(w) for w in sets]
-    ring = iter(range(1 << 60))
-    peer_us = _peer_gemv_us(m, k)
-    for n in (1, 8):
-        x = cupy.random.standard_normal((n, k), dtype=cupy.float32)
-        y = cupy.empty((n, m), cupy.float32)
-        nbytes = traffic.dmmv(wbytes, m, k, n)
-        us_gguf = time_graph_us(lambda: d_f32_pdl.dmmv(nxt(), x, y))
-        row(f"lm head Q8_0 f32 path pdl n={n}", f"{m}x{k}", us_gguf, nbytes, peer_us if n == 1 else None)
-        us = time_graph_us(lambda: d_f32_pdl.dmmv(split[next(ring) % len(split)], x, y))
-        row(f"lm head Q8_0 split pdl n={n}", f"{m}x{k}", us, nbytes, us_gguf, peer="GGUF blocks, f32 path")
-    del sets, split
-    cupy.get_default_memory_pool().free_all_blocks()
 
-    # a decoder layer's residual add + norm before its FFN (Gemma 3 270M: 640 -> 2 x 2048 Q5_0): the
-    # elementwise post_norm_residual_rms_norm then dmmv_glu, against dmmv_glu on a NormedX (every block
-    # makes its x); pdl, weights rotating; bytes: the weights, proj, residual, and the outputs
-    ew = ElementwiseDispatch(pdl=True)
-    m, k = 2048, 640
+def _norm_glu_sets(ctx, m, k):
     qt = qtype_id("Q5_0")
-    (gsets, gnext), wbytes = _weights(qt, m, k)
-    (usets, unext), _ = _weights(qt, m, k)
+    gate, up = _weights(qt, m, k), _weights(qt, m, k)
     proj, res = (cupy.random.standard_normal((1, k), dtype=cupy.float32) for _ in range(2))
     wp, wn = (cupy.random.standard_normal(k, dtype=cupy.float32) for _ in range(2))
     res2, h, y = cupy.empty((1, k), cupy.float32), cupy.empty((1, k), cupy.float32), cupy.empty((1, m), cupy.float32)
-    nbytes = traffic.dmmv_glu_normed(wbytes, m, k)
-    us_two = time_graph_us(lambda: (ew.post_norm_residual_rms_norm(proj, res2, wp, wn, h),
-                                    d_f32_pdl.dmmv_glu(gnext(), unext(), h, y)))
-    row("norm + glu Q5_0 two launches pdl", f"2x{m}x{k}", us_two, nbytes)
     nx = NormedX(res, wn, proj, wp, res2)
-    us = time_graph_us(lambda: d_f32_pdl.dmmv_glu(gnext(), unext(), nx, y))
-    row("norm + glu Q5_0 NormedX pdl", f"2x{m}x{k}", us, nbytes, us_two, peer="norm kernel + dmmv_glu")
-    del gsets, usets
-    cupy.get_default_memory_pool().free_all_blocks()
+    return [_set(ctx, wg=wg, wu=wu, proj=proj, res2=res2, wp=wp, wn=wn, h=h, y=y, nx=nx) for wg, wu in zip(gate, up)]
 
-    # the quantization a QuantizedX costs, once per input shared by several matvecs
-    for k in sorted({k for _, k in shapes}):
-        x = cupy.random.standard_normal(k, dtype=cupy.float32)
-        qx = QuantizedX.empty((k,), "Q4_K")
-        us = time_graph_us(lambda: d_pdl.quantize_x(x, qx))
-        row(f"quantize_x pdl k={k}", f"1x{k}", us, traffic.quantize_x(k, qx.buf.nbytes))
 
-    # the FFN's down projection after gate and up, two kernels either way: the elementwise SwiGLU then
-    # the matvec on its f32 output, against quantize_glu (the activation written as a QuantizedX) then
-    # the matvec on it; bytes: the weights, gate and up, y
-    ew = ElementwiseDispatch()
-    m, k = 4096, 14336
-    for name in (["MXFP4", "Q4_K"] if quick else ["MXFP4", "Q4_K", "Q6_K", "Q8_0"]):
-        qt = qtype_id(name)
-        (sets, nxt), wbytes = _weights(qt, m, k)
-        gate, up = (cupy.random.standard_normal(k, dtype=cupy.float32) for _ in range(2))
-        h, y = cupy.empty(k, cupy.float32), cupy.empty(m, cupy.float32)
-        qx = QuantizedX.empty((k,), qt)
-        nbytes = traffic.ffn_down(wbytes, m, k)
-        f32_us = time_graph_us(lambda: (ew.swiglu(gate[None], up[None], h[None]), d_pdl.dmmv(nxt(), h, y)))
-        row(f"ffn down {name} swiglu+dmmv pdl", f"{m}x{k}", f32_us, nbytes)
-        us = time_graph_us(lambda: (d_pdl.quantize_glu(gate, up, qx), d_pdl.dmmv(nxt(), qx, y)))
-        row(f"ffn down {name} quantize_glu+dmmv q8x", f"{m}x{k}", us, nbytes, f32_us, peer="swiglu + f32-x dmmv")
-        del sets
-        cupy.get_default_memory_pool().free_all_blocks()
+def _quantize_x_sets(ctx, k):
+    return [_set(ctx, x=cupy.random.standard_normal(k, dtype=cupy.float32), qx=QuantizedX.empty((k,), "Q4_K"))]
 
-    # batched columns: weights read once for all of them
-    m, k = 4096, 14336
-    for name in (["Q4_K"] if quick else ["Q4_K", "Q8_0", "Q6_K"]):
-        qt = qtype_id(name)
-        (sets, nxt), wbytes = _weights(qt, m, k)
-        for n in (2, 4, 8):
-            x = cupy.random.standard_normal((n, k), dtype=cupy.float32)
-            y = cupy.empty((n, m), cupy.float32)
-            us = time_graph_us(lambda: d.dmmv_batch(nxt(), x, y))
-            row(f"dmmv_batch {name} n={n}", f"{m}x{k}", us, traffic.dmmv(wbytes, m, k, n))
-        del sets
-        cupy.get_default_memory_pool().free_all_blocks()
 
-    # fused gate + up + SwiGLU (two matrices, one input): the int8 path (dmmv_q8_two) against the
-    # f32 path's fused kernel (DmmvDispatch(int8=False), what dmmv_glu ran before 2026-11-25)
-    m, k = 14336, 4096
-    for name in (["Q4_K", "MXFP4"] if quick else ["Q4_K", "Q8_0", "Q6_K", "MXFP4"]):
-        qt = qtype_id(name)
-        (sets, nxt), wbytes = _weights(qt, m, k)
-        x = cupy.random.standard_normal(k, dtype=cupy.float32)
-        y = cupy.empty(m, cupy.float32)
-        nbytes = traffic.dmmv_glu(wbytes, m, k)
-        f32_us = time_graph_us(lambda: d_f32.dmmv_glu(nxt(), nxt(), x, y, act="swiglu"))
-        row(f"dmmv_glu {name} f32 path", f"2x{m}x{k}", f32_us, nbytes)
-        us = time_graph_us(lambda: d.dmmv_glu(nxt(), nxt(), x, y, act="swiglu"))
-        row(f"dmmv_glu {name}", f"2x{m}x{k}", us, nbytes, f32_us, peer="f32-path dmmv_glu")
-        us = time_graph_us(lambda: d_pdl.dmmv_glu(nxt(), nxt(), x, y, act="swiglu"))
-        row(f"dmmv_glu {name} pdl", f"2x{m}x{k}", us, nbytes, f32_us, peer="f32-path dmmv_glu")
-        del sets
-        cupy.get_default_memory_pool().free_all_blocks()
+def _ffn_down_sets(ctx, name, m, k):
+    qt = qtype_id(name)
+    gate, up = (cupy.random.standard_normal(k, dtype=cupy.float32) for _ in range(2))
+    h, y, qx = cupy.empty(k, cupy.float32), cupy.empty(m, cupy.float32), QuantizedX.empty((k,), qt)
+    return [_set(ctx, w=w, gate=gate, up=up, h=h, y=y, qx=qx) for w in _weights(qt, m, k)]
 
-    # MoE: 128 experts of 2048 x 7168 (Q4_K: 8.3 MB each), top-8, one token; expert ids rotate
-    n_e, top_k, m, k = 128, 8, 2048, 7168
-    for name in (["Q4_K", "MXFP4"] if quick else ["Q4_K", "Q8_0", "MXFP4", "Q6_K"]):
-        qt = qtype_id(name)
-        w, ebytes = _moe_weight(qt, n_e, m, k)
-        rs = np.random.default_rng(2)
-        ids = _rotating_ids(rs, n_e, top_k)
-        x = cupy.random.standard_normal((1, k), dtype=cupy.float32)
-        y = cupy.empty((1, top_k, m), cupy.float32)
-        us = time_graph_us(lambda: d.moe_dmmv(w, x, ids(), y))
-        row(f"moe_dmmv {name} top{top_k}/{n_e}", f"{m}x{k}", us, traffic.moe_dmmv(ebytes, m, k, top_k))
-        # gate + up + SwiGLU of the same slots: the int8 path (moe_dmmv_q8_glu) against the f32 path's
-        # fused kernel (DmmvDispatch(int8=False), what moe_dmmv with w_up ran before 2026-11-25)
-        wu, _ = _moe_weight(qt, n_e, m, k)
-        nbytes = traffic.moe_dmmv(ebytes, m, k, top_k, glu=True)
-        f32_us = time_graph_us(lambda: d_f32.moe_dmmv(w, x, ids(), y, w_up=wu))
-        row(f"moe_dmmv glu {name} f32 path", f"2x{m}x{k}", f32_us, nbytes)
-        us = time_graph_us(lambda: d.moe_dmmv(w, x, ids(), y, w_up=wu))
-        row(f"moe_dmmv glu {name}", f"2x{m}x{k}", us, nbytes, f32_us, peer="f32-path moe_dmmv glu")
-        del wu
-        h = cupy.random.standard_normal((1, top_k, k), dtype=cupy.float32)
-        wts = cupy.full((1, top_k), 0.125, cupy.float32)
-        yd = cupy.empty((1, m), cupy.float32)
-        nbytes = traffic.moe_down(ebytes, m, k, top_k)
-        f32_us = time_graph_us(lambda: d_f32.moe_down(w, h, ids(), wts, yd))
-        row(f"moe_down {name} top{top_k}/{n_e} f32 path", f"{m}x{k}", f32_us, nbytes)
-        us = time_graph_us(lambda: d.moe_down(w, h, ids(), wts, yd))
-        row(f"moe_down {name} top{top_k}/{n_e}", f"{m}x{k}", us, nbytes, f32_us, peer="f32-path moe_down")
-        # token-batched: 16 tokens (128 slots) through route packing, weights once per expert chunk
-        T = 16
-        tid_sets = [cupy.asarray(np.stack([rs.permutation(n_e)[:top_k] for _ in range(T)]).astype(np.int32))
-                    for _ in range(4)]
-        xt = cupy.random.standard_normal((T, k), dtype=cupy.float32)
-        yt = cupy.empty((T, top_k, m), cupy.float32)
-        route = d.plan_moe_route(T, top_k, n_e)
-        jt = {"i": 0}
 
-        def packed_step():
-            jt["i"] += 1
-            tids = tid_sets[jt["i"] % len(tid_sets)]
-            d.moe_route_pack(tids, route)
-            d.moe_dmmv_packed(w, xt, tids, route, yt)
-        us = time_graph_us(packed_step)
-        n_active = sum(len(set(s.get().ravel().tolist())) for s in tid_sets) / len(tid_sets)  # experts read per call
-        row(f"moe pack+packed {name} T={T}", f"{m}x{k}", us, traffic.moe_packed(ebytes, m, k, top_k, T, n_active))
-        del w
-        cupy.get_default_memory_pool().free_all_blocks()
-    d.check_errors()
+def _batch_sets(ctx, name, m, k):
+    x = {n: cupy.random.standard_normal((n, k), dtype=cupy.float32) for n in (2, 4, 8)}
+    y = {n: cupy.empty((n, m), cupy.float32) for n in (2, 4, 8)}
+    return [_set(ctx, w=w, x=x, y=y) for w in _weights(qtype_id(name), m, k)]
+
+
+def _glu_sets(ctx, name, m, k):
+    """Gate and up are consecutive copies: call j reads copies 2j and 2j + 1 (mod their number), so that no
+    call reads a matrix the previous call left in L2."""
+    ws = _weights(qtype_id(name), m, k)
+    x, y = cupy.random.standard_normal(k, dtype=cupy.float32), cupy.empty(m, cupy.float32)
+    n = len(ws)
+    return [_set(ctx, wg=ws[2 * j % n], wu=ws[(2 * j + 1) % n], x=x, y=y) for j in range(n if n % 2 else n // 2)]
+
+
+def _moe_routings() -> tuple[list, list]:
+    """16 routings of one token ([1, TOP_K] distinct expert ids) and 4 of T tokens ([T, TOP_K]), so that
+    timed calls read different experts."""
+    rs = np.random.default_rng(2)
+    one = [rs.permutation(N_E)[:TOP_K].astype(np.int32).reshape(1, TOP_K) for _ in range(16)]
+    tokens = [np.stack([rs.permutation(N_E)[:TOP_K] for _ in range(T)]).astype(np.int32) for _ in range(4)]
+    return one, tokens
+
+
+def _moe_n_active() -> float:
+    """Experts a packed call reads, on average over the routings of T tokens."""
+    return sum(len(set(t.ravel().tolist())) for t in _moe_routings()[1]) / 4
+
+
+def _moe_sets(ctx, name, m, k):
+    qt = qtype_id(name)
+    w, wu = (_weights(qt, m, k, n_experts=N_E, max_sets=1, seed=1)[0] for _ in range(2))
+    one, tokens = _moe_routings()
+    shared = dict(w=w, wu=wu, x=cupy.random.standard_normal((1, k), dtype=cupy.float32),
+                  y=cupy.empty((1, TOP_K, m), cupy.float32),
+                  h=cupy.random.standard_normal((1, TOP_K, k), dtype=cupy.float32),
+                  wts=cupy.full((1, TOP_K), 0.125, cupy.float32), yd=cupy.empty((1, m), cupy.float32),
+                  xt=cupy.random.standard_normal((T, k), dtype=cupy.float32), yt=cupy.empty((T, TOP_K, m), cupy.float32),
+                  route=ctx.d.plan_moe_route(T, TOP_K, N_E))
+    return [_set(ctx, ids=cupy.asarray(one[i]), tids=cupy.asarray(tokens[i % len(tokens)]), **shared)
+            for i in range(len(one))]
+
+
+def bench(quick: bool = False) -> tuple[list, object]:
+    # "pdl": each launch overlaps the previous one's tail; "f32": the f32 path, the fused rows' peer
+    ctx = SimpleNamespace(d=DmmvDispatch(), d_pdl=DmmvDispatch(pdl=True),
+                          d_f32=DmmvDispatch(int8=False), d_f32_pdl=DmmvDispatch(int8=False, pdl=True),
+                          ew=ElementwiseDispatch(), ew_pdl=ElementwiseDispatch(pdl=True))
+    ceil = measure_ceilings()
+    rows = run_specs("dmmv", specs(quick), ceil, ctx)
+    ctx.d.check_errors()
     return rows, ceil
 
 

@@ -8,20 +8,23 @@ peer likewise): an eager event pair around one call also counts the host's Pytho
 a large share of a 50-200 us kernel), so it understates the kernel's bandwidth. The graph's calls
 rotate through the input sets as the eager calls would.
 
-Bytes counted: every input read once, every output written once (weights and tables included).
+Bytes counted (cukern.traffic): every input read once, every output written once (weights and tables
+included). The rows are the table of ``specs(quick)``; each ``s`` is one input set (``s.t``: its torch
+views), built by the ``_*_sets`` functions below.
 Run: PYTHONPATH=. python profiling/bench_elementwise.py [--quick] [--json out.json]
 """
 
 from __future__ import annotations
 
+import math
 import sys
+from types import SimpleNamespace
 
 import cupy
 
 from cukern import traffic
-from cukern.benchmark import (Row, host_us_per_call, measure_ceilings, rotating, script_main, time_graph_us,
-                              time_torch_graph_us, time_us)
-from cukern.elementwise import ElementwiseDispatch, contiguous_page_table  # noqa: F401
+from cukern.benchmark import Peer, RowSpec, Timing, measure_ceilings, run_specs, script_main
+from cukern.elementwise import ElementwiseDispatch
 
 try:
     import torch
@@ -32,361 +35,301 @@ except ImportError:  # the torch peer is optional; its rows then show no ratio
 _L2_ROTATE_BYTES = 200 << 20  # rotate input sets until they span 4x the 50 MB L2
 _KV_REGIONS = 4  # cache regions the KV-writing rows rotate over
 _LARGE_INNER = 16  # calls per graph at the large size: >= the most input sets, so every replay rotates them all
+H, FF = 4096, 14336  # norm width, FFN width
+NQ, NKV, HD = 32, 8, 128  # query heads, KV heads, head_dim
+E, TOP_K, HE = 128, 8, 2048  # experts, experts per token, MoE width
+C, K_CONV = 8192, 4  # SSM channels, conv width
+N_QK, N_V, DK, DV = 16, 32, 128, 128  # DeltaNet heads and head dims
+ROPE = dict(freq_base=1e6)
 
 
-def _t(a):
-    return torch.from_dlpack(a)
+def specs(quick: bool) -> list[RowSpec]:
+    """Every row, in the order it runs: each group at one decode token, then at a large prefill batch
+    (``n``; a group moves >= 64 MB there with the token count it derives from n)."""
+    out = []
+    for group in (_norms, _heads, _activations, _moe, _shared_expert, _ssm):
+        for n, decode in ((1, True), (2048 if quick else 8192, False)):
+            out += group(_row_maker(decode), n, decode, quick)
+    return out + [RowSpec("scale: host us per call", "1024", (_host_sets,), lambda s: s.d.scale(s.a, s.out, alpha=0.5),
+                          peers=(Peer("cupy.multiply(out=)", lambda s: cupy.multiply(s.a, 0.5, out=s.out)),),
+                          timing=Timing("host"))]  # host cost of one dispatch: validate, pack, launch
 
 
-class Bench:
-    def __init__(self, quick: bool):
-        self.d = ElementwiseDispatch()
-        self.ceil = measure_ceilings()
-        self.rows: list[Row] = []
-        self.rng = cupy.random.default_rng(0)
-        self.quick = quick
-
-    def randn(self, *shape, scale=1.0):
-        return self.rng.standard_normal(shape, dtype=cupy.float32) * scale
-
-    def sets(self, nbytes, make):
-        """Input sets to rotate through: enough to span _L2_ROTATE_BYTES (at most 16)."""
-        return rotating(max(1, min(16, _L2_ROTATE_BYTES // max(nbytes, 1))), make)
-
-    def row(self, kernel, shape, fn, *, nbytes=None, flops=None, decode=False, peer="", peer_fn=None,
-            peer_is_torch=True, peer_eager=False):
-        """peer_eager: the peer cannot be captured in a graph (CuPy refuses cuBLAS calls during capture): time
-        _LARGE_INNER back-to-back eager calls between two events, per call."""
-        inner = {} if decode else dict(n_inner=_LARGE_INNER, n_repeat=10)
-        timer = lambda f: time_graph_us(f, **inner)  # noqa: E731
-        try:
-            us = timer(fn)
-        except Exception as e:  # report and go on: one broken row must not hide the others
-            print(f"row {kernel} {shape} failed: {type(e).__name__}: {e}", file=sys.stderr)
-            return
-        peer_us = None
-        if peer_fn is not None and (torch is not None or not peer_is_torch):
-            peer_timer = (lambda f: time_torch_graph_us(f, **inner)) if peer_is_torch else timer
-            if peer_eager:
-                peer_timer = lambda f: time_us(lambda: [f() for _ in range(_LARGE_INNER)],  # noqa: E731
-                                               n_warmup=3, n_repeat=10) / _LARGE_INNER
-            try:
-                peer_us = peer_timer(peer_fn)
-            except Exception as e:
-                print(f"peer of {kernel} {shape} failed: {type(e).__name__}: {e}", file=sys.stderr)
-        gbs = nbytes / (us * 1e-6) / 1e9 if nbytes else None
-        self.rows.append(Row("elementwise", kernel + (" (graph)" if decode else ""), shape, us, gbs=gbs,
-                             tflops=flops / (us * 1e-6) / 1e12 if flops else None,
-                             pct_ceiling=gbs / self.ceil.copy_gbs if gbs else None, peer=peer, peer_us=peer_us))
+def _norms(row, n, decode, quick):
+    g, shape = (_norm_sets, n), f"{n}x{H}"
+    return [
+        row("rms_norm", shape, g, lambda s: s.d.rms_norm(s.x, s.w1, s.out), (traffic.rows, "rms_norm", n, H),
+            _torch("torch F.rms_norm", lambda t: F.rms_norm(t.x, (H,), t.w1, eps=1e-6))),
+        row("residual_rms_norm", shape, g, lambda s: s.d.residual_rms_norm(s.x, s.r, s.w1, s.out),
+            (traffic.rows, "residual_rms_norm", n, H),
+            Peer("chain add+rms_norm", lambda s: (s.d.add(s.r, s.x, s.r), s.d.rms_norm(s.r, s.w1, s.out)))),
+        row("post_norm_residual_rms_norm", shape, g, lambda s: s.d.post_norm_residual_rms_norm(s.x, s.r, s.w1, s.w2, s.out),
+            (traffic.rows, "post_norm_residual_rms_norm", n, H),
+            Peer("chain rms_norm+add+rms_norm", lambda s: (s.d.rms_norm(s.x, s.w1, s.out), s.d.add(s.r, s.out, s.r),
+                                                         s.d.rms_norm(s.r, s.w2, s.out)))),
+        row("rms_norm_accumulate", shape, g, lambda s: s.d.rms_norm_accumulate(s.x, s.w1, s.r),
+            (traffic.rows, "rms_norm_accumulate", n, H),
+            Peer("chain rms_norm+add", lambda s: (s.d.rms_norm(s.x, s.w1, s.out), s.d.add(s.r, s.out, s.r)))),
+        row("residual_rms_norm_q8_1", shape, g, lambda s: s.d.residual_rms_norm_q8_1(s.x, s.r, s.w1, s.q8),
+            (traffic.residual_rms_norm_q8_1, n, H),
+            Peer("chain residual_rms_norm+quantize", lambda s: (s.d.residual_rms_norm(s.x, s.r, s.w1, s.out),
+                                                              s.d.quantize_q8_1(s.out, s.q8)))),
+        row("quantize_q8_1", shape, g, lambda s: s.d.quantize_q8_1(s.x, s.q8), (traffic.quantize_q8_1, n, H)),
+    ]
 
 
-def _sizes(b: Bench):
-    """(label, n_tokens, decode?) pairs: one decode token, and a large prefill batch."""
-    return [("decode", 1, True), ("large", 2048 if b.quick else 8192, False)]
+def _heads(row, n, decode, quick):
+    """Per-head norms, RoPE and their fusions with the KV write (at the large size twice the tokens, so that
+    the 8 KV heads' rows move >= 64 MB too)."""
+    n = n if decode else 2 * n
+    g, shape, kv_shape, w = (_head_sets, n), f"{n}x{NQ}x{HD}", f"{n}x{NKV}x{HD}", NQ * HD
+    return [
+        row("head_rms_norm", shape, g, lambda s: s.d.head_rms_norm(s.x, s.wq, s.out), (traffic.rows, "head_rms_norm", n, w),
+            _torch("torch F.rms_norm", lambda t: F.rms_norm(t.x, (HD,), t.wq, eps=1e-6))),
+        row("rope neox", shape, g, lambda s: s.d.rope(s.x, s.pos, s.out, **ROPE), (traffic.rows, "rope", n, w),
+            _torch("torch rope (eager)", lambda t: _torch_rope(t.x, t.out, t.cos, t.sin))),
+        row("rms_norm_rope", shape, g, lambda s: s.d.rms_norm_rope(s.x, s.wq, s.pos, s.out, **ROPE),
+            (traffic.rows, "rms_norm_rope", n, w),
+            Peer("chain head_rms_norm+rope", lambda s: (s.d.head_rms_norm(s.x, s.wq, s.out),
+                                                       s.d.rope(s.out, s.pos, s.out, **ROPE)))),
+        row("qk_norm_rope_kv_write", f"{n}x({NQ}+2x{NKV})x{HD}", g,
+            lambda s: s.d.qk_norm_rope_kv_write(s.x, s.k, s.v, s.wq, s.wk, s.out, s.kc, s.vc, s.pages, s.kvpos,
+                                                s.seq, **ROPE),
+            (traffic.qk_norm_rope_kv_write, n, NQ, NKV, HD), Peer("chain 2x(norm+rope)+2 kv_write", _qkv_chain)),
+        row("k_norm_rope_kv_write", kv_shape, g,
+            lambda s: s.d.k_norm_rope_kv_write(s.k, s.wk, s.kc, s.pages, s.kvpos, s.seq, **ROPE),
+            (traffic.kv_write, n, NKV, HD),
+            Peer("chain norm+rope+kv_write", lambda s: (s.d.head_rms_norm(s.k, s.wk, s.kout),
+                                                       s.d.rope(s.kout, s.kvpos, s.kout, **ROPE),
+                                                       s.d.kv_write(s.kout, s.kc, s.pages, s.kvpos, s.seq)))),
+        row("kv_write (f16 cache)", kv_shape, g, lambda s: s.d.kv_write(s.v, s.kc, s.pages, s.kvpos, s.seq),
+            (traffic.kv_write, n, NKV, HD),
+            _torch("torch cache[idx] = k.half()", lambda t: t.kc.view(-1, NKV, HD).__setitem__(t.kv_rows, t.v.half()))),
+        row("rope per_token positions", shape, g,
+            lambda s: s.d.rope(s.x, s.pos_tok, s.out, pos_mode="per_token", **ROPE), (traffic.rows, "rope_per_token", n, w)),
+        row("deinterleave", f"{n}x{NQ}x(2x{HD})", g, lambda s: s.d.deinterleave(s.xi, s.x, s.out),
+            (traffic.rows, "deinterleave", n, w),
+            _torch("torch split+copy", lambda t: (t.x.copy_(t.xi[..., :HD]), t.out.copy_(t.xi[..., HD:])))),
+        row("gated_rms_norm", shape, g, lambda s: s.d.gated_rms_norm(s.x, s.z, s.wq, s.out, group_size=HD),
+            (traffic.rows, "gated_rms_norm", n, w),
+            Peer("chain head_rms_norm+swiglu", lambda s: (s.d.head_rms_norm(s.x, s.wq, s.out),
+                                                         s.d.swiglu(*(a.reshape(len(a), -1)
+                                                                      for a in (s.z, s.out, s.out)))))),
+        row("group_norm (l2)", shape, g, lambda s: s.d.group_norm(s.x, s.out, group_size=HD, l2=True),
+            (traffic.rows, "group_norm", n, w), _torch("torch F.normalize", lambda t: F.normalize(t.x, dim=-1))),
+    ]
 
 
-def bench_norms(b: Bench):
-    d = b.d
-    H = 4096
-    for _, n, decode in _sizes(b):
-        nb = n * H * 4
-        shape = f"{n}x{H}"
-        sets, nxt = b.sets(3 * nb, lambda i: (b.randn(n, H), b.randn(n, H), b.randn(H), b.randn(H),
-                                               cupy.empty((n, H), cupy.float32),
-                                               cupy.empty((n, H * 36 // 32), cupy.uint8)))
-        tsets = [tuple(_t(a) for a in s[:5]) for s in sets] if torch is not None else None
-        cur = {"i": 0}
-
-        def tnext():
-            s = tsets[cur["i"] % len(tsets)]
-            cur["i"] += 1
-            return s
-
-        def chain_res(x, r, w, out):  # residual += x; out = rms_norm(residual)
-            d.add(r, x, r)
-            d.rms_norm(r, w, out)
-
-        b.row("rms_norm", shape, lambda: (lambda s: d.rms_norm(s[0], s[2], s[4]))(nxt()), nbytes=traffic.rows("rms_norm", n, H),
-              decode=decode, peer="torch F.rms_norm",
-              peer_fn=lambda: (lambda s: F.rms_norm(s[0], (H,), s[2], eps=1e-6))(tnext()))
-        b.row("residual_rms_norm", shape, lambda: (lambda s: d.residual_rms_norm(s[0], s[1], s[2], s[4]))(nxt()),
-              nbytes=traffic.rows("residual_rms_norm", n, H), decode=decode, peer="chain add+rms_norm",
-              peer_fn=lambda: (lambda s: chain_res(s[0], s[1], s[2], s[4]))(nxt()), peer_is_torch=False)
-        b.row("post_norm_residual_rms_norm", shape,
-              lambda: (lambda s: d.post_norm_residual_rms_norm(s[0], s[1], s[2], s[3], s[4]))(nxt()),
-              nbytes=traffic.rows("post_norm_residual_rms_norm", n, H), decode=decode, peer="chain rms_norm+add+rms_norm",
-              peer_fn=lambda: (lambda s: (d.rms_norm(s[0], s[2], s[4]), d.add(s[1], s[4], s[1]),
-                                          d.rms_norm(s[1], s[3], s[4])))(nxt()), peer_is_torch=False)
-        b.row("rms_norm_accumulate", shape, lambda: (lambda s: d.rms_norm_accumulate(s[0], s[2], s[1]))(nxt()),
-              nbytes=traffic.rows("rms_norm_accumulate", n, H), decode=decode, peer="chain rms_norm+add",
-              peer_fn=lambda: (lambda s: (d.rms_norm(s[0], s[2], s[4]), d.add(s[1], s[4], s[1])))(nxt()),
-              peer_is_torch=False)
-        b.row("residual_rms_norm_q8_1", shape, lambda: (lambda s: d.residual_rms_norm_q8_1(s[0], s[1], s[2], s[5]))(nxt()),
-              nbytes=traffic.residual_rms_norm_q8_1(n, H), decode=decode, peer="chain residual_rms_norm+quantize",
-              peer_fn=lambda: (lambda s: (d.residual_rms_norm(s[0], s[1], s[2], s[4]),
-                                          d.quantize_q8_1(s[4], s[5])))(nxt()), peer_is_torch=False)
-        b.row("quantize_q8_1", shape, lambda: (lambda s: d.quantize_q8_1(s[0], s[5]))(nxt()),
-              nbytes=traffic.quantize_q8_1(n, H), decode=decode)
+def _activations(row, n, decode, quick):
+    n = n if decode else n // 2
+    g, shape, binary = (_activation_sets, n), f"{n}x{FF}", (traffic.rows, "binary", n, FF)
+    return [
+        row("swiglu", shape, g, lambda s: s.d.swiglu(s.a, s.b, s.out), binary,
+            _torch("torch silu*mul", lambda t: F.silu(t.a) * t.b)),
+        row("swiglu_oai", shape, g, lambda s: s.d.swiglu_oai(s.a, s.b, s.out), binary,
+            _torch("torch eager", lambda t: _torch_swiglu_oai(t.a, t.b))),
+        row("geglu", shape, g, lambda s: s.d.geglu(s.a, s.b, s.out), binary,
+            _torch("torch gelu*mul", lambda t: F.gelu(t.a, approximate="tanh") * t.b)),
+        row("sigmoid_mul", shape, g, lambda s: s.d.sigmoid_mul(s.a, s.b, s.out), binary,
+            _torch("torch x*sigmoid(g)", lambda t: t.a * torch.sigmoid(t.b))),
+        row("add", shape, g, lambda s: s.d.add(s.a, s.b, s.out), binary,
+            _torch("torch.add", lambda t: torch.add(t.a, t.b, out=t.out))),
+        row("add_scaled", shape, g, lambda s: s.d.add_scaled(s.a, s.b, s.out, alpha=0.5), binary,
+            _torch("torch.add(alpha)", lambda t: torch.add(t.a, t.b, alpha=0.5, out=t.out))),
+        row("scale_accumulate", shape, g, lambda s: s.d.scale_accumulate(s.out, s.b, 0.5), binary,
+            _torch("torch.add_(alpha)", lambda t: t.out.add_(t.b, alpha=0.5))),
+        row("scale", shape, g, lambda s: s.d.scale(s.a, s.out, alpha=0.5), (traffic.rows, "scale", n, FF),
+            _torch("torch.mul", lambda t: torch.mul(t.a, 0.5, out=t.out))),
+        row("bias_add", shape, g, lambda s: s.d.bias_add(s.a, s.bias, s.out, offset=64), (traffic.rows, "bias_add", n, FF),
+            _torch("torch x + b", lambda t: torch.add(t.a, t.bias[64:], out=t.out))),
+    ]
 
 
-def bench_heads(b: Bench):
-    """Per-head norms, RoPE and their fusions with the KV write: 32 query heads, 8 KV heads, head_dim 128."""
-    d = b.d
-    nq, nkv, hd = 32, 8, 128
-    for _, n, decode in _sizes(b):
-        n = n if decode else 2 * n  # the KV rows (8 heads) move >= 64 MB too
-        shape = f"{n}x{nq}x{hd}"
-        nb = n * nq * hd * 4
-        pos = cupy.zeros(1, cupy.int32)
-        pos_tok = cupy.arange(n, dtype=cupy.int32)
-        seq = cupy.zeros(1, cupy.int32)
-        page_size = 16
-        # the KV writes rotate over _KV_REGIONS regions of the caches (4 x 32 MB at the large size), so that
-        # repeated writes of the same lines cannot merge in the 50 MB L2 and flatter the written bytes
-        max_pages = -(-(_KV_REGIONS * n + 1) // page_size)
-        page_table = cupy.arange(max_pages, dtype=cupy.int32).reshape(1, max_pages)
-        kc = cupy.zeros((max_pages, page_size, nkv, hd), cupy.float16)
-        vc = cupy.zeros_like(kc)
-        _, kvpos = rotating(_KV_REGIONS, lambda i: cupy.full(1, i * n, cupy.int32))  # first position per region
-        kv_region = {"i": 0}
-
-        def kv_rows():  # the torch peer's slice of rows of the next region
-            i = kv_region["i"] % _KV_REGIONS
-            kv_region["i"] += 1
-            return slice(i * n, (i + 1) * n)
-        sets, nxt = b.sets(2 * nb, lambda i: (b.randn(n, nq, hd), cupy.empty((n, nq, hd), cupy.float32),
-                                               b.randn(n, nkv, hd), b.randn(n, nkv, hd),
-                                               cupy.empty((n, nkv, hd), cupy.float32), b.randn(hd), b.randn(hd),
-                                               b.randn(n, nq, 2 * hd), b.randn(n, nq, hd)))
-        inv = 1e6 ** (-torch.arange(0, hd, 2, dtype=torch.float64, device="cuda") / hd) if torch else None
-        if torch is not None:
-            ang = torch.arange(n, dtype=torch.float64, device="cuda")[:, None] * inv[None, :]
-            cos = torch.cat([ang.cos(), ang.cos()], -1).float()[:, None, :]
-            sin = torch.cat([ang.sin(), ang.sin()], -1).float()[:, None, :]
-        tsets = [tuple(_t(a) for a in s) for s in sets] if torch is not None else None
-        cur = {"i": 0}
-
-        def tnext():
-            s = tsets[cur["i"] % len(tsets)]
-            cur["i"] += 1
-            return s
-
-        def torch_rope(x, out):
-            x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
-            torch.add(x * cos, torch.cat([-x2, x1], -1) * sin, out=out)
-
-        b.row("head_rms_norm", shape, lambda: (lambda s: d.head_rms_norm(s[0], s[5], s[1]))(nxt()),
-              nbytes=traffic.rows("head_rms_norm", n, nq * hd), decode=decode, peer="torch F.rms_norm",
-              peer_fn=lambda: (lambda s: F.rms_norm(s[0], (hd,), s[5], eps=1e-6))(tnext()))
-        b.row("rope neox", shape, lambda: (lambda s: d.rope(s[0], pos, s[1], freq_base=1e6))(nxt()),
-              nbytes=traffic.rows("rope", n, nq * hd), decode=decode, peer="torch rope (eager)",
-              peer_fn=lambda: (lambda s: torch_rope(s[0], s[1]))(tnext()))
-        b.row("rms_norm_rope", shape, lambda: (lambda s: d.rms_norm_rope(s[0], s[5], pos, s[1], freq_base=1e6))(nxt()),
-              nbytes=traffic.rows("rms_norm_rope", n, nq * hd), decode=decode, peer="chain head_rms_norm+rope",
-              peer_fn=lambda: (lambda s: (d.head_rms_norm(s[0], s[5], s[1]),
-                                          d.rope(s[1], pos, s[1], freq_base=1e6)))(nxt()), peer_is_torch=False)
-        qkv_bytes = traffic.qk_norm_rope_kv_write(n, nq, nkv, hd)
-
-        def qkv_chain(s, kp):
-            d.head_rms_norm(s[0], s[5], s[1])
-            d.rope(s[1], kp, s[1], freq_base=1e6)
-            d.head_rms_norm(s[2], s[6], s[4])
-            d.rope(s[4], kp, s[4], freq_base=1e6)
-            d.kv_write(s[4], kc, page_table, kp, seq)
-            d.kv_write(s[3], vc, page_table, kp, seq)
-
-        b.row("qk_norm_rope_kv_write", f"{n}x({nq}+2x{nkv})x{hd}",
-              lambda: (lambda s: d.qk_norm_rope_kv_write(s[0], s[2], s[3], s[5], s[6], s[1], kc, vc, page_table,
-                                                         kvpos(), seq, freq_base=1e6))(nxt()),
-              nbytes=qkv_bytes, decode=decode, peer="chain 2x(norm+rope)+2 kv_write",
-              peer_fn=lambda: qkv_chain(nxt(), kvpos()), peer_is_torch=False)
-        b.row("k_norm_rope_kv_write", f"{n}x{nkv}x{hd}",
-              lambda: (lambda s: d.k_norm_rope_kv_write(s[2], s[6], kc, page_table, kvpos(), seq, freq_base=1e6))(nxt()),
-              nbytes=traffic.kv_write(n, nkv, hd), decode=decode, peer="chain norm+rope+kv_write",
-              peer_fn=lambda: (lambda s, kp: (d.head_rms_norm(s[2], s[6], s[4]), d.rope(s[4], kp, s[4], freq_base=1e6),
-                                              d.kv_write(s[4], kc, page_table, kp, seq)))(nxt(), kvpos()),
-              peer_is_torch=False)
-        kc_t = _t(kc) if torch is not None else None
-        b.row("kv_write (f16 cache)", f"{n}x{nkv}x{hd}",
-              lambda: (lambda s: d.kv_write(s[3], kc, page_table, kvpos(), seq))(nxt()), nbytes=traffic.kv_write(n, nkv, hd),
-              decode=decode, peer="torch cache[idx] = k.half()",
-              peer_fn=lambda: (lambda s: kc_t.view(-1, nkv, hd).__setitem__(kv_rows(), s[3].half()))(tnext()))
-        b.row("rope per_token positions", shape,
-              lambda: (lambda s: d.rope(s[0], pos_tok, s[1], freq_base=1e6, pos_mode="per_token"))(nxt()),
-              nbytes=traffic.rows("rope_per_token", n, nq * hd), decode=decode)
-        b.row("deinterleave", f"{n}x{nq}x(2x{hd})", lambda: (lambda s: d.deinterleave(s[7], s[0], s[1]))(nxt()),
-              nbytes=traffic.rows("deinterleave", n, nq * hd), decode=decode, peer="torch split+copy",
-              peer_fn=lambda: (lambda s: (s[0].copy_(s[7][..., :hd]), s[1].copy_(s[7][..., hd:])))(tnext()))
-        b.row("gated_rms_norm", shape, lambda: (lambda s: d.gated_rms_norm(s[0], s[8], s[5], s[1], group_size=hd))(nxt()),
-              nbytes=traffic.rows("gated_rms_norm", n, nq * hd), decode=decode, peer="chain head_rms_norm+swiglu",
-              peer_fn=lambda: (lambda s: (d.head_rms_norm(s[0], s[5], s[1]),
-                                          d.swiglu(s[8].reshape(n, -1), s[1].reshape(n, -1),
-                                                   s[1].reshape(n, -1))))(nxt()), peer_is_torch=False)
-        b.row("group_norm (l2)", shape, lambda: (lambda s: d.group_norm(s[0], s[1], group_size=hd, l2=True))(nxt()),
-              nbytes=traffic.rows("group_norm", n, nq * hd), decode=decode, peer="torch F.normalize",
-              peer_fn=lambda: (lambda s: F.normalize(s[0], dim=-1))(tnext()))
+def _moe(row, n, decode, quick):
+    """Routing and the weighted sum (32x / half the tokens at the large size), and the router: one token is
+    a matvec (bandwidth-bound: GB/s, % of copy); a token batch a small f32 GEMM (compute-bound: TFLOP/s and
+    the ratio to cuBLAS sgemm through cupy.matmul, no bandwidth claim)."""
+    n_topk, n_sum = (n, n) if decode else (32 * n, n // 2)
+    route, gemm = f"{n}x{HE} @ {E}x{HE}", "" if decode else " [f32 GEMM]"
+    flops = (traffic.router_flops, n, HE, E)
+    if decode:  # one token: the torch peer (cuBLAS too) in a graph, as eager calls would time the host
+        blas = _torch("torch x @ W.T (cuBLAS)", lambda t: torch.matmul(t.x0, t.W.T))
+    else:  # CuPy refuses cuBLAS calls during a capture: back-to-back eager calls
+        blas = Peer("cuBLAS sgemm (cupy.matmul)", lambda s: cupy.matmul(s.x, s.W.T, out=s.lg_peer), how="stream")
+    return [
+        row("softmax_topk", f"{n_topk}x{E} k={TOP_K}", (_topk_sets, n_topk),
+            lambda s: s.d.softmax_topk(s.logits, s.ids, s.w, k=TOP_K), (traffic.softmax_topk, n_topk, E, TOP_K),
+            _torch("torch softmax+topk+renorm", lambda t: _torch_topk(t.logits))),
+        row("moe_weighted_sum", f"{n_sum}x{TOP_K}x{2 * HE}", (_weighted_sum_sets, n_sum),
+            lambda s: s.d.moe_weighted_sum(s.e, s.w, s.out), (traffic.moe_weighted_sum, n_sum, TOP_K, 2 * HE),
+            _torch("torch (e*w).sum(1)", lambda t: torch.sum(t.e * t.w[..., None], 1, out=t.out))),
+        row("router_matvec" + gemm, route, (_router_sets, n), lambda s: s.d.router_matvec(s.x, s.W, s.lg),
+            (traffic.router_matvec, n, HE, E) if decode else (), blas, flops=flops),
+        row("router_rms_norm_matvec" + gemm, route, (_router_sets, n),
+            lambda s: s.d.router_rms_norm_matvec(s.x, s.wn, s.W, s.lg),
+            (traffic.router_matvec, n, HE, E, {"norm": True}) if decode else (),
+            Peer("chain rms_norm+router_matvec", lambda s: (s.d.rms_norm(s.x, s.wn, s.h),
+                                                           s.d.router_matvec(s.h, s.W, s.lg))), flops=flops),
+    ]
 
 
-def bench_activations(b: Bench):
-    d = b.d
-    ff = 14336
-    for _, n, decode in _sizes(b):
-        n = n if decode else n // 2
-        shape = f"{n}x{ff}"
-        nb = n * ff * 4
-        sets, nxt = b.sets(3 * nb, lambda i: (b.randn(n, ff), b.randn(n, ff), cupy.empty((n, ff), cupy.float32),
-                                               b.randn(ff + 64)))
-        tsets = [tuple(_t(a) for a in s) for s in sets] if torch is not None else None
-        cur = {"i": 0}
-
-        def tnext():
-            s = tsets[cur["i"] % len(tsets)]
-            cur["i"] += 1
-            return s
-
-        def oai(g, u):
-            gg = g.clamp(max=7.0)
-            return gg * torch.sigmoid(1.702 * gg) * (u.clamp(-7.0, 7.0) + 1)
-
-        for name, fn, pfn, peer in [
-            ("swiglu", lambda s: d.swiglu(s[0], s[1], s[2]), lambda s: F.silu(s[0]) * s[1], "torch silu*mul"),
-            ("swiglu_oai", lambda s: d.swiglu_oai(s[0], s[1], s[2]), lambda s: oai(s[0], s[1]), "torch eager"),
-            ("geglu", lambda s: d.geglu(s[0], s[1], s[2]), lambda s: F.gelu(s[0], approximate="tanh") * s[1],
-             "torch gelu*mul"),
-            ("sigmoid_mul", lambda s: d.sigmoid_mul(s[0], s[1], s[2]), lambda s: s[0] * torch.sigmoid(s[1]),
-             "torch x*sigmoid(g)"),
-            ("add", lambda s: d.add(s[0], s[1], s[2]), lambda s: torch.add(s[0], s[1], out=s[2]), "torch.add"),
-            ("add_scaled", lambda s: d.add_scaled(s[0], s[1], s[2], alpha=0.5),
-             lambda s: torch.add(s[0], s[1], alpha=0.5, out=s[2]), "torch.add(alpha)"),
-        ]:
-            b.row(name, shape, lambda fn=fn: fn(nxt()), nbytes=traffic.rows("binary", n, ff), decode=decode, peer=peer,
-                  peer_fn=lambda pfn=pfn: pfn(tnext()))
-        b.row("scale_accumulate", shape, lambda: (lambda s: d.scale_accumulate(s[2], s[1], 0.5))(nxt()),
-              nbytes=traffic.rows("binary", n, ff), decode=decode, peer="torch.add_(alpha)",
-              peer_fn=lambda: (lambda s: s[2].add_(s[1], alpha=0.5))(tnext()))
-        b.row("scale", shape, lambda: (lambda s: d.scale(s[0], s[2], alpha=0.5))(nxt()), nbytes=traffic.rows("scale", n, ff),
-              decode=decode, peer="torch.mul", peer_fn=lambda: (lambda s: torch.mul(s[0], 0.5, out=s[2]))(tnext()))
-        b.row("bias_add", shape, lambda: (lambda s: d.bias_add(s[0], s[3], s[2], offset=64))(nxt()),
-              nbytes=traffic.rows("bias_add", n, ff), decode=decode, peer="torch x + b",
-              peer_fn=lambda: (lambda s: torch.add(s[0], s[3][64:], out=s[2]))(tnext()))
+def _shared_expert(row, n, decode, quick):
+    return [row("shared_expert_accumulate", f"{n}x{H}", (_shared_expert_sets, n),
+                lambda s: s.d.shared_expert_accumulate(s.h, s.x, s.g), (traffic.rows, "shared_expert_accumulate", n, H),
+                _torch("torch h += sigmoid(g)*s", lambda t: t.h.add_(torch.sigmoid(t.g)[:, None] * t.x)))]
 
 
-def bench_moe(b: Bench):
-    d = b.d
-    E, k, H = 128, 8, 2048
-    for _, n, decode in _sizes(b):
-        n_tok_topk = n if decode else n * 32
-        logits_sets, lnxt = b.sets(n_tok_topk * E * 4, lambda i: (b.randn(n_tok_topk, E),
-                                                                  cupy.empty((n_tok_topk, k), cupy.int32),
-                                                                  cupy.empty((n_tok_topk, k), cupy.float32)))
-
-        def torch_topk(lg):
-            p = torch.softmax(lg, -1)
-            w, i = torch.topk(p, k, -1)
-            return w / w.sum(-1, keepdim=True), i
-        tl = [tuple(_t(a) for a in s) for s in logits_sets] if torch is not None else None
-        cur = {"i": 0}
-
-        def tl_next():
-            s = tl[cur["i"] % len(tl)]
-            cur["i"] += 1
-            return s
-        b.row("softmax_topk", f"{n_tok_topk}x{E} k={k}",
-              lambda: (lambda s: d.softmax_topk(s[0], s[1], s[2], k=k))(lnxt()),
-              nbytes=traffic.softmax_topk(n_tok_topk, E, k), decode=decode, peer="torch softmax+topk+renorm",
-              peer_fn=lambda: torch_topk(tl_next()[0]))
-
-        n_sum = n if decode else n // 2
-        es, enxt = b.sets(n_sum * k * H * 4 * 2, lambda i: (b.randn(n_sum, k, 2 * H), b.randn(n_sum, k),
-                                                             cupy.empty((n_sum, 2 * H), cupy.float32)))
-        te = [tuple(_t(a) for a in s) for s in es] if torch is not None else None
-        ce = {"i": 0}
-
-        def te_next():
-            s = te[ce["i"] % len(te)]
-            ce["i"] += 1
-            return s
-        b.row("moe_weighted_sum", f"{n_sum}x{k}x{2 * H}", lambda: (lambda s: d.moe_weighted_sum(s[0], s[1], s[2]))(enxt()),
-              nbytes=traffic.moe_weighted_sum(n_sum, k, 2 * H), decode=decode, peer="torch (e*w).sum(1)",
-              peer_fn=lambda: (lambda s: torch.sum(s[0] * s[1][..., None], 1, out=s[2]))(te_next()))
-
-        # router: x [n, H] f32, W [E, H] f32 (1 MiB); the fused version adds the RMS norm. One token is a
-        # matvec (bandwidth-bound: GB/s, % of copy); a token batch is a small f32 GEMM (compute-bound: TFLOP/s
-        # and the ratio to cuBLAS sgemm through cupy.matmul, no bandwidth claim)
-        xs, xnxt = b.sets(n * H * 4, lambda i: (b.randn(n, H), cupy.empty((n, H), cupy.float32)))
-        W, wn, lg = b.randn(E, H, scale=0.02), b.randn(H), cupy.empty((n, E), cupy.float32)
-        lg_peer = cupy.empty((n, E), cupy.float32)
-        flops = traffic.router_flops(n, H, E)
-        gemm = "" if decode else " [f32 GEMM]"
-        if decode:  # one token: the torch peer (cuBLAS too) in a graph, as eager calls would time the host
-            peer = dict(peer="torch x @ W.T (cuBLAS)",
-                        peer_fn=(lambda xt=_t(xs[0][0]), Wt=_t(W): torch.matmul(xt, Wt.T)) if torch else None)
-        else:
-            peer = dict(peer="cuBLAS sgemm (cupy.matmul)", peer_fn=lambda: cupy.matmul(xnxt()[0], W.T, out=lg_peer),
-                        peer_is_torch=False, peer_eager=True)
-        b.row("router_matvec" + gemm, f"{n}x{H} @ {E}x{H}", lambda: d.router_matvec(xnxt()[0], W, lg),
-              nbytes=traffic.router_matvec(n, H, E) if decode else None, flops=flops, decode=decode, **peer)
-        b.row("router_rms_norm_matvec" + gemm, f"{n}x{H} @ {E}x{H}",
-              lambda: d.router_rms_norm_matvec(xnxt()[0], wn, W, lg),
-              nbytes=traffic.router_matvec(n, H, E, norm=True) if decode else None, flops=flops, decode=decode,
-              peer="chain rms_norm+router_matvec",
-              peer_fn=lambda: (lambda s: (d.rms_norm(s[0], wn, s[1]), d.router_matvec(s[1], W, lg)))(xnxt()),
-              peer_is_torch=False)
+def _ssm(row, n, decode, quick):
+    n_tok = n if decode else (256 if quick else 1024)
+    return [
+        row(f"conv1d_silu (K={K_CONV})", f"{n}x{C}", (_conv_sets, n), lambda s: s.d.conv1d_silu(s.x, s.state, s.w, s.y),
+            (traffic.conv1d_silu, n, C, K_CONV)),
+        row("deltanet_tiled", f"{n_tok} tok {N_V}x{DK}x{DV}", (_deltanet_sets, n_tok),
+            lambda s: s.d.deltanet(s.q, s.k, s.v, s.g, s.beta, s.S, s.o, tiled=True),
+            (traffic.deltanet, n_tok, N_QK, N_V, DK, DV),
+            Peer("deltanet (baseline)", lambda s: s.d.deltanet(s.q, s.k, s.v, s.g, s.beta, s.S, s.o, tiled=False))),
+    ]
 
 
-def bench_shared_expert(b: Bench):
-    d = b.d
-    H = 4096
-    for _, n, decode in _sizes(b):
-        nb = n * H * 4
-        sets, nxt = b.sets(3 * nb, lambda i: (b.randn(n, H), b.randn(n, H), b.randn(n)))
-        tsets = [tuple(_t(a) for a in s) for s in sets] if torch is not None else None
-        cur = {"i": 0}
+def _row_maker(decode: bool):
+    """RowSpec for one size: decode rows are named "(graph)"; large rows replay _LARGE_INNER calls per graph."""
+    timing = Timing() if decode else Timing(n_inner=_LARGE_INNER, n_repeat=10)
 
-        def tnext():
-            s = tsets[cur["i"] % len(tsets)]
-            cur["i"] += 1
-            return s
-        b.row("shared_expert_accumulate", f"{n}x{H}", lambda: (lambda s: d.shared_expert_accumulate(s[0], s[1], s[2]))(nxt()),
-              nbytes=traffic.rows("shared_expert_accumulate", n, H), decode=decode, peer="torch h += sigmoid(g)*s",
-              peer_fn=lambda: (lambda s: s[0].add_(torch.sigmoid(s[2])[:, None] * s[1]))(tnext()))
+    def row(kernel, shape, inputs, call, nbytes=(), peer=None, flops=()):
+        return RowSpec(kernel + (" (graph)" if decode else ""), shape, inputs, call, nbytes, flops,
+                       (peer,) if peer else (), timing)
+    return row
 
 
-def bench_ssm(b: Bench):
-    d = b.d
-    C, K = 8192, 4
-    n_qk, n_v, dk, dv = 16, 32, 128, 128
-    for _, n, decode in _sizes(b):
-        nb = n * C * 4
-        sets, nxt = b.sets(2 * nb, lambda i: (b.randn(n, C), cupy.empty((n, C), cupy.float32)))
-        state, w = b.randn(K - 1, C), b.randn(C, K)
-        b.row("conv1d_silu (K=4)", f"{n}x{C}", lambda: (lambda s: d.conv1d_silu(s[0], state, w, s[1]))(nxt()),
-              nbytes=traffic.conv1d_silu(n, C, state.nbytes, w.nbytes), decode=decode)
-        n_tok = n if decode else (256 if b.quick else 1024)
-        q = b.randn(n_tok, n_qk, dk) * (dk ** -0.5)
-        kk = b.randn(n_tok, n_qk, dk) * (dk ** -0.5)
-        v = b.randn(n_tok, n_v, dv)
-        g = -cupy.abs(b.randn(n_tok, n_v)) * 0.1
-        beta = cupy.abs(b.randn(n_tok, n_v)) * 0.3
-        S = b.randn(n_v, dk, dv) * 0.1
-        o = cupy.empty((n_tok, n_v, dv), cupy.float32)
-        nbytes = traffic.deltanet(S.nbytes, q.nbytes, kk.nbytes, v.nbytes, o.nbytes)
-        b.row("deltanet_tiled", f"{n_tok} tok {n_v}x{dk}x{dv}", lambda: d.deltanet(q, kk, v, g, beta, S, o, tiled=True),
-              nbytes=nbytes, decode=decode, peer="deltanet (baseline)",
-              peer_fn=lambda: d.deltanet(q, kk, v, g, beta, S, o, tiled=False), peer_is_torch=False)
+def _torch(name, call):
+    """A torch peer, called on the set's torch views, timed through torch's graph API."""
+    return Peer(name, lambda s: call(s.t), how="torch_graph")
+
+
+def _torch_rope(x, out, cos, sin):
+    x1, x2 = x[..., :HD // 2], x[..., HD // 2:]
+    torch.add(x * cos, torch.cat([-x2, x1], -1) * sin, out=out)
+
+
+def _torch_swiglu_oai(g, u):
+    gg = g.clamp(max=7.0)
+    return gg * torch.sigmoid(1.702 * gg) * (u.clamp(-7.0, 7.0) + 1)
+
+
+def _torch_topk(logits):
+    p = torch.softmax(logits, -1)
+    w, i = torch.topk(p, TOP_K, -1)
+    return w / w.sum(-1, keepdim=True), i
+
+
+def _qkv_chain(s):
+    d = s.d
+    d.head_rms_norm(s.x, s.wq, s.out)
+    d.rope(s.out, s.kvpos, s.out, **ROPE)
+    d.head_rms_norm(s.k, s.wk, s.kout)
+    d.rope(s.kout, s.kvpos, s.kout, **ROPE)
+    d.kv_write(s.kout, s.kc, s.pages, s.kvpos, s.seq)
+    d.kv_write(s.v, s.vc, s.pages, s.kvpos, s.seq)
+
+
+# ------------------------------------------------------------------ input sets
+def _sets(ctx, nbytes, make, shared=None, extra=({},)) -> list:
+    """Input sets to rotate through: enough arrays ``make(i)`` to span _L2_ROTATE_BYTES (at most 16), each
+    set with ``shared`` and the dispatch; with ``extra`` (a second rotation: fields of their own) set i
+    takes the arrays i % n and the fields i % len(extra), over every pair the two rotations make. ``s.t``:
+    torch views of a set's arrays, where torch is installed."""
+    n_sets = max(1, min(16, _L2_ROTATE_BYTES // max(nbytes, 1)))
+    arrays = [make(i) for i in range(n_sets)]
+    sets = [SimpleNamespace(d=ctx.d, **arrays[i % n_sets], **(shared or {}), **extra[i % len(extra)])
+            for i in range(math.lcm(n_sets, len(extra)))]
+    for s in sets:
+        s.t = SimpleNamespace(**{k: torch.from_dlpack(v) if isinstance(v, cupy.ndarray) else v
+                                 for k, v in vars(s).items()}) if torch is not None else None
+    return sets
+
+
+def _norm_sets(ctx, n):
+    return _sets(ctx, 3 * n * H * 4, lambda i: dict(
+        x=ctx.randn(n, H), r=ctx.randn(n, H), w1=ctx.randn(H), w2=ctx.randn(H),
+        out=cupy.empty((n, H), cupy.float32), q8=cupy.empty((n, H * 36 // 32), cupy.uint8)))
+
+
+def _head_sets(ctx, n):
+    """The KV writes rotate over _KV_REGIONS regions of the caches (4 x 32 MB at the large size), so that
+    repeated writes of the same lines cannot merge in the 50 MB L2 and flatter the written bytes: a set's
+    ``kvpos`` is its region's first position, ``kv_rows`` its rows (for torch)."""
+    page_size = 16
+    max_pages = -(-(_KV_REGIONS * n + 1) // page_size)
+    kc = cupy.zeros((max_pages, page_size, NKV, HD), cupy.float16)
+    shared = dict(pos=cupy.zeros(1, cupy.int32), pos_tok=cupy.arange(n, dtype=cupy.int32), seq=cupy.zeros(1, cupy.int32),
+                  pages=cupy.arange(max_pages, dtype=cupy.int32).reshape(1, max_pages), kc=kc, vc=cupy.zeros_like(kc))
+    if torch is not None:
+        inv = 1e6 ** (-torch.arange(0, HD, 2, dtype=torch.float64, device="cuda") / HD)
+        ang = torch.arange(n, dtype=torch.float64, device="cuda")[:, None] * inv[None, :]
+        shared.update(cos=torch.cat([ang.cos(), ang.cos()], -1).float()[:, None, :],
+                      sin=torch.cat([ang.sin(), ang.sin()], -1).float()[:, None, :])
+    regions = [dict(kvpos=cupy.full(1, r * n, cupy.int32), kv_rows=slice(r * n, (r + 1) * n)) for r in range(_KV_REGIONS)]
+    f32 = cupy.float32
+    return _sets(ctx, 2 * n * NQ * HD * 4, lambda i: dict(
+        x=ctx.randn(n, NQ, HD), out=cupy.empty((n, NQ, HD), f32), k=ctx.randn(n, NKV, HD), v=ctx.randn(n, NKV, HD),
+        kout=cupy.empty((n, NKV, HD), f32), wq=ctx.randn(HD), wk=ctx.randn(HD), xi=ctx.randn(n, NQ, 2 * HD),
+        z=ctx.randn(n, NQ, HD)), shared, regions)
+
+
+def _activation_sets(ctx, n):
+    return _sets(ctx, 3 * n * FF * 4, lambda i: dict(a=ctx.randn(n, FF), b=ctx.randn(n, FF),
+                                                     out=cupy.empty((n, FF), cupy.float32), bias=ctx.randn(FF + 64)))
+
+
+def _topk_sets(ctx, n):
+    return _sets(ctx, n * E * 4, lambda i: dict(logits=ctx.randn(n, E), ids=cupy.empty((n, TOP_K), cupy.int32),
+                                                w=cupy.empty((n, TOP_K), cupy.float32)))
+
+
+def _weighted_sum_sets(ctx, n):
+    return _sets(ctx, n * TOP_K * HE * 4 * 2, lambda i: dict(e=ctx.randn(n, TOP_K, 2 * HE), w=ctx.randn(n, TOP_K),
+                                                            out=cupy.empty((n, 2 * HE), cupy.float32)))
+
+
+def _router_sets(ctx, n):
+    """x [n, HE] f32 rotating; W [E, HE] f32 (1 MiB) and the norm's weight shared; ``x0``: the first set's x,
+    the decode peer's input."""
+    shared = dict(W=ctx.randn(E, HE, scale=0.02), wn=ctx.randn(HE), lg=cupy.empty((n, E), cupy.float32),
+                  lg_peer=cupy.empty((n, E), cupy.float32))
+    sets = _sets(ctx, n * HE * 4, lambda i: dict(x=ctx.randn(n, HE), h=cupy.empty((n, HE), cupy.float32)), shared)
+    for s in sets:
+        s.x0 = sets[0].x
+        if s.t is not None:
+            s.t.x0 = sets[0].t.x
+    return sets
+
+
+def _shared_expert_sets(ctx, n):
+    return _sets(ctx, 3 * n * H * 4, lambda i: dict(h=ctx.randn(n, H), x=ctx.randn(n, H), g=ctx.randn(n)))
+
+
+def _conv_sets(ctx, n):
+    shared = dict(state=ctx.randn(K_CONV - 1, C), w=ctx.randn(C, K_CONV))
+    return _sets(ctx, 2 * n * C * 4, lambda i: dict(x=ctx.randn(n, C), y=cupy.empty((n, C), cupy.float32)), shared)
+
+
+def _deltanet_sets(ctx, n):
+    return [SimpleNamespace(d=ctx.d, q=ctx.randn(n, N_QK, DK) * (DK ** -0.5), k=ctx.randn(n, N_QK, DK) * (DK ** -0.5),
+                            v=ctx.randn(n, N_V, DV), g=-cupy.abs(ctx.randn(n, N_V)) * 0.1,
+                            beta=cupy.abs(ctx.randn(n, N_V)) * 0.3, S=ctx.randn(N_V, DK, DV) * 0.1,
+                            o=cupy.empty((n, N_V, DV), cupy.float32))]
+
+
+def _host_sets(ctx):
+    return [SimpleNamespace(d=ctx.d, a=ctx.randn(1024), out=cupy.empty(1024, cupy.float32))]
 
 
 def bench(quick: bool = False) -> tuple[list, object]:
-    b = Bench(quick)
-    for part in (bench_norms, bench_heads, bench_activations, bench_moe, bench_shared_expert, bench_ssm):
-        part(b)
-    # host cost of one dispatch (validate, pack, launch) against a bare CuPy elementwise call
-    a, out = b.randn(1024), cupy.empty(1024, cupy.float32)
-    host = host_us_per_call(lambda: b.d.scale(a, out, alpha=0.5))
-    peer_host = host_us_per_call(lambda: cupy.multiply(a, 0.5, out=out))
-    b.rows.append(Row("elementwise", "scale: host us per call", "1024", host, peer="cupy.multiply(out=)",
-                      peer_us=peer_host))
-    return b.rows, b.ceil
+    rng = cupy.random.default_rng(0)
+    ctx = SimpleNamespace(d=ElementwiseDispatch(),
+                          randn=lambda *shape, scale=1.0: rng.standard_normal(shape, dtype=cupy.float32) * scale)
+    ceil = measure_ceilings()
+    return run_specs("elementwise", specs(quick), ceil, ctx), ceil
 
 
 def main(argv=None) -> int:

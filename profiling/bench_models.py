@@ -37,12 +37,18 @@ import time
 
 import numpy as np
 
+from cukern import traffic
 from cukern.benchmark import Row, measure_ceilings, script_main
 
 _TEXT = ("The history of computing is a story of machines that grew faster, smaller and cheaper. "
          "Early computers filled rooms; today a phone holds more power than the machines that sent people "
          "to the moon. Graphics processors began as chips that drew triangles, and became the engines of "
          "modern machine learning, because the same arithmetic that shades pixels multiplies matrices. ")
+
+
+PREFILL = (128, 1024)  # prompt lengths
+SAMPLED = dict(temperature=0.8, top_k=64, top_p=0.95)
+DECODE = [(1, True, {}), (1, False, {}), (8, True, {}), (1, True, SAMPLED)]  # (batch, CUDA graph?, sampling)
 
 
 def _prompt_ids(tok, n: int) -> list[int]:
@@ -147,8 +153,8 @@ def bench(quick: bool = False, *, peer: bool = True, llama: str | None = None) -
     lm = Transformer(m, max_seqs=8, max_tokens=1024 + n_new + 8, prefill_chunk=1024)
     name = "gemma3-270m Q4_K_M"
     sync = cupy.cuda.Device().synchronize
-    weight_bytes = sum(w.nbytes for L in lm.layers for w in (L.wq, L.wk, L.wv, L.wo, L.wg, L.wu, L.wd))
-    weight_bytes += lm.head.nbytes
+    weight_bytes = traffic.decode_step([w.nbytes for L in lm.layers for w in (L.wq, L.wk, L.wv, L.wo, L.wg, L.wu, L.wd)]
+                                       + [lm.head.nbytes])
 
     llama_rates = llama_bench(llama, path, 3 if quick else 5)
     hf = {}
@@ -160,7 +166,7 @@ def bench(quick: bool = False, *, peer: bool = True, llama: str | None = None) -
             print(f"bench_models: transformers peer unavailable: {type(e).__name__}: {e}", file=sys.stderr)
 
     # ---- prefill
-    for n in (128, 1024):
+    for n in PREFILL:
         ids = _prompt_ids(tok, n)
         logits = cupy.empty(m.config.vocab_size, cupy.float32)
 
@@ -182,9 +188,8 @@ def bench(quick: bool = False, *, peer: bool = True, llama: str | None = None) -
 
     # ---- decode
     prompt = _prompt_ids(tok, 128)
-    sampled = dict(temperature=0.8, top_k=64, top_p=0.95)
     greedy_us = None
-    for batch, graph, kw in ((1, True, {}), (1, False, {}), (8, True, {}), (1, True, sampled)):
+    for batch, graph, kw in DECODE:
         steps = n_new if graph else min(n_new, 64)
         prompts = [prompt] * batch
         lm.generate(prompts, 8, use_graph=graph, **kw)                 # warm-up: compile, first capture

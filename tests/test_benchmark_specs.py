@@ -1,0 +1,279 @@
+"""The benchmarks' rows as data, without a GPU: every ``profiling/bench_<family>.py`` table (names unique,
+bytes and FLOPs from cukern.traffic functions, peers that resolve), and ``benchmark.run_specs`` timing
+fake calls with a fake timer (rotation, groups, peers, turns, failures, the row's figures)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from cukern import benchmark, traffic, workbench
+from cukern.benchmark import Ceilings, Peer, RowSpec, Timing, run_specs, work
+
+SPEC_FAMILIES = ["attention", "dmmv", "elementwise", "matmul", "tokens"]
+
+
+def _module(family):
+    path = workbench.bench_scripts([family])[family]
+    spec = importlib.util.spec_from_file_location(f"cukern_profiling_spec_{family}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module", params=[(f, q) for f in SPEC_FAMILIES for q in (True, False)],
+                ids=lambda p: f"{p[0]}-{'quick' if p[1] else 'full'}")
+def table(request):
+    family, quick = request.param
+    return family, _module(family).specs(quick)
+
+
+def _traffic_function(fn) -> bool:
+    return getattr(fn, "__module__", None) == "cukern.traffic" and getattr(traffic, fn.__name__, None) is fn
+
+
+def test_every_bench_module_with_a_table_is_checked():
+    """A family benchmark that builds its rows as data is in SPEC_FAMILIES (bench_models is end to end)."""
+    with_specs = {f for f in workbench.bench_scripts() if callable(getattr(_module(f), "specs", None))}
+    assert with_specs == set(SPEC_FAMILIES)
+
+
+def test_names_are_unique(table):
+    family, specs = table
+    assert specs and all(isinstance(s, RowSpec) for s in specs)
+    names = [(s.kernel, s.shape) for s in specs]
+    dup = {n for n in names if names.count(n) > 1}
+    assert not dup, f"{family}: rows named twice: {sorted(dup)}"
+
+
+def test_work_comes_from_traffic(table):
+    """Each row's bytes and FLOPs: a cukern.traffic function, positive on the row's arguments (bytes a
+    whole number but for packed MoE's average of experts read)."""
+    family, specs = table
+    for s in specs:
+        assert s.bytes or s.flops or s.timing.how == "host", f"{family} {s.kernel}: neither bytes nor FLOPs"
+        for count in (s.bytes, s.flops):
+            if count:
+                assert _traffic_function(count[0]), f"{family} {s.kernel}: {count[0]} is not a cukern.traffic function"
+                value = work(count)
+                assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0, (family, s.kernel, value)
+        if s.bytes and s.bytes[0] is not traffic.moe_packed:
+            assert isinstance(work(s.bytes), int), (family, s.kernel, work(s.bytes))
+
+
+def test_specs_are_well_formed(table):
+    """Inputs a builder and its arguments; row peers name a row of the same shape before them; peers of one
+    name in one group and shape are one measurement, so they must be one peer."""
+    family, specs = table
+    seen: set = set()
+    by_name: dict = {}
+    for s in specs:
+        assert callable(s.inputs[0]) and callable(s.call) and s.rounds >= 1, (family, s.kernel)
+        for p in s.peers:
+            if p.row:
+                assert (p.row, s.shape) in seen, f"{family} {s.kernel}: peer row {p.row!r} not measured before"
+            else:
+                key = (s.inputs, s.shape, p.name)
+                assert by_name.setdefault(key, p) == p, f"{family} {s.kernel}: two peers named {p.name!r}"
+        seen.add((s.kernel, s.shape))
+
+
+def test_quantized_x_bytes_is_the_dmmv_layout():
+    from cukern.dmmv.weights import _q8x_col_bytes
+    for k in (32, 640, 2048, 4096, 14336, 7168 + 32):
+        assert traffic.quantized_x_bytes(k) == _q8x_col_bytes(k)
+        assert traffic.quantized_x_bytes(k, n=3) == 3 * _q8x_col_bytes(k)
+
+
+def test_ssm_and_model_formulas():
+    assert traffic.conv1d_silu(1, 8192, 4) == 4 * (2 * 8192 + 2 * 3 * 8192 + 4 * 8192)
+    state, q, v = 32 * 128 * 128 * 4, 5 * 16 * 128 * 4, 5 * 32 * 128 * 4
+    assert traffic.deltanet(5, 16, 32, 128, 128) == 2 * state + 2 * q + 2 * v
+    assert traffic.decode_step([10, 20, 30]) == 60
+
+
+# ----------------------------------------------------------------------------- the runner
+
+CEIL = Ceilings(copy_gbs=2000.0, device="fake", gemm_tflops=400.0)
+
+
+class FakeTimer:
+    """Runs each timed function three times; the time is the first call's ``us`` attribute result."""
+
+    def __init__(self):
+        self.timings = []
+
+    def __call__(self, timing, fn):
+        self.timings.append(timing)
+        results = [fn() for _ in range(3)]
+        return results[0]
+
+
+def _sets(log, n, us=10.0):
+    def build(ctx, tag):
+        log.append(("build", tag))
+        return [SimpleNamespace(i=i, us=us, tag=tag, seen=[]) for i in range(n)]
+    return build
+
+
+def _call(s):
+    s.seen.append(s.i)
+    return s.us
+
+
+def _run(specs, **kw):
+    log = []
+    rows = run_specs("fake", specs, CEIL, timer=kw.pop("timer", FakeTimer()), release=lambda: log.append("release"),
+                     **kw)
+    return rows, log
+
+
+def test_rows_carry_the_counted_work_and_the_ceilings():
+    log = []
+    build = _sets(log, 3)
+    specs = [RowSpec("copy", "n=1000", (build, "a"), _call, bytes=(traffic.rows, "scale", 1000, 1000)),
+             RowSpec("gemm", "64x64", (build, "a"), _call, flops=(traffic.gemm_flops, 64, 64, 64)),
+             RowSpec("gemm glu", "64x64", (build, "a"), _call, flops=(traffic.gemm_flops, 64, 64, 64, {"glu": True}))]
+    rows, _ = _run(specs)
+    nbytes = traffic.rows("scale", 1000, 1000)
+    assert [r.kernel for r in rows] == ["copy", "gemm", "gemm glu"]
+    assert rows[0].gbs == pytest.approx(nbytes / 10e-6 / 1e9) and rows[0].pct_ceiling == pytest.approx(rows[0].gbs / 2000)
+    assert rows[1].gbs is None and rows[1].tflops == pytest.approx(2 * 64**3 / 10e-6 / 1e12)
+    assert rows[1].pct_ceiling == pytest.approx(rows[1].tflops / 400) and rows[2].tflops == pytest.approx(2 * rows[1].tflops)
+    assert log == [("build", "a")]  # one build for the three rows sharing their inputs
+
+
+def test_calls_rotate_through_the_sets_and_groups_are_released():
+    log = []
+    b3, b1 = _sets(log, 3), _sets(log, 1)
+    seen = []
+
+    def call(s):
+        seen.append((s.tag, s.i))
+        return 1.0
+    specs = [RowSpec("a", "s", (b3, "x"), call, bytes=(traffic.sample, 1, 10)),
+             RowSpec("b", "s", (b1, "y"), call, bytes=(traffic.sample, 1, 10)),
+             RowSpec("c", "s", (b3, "x"), call, bytes=(traffic.sample, 1, 10))]
+    timer = FakeTimer()
+    rows, log_ = _run(specs, timer=timer)
+    assert [r.kernel for r in rows] == ["a", "b", "c"]
+    assert seen == [("x", 0), ("x", 1), ("x", 2), ("y", 0), ("y", 0), ("y", 0), ("x", 0), ("x", 1), ("x", 2)]
+    assert log == [("build", "x"), ("build", "y"), ("build", "x")]  # equal inputs share a build only when consecutive
+    assert log_ == ["release"] * 3 and all(t == Timing() for t in timer.timings)
+
+
+def test_peers_by_call_by_row_and_with_inputs_of_their_own():
+    log = []
+    build = _sets(log, 2)
+    own = _sets(log, 1, us=40.0)
+    gemv = Peer("own", _call, how="stream", inputs=(own, "peer"))
+    specs = [RowSpec("slow", "s", (build, "a"), lambda s: 20.0, bytes=(traffic.sample, 1, 10)),
+             RowSpec("fast", "s", (build, "a"), _call, bytes=(traffic.sample, 1, 10),
+                     peers=(Peer("slow path", row="slow"), Peer("chain", lambda s: 30.0), gemv)),
+             RowSpec("fast2", "s", (build, "a"), _call, bytes=(traffic.sample, 1, 10), peers=(gemv,)),
+             RowSpec("other shape", "t", (build, "a"), _call, bytes=(traffic.sample, 1, 10),
+                     peers=(Peer("slow path", row="slow"),))]
+    timer = FakeTimer()
+    rows, _ = _run(specs, timer=timer)
+    fast = rows[1]
+    assert fast.peer == "slow path" and fast.peer_us == 20.0 and fast.speedup == 2.0
+    assert fast.extra == {"peers": {"chain": 30.0, "own": 40.0}}
+    assert rows[2].peer == "own" and rows[2].peer_us == 40.0
+    assert log.count(("build", "peer")) == 1  # a peer on inputs of its own: measured once per run
+    assert rows[3].peer == "" and rows[3].peer_us is None  # the row peer has another shape
+    assert Timing("stream") in timer.timings
+
+
+def test_torch_peers_are_left_out_without_torch(monkeypatch):
+    monkeypatch.setattr(benchmark, "_torch_available", lambda: False)
+    log = []
+    specs = [RowSpec("k", "s", (_sets(log, 1), "a"), _call, bytes=(traffic.sample, 1, 10),
+                     peers=(Peer("torch op", lambda s: 1 / 0, how="torch_graph"), Peer("eager torch", lambda s: 1 / 0,
+                                                                                       torch=True)))]
+    rows, _ = _run(specs)
+    assert len(rows) == 1 and rows[0].peer == "" and rows[0].extra == {}
+
+
+def test_a_failure_leaves_out_its_row_or_peer_and_says_so(capsys):
+    log = []
+
+    def broken_build(ctx):
+        raise RuntimeError("no memory")
+    specs = [RowSpec("broken", "s", (_sets(log, 1), "a"), lambda s: 1 / 0, bytes=(traffic.sample, 1, 10)),
+             RowSpec("ok", "s", (_sets(log, 1), "a"), _call, bytes=(traffic.sample, 1, 10),
+                     peers=(Peer("bad peer", lambda s: 1 / 0),)),
+             RowSpec("no inputs", "s", (broken_build,), _call, bytes=(traffic.sample, 1, 10))]
+    rows, _ = _run(specs)
+    err = capsys.readouterr().err
+    assert [r.kernel for r in rows] == ["ok"] and rows[0].peer == ""
+    assert "row broken s failed: ZeroDivisionError" in err and "peer bad peer of ok s failed" in err
+    assert "inputs of no inputs s failed: RuntimeError: no memory" in err
+
+
+def test_shape_fields_from_the_sets_and_rows_the_device_leaves_out():
+    def build(ctx):
+        return [SimpleNamespace(n_splits=7, packed=None, us=5.0, i=0, seen=[])]
+    specs = [RowSpec("decode", "B1 s{n_splits}", (build,), _call, bytes=(traffic.sample, 1, 10)),
+             RowSpec("packed", "B1 s{n_splits}", (build,), _call, bytes=(traffic.sample, 1, 10),
+                     when=lambda s: s.packed is not None)]
+    rows, _ = _run(specs)
+    assert [(r.kernel, r.shape) for r in rows] == [("decode", "B1 s7")]
+
+
+def test_rows_in_turns_with_their_peers():
+    """rounds > 1: the rows of one shape with rounds and their peers alternate, each keeping pick(times);
+    the peer's ratio and the 'peers' ceiling (fastest peer time / row time) follow."""
+    order = []
+    times = {"a": iter([9.0, 7.0, 8.0]), "b": iter([6.0, 4.0, 5.0]), "flash": iter([12.0, 10.0, 11.0]),
+             "cudnn": iter([3.0, 14.0, 13.0])}
+
+    def timer(timing, fn):
+        return fn()
+
+    def timed(name):
+        def call(s):
+            order.append(name)
+            return next(times[name])
+        return call
+    peers = (Peer("flash", timed("flash")), Peer("cudnn", timed("cudnn")))
+
+    def build(ctx):
+        return [SimpleNamespace()]
+    specs = [RowSpec("a", "s", (build,), timed("a"), flops=(traffic.gemm_flops, 8, 8, 8), peers=peers, rounds=3, pick=min,
+                     ceiling="peers"),
+             RowSpec("b", "s", (build,), timed("b"), flops=(traffic.gemm_flops, 8, 8, 8), peers=peers, rounds=3)]
+    rows, _ = _run(specs, timer=timer)
+    assert order == ["a", "b", "flash", "cudnn", "b", "flash", "cudnn", "a", "flash", "cudnn", "a", "b"]
+    a, b = rows
+    assert a.us == 7.0 and b.us == 5.0  # min for a, the median for b
+    assert a.peer == "flash" and a.peer_us == 10.0 and a.extra == {"peers": {"cudnn": 3.0}}
+    assert a.pct_ceiling == pytest.approx(3.0 / 7.0)
+    assert b.pct_ceiling == pytest.approx(b.tflops / 400)
+
+
+def test_rounds_without_a_peer_time_once():
+    calls = []
+
+    def build(ctx):
+        return [SimpleNamespace()]
+    specs = [RowSpec("a", "s", (build,), lambda s: calls.append(1) or 1.0, bytes=(traffic.sample, 1, 10), rounds=3)]
+    rows, _ = _run(specs, timer=lambda timing, fn: fn())
+    assert len(calls) == 1 and rows[0].us == 1.0
+
+
+def test_bad_timing_and_peers_are_refused_when_written():
+    with pytest.raises(ValueError, match="Timing.how"):
+        Timing("graphs")
+    with pytest.raises(ValueError, match="Timing.how"):
+        Peer("p", lambda s: None, how="eagr")
+    with pytest.raises(ValueError, match="a call or a row"):
+        Peer("p")
+    with pytest.raises(ValueError, match="a call or a row"):
+        Peer("p", lambda s: None, row="k")
+    with pytest.raises(ValueError, match="ceiling"):
+        RowSpec("k", "s", (_sets([], 1), "a"), _call, ceiling="roof")
+    with pytest.raises(ValueError, match="inputs"):
+        RowSpec("k", "s", (), _call)
