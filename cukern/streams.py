@@ -15,6 +15,8 @@ arguments: cukern.interop). Nothing here synchronises unless its name says so.
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 
 import cupy
@@ -23,7 +25,7 @@ import numpy as np
 __all__ = ["resolve_stream", "external_stream", "EventTimer", "Timing", "benchmark", "Graph", "capture_graph"]
 
 
-_EXTERNAL: dict = {}  # (handle, device) -> the cupy.cuda.ExternalStream wrapping it
+_EXTERNAL: dict = {}  # (handle, device) -> the CuPy stream wrapping it
 _EXTERNAL_LIMIT = 256
 
 
@@ -31,7 +33,7 @@ def resolve_stream(stream=None):
     """The CuPy stream a dispatch launches on: ``None`` -> CuPy's current stream; a CuPy stream ->
     itself; a torch ``cuda.Stream`` (anything with a ``cuda_stream`` handle, on its ``device``) or a
     raw ``cudaStream_t`` handle as an int (0 the legacy default stream, 2 the per-thread one) -> a
-    ``cupy.cuda.ExternalStream`` over it (made once per handle; it does not own the stream, so the
+    CuPy stream over it (``Stream.from_external``, made once per handle; it does not own the stream, so the
     caller keeps it alive while work is queued); anything else -> TypeError."""
     if stream is None:
         return cupy.cuda.get_current_stream()
@@ -49,16 +51,34 @@ def resolve_stream(stream=None):
     return external_stream(int(handle), int(device))
 
 
+class _Handle:
+    """A raw ``cudaStream_t`` as an object of the CUDA stream protocol (``__cuda_stream__``), which
+    ``cupy.cuda.Stream.from_external`` takes."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
 def external_stream(handle: int, device: int = -1):
-    """The ``cupy.cuda.ExternalStream`` over the ``cudaStream_t`` ``handle`` of ``device`` (-1: the current
-    one), made once per pair (the last 256 kept)."""
+    """A CuPy stream over the ``cudaStream_t`` ``handle`` of ``device`` (-1: the current one; not owned:
+    ``cupy.cuda.Stream.from_external``), made once per pair (the last 256 kept)."""
     key = (handle, device)
     ext = _EXTERNAL.get(key)
     if ext is None:
         if len(_EXTERNAL) >= _EXTERNAL_LIMIT:
             _EXTERNAL.pop(next(iter(_EXTERNAL)))
-        ext = _EXTERNAL[key] = cupy.cuda.ExternalStream(handle, device)
+        ext = _EXTERNAL[key] = _wrap_handle(handle, device)
     return ext
+
+
+def _wrap_handle(handle: int, device: int):
+    with cupy.cuda.Device(device) if device >= 0 else contextlib.nullcontext():
+        return cupy.cuda.Stream.from_external(_Handle(handle))
 
 
 class EventTimer:

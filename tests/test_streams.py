@@ -18,19 +18,21 @@ def test_resolve_stream_rejects_other_objects():
 
 def test_resolve_stream_wraps_handles_and_torch_streams(monkeypatch):
     """A raw cudaStream_t (int) or a torch.cuda.Stream (its cuda_stream handle, on its device) becomes a
-    cupy.cuda.ExternalStream over the same handle, made once per (handle, device)."""
+    CuPy stream over the same handle (Stream.from_external, through the CUDA stream protocol), made once
+    per (handle, device)."""
     made = []
 
-    class External:  # cupy.cuda.ExternalStream's constructor, without a driver
-        def __init__(self, ptr, device_id=-1):
-            self.ptr, self.device_id = ptr, device_id
+    class External:  # what cupy.cuda.Stream.from_external makes, without a driver
+        def __init__(self, handle, device_id):
+            self.ptr, self.device_id = handle, device_id
             made.append(self)
 
     class TorchLike:  # what torch.cuda.Stream offers
         cuda_stream = 0x5000
         device = type("device", (), {"index": 1})()
 
-    monkeypatch.setattr(cupy.cuda, "ExternalStream", External)
+    assert streams._Handle(0x77).__cuda_stream__() == (0, 0x77)
+    monkeypatch.setattr(streams, "_wrap_handle", External)
     monkeypatch.setattr(streams, "_EXTERNAL", {})
     a = streams.resolve_stream(0x1234)
     assert (a.ptr, a.device_id) == (0x1234, -1)
@@ -38,7 +40,8 @@ def test_resolve_stream_wraps_handles_and_torch_streams(monkeypatch):
     b = streams.resolve_stream(TorchLike())
     assert (b.ptr, b.device_id) == (0x5000, 1)
     assert streams.resolve_stream(0).ptr == 0
-    assert streams.resolve_stream(b) is b  # an ExternalStream passes through
+    with pytest.raises(TypeError, match="stream must be"):
+        streams.resolve_stream(-1)
 
 
 @pytest.mark.gpu
