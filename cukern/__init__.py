@@ -25,6 +25,8 @@ _LAZY = {
     "DmmvDispatch": "cukern.dmmv",
     "MatmulDispatch": "cukern.matmul",
     "AttentionDispatch": "cukern.attention", "PagedKVCache": "cukern.attention", "DecodeOverrides": "cukern.attention",
+    "flash_attn_varlen_func": "cukern.attention", "flash_attn_with_kvcache": "cukern.attention",
+    "BatchDecodeWithPagedKVCacheWrapper": "cukern.attention", "BatchPrefillWithPagedKVCacheWrapper": "cukern.attention",
 }
 
 

@@ -1,5 +1,6 @@
-"""The paged KV cache: :class:`PageAllocator` (host page table, lengths, free list, reference counts) and
-:class:`PagedKVCache` (per-layer K/V page pools and the device copies of the page table and lengths).
+"""The paged KV cache: :class:`PageAllocator` (host page table, lengths, free list, reference counts),
+:class:`PagedKVCache` (per-layer K/V page pools and the device copies of the page table and lengths) and
+:class:`PagedKVView` (pools, page table and lengths that the caller owns, read in the same layout).
 
 The layout (``cuda_src/common/kv_cache.cuh``): token ``pos`` of a slot lives in page
 ``page_table[slot, pos // page_size]``, row ``pos % page_size``.
@@ -8,13 +9,15 @@ The layout (``cuda_src/common/kv_cache.cuh``): token ``pos`` of a slot lives in 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from dataclasses import dataclass
 
 import cupy
 import numpy as np
 
 from cukern.dispatch import check_int
 
-__all__ = ["PageAllocator", "PagedKVCache", "HEAD_DIMS", "BF16"]
+__all__ = ["PageAllocator", "PagedKVCache", "PagedKVView", "HEAD_DIMS", "BF16"]
 
 BF16 = "bfloat16"
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256, 512)  # decode and the cache
@@ -257,3 +260,50 @@ class PagedKVCache:
         """Release a sequence and the pages no other sequence shares."""
         self.alloc.free(slot)
         self._upload(int(slot), stream)
+
+
+@dataclass(frozen=True)
+class PagedKVView:
+    """K/V pools, a page table and lengths that the caller owns, which the attention kernels read as the one
+    layer (layer 0) of a :class:`PagedKVCache`, in place: nothing is copied. FlashAttention's
+    ``block_table`` + ``cache_seqlens`` and FlashInfer's CSR page indices (``cukern.attention.flash_api``,
+    ``cukern.attention.flashinfer_api``) become one of these.
+
+    The same layout as the cache: token ``pos`` of row ``s`` lives in page ``page_table[s, pos // page_size]``,
+    row ``pos % page_size`` of ``k_pool`` / ``v_pool`` ``[n_pages, page_size, n_kv_heads, head_dim]``
+    (C-contiguous). The kernels take a sequence's row from a plan's ``seq_ids`` and read ``lengths[row]``
+    tokens of it; neither the page ids nor the lengths are read on the host. Built without the pools by a
+    plan (the schedule needs only the dtype and the shape), :meth:`with_pools` adds them for a launch; the
+    builders check every array before."""
+
+    kind: str  # 'float16', 'bfloat16' or 'float32'
+    n_kv_heads: int
+    head_dim: int
+    page_size: int  # tokens per page
+    page_table: cupy.ndarray  # [n_rows, max_pages] int32 page ids
+    lengths: cupy.ndarray  # [n_rows] int32 tokens of each row
+    k_pool: cupy.ndarray | None = None  # [n_pages, page_size, n_kv_heads, head_dim]
+    v_pool: cupy.ndarray | None = None  # the same layout as k_pool
+    n_layers = 1
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return int(self.page_table.shape[1])
+
+    @property
+    def k_pools(self) -> tuple:
+        return (self.k_pool,)
+
+    @property
+    def v_pools(self) -> tuple:
+        return (self.v_pool,)
+
+    @property
+    def dtype(self) -> str:
+        return self.kind
+
+    def capacity_tokens(self) -> int:
+        return self.max_pages_per_seq * self.page_size
+
+    def with_pools(self, k_pool: cupy.ndarray, v_pool: cupy.ndarray) -> PagedKVView:
+        return dataclasses.replace(self, k_pool=k_pool, v_pool=v_pool)

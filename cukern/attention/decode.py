@@ -12,9 +12,8 @@ import numpy as np
 from cukern.attention.cache import PagedKVCache
 from cukern.attention.common import (_CTYPE, _DECODE_THREADS, _F32, _check_kind, _int_list, _page_shift,
                                      _scale_fields)
-from cukern.attention.plan import (_ITEMSIZE, _MAX_SPLITS, _MERGE_THREADS, _NO_OVERRIDES, _TC_GROUP, _TC_KEYS,
-                                   DecodeOverrides, DecodePlan, _decode_smem, _decode_tc_smem, _head_block,
-                                   _merge_cols4, _schedule, _tc_decode)
+from cukern.attention.plan import (_MERGE_THREADS, _NO_OVERRIDES, _TC_KEYS, DecodeOverrides, DecodePlan,
+                                   _decode_smem, _decode_tc_smem, _merge_cols4, decode_plan)
 from cukern.dispatch import Unit, check_array
 from cukern.interop import like, tensors
 from cukern.repeat import repeatable
@@ -58,31 +57,10 @@ class Decode:
             raise ValueError(f"at most 65535 sequences per decode call, got {len(ids)}")
         for s in ids:
             cache.alloc.check_slot(int(s))
-        if not isinstance(n_heads, (int, np.integer)) or n_heads < 1 or n_heads % cache.n_kv_heads:
-            raise ValueError(f"n_heads ({n_heads}) must be a positive multiple of n_kv_heads ({cache.n_kv_heads})")
         longest = int(max(cache.alloc.lengths[ids]))
-        max_kv_len = max(longest, 1) if max_kv_len is None else int(max_kv_len)
-        if max_kv_len < 1:
-            raise ValueError(f"max_kv_len must be >= 1, got {max_kv_len}")
-        group = n_heads // cache.n_kv_heads
-        tc = _tc_decode(cache.kind, cache.head_dim)
-        hb = _TC_GROUP if tc else _head_block(group, cache.head_dim)
-        blocks = len(ids) * cache.n_kv_heads * -(-group // hb)
-        visible = max_kv_len if window_left < 0 else min(max_kv_len, window_left + 1)
-        row_bytes = 2 * cache.head_dim * _ITEMSIZE[cache.kind]  # a K and a V row of one KV head
-        state_bytes = min(hb, group) * cache.head_dim * 4
-        if n_splits is not None and (not isinstance(n_splits, (int, np.integer)) or not 1 <= n_splits <= _MAX_SPLITS):
-            raise ValueError(f"n_splits must be 1 ... {_MAX_SPLITS}, got {n_splits!r}")
-        d = cache.head_dim
-        warps, apart, n_splits = _schedule(tc, d, blocks, visible, row_bytes, state_bytes, self.sm_count(), n_splits,
-                                           ov)
-        apart = apart and n_splits > 1
-        b = len(ids)
-        o_part = cupy.empty((b, n_splits, n_heads, d), cupy.float32) if n_splits > 1 or partials else None
-        lse_part = cupy.empty((b, n_splits, n_heads), cupy.float32)
-        counters = cupy.zeros(blocks, cupy.int32)
-        return DecodePlan(cache, cupy.asarray(ids.astype(np.int32)), int(n_heads), max_kv_len, int(n_splits), hb,
-                          int(warps), apart, o_part, lse_part, counters, ov, bool(partials))
+        max_kv_len = max(longest, 1) if max_kv_len is None else max_kv_len
+        return decode_plan(cache, cupy.asarray(ids.astype(np.int32)), n_heads, max_kv_len, n_splits, window_left, ov,
+                           self.sm_count(), partials)
 
     @repeatable
     @tensors(out=like("q"))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from cukern.attention.cache import BF16, HEAD_DIMS, PagedKVCache
+from cukern.attention.cache import BF16, HEAD_DIMS, PagedKVCache, PagedKVView
 from cukern.attention.common import (_CTYPE, _DECODE_THREADS, _F32, _I32, _SHORT, _check_kind, _int_list,
                                      _page_shift, _scale_fields)
 from cukern.attention.decode import Decode
@@ -138,9 +138,9 @@ class AttentionDispatch(Decode):
             raise ValueError("k and v must hold at least one token")
         return ks
 
-    def _check_layer(self, cache: PagedKVCache, layer: int) -> int:
-        if not isinstance(cache, PagedKVCache):
-            raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+    def _check_layer(self, cache: PagedKVCache | PagedKVView, layer: int) -> int:
+        if not isinstance(cache, (PagedKVCache, PagedKVView)):
+            raise TypeError(f"cache must be a PagedKVCache or a PagedKVView, got {type(cache).__name__}")
         return check_int("layer", layer, 0, cache.n_layers - 1)
 
     @tensors
@@ -164,6 +164,8 @@ class AttentionDispatch(Decode):
         """Write n consecutive tokens of one sequence at positions ``pos0 ... pos0 + n - 1`` (a prefill chunk).
 
         The positions must already be part of the sequence (``cache.extend``), checked on the host."""
+        if not isinstance(cache, PagedKVCache):
+            raise TypeError(f"cache must be a PagedKVCache (lengths checked on the host), got {type(cache).__name__}")
         layer = self._check_layer(cache, layer)
         src = self._kv_src(cache, k, v, None)
         n = k.shape[0]

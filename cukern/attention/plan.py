@@ -16,7 +16,7 @@ import numpy as np
 
 from cukern.attention.cache import BF16, PagedKVCache
 
-__all__ = ["DecodePlan", "DecodeOverrides", "BatchedPlan"]
+__all__ = ["DecodePlan", "DecodeOverrides", "BatchedPlan", "decode_plan"]
 
 _GROUPS = (1, 4, 8)  # query heads per decode block (GQA heads beyond 8 take several blocks)
 _ITEMSIZE = {"float16": 2, BF16: 2, "float32": 4}
@@ -278,3 +278,33 @@ class BatchedPlan:
     q_indptr: cupy.ndarray  # [n_seqs + 1] int32 first query row of each sequence
     n_q: int  # total query rows
     max_q_len: int
+
+
+def decode_plan(cache, seq_ids: cupy.ndarray, n_heads: int, max_kv_len: int, n_splits: int | None, window_left: int,
+                ov: DecodeOverrides, sms: int, partials: bool = False) -> DecodePlan:
+    """The schedule and buffers of a decode batch over ``cache`` (a :class:`PagedKVCache` or a
+    :class:`~cukern.attention.cache.PagedKVView`) whose sequences' slots are the device array ``seq_ids``
+    ([batch] int32): warps, split count and merge place from :func:`_schedule` (``n_splits`` and ``ov`` force
+    them), the partial buffers and the merge counters (zeros, left zero by every launch). ``max_kv_len``
+    sizes the chunks (host bound; a longer sequence is still computed right, only less parallel); ``partials``
+    keeps ``o_part`` at every split count (:meth:`AttentionDispatch.plan_decode`)."""
+    if not isinstance(n_heads, (int, np.integer)) or n_heads < 1 or n_heads % cache.n_kv_heads:
+        raise ValueError(f"n_heads ({n_heads}) must be a positive multiple of n_kv_heads ({cache.n_kv_heads})")
+    if not isinstance(max_kv_len, (int, np.integer)) or max_kv_len < 1:
+        raise ValueError(f"max_kv_len must be an int >= 1, got {max_kv_len!r}")
+    if n_splits is not None and (not isinstance(n_splits, (int, np.integer)) or not 1 <= n_splits <= _MAX_SPLITS):
+        raise ValueError(f"n_splits must be 1 ... {_MAX_SPLITS}, got {n_splits!r}")
+    b, d = int(seq_ids.shape[0]), cache.head_dim
+    group = n_heads // cache.n_kv_heads
+    tc = _tc_decode(cache.kind, d)
+    hb = _TC_GROUP if tc else _head_block(group, d)
+    blocks = b * cache.n_kv_heads * -(-group // hb)
+    visible = max_kv_len if window_left < 0 else min(max_kv_len, window_left + 1)
+    row_bytes = 2 * d * _ITEMSIZE[cache.kind]  # a K and a V row of one KV head
+    state_bytes = min(hb, group) * d * 4
+    warps, apart, n_splits = _schedule(tc, d, blocks, visible, row_bytes, state_bytes, sms, n_splits, ov)
+    o_part = cupy.empty((b, n_splits, n_heads, d), cupy.float32) if n_splits > 1 or partials else None
+    lse_part = cupy.empty((b, n_splits, n_heads), cupy.float32)
+    counters = cupy.zeros(blocks, cupy.int32)
+    return DecodePlan(cache, seq_ids, int(n_heads), int(max_kv_len), int(n_splits), hb, int(warps),
+                      apart and n_splits > 1, o_part, lse_part, counters, ov, bool(partials))
