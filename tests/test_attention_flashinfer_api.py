@@ -237,7 +237,7 @@ def test_decode_wrapper_graph_replays_across_plans(rng):
     _plan_decode(w, p, h, **fixed)
     qf = rng.standard_normal((3, h, d)).astype(np.float32)
     q, out, lse = cupy.asarray(qf), cupy.empty((3, h, d), cupy.float32), cupy.empty((3, h), cupy.float32)
-    cupy.cuda.get_current_stream().synchronize()
+    cupy.cuda.Device().synchronize()
     w.run(q, (p.k, p.v), out=out, lse=lse, stream=st)  # kernels loaded before the capture
     graph = capture_graph(lambda s: w.run(q, (p.k, p.v), out=out, lse=lse, stream=s), stream=st)
     for lengths in ([301, 46, 1001], [17, 999, 2]):  # pages within the first pool's 165
@@ -245,11 +245,11 @@ def test_decode_wrapper_graph_replays_across_plans(rng):
         p.k[:grown.k.shape[0]], p.v[:grown.v.shape[0]] = grown.k, grown.v  # new contents, the same pools
         p.k64[:grown.k.shape[0]], p.v64[:grown.v.shape[0]] = grown.k64, grown.v64
         p.pages, p.lengths = grown.pages, grown.lengths
-        cupy.cuda.get_current_stream().synchronize()
         plan = w._plan
         _plan_decode(w, p, h, **fixed)
         assert w._plan.counters is plan.counters  # the schedule held: the graph's buffers are the plan's
         poison(out)
+        cupy.cuda.Device().synchronize()  # the new pages and the poison (current stream) before the replay (st)
         graph.replay()
         st.synchronize()
         want_o, want_lse = p.reference(qf, [1, 1, 1])
