@@ -3,8 +3,9 @@
 Kernels: ``cuda_src/attention/``; float64 references: ``cukern/reference/attention.py``;
 tests: ``tests/test_attention.py``; benchmark: ``profiling/bench_attention.py``; measurements:
 ``docs/notes/attention.md``. Modules: ``cache`` (page allocator, paged cache, views of caller-owned
-caches), ``plan`` (plans, kernel shapes, the fitted split model), ``dispatch`` (units and launches),
-``flash_api`` / ``flashinfer_api`` / ``foreign`` (the FlashAttention- and FlashInfer-style entry points).
+caches), ``plan`` (plans, kernel shapes, the fitted split model), ``common`` (dtype and argument helpers),
+``decode`` (the decode and merge methods, a mixin), ``dispatch`` (units and launches), ``flash_api`` /
+``flashinfer_api`` / ``foreign`` (the FlashAttention- and FlashInfer-style entry points).
 
 Conventions (every method):
 
