@@ -38,6 +38,12 @@ def dmmv_glu_normed(w_bytes: int, m: int, k: int) -> int:
     return 2 * w_bytes + F32 * (4 * k + m)
 
 
+def dmmv_merged(w_bytes: int, m: int, n_states: int, n_heads: int, head_dim: int) -> int:
+    """dmmv on a MergedX (or merge_states then dmmv): W once, the split states (O and LSE of every state
+    and head) read once, y written; the merged x moved in the unfused chain is not counted."""
+    return w_bytes + F32 * (n_states * n_heads * (head_dim + 1) + m)
+
+
 def quantized_x_bytes(k: int, n: int = 1) -> int:
     """Bytes of a QuantizedX of n columns of k: per column k int8 and 8 bytes per 32, rounded up to 16."""
     return n * ((k + k // 4 + 15) // 16 * 16)

@@ -26,7 +26,7 @@ import numpy as np
 
 from cukern import traffic
 from cukern.benchmark import Peer, RowSpec, measure_ceilings, run_specs, script_main
-from cukern.dmmv import Q8_TYPES, QTYPES, DmmvDispatch, NormedX, QuantizedX, QWeight, qtype_id, row_bytes
+from cukern.dmmv import Q8_TYPES, QTYPES, DmmvDispatch, MergedX, NormedX, QuantizedX, QWeight, qtype_id, row_bytes
 from cukern.elementwise import ElementwiseDispatch
 
 try:
@@ -46,7 +46,7 @@ def specs(quick: bool) -> list[RowSpec]:
     shapes = [(14336, 4096), (4096, 14336)] if quick else SHAPES
     out = [r for m, k in shapes for name in (QUICK_TYPES if quick else TYPES)
            if k % QTYPES[qtype_id(name)][1] == 0 for r in _matvec(name, m, k)]  # k = 640: no whole K-quant super-block
-    out += _lm_head(1) + _lm_head(8) + _norm_glu()
+    out += _lm_head(1) + _lm_head(8) + _norm_glu() + _merged_oproj()
     out += [_quantize_x(k) for k in sorted({k for _, k in shapes})]
     out += [r for name in (["MXFP4", "Q4_K"] if quick else ["MXFP4", "Q4_K", "Q6_K", "Q8_0"]) for r in _ffn_down(name)]
     out += [r for name in (["Q4_K"] if quick else ["Q4_K", "Q8_0", "Q6_K"]) for r in _batch(name)]
@@ -93,6 +93,19 @@ def _norm_glu(m=2048, k=640):
                                s.d_f32_pdl.dmmv_glu(s.wg, s.wu, s.h, s.y)), nbytes),
             RowSpec("norm + glu Q5_0 NormedX pdl", shape, g, lambda s: s.d_f32_pdl.dmmv_glu(s.wg, s.wu, s.nx, s.y), nbytes,
                     peers=(Peer("norm kernel + dmmv_glu", row="norm + glu Q5_0 two launches pdl"),))]
+
+
+def _merged_oproj(m=640, heads=4, d=256, states=8):
+    """A decode step's attention tail (Gemma 3 270M: 8 split states of 4 heads x 256, a 640 x 1024 Q4_K
+    o-projection): merge_states then dmmv, against dmmv on a MergedX (every block merges the states)."""
+    k = heads * d
+    g, shape = (_merged_sets, m, heads, d, states), f"{m}x{k} s{states}"
+    nbytes = (traffic.dmmv_merged, _w_bytes("Q4_K", m, k), m, states, heads, d)
+    return [RowSpec("merge + o_proj Q4_K two launches pdl", shape, g,
+                    lambda s: (s.attn.merge_states(s.o_part, s.lse, s.o), s.d_f32_pdl.dmmv(s.w, s.o.reshape(1, k), s.y)),
+                    nbytes),
+            RowSpec("merge + o_proj Q4_K MergedX pdl", shape, g, lambda s: s.d_f32_pdl.dmmv(s.w, s.mx, s.y), nbytes,
+                    peers=(Peer("merge_states + dmmv", row="merge + o_proj Q4_K two launches pdl"),))]
 
 
 def _quantize_x(k):
@@ -206,6 +219,16 @@ def _norm_glu_sets(ctx, m, k):
     res2, h, y = cupy.empty((1, k), cupy.float32), cupy.empty((1, k), cupy.float32), cupy.empty((1, m), cupy.float32)
     nx = NormedX(res, wn, proj, wp, res2)
     return [_set(ctx, wg=wg, wu=wu, proj=proj, res2=res2, wp=wp, wn=wn, h=h, y=y, nx=nx) for wg, wu in zip(gate, up)]
+
+
+def _merged_sets(ctx, m, heads, d, states):
+    from cukern.attention import AttentionDispatch
+    o_part = cupy.random.standard_normal((1, states, heads, d), dtype=cupy.float32)
+    lse = cupy.random.standard_normal((1, states, heads), dtype=cupy.float32) * 3
+    o, y = cupy.empty((1, heads, d), cupy.float32), cupy.empty((1, m), cupy.float32)
+    attn = AttentionDispatch(pdl=True)
+    return [_set(ctx, w=w, o_part=o_part, lse=lse, o=o, y=y, mx=MergedX(o_part, lse), attn=attn)
+            for w in _weights(qtype_id("Q4_K"), m, heads * d)]
 
 
 def _quantize_x_sets(ctx, k):
