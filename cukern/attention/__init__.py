@@ -1,7 +1,7 @@
 """AttentionDispatch and PagedKVCache: paged KV cache, split-KV decode, tensor-core prefill, varlen.
 
 Kernels: ``cuda_src/attention/``; float64 references: ``cukern/reference/attention.py``;
-tests: ``tests/test_attention.py``; benchmark: ``profiling/bench_attention.py``; measurements:
+tests: ``tests/test_attention*.py``; benchmark: ``profiling/bench_attention.py``; measurements:
 ``docs/notes/attention.md``. Modules: ``cache`` (page allocator and paged cache), ``plan`` (plans,
 kernel shapes, the fitted split model), ``dispatch`` (units and launches).
 
