@@ -10,7 +10,7 @@
 #   CUKERN_JOBS=8 ...                              # pytest-xdist workers for the GPU tests
 #   CUKERN_BENCH_ARGS=--quick ...                  # arguments of every benchmark
 #   CUKERN_STEP_TIMEOUT=240 ...                    # seconds each step may take (default: no limit)
-#   CUKERN_SANITIZE="tests/test_dmmv.py" CUKERN_SANITIZE_K="q8 or moe" ...   # narrow the sanitizer pass
+#   CUKERN_SANITIZE="tests/test_dmmv_q8.py tests/test_dmmv_moe.py" ...          # narrow the sanitizer pass
 #   CUKERN_RACECHECK_K="test_decode_tc_warps" ...  # the racecheck pass's -k (default: the shared-memory-heavy
 #                                                  # kernels below, ~3 min on an H100); "skip": none
 #
@@ -83,7 +83,10 @@ or test_varlen_wgmma_matches_mma_sync \
 or row_tail or (test_gemm_wg and Q4_K) or (test_gemm_q8 and Q6_K)"}
 if [ "$RACE_K" != skip ]; then
     CUKERN_NO_POOL=1 step racecheck compute-sanitizer --tool racecheck --error-exitcode 99 --print-limit 20 \
-        $PY -m pytest -q -m gpu -p no:xdist -k "$RACE_K" tests/test_attention.py tests/test_dmmv.py tests/test_matmul.py
+        $PY -m pytest -q -m gpu -p no:xdist -k "$RACE_K" \
+        tests/test_attention.py tests/test_attention_decode.py tests/test_attention_prefill.py tests/test_dmmv.py \
+        tests/test_dmmv_fused.py tests/test_dmmv_q8.py tests/test_dmmv_moe.py tests/test_matmul.py tests/test_matmul_wgr.py \
+        tests/test_matmul_int8.py
 fi
 
 

@@ -59,7 +59,7 @@ for step in "$@"; do
             [ -x "$llama" ] && [ -z "${CUKERN_LLAMA_BENCH:-}" ] && export CUKERN_LLAMA_BENCH=$llama
             timeout 300 $PY profiling/bench_models.py --quick --json "$LOG/bench_models.json" ;;
         bench-tokens) timeout 120 $PY profiling/bench_tokens.py --json "$LOG/bench_tokens.json" ;;
-        hf) timeout 200 $PY -m pytest -q -s -p no:cacheprovider tests/test_models.py \
+        hf) timeout 200 $PY -m pytest -q -s -p no:cacheprovider tests/test_models.py tests/test_models_tokenizer.py \
                 -k "gpu_real_model_matches_transformers or tokenizer_matches_hf_tokenizers_on_real_model" ;;
         *) echo "unknown step $step" ;;
     esac 2>&1 | tee "$LOG/$step.log"

@@ -10,6 +10,9 @@ import zlib
 import numpy as np
 import pytest
 
+from cukern.models.tiny import TinySpec, write_tiny_gguf
+from models_helpers import ARCHS, MIXED, ROPE_VARIANTS
+
 
 @functools.lru_cache(maxsize=1)
 def no_gpu_reason() -> str | None:
@@ -75,3 +78,22 @@ def host_if_no_gpu(monkeypatch):
         return None
     import host_dispatch
     return host_dispatch.patch(monkeypatch, array_methods=True)
+
+
+# ------------------------------------------------ tiny GGUF models of the cukern.models tests (test_models*.py)
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny")
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    """arch -> path of a 2-layer random model with mixed block types."""
+    return {a: write_tiny_gguf(tiny_dir / f"{a}.gguf", TinySpec(a, types=MIXED), seed=i)
+            for i, a in enumerate(ARCHS)}
+
+
+@pytest.fixture(scope="module")
+def tiny_rope(tiny_dir):
+    return {k: write_tiny_gguf(tiny_dir / f"{k}.gguf", spec, seed=11) for k, spec in ROPE_VARIANTS.items()}

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import cupy
 import numpy as np
-from test_attention import _store  # tests/ is on sys.path under pytest
+from attention_helpers import _store  # tests/ is on sys.path under pytest
 
 from cukern.reference import attention as ref
 

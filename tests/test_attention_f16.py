@@ -1,5 +1,5 @@
 """Decode attention with q and out in the cache's 16-bit dtype (AttentionDispatch.flash_attn_decode; the f32
-q/out paths are tests/test_attention.py, whose cache helpers these tests share).
+q/out paths are tests/test_attention_decode.py, whose cache helpers, tests/attention_helpers.py, these tests share).
 
 q is drawn in f32 and rounded to the cache dtype (bf16 as uint16 bits); the float64 reference takes the rounded
 q and the stored K/V, so what is left is the kernel's f32 arithmetic (the decode tolerance, 1e-4) and the one
@@ -15,7 +15,7 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from test_attention import _host, _make_cache, _store  # noqa: E402  (tests/ is on sys.path under pytest)
+from attention_helpers import _host, _make_cache, _store  # noqa: E402  (tests/ is on sys.path under pytest)
 
 from cukern.attention import AttentionDispatch, DecodeOverrides, PagedKVCache  # noqa: E402
 from cukern.reference import attention as ref  # noqa: E402

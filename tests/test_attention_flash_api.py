@@ -12,7 +12,7 @@ import pytest
 cupy = pytest.importorskip("cupy")
 
 from paged_inputs import make_paged, sdpa  # noqa: E402  (tests/ is on sys.path under pytest)
-from test_attention import DECODE_TOL, LSE_TOL, TC_TOL, _store  # noqa: E402
+from attention_helpers import DECODE_TOL, LSE_TOL, TC_TOL, _store  # noqa: E402
 
 from cukern.attention import flash_api, flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: E402
 from cukern.attention import lse_to_log2, lse_to_natural  # noqa: E402

@@ -14,7 +14,7 @@ import pytest
 cupy = pytest.importorskip("cupy")
 
 from paged_inputs import make_paged, sdpa  # noqa: E402  (tests/ is on sys.path under pytest)
-from test_attention import DECODE_TOL, LSE_TOL, TC_TOL, _store  # noqa: E402
+from attention_helpers import DECODE_TOL, LSE_TOL, TC_TOL, _store  # noqa: E402
 
 from cukern.attention import (AttentionDispatch, BatchDecodeWithPagedKVCacheWrapper,  # noqa: E402
                               BatchPrefillWithPagedKVCacheWrapper)

@@ -1,5 +1,5 @@
 """f16 and bf16 activations on the elementwise kernels templated on the activation type: row norms, group
-norms, binary ops / gated activations, RoPE (cukern/elementwise; the f32 paths are tests/test_elementwise.py).
+norms, binary ops / gated activations, RoPE (cukern/elementwise; the f32 paths are tests/test_elementwise*.py).
 
 Inputs are drawn in f32 and rounded to the dtype (bf16 as uint16 bits, round to nearest even); the float64
 references take the rounded values, so what is left is the kernel's f32 arithmetic and the one rounding of

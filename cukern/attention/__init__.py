@@ -1,7 +1,7 @@
 """AttentionDispatch and PagedKVCache: paged KV cache, split-KV decode, tensor-core prefill, varlen.
 
 Kernels: ``cuda_src/attention/``; float64 references: ``cukern/reference/attention.py``;
-tests: ``tests/test_attention.py``; benchmark: ``profiling/bench_attention.py``; measurements:
+tests: ``tests/test_attention*.py``; benchmark: ``profiling/bench_attention.py``; measurements:
 ``docs/notes/attention.md``. Modules: ``cache`` (page allocator, paged cache, views of caller-owned
 caches), ``plan`` (plans, kernel shapes, the fitted split model), ``common`` (dtype and argument helpers),
 ``decode`` (the decode and merge methods, a mixin), ``dispatch`` (units and launches), ``flash_api`` /

@@ -2,7 +2,7 @@
 mixture-of-experts matvecs driven by a device-side routing buffer.
 
 Kernels: ``cuda_src/dmmv/`` (block formats in ``cuda_src/common/quants.cuh``); float64
-references: ``cukern/reference/dmmv.py``; tests: ``tests/test_dmmv.py``; benchmark:
+references: ``cukern/reference/dmmv.py``; tests: ``tests/test_dmmv*.py``; benchmark:
 ``profiling/bench_dmmv.py``; measurements: ``docs/notes/dmmv.md``. One module per kernel source
 (``dense``: dmmv.cu's f32 path, ``q8``: the int8 path of q8.cuh, ``moe``: moe.cu and
 moe_packed.cu: a mixin of :class:`DmmvDispatch`'s methods each), the operands in ``weights``,

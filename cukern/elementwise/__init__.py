@@ -2,7 +2,7 @@
 
 Kernels: ``cuda_src/elementwise/`` (f32 units ``elementwise`` and ``elementwise_rope``, 16-bit units
 ``elementwise_f16`` and ``elementwise_bf16``; one header per group); float64 references:
-``cukern/reference/elementwise.py``; tests: ``tests/test_elementwise.py`` (f32) and
+``cukern/reference/elementwise.py``; tests: ``tests/test_elementwise{,_rope,_moe,_ssm,_shapes}.py`` (f32) and
 ``tests/test_elementwise_f16.py`` (f16 / bf16); benchmark:
 ``profiling/bench_elementwise.py``; measurements: ``docs/notes/elementwise.md``. One module per
 kernel header (``norms``, ``activations``, ``rope``, ``kv``, ``moe``, ``ssm``: a mixin of

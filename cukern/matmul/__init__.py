@@ -3,7 +3,7 @@ gate+up+activation GEMMs, one-pass activation quantizers and the whole-matrix de
 
 Kernels: ``cuda_src/matmul/`` (block formats in ``cuda_src/common/quants.cuh``, Q8_1 in
 ``cuda_src/common/q8_1.cuh``); float64 references: ``cukern/reference/matmul.py``; tests:
-``tests/test_matmul.py``; benchmark: ``profiling/bench_matmul.py``; measurements and the designs
+``tests/test_matmul*.py``; benchmark: ``profiling/bench_matmul.py``; measurements and the designs
 not kept: ``docs/notes/matmul.md``.
 
 Layouts (the dmmv family's): a weight is a :class:`cukern.dmmv.QWeight` (raw GGUF bytes, type,
