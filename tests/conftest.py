@@ -83,6 +83,13 @@ def host_if_no_gpu(monkeypatch):
 # ------------------------------------------------ tiny GGUF models of the cukern.models tests (test_models*.py)
 
 @pytest.fixture(scope="module")
+def attn():
+    """One AttentionDispatch for a module's attention tests (cupy needed: the modules import-skip without it)."""
+    from cukern.attention import AttentionDispatch
+    return AttentionDispatch()
+
+
+@pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("tiny")
 

@@ -65,6 +65,15 @@ def _check_q(out, q, f, x, name="out", bound=Q8_NMSE):
         assert err < bound, f"{name}: NMSE {err:.3g} against the exact x"
 
 
+def _check_matvec(d, q, m, k, rng):
+    """dmmv of a random m x k weight of type q on one random column, against the float64 matvec."""
+    w, dense = _weight(q, m, k, rng)
+    x = _x(rng, k)
+    y = poison(cupy.empty(m, cupy.float32))
+    d.dmmv(w, cupy.asarray(x), y)
+    _check_q(y, q, lambda v: ref.matvec(dense, v), x, name=f"{NAMES[q]} {m}x{k}")
+
+
 def _weight(q, m, k, rng, *, pad_front=0, n_experts=0):
     """(QWeight on the device, float64 dequantized [m, k] or [n_e, m, k])."""
     rows = m * max(n_experts, 1)

@@ -17,11 +17,6 @@ from cukern.reference import attention as ref  # noqa: E402
 from attention_helpers import _host, _make_cache, _store  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def attn():
-    return AttentionDispatch()
-
-
 # ----------------------------------------------------------------------------- allocator (CPU)
 
 def test_host_mirrors_of_kernel_shapes():

@@ -18,11 +18,6 @@ from cukern.testing import assert_close, poison  # noqa: E402
 from attention_helpers import DECODE_TOL, _host, _make_cache, _q  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def attn():
-    return AttentionDispatch()
-
-
 # ----------------------------------------------------------------------------- decode
 
 # (kind, head_dim, n_heads, n_kv_heads, page_size, lengths)

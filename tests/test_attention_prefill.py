@@ -12,15 +12,9 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from cukern.attention import AttentionDispatch  # noqa: E402
 from cukern.reference import attention as ref  # noqa: E402
 from cukern.testing import assert_close, poison  # noqa: E402
 from attention_helpers import DECODE_TOL, LSE_TOL, TC_TOL, _host, _make_cache, _q, _store  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def attn():
-    return AttentionDispatch()
 
 
 # ----------------------------------------------------------------------------- batched prefill

@@ -22,7 +22,7 @@ from cukern.dmmv import DmmvDispatch, QWeight  # noqa: E402
 from cukern.reference import dmmv as ref  # noqa: E402
 from cukern.testing import assert_close, poison  # noqa: E402
 from dmmv_helpers import NAMES, TYPES, _assert_pdl_chain_matches_plain, _check, _check_q  # noqa: E402
-from dmmv_helpers import _count_pdl_launches, _ks, _weight, _x, _xhat  # noqa: E402
+from dmmv_helpers import _check_matvec, _count_pdl_launches, _ks, _weight, _x, _xhat  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -106,11 +106,7 @@ def test_dequantize_matches_gguf(d, rng, q):
 @pytest.mark.parametrize("q", TYPES, ids=NAMES.get)
 def test_dmmv(d, rng, q, m):
     for k in _ks(q):
-        w, dense = _weight(q, m, k, rng)
-        x = _x(rng, k)
-        y = poison(cupy.empty(m, cupy.float32))
-        d.dmmv(w, cupy.asarray(x), y)
-        _check_q(y, q, lambda v: ref.matvec(dense, v), x, name=f"{NAMES[q]} {m}x{k}")
+        _check_matvec(d, q, m, k, rng)
 
 
 @pytest.mark.gpu

@@ -21,7 +21,7 @@ from cukern.dmmv import DmmvDispatch, QWeight  # noqa: E402
 from cukern.reference import dmmv as ref  # noqa: E402
 from cukern.testing import poison  # noqa: E402
 from dmmv_helpers import NAMES, _assert_pdl_chain_matches_plain, _check, _check_q  # noqa: E402
-from dmmv_helpers import _count_pdl_launches, _ids, _ks, _weight, _x, _xhat  # noqa: E402
+from dmmv_helpers import _check_matvec, _count_pdl_launches, _ids, _ks, _weight, _x, _xhat  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -168,11 +168,7 @@ def test_q8_row_tail_of_whole_lane_units(d, rng, q):
     last, partial warp iteration has the same number of units: 1, 2 and 3 at LU = 4, the shape of
     4096x14336 included)."""
     for m, k in ((37, 1024), (3, 14336), (130, 7168)):
-        w, dense = _weight(q, m, k, rng)
-        x = _x(rng, k)
-        y = poison(cupy.empty(m, cupy.float32))
-        d.dmmv(w, cupy.asarray(x), y)
-        _check_q(y, q, lambda v: ref.matvec(dense, v), x, name=f"{NAMES[q]} {m}x{k}")
+        _check_matvec(d, q, m, k, rng)
 
 
 @pytest.mark.gpu

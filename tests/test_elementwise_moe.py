@@ -24,17 +24,23 @@ def d():
 
 # --------------------------------------------------------------------------------------------- MoE
 
+def _check_softmax_topk(d, logits, k, renorm):
+    """softmax_topk of host logits [n_tok, n_exp] against the float64 reference: ids exactly, weights close."""
+    n_tok = logits.shape[0]
+    ids, w = _empty(n_tok, k, dtype=cupy.int32), _empty(n_tok, k)
+    d.softmax_topk(_dev(logits), ids, w, k=k, renorm=renorm, scale=1.5)
+    want_ids, want_w = ref.softmax_topk(logits, k, renorm=renorm, scale=1.5)
+    np.testing.assert_array_equal(ids.get(), want_ids)
+    assert_close(w, want_w)
+
+
 @gpu
 @pytest.mark.parametrize("n_tok,n_exp,k", [(1, 8, 2), (1, 128, 8), (5, 32, 4), (33, 64, 6), (7, 257, 32), (3, 1, 1),
                                            (2, 2048, 16)])
 @pytest.mark.parametrize("renorm", [True, False])
 def test_softmax_topk(d, rng, n_tok, n_exp, k, renorm):
     logits = _randn(rng, n_tok, n_exp, scale=3)
-    ids, w = _empty(n_tok, k, dtype=cupy.int32), _empty(n_tok, k)
-    d.softmax_topk(_dev(logits), ids, w, k=k, renorm=renorm, scale=1.5)
-    want_ids, want_w = ref.softmax_topk(logits, k, renorm=renorm, scale=1.5)
-    np.testing.assert_array_equal(ids.get(), want_ids)
-    assert_close(w, want_w)
+    _check_softmax_topk(d, logits, k, renorm)
 
 
 @gpu
@@ -58,11 +64,7 @@ def test_softmax_topk_many_tokens(d, rng, n_exp, k, renorm):
     logits[5] = 1.0
     logits[9, : n_exp // 2] = -np.inf
     logits[11, 1:] = -np.inf
-    ids, w = _empty(n_tok, k, dtype=cupy.int32), _empty(n_tok, k)
-    d.softmax_topk(_dev(logits), ids, w, k=k, renorm=renorm, scale=1.5)
-    want_ids, want_w = ref.softmax_topk(logits, k, renorm=renorm, scale=1.5)
-    np.testing.assert_array_equal(ids.get(), want_ids)
-    assert_close(w, want_w)
+    _check_softmax_topk(d, logits, k, renorm)
 
 
 def _topk_rows(rng, n_tok, n_exp):
@@ -89,11 +91,7 @@ def test_softmax_topk_lanes(d, rng, n_exp, k, renorm):
     """Every (V, M) instance of softmax_topk_lanes, a ragged token count (masked groups) and every path."""
     n_tok = 8192 + 6 * 37 + 5  # from _TOPK_LANES_MIN_TOKENS
     logits = _topk_rows(rng, n_tok, n_exp)
-    ids, w = _empty(n_tok, k, dtype=cupy.int32), _empty(n_tok, k)
-    d.softmax_topk(_dev(logits), ids, w, k=k, renorm=renorm, scale=1.5)
-    want_ids, want_w = ref.softmax_topk(logits, k, renorm=renorm, scale=1.5)
-    np.testing.assert_array_equal(ids.get(), want_ids)
-    assert_close(w, want_w)
+    _check_softmax_topk(d, logits, k, renorm)
 
 
 @gpu
