@@ -29,7 +29,6 @@ import re
 import struct as _struct
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 
