@@ -39,7 +39,7 @@ from cupy.cuda import memory
 
 from cukern.streams import external_stream, resolve_stream
 
-__all__ = ["TORCH_TYPES", "as_cupy", "like", "tensors", "wrap_inside"]
+__all__ = ["TORCH_TYPES", "as_cupy", "like", "tensor_function", "tensors", "wrap_inside"]
 
 _ndarray = cupy.ndarray
 _KDL_CUDA, _KDL_CUDA_MANAGED = 2, 13  # DLPack device types of device memory
@@ -287,6 +287,32 @@ def tensors(method=None, /, **outputs):
     if method is None:
         return lambda m: tensors(m, **outputs)
     return _build(method, None, outputs)
+
+
+_ON_CURRENT_DEVICE = types.SimpleNamespace(_device=None)  # the "dispatch" of a module-level entry point
+
+
+def tensor_function(fn=None, /, **outputs):
+    """:func:`tensors` for a module-level function (the FlashAttention-style entry points): the same two
+    layers, the tensors checked against the current device; ``fn`` takes ``stream=``."""
+    if fn is None:
+        return lambda f: tensor_function(f, **outputs)
+
+    def method(_self, *args, **kwargs):
+        return fn(*args, **kwargs)
+
+    sig = inspect.signature(fn)
+    method.__qualname__ = fn.__qualname__
+    method.__signature__ = sig.replace(
+        parameters=[inspect.Parameter("_self", inspect.Parameter.POSITIONAL_ONLY), *sig.parameters.values()])
+    call = _build(method, None, outputs)
+
+    @functools.wraps(fn)
+    def entry(*args, **kwargs):
+        return call(_ON_CURRENT_DEVICE, *args, **kwargs)
+
+    entry.__cukern_tensors__ = call.__cukern_tensors__
+    return entry
 
 
 def wrap_inside(fn, decorator):

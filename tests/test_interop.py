@@ -67,6 +67,10 @@ def test_every_public_dispatch_method_takes_tensors():
             if name.startswith("_") or not callable(fn) or hasattr(Dispatch, name) or name in HOST_ONLY:
                 continue
             assert hasattr(fn, "__cukern_tensors__"), f"{cls.__name__}.{name} is not wrapped by interop.tensors"
+    from cukern import attention
+    for fn in (attention.flash_attn_varlen_func, attention.flash_attn_with_kvcache,
+               attention.BatchDecodeWithPagedKVCacheWrapper.run, attention.BatchPrefillWithPagedKVCacheWrapper.run):
+        assert hasattr(fn, "__cukern_tensors__"), f"{fn.__qualname__} is not wrapped by interop"
 
 
 def test_tensors_in_are_the_kernels_pointers_and_come_back(fake):
@@ -214,3 +218,22 @@ def test_dlpack_and_cuda_array_interface_objects(fake, monkeypatch):
     assert sorted(current) == ["cai", "dlpack", "dlpack"] and sum(launches.values()) == 1
     y = ElementwiseDispatch().rms_norm(x, w)                             # no torch among them: a CuPy output
     assert type(y) is cupy.ndarray and y.shape == (2, 16)
+
+
+def test_flash_attention_style_functions_take_tensors(fake):
+    """The module-level FlashAttention-style entry points (interop.tensor_function) take torch tensors, run
+    on torch's current stream and return their output as a tensor made in the inputs' framework."""
+    from cukern.attention import flash_attn_varlen_func
+    torch, launches, streams = fake
+    h, hk, dd, n = 4, 2, 64, 5
+    q = torch_fakes.tensor(np.zeros((n, h, dd)), "bfloat16")
+    k, v = (torch_fakes.tensor(np.zeros((n, hk, dd)), "bfloat16") for _ in range(2))
+    cu = torch_fakes.tensor([0, 2, 5], "int32")
+    out = flash_attn_varlen_func(q, k, v, cu, cu, 3, 3, causal=True)
+    assert out is torch.made[-1] and out.dtype is torch.bfloat16 and out.shape == (n, h, dd)
+    assert sum(launches.values()) == 1 and streams == [77]
+    given = torch_fakes.tensor(np.zeros((n, h, dd)), "bfloat16")
+    assert flash_attn_varlen_func(q, k, v, cu, cu, 3, 3, out=given) is given
+    with pytest.raises(TypeError, match="q is a torch tensor on cpu"):
+        flash_attn_varlen_func(torch_fakes.tensor(np.zeros((n, h, dd)), "bfloat16", dev=("cpu", None)), k, v, cu, cu,
+                               3, 3)

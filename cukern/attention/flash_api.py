@@ -23,7 +23,9 @@ kernels step pages by ``page_size * n_kv_heads * head_dim`` elements). Page ids 
 values, never read on the host: ids outside the pool, lengths past ``max_blocks * page_size`` or below
 ``seqlen_q`` are the caller's to rule out.
 
-Outputs are allocated when ``out`` is None. Host work per call is the checks; small index arrays and the
+Arrays of any framework are taken as the dispatch methods take them (``interop.tensor_function``: torch
+tensors zero-copy, ``out`` allocated in the inputs' framework, torch's current stream when ``stream`` is
+None). Outputs are allocated when ``out`` is None. Host work per call is the checks; small index arrays and the
 decode's split buffers are made on a call's first use of a shape (per stream) and kept, so later calls
 allocate nothing but ``out`` (and the lengths, for an int ``cache_seqlens``): run each shape once before
 capturing a CUDA graph, and pass ``out``.
@@ -41,6 +43,7 @@ from cukern.attention.common import _kind
 from cukern.attention.foreign import check_pools, device_arange, dispatch_for, scale_arg, softcap_arg
 from cukern.attention.plan import _NO_OVERRIDES, BatchedPlan, DecodePlan, decode_plan
 from cukern.dispatch import check_array, check_int
+from cukern.interop import like, tensor_function
 from cukern.streams import resolve_stream
 
 __all__ = ["flash_attn_varlen_func", "flash_attn_with_kvcache"]
@@ -78,6 +81,7 @@ def _outputs(out, lse_rows: int | None, shape: tuple, dtype, heads: int, device:
     return out, lse
 
 
+@tensor_function(out=like("q"))
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                            softmax_scale: float | None = None, causal: bool = False, window_size=(-1, -1),
                            softcap: float = 0.0, return_lse: bool = False, out=None, stream=None):
@@ -95,7 +99,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
         align the last query with the last key.
     return_lse : also return the natural-log LSE, ``[n_heads, total_q]`` float32 (a transposed view).
     out : [total_q, n_heads, head_dim] of q's dtype, or None (allocated).
-    stream : CuPy / torch stream, raw handle or None (CuPy's current stream).
+    stream : CuPy / torch stream, raw handle or None (torch's current stream for torch tensors, else CuPy's).
 
     Returns ``out``, or ``(out, lse)`` with ``return_lse``."""
     check_array("q", q, ndim=3)
@@ -159,6 +163,7 @@ def _decode_plan(view: PagedKVView, batch: int, heads: int, max_kv_len: int, win
     return dataclasses.replace(plan, cache=view)
 
 
+@tensor_function(out=like("q"))
 def flash_attn_with_kvcache(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None,
                             softmax_scale: float | None = None, causal: bool = False, window_size=(-1, -1),
                             softcap: float = 0.0, return_lse: bool = False, max_seqlen_k: int | None = None,
@@ -182,7 +187,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, *, cache_seqlens=None, block_ta
     max_seqlen_k : host bound on cache_seqlens that sizes the decode's split schedule (default: the
         capacity); a longer sequence is still computed right, only with less parallelism.
     out : [batch, seqlen_q, n_heads, head_dim] of q's dtype, or None (allocated).
-    stream : CuPy / torch stream, raw handle or None (CuPy's current stream).
+    stream : CuPy / torch stream, raw handle or None (torch's current stream for torch tensors, else CuPy's).
 
     Returns ``out``, or ``(out, lse)`` with ``return_lse``."""
     check_array("q", q, ndim=4)

@@ -9,7 +9,9 @@ those arrays on the host (a device array is copied back, a sync, as FlashInfer's
 turns them into a padded page table and lengths, uploads them (on ``stream``) into buffers the wrapper keeps,
 and picks the decode's schedule. ``run(q, paged_kv_cache)`` checks the arrays, packs the parameters and
 launches: no host sync, no allocation once ``out`` (and ``lse``) are passed, so it can be captured in a CUDA
-graph. Plan and run on one stream.
+graph. Plan and run on one stream. Both take torch tensors (CUDA index arrays of ``plan`` are copied back;
+``run`` through ``interop.tensors``: zero-copy, ``out`` made in the inputs' framework, torch's current
+stream when ``stream`` is None).
 
 The cache is FlashInfer's ``NHD`` layout, read in place: a pair ``(k_cache, v_cache)`` of ``[num_pages,
 page_size, n_kv_heads, head_dim]``, or one ``[num_pages, 2, page_size, n_kv_heads, head_dim]`` array (K then V
@@ -40,6 +42,7 @@ from cukern.attention.dispatch import AttentionDispatch
 from cukern.attention.foreign import check_pools, lse_to_log2, scale_arg, softcap_arg
 from cukern.attention.plan import _MAX_SPLITS, _NO_OVERRIDES, BatchedPlan, DecodeOverrides, DecodePlan, decode_plan
 from cukern.dispatch import check_array, check_int
+from cukern.interop import as_cupy, like, tensors
 from cukern.streams import resolve_stream
 
 __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper"]
@@ -62,7 +65,9 @@ class _HostPages:
 
 
 def _host_ints(name: str, a) -> np.ndarray:
-    """A 1-D integer array on the host (a device array copied back)."""
+    """A 1-D integer array on the host (a device array, a CUDA torch tensor too, copied back)."""
+    if getattr(a, "is_cuda", False) or hasattr(a, "__cuda_array_interface__"):
+        a = as_cupy(a, name)
     arr = np.asarray(a.get() if isinstance(a, cupy.ndarray) else a)
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise ValueError(f"{name} must be a 1-D array of integers, got {arr.dtype} of shape {arr.shape}")
@@ -87,6 +92,7 @@ class _PagedWrapper:
             raise ValueError(f"kv_layout {kv_layout!r}: cukern's kernels read NHD pages ([num_pages, page_size, "
                              f"n_kv_heads, head_dim]) only")
         self.device = cupy.cuda.Device(device).id if device is not None else cupy.cuda.Device().id
+        self._device = self.device  # where interop.tensors checks the tensors of run()
         self._dispatch = AttentionDispatch(self.device, pdl=pdl)
         self._bufs: dict[str, cupy.ndarray] = {}  # page tables (plain, doubled ids), lengths, seq ids, q_indptr
         self._views: tuple[PagedKVView, PagedKVView] | None = None  # over the plain and the doubled page table
@@ -172,13 +178,13 @@ class _PagedWrapper:
         if isinstance(paged_kv_cache, (tuple, list)):
             if len(paged_kv_cache) != 2:
                 raise ValueError(f"paged_kv_cache must be (k_cache, v_cache) or one array, got {len(paged_kv_cache)}")
-            k, v = paged_kv_cache
+            k, v = (as_cupy(a, name) for a, name in zip(paged_kv_cache, ("k_cache", "v_cache")))  # torch: views
             kind = check_pools(("k_cache", "v_cache"), k, v, self.device)
             if k.shape[1:] != page:
                 raise ValueError(f"k_cache must have shape (num_pages, {', '.join(map(str, page))}), got {k.shape}")
             n_pages = k.shape[0]
         else:
-            kv = paged_kv_cache
+            kv = as_cupy(paged_kv_cache, "paged_kv_cache")
             kind = check_pools(("paged_kv_cache", "paged_kv_cache"), kv, kv, self.device, ndim=5)
             if kv.shape[1:] != (2, *page):
                 raise ValueError(f"paged_kv_cache must have shape (num_pages, 2, {', '.join(map(str, page))}), "
@@ -282,6 +288,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
             plan = dataclasses.replace(old, cache=plan.cache, max_kv_len=plan.max_kv_len, overrides=ov)
         self._plan = plan
 
+    @tensors(out=like("q"))
     def run(self, q, paged_kv_cache, *, out=None, lse=None, return_lse: bool = False, lse_base: str = "log2",
             stream=None):
         """Decode attention of the planned batch: fill the parameters and launch.
@@ -335,6 +342,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
                                  int(q_lens.max()))
         self._causal = bool(causal)
 
+    @tensors(out=like("q"))
     def run(self, q, paged_kv_cache, *, out=None, lse=None, return_lse: bool = False, lse_base: str = "log2",
             stream=None):
         """Prefill attention of the planned batch: fill the parameters and launch.
