@@ -43,26 +43,20 @@ def _(x, w, eps=1e-6, weight_offset=0.0):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("cukern::swiglu", mutates_args=())
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up``, [n_rows, n_ff] of one dtype (ElementwiseDispatch.swiglu)."""
-    return _ew(gate).swiglu(gate, up)
+def _glu(name: str):
+    """The custom operator ``cukern::<name>``: ElementwiseDispatch.<name>(gate, up) on [n_rows, n_ff] of one
+    dtype (swiglu: silu(gate) * up; geglu: gelu_tanh(gate) * up)."""
+
+    @torch.library.custom_op(f"cukern::{name}", mutates_args=())
+    def op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return getattr(_ew(gate), name)(gate, up)
+
+    op.register_fake(lambda gate, up: torch.empty_like(gate))
+    return op
 
 
-@swiglu.register_fake
-def _(gate, up):
-    return torch.empty_like(gate)
-
-
-@torch.library.custom_op("cukern::geglu", mutates_args=())
-def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``gelu_tanh(gate) * up`` (ElementwiseDispatch.geglu)."""
-    return _ew(gate).geglu(gate, up)
-
-
-@geglu.register_fake
-def _(gate, up):
-    return torch.empty_like(gate)
+swiglu = _glu("swiglu")
+geglu = _glu("geglu")
 
 
 @torch.library.custom_op("cukern::flash_attn_varlen", mutates_args=())
