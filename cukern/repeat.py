@@ -5,10 +5,9 @@ checks, the struct packing and the grid of such a call come out the same every t
 marked :func:`repeatable` remembers the launches a successful call made (detached: pointers, not the
 caller's arrays), keyed by its arguments (an array by its pointer, shape, strides and dtype, a torch
 tensor by those and its device; a number by its type and exact value; a frozen dataclass by its
-fields; an object whose class sets
-``_repeat_by_identity``, such as a PagedKVCache, by identity) and the dispatch's settings,
-and a later call with an equal key issues them again without the Python work in between
-(``Dispatch._launch`` appends each launch to :data:`recording` while a call is recorded).
+fields; an object whose class sets ``_repeat_by_identity``, such as a PagedKVCache, by identity) and
+the dispatch's settings, and a later call with an equal key issues them again without the Python work
+in between (``Dispatch._launch`` appends each launch to :data:`recording` while a call is recorded).
 """
 
 from __future__ import annotations

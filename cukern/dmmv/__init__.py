@@ -27,6 +27,6 @@ from cukern.dmmv.moe import DeviceError
 from cukern.dmmv.weights import (Q8_TYPES, QTYPES, MergedX, MoeRoute, NormedX, QuantizedX, QWeight, SplitQ8, qtype_id,
                                  row_bytes)
 
-__all__ = ["DmmvDispatch", "QWeight", "SplitQ8", "NormedX", "MergedX", "QuantizedX", "MoeRoute", "QTYPES", "Q8_TYPES", "FAMILY",
-           "GLU_FAMILY", "MOE_FAMILY", "PACKED_FAMILY", "Q8X_FAMILY", "TWO_FAMILY", "NX_FAMILY", "THREE_FAMILY", "MX_FAMILY",
-           "THREE_TYPES", "DeviceError", "FAMILIES", "qtype_id", "row_bytes"]
+__all__ = ["DmmvDispatch", "QWeight", "SplitQ8", "NormedX", "MergedX", "QuantizedX", "MoeRoute", "QTYPES", "Q8_TYPES",
+           "FAMILY", "GLU_FAMILY", "MOE_FAMILY", "PACKED_FAMILY", "Q8X_FAMILY", "TWO_FAMILY", "NX_FAMILY", "THREE_FAMILY",
+           "MX_FAMILY", "THREE_TYPES", "DeviceError", "FAMILIES", "qtype_id", "row_bytes"]

@@ -1,8 +1,8 @@
 """The f32 path's matvecs (``cuda_src/dmmv/dmmv.cu`` over ``core.cuh``): :class:`Dense`, DmmvDispatch's
 ``dmmv`` (plain, batched, the accumulate and gate epilogues, on a :class:`~cukern.dmmv.SplitQ8`),
 ``dmmv_pair``, ``dmmv_glu``, the forms on a :class:`~cukern.dmmv.NormedX` (``dmmv_nx``,
-``dmmv_glu_nx``, ``dmmv_three``) and on a :class:`~cukern.dmmv.MergedX` (``dmmv_mx``) and ``dequantize``; each sends the int8-path types to
-:mod:`cukern.dmmv.q8` where it has a plan.
+``dmmv_glu_nx``, ``dmmv_three``) and on a :class:`~cukern.dmmv.MergedX` (``dmmv_mx``), and
+``dequantize``; each sends the int8-path types to :mod:`cukern.dmmv.q8` where it has a plan.
 """
 
 from __future__ import annotations
