@@ -201,8 +201,15 @@ def test_notebook_runner_executes_cells_in_one_namespace(tmp_path):
 
 @pytest.mark.skipif(bool(notebooks.nbclient_missing()),
                     reason=f"nbclient runner: {notebooks.nbclient_missing()} (pip install 'cukern[notebooks]')")
-def test_notebook_nbclient_runner_keeps_outputs_and_figures(tmp_path):
+def test_notebook_nbclient_runner_keeps_outputs_and_figures(tmp_path, monkeypatch):
+    """A python3 kernelspec installed for another interpreter is not used: the kernel is this
+    interpreter's ipykernel."""
     pytest.importorskip("matplotlib")
+    foreign = tmp_path / "jupyter" / "kernels" / "python3"
+    foreign.mkdir(parents=True)
+    (foreign / "kernel.json").write_text(json.dumps({"argv": ["/no/such/python", "-f", "{connection_file}"],
+                                                     "display_name": "Python 3", "language": "python"}))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
     cells = ["import os\nprint('hello from', os.path.basename(os.getcwd()))\n",
              "from matplotlib import pyplot as plt\nfig, ax = plt.subplots()\nax.plot([1, 2], [3, 4]);\n",
              "", "6 * 7\n"]
