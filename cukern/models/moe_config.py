@@ -111,6 +111,10 @@ class MoeConfig(ModelConfig):
                     ext_factor=ext, attn_factor=attn)
 
     def allowed_types(self, name: str):
+        """The block types tensor ``name`` may have: the routers, the shared expert's gate and the
+        expert biases are read as f32 (router_matvec, bias matrices)."""
+        if name.endswith(("ffn_gate_inp.weight", "_exps.bias")):
+            return (QT.F32,)
         return EXPERT_TYPES if name.endswith("_exps.weight") else SUPPORTED_TYPES
 
     def required_tensors(self) -> dict[str, tuple[int, ...]]:
