@@ -80,8 +80,8 @@ class MoeBuffers:
         if cfg.gpt_oss:
             unit = np.zeros((n, k, _UNIT), np.float32)
             unit[..., 0] = 1.0
-            self.unit_slot = cupy.asarray(unit)            # moe_down's per-slot input
-            self.unit_tok = self.unit_slot[:, 0].copy()    # moe_dmmv's per-token input
+            self.unit_slot = cupy.asarray(unit)                                  # moe_down's per-slot input
+            self.unit_tok = cupy.asarray(np.ascontiguousarray(unit[:, 0]))     # moe_dmmv's per-token input
             self.bias = cupy.empty((n, k, ff), f)
         if cfg.shared_expert:
             fs = cfg.d_ff_shexp
