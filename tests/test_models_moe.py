@@ -358,8 +358,9 @@ def test_gpu_moe_batch8_matches_reference(tiny_moe, name, rng):
 
 @gpu
 def test_gpu_moe_grouped_and_slot_paths_agree(tiny_moe, rng):
-    """One 24-token prompt as a single chunk (grouped experts over the route) and as chunks of 8 (per-slot):
-    the same last logits to f32 rounding (both f32 cache, matvec attention for 8-row chunks)."""
+    """One 24-token prompt as a single chunk (grouped experts over the route; the attention projections on
+    the GEMM, activations rounded to f16) and as chunks of 8 (per-slot experts, every matvec in f32):
+    the same last logits up to that rounding (f32 cache both times)."""
     import cupy
     from cukern.testing import nmse
     m = load_gguf(tiny_moe["qwen3moe-shexp"])
