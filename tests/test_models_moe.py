@@ -159,15 +159,11 @@ def test_rejects_window_pattern_not_matching_layers(tmp_path):
 
 @pytest.mark.parametrize("name", MOE)
 def test_reference_decode_matches_prefill(tiny_moe, name, rng):
+    """Token-by-token decode through the KV cache gives one whole-prompt pass's logits (the dense models' test)."""
+    from test_models import test_reference_decode_matches_prefill as dense_test
     m = load_gguf(tiny_moe[name])
-    ref = ReferenceModel(m.config, m.tensors)
-    assert isinstance(ref, MoeReferenceModel)
-    tokens = rng.integers(0, m.config.vocab_size, size=13)
-    full = ref.forward(tokens)
-    ref.reset()
-    step = np.stack([ref.forward(tokens[:5])[-1]] + [ref.forward([t])[0] for t in tokens[5:]])
-    np.testing.assert_allclose(step, full[4:], rtol=1e-9, atol=1e-9)
-    assert np.isfinite(full).all() and full.std() > 0.1
+    assert isinstance(ReferenceModel(m.config, m.tensors), MoeReferenceModel)
+    dense_test(tiny_moe, name, rng)
 
 
 def test_reference_routing():
@@ -298,21 +294,13 @@ def _needs_yarn(name):
 
 
 def _model(path, **kw):
-    from cukern.models.transformer import Transformer
-    m = load_gguf(path)
-    kw.setdefault("max_seqs", 8)
-    kw.setdefault("max_tokens", 64)
-    kw.setdefault("page_size", 4)
-    return m, Transformer(m, **kw)
+    from test_models import _transformer   # the dense models' GPU helpers (tests/ is on sys.path)
+    return _transformer(path, **{"max_seqs": 8, **kw})
 
 
 def _teacher_forced(m, prompt, got, last_logits, tol=1e-3):
-    from cukern.testing import nmse
-    logits = ReferenceModel(m.config, m.tensors).forward(list(prompt) + list(got[:-1]))[len(prompt) - 1:]
-    for step, t in enumerate(got):
-        gap = logits[step].max() - logits[step, t]
-        assert gap <= tol * np.abs(logits[step]).max(), f"step {step}: token {t} is {gap:.3g} below the argmax"
-    return nmse(last_logits, logits[-1])
+    from test_models import _check_greedy_against_reference
+    return _check_greedy_against_reference(m, prompt, got, last_logits, tol=tol)
 
 
 @gpu
