@@ -71,7 +71,14 @@ class ReferenceModel:
     """Forward pass of a :class:`cukern.models.GGUFModel` (or any ``config`` + ``weights`` mapping).
 
     ``weights[name]`` is a float array in PyTorch order (``[out, in]`` for matrices); with a
-    GGUFModel the tensors are dequantized on first use and kept."""
+    GGUFModel the tensors are dequantized on first use and kept. A config with experts builds a
+    :class:`cukern.reference.models_moe.MoeReferenceModel`."""
+
+    def __new__(cls, config, *args, **kwargs):
+        if cls is ReferenceModel and getattr(config, "n_experts", 0):
+            from cukern.reference.models_moe import MoeReferenceModel
+            cls = MoeReferenceModel
+        return super().__new__(cls)
 
     def __init__(self, config, weights, *, dtype=np.float64):
         self.cfg = config
