@@ -63,9 +63,10 @@ def _rope_kernels() -> list[KernelSpec]:
     ks = _rope_act_kernels("float")
     for kv in _KV_TYPES.values():
         ks += [KernelSpec(f"qk_norm_rope_kv<{kv}, {hq}, {ppl}, {g}>", "QkvRopeParams")
-               for hq in ("true, true", "false, false") for ppl, g in _ROPE_PPL]
+               for hq in ("true, true", "false, true", "false, false") for ppl, g in _ROPE_PPL]
         ks += [KernelSpec(_qkv_vec_kernel(kv, lph, qo), "QkvRopeParams")
                for lph in _ROPE_VEC_LPH for qo in (("float",) if kv == "float" else ("float", kv))]
+        ks += [KernelSpec(_qkv_vec_kernel(kv, lph, None), "QkvRopeParams") for lph in _ROPE_VEC_LPH]
         ks += [KernelSpec(f"k_norm_rope_kv_vec<{kv}, {lph}, {r}>", "QkvRopeParams")
                for lph in _ROPE_VEC_LPH for r in _K_ROPE_ROWS]
         ks += [KernelSpec(f"kv_write<{kv}, {v}>", "KvWriteParams") for v in ("true", "false")]
