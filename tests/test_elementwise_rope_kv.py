@@ -19,7 +19,7 @@ from cukern.elementwise.rope import yarn_freqs  # noqa: E402
 from cukern.reference import elementwise as ref  # noqa: E402
 from cukern.reference.attention import as_float64, to_storage  # noqa: E402
 from cukern.testing import assert_close, poison  # noqa: E402
-from elementwise_helpers import _cache_kind, _check_cache, _dev, _empty, _paged_setup, _randn, gpu  # noqa: E402
+from elementwise_helpers import _check_cache, _dev, _empty, _paged_setup, _randn, gpu  # noqa: E402
 
 GPT_OSS = dict(base=150000.0, factor=32.0, original_context=4096)  # gpt-oss.rope.* of its GGUF
 CACHE_DTYPES = [cupy.float32, cupy.float16, cupy.uint16]  # uint16: bf16 bits
@@ -302,23 +302,3 @@ def test_k_norm_rope_kv_write_many_rows_scaled(d, rng, hd, n_kv, mode):
     _, want, _ = ref.qkv_rope_kv_write(k, np.full(k_cache.shape, np.nan), None, page_table, pos, seq, wk=wk,
                                        freqs=freqs, attn_scale=scale, **kw)
     _check_cache(k_cache, want, cupy.uint16, "k_cache (K only, bf16)")
-
-
-@gpu
-@pytest.mark.parametrize("dtype", CACHE_DTYPES)
-@pytest.mark.parametrize("n_kv,hd,page_size", [(2, 64, 1), (3, 10, 3), (1, 6, 16)])
-def test_kv_write_every_cache_dtype(d, rng, dtype, n_kv, hd, page_size):
-    """kv_write into f32, f16 and bf16 caches: a prefill chunk crossing pages, then a decode batch; rows of
-    n_kv * head_dim % 4 != 0 take the one-element path."""
-    n_seqs, capacity = 3, 37
-    page_table, cache = _paged_setup(rng, n_seqs, capacity, page_size, n_kv, hd, dtype)
-    want = np.full(cache.shape, np.nan)
-    src = _randn(rng, 11, n_kv, hd, scale=4)
-    pos, seq = np.array([20], np.int32), np.array([1], np.int32)
-    d.kv_write(_dev(src), cache, _dev(page_table), _dev(pos), _dev(seq))
-    want = ref.kv_write(src, want, page_table, pos, seq)
-    src = _randn(rng, 3, n_kv, hd)
-    pos, seq = np.array([36, 0, 5], np.int32), np.array([0, 2, 1], np.int32)
-    d.kv_write(_dev(src), cache, _dev(page_table), _dev(pos), _dev(seq), pos_mode="per_token")
-    want = ref.kv_write(src, want, page_table, pos, seq, pos_mode="per_token")
-    _check_cache(cache, want, dtype, f"{_cache_kind(dtype)} cache")
