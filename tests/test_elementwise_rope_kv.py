@@ -123,6 +123,8 @@ def test_scaled_rope_and_v_write_host_checks(monkeypatch):
         (lambda: d.qk_norm_rope_kv_write(x, k, v, w, w, host_array((3, 2, 128)), kc, vc, pt, pos, seq,
                                          attn_scale=0.0), ValueError, "attn_scale"),
         (lambda: d.kv_write(k, host_array(kc.shape, np.int16), pt, pos, seq), TypeError, "bfloat16 \\(uint16 bits\\)"),
+        (lambda: d.qk_norm_rope_kv_write(x, k, None, w, w, host_array((3, 2, 128)), kc, vc, pt, pos, seq), TypeError,
+         "v must be a cupy.ndarray"),
     ]
     for call, exc, match in cases:
         with pytest.raises(exc, match=match):

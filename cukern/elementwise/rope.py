@@ -242,6 +242,8 @@ class Rope:
             raise ValueError("qk_norm_rope_kv_write: empty q or k")
         if n_q % k.shape[1]:
             raise ValueError(f"qk_norm_rope_kv_write: n_q_heads ({n_q}) must be a multiple of n_kv_heads ({k.shape[1]})")
+        check_array("v", v, dtype=_F32, shape=k.shape)  # required here (the V write of _qkv is optional)
+        check_array("v_cache", v_cache, ndim=4)
         return self._qkv("qk_norm_rope_kv_write", q, k, v, wq, wk, wv, v_norm, q_out, k_cache, v_cache, page_table,
                          positions, seq_ids, eps, weight_offset, rope_dim, neox, freq_base, freqs, attn_scale,
                          pos_mode, stream)
