@@ -223,8 +223,8 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) rope(
 //                               (v_norm 1: rms_norm(v[t, h]); 2: rms_norm(v[t, h]) * (wv + off))
 // (norm = 0: no Q/K norm, rotation only). Caches use common/kv_cache.cuh's paged layout; a contiguous
 // cache is one page per sequence. HAS_Q = false, HAS_V = true: the K + V write of a model whose Q is
-// rotated apart; HAS_Q = HAS_V = false: K only. grid: (<= ceil(n_tokens / tokens_per_block)), block: ROPE_BLOCK; dynamic
-// shared memory as rope.
+// rotated apart; HAS_Q = HAS_V = false: K only. Byte traffic: q, k, v read once; q_out and the K/V rows
+// written once. grid: (<= ceil(n_tokens / tokens_per_block)), block: ROPE_BLOCK; dynamic shared memory as rope.
 template <typename KV, bool HAS_Q, bool HAS_V, int PPL, int G>
 __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) qk_norm_rope_kv(
     float* __restrict__ q_out,              // HAS_Q: [n_tokens, n_q_heads, head_dim] (else unread)

@@ -25,7 +25,8 @@ class KvWrites:
     def _kv_target(self, what, cache, page_table, n_kv_heads, head_dim, name="cache"):
         check_array(name, cache, ndim=4)
         if cache.dtype not in _KV_TYPES:
-            raise TypeError(f"{what}: {name} dtype must be float16, bfloat16 (uint16 bits) or float32, got {cache.dtype}")
+            raise TypeError(f"{what}: {name} dtype must be float16, bfloat16 (uint16 bits) or float32, "
+                            f"got {cache.dtype}")
         n_pages, page_size, h, d = cache.shape
         if (h, d) != (n_kv_heads, head_dim):
             raise ValueError(f"{what}: {name} must be [n_pages, page_size, {n_kv_heads}, {head_dim}], got {cache.shape}")

@@ -313,7 +313,8 @@ class Rope:
             n_tokens=n_tokens, n_q_heads=n_q, n_kv_heads=n_kv, head_dim=head_dim, rope_dim=rope_dim,
             neox=int(bool(neox)), pos_mode=mode, use_freqs=int(freqs is not None), freq_base=freq_base, eps=eps,
             weight_offset=weight_offset, page_size=page_size, max_pages=max_pages, norm=int(norm),
-            tokens_per_block=tpb, v_norm=v_mode, attn_scale=attn_scale, inv_ratio=_inv_ratio(freq_base, rope_dim, freqs))
+            tokens_per_block=tpb, v_norm=v_mode, attn_scale=attn_scale,
+            inv_ratio=_inv_ratio(freq_base, rope_dim, freqs))
         kv = _KV_TYPES[k_cache.dtype]
         unread = k  # any device pointer for arguments the instance never reads
         ptrs = (q_out if has_q else unread, k_cache, v_cache if has_v else k_cache, q if has_q else unread, k,
