@@ -11,10 +11,10 @@ import cupy
 import numpy as np
 
 from cukern.dispatch import check_array
-from cukern.params import check_int, check_real
 from cukern.elementwise.common import (_F32, _I32, _KV_TYPES, _POS_MODES, _act_type, _check_distinct, _check_eps,
                                       _targ, _vec)
 from cukern.interop import like, tensors
+from cukern.params import check_int, check_real
 
 _ROPE_BLOCK = 256
 _ROPE_MAX_HEAD_DIM = 1024
