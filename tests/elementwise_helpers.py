@@ -2,7 +2,8 @@
 caches and DeltaNet inputs.
 
 Every output is poisoned with NaN first, so an element a kernel never writes fails. Tolerances: f32
-outputs 1e-5 abs + 1e-5 rel (cukern.testing defaults); f16 caches 1e-3 + 2e-3.
+outputs 1e-5 abs + 1e-5 rel (cukern.testing defaults); f16 caches 1e-3 + 2e-3; bf16 caches (uint16 bits)
+1e-2 + 1.6e-2 (half an ulp of the one rounding, cukern.testing.TOLERANCES).
 The DeltaNet state recurrences: 2e-5 abs + 1e-4 rel (dk-term dot products re-accumulated at every
 step, compared over several consecutive steps).
 """
@@ -15,6 +16,7 @@ import pytest
 cupy = pytest.importorskip("cupy")
 
 from cukern.reference import elementwise as ref  # noqa: E402
+from cukern.reference.attention import as_float64  # noqa: E402
 from cukern.testing import assert_close, poison  # noqa: E402
 
 
@@ -60,12 +62,17 @@ def _paged_setup(rng, n_seqs, capacity, page_size, n_kv, hd, dtype):
     return page_table, cache
 
 
+def _cache_kind(dtype) -> str:
+    """'float32', 'float16' or 'bfloat16' (a uint16 cache holds bf16 bits, as PagedKVCache's does)."""
+    return "bfloat16" if np.dtype(dtype) == np.uint16 else np.dtype(dtype).name
+
+
 def _check_cache(cache, want, dtype, name):
-    got = cache.get().astype(np.float64)
+    kind = _cache_kind(dtype)
+    got = as_float64(cache, kind)
     written = ~np.isnan(want)
     assert np.isnan(got[~written]).all(), f"{name}: a row outside the written positions changed"
-    tol = (1e-3, 2e-3) if dtype == cupy.float16 else (1e-5, 1e-5)
-    assert_close(got[written], want[written], atol=tol[0], rtol=tol[1], name=name)
+    assert_close(got[written], want[written], dtype=kind, name=name)
 
 
 def _deltanet_inputs(rng, n_tok, n_qk, n_v, dk, dv):

@@ -317,7 +317,7 @@ def test_bad_arguments_raise_before_launch(d, host_if_no_gpu):
         (lambda: d.softmax_topk(x, ids, wts, k=3), ValueError, "ids must have shape"),
         (lambda: d.kv_write(cupy.ones((2, 3, 8), cupy.float32), cache, pt, pos, pos), ValueError, "cache must be"),
         (lambda: d.kv_write(cupy.ones((2, 4, 8), cupy.float32), cache.astype(cupy.int8), pt, pos, pos), TypeError,
-         "float16 or float32"),
+         "float16, bfloat16 \\(uint16 bits\\) or float32"),
         (lambda: d.kv_write(cupy.ones((2, 4, 8), cupy.float32), cache, pt, pos, pos, pos_mode="per_token"),
          ValueError, "positions must have shape"),
         (lambda: d.conv1d_silu(x, cupy.ones((3, 8), cupy.float32), cupy.ones((8, 5), cupy.float32), out),

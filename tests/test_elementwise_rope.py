@@ -90,12 +90,12 @@ def test_rms_norm_rope(d, rng, case):
 # ------------------------------------------------------------------------------ KV writes / layout
 
 @gpu
-@pytest.mark.parametrize("dtype", [cupy.float16, cupy.float32])
+@pytest.mark.parametrize("dtype", [cupy.float16, cupy.float32, cupy.uint16])  # uint16: bf16 bits
 @pytest.mark.parametrize("page_size", [1, 3, 16])
 def test_kv_write_paged(d, rng, dtype, page_size):
     n_seqs, capacity, n_kv, hd = 3, 37, 2, 64
     page_table, cache = _paged_setup(rng, n_seqs, capacity, page_size, n_kv, hd, dtype)
-    want = cache.get().astype(np.float64)
+    want = np.full(cache.shape, np.nan)
     # a prefill chunk of 11 tokens into sequence 1 from position 20 (crosses pages), then a decode batch
     src = _randn(rng, 11, n_kv, hd)
     pos, seq = np.array([20], np.int32), np.array([1], np.int32)
@@ -109,14 +109,15 @@ def test_kv_write_paged(d, rng, dtype, page_size):
 
 
 @gpu
-def test_kv_write_odd_rows(d, rng):
+@pytest.mark.parametrize("dtype", [cupy.float16, cupy.float32, cupy.uint16])
+def test_kv_write_odd_rows(d, rng, dtype):
     """n_kv_heads * head_dim % 4 != 0: the one-element-per-thread path."""
-    page_table, cache = _paged_setup(rng, 2, 10, 4, 1, 6, cupy.float32)
+    page_table, cache = _paged_setup(rng, 2, 10, 4, 1, 6, dtype)
     src = _randn(rng, 7, 1, 6)
     pos, seq = np.array([3], np.int32), np.array([1], np.int32)
     d.kv_write(_dev(src), cache, _dev(page_table), _dev(pos), _dev(seq))
     want = ref.kv_write(src, np.full(cache.shape, np.nan), page_table, pos, seq)
-    _check_cache(cache, want, cupy.float32, "cache")
+    _check_cache(cache, want, dtype, "cache")
 
 
 @gpu

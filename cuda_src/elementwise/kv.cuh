@@ -1,7 +1,7 @@
 // Data movement of the attention block: KV-cache writes and the Q/gate deinterleave.
 //
 // kv_write copies f32 rows [n_tokens, n_kv_heads * head_dim] into a K or V cache of element type
-// KV (half or float) in common/kv_cache.cuh's paged layout (a contiguous cache is the case
+// KV (float, __half or __nv_bfloat16) in common/kv_cache.cuh's paged layout (a contiguous cache is the case
 // page_size = capacity with one page per sequence). Byte traffic: read 4 bytes, write sizeof(KV)
 // per element.
 #pragma once

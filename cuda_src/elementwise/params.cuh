@@ -57,11 +57,12 @@ struct RopeParams {
     float eps;             // rms_norm_rope: norm epsilon
     float weight_offset;   // rms_norm_rope: weight offset
     uint32_t tokens_per_block;  // tokens per step of a block (blocks loop over steps)
+    float attn_scale;      // multiplies cos and sin (the rotated elements; YaRN's mscale), 1: plain RoPE
     double inv_ratio;      // freq_base^(-2 / rope_dim), computed in f64 on the host: inv_freq[j] = inv_ratio^j
 };
 
 // qk_norm_rope_kv: per token, Q heads normed + rotated into q_out, K heads normed + rotated into the
-// K cache, V heads copied into the V cache (kv.cuh). Caches: common/kv_cache.cuh layout.
+// K cache, V heads copied (or RMS-normed) into the V cache (rope.cuh). Caches: common/kv_cache.cuh layout.
 struct QkvRopeParams {
     uint32_t n_tokens;     // tokens
     uint32_t n_q_heads;    // query heads (0 for the K-only kernel)
@@ -78,10 +79,12 @@ struct QkvRopeParams {
     uint32_t max_pages;    // page_table row length (max_pages_per_seq)
     uint32_t norm;         // 1: RMS-norm Q and K heads before the rotation; 0: rotate only
     uint32_t tokens_per_block;  // tokens per step of a block (blocks loop over steps)
+    uint32_t v_norm;       // 0: V rows copied; 1: RMS-normed, unit weight; 2: RMS-normed, times (wv + weight_offset)
+    float attn_scale;      // multiplies cos and sin (the rotated Q and K elements; YaRN's mscale), 1: plain RoPE
     double inv_ratio;      // freq_base^(-2 / rope_dim) in f64: inv_freq[j] = inv_ratio^j
 };
 
-// kv_write: copy [n_tokens, n_kv_heads, head_dim] f32 rows into a K or V cache (kv.cuh)
+// kv_write: copy [n_tokens, n_kv_heads, head_dim] f32 rows into a K or V cache of f32, f16 or bf16 (kv.cuh)
 struct KvWriteParams {
     uint32_t n_tokens;    // tokens
     uint32_t row_elems;   // n_kv_heads * head_dim

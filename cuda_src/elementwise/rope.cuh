@@ -4,7 +4,8 @@
 // KV kernels; arithmetic in f32. The first rope_dim elements of a head rotate in pairs, NeoX
 // (j, j + rope_dim/2) or interleaved (2j, 2j+1), j < rope_dim/2, by the angle pos * inv_freq[j],
 // inv_freq[j] = freq_base^(-2j / rope_dim) or a caller's freqs[j] (scaled RoPE variants precompute
-// them); the remaining head_dim - rope_dim elements are copied.
+// them), cos and sin both times attn_scale (YaRN's mscale; 1 for plain RoPE); the remaining
+// head_dim - rope_dim elements are copied unscaled.
 // Positions: consecutive (positions[0] + t), per token (positions[t]), or per token and section
 // (positions [4, n_tokens]: multi-section rotary, contiguous sections or IMRoPE's interleaved ones).
 //
@@ -45,12 +46,15 @@ CUKERN_DEVICE uint32_t rope_section(uint32_t pair, const uint32_t (&sec)[4], uin
     return 3;
 }
 
-// cos and sin of pos * inv: the angle in half turns (pos * inv / pi, f64) is reduced to [-1, 1] before an
-// f32 sincospif, which keeps f32 accuracy for positions ~1e5 and has no slow path for large arguments.
-CUKERN_DEVICE void rope_sincos(int32_t pos, double inv, float& s, float& c) {
+// scale * cos and scale * sin of pos * inv: the angle in half turns (pos * inv / pi, f64) is reduced to
+// [-1, 1] before an f32 sincospif, which keeps f32 accuracy for positions ~1e5 and has no slow path for
+// large arguments. scale: the params' attn_scale.
+CUKERN_DEVICE void rope_sincos(int32_t pos, double inv, float scale, float& s, float& c) {
     double h = (double)pos * inv * 0.3183098861837907;  // 1 / pi
     h -= 2.0 * rint(0.5 * h);
     sincospif((float)h, &s, &c);
+    s *= scale;
+    c *= scale;
 }
 
 // inv_freq of pair j: freqs[j], or ratio^j by binary powering (<= 9 squarings for j < 512: a few f64 ulps,
@@ -83,8 +87,10 @@ struct RopeTables {
         for (uint32_t j = threadIdx.x; j < half; j += blockDim.x) inv[j] = rope_inv_freq(j, use_freqs, ratio, freqs);
     }
 
-    // Entry idx = tt * half + j: cos/sin of pos * inv[j].
-    CUKERN_DEVICE void set(uint32_t idx, uint32_t j, int32_t pos) { rope_sincos(pos, inv[j], sin_t[idx], cos_t[idx]); }
+    // Entry idx = tt * half + j: scale * cos/sin of pos * inv[j].
+    CUKERN_DEVICE void set(uint32_t idx, uint32_t j, int32_t pos, float scale) {
+        rope_sincos(pos, inv[j], scale, sin_t[idx], cos_t[idx]);
+    }
 };
 
 // Element indices of pair j (j < head_dim / 2): a rotary pair for j < half, else two copied tail elements.
@@ -99,7 +105,8 @@ CUKERN_DEVICE void rope_pair(uint32_t j, uint32_t half, uint32_t rope_dim, bool 
 }
 
 // G consecutive heads (n_live <= G of them real), one warp: out[g] = rotate(x[g] * s_g * (w + w_off)),
-// s_g = rsqrt(mean(x[g]^2) + eps) when norm, else 1; w == nullptr: no weight. Heads are head_dim apart
+// s_g = rsqrt(mean(x[g]^2) + eps) when norm, else 1; w == nullptr: no weight; rope_dim = 0: no rotation
+// (cos_t, sin_t unread). Heads are head_dim apart
 // in x and in out. Lane l holds pairs j = l + 32 k, k < PPL (head_dim <= 64 * PPL) of every head: all
 // G * PPL * 2 loads are issued before the first reduction, so a warp keeps that many in flight.
 template <typename TO, int PPL, int G, typename TI = float>
@@ -195,7 +202,7 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) rope(
             if (p.pos_mode == 0) pos = positions[0] + (int32_t)t;
             else if (p.pos_mode == 1) pos = positions[t];
             else pos = positions[ew::rope_section(j, p.sections, p.pos_mode) * p.n_tokens + t];
-            tab.set(idx, j, pos);
+            tab.set(idx, j, pos, p.attn_scale);
         }
         __syncthreads();
         const uint32_t groups = (p.n_heads + G - 1) / G;  // tasks per token: G heads each
@@ -213,10 +220,11 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) rope(
 //   q_out[t, h]               = rope(rms_norm(q[t, h]) * (wq + off))   h < n_q_heads     (HAS_Q)
 //   K cache row (seq, pos)[h] = rope(rms_norm(k[t, h]) * (wk + off))   h < n_kv_heads
 //   V cache row (seq, pos)[h] = v[t, h]                                h < n_kv_heads    (HAS_V)
-// (norm = 0: no norm, rotation only). Caches use common/kv_cache.cuh's paged layout; a contiguous
-// cache is one page per sequence. The K-only sibling (HAS_Q = HAS_V = false) serves models whose
-// V comes from elsewhere. grid: (<= ceil(n_tokens / tokens_per_block)), block: ROPE_BLOCK; dynamic
-// shared memory as rope.
+//                               (v_norm 1: rms_norm(v[t, h]); 2: rms_norm(v[t, h]) * (wv + off))
+// (norm = 0: no Q/K norm, rotation only). Caches use common/kv_cache.cuh's paged layout; a contiguous
+// cache is one page per sequence. HAS_Q = false, HAS_V = true: the K + V write of a model whose Q is
+// rotated apart; HAS_Q = HAS_V = false: K only. Byte traffic: q, k, v read once; q_out and the K/V rows
+// written once. grid: (<= ceil(n_tokens / tokens_per_block)), block: ROPE_BLOCK; dynamic shared memory as rope.
 template <typename KV, bool HAS_Q, bool HAS_V, int PPL, int G>
 __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) qk_norm_rope_kv(
     float* __restrict__ q_out,              // HAS_Q: [n_tokens, n_q_heads, head_dim] (else unread)
@@ -227,6 +235,7 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) qk_norm_rope_kv(
     const float* __restrict__ v,            // HAS_V: [n_tokens, n_kv_heads, head_dim]
     const float* __restrict__ wq,           // HAS_Q and norm: [head_dim]
     const float* __restrict__ wk,           // norm: [head_dim]
+    const float* __restrict__ wv,           // HAS_V and v_norm 2: [head_dim]
     const float* __restrict__ freqs,        // use_freqs: [rope_dim / 2]
     const int32_t* __restrict__ positions,  // pos_mode 0: [1] (first token's position); 1: [n_tokens]
     const int32_t* __restrict__ seq_ids,    // pos_mode 0: [1]; 1: [n_tokens]: page_table row of each token
@@ -248,7 +257,7 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) qk_norm_rope_kv(
         __syncthreads();  // inv is written; the previous step's tables are no longer read
         for (uint32_t idx = threadIdx.x; idx < n_tok * half; idx += blockDim.x) {
             const uint32_t t = t0 + idx / half;
-            tab.set(idx, idx % half, p.pos_mode == 0 ? positions[0] + (int32_t)t : positions[t]);
+            tab.set(idx, idx % half, p.pos_mode == 0 ? positions[0] + (int32_t)t : positions[t], p.attn_scale);
         }
         __syncthreads();
         for (uint32_t task = threadIdx.x / WARP; task < n_tok * n_groups; task += blockDim.x / WARP) {
@@ -274,6 +283,9 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) qk_norm_rope_kv(
             if (kgrp < kv_groups)
                 ew::rope_heads<KV, PPL, G>(k_cache + dst, k + src, n_live, p.norm ? wk : nullptr, p.norm, p.eps,
                                            p.weight_offset, cos_t, sin_t, p.head_dim, p.rope_dim, p.neox);
+            else if (p.v_norm)  // rope_dim 0: normed, not rotated
+                ew::rope_heads<KV, PPL, G>(v_cache + dst, v + src, n_live, p.v_norm == 2 ? wv : nullptr, true, p.eps,
+                                           p.weight_offset, cos_t, sin_t, p.head_dim, 0, p.neox);
             else
                 ew::copy_heads<KV>(v_cache + dst, v + src, n_live * p.head_dim);
         }

@@ -83,14 +83,20 @@ CUKERN_DEVICE float group_sum(float x) {
     return x;
 }
 
-// A, B *= rsqrt(mean of the row's squares + eps) * (w + off), w at the unit's offsets.
+// A, B *= rsqrt(mean of the row's squares + eps) * (w + off), w at the unit's element offsets a, b
+// (w == nullptr: unit weight, no offset).
 template <int LPH>
-CUKERN_DEVICE void norm_unit(float4& A, float4& B, const RopeUnit& un, const float* __restrict__ w, float eps,
+CUKERN_DEVICE void norm_unit(float4& A, float4& B, uint32_t a, uint32_t b, const float* __restrict__ w, float eps,
                              float off, uint32_t head_dim) {
     const float ss = A.x * A.x + A.y * A.y + A.z * A.z + A.w * A.w + B.x * B.x + B.y * B.y + B.z * B.z + B.w * B.w;
     const float s = rsqrtf(group_sum<LPH>(ss) / (float)head_dim + eps);
-    const float4 wa = __ldg(reinterpret_cast<const float4*>(w + un.a));
-    const float4 wb = __ldg(reinterpret_cast<const float4*>(w + un.b));
+    if (w == nullptr) {
+        A.x *= s; A.y *= s; A.z *= s; A.w *= s;
+        B.x *= s; B.y *= s; B.z *= s; B.w *= s;
+        return;
+    }
+    const float4 wa = __ldg(reinterpret_cast<const float4*>(w + a));
+    const float4 wb = __ldg(reinterpret_cast<const float4*>(w + b));
     A.x *= s * (wa.x + off); A.y *= s * (wa.y + off); A.z *= s * (wa.z + off); A.w *= s * (wa.w + off);
     B.x *= s * (wb.x + off); B.y *= s * (wb.y + off); B.z *= s * (wb.z + off); B.w *= s * (wb.w + off);
 }
@@ -143,14 +149,14 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) rope_vec(
             if (p.pos_mode == 0) pos = positions[0] + (int32_t)t;
             else if (p.pos_mode == 1) pos = positions[t];
             else pos = positions[sec[e] * p.n_tokens + t];
-            ew::rope_sincos(pos, un.inv[e], s[k][e], c[k][e]);
+            ew::rope_sincos(pos, un.inv[e], p.attn_scale, s[k][e], c[k][e]);
         }
     }
 #pragma unroll
     for (int k = 0; k < ew::VEC_ROWS; ++k) {
         const uint64_t r = r0 + k * SLOTS;
         if (r >= n_rows) break;  // uniform over the row's lanes
-        if (NORM) ew::norm_unit<LPH>(A[k], B[k], un, w, p.eps, p.weight_offset, HD);
+        if (NORM) ew::norm_unit<LPH>(A[k], B[k], un.a, un.b, w, p.eps, p.weight_offset, HD);
         if (un.rot) ew::rotate_unit(A[k], B[k], c[k], s[k], p.neox);
         ew::st4(out + r * HD, un.a, A[k]);
         ew::st4(out + r * HD, un.b, B[k]);
@@ -158,8 +164,9 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) rope_vec(
 }
 
 // qk_norm_rope_kv (rope.cuh) for head_dim = 8 * LPH: per token, rows q heads | k heads | v heads (HAS_Q,
-// HAS_V), each row one LPH-lane group. V rows are copied (units at 8u, 8u + 4). pos_mode 0 or 1. The host
-// instantiates HAS_Q = HAS_V = true; the K-only path is k_norm_rope_kv_vec below. QO: q_out's type, f32 or
+// HAS_V), each row one LPH-lane group. V rows are copied or, with v_norm, RMS-normed (units at 8u, 8u + 4).
+// pos_mode 0 or 1. The host instantiates HAS_V = true with HAS_Q true (Q, K and V) or false (K and V); the
+// K-only path is k_norm_rope_kv_vec below. QO: q_out's type, f32 or
 // the cache's (a prompt chunk's Q rounded once, here, for the tensor-core prefill attention).
 // grid: (ceil(n_tokens * rows per token / (ROPE_BLOCK / LPH * VEC_ROWS))), block: ROPE_BLOCK.
 template <typename KV, bool HAS_Q, bool HAS_V, int LPH, typename QO = float>
@@ -172,6 +179,7 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) qk_norm_rope_kv_vec(
     const float* __restrict__ v,            // HAS_V: [n_tokens, n_kv_heads, head_dim]
     const float* __restrict__ wq,           // HAS_Q and norm: [head_dim]
     const float* __restrict__ wk,           // norm: [head_dim]
+    const float* __restrict__ wv,           // HAS_V and v_norm 2: [head_dim]
     const float* __restrict__ freqs,        // use_freqs: [rope_dim / 2]
     const int32_t* __restrict__ positions,  // pos_mode 0: [1] (first token's position); 1: [n_tokens]
     const int32_t* __restrict__ seq_ids,    // pos_mode 0: [1]; 1: [n_tokens]: page_table row of each token
@@ -215,13 +223,15 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) qk_norm_rope_kv_vec(
         const int32_t pos = p.pos_mode == 0 ? positions[0] + (int32_t)t : positions[t];
         const bool is_q = HAS_Q && i < nq, is_v = !is_q && i >= nq + nkv;
         if (!is_v) {
-            if (p.norm) ew::norm_unit<LPH>(A[j], B[j], un, is_q ? wq : wk, p.eps, p.weight_offset, HD);
+            if (p.norm) ew::norm_unit<LPH>(A[j], B[j], un.a, un.b, is_q ? wq : wk, p.eps, p.weight_offset, HD);
             if (un.rot) {
                 float c[4], s[4];
 #pragma unroll
-                for (int e = 0; e < 4; ++e) ew::rope_sincos(pos, un.inv[e], s[e], c[e]);
+                for (int e = 0; e < 4; ++e) ew::rope_sincos(pos, un.inv[e], p.attn_scale, s[e], c[e]);
                 ew::rotate_unit(A[j], B[j], c, s, p.neox);
             }
+        } else if (p.v_norm) {
+            ew::norm_unit<LPH>(A[j], B[j], 8 * u, 8 * u + 4, p.v_norm == 2 ? wv : nullptr, p.eps, p.weight_offset, HD);
         }
         if (is_q) {
             QO* dst = q_out + ((uint64_t)t * nq + i) * HD;
@@ -292,10 +302,10 @@ __global__ void __launch_bounds__(cukern::ew::ROPE_BLOCK) k_norm_rope_kv_vec(
             row = kv_row_offset(page_table + (uint64_t)seq * p.max_pages, (uint32_t)pos, p.page_size, nkv * HD);
             if (un.rot) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) ew::rope_sincos(pos, un.inv[e], s[e], c[e]);
+                for (int e = 0; e < 4; ++e) ew::rope_sincos(pos, un.inv[e], p.attn_scale, s[e], c[e]);
             }
         }
-        if (p.norm) ew::norm_unit<LPH>(A[j], B[j], un, wk, p.eps, p.weight_offset, HD);
+        if (p.norm) ew::norm_unit<LPH>(A[j], B[j], a, b, wk, p.eps, p.weight_offset, HD);
         if (un.rot) ew::rotate_unit(A[j], B[j], c, s, p.neox);
         KV* dst = k_cache + row + (uint64_t)head * HD;
         ew::st4(dst, a, A[j]);

@@ -1,8 +1,9 @@
 """ElementwiseDispatch: norms, activations, RoPE, KV writes, MoE routing and SSM/DeltaNet kernels.
 
 Kernels: ``cuda_src/elementwise/`` (f32 units ``elementwise`` and ``elementwise_rope``, 16-bit units
-``elementwise_f16`` and ``elementwise_bf16``; one header per group); float64 references:
-``cukern/reference/elementwise.py``; tests: ``tests/test_elementwise{,_rope,_moe,_ssm,_shapes}.py`` (f32) and
+``elementwise_f16`` and ``elementwise_bf16``, the bf16 caches' KV writers ``elementwise_kv_bf16``; one header
+per group); float64 references: ``cukern/reference/elementwise.py``; tests:
+``tests/test_elementwise{,_rope,_rope_kv,_moe,_ssm,_shapes}.py`` (f32; f32/f16/bf16 caches) and
 ``tests/test_elementwise_f16.py`` (f16 / bf16); benchmark:
 ``profiling/bench_elementwise.py``; measurements: ``docs/notes/elementwise.md``. One module per
 kernel header (``norms``, ``activations``, ``rope``, ``kv``, ``moe``, ``ssm``: a mixin of
@@ -24,7 +25,7 @@ contract, as with FlashInfer's page indices.
 from cukern.elementwise.dispatch import FAMILIES, FAMILY, ROPE_FAMILY, ElementwiseDispatch
 from cukern.elementwise.kv import contiguous_page_table
 from cukern.elementwise.norms import Q8_1_BLOCK, Q8_1_BLOCK_BYTES
-from cukern.elementwise.rope import ROPE_VEC_HEAD_DIMS
+from cukern.elementwise.rope import ROPE_VEC_HEAD_DIMS, yarn_freqs
 
 __all__ = ["ElementwiseDispatch", "FAMILY", "ROPE_FAMILY", "FAMILIES", "Q8_1_BLOCK", "Q8_1_BLOCK_BYTES",
-           "ROPE_VEC_HEAD_DIMS", "contiguous_page_table"]
+           "ROPE_VEC_HEAD_DIMS", "contiguous_page_table", "yarn_freqs"]

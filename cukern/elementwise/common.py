@@ -8,7 +8,8 @@ import numpy as np
 
 _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)
-_KV_TYPES = {np.dtype(np.float16): "__half", np.dtype(np.float32): "float"}
+# KV-cache element types: f16, f32, and bf16 as uint16 bit patterns (PagedKVCache's bf16 storage)
+_KV_TYPES = {np.dtype(np.float16): "__half", np.dtype(np.uint16): "__nv_bfloat16", np.dtype(np.float32): "float"}
 _FLAT_BLOCK = 256
 _FLAT_MAX_BLOCKS = 4096  # kernels grid-stride beyond
 _MAX_GRID_Y = 65535

@@ -1,14 +1,15 @@
 """ElementwiseDispatch: the family's compilation units and the dispatch class, assembled from one mixin per
 kernel header. Units: ``elementwise`` (``elementwise.cu``) and ``elementwise_rope`` (``rope_kv.cu``) hold the
-f32 kernels; ``elementwise_f16`` and ``elementwise_bf16`` (``act16.cu``) the 16-bit instances of the kernels
-templated on the activation type, so that each unit compiles in a few seconds and only when first used.
+f32 kernels (with the KV writers of f32 and f16 caches); ``elementwise_f16`` and ``elementwise_bf16``
+(``act16.cu``) the 16-bit instances of the kernels templated on the activation type; ``elementwise_kv_bf16``
+(``rope_kv.cu``) the KV writers of bf16 caches; so that each unit compiles in seconds and only when first used.
 """
 
 from __future__ import annotations
 
 from cukern.dispatch import Dispatch, Unit, repeatable
 from cukern.elementwise.activations import Activations
-from cukern.elementwise.common import _KV_TYPES, _targ
+from cukern.elementwise.common import _targ
 from cukern.elementwise.kv import KvWrites
 from cukern.elementwise.moe import (_ROUTER_GEMM_CONFIGS, _ROUTER_LARGE, _ROUTER_SMALL, _TOPK_EPL, _TOPK_LANES_M,
                                     _TOPK_LANES_V, Moe)
@@ -58,17 +59,23 @@ def _rope_act_kernels(t: str) -> list[KernelSpec]:
     return ks
 
 
+def _kv_kernels(kv: str) -> list[KernelSpec]:
+    """The KV writers (fused with the norms and RoPE, and plain) for a cache of C type kv."""
+    ks = [KernelSpec(f"qk_norm_rope_kv<{kv}, {hq}, {ppl}, {g}>", "QkvRopeParams")
+          for hq in ("true, true", "false, true", "false, false") for ppl, g in _ROPE_PPL]
+    ks += [KernelSpec(_qkv_vec_kernel(kv, lph, qo), "QkvRopeParams")
+           for lph in _ROPE_VEC_LPH for qo in (("float",) if kv == "float" else ("float", kv))]
+    ks += [KernelSpec(_qkv_vec_kernel(kv, lph, None), "QkvRopeParams") for lph in _ROPE_VEC_LPH]
+    ks += [KernelSpec(f"k_norm_rope_kv_vec<{kv}, {lph}, {r}>", "QkvRopeParams")
+           for lph in _ROPE_VEC_LPH for r in _K_ROPE_ROWS]
+    ks += [KernelSpec(f"kv_write<{kv}, {v}>", "KvWriteParams") for v in ("true", "false")]
+    return ks
+
+
 def _rope_kernels() -> list[KernelSpec]:
-    """Kernels of the second unit, rope_kv.cu: RoPE and its fusions, KV writes, deinterleave."""
-    ks = _rope_act_kernels("float")
-    for kv in _KV_TYPES.values():
-        ks += [KernelSpec(f"qk_norm_rope_kv<{kv}, {hq}, {ppl}, {g}>", "QkvRopeParams")
-               for hq in ("true, true", "false, false") for ppl, g in _ROPE_PPL]
-        ks += [KernelSpec(_qkv_vec_kernel(kv, lph, qo), "QkvRopeParams")
-               for lph in _ROPE_VEC_LPH for qo in (("float",) if kv == "float" else ("float", kv))]
-        ks += [KernelSpec(f"k_norm_rope_kv_vec<{kv}, {lph}, {r}>", "QkvRopeParams")
-               for lph in _ROPE_VEC_LPH for r in _K_ROPE_ROWS]
-        ks += [KernelSpec(f"kv_write<{kv}, {v}>", "KvWriteParams") for v in ("true", "false")]
+    """Kernels of the second unit, rope_kv.cu: RoPE and its fusions, the KV writers of f32 and f16 caches,
+    deinterleave."""
+    ks = _rope_act_kernels("float") + _kv_kernels("float") + _kv_kernels("__half")
     ks += [KernelSpec(f"deinterleave<{v}>", "DeinterleaveParams") for v in ("float", "float4")]
     return ks
 
@@ -76,10 +83,14 @@ def _rope_kernels() -> list[KernelSpec]:
 FAMILY = FamilySpec(name="elementwise", kernels=tuple(_kernels()))
 ROPE_FAMILY = FamilySpec(name="elementwise_rope", kernels=tuple(_rope_kernels()), source="elementwise/rope_kv.cu",
                          params_header="elementwise/params.cuh")
+# bf16 caches' KV writers: a unit of their own (rope_kv.cu again), compiled only when a bf16 cache first needs it
+KV_BF16_FAMILY = FamilySpec(name="elementwise_kv_bf16", kernels=tuple(_kv_kernels("__nv_bfloat16")),
+                            source="elementwise/rope_kv.cu", params_header="elementwise/params.cuh")
 ACT16_FAMILIES = tuple(FamilySpec(name=f"elementwise_{short}", kernels=tuple(_act_kernels(t) + _rope_act_kernels(t)),
                                   source="elementwise/act16.cu", params_header="elementwise/params.cuh")
                        for short, t in (("f16", "__half"), ("bf16", "__nv_bfloat16")))
-FAMILIES = {f.name: f for f in (FAMILY, ROPE_FAMILY) + ACT16_FAMILIES}  # cukern.families() lists each unit
+_UNITS = (ROPE_FAMILY, KV_BF16_FAMILY) + ACT16_FAMILIES  # every unit but FAMILY
+FAMILIES = {f.name: f for f in (FAMILY,) + _UNITS}  # cukern.families() lists each unit
 
 
 class ElementwiseDispatch(Norms, Activations, Rope, KvWrites, Moe, Ssm, Dispatch):
@@ -96,7 +107,8 @@ class ElementwiseDispatch(Norms, Activations, Rope, KvWrites, Moe, Ssm, Dispatch
     rounded once from f32 arithmetic. Norm weights and RoPE frequencies stay f32. The 16-byte vector paths
     hold 16 / itemsize elements (4 floats, 8 halves), so a 16-bit row takes them when its length is a
     multiple of 8 and its arrays are 16-byte aligned (RoPE: 4 elements, 8 bytes); other shapes take the
-    scalar kernels. Every other method is f32 only.
+    scalar kernels. The KV writers (``kv_write``, ``qk_norm_rope_kv_write``, ``k_norm_rope_kv_write``) read f32
+    rows into f32, f16 or bf16 (uint16 bits) caches. Every other method is f32 only.
 
     ``pdl`` (default False; sm_90+) launches every kernel with programmatic dependent launch: each
     waits for the previous kernel in the stream first thing (``pdl_enter`` in common/pdl.cuh), so
@@ -106,12 +118,12 @@ class ElementwiseDispatch(Norms, Activations, Rope, KvWrites, Moe, Ssm, Dispatch
     shape, strides, dtype), values and keywords replays the first one's launches, checks skipped."""
 
     family = FAMILY
-    _UNIT_OF = {k.name: f.name for f in (ROPE_FAMILY,) + ACT16_FAMILIES for k in f.kernels}  # else FAMILY's
+    _UNIT_OF = {k.name: f.name for f in _UNITS for k in f.kernels}  # else FAMILY's
 
     def __init__(self, device: int | None = None, *, pdl: bool = False):
         super().__init__(device)
         self.pdl = bool(pdl)
-        self._units = {f.name: Unit(f, device) for f in (ROPE_FAMILY,) + ACT16_FAMILIES}  # compiled when first used
+        self._units = {f.name: Unit(f, device) for f in _UNITS}  # compiled when first used
 
     def _launch(self, kernel, grid, block, pointers, params, *, stream=None, shared_mem=0):
         name = self._UNIT_OF.get(kernel)

@@ -25,7 +25,8 @@ class KvWrites:
     def _kv_target(self, what, cache, page_table, n_kv_heads, head_dim, name="cache"):
         check_array(name, cache, ndim=4)
         if cache.dtype not in _KV_TYPES:
-            raise TypeError(f"{what}: {name} dtype must be float16 or float32, got {cache.dtype}")
+            raise TypeError(f"{what}: {name} dtype must be float16, bfloat16 (uint16 bits) or float32, "
+                            f"got {cache.dtype}")
         n_pages, page_size, h, d = cache.shape
         if (h, d) != (n_kv_heads, head_dim):
             raise ValueError(f"{what}: {name} must be [n_pages, page_size, {n_kv_heads}, {head_dim}], got {cache.shape}")
@@ -48,7 +49,8 @@ class KvWrites:
     def kv_write(self, src: cupy.ndarray, cache: cupy.ndarray, page_table: cupy.ndarray, positions: cupy.ndarray,
                  seq_ids: cupy.ndarray, *, pos_mode: str = "consecutive", stream=None) -> cupy.ndarray:
         """Write src: [n_tokens, n_kv_heads, head_dim] f32 into a paged K or V cache
-        [n_pages, page_size, n_kv_heads, head_dim] (float16 or float32; common/kv_cache.cuh's layout)
+        [n_pages, page_size, n_kv_heads, head_dim] (float16, bfloat16 as uint16 bits, or float32;
+        common/kv_cache.cuh's layout; values rounded once)
         with page_table: [n_seqs, max_pages] int32. Token t goes to sequence seq_ids[0] at position
         positions[0] + t ("consecutive"), or to seq_ids[t] at positions[t] ("per_token": a decode batch).
         A contiguous cache [n_seqs, capacity, ...] is the case page_table = contiguous_page_table(n_seqs)."""

@@ -148,9 +148,9 @@ def rope_positions(positions, n_tokens, pos_mode, sections, n_pairs):
     return p[sec][:, :n_tokens].T  # p: [4, n_tokens] -> [n_pairs, n_tokens] -> transpose
 
 
-def rope(x, positions, *, rope_dim=None, neox=True, freq_base=10000.0, freqs=None, pos_mode="consecutive",
-         sections=None):
-    """x: [n_tokens, n_heads, head_dim]."""
+def rope(x, positions, *, rope_dim=None, neox=True, freq_base=10000.0, freqs=None, attn_scale=1.0,
+         pos_mode="consecutive", sections=None):
+    """x: [n_tokens, n_heads, head_dim]; the rotated pairs times attn_scale, the tail copied."""
     x = _f64(x)
     n_tokens, _, head_dim = x.shape
     rope_dim = head_dim if rope_dim is None else rope_dim
@@ -158,7 +158,7 @@ def rope(x, positions, *, rope_dim=None, neox=True, freq_base=10000.0, freqs=Non
     j = np.arange(half)
     inv = _f64(freqs) if freqs is not None else float(freq_base) ** (-2.0 * j / rope_dim)
     ang = rope_positions(positions, n_tokens, pos_mode, sections, half) * inv[None, :]  # [n_tokens, half]
-    c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    c, s = attn_scale * np.cos(ang)[:, None, :], attn_scale * np.sin(ang)[:, None, :]
     out = x.copy()
     if neox:
         i0, i1 = j, j + half
@@ -174,6 +174,29 @@ def rms_norm_rope(x, w, positions, *, eps=1e-6, weight_offset=0.0, **rope_kw):
     return rope(rms_norm(x, w, eps=eps, weight_offset=weight_offset), positions, **rope_kw)
 
 
+def yarn_angles(positions, n_dims, *, base, factor, original_context, beta_fast=32.0, beta_slow=1.0,
+                ext_factor=1.0, attn_factor=1.0):
+    """YaRN evaluated per (position, pair) as llama.cpp's rope_yarn states it: (angles [n_pos, n_dims // 2],
+    mscale). The angle mixes the extrapolated one (pos * base^(-2j / n_dims)) and the interpolated one
+    (that over factor) by a ramp between the correction dims, the pairs whose wavelength fits beta_fast
+    and beta_slow times into the original context (floor and ceil, clamped to [0, n_dims - 1])."""
+    pos = np.asarray(positions, dtype=np.float64)
+    bounds = []
+    for beta, rnd in ((beta_fast, np.floor), (beta_slow, np.ceil)):
+        # solve original_context / wavelength(j) = beta, wavelength(j) = 2 pi base^(2j / n_dims), for j
+        bounds.append(rnd(n_dims * np.log(original_context / (2 * np.pi * beta)) / (2 * np.log(base))))
+    low, high = max(0.0, bounds[0]), min(n_dims - 1.0, bounds[1])
+    angles = np.empty((pos.size, n_dims // 2))
+    for i0 in range(0, n_dims, 2):
+        theta_extrap = pos * np.power(float(base), -i0 / n_dims)
+        theta_interp = theta_extrap / factor
+        y = (i0 // 2 - low) / max(0.001, high - low)
+        ramp_mix = (1.0 - min(1.0, max(0.0, y))) * ext_factor
+        angles[:, i0 // 2] = theta_interp * (1 - ramp_mix) + theta_extrap * ramp_mix
+    mscale = attn_factor * (1.0 + 0.1 * np.log(factor)) if ext_factor != 0 else attn_factor
+    return angles, float(mscale)
+
+
 # --------------------------------------------------------------------------------------- KV writes
 
 def kv_write(src, cache, page_table, positions, seq_ids, *, pos_mode="consecutive"):
@@ -187,6 +210,28 @@ def kv_write(src, cache, page_table, positions, seq_ids, *, pos_mode="consecutiv
         seq = seq_ids[0] if pos_mode == "consecutive" else seq_ids[t]
         out[pt[seq, pos // page_size], pos % page_size] = src[t]
     return out
+
+
+def qkv_rope_kv_write(k, k_cache, v_cache, page_table, positions, seq_ids, *, q=None, v=None, wq=None, wk=None,
+                      v_norm=False, wv=None, eps=1e-6, weight_offset=0.0, pos_mode="consecutive", **rope_kw):
+    """The fused writers (qk_norm_rope_kv_write, k_norm_rope_kv_write): (q_out or None, K cache, V cache or
+    None), caches float64 copies. Q and K: rope(rms_norm(.) * (w + off)) (w None: no norm); V: copied, or with
+    v_norm rms_norm(v) (times wv + off when wv is given). rope_kw: rope's rope_dim, neox, freq_base, freqs,
+    attn_scale."""
+    n_tokens, _, hd = k.shape
+    tok_pos = np.asarray(positions)[:n_tokens] if pos_mode == "per_token" else positions[0] + np.arange(n_tokens)
+
+    def rot(x, w):
+        x = group_norm(x, group_size=hd, w=w, eps=eps, weight_offset=weight_offset) if w is not None else x
+        return rope(x, tok_pos, pos_mode="per_token", **rope_kw)
+
+    q_out = rot(q, wq) if q is not None else None
+    k_out = kv_write(rot(k, wk), k_cache, page_table, positions, seq_ids, pos_mode=pos_mode)
+    if v is None:
+        return q_out, k_out, None
+    if v_norm:
+        v = group_norm(v, group_size=hd, w=wv, eps=eps, weight_offset=weight_offset if wv is not None else 0.0)
+    return q_out, k_out, kv_write(v, v_cache, page_table, positions, seq_ids, pos_mode=pos_mode)
 
 
 def deinterleave(x):
