@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import cupy
+import numpy as np
 
 from cukern.dispatch import check_array
 from cukern.elementwise.common import _F32, _MAX_GRID_Y, _check_disjoint
@@ -12,6 +13,8 @@ from cukern.interop import like, tensors
 
 _CONV_CHUNK = 16
 _CONV_K = (2, 3, 4)
+_TAP_TYPES = (_F32, np.dtype(np.float16))  # conv1d_silu's taps
+_TAP_C = ("float", "__half")
 _DELTANET_TILED_DK = (64, 128)
 
 
@@ -20,24 +23,37 @@ class Ssm:
 
     @tensors(y=like("x"))
     def conv1d_silu(self, x: cupy.ndarray, state: cupy.ndarray, w: cupy.ndarray, y: cupy.ndarray | None = None, *,
-                    stream=None) -> cupy.ndarray:
-        """Depthwise causal conv1d + SiLU over n_tokens tokens (1: decode; more: prefill) with a rolling
-        state of the previous kernel_size - 1 inputs: x, y [n_tokens, n_channels] f32; state
-        [kernel_size - 1, n_channels] f32, oldest first, updated in place; w [n_channels, kernel_size] f32
-        (taps oldest first), kernel_size in (2, 3, 4)."""
+                    state_offset: int | None = None, stream=None) -> cupy.ndarray:
+        """Depthwise causal conv1d + SiLU over n_tokens tokens (1: decode; more: prefill) with a state of
+        the previous kernel_size - 1 inputs, updated in place: x, y [n_tokens, n_channels] f32 (y may be
+        x: in place); state [kernel_size - 1, n_channels] f32; w [n_channels, kernel_size] f32 or f16
+        (taps oldest first), kernel_size in (2, 3, 4).
+
+        state_offset None: the state's rows are oldest first and shift by n_tokens at each call.
+        An int in [0, kernel_size - 1): the rows are a ring whose oldest entry is row state_offset; the
+        call writes only the rows of the inputs it adds, and the caller's next state_offset is
+        ``(state_offset + n_tokens) % (kernel_size - 1)``."""
         n_tokens, n_ch = self._rows(x)
-        check_array("w", w, dtype=_F32, ndim=2)
+        check_array("w", w, dtype=_TAP_TYPES, ndim=2)
         K = w.shape[1]
         if w.shape[0] != n_ch or K not in _CONV_K:
             raise ValueError(f"conv1d_silu: w must be [{n_ch}, kernel_size] with kernel_size in {_CONV_K}, got {w.shape}")
         check_array("state", state, dtype=_F32, shape=(K - 1, n_ch))
         check_array("y", y, dtype=_F32, shape=(n_tokens, n_ch))
-        _check_disjoint("conv1d_silu", dict(y=y, state=state), dict(x=x, w=w))
-        grid = (-(-n_ch // 128), -(-n_tokens // _CONV_CHUNK))
+        if state_offset is not None and (not isinstance(state_offset, (int, np.integer)) or isinstance(state_offset, bool)
+                                         or not 0 <= state_offset < K - 1):
+            raise ValueError(f"conv1d_silu: state_offset must be None or an int in [0, {K - 1}), got {state_offset!r}")
+        in_place = y.data.ptr == x.data.ptr
+        _check_disjoint("conv1d_silu", dict(y=None if in_place else y, state=state), dict(x=x, w=w))
+        span = -(-n_tokens // _CONV_CHUNK) * _CONV_CHUNK if in_place else _CONV_CHUNK
+        grid = (-(-n_ch // 128), -(-n_tokens // span))
         if grid[1] > _MAX_GRID_Y:
             raise ValueError(f"conv1d_silu: at most {_MAX_GRID_Y * _CONV_CHUNK} tokens per call")
-        params = self.struct("ConvParams").pack(n_tokens=n_tokens, n_channels=n_ch, kernel_size=K)
-        self._launch(f"conv1d_silu<{K}>", grid, 128, (y, state, x, w), params, stream=stream)
+        params = self.struct("ConvParams").pack(n_tokens=n_tokens, n_channels=n_ch, kernel_size=K,
+                                                tokens_per_thread=span, ring=int(state_offset is not None),
+                                                state_offset=int(state_offset or 0))
+        tap = "float" if w.dtype == _F32 else "__half"
+        self._launch(f"conv1d_silu<{K}, {tap}>", grid, 128, (y, state, x, w), params, stream=stream)
         return y
 
     @tensors(o=like("v"))

@@ -228,8 +228,13 @@ def router_rms_norm_matvec(x, w_norm, W, *, eps=1e-6, weight_offset=0.0, scale=1
 
 # ---------------------------------------------------------------------------------- SSM / DeltaNet
 
-def conv1d_silu(x, state, w):
-    """Returns (y, new_state). x [n_tokens, C], state [K-1, C], w [C, K]."""
+def conv1d_silu(x, state, w, *, state_offset=None):
+    """Returns (y, new_state). x [n_tokens, C], state [K-1, C], w [C, K]. state_offset None: state rows
+    oldest first; an int: the rows are a ring whose oldest entry is row state_offset, and new_state is
+    the ring after the call (oldest entry at row (state_offset + n_tokens) % (K - 1))."""
+    if state_offset is not None:
+        y, st = conv1d_silu(x, np.roll(_f64(state), -state_offset, axis=0), w)
+        return y, np.roll(st, (state_offset + np.shape(x)[0]) % (np.shape(w)[1] - 1), axis=0)
     x, st, w = _f64(x), _f64(state), _f64(w)
     K = w.shape[1]
     seq = np.concatenate([st, x], axis=0)  # [K - 1 + n_tokens, C]
