@@ -123,3 +123,38 @@ def test_conv1d_silu_bad_arguments_raise_before_launch(d, host_if_no_gpu):
             call()
     cupy.cuda.get_current_stream().synchronize()
     assert np.isnan(y.get()).all(), "a rejected call wrote its output"
+
+
+@gpu
+@pytest.mark.parametrize("n_qk,n_v,dk,dv", [(2, 4, 128, 128), (1, 1, 64, 40), (3, 3, 128, 70), (2, 2, 48, 33),
+                                            (1, 2, 64, 64)])
+def test_deltanet_qk_l2norm_in_kernel(d, rng, n_qk, n_v, dk, dv):
+    """q and k straight from the projections (not unit length; one k head near the eps scale), normalised in
+    the kernel, baseline and tiled, state carried over decode steps and chunks (8-token staging: 9 and 23)."""
+    tol = dict(atol=2e-5, rtol=1e-4)
+    eps = 1e-6
+    state0 = _randn(rng, n_v, dk, dv, scale=0.3)
+    variants = [False, True] if dk in (64, 128) else [False]
+    states = {t: _dev(state0) for t in variants}
+    want_state = state0
+    for step, n_tok in enumerate([1, 1, 9, 1, 23]):
+        q, k, v, g, beta = _deltanet_inputs(rng, n_tok, n_qk, n_v, dk, dv)
+        q = q * rng.uniform(0.5, 8, (n_tok, n_qk, 1)).astype(np.float32)
+        k = k * rng.uniform(0.5, 8, (n_tok, n_qk, 1)).astype(np.float32)
+        k[0, 0] *= np.float32(1e-4)  # sum(k^2) ~ 1e-8 .. 6e-7: eps matters
+        want_o, want_state = ref.deltanet(q, k, v, g, beta, want_state, qk_l2norm=True, norm_eps=eps)
+        for tiled in variants:
+            o = _empty(n_tok, n_v, dv)
+            d.deltanet(*map(_dev, (q, k, v, g, beta)), states[tiled], o, tiled=tiled, qk_l2norm=True, norm_eps=eps)
+            assert_close(o, want_o, name=f"o step {step} tiled={tiled}", **tol)
+            assert_close(states[tiled], want_state, name=f"state step {step} tiled={tiled}", **tol)
+
+
+def test_deltanet_bad_norm_eps_raises_before_launch(d, host_if_no_gpu):
+    x3 = cupy.ones((2, 4, 64), cupy.float32)
+    g = cupy.ones((2, 4), cupy.float32)
+    o = poison(cupy.empty((2, 4, 64), cupy.float32))
+    with pytest.raises(ValueError, match="eps must be >= 0"):
+        d.deltanet(x3, x3, x3, g, g, cupy.ones((4, 64, 64), cupy.float32), o, qk_l2norm=True, norm_eps=-1.0)
+    cupy.cuda.get_current_stream().synchronize()
+    assert np.isnan(o.get()).all()

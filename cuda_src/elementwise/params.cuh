@@ -148,4 +148,6 @@ struct DeltaNetParams {
     uint32_t dk;          // key dim (state rows)
     uint32_t dv;          // value dim (state columns)
     float q_scale;        // multiplies q (usually 1 / sqrt(dk))
+    uint32_t qk_l2norm;   // 1: q and k of each head L2-normalised first: x * rsqrt(sum(x^2) + norm_eps)
+    float norm_eps;       // qk_l2norm's epsilon
 };

@@ -88,6 +88,7 @@ __global__ void __launch_bounds__(128) conv1d_silu(
 
 // Gated delta rule, one sequence, tokens in order. Per value head h (q/k head hq = h / (n_v / n_qk)),
 // state S_h [dk, dv], per token t:
+//   (qk_l2norm: q[t, hq] and k[t, hq] replaced by x * rsqrt(sum(x^2) + norm_eps) first)
 //   S = exp(g[t, h]) * S
 //   delta = beta[t, h] * (v[t, h] - S^T k[t, hq])
 //   S = S + k[t, hq] delta^T
@@ -113,17 +114,23 @@ __global__ void __launch_bounds__(64) deltanet(
         const float* kt = k + ((uint64_t)t * p.n_qk_heads + hq) * p.dk;
         const float* qt = q + ((uint64_t)t * p.n_qk_heads + hq) * p.dk;
         const float decay = expf(g[(uint64_t)t * p.n_v_heads + h]);
-        float kv = 0.f;
-        for (uint32_t i = 0; i < p.dk; ++i) kv += Sh[(uint64_t)i * p.dv] * kt[i];
+        float kv = 0.f, kk = 0.f, qq = 0.f;
+        for (uint32_t i = 0; i < p.dk; ++i) {
+            kv += Sh[(uint64_t)i * p.dv] * kt[i];
+            if (p.qk_l2norm) { kk += kt[i] * kt[i]; qq += qt[i] * qt[i]; }
+        }
+        const float rk = p.qk_l2norm ? rsqrtf(kk + p.norm_eps) : 1.f;  // k's and q's norm factors
+        const float rq = p.qk_l2norm ? rsqrtf(qq + p.norm_eps) : 1.f;
         const uint64_t vo = ((uint64_t)t * p.n_v_heads + h) * p.dv + j;
-        const float delta = beta[(uint64_t)t * p.n_v_heads + h] * (v[vo] - decay * kv);
+        // rk * delta: the update k_n delta^T is k (rk delta)^T
+        const float delta = rk * beta[(uint64_t)t * p.n_v_heads + h] * (v[vo] - decay * rk * kv);
         float out = 0.f;
         for (uint32_t i = 0; i < p.dk; ++i) {
             const float s = decay * Sh[(uint64_t)i * p.dv] + kt[i] * delta;
             Sh[(uint64_t)i * p.dv] = s;
             out += s * qt[i];
         }
-        o[vo] = p.q_scale * out;
+        o[vo] = p.q_scale * rq * out;
     }
 }
 
@@ -229,13 +236,28 @@ __global__ void __launch_bounds__(DELTA_THREADS) deltanet_tiled(
         for (int tt = 0; tt < CH; ++tt) {
             if (tt >= n) break;
             const float decay = gs[tt];
-            float kv = 0.f;
+            float kv = 0.f, kk = 0.f, qq = 0.f;
 #pragma unroll
             for (int m = 0; m < M; ++m) kv += s[m] * ks[tt][r + R * m];
             kv += __shfl_xor_sync(0xffffffffu, kv, 1);
             kv += __shfl_xor_sync(0xffffffffu, kv, 2);
             kv += __shfl_xor_sync(0xffffffffu, kv, 4);
-            const float delta = bs[tt] * (vv[tt] - decay * kv);
+            float rk = 1.f, rq = 1.f;  // k's and q's norm factors (qk_l2norm: uniform branch)
+            if (p.qk_l2norm) {
+#pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    kk += ks[tt][r + R * m] * ks[tt][r + R * m];
+                    qq += qs[tt][r + R * m] * qs[tt][r + R * m];
+                }
+#pragma unroll
+                for (int lane = 1; lane < R; lane *= 2) {
+                    kk += __shfl_xor_sync(0xffffffffu, kk, lane);
+                    qq += __shfl_xor_sync(0xffffffffu, qq, lane);
+                }
+                rk = rsqrtf(kk + p.norm_eps);
+                rq = rsqrtf(qq + p.norm_eps);
+            }
+            const float delta = rk * bs[tt] * (vv[tt] - decay * rk * kv);  // rk * delta, as deltanet
             float out = 0.f;
 #pragma unroll
             for (int m = 0; m < M; ++m) {
@@ -245,7 +267,7 @@ __global__ void __launch_bounds__(DELTA_THREADS) deltanet_tiled(
             out += __shfl_xor_sync(0xffffffffu, out, 1);
             out += __shfl_xor_sync(0xffffffffu, out, 2);
             out += __shfl_xor_sync(0xffffffffu, out, 4);
-            if (active && r == 0) o[((uint64_t)(t0 + tt) * p.n_v_heads + h) * p.dv + j] = p.q_scale * out;
+            if (active && r == 0) o[((uint64_t)(t0 + tt) * p.n_v_heads + h) * p.dv + j] = p.q_scale * rq * out;
         }
     }
 #pragma unroll

@@ -8,7 +8,7 @@ import cupy
 import numpy as np
 
 from cukern.dispatch import check_array
-from cukern.elementwise.common import _F32, _MAX_GRID_Y, _check_disjoint
+from cukern.elementwise.common import _F32, _MAX_GRID_Y, _check_disjoint, _check_eps
 from cukern.interop import like, tensors
 
 _CONV_CHUNK = 16
@@ -59,13 +59,16 @@ class Ssm:
     @tensors(o=like("v"))
     def deltanet(self, q: cupy.ndarray, k: cupy.ndarray, v: cupy.ndarray, g: cupy.ndarray, beta: cupy.ndarray,
                  state: cupy.ndarray, o: cupy.ndarray | None = None, *, q_scale: float | None = None,
-                 tiled: bool | None = None, stream=None) -> cupy.ndarray:
+                 qk_l2norm: bool = False, norm_eps: float = 1e-6, tiled: bool | None = None,
+                 stream=None) -> cupy.ndarray:
         """Gated delta rule over n_tokens tokens of one sequence (1: decode), state updated in place.
         Per value head h (q/k head h // (n_v_heads // n_qk_heads)) and token t:
         ``S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T (q_scale q)``.
 
         q, k: [n_tokens, n_qk_heads, dk]; v, o: [n_tokens, n_v_heads, dv]; g (log decay), beta:
         [n_tokens, n_v_heads]; state: [n_v_heads, dk, dv]; all f32. q_scale defaults to dk**-0.5.
+        qk_l2norm: each head of q and k L2-normalised in the kernel first, ``x * rsqrt(sum(x^2) + norm_eps)``
+        (as ``group_norm(l2=True)`` without a weight), so the projections' outputs go in as they are.
         tiled: the register-tiled kernel (dk in (64, 128)); None picks it when dk allows."""
         check_array("q", q, dtype=_F32, ndim=3)
         n_tokens, n_qk, dk = q.shape
@@ -83,12 +86,14 @@ class Ssm:
         _check_disjoint("deltanet", dict(o=o, state=state), dict(q=q, k=k, v=v, g=g, beta=beta))
         if n_v > _MAX_GRID_Y:
             raise ValueError(f"deltanet: at most {_MAX_GRID_Y} value heads")
+        _check_eps(norm_eps, "deltanet")
         if tiled is None:
             tiled = dk in _DELTANET_TILED_DK
         elif tiled and dk not in _DELTANET_TILED_DK:
             raise ValueError(f"deltanet: the tiled kernel needs dk in {_DELTANET_TILED_DK}, got {dk}")
         params = self.struct("DeltaNetParams").pack(n_tokens=n_tokens, n_v_heads=n_v, n_qk_heads=n_qk, dk=dk, dv=dv,
-                                                    q_scale=dk ** -0.5 if q_scale is None else q_scale)
+                                                    q_scale=dk ** -0.5 if q_scale is None else q_scale,
+                                                    qk_l2norm=int(bool(qk_l2norm)), norm_eps=norm_eps)
         ptrs = (o, state, q, k, v, g, beta)
         if tiled:
             self._launch(f"deltanet_tiled<{dk}>", (-(-dv // 16), n_v), 128, ptrs, params, stream=stream)

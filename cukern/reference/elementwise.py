@@ -245,9 +245,12 @@ def conv1d_silu(x, state, w, *, state_offset=None):
     return acc / (1.0 + np.exp(-acc)), seq[-(K - 1):].copy()
 
 
-def deltanet(q, k, v, g, beta, state, *, q_scale=None):
-    """Returns (o [n_tokens, n_v, dv], new_state [n_v, dk, dv])."""
+def deltanet(q, k, v, g, beta, state, *, q_scale=None, qk_l2norm=False, norm_eps=1e-6):
+    """Returns (o [n_tokens, n_v, dv], new_state [n_v, dk, dv]). qk_l2norm: q and k heads first scaled by
+    rsqrt(sum(x^2) + norm_eps)."""
     q, k, v, g, beta = map(_f64, (q, k, v, g, beta))
+    if qk_l2norm:
+        q, k = (a / np.sqrt((a * a).sum(-1, keepdims=True) + norm_eps) for a in (q, k))
     S = _f64(state).copy()
     n_tokens, n_qk, dk = q.shape
     n_v = v.shape[1]
