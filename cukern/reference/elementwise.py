@@ -209,6 +209,13 @@ def softmax_topk(logits, k, *, renorm=True, scale=1.0):
     return ids, scale * w
 
 
+def route_slot(ids, weights):
+    """The packed route slot of (ids [n_tokens, k], weights [n_tokens, k]): uint32 [n_tokens, 2k], the ids
+    and then the f32 weights' bits (cukern.routing.RouteSlot)."""
+    return np.concatenate([np.asarray(ids, np.int32).view(np.uint32),
+                           np.asarray(weights, np.float32).view(np.uint32)], axis=1)
+
+
 def moe_weighted_sum(expert_out, weights, out=None):
     s = np.einsum("tjc,tj->tc", _f64(expert_out), _f64(weights))
     return s if out is None else _f64(out) + s
