@@ -103,6 +103,8 @@ struct TopkParams {
     uint32_t k;          // experts selected per token (<= n_experts)
     uint32_t renorm;     // 1: selected weights rescaled to sum to 1 (= softmax over the top-k logits)
     float scale;         // multiplies the final weights
+    uint32_t ids_stride;      // ids entries between consecutive tokens' rows (>= k; 2k for a RouteSlot)
+    uint32_t weights_stride;  // weights entries between consecutive tokens' rows (>= k)
 };
 
 // moe_weighted_sum: out[t] (+)= sum_j weights[t, j] * expert_out[t, j]
@@ -111,6 +113,7 @@ struct MoeSumParams {
     uint32_t n_used;      // experts per token
     uint32_t n_cols;      // hidden size
     uint32_t accumulate;  // 1: out += sum; 0: out = sum
+    uint32_t w_stride;    // weights entries between consecutive tokens' rows (>= n_used; 2 n_used for a RouteSlot)
 };
 
 // shared_expert_accumulate: hidden[t] += sigmoid(gate_logit[t]) * shared_out[t]
