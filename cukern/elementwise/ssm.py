@@ -40,8 +40,9 @@ class Ssm:
             raise ValueError(f"conv1d_silu: w must be [{n_ch}, kernel_size] with kernel_size in {_CONV_K}, got {w.shape}")
         check_array("state", state, dtype=_F32, shape=(K - 1, n_ch))
         check_array("y", y, dtype=_F32, shape=(n_tokens, n_ch))
-        if state_offset is not None and (not isinstance(state_offset, (int, np.integer)) or isinstance(state_offset, bool)
-                                         or not 0 <= state_offset < K - 1):
+        ring = state_offset is not None
+        if ring and (isinstance(state_offset, bool) or not isinstance(state_offset, (int, np.integer))
+                     or not 0 <= state_offset < K - 1):
             raise ValueError(f"conv1d_silu: state_offset must be None or an int in [0, {K - 1}), got {state_offset!r}")
         in_place = y.data.ptr == x.data.ptr
         _check_disjoint("conv1d_silu", dict(y=None if in_place else y, state=state), dict(x=x, w=w))
@@ -50,7 +51,7 @@ class Ssm:
         if grid[1] > _MAX_GRID_Y:
             raise ValueError(f"conv1d_silu: at most {_MAX_GRID_Y * _CONV_CHUNK} tokens per call")
         params = self.struct("ConvParams").pack(n_tokens=n_tokens, n_channels=n_ch, kernel_size=K,
-                                                tokens_per_thread=span, ring=int(state_offset is not None),
+                                                tokens_per_thread=span, ring=int(ring),
                                                 state_offset=int(state_offset or 0))
         tap = "float" if w.dtype == _F32 else "__half"
         self._launch(f"conv1d_silu<{K}, {tap}>", grid, 128, (y, state, x, w), params, stream=stream)
