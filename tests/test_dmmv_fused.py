@@ -68,6 +68,25 @@ def test_dmmv_normed_input(d, rng, q, post):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("q", TYPES, ids=NAMES.get)
+def test_ssm_alpha_beta_on_one_norm(d, rng, q):
+    """A DeltaNet layer's alpha and beta projections of the RMS-normed hidden row in one dispatch:
+    dmmv_pair on a NormedX (the norm made once per block, then both matvecs of the normed row), at
+    the heads' widths (alpha, beta: n_v_heads rows each; ragged 7 and 13 too), decode and a few columns,
+    on both dispatches (the int8 one takes the f32 path on a NormedX), y allocated when left None."""
+    k = _ks(q)[-1]
+    for n, (m_a, m_b) in ((1, (32, 32)), (1, (7, 13)), (5, (16, 16))):
+        shape = (n, k) if n > 1 else (k,)
+        nx, x, _ = _normed(rng, shape, None, out=False, offset=1.0 if n == 5 else 0.0)
+        (wa, da), (wb, db) = _weight(q, m_a, k, rng), _weight(q, m_b, k, rng)
+        for dd in (d, DmmvDispatch(int8=False)):
+            ya, yb = dd.dmmv_pair(wa, wb, nx)
+            assert ya.shape == shape[:-1] + (m_a,) and yb.shape == shape[:-1] + (m_b,)
+            _check(ya, ref.matvec(da, x), f"alpha n={n}")
+            _check(yb, ref.matvec(db, x), f"beta n={n}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("q, q3", D.THREE_TYPES, ids=lambda t: NAMES.get(t, str(t)))
 def test_dmmv_three(d, rng, q, q3):
     """q, k and v in one launch (dmmv_nx3): the third matrix of its own type, every block count

@@ -13,7 +13,8 @@ cupy = pytest.importorskip("cupy")
 
 from cukern.elementwise import ElementwiseDispatch  # noqa: E402
 from cukern.reference import elementwise as ref  # noqa: E402
-from cukern.testing import assert_close  # noqa: E402
+from cukern.routing import RouteSlot  # noqa: E402
+from cukern.testing import assert_close, poison  # noqa: E402
 from elementwise_helpers import _dev, _empty, _randn, gpu  # noqa: E402
 
 
@@ -150,3 +151,46 @@ def test_router_gemm(d, rng, n_tok, n_exp, n_embd):
     logits = _empty(n_tok, n_exp)
     d.router_rms_norm_matvec(_dev(x), _dev(wn), _dev(W), logits, eps=1e-6, weight_offset=1.0, scale=2.0)
     check(logits, ref.router_rms_norm_matvec(x, wn, W, eps=1e-6, weight_offset=1.0, scale=2.0), "fused norm")
+
+
+# ------------------------------------------------------------------------- the packed route slot
+
+@gpu
+@pytest.mark.parametrize("n_tok,n_exp,k", [(1, 8, 2), (5, 32, 4), (33, 257, 8), (3, 2048, 16), (9000, 128, 8),
+                                           (8193, 64, 3)])
+def test_softmax_topk_writes_route_slot(d, rng, n_tok, n_exp, k):
+    """softmax_topk into a RouteSlot (ids then the weights' bits per token) on each kernel (the warp, register
+    and, from 8192 tokens, lane-group ones): the same ids and weights as separate outputs, and moe_weighted_sum
+    reading the slot's weights."""
+    logits = _randn(rng, n_tok, n_exp, scale=3)
+    want_ids, want_w = ref.softmax_topk(logits, k, scale=1.5)
+    slot = RouteSlot(poison(cupy.empty((n_tok, 2 * k), cupy.float32)), k)
+    assert d.softmax_topk(_dev(logits), k=k, scale=1.5, slot=slot) is slot
+    got = slot.buf.get()
+    np.testing.assert_array_equal(got[:, :k].view(np.int32), want_ids)
+    assert_close(got[:, k:], want_w, name="slot weights")
+    n_cols = 67
+    e_out = _randn(rng, min(n_tok, 40), k, n_cols)
+    out = _empty(e_out.shape[0], n_cols)
+    head = RouteSlot(slot.buf[:e_out.shape[0]], k)
+    d.moe_weighted_sum(_dev(e_out), head, out)
+    assert_close(out, ref.moe_weighted_sum(e_out, want_w[:e_out.shape[0]]), name="weighted sum from the slot")
+
+
+def test_route_slot_rejects(d, host_if_no_gpu):
+    logits = cupy.ones((4, 8), cupy.float32)
+    slot = RouteSlot(poison(cupy.empty((4, 6), cupy.float32)), 3)
+    ids = poison(cupy.empty((4, 3), cupy.int32))
+    cases = [
+        (lambda: d.softmax_topk(logits, k=2, slot=slot), ValueError, "slot must be"),
+        (lambda: d.softmax_topk(logits, ids, k=3, slot=slot), TypeError, "without ids and weights"),
+        (lambda: d.softmax_topk(logits, k=3, slot=slot.buf), TypeError, "slot must be a RouteSlot"),
+        (lambda: d.softmax_topk(logits, ids, cupy.empty((4, 6), cupy.float32)[:, ::2], k=3), ValueError,
+         "weights: the entries of a row must be contiguous"),
+        (lambda: d.moe_weighted_sum(cupy.ones((4, 2, 8), cupy.float32), slot), ValueError, "weights must have shape"),
+    ]
+    for call, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            call()
+    cupy.cuda.get_current_stream().synchronize()
+    assert np.isnan(slot.buf.get()).all(), "a rejected call wrote its output"

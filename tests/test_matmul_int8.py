@@ -157,3 +157,39 @@ def test_quantize(mm, rng, fmt, rows, cols):
     # value within ~|x| 2^-22 of a half step to the other side)
     back = ref.dequantize_q8(want_d, want_qs)
     assert np.all(np.abs(back - x) <= 0.5 * np.repeat(want_d, 32, axis=1) * (1 + 1e-6) + np.abs(x) * 2.0**-21 + 1e-30)
+
+
+# ---------------------------------------------------------------------------- GPU: the Q8 activation chain
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q", TYPES, ids=lambda q: NAMES[q])
+@pytest.mark.parametrize("n", [1, 9, 70])
+def test_q8_1_activation_chain(mm, rng, q, n):
+    """The FFN on Q8_1 activations end to end: quantize_q8_1(x) -> gemm_q8_glu(out_format="q8_1") ->
+    gemm_q8 reading those blocks. The down GEMM agrees with the float64 math on the blocks the chain wrote
+    (2e-5 * rms); the blocks stand for act(g) * u within half a step plus the f16 scale's rounding; the
+    whole chain's NMSE against the float64 FFN on the unquantized x (two 8-bit roundings) is below 2e-3."""
+    k, f, m = _k(q), _k(q, 2), 77  # d_model, the FFN width (a valid k of the down weights), d_model out
+    raws = [ref.random_weight(q, f, k, rng) for _ in range(2)]
+    buf = cupy.asarray(np.concatenate([r.ravel() for r in raws]))
+    wg, wu = QWeight(buf, q, f, k), QWeight(buf, q, f, k, offset=raws[0].nbytes)
+    raw_d = ref.random_weight(q, m, f, rng)
+    wd, dense_d = QWeight(cupy.asarray(raw_d), q, m, f), ref.dequantize(raw_d, q, m, f)
+    x = _b(rng, n, k, np.float32)
+    qa, (da, sa, qs) = _q8_1(mm, x)
+    h8 = cupy.full((n, f // 32 * ref.Q8_1_BYTES), 0xA5, cupy.uint8)
+    mm.gemm_q8_glu(wg, wu, qa, h8, act="swiglu", out_format="q8_1")
+    y = poison(cupy.empty((n, m), cupy.float32))
+    mm.gemm_q8(wd, h8, y)
+    dh, sh, qh = ref.unpack_q8(h8.get(), f, "q8_1")
+    exact = ref.gemm_q8_1(dense_d, ref.k_mins(raw_d, q, m, f), dh, sh, qh)
+    assert_close(y.get(), exact, atol=2e-5 * _rms(exact), rtol=1e-5, name="y (the chain's own h blocks)")
+    dense_gu = [ref.dequantize(r, q, f, k) for r in raws]
+    g, u = (ref.gemm_q8_1(dn, ref.k_mins(r, q, f, k), da, sa, qs) for dn, r in zip(dense_gu, raws))
+    h = ref.silu(g) * u
+    step = np.repeat(dh, 32, axis=1)
+    assert np.all(np.abs(ref.dequantize_q8(dh, qh) - h) <= step * (0.5 + 127 * 2.0 ** -11) + 1e-4 * _rms(h)), \
+        "h blocks further than half a step from act(g) * u"
+    full = ref.gemm(dense_d, ref.glu(*dense_gu, x))
+    err = float(np.mean((y.get() - full) ** 2) / np.mean(full ** 2))
+    assert err <= 2e-3, f"NMSE {err:.2e} of the chain against the float64 FFN on the unquantized x"

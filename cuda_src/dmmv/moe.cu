@@ -30,13 +30,13 @@ __global__ void __launch_bounds__(kMaxWarps * 32) moe_dmmv(
     const uint8_t* __restrict__ w,    // expert weights (gate weights with GLU)
     const uint8_t* __restrict__ w2,   // up weights (GLU); unused otherwise
     const float* __restrict__ x,      // [n_slots or n_tokens, k] f32 (x_per_slot)
-    const int* __restrict__ ids,      // [n_slots] expert of each slot (token-major)
+    const int* __restrict__ ids,      // [n_tokens, ids_stride] expert of each slot (row-major, top_k used)
     const MoeParams p) {
     constexpr int NR = GLU ? 2 * kRows : kRows;
     __shared__ float red[kMaxWarps * NR];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
     const uint32_t slot = blockIdx.y, row0 = blockIdx.x * kRows;
-    const int e = ids[slot];
+    const int e = ids[route_at(slot, p.top_k, p.ids_stride)];
     float* out = y + (size_t)slot * p.m;
     if (!expert_ok(e, p)) {
         if (threadIdx.x < kRows && row0 + threadIdx.x < p.m) out[row0 + threadIdx.x] = 0.0f;
@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) moe_dmmv_q8(
     int* __restrict__ err,            // [1] error bits, or-ed in
     const uint8_t* __restrict__ w,    // expert weights
     const float* __restrict__ x,      // [n_slots or n_tokens, k] f32 (x_per_slot)
-    const int* __restrict__ ids,      // [n_slots] expert of each slot (token-major)
+    const int* __restrict__ ids,      // [n_tokens, ids_stride] expert of each slot (row-major, top_k used)
     const MoeParams p) {
     extern __shared__ __align__(16) uint8_t smem[];
     const int nw = blockDim.x / 32;
@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) moe_dmmv_q8(
     const q8::Share rows(p.m, blockIdx.x, gridDim.x);  // this block's rows [r0, r1)
     const uint32_t r0 = rows.begin, r1 = rows.end;
     float* out = y + (size_t)slot * p.m + r0;
-    const int e = ids[slot];
+    const int e = ids[route_at(slot, p.top_k, p.ids_stride)];
     if (!expert_ok(e, p)) {
         for (uint32_t r = threadIdx.x; r < r1 - r0; r += blockDim.x) out[r] = 0.0f;
         if (threadIdx.x == 0 && blockIdx.x == 0) atomicOr(err, kErrExpertId);
@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) moe_dmmv_q8_glu(
     const uint8_t* __restrict__ w,    // gate expert weights
     const uint8_t* __restrict__ w2,   // up expert weights, same type, shape and expert stride
     const float* __restrict__ x,      // [n_slots or n_tokens, k] f32 (x_per_slot)
-    const int* __restrict__ ids,      // [n_slots] expert of each slot (token-major)
+    const int* __restrict__ ids,      // [n_tokens, ids_stride] expert of each slot (row-major, top_k used)
     const MoeParams p) {
     extern __shared__ __align__(16) uint8_t smem[];
     const int nw = blockDim.x / 32;
@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) moe_dmmv_q8_glu(
     const uint32_t x_end = q8::smem_bytes<QT, LU, ST>(nw, 1, p.k);
     if (x_end + 8u * n_out > q8::dynamic_smem_bytes()) __trap();  // a launcher bug
     float* out = y + (size_t)slot * p.m + r0;
-    const int e = ids[slot];
+    const int e = ids[route_at(slot, p.top_k, p.ids_stride)];
     if (!expert_ok(e, p)) {
         for (uint32_t r = threadIdx.x; r < n_out; r += blockDim.x) out[r] = 0.0f;
         if (threadIdx.x == 0 && blockIdx.x == 0) atomicOr(err, kErrExpertId);
@@ -149,8 +149,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32) moe_down(
     int* __restrict__ err,               // [1] error bits, or-ed in
     const uint8_t* __restrict__ w,       // down-projection experts
     const float* __restrict__ h,         // [n_slots, k] f32: the activated expert outputs
-    const int* __restrict__ ids,         // [n_tokens, top_k] expert ids
-    const float* __restrict__ weights,   // [n_tokens, top_k] routing weights
+    const int* __restrict__ ids,         // [n_tokens, ids_stride] expert ids (top_k used)
+    const float* __restrict__ weights,   // [n_tokens, weights_stride] routing weights (top_k used)
     const MoeParams p) {
     __shared__ float red[kMaxWarps * kRows];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) moe_down(
     float acc[kRows][1] = {};
     for (uint32_t j = 0; j < p.top_k; ++j) {
         const uint32_t slot = t * p.top_k + j;
-        const int e = ids[slot];
+        const int e = ids[route_at(slot, p.top_k, p.ids_stride)];
         if (!expert_ok(e, p)) {
             if (threadIdx.x == 0 && blockIdx.x == 0) atomicOr(err, kErrExpertId);
             continue;
@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) moe_down(
         const float* xs[1] = {h + (size_t)slot * p.k};
         float part[kRows][1] = {};
         warp_dots<QT, kRows, 1, 2>(rows, xs, p.n_full, p.tail, warp, nw, lane, part);
-        const float wt = weights[slot];
+        const float wt = weights[route_at(slot, p.top_k, p.weights_stride)];
 #pragma unroll
         for (int r = 0; r < kRows; ++r) acc[r][0] += wt * part[r][0];
     }
@@ -197,8 +197,8 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) moe_down_q8(
     int* __restrict__ err,               // [1] error bits, or-ed in
     const uint8_t* __restrict__ w,       // down-projection experts
     const float* __restrict__ h,         // [n_slots, k] f32: the activated expert outputs
-    const int* __restrict__ ids,         // [n_tokens, top_k] expert ids
-    const float* __restrict__ weights,   // [n_tokens, top_k] routing weights
+    const int* __restrict__ ids,         // [n_tokens, ids_stride] expert ids (top_k used)
+    const float* __restrict__ weights,   // [n_tokens, weights_stride] routing weights (top_k used)
     const MoeParams p) {
     extern __shared__ __align__(16) uint8_t smem[];
     __shared__ int valid[kMaxTopK];  // the token's slots (0 ... top_k - 1) with a valid expert, in order
@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) moe_down_q8(
     if (threadIdx.x == 0) {
         int n = 0;
         for (uint32_t j = 0; j < p.top_k; ++j) {
-            if (expert_ok(ids[t * p.top_k + j], p)) valid[n++] = (int)j;
+            if (expert_ok(ids[(uint64_t)t * p.ids_stride + j], p)) valid[n++] = (int)j;
             else if (blockIdx.x == 0) atomicOr(err, kErrExpertId);
         }
         n_valid = n;
@@ -231,7 +231,7 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) moe_down_q8(
     }
     const size_t mat_bytes = (size_t)p.m * p.row_bytes;
     auto expert = [&](uint32_t v) {  // the expert matrix of local row v (block_rows also asks for row nv * n_out)
-        return w + p.w_offset + (size_t)ids[t * p.top_k + valid[min(v / n_out, nv - 1)]] * p.expert_bytes;
+        return w + p.w_offset + (size_t)ids[(uint64_t)t * p.ids_stride + valid[min(v / n_out, nv - 1)]] * p.expert_bytes;
     };
     q8::block_rows_x<QT, 1, LU, ST, BULK>(
         sm, nv * n_out, [&](uint32_t v) { return expert(v) + (size_t)(r0 + v % n_out) * p.row_bytes; },
@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(q8::kMaxWarps * 32) moe_down_q8(
     __syncthreads();  // every row's dot product is in shared memory
     for (uint32_t i = threadIdx.x; i < n_out; i += blockDim.x) {
         float acc = 0.0f;
-        for (uint32_t c = 0; c < nv; ++c) acc += weights[t * p.top_k + valid[c]] * dots[c * n_out + i];
+        for (uint32_t c = 0; c < nv; ++c) acc += weights[(uint64_t)t * p.weights_stride + valid[c]] * dots[c * n_out + i];
         float* out = y + (size_t)t * p.m + r0 + i;
         const float v = p.alpha * acc;
         *out = p.mode == 0 ? v : *out + v;
@@ -277,7 +277,7 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_pack(
     int* __restrict__ items,         // [max_items, 3] out
     int* __restrict__ n_items,       // [1] out
     int* __restrict__ err,           // [1] error bits, or-ed in
-    const int* __restrict__ ids,     // [n_slots] expert id of each slot
+    const int* __restrict__ ids,     // [n_tokens, ids_stride] expert ids (top_k used)
     const RouteParams p) {
     __shared__ int cnt[kRouteThreads], fill[kRouteThreads], scratch[32];
     const int b = threadIdx.x;
@@ -287,7 +287,7 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_pack(
     __syncthreads();
     bool bad = false;
     for (uint32_t i = threadIdx.x; i < p.n_slots; i += blockDim.x) {
-        const int e = ids[i];
+        const int e = ids[route_at(i, p.top_k, p.ids_stride)];
         const bool ok = e >= 0 && (uint32_t)e < p.n_experts;
         bad |= !ok;
         atomicAdd(&cnt[ok ? e : p.n_experts], 1);
@@ -312,7 +312,7 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_pack(
     if (b == 0) *n_items = min(items_total, (int)p.max_items);
     __syncthreads();
     for (uint32_t i = threadIdx.x; i < p.n_slots; i += blockDim.x) {
-        const int e = ids[i];
+        const int e = ids[route_at(i, p.top_k, p.ids_stride)];
         const int bucket = e >= 0 && (uint32_t)e < p.n_experts ? e : p.n_experts;
         packed[offs[bucket] + atomicAdd(&fill[bucket], 1)] = (int)i;
     }
@@ -322,14 +322,14 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_pack(
 __global__ void __launch_bounds__(kRouteThreads) moe_count_experts(
     int* __restrict__ counts,        // [n_experts] out
     int* __restrict__ err,           // [1] error bits, or-ed in
-    const int* __restrict__ ids,     // [n_slots] expert id of each slot
+    const int* __restrict__ ids,     // [n_tokens, ids_stride] expert ids (top_k used)
     const RouteParams p) {
     __shared__ int cnt[kRouteThreads];
     cnt[threadIdx.x] = 0;
     __syncthreads();
     bool bad = false;
     for (uint32_t i = threadIdx.x; i < p.n_slots; i += blockDim.x) {
-        const int e = ids[i];
+        const int e = ids[route_at(i, p.top_k, p.ids_stride)];
         if (e >= 0 && (uint32_t)e < p.n_experts) atomicAdd(&cnt[e], 1);
         else bad = true;
     }

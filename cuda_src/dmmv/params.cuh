@@ -92,8 +92,11 @@ struct MoeParams {
     uint32_t x_per_slot;    // 1: x is [n_slots, k] (one input per slot); 0: [n_tokens, k]
     uint32_t max_items;     // moe_dmmv_packed: capacity of the work-item list
     uint32_t act;           // glu activation: 0 SiLU, 1 GELU-tanh
-    uint32_t mode;          // moe_down: 0 y = sum; 1 y += sum
+    uint32_t mode;          // moe_down: 0 y = sum; 1 y += sum. moe_dmmv_packed: 0 y[slot] = v; 1 y[slot] += v;
+                            // 2 y[token] += weights[slot] * v (the down projection summed into y, atomics)
     float alpha;            // output scale
+    uint32_t ids_stride;    // ids entries between consecutive tokens' rows (>= top_k)
+    uint32_t weights_stride;  // routing weights' entries between consecutive tokens' rows (>= top_k)
 };
 
 // moe_route_pack, moe_count_experts: group the slots of a routing buffer by expert
@@ -102,6 +105,8 @@ struct RouteParams {
     uint32_t n_experts;  // valid ids are 0 ... n_experts-1 (at most 1023)
     uint32_t cols;       // slots per work item (the packed kernel's NCOLS)
     uint32_t max_items;  // capacity of the work-item list
+    uint32_t top_k;      // entries of a token's row of ids
+    uint32_t ids_stride;  // ids entries between consecutive tokens' rows (>= top_k)
 };
 
 // quantize_x: f32 columns of x into the int8 path's pre-quantized layout (q8::load_x)

@@ -23,8 +23,8 @@ CUKERN_DEVICE float quiet_nan() { return __int_as_float(0x7fffffff); }
 // One warp per token; dynamic shared memory: TOPK_WARPS * n_experts floats.
 // grid: (ceil(n_tokens / TOPK_WARPS)), block: 32 * TOPK_WARPS.
 __global__ void __launch_bounds__(32 * cukern::ew::TOPK_WARPS) softmax_topk(
-    int32_t* __restrict__ ids,          // [n_tokens, k] selected expert ids
-    float* __restrict__ weights,        // [n_tokens, k]
+    int32_t* __restrict__ ids,          // [n_tokens, ids_stride] selected expert ids (k written per row)
+    float* __restrict__ weights,        // [n_tokens, weights_stride] (k written per row)
     const float* __restrict__ logits,   // [n_tokens, n_experts]
     const TopkParams p) {
     cukern::pdl_enter();
@@ -67,8 +67,8 @@ __global__ void __launch_bounds__(32 * cukern::ew::TOPK_WARPS) softmax_topk(
     const float e = lane < p.k ? expf(my_logit - mx) : 0.f;
     const float sel = warp_sum(e);
     if (lane < p.k) {
-        ids[(uint64_t)t * p.k + lane] = my_id;
-        weights[(uint64_t)t * p.k + lane] = p.scale * e / (p.renorm ? sel : denom);
+        ids[(uint64_t)t * p.ids_stride + lane] = my_id;
+        weights[(uint64_t)t * p.weights_stride + lane] = p.scale * e / (p.renorm ? sel : denom);
     }
 }
 
@@ -128,8 +128,8 @@ __global__ void __launch_bounds__(32 * cukern::ew::TOPK_WARPS) softmax_topk_reg(
     const float e = lane < p.k ? expf(ew::key_float(my_key) - mx) : 0.f;
     const float sel = warp_sum(e);
     if (lane < p.k) {
-        ids[(uint64_t)t * p.k + lane] = (int32_t)my_id;
-        weights[(uint64_t)t * p.k + lane] = p.scale * e / (p.renorm ? sel : denom);
+        ids[(uint64_t)t * p.ids_stride + lane] = (int32_t)my_id;
+        weights[(uint64_t)t * p.weights_stride + lane] = p.scale * e / (p.renorm ? sel : denom);
     }
 }
 
@@ -337,8 +337,8 @@ __global__ void __launch_bounds__(cukern::ew::TOPK_L_BLOCK) softmax_topk_lanes(
     const float f = p.scale / (p.renorm ? sum : denom);
     for (uint32_t j = gl; live && j < p.k; j += L) {
         const uint2 o = out[j];
-        ids[(uint64_t)t * p.k + j] = (int32_t)o.x;
-        weights[(uint64_t)t * p.k + j] = __uint_as_float(o.y) * f;
+        ids[(uint64_t)t * p.ids_stride + j] = (int32_t)o.x;
+        weights[(uint64_t)t * p.weights_stride + j] = __uint_as_float(o.y) * f;
     }
 }
 
@@ -348,12 +348,12 @@ template <bool VEC4>
 __global__ void moe_weighted_sum(
     float* __restrict__ out,               // [n_tokens, n_cols]
     const float* __restrict__ expert_out,  // [n_tokens, n_used, n_cols]
-    const float* __restrict__ weights,     // [n_tokens, n_used]
+    const float* __restrict__ weights,     // [n_tokens, w_stride] (n_used used)
     const MoeSumParams p) {
     cukern::pdl_enter();
     const uint32_t n = VEC4 ? p.n_cols / 4 : p.n_cols;
     for (uint32_t t = blockIdx.y; t < p.n_tokens; t += gridDim.y) {
-        const float* wt = weights + (uint64_t)t * p.n_used;
+        const float* wt = weights + (uint64_t)t * p.w_stride;
         for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
             if (VEC4) {
                 float4 acc = p.accumulate ? reinterpret_cast<const float4*>(out + (uint64_t)t * p.n_cols)[i]

@@ -106,6 +106,8 @@ struct TopkParams {
     uint32_t k;          // experts selected per token (<= n_experts)
     uint32_t renorm;     // 1: selected weights rescaled to sum to 1 (= softmax over the top-k logits)
     float scale;         // multiplies the final weights
+    uint32_t ids_stride;      // ids entries between consecutive tokens' rows (>= k; 2k for a RouteSlot)
+    uint32_t weights_stride;  // weights entries between consecutive tokens' rows (>= k)
 };
 
 // moe_weighted_sum: out[t] (+)= sum_j weights[t, j] * expert_out[t, j]
@@ -114,6 +116,7 @@ struct MoeSumParams {
     uint32_t n_used;      // experts per token
     uint32_t n_cols;      // hidden size
     uint32_t accumulate;  // 1: out += sum; 0: out = sum
+    uint32_t w_stride;    // weights entries between consecutive tokens' rows (>= n_used; 2 n_used for a RouteSlot)
 };
 
 // shared_expert_accumulate: hidden[t] += sigmoid(gate_logit[t]) * shared_out[t]
@@ -138,6 +141,9 @@ struct ConvParams {
     uint32_t n_tokens;     // tokens in this call (1: decode)
     uint32_t n_channels;   // channels
     uint32_t kernel_size;  // taps (2..8); the state holds kernel_size - 1 past inputs per channel
+    uint32_t tokens_per_thread;  // tokens of a thread's span (a multiple of CONV_CHUNK; >= n_tokens in place)
+    uint32_t ring;         // 1: the state rows are a ring starting at state_offset; 0: oldest first
+    uint32_t state_offset; // ring: row of the oldest entry (< kernel_size - 1)
 };
 
 // deltanet: gated delta rule over n_tokens tokens of one sequence
@@ -148,4 +154,6 @@ struct DeltaNetParams {
     uint32_t dk;          // key dim (state rows)
     uint32_t dv;          // value dim (state columns)
     float q_scale;        // multiplies q (usually 1 / sqrt(dk))
+    uint32_t qk_l2norm;   // 1: q and k of each head L2-normalised first: x * rsqrt(sum(x^2) + norm_eps)
+    float norm_eps;       // qk_l2norm's epsilon
 };

@@ -13,64 +13,82 @@ constexpr int CONV_CHUNK = 16;  // tokens per thread in conv1d_silu (>= kernel_s
 }  // namespace cukern
 
 // Depthwise causal conv1d + SiLU over n_tokens tokens, with a state of the K - 1 previous inputs:
-//   in_tau = x[tau] for tau >= 0, state[K - 1 + tau] for -(K - 1) <= tau < 0
+//   in_tau = x[tau] for tau >= 0, the state's entry K - 1 + tau (oldest first) for -(K - 1) <= tau < 0
 //   y[t, c] = silu(sum_{j < K} w[c, j] * in_{t - K + 1 + j}[c])
-// and afterwards state = the last K - 1 inputs (oldest first): the window rotates by n_tokens.
-// Thread (chunk, c) computes tokens [chunk * CONV_CHUNK, +CONV_CHUNK) of channel c; chunk 0 is the only
-// reader of the old state and the only writer of the new one, so the update is race-free.
-// grid: (ceil(n_channels / 128), ceil(n_tokens / CONV_CHUNK)), block: 128.
-template <int K>
+// and afterwards the state holds the last K - 1 inputs. Two state layouts:
+//   ring = 0: row j is entry j (oldest first); the rows shift by n_tokens at each call
+//   ring = 1: a ring: entry j lives in row (state_offset + j) % (K - 1), state_offset being the oldest
+//             entry's row; a call writes only the rows of the inputs it adds, and the next call's
+//             state_offset is (state_offset + n_tokens) % (K - 1)
+// Thread (span, c) computes tokens [span * tokens_per_thread, +tokens_per_thread) of channel c, in chunks
+// of CONV_CHUNK (all loads of a chunk in flight before its first use). Span 0 is the only reader of the old
+// state and the only writer of the new one, so the update is race-free. y may alias x (in place) only when
+// one span covers every token (tokens_per_thread >= n_tokens): each thread then reads every input of its
+// channel before writing the output at the same position, and takes the new state from its registers.
+// grid: (ceil(n_channels / 128), ceil(n_tokens / tokens_per_thread)), block: 128.
+template <int K, typename TW>
 __global__ void __launch_bounds__(128) conv1d_silu(
-    float* __restrict__ y,        // [n_tokens, n_channels]
-    float* __restrict__ state,    // [K - 1, n_channels] in/out, oldest input first
-    const float* __restrict__ x,  // [n_tokens, n_channels]
-    const float* __restrict__ w,  // [n_channels, K] taps, oldest first
+    float* y,                     // [n_tokens, n_channels]; may be x (in place, one span)
+    float* __restrict__ state,    // [K - 1, n_channels] in/out (rows: ring = 0 oldest first, else a ring)
+    const float* x,               // [n_tokens, n_channels]
+    const TW* __restrict__ w,     // [n_channels, K] taps, oldest first (f32 or f16)
     const ConvParams p) {
     cukern::pdl_enter();
     static_assert(K >= 2 && K <= 8, "kernel_size 2..8");
+    constexpr int CH = cukern::ew::CONV_CHUNK;
     const uint32_t c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= p.n_channels) return;
-    const int t0 = blockIdx.y * cukern::ew::CONV_CHUNK;
-    const int t1 = min(t0 + cukern::ew::CONV_CHUNK, (int)p.n_tokens);
+    const int t0 = blockIdx.y * p.tokens_per_thread;
+    const int t1 = min(t0 + (int)p.tokens_per_thread, (int)p.n_tokens);
     const uint64_t C = p.n_channels;
+    // row of state entry j (0 oldest .. K - 2), both layouts
+    auto row = [&](int j) -> uint64_t { return p.ring ? (p.state_offset + j) % (K - 1) : j; };
     float taps[K], win[K - 1];
 #pragma unroll
-    for (int j = 0; j < K; ++j) taps[j] = w[c * K + j];
+    for (int j = 0; j < K; ++j) taps[j] = cukern::to_float(w[c * K + j]);
 #pragma unroll
     for (int j = 0; j < K - 1; ++j) {
         const int tau = t0 - (K - 1) + j;
-        win[j] = tau < 0 ? state[(uint64_t)(K - 1 + tau) * C + c] : x[(uint64_t)tau * C + c];
+        win[j] = tau < 0 ? state[row(K - 1 + tau) * C + c] : x[(uint64_t)tau * C + c];
     }
-    float xin[cukern::ew::CONV_CHUNK];  // the chunk's inputs, all loads in flight before the first use
+    for (int tc = t0; tc < t1; tc += CH) {
+        float xin[CH];  // the chunk's inputs
 #pragma unroll
-    for (int i = 0; i < cukern::ew::CONV_CHUNK; ++i) xin[i] = t0 + i < t1 ? x[(uint64_t)(t0 + i) * C + c] : 0.f;
+        for (int i = 0; i < CH; ++i) xin[i] = tc + i < t1 ? x[(uint64_t)(tc + i) * C + c] : 0.f;
 #pragma unroll
-    for (int i = 0; i < cukern::ew::CONV_CHUNK; ++i) {
-        if (t0 + i >= t1) break;
-        float acc = taps[K - 1] * xin[i];
+        for (int i = 0; i < CH; ++i) {
+            if (tc + i >= t1) break;
+            float acc = taps[K - 1] * xin[i];
 #pragma unroll
-        for (int j = 0; j < K - 1; ++j) acc += taps[j] * win[j];
+            for (int j = 0; j < K - 1; ++j) acc += taps[j] * win[j];
 #pragma unroll
-        for (int j = 0; j < K - 2; ++j) win[j] = win[j + 1];
-        win[K - 2] = xin[i];
-        y[(uint64_t)(t0 + i) * C + c] = acc / (1.0f + expf(-acc));
-    }
-    if (t0 == 0) {
-        // new state[j] = input tau = n_tokens - (K - 1) + j; when n_tokens < K - 1 the oldest entries come
-        // from the old state, which this thread alone reads: gather first, then write.
-        float next[K - 1];
-#pragma unroll
-        for (int j = 0; j < K - 1; ++j) {
-            const int tau = (int)p.n_tokens - (K - 1) + j;
-            next[j] = tau < 0 ? state[(uint64_t)(K - 1 + tau) * C + c] : x[(uint64_t)tau * C + c];
+            for (int j = 0; j < K - 2; ++j) win[j] = win[j + 1];
+            win[K - 2] = xin[i];
+            y[(uint64_t)(tc + i) * C + c] = acc / (1.0f + expf(-acc));
         }
+    }
+    if (t0 != 0) return;
+    // new entry j = input tau = n_tokens - (K - 1) + j (an old state entry when tau < 0). One span: win
+    // holds them; else gather (this thread alone reads the old state, so gather first, then write).
+    float next[K - 1];
 #pragma unroll
-        for (int j = 0; j < K - 1; ++j) state[(uint64_t)j * C + c] = next[j];
+    for (int j = 0; j < K - 1; ++j) {
+        const int tau = (int)p.n_tokens - (K - 1) + j;
+        next[j] = t1 == (int)p.n_tokens ? win[j]
+                  : tau < 0 ? state[row(K - 1 + tau) * C + c] : x[(uint64_t)tau * C + c];
+    }
+    const uint32_t shift = p.ring ? p.n_tokens % (K - 1) : 0;  // the new oldest entry's row, relative
+#pragma unroll
+    for (int j = 0; j < K - 1; ++j) {
+        const int tau = (int)p.n_tokens - (K - 1) + j;
+        if (p.ring && tau < 0) continue;  // a ring keeps an old entry in its row
+        state[(uint64_t)(p.ring ? (p.state_offset + shift + j) % (K - 1) : j) * C + c] = next[j];
     }
 }
 
 // Gated delta rule, one sequence, tokens in order. Per value head h (q/k head hq = h / (n_v / n_qk)),
 // state S_h [dk, dv], per token t:
+//   (qk_l2norm: q[t, hq] and k[t, hq] replaced by x * rsqrt(sum(x^2) + norm_eps) first)
 //   S = exp(g[t, h]) * S
 //   delta = beta[t, h] * (v[t, h] - S^T k[t, hq])
 //   S = S + k[t, hq] delta^T
@@ -96,17 +114,23 @@ __global__ void __launch_bounds__(64) deltanet(
         const float* kt = k + ((uint64_t)t * p.n_qk_heads + hq) * p.dk;
         const float* qt = q + ((uint64_t)t * p.n_qk_heads + hq) * p.dk;
         const float decay = expf(g[(uint64_t)t * p.n_v_heads + h]);
-        float kv = 0.f;
-        for (uint32_t i = 0; i < p.dk; ++i) kv += Sh[(uint64_t)i * p.dv] * kt[i];
+        float kv = 0.f, kk = 0.f, qq = 0.f;
+        for (uint32_t i = 0; i < p.dk; ++i) {
+            kv += Sh[(uint64_t)i * p.dv] * kt[i];
+            if (p.qk_l2norm) { kk += kt[i] * kt[i]; qq += qt[i] * qt[i]; }
+        }
+        const float rk = p.qk_l2norm ? rsqrtf(kk + p.norm_eps) : 1.f;  // k's and q's norm factors
+        const float rq = p.qk_l2norm ? rsqrtf(qq + p.norm_eps) : 1.f;
         const uint64_t vo = ((uint64_t)t * p.n_v_heads + h) * p.dv + j;
-        const float delta = beta[(uint64_t)t * p.n_v_heads + h] * (v[vo] - decay * kv);
+        // rk * delta: the update k_n delta^T is k (rk delta)^T
+        const float delta = rk * beta[(uint64_t)t * p.n_v_heads + h] * (v[vo] - decay * rk * kv);
         float out = 0.f;
         for (uint32_t i = 0; i < p.dk; ++i) {
             const float s = decay * Sh[(uint64_t)i * p.dv] + kt[i] * delta;
             Sh[(uint64_t)i * p.dv] = s;
             out += s * qt[i];
         }
-        o[vo] = p.q_scale * out;
+        o[vo] = p.q_scale * rq * out;
     }
 }
 
@@ -212,13 +236,28 @@ __global__ void __launch_bounds__(DELTA_THREADS) deltanet_tiled(
         for (int tt = 0; tt < CH; ++tt) {
             if (tt >= n) break;
             const float decay = gs[tt];
-            float kv = 0.f;
+            float kv = 0.f, kk = 0.f, qq = 0.f;
 #pragma unroll
             for (int m = 0; m < M; ++m) kv += s[m] * ks[tt][r + R * m];
             kv += __shfl_xor_sync(0xffffffffu, kv, 1);
             kv += __shfl_xor_sync(0xffffffffu, kv, 2);
             kv += __shfl_xor_sync(0xffffffffu, kv, 4);
-            const float delta = bs[tt] * (vv[tt] - decay * kv);
+            float rk = 1.f, rq = 1.f;  // k's and q's norm factors (qk_l2norm: uniform branch)
+            if (p.qk_l2norm) {
+#pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    kk += ks[tt][r + R * m] * ks[tt][r + R * m];
+                    qq += qs[tt][r + R * m] * qs[tt][r + R * m];
+                }
+#pragma unroll
+                for (int lane = 1; lane < R; lane *= 2) {
+                    kk += __shfl_xor_sync(0xffffffffu, kk, lane);
+                    qq += __shfl_xor_sync(0xffffffffu, qq, lane);
+                }
+                rk = rsqrtf(kk + p.norm_eps);
+                rq = rsqrtf(qq + p.norm_eps);
+            }
+            const float delta = rk * bs[tt] * (vv[tt] - decay * rk * kv);  // rk * delta, as deltanet
             float out = 0.f;
 #pragma unroll
             for (int m = 0; m < M; ++m) {
@@ -228,7 +267,7 @@ __global__ void __launch_bounds__(DELTA_THREADS) deltanet_tiled(
             out += __shfl_xor_sync(0xffffffffu, out, 1);
             out += __shfl_xor_sync(0xffffffffu, out, 2);
             out += __shfl_xor_sync(0xffffffffu, out, 4);
-            if (active && r == 0) o[((uint64_t)(t0 + tt) * p.n_v_heads + h) * p.dv + j] = p.q_scale * out;
+            if (active && r == 0) o[((uint64_t)(t0 + tt) * p.n_v_heads + h) * p.dv + j] = p.q_scale * rq * out;
         }
     }
 #pragma unroll

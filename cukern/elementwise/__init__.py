@@ -26,6 +26,7 @@ from cukern.elementwise.dispatch import FAMILIES, FAMILY, ROPE_FAMILY, Elementwi
 from cukern.elementwise.kv import contiguous_page_table
 from cukern.elementwise.norms import Q8_1_BLOCK, Q8_1_BLOCK_BYTES
 from cukern.elementwise.rope import ROPE_VEC_HEAD_DIMS, yarn_freqs
+from cukern.routing import RouteSlot
 
 __all__ = ["ElementwiseDispatch", "FAMILY", "ROPE_FAMILY", "FAMILIES", "Q8_1_BLOCK", "Q8_1_BLOCK_BYTES",
-           "ROPE_VEC_HEAD_DIMS", "contiguous_page_table", "yarn_freqs"]
+           "ROPE_VEC_HEAD_DIMS", "RouteSlot", "contiguous_page_table", "yarn_freqs"]

@@ -32,7 +32,7 @@ def _half_heads(a):
 
 
 def _topk_shape(a):
-    return a("logits").shape[0], a("k")
+    return None if a("slot") is not None else (a("logits").shape[0], a("k"))  # None: nothing allocated
 
 
 def _router_shape(a):

@@ -16,7 +16,7 @@ from cukern.elementwise.moe import (_ROUTER_GEMM_CONFIGS, _ROUTER_LARGE, _ROUTER
 from cukern.elementwise.norms import (_GROUP_VPL, _LOOP_BLOCK, _LOOP_KERNELS, _REG_CONFIGS, _REG_CONFIGS_FEW_ROWS,
                                       _REG_KERNELS, Norms)
 from cukern.elementwise.rope import _K_ROPE_ROWS, _ROPE_PPL, _ROPE_VEC_LPH, Rope, _qkv_vec_kernel
-from cukern.elementwise.ssm import _CONV_K, _DELTANET_TILED_DK, Ssm
+from cukern.elementwise.ssm import _CONV_K, _DELTANET_TILED_DK, _TAP_C, Ssm
 from cukern.runtime import FamilySpec, KernelSpec
 
 
@@ -32,7 +32,7 @@ def _kernels() -> list[KernelSpec]:
     ks += [KernelSpec(f"router_matvec<{e}, {t}, {b}>", "RouterParams") for e, t, b in (_ROUTER_SMALL, _ROUTER_LARGE)]
     ks += [KernelSpec(f"router_gemm<{n}, {bk}, {st}>", "RouterParams") for n in ("false", "true")
            for bk, st in _ROUTER_GEMM_CONFIGS]
-    ks += [KernelSpec(f"conv1d_silu<{k}>", "ConvParams") for k in _CONV_K]
+    ks += [KernelSpec(f"conv1d_silu<{k}, {t}>", "ConvParams") for k in _CONV_K for t in _TAP_C]
     ks.append(KernelSpec("deltanet", "DeltaNetParams"))
     ks += [KernelSpec(f"deltanet_tiled<{dk}>", "DeltaNetParams") for dk in _DELTANET_TILED_DK]
     return ks

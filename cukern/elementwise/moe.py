@@ -11,6 +11,7 @@ from cukern.dispatch import check_array
 from cukern.elementwise.common import (_F32, _FLAT_BLOCK, _I32, _MAX_GRID_Y, _aligned, _check_disjoint, _check_distinct,
                                        _check_eps, _flat_grid, _router_shape, _topk_shape, _vec)
 from cukern.interop import like, tensors
+from cukern.routing import RouteSlot, route_rows
 
 _TOPK_WARPS = 4
 _TOPK_MAX_K = 32
@@ -45,20 +46,32 @@ class Moe:
     @tensors(ids=like("logits", shape=_topk_shape, dtype=np.int32),
              weights=like("logits", shape=_topk_shape, dtype=np.float32))
     def softmax_topk(self, logits: cupy.ndarray, ids: cupy.ndarray | None = None, weights: cupy.ndarray | None = None,
-                     *, k: int, renorm: bool = True, scale: float = 1.0, stream=None):
+                     *, k: int, renorm: bool = True, scale: float = 1.0, slot: RouteSlot | None = None, stream=None):
         """Router top-k: per token, the k largest logits (ties: lower id first) in descending order into
         ids: [n_tokens, k] int32 and weights: [n_tokens, k] f32 = scale * softmax(logits)[id], rescaled to
         sum to scale when ``renorm`` (equal to a softmax over the k selected logits, as gpt-oss and
-        Qwen3 route). logits: [n_tokens, n_experts] f32. Returns (ids, weights)."""
+        Qwen3 route). logits: [n_tokens, n_experts] f32. Returns (ids, weights).
+
+        ``slot``: a :class:`~cukern.routing.RouteSlot` [n_tokens, 2k] written instead (ids and weights
+        left None): per token the k ids, then the k weights' bits; returns the slot."""
         n_tokens, n_experts = self._rows(logits, "logits")
         if not isinstance(k, (int, np.integer)) or not 1 <= k <= min(n_experts, _TOPK_MAX_K):
             raise ValueError(f"softmax_topk: k must be in [1, min(n_experts={n_experts}, {_TOPK_MAX_K})], got {k}")
         if n_experts > _TOPK_MAX_EXPERTS:
             raise ValueError(f"softmax_topk: at most {_TOPK_MAX_EXPERTS} experts, got {n_experts}")
-        check_array("ids", ids, dtype=_I32, shape=(n_tokens, k))
-        check_array("weights", weights, dtype=_F32, shape=(n_tokens, k))
+        if slot is not None:
+            if not isinstance(slot, RouteSlot) or ids is not None or weights is not None:
+                raise TypeError("softmax_topk: slot must be a RouteSlot, given without ids and weights")
+            if slot.buf.shape[0] != n_tokens or slot.top_k != k:
+                raise ValueError(f"softmax_topk: slot must be [{n_tokens}, {2 * k}] with top_k={k}, got "
+                                 f"{slot.buf.shape} with top_k={slot.top_k}")
+            _check_disjoint("softmax_topk", dict(slot=slot.buf), dict(logits=logits))
+            ids, weights = slot.ids, slot.weights
+        ids, ids_stride = route_rows("ids", ids, _I32, shape=(n_tokens, k))
+        weights, weights_stride = route_rows("weights", weights, _F32, shape=(n_tokens, k))
         params = self.struct("TopkParams").pack(n_tokens=n_tokens, n_experts=n_experts, k=int(k),
-                                                renorm=int(bool(renorm)), scale=scale)
+                                                renorm=int(bool(renorm)), scale=scale, ids_stride=ids_stride,
+                                                weights_stride=weights_stride)
         grid = -(-n_tokens // _TOPK_WARPS)
         epl = next((e for e in _TOPK_EPL if n_experts <= 32 * e), None)
         if (n_tokens >= _TOPK_LANES_MIN_TOKENS and n_experts % 4 == 0 and n_experts <= 32 * _TOPK_LANES_V[-1]
@@ -73,23 +86,25 @@ class Moe:
         else:
             self._launch("softmax_topk", grid, 32 * _TOPK_WARPS, (ids, weights, logits), params, stream=stream,
                          shared_mem=_TOPK_WARPS * n_experts * 4)
-        return ids, weights
+        return (ids, weights) if slot is None else slot
 
     @tensors(out=like("expert_out", shape=lambda a: (a("expert_out").shape[0], a("expert_out").shape[2])))
-    def moe_weighted_sum(self, expert_out: cupy.ndarray, weights: cupy.ndarray, out: cupy.ndarray | None = None, *,
-                         accumulate: bool = False, stream=None) -> cupy.ndarray:
+    def moe_weighted_sum(self, expert_out: cupy.ndarray, weights: cupy.ndarray | RouteSlot,
+                         out: cupy.ndarray | None = None, *, accumulate: bool = False, stream=None) -> cupy.ndarray:
         """``out[t] (+)= sum_j weights[t, j] * expert_out[t, j]``: expert_out [n_tokens, n_used, n_cols] f32,
-        weights [n_tokens, n_used] f32, out [n_tokens, n_cols] f32 (``accumulate``: add to out)."""
+        weights [n_tokens, n_used] f32 (rows may be a stride apart) or a RouteSlot (its weights), out
+        [n_tokens, n_cols] f32 (``accumulate``: add to out)."""
         check_array("expert_out", expert_out, dtype=_F32, ndim=3)
         n_tokens, n_used, n_cols = expert_out.shape
         if expert_out.size == 0:
             raise ValueError("moe_weighted_sum: expert_out must be non-empty")
-        check_array("weights", weights, dtype=_F32, shape=(n_tokens, n_used))
+        weights, w_stride = route_rows("weights", weights.weights if isinstance(weights, RouteSlot) else weights, _F32,
+                                       shape=(n_tokens, n_used))
         check_array("out", out, dtype=_F32, shape=(n_tokens, n_cols))
         _check_disjoint("moe_weighted_sum", dict(out=out), dict(expert_out=expert_out, weights=weights))
         vec = n_cols % 4 == 0 and _aligned(out, expert_out)
         params = self.struct("MoeSumParams").pack(n_tokens=n_tokens, n_used=n_used, n_cols=n_cols,
-                                                  accumulate=int(bool(accumulate)))
+                                                  accumulate=int(bool(accumulate)), w_stride=w_stride)
         grid = (_flat_grid(n_cols // 4 if vec else n_cols), min(n_tokens, _MAX_GRID_Y))
         self._launch(f"moe_weighted_sum<{_vec(vec)}>", grid, _FLAT_BLOCK, (out, expert_out, weights), params,
                      stream=stream)

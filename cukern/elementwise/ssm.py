@@ -5,13 +5,16 @@
 from __future__ import annotations
 
 import cupy
+import numpy as np
 
 from cukern.dispatch import check_array
-from cukern.elementwise.common import _F32, _MAX_GRID_Y, _check_disjoint
+from cukern.elementwise.common import _F32, _MAX_GRID_Y, _check_disjoint, _check_eps
 from cukern.interop import like, tensors
 
 _CONV_CHUNK = 16
 _CONV_K = (2, 3, 4)
+_TAP_TYPES = (_F32, np.dtype(np.float16))  # conv1d_silu's taps
+_TAP_C = ("float", "__half")
 _DELTANET_TILED_DK = (64, 128)
 
 
@@ -20,36 +23,53 @@ class Ssm:
 
     @tensors(y=like("x"))
     def conv1d_silu(self, x: cupy.ndarray, state: cupy.ndarray, w: cupy.ndarray, y: cupy.ndarray | None = None, *,
-                    stream=None) -> cupy.ndarray:
-        """Depthwise causal conv1d + SiLU over n_tokens tokens (1: decode; more: prefill) with a rolling
-        state of the previous kernel_size - 1 inputs: x, y [n_tokens, n_channels] f32; state
-        [kernel_size - 1, n_channels] f32, oldest first, updated in place; w [n_channels, kernel_size] f32
-        (taps oldest first), kernel_size in (2, 3, 4)."""
+                    state_offset: int | None = None, stream=None) -> cupy.ndarray:
+        """Depthwise causal conv1d + SiLU over n_tokens tokens (1: decode; more: prefill) with a state of
+        the previous kernel_size - 1 inputs, updated in place: x, y [n_tokens, n_channels] f32 (y may be
+        x: in place); state [kernel_size - 1, n_channels] f32; w [n_channels, kernel_size] f32 or f16
+        (taps oldest first), kernel_size in (2, 3, 4).
+
+        state_offset None: the state's rows are oldest first and shift by n_tokens at each call.
+        An int in [0, kernel_size - 1): the rows are a ring whose oldest entry is row state_offset; the
+        call writes only the rows of the inputs it adds, and the caller's next state_offset is
+        ``(state_offset + n_tokens) % (kernel_size - 1)``."""
         n_tokens, n_ch = self._rows(x)
-        check_array("w", w, dtype=_F32, ndim=2)
+        check_array("w", w, dtype=_TAP_TYPES, ndim=2)
         K = w.shape[1]
         if w.shape[0] != n_ch or K not in _CONV_K:
             raise ValueError(f"conv1d_silu: w must be [{n_ch}, kernel_size] with kernel_size in {_CONV_K}, got {w.shape}")
         check_array("state", state, dtype=_F32, shape=(K - 1, n_ch))
         check_array("y", y, dtype=_F32, shape=(n_tokens, n_ch))
-        _check_disjoint("conv1d_silu", dict(y=y, state=state), dict(x=x, w=w))
-        grid = (-(-n_ch // 128), -(-n_tokens // _CONV_CHUNK))
+        ring = state_offset is not None
+        if ring and (isinstance(state_offset, bool) or not isinstance(state_offset, (int, np.integer))
+                     or not 0 <= state_offset < K - 1):
+            raise ValueError(f"conv1d_silu: state_offset must be None or an int in [0, {K - 1}), got {state_offset!r}")
+        in_place = y.data.ptr == x.data.ptr
+        _check_disjoint("conv1d_silu", dict(y=None if in_place else y, state=state), dict(x=x, w=w))
+        span = -(-n_tokens // _CONV_CHUNK) * _CONV_CHUNK if in_place else _CONV_CHUNK
+        grid = (-(-n_ch // 128), -(-n_tokens // span))
         if grid[1] > _MAX_GRID_Y:
             raise ValueError(f"conv1d_silu: at most {_MAX_GRID_Y * _CONV_CHUNK} tokens per call")
-        params = self.struct("ConvParams").pack(n_tokens=n_tokens, n_channels=n_ch, kernel_size=K)
-        self._launch(f"conv1d_silu<{K}>", grid, 128, (y, state, x, w), params, stream=stream)
+        params = self.struct("ConvParams").pack(n_tokens=n_tokens, n_channels=n_ch, kernel_size=K,
+                                                tokens_per_thread=span, ring=int(ring),
+                                                state_offset=int(state_offset or 0))
+        tap = "float" if w.dtype == _F32 else "__half"
+        self._launch(f"conv1d_silu<{K}, {tap}>", grid, 128, (y, state, x, w), params, stream=stream)
         return y
 
     @tensors(o=like("v"))
     def deltanet(self, q: cupy.ndarray, k: cupy.ndarray, v: cupy.ndarray, g: cupy.ndarray, beta: cupy.ndarray,
                  state: cupy.ndarray, o: cupy.ndarray | None = None, *, q_scale: float | None = None,
-                 tiled: bool | None = None, stream=None) -> cupy.ndarray:
+                 qk_l2norm: bool = False, norm_eps: float = 1e-6, tiled: bool | None = None,
+                 stream=None) -> cupy.ndarray:
         """Gated delta rule over n_tokens tokens of one sequence (1: decode), state updated in place.
         Per value head h (q/k head h // (n_v_heads // n_qk_heads)) and token t:
         ``S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T (q_scale q)``.
 
         q, k: [n_tokens, n_qk_heads, dk]; v, o: [n_tokens, n_v_heads, dv]; g (log decay), beta:
         [n_tokens, n_v_heads]; state: [n_v_heads, dk, dv]; all f32. q_scale defaults to dk**-0.5.
+        qk_l2norm: each head of q and k L2-normalised in the kernel first, ``x * rsqrt(sum(x^2) + norm_eps)``
+        (as ``group_norm(l2=True)`` without a weight), so the projections' outputs go in as they are.
         tiled: the register-tiled kernel (dk in (64, 128)); None picks it when dk allows."""
         check_array("q", q, dtype=_F32, ndim=3)
         n_tokens, n_qk, dk = q.shape
@@ -67,12 +87,14 @@ class Ssm:
         _check_disjoint("deltanet", dict(o=o, state=state), dict(q=q, k=k, v=v, g=g, beta=beta))
         if n_v > _MAX_GRID_Y:
             raise ValueError(f"deltanet: at most {_MAX_GRID_Y} value heads")
+        _check_eps(norm_eps, "deltanet")
         if tiled is None:
             tiled = dk in _DELTANET_TILED_DK
         elif tiled and dk not in _DELTANET_TILED_DK:
             raise ValueError(f"deltanet: the tiled kernel needs dk in {_DELTANET_TILED_DK}, got {dk}")
         params = self.struct("DeltaNetParams").pack(n_tokens=n_tokens, n_v_heads=n_v, n_qk_heads=n_qk, dk=dk, dv=dv,
-                                                    q_scale=dk ** -0.5 if q_scale is None else q_scale)
+                                                    q_scale=dk ** -0.5 if q_scale is None else q_scale,
+                                                    qk_l2norm=int(bool(qk_l2norm)), norm_eps=norm_eps)
         ptrs = (o, state, q, k, v, g, beta)
         if tiled:
             self._launch(f"deltanet_tiled<{dk}>", (-(-dv // 16), n_v), 128, ptrs, params, stream=stream)

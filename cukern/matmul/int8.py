@@ -139,7 +139,8 @@ class Int8:
     @tensors(q=like("x", shape=_q_rows(34), dtype=np.uint8))
     def quantize_q8_0(self, x: cupy.ndarray, q: cupy.ndarray | None = None, *, stream=None) -> cupy.ndarray:
         """Quantize the rows of x to GGUF Q8_0 blocks (half d = absmax / 127, 32 int8 rounded half
-        away from zero) in q: uint8 [n_rows, n_cols / 32 * 34]. One pass."""
+        away from zero) in q: uint8 [n_rows, n_cols / 32 * 34]. One pass. No GEMM reads Q8_0: the int8
+        chain runs on Q8_1 (:meth:`quantize_q8_1`, docs/ARCHITECTURE.md's matmul section)."""
         return self._quantize(1, x, q, stream)
 
     @tensors(out=like("w", shape=lambda a: (a("w").m, a("w").k), dtype=np.float16))

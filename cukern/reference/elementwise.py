@@ -254,6 +254,13 @@ def softmax_topk(logits, k, *, renorm=True, scale=1.0):
     return ids, scale * w
 
 
+def route_slot(ids, weights):
+    """The packed route slot of (ids [n_tokens, k], weights [n_tokens, k]): uint32 [n_tokens, 2k], the ids
+    and then the f32 weights' bits (cukern.routing.RouteSlot)."""
+    return np.concatenate([np.asarray(ids, np.int32).view(np.uint32),
+                           np.asarray(weights, np.float32).view(np.uint32)], axis=1)
+
+
 def moe_weighted_sum(expert_out, weights, out=None):
     s = np.einsum("tjc,tj->tc", _f64(expert_out), _f64(weights))
     return s if out is None else _f64(out) + s
@@ -273,8 +280,13 @@ def router_rms_norm_matvec(x, w_norm, W, *, eps=1e-6, weight_offset=0.0, scale=1
 
 # ---------------------------------------------------------------------------------- SSM / DeltaNet
 
-def conv1d_silu(x, state, w):
-    """Returns (y, new_state). x [n_tokens, C], state [K-1, C], w [C, K]."""
+def conv1d_silu(x, state, w, *, state_offset=None):
+    """Returns (y, new_state). x [n_tokens, C], state [K-1, C], w [C, K]. state_offset None: state rows
+    oldest first; an int: the rows are a ring whose oldest entry is row state_offset, and new_state is
+    the ring after the call (oldest entry at row (state_offset + n_tokens) % (K - 1))."""
+    if state_offset is not None:
+        y, st = conv1d_silu(x, np.roll(_f64(state), -state_offset, axis=0), w)
+        return y, np.roll(st, (state_offset + np.shape(x)[0]) % (np.shape(w)[1] - 1), axis=0)
     x, st, w = _f64(x), _f64(state), _f64(w)
     K = w.shape[1]
     seq = np.concatenate([st, x], axis=0)  # [K - 1 + n_tokens, C]
@@ -285,9 +297,12 @@ def conv1d_silu(x, state, w):
     return acc / (1.0 + np.exp(-acc)), seq[-(K - 1):].copy()
 
 
-def deltanet(q, k, v, g, beta, state, *, q_scale=None):
-    """Returns (o [n_tokens, n_v, dv], new_state [n_v, dk, dv])."""
+def deltanet(q, k, v, g, beta, state, *, q_scale=None, qk_l2norm=False, norm_eps=1e-6):
+    """Returns (o [n_tokens, n_v, dv], new_state [n_v, dk, dv]). qk_l2norm: q and k heads first scaled by
+    rsqrt(sum(x^2) + norm_eps)."""
     q, k, v, g, beta = map(_f64, (q, k, v, g, beta))
+    if qk_l2norm:
+        q, k = (a / np.sqrt((a * a).sum(-1, keepdims=True) + norm_eps) for a in (q, k))
     S = _f64(state).copy()
     n_tokens, n_qk, dk = q.shape
     n_v = v.shape[1]
