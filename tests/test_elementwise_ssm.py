@@ -5,6 +5,7 @@ Outputs are poisoned with NaN first; tolerances (the DeltaNet recurrences' among
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 cupy = pytest.importorskip("cupy")
@@ -60,3 +61,18 @@ def test_deltanet_baseline_and_tiled_agree_with_reference(d, rng, n_qk, n_v, dk,
             outs[tiled] = o.get()
         if len(outs) == 2:
             assert_close(outs[True], outs[False], name="tiled vs baseline", **tol)
+
+
+@gpu
+@pytest.mark.parametrize("n_tok,n_k,group", [(1, 1, 1), (5, 2, 4), (33, 3, 2), (1, 1, 32)])
+def test_deltanet_gates_per_key_head_layout(d, rng, n_tok, n_k, group):
+    n_v = n_k * group
+    ba = _randn(rng, n_tok, 2 * n_v, scale=6)  # alphas past softplus's threshold of 20 too, with the bias
+    ba[0, -1] = 30.0
+    a = -np.exp(_randn(rng, n_v))
+    dt = _randn(rng, n_v)
+    g, beta = _empty(n_tok, n_v), _empty(n_tok, n_v)
+    d.deltanet_gates(_dev(ba), _dev(a), _dev(dt), g, beta, group=group)
+    want_g, want_beta = ref.deltanet_gates(ba, a, dt, group=group)
+    assert_close(g, want_g, name="g")
+    assert_close(beta, want_beta, name="beta")

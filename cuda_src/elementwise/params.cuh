@@ -146,3 +146,10 @@ struct DeltaNetParams {
     uint32_t dv;          // value dim (state columns)
     float q_scale;        // multiplies q (usually 1 / sqrt(dk))
 };
+
+// deltanet_gates (ssm.cuh): DeltaNet's log decay and write strength per token and value head
+struct DeltaNetGateParams {
+    uint32_t n_tokens;   // tokens
+    uint32_t n_v_heads;  // value heads (gates per token)
+    uint32_t group;      // value heads per key head: ba holds [b(group) | alpha(group)] per key head
+};

@@ -34,6 +34,7 @@ def _kernels() -> list[KernelSpec]:
     ks += [KernelSpec(f"conv1d_silu<{k}>", "ConvParams") for k in _CONV_K]
     ks.append(KernelSpec("deltanet", "DeltaNetParams"))
     ks += [KernelSpec(f"deltanet_tiled<{dk}>", "DeltaNetParams") for dk in _DELTANET_TILED_DK]
+    ks.append(KernelSpec("deltanet_gates", "DeltaNetGateParams"))
     return ks
 
 
