@@ -17,6 +17,7 @@ one, the tensor or key.
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -32,6 +33,9 @@ __all__ = ["GGUFError", "ModelConfig", "Tensor", "GGUFModel", "load_gguf", "SUPP
            "SUPPORTED_TYPES", "required_tensors"]
 
 SUPPORTED_ARCHS = ("gemma3", "llama", "qwen2", "qwen3")
+# architectures whose config and tensor list live in a module of their own (imported on first use); each
+# defines config(reader, path, tensors) -> ModelConfig and required_tensors(cfg)
+ARCH_MODULES = {"qwen3next": "cukern.models.hybrid_config"}
 # raw block formats the forward pass accepts for weights (norm vectors and biases must be F32)
 SUPPORTED_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K)
 _ARENA_ALIGN = 256  # bytes: every tensor starts 256-byte aligned in the device arena
@@ -116,6 +120,8 @@ class Tensor:
 def required_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the forward pass of ``cfg.arch`` reads, with its shape (PyTorch order)."""
     d, q, kv, ff, hd = cfg.d_model, cfg.q_dim, cfg.kv_dim, cfg.d_ff, cfg.head_dim
+    if cfg.arch in ARCH_MODULES:
+        return importlib.import_module(ARCH_MODULES[cfg.arch]).required_tensors(cfg)
     need = {"token_embd.weight": (cfg.vocab_size, d), "output_norm.weight": (d,)}
     if not cfg.tied_output:
         need["output.weight"] = (cfg.vocab_size, d)
@@ -137,8 +143,11 @@ def required_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def _config(reader, path: str, tensors: dict[str, "Tensor"]) -> ModelConfig:
     arch = read_key(reader, "general.architecture", "str", path)
+    if arch in ARCH_MODULES:
+        return importlib.import_module(ARCH_MODULES[arch]).config(reader, path, tensors)
     if arch not in SUPPORTED_ARCHS:
-        raise GGUFError(f"{path}: unsupported architecture {arch!r} (cukern runs {', '.join(SUPPORTED_ARCHS)})")
+        raise GGUFError(f"{path}: unsupported architecture {arch!r} (cukern runs "
+                        f"{', '.join(SUPPORTED_ARCHS + tuple(ARCH_MODULES))})")
 
     def dim(key, default=_REQUIRED, hi=_INT32_MAX, note=""):
         return read_key(reader, f"{arch}.{key}", "int", path, default, lo=1, hi=hi, note=note)

@@ -127,9 +127,16 @@ def _bpe_vocab():
     return tokens, types, merges_ok
 
 
+# architectures whose writer lives in a module of their own: write_tiny(path, spec, seed=) there
+_ARCH_WRITERS = {"qwen3next": "cukern.models.hybrid_tiny"}
+
+
 def write_tiny_gguf(path, spec: TinySpec, *, seed: int = 0) -> str:
     """Write a random-weight ``spec.arch`` model with its tokenizer to ``path``; returns the path."""
     arch = spec.arch
+    if arch in _ARCH_WRITERS:
+        import importlib
+        return importlib.import_module(_ARCH_WRITERS[arch]).write_tiny(path, spec, seed=seed)
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     if arch in ("gemma3", "llama"):
