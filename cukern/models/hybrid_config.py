@@ -31,7 +31,7 @@ import numpy as np
 from cukern.models.gguf_loader import ModelConfig
 from cukern.models.gguf_parse import _INT32_MAX, GGUFError, read_key
 
-__all__ = ["HybridConfig", "config", "required_tensors", "CONV_KERNELS", "ARCH"]
+__all__ = ["HybridConfig", "config", "required_tensors", "legacy_rows", "CONV_KERNELS", "ARCH"]
 
 ARCH = "qwen3next"
 CONV_KERNELS = (2, 3, 4)  # taps the conv1d_silu kernel has instances for
@@ -183,3 +183,17 @@ def required_tensors(cfg: HybridConfig) -> dict[str, tuple[int, ...]]:
                          b + "ffn_gate_inp_shexp.weight": (d,), b + "ffn_gate_shexp.weight": (fs, d),
                          b + "ffn_up_shexp.weight": (fs, d), b + "ffn_down_shexp.weight": (d, fs)})
     return need
+
+
+def legacy_rows(cfg: HybridConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Row indices into a legacy ``ssm_in`` [per key head: q (dk), k (dk), v (group dv), z (group dv)] that
+    make ``attn_qkv``'s rows (every q, then every k, then every v) and ``attn_gate``'s (every z)."""
+    dk, dv, n_k = cfg.ssm_dk, cfg.ssm_dv, cfg.ssm_k_heads
+    gv = cfg.ssm_v_heads // n_k * dv
+    per = 2 * dk + 2 * gv
+    base = np.arange(n_k)[:, None] * per
+    q = (base + np.arange(dk)).reshape(-1)
+    k = (base + dk + np.arange(dk)).reshape(-1)
+    v = (base + 2 * dk + np.arange(gv)).reshape(-1)
+    z = (base + 2 * dk + gv + np.arange(gv)).reshape(-1)
+    return np.concatenate([q, k, v]), z
