@@ -221,6 +221,31 @@ def test_forward_passes_every_dispatch_check_without_gpu(hybrid, which, monkeypa
             "qk_norm_rope_kv", "dmmv", "embed_rows"} <= names, names
 
 
+@pytest.mark.parametrize("which,chunk", [("h4", 5), ("h4", 16), ("h6", 7), ("legacy", 16)])
+def test_hybrid_orchestration_on_numpy_fakes(hybrid, which, chunk, rng, monkeypatch):
+    """HybridModel's control flow with every dispatch a NumPy fake (tests/hybrid_fakes.py): three prompts of 29,
+    3 and 11 tokens (pages of 4, chunks of ``chunk`` rows) decode together through a replayed "graph" and
+    every sequence's 9 greedy tokens equal the float64 reference's; a slot's state is zeroed when it is
+    added (NaN otherwise: a stale or unwritten state shows); a prompt chunk replayed for a length seen before
+    runs on its own slot's state; one sequence alone and eager decode give the same tokens."""
+    pytest.importorskip("cupy")
+    from hybrid_fakes import fake_hybrid
+    from model_fakes import FakeGraph
+    m = load_gguf(hybrid[which])
+    t = fake_hybrid(m, monkeypatch, max_seqs=3, max_tokens=48, page_size=4, prefill_chunk=chunk)
+    prompts = [rng.integers(0, m.config.vocab_size, size=n).tolist() for n in (29, 3, 11)]
+    out, stats = t.generate(prompts, 9)
+    assert stats.decode_tokens == 7 * 3 and t._dec["graph"].replays == 7
+    for p, o in zip(prompts, out):
+        assert o == _ref(m).generate(p, 9), p
+    assert t.generate([prompts[2]], 9, use_graph=False)[0][0] == out[2]
+    again, _ = t.generate(prompts[::-1], 9)   # other slots for the same prompts, chunk graphs per slot
+    assert again == out[::-1]
+    replays = sum(g.replays for st in t._chunks.values() for g in st.graphs.values() if isinstance(g, FakeGraph))
+    assert (replays > 0) == (chunk < 29 // 2)   # a 29-token prompt repeats its chunk length
+    assert t.cache.resets == 3 + 1 + 3
+
+
 # ----------------------------------------------------------------------------------------------- GPU
 
 def _gpu_model(path, **kw):
