@@ -253,50 +253,64 @@ def _gpu_model(path, **kw):
     return HybridModel.load(path, **kw)
 
 
+def _check_greedy(m, prompt, got, tol=1e-3):
+    """Every GPU token is the reference's argmax, or within tol (relative to the largest |logit|) of it, with
+    the reference fed the GPU's tokens (a near-tie may flip between f32 and f64 without being wrong)."""
+    r = _ref(m)
+    logits = r.forward(prompt, last_only=True)
+    for step, t in enumerate(got):
+        gap = logits.max() - logits[t]
+        assert gap <= tol * np.abs(logits).max(), f"step {step}: token {t} is {gap:.3g} below the argmax"
+        logits = r.forward([t], last_only=True)
+
+
 @gpu
 @pytest.mark.parametrize("which", list(SPECS))
-@pytest.mark.parametrize("kv_dtype,chunk,bound", [("float32", 64, 1e-7), ("float32", 5, 1e-7), ("float16", 16, 1e-4)])
+@pytest.mark.parametrize("kv_dtype,chunk,bound", [("float32", 5, 1e-8), ("float32", 64, 1e-5), ("float16", 16, 1e-5)])
 def test_gpu_prefill_and_decode_logits_match_reference(hybrid, which, kv_dtype, chunk, bound, rng):
-    """b1: a 37-token prompt (chunked: 5 rows through the matvec, 16 through the GEMM) then 6 single-token
-    prefills (the decode shape through prefill), last-token logits against the float64 reference."""
+    """b1: a 37-token prompt (chunks of 5 rows through the matvec with f32 activations; of 16 and 64 through
+    the GEMM, activations rounded to f16) then 6 one-token prefills (the decode shape), the last token's
+    logits after each against the float64 reference."""
     import cupy
     m = load_gguf(hybrid[which])
     lm = _gpu_model(hybrid[which], max_seqs=2, max_tokens=96, page_size=4, kv_dtype=kv_dtype, prefill_chunk=chunk)
     r = _ref(m)
     toks = rng.integers(0, m.config.vocab_size, size=43).tolist()
     slot = lm.cache.add(0)
-    logits = cupy.empty(m.config.vocab_size, cupy.float32)
+    logits = cupy.full(m.config.vocab_size, np.nan, cupy.float32)
     for part in (toks[:37], *([t] for t in toks[37:])):
         lm.prefill(part, slot, logits)
-        want = r.forward(part, last_only=True)
-        e = nmse(logits.get(), want)
+        e = nmse(logits.get(), r.forward(part, last_only=True))
         assert e < bound, (len(part), e)
 
 
 @gpu
 @pytest.mark.parametrize("which", list(SPECS))
 def test_gpu_greedy_continuations_b1_and_b8_match_reference(hybrid, which, rng):
-    """Eight prompts of different lengths decode together (per-sequence DeltaNet state beside the paged
-    cache, a captured step replayed); each sequence's greedy tokens equal the float64 reference's and the
-    same prompt alone (b1); eager decode gives the same tokens as the graph."""
+    """Eight prompts of different lengths (1 ... 40 tokens) decode together: per-sequence DeltaNet state
+    beside the paged cache, a captured step replayed. Every sequence's greedy tokens follow the float64
+    reference (:func:`_check_greedy`), alone (b1) as in the batch; eager decode of a batch gives the graph's
+    tokens."""
     m = load_gguf(hybrid[which])
     lm = _gpu_model(hybrid[which], max_seqs=8, max_tokens=80, page_size=4, kv_dtype="float32", prefill_chunk=16)
-    r = _ref(m)
     lens = (1, 2, 3, 7, 13, 17, 29, 40)
     prompts = [rng.integers(0, m.config.vocab_size, size=n).tolist() for n in lens]
     out, stats = lm.generate(prompts, 10)
-    assert stats.graph and lm._dec["graph"] is not None
+    assert stats.graph and stats.decode_tokens == 8 * 8 and lm._dec["graph"] is not None
     for p, o in zip(prompts, out):
-        assert o == r.generate(p, 10), p
+        assert len(o) == 10
+        _check_greedy(m, p, o)
     for b in (0, 6):
-        assert lm.generate([prompts[b]], 10)[0][0] == out[b]
-    assert lm.generate(prompts[2:5], 10, use_graph=False)[0] == out[2:5]
+        _check_greedy(m, prompts[b], lm.generate([prompts[b]], 10)[0][0])
+    graph, _ = lm.generate(prompts[2:5], 10)
+    assert lm.generate(prompts[2:5], 10, use_graph=False)[0] == graph
 
 
 @gpu
 def test_gpu_state_is_reset_per_sequence_and_decode_logits_match(hybrid, rng):
-    """A slot reused after free starts from a zero state (its first logits equal a fresh reference's), and
-    the logits of every graph-replayed decode step of a batch of 3 match the reference (NMSE)."""
+    """A slot reused after free starts from a zero state (its prompt's logits equal a fresh reference's), and
+    the logits of every decode step of a batch of 3 ragged prompts (steps 2... graph replays) match the
+    reference fed the GPU's tokens (NMSE)."""
     import cupy
     m = load_gguf(hybrid["h4"])
     lm = _gpu_model(hybrid["h4"], max_seqs=3, max_tokens=64, page_size=4, kv_dtype="float32", prefill_chunk=8)
@@ -305,14 +319,15 @@ def test_gpu_state_is_reset_per_sequence_and_decode_logits_match(hybrid, rng):
     lm.cache.free(1)
     slot = lm.cache.add(0)
     assert slot == 1
-    logits = cupy.empty(m.config.vocab_size, cupy.float32)
+    logits = cupy.full(m.config.vocab_size, np.nan, cupy.float32)
     lm.prefill(prompts[2], slot, logits)
-    assert nmse(logits.get(), _ref(m).forward(prompts[2], last_only=True)) < 1e-7
+    assert nmse(logits.get(), _ref(m).forward(prompts[2], last_only=True)) < 1e-8
     steps = []
-    lm.generate(prompts, 6, on_token=lambda step, ids: steps.append(lm._dec["logits"].get()))
-    refs = [_ref(m) for _ in prompts]
-    for b, (p, rf) in enumerate(zip(prompts, refs)):
-        want = rf.forward(p, last_only=True)
-        for s, got in enumerate(steps):
-            assert nmse(got[b], want) < 1e-7, (b, s)
-            want = rf.forward([int(np.argmax(want))], last_only=True)
+    lm.generate(prompts, 6, on_token=lambda step, ids: steps.append((np.array(ids), lm._dec["logits"].get())))
+    assert len(steps) == 6
+    for b, p in enumerate(prompts):
+        r = _ref(m)
+        want = r.forward(p, last_only=True)
+        for s, (ids, got) in enumerate(steps):
+            assert nmse(got[b], want) < 1e-8, (b, s)
+            want = r.forward([int(ids[b])], last_only=True)

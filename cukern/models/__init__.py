@@ -4,6 +4,8 @@
 * :mod:`cukern.models.tokenizer` - :class:`Tokenizer` from the GGUF's own vocabulary;
 * :mod:`cukern.models.transformer` - :class:`Transformer`: the GPU forward (Gemma 3, Llama, Qwen2,
   Qwen3), chunked prefill and graph-captured decode with device-side sampling;
+* :mod:`cukern.models.hybrid` - :class:`HybridModel`: the DeltaNet hybrid (``qwen3next``) on the Transformer's
+  step machinery, its recurrent state per sequence beside the paged KV cache;
 * :mod:`cukern.models.tiny` - tiny random-weight GGUF files for tests;
 * :func:`default_model_path` - Gemma 3 270M Q4_K_M from the ``model`` extra.
 
@@ -14,10 +16,11 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["load_gguf", "GGUFError", "Tokenizer", "Transformer", "default_model_path"]
+__all__ = ["load_gguf", "GGUFError", "Tokenizer", "Transformer", "HybridModel", "default_model_path"]
 
 _LAZY = {"load_gguf": "cukern.models.gguf_loader", "GGUFError": "cukern.models.gguf_loader",
-         "Tokenizer": "cukern.models.tokenizer", "Transformer": "cukern.models.transformer"}
+         "Tokenizer": "cukern.models.tokenizer", "Transformer": "cukern.models.transformer",
+         "HybridModel": "cukern.models.hybrid"}
 
 
 def default_model_path() -> str:
