@@ -32,7 +32,8 @@ class HybridElementwise(Elementwise):
             pos, seq = (positions[0] + t, seq_ids[0]) if pos_mode == "consecutive" else (positions[t], seq_ids[t])
             p = np.array([pos])
             qt, kt = R.rms_norm(np.asarray(q[t:t + 1]), wq, eps), R.rms_norm(np.asarray(k[t:t + 1]), wk, eps)
-            qt[..., :rd], kt[..., :rd] = R.rope(qt[..., :rd], p, freq_base, neox), R.rope(kt[..., :rd], p, freq_base, neox)
+            qt[..., :rd] = R.rope(qt[..., :rd], p, freq_base, neox)
+            kt[..., :rd] = R.rope(kt[..., :rd], p, freq_base, neox)
             q_out[t] = qt[0]
             page = page_table[seq, pos // page_size]
             assert page >= 0, f"write to an unassigned page: sequence {seq}, position {pos}"

@@ -107,10 +107,14 @@ def config(reader, path: str, tensors: dict) -> HybridConfig:
         raise GGUFError(f"{path}: {a}.full_attention_interval ({interval}) must divide {a}.block_count ({n_layers}): "
                         f"every {interval}th layer is full attention and the last layer must be one")
     recurrent = tuple((i + 1) % interval != 0 for i in range(n_layers))
+    if f"{a}.attention.recurrent_layers" in reader.fields:
+        raise GGUFError(f"{path}: metadata key '{a}.attention.recurrent_layers' (a per-layer pattern) is not "
+                        f"supported: cukern takes the layer pattern from {a}.full_attention_interval")
     conv = dim("ssm.conv_kernel")
     if conv not in CONV_KERNELS:
         raise GGUFError(f"{path}: {a}.ssm.conv_kernel ({conv}) must be one of {CONV_KERNELS}")
-    dk, n_k, n_v, inner = dim("ssm.state_size"), dim("ssm.group_count"), dim("ssm.time_step_rank"), dim("ssm.inner_size")
+    dk, n_k = dim("ssm.state_size"), dim("ssm.group_count")
+    n_v, inner = dim("ssm.time_step_rank"), dim("ssm.inner_size")
     if n_v % n_k:
         raise GGUFError(f"{path}: {a}.ssm.time_step_rank ({n_v} value heads) is not a multiple of "
                         f"{a}.ssm.group_count ({n_k} key heads)")
@@ -166,7 +170,8 @@ def required_tensors(cfg: HybridConfig) -> dict[str, tuple[int, ...]]:
                 need[b + "ssm_in.weight"] = (2 * qk + 2 * v, d)
             else:
                 need.update({b + "attn_qkv.weight": (2 * qk + v, d), b + "attn_gate.weight": (v, d)})
-            need.update({b + "ssm_ba.weight": (2 * n_v, d), b + "ssm_conv1d.weight": (cfg.conv_channels, cfg.conv_kernel),
+            need.update({b + "ssm_ba.weight": (2 * n_v, d),
+                         b + "ssm_conv1d.weight": (cfg.conv_channels, cfg.conv_kernel),
                          b + "ssm_a": (n_v,), b + "ssm_dt.bias": (n_v,), b + "ssm_norm.weight": (cfg.ssm_dv,),
                          b + "ssm_out.weight": (d, v)})
         else:

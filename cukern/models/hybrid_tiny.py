@@ -15,7 +15,7 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as QT
 
-from cukern.models.tiny import TinySpec, _bpe_vocab, random_blocks
+from cukern.models.tiny import TinySpec, _add_bpe_tokenizer, random_blocks
 
 __all__ = ["HybridSpec", "write_tiny"]
 
@@ -46,14 +46,7 @@ def write_tiny(path, spec: HybridSpec, *, seed: int = 0, skip: tuple[str, ...] =
     the loader's error tests)."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), "qwen3next")
-    tokens, types, merges = _bpe_vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_eos_token_id(len(tokens) - 1)
-    w.add_add_bos_token(False)
+    tokens = _add_bpe_tokenizer(w)
     vocab, d, hd = len(tokens), spec.d_model, spec.head_dim
     q, kv = spec.n_heads * hd, spec.n_kv_heads * hd
     n_k, n_v, dk, dv = spec.ssm_k_heads, spec.ssm_v_heads, spec.ssm_dk, spec.ssm_dv
