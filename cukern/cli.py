@@ -312,11 +312,15 @@ def cmd_roofline(args) -> int:
 
 def cmd_notebooks(args) -> int:
     from cukern import notebooks, runtime
-    if args.figures is not None and os.path.exists(args.figures) and not os.path.isdir(args.figures):
-        return _usage_error(f"--figures {args.figures}: is a file, not a folder")
+    for flag, folder in (("--figures", args.figures), ("--write-to", args.write_to)):
+        if folder is not None and os.path.exists(folder) and not os.path.isdir(folder):
+            return _usage_error(f"{flag} {folder}: is a file, not a folder")
+    if not args.run and (args.write or args.write_to is not None):
+        return _usage_error("--write and --write-to go with --run")
     try:
         if args.run:
-            return notebooks.main_run(args.paths, args.figures)
+            return notebooks.main_run(args.paths, args.figures, write=args.write, write_to=args.write_to,
+                                      timeout=args.timeout)
         return notebooks.main_check(args.paths)
     except (runtime.CukernError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -390,12 +394,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_roofline)
 
     p = sub.add_parser("notebooks", help="check (CPU) or run headless (GPU) the notebooks",
-                       description="Without --run: parse every notebook and compile its code cells (no GPU). "
-                                   "With --run: execute the code cells in order, headless (Agg backend), "
-                                   "as Jupyter would; no Jupyter needed.")
+                       description="Without --run: parse every notebook, compile its code cells and check "
+                                   "that committed outputs are a clean top-to-bottom run (no GPU). With --run: "
+                                   "execute the code cells top to bottom, headless: through nbclient on this "
+                                   "interpreter's ipykernel when both are importable (outputs kept, so they "
+                                   "can be written), else exec'd in one namespace (Agg backend).")
     p.add_argument("paths", nargs="*", metavar="NOTEBOOK", help="notebooks (default: the checkout's notebooks/)")
     p.add_argument("--run", action="store_true", help="execute them (needs a GPU)")
     p.add_argument("--figures", metavar="DIR", help="with --run: save the figures each cell draws here as PNG")
+    p.add_argument("--write", action="store_true",
+                   help="with --run (nbclient): write each executed notebook back in place, with its outputs, "
+                        "when every cell succeeded")
+    p.add_argument("--write-to", metavar="DIR",
+                   help="with --run (nbclient): write a copy of each executed notebook here (failed ones too)")
+    p.add_argument("--timeout", type=number_arg("real", lo=1.0), default=600.0, metavar="SECONDS",
+                   help="with --run (nbclient): seconds one cell may run (default 600)")
     p.set_defaults(fn=cmd_notebooks)
     from cukern.models.cli import add_generate_parser  # light import: the model code loads when it runs
     add_generate_parser(sub)

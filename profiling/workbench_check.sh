@@ -8,10 +8,11 @@
 #   CUKERN_WB_STEPS="bench check-gpu" bash profiling/workbench_check.sh
 #
 # Like device_check.sh it runs from the source tree (PYTHONPATH=.) and installs the wheels carried
-# in .whl/ into /tmp/site. Each step has its own time limit so that one slow step cannot eat the
+# in .whl/ and .nbw/ into /tmp/site. Each step has its own time limit so that one slow step cannot eat the
 # others: CUKERN_WB_LIMIT seconds (default 240), or CUKERN_WB_LIMIT_<step> (e.g.
 # CUKERN_WB_LIMIT_check_gpu=150); bench and check --gpu print what finished when stopped. Written to the destination: bench.json,
-# roofline.png, workbench.log (every step's full output) and notebook-figures.tar.
+# roofline.png, workbench.log (every step's full output), notebook-figures.tar and notebooks/ (each
+# notebook as executed, with its outputs, when nbclient and ipykernel are there: .nbw/ carried).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -26,8 +27,10 @@ FIG=$(mktemp -d)
 LOG=$DEST/workbench.log
 : > "$LOG"
 
-if ls .whl/*.whl >/dev/null 2>&1; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+# .whl/: the project's wheels; .nbw/: nbclient, ipykernel and their dependencies (profiling/README.md)
+WHEELS=$(ls .whl/*.whl .nbw/*.whl 2>/dev/null)
+if [ -n "$WHEELS" ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $WHEELS \
         && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 
@@ -47,7 +50,7 @@ step profile-decode $PY profiling/profile_decode.py --steps 32
 # the models package's forward: the GGUF named by CUKERN_WB_MODEL, else a tiny random Gemma 3
 step profile-model $PY profiling/profile_decode.py --steps 16 --prefill 128 \
     ${CUKERN_WB_MODEL:+--model "$CUKERN_WB_MODEL"} ${CUKERN_WB_MODEL:---tiny gemma3}
-step notebooks $PY -m cukern notebooks --run --figures "$FIG"
+step notebooks $PY -m cukern notebooks --run --figures "$FIG" --write-to "$DEST/notebooks"
 tar -C "$FIG" -cf "$DEST/notebook-figures.tar" . 2>/dev/null
 
 {

@@ -21,7 +21,7 @@ from workbench_helpers import A, B, REPO, _cli, _one_line_error, _result, _run
     ("compare", ["A.json", "B.json", "--threshold", "--fail-above", "--json"]),
     ("check", ["--gpu", "--arch", "-k", "--family", "--unit", "--jobs", "--cache-dir", "--no-cache", "--json"]),
     ("info", ["--json"]),
-    ("notebooks", ["--run", "--figures"]),
+    ("notebooks", ["--run", "--figures", "--write", "--write-to", "--timeout"]),
     ("roofline", ["RESULT.json", "--out"]),
 ])
 def test_command_help(command, words):
@@ -237,6 +237,10 @@ def test_roofline_reports_the_path_it_wrote(tmp_path, capsys):
     ["bench", "--json", "{tmp}/no/such/folder/r.json"],
     ["bench", "--plot", "{tmp}/no/such/folder/r.png"],
     ["notebooks", "--run", "--figures", "{good}"],
+    ["notebooks", "--run", "--write-to", "{good}"],
+    ["notebooks", "--write"],
+    ["notebooks", "--write-to", "{tmp}"],
+    ["notebooks", "--run", "--timeout", "0"],
     ["check", "--arch", "sm_xx"],
     ["check", "--arch", "sm_75"],
     ["generate", "--prompt", "x", "--max-tokens", "0"],

@@ -4,6 +4,8 @@
 * :mod:`cukern.models.tokenizer` - :class:`Tokenizer` from the GGUF's own vocabulary;
 * :mod:`cukern.models.transformer` - :class:`Transformer`: the GPU forward (Gemma 3, Llama, Qwen2,
   Qwen3), chunked prefill and graph-captured decode with device-side sampling;
+* :mod:`cukern.models.moe_transformer` - the mixture-of-experts models (Qwen3-MoE, Qwen2-MoE,
+  gpt-oss) on the same machinery, which ``Transformer`` builds for a file with experts;
 * :mod:`cukern.models.hybrid` - :class:`HybridModel`: the DeltaNet hybrid (``qwen3next``) on the Transformer's
   step machinery, its recurrent state per sequence beside the paged KV cache;
 * :mod:`cukern.models.tiny` - tiny random-weight GGUF files for tests;

@@ -32,10 +32,11 @@ from cukern.models.gguf_parse import _INT32_MAX, _REQUIRED, GGUFError, _Reader, 
 __all__ = ["GGUFError", "ModelConfig", "Tensor", "GGUFModel", "load_gguf", "SUPPORTED_ARCHS",
            "SUPPORTED_TYPES", "required_tensors"]
 
-SUPPORTED_ARCHS = ("gemma3", "llama", "qwen2", "qwen3")
-# architectures whose config and tensor list live in a module of their own (imported on first use); each
-# defines config(reader, path, tensors) -> ModelConfig and required_tensors(cfg)
-ARCH_MODULES = {"qwen3next": "cukern.models.hybrid_config"}
+# arch -> the module whose ``config(reader, path, tensors)`` reads it (its config class says which tensors
+# the forward needs and of which types: ``required_tensors()``, ``allowed_types(name)``)
+ARCH_MODULES = {"qwen3moe": "cukern.models.moe_config", "qwen2moe": "cukern.models.moe_config",
+                "gpt-oss": "cukern.models.moe_config", "qwen3next": "cukern.models.hybrid_config"}
+SUPPORTED_ARCHS = ("gemma3", "llama", "qwen2", "qwen3", *ARCH_MODULES)
 # raw block formats the forward pass accepts for weights (norm vectors and biases must be F32)
 SUPPORTED_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K)
 _ARENA_ALIGN = 256  # bytes: every tensor starts 256-byte aligned in the device arena
@@ -119,9 +120,9 @@ class Tensor:
 
 def required_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the forward pass of ``cfg.arch`` reads, with its shape (PyTorch order)."""
+    if hasattr(cfg, "required_tensors"):
+        return cfg.required_tensors()
     d, q, kv, ff, hd = cfg.d_model, cfg.q_dim, cfg.kv_dim, cfg.d_ff, cfg.head_dim
-    if cfg.arch in ARCH_MODULES:
-        return importlib.import_module(ARCH_MODULES[cfg.arch]).required_tensors(cfg)
     need = {"token_embd.weight": (cfg.vocab_size, d), "output_norm.weight": (d,)}
     if not cfg.tied_output:
         need["output.weight"] = (cfg.vocab_size, d)
@@ -143,11 +144,10 @@ def required_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def _config(reader, path: str, tensors: dict[str, "Tensor"]) -> ModelConfig:
     arch = read_key(reader, "general.architecture", "str", path)
+    if arch not in SUPPORTED_ARCHS:
+        raise GGUFError(f"{path}: unsupported architecture {arch!r} (cukern runs {', '.join(SUPPORTED_ARCHS)})")
     if arch in ARCH_MODULES:
         return importlib.import_module(ARCH_MODULES[arch]).config(reader, path, tensors)
-    if arch not in SUPPORTED_ARCHS:
-        raise GGUFError(f"{path}: unsupported architecture {arch!r} (cukern runs "
-                        f"{', '.join(SUPPORTED_ARCHS + tuple(ARCH_MODULES))})")
 
     def dim(key, default=_REQUIRED, hi=_INT32_MAX, note=""):
         return read_key(reader, f"{arch}.{key}", "int", path, default, lo=1, hi=hi, note=note)
@@ -315,9 +315,10 @@ def load_gguf(path, *, upload: bool = False, progress: bool | None = None) -> GG
         vector = len(shape) == 1
         if vector and t.qtype != QT.F32:
             raise GGUFError(f"{path}: tensor {name!r} has type {t.qtype.name}; norm weights and biases must be F32")
-        if t.qtype not in SUPPORTED_TYPES:
+        allowed = cfg.allowed_types(name) if hasattr(cfg, "allowed_types") else SUPPORTED_TYPES
+        if t.qtype not in allowed:
             raise GGUFError(f"{path}: tensor {name!r} has unsupported type {t.qtype.name} "
-                            f"(supported: {', '.join(q.name for q in SUPPORTED_TYPES)})")
+                            f"(supported: {', '.join(q.name for q in allowed)})")
     if cfg.rope_freq_factors:
         f = tensors["rope_freqs.weight"].data
         if not (np.isfinite(f) & (f > 0)).all():

@@ -2,7 +2,7 @@
 
 Qwen3-Next interleaves gated DeltaNet layers (linear attention with a recurrent state) with full-attention
 layers: layer i is full attention where ``(i + 1) % full_attention_interval == 0``, DeltaNet elsewhere.
-:func:`load_gguf` reaches this module through ``gguf_loader``'s per-architecture hook; it needs no GPU.
+:func:`load_gguf` reaches this module through ``gguf_loader.ARCH_MODULES``; it needs no GPU.
 
 Keys (``qwen3next.`` prefix) beside the usual ones: ``ssm.conv_kernel`` (taps of the causal conv1d),
 ``ssm.state_size`` (key head dim dk), ``ssm.group_count`` (key heads), ``ssm.time_step_rank`` (value heads),
@@ -74,6 +74,10 @@ class HybridConfig(ModelConfig):
     def attn_layers(self) -> tuple[int, ...]:
         """The full-attention layers, in order (their K/V cache layers are 0, 1, ...)."""
         return tuple(i for i, r in enumerate(self.recurrent) if not r)
+
+    def required_tensors(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor the hybrid forward reads (gguf_loader's per-architecture hook): :func:`required_tensors`."""
+        return required_tensors(self)
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         """One sequence's recurrent state per DeltaNet layer: the conv1d's last inputs of q, k and v

@@ -1,4 +1,5 @@
-"""Tiny random-weight ``qwen3next`` (DeltaNet hybrid) GGUF files, through :func:`cukern.models.tiny.write_tiny_gguf`.
+"""Tiny random-weight ``qwen3next`` (DeltaNet hybrid) GGUF files (:func:`cukern.models.tiny.write_tiny_gguf` of a
+:class:`HybridSpec`).
 
 :class:`HybridSpec` adds the hybrid's dimensions to :class:`cukern.models.tiny.TinySpec`; the writer keeps the
 layouts llama.cpp reads (module docstring of :mod:`cukern.models.hybrid_config`), quantizes the projections
@@ -39,6 +40,10 @@ class HybridSpec(TinySpec):
 
     def recurrent(self, i: int) -> bool:
         return (i + 1) % self.interval != 0
+
+    def write(self, path, *, seed: int = 0) -> str:
+        """What :func:`cukern.models.tiny.write_tiny_gguf` calls for this spec: :func:`write_tiny`."""
+        return write_tiny(path, self, seed=seed)
 
 
 def write_tiny(path, spec: HybridSpec, *, seed: int = 0, skip: tuple[str, ...] = ()) -> str:

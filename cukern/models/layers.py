@@ -73,6 +73,10 @@ class Layers:
         c = self.cfg
         return c.sliding_window - 1 if c.local_layers[i] and c.sliding_window else -1
 
+    def _attn_kwargs(self, i: int) -> dict:
+        """Layer i's extra attention arguments (the MoE models' ``sinks``); none here."""
+        return {}
+
     def _project(self, L: _Layer, buf: _Buffers, stream):
         h, q, k, v, n = buf.h, buf.q, buf.k, buf.v, buf.n
         if L.wq.qtype == L.wk.qtype and not self._gemm_ok(L.wq, n):

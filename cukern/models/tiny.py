@@ -25,7 +25,7 @@ def random_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: QT, sca
     Formats the gguf package can quantize are quantized from Gaussian values; for Q4_K and
     Q5_K (dequantize only) the quant bits are random and the f16 super-block scales set so
     that the dequantized values have roughly the requested magnitude."""
-    if qtype in (QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q5_0, QT.Q8_0):
+    if qtype in (QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.MXFP4):
         x = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
         return gguf.quants.quantize(x, qtype)
     block, size = gguf.GGML_QUANT_SIZES[qtype]
@@ -127,10 +127,6 @@ def _bpe_vocab():
     return tokens, types, merges_ok
 
 
-# architectures whose writer lives in a module of their own: write_tiny(path, spec, seed=) there
-_ARCH_WRITERS = {"qwen3next": "cukern.models.hybrid_tiny"}
-
-
 def _add_bpe_tokenizer(w: gguf.GGUFWriter) -> list[str]:
     """The byte-level BPE vocabulary (Qwen's tokenizer kind) written into ``w``; returns its tokens."""
     tokens, types, merges = _bpe_vocab()
@@ -145,11 +141,11 @@ def _add_bpe_tokenizer(w: gguf.GGUFWriter) -> list[str]:
 
 
 def write_tiny_gguf(path, spec: TinySpec, *, seed: int = 0) -> str:
-    """Write a random-weight ``spec.arch`` model with its tokenizer to ``path``; returns the path."""
+    """Write a random-weight ``spec.arch`` model with its tokenizer to ``path``; returns the path. A spec
+    with a ``write`` method of its own (:class:`cukern.models.tiny_moe.MoeTinySpec`) writes itself."""
+    if hasattr(spec, "write"):
+        return spec.write(path, seed=seed)
     arch = spec.arch
-    if arch in _ARCH_WRITERS:
-        import importlib
-        return importlib.import_module(_ARCH_WRITERS[arch]).write_tiny(path, spec, seed=seed)
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     if arch in ("gemma3", "llama"):

@@ -177,7 +177,7 @@ class _Chunk:
         c, buf, n = lm.cfg, self.buf, self.n
         def attend(i, q_rot, o):
             lm.attn.flash_attn_batched(self.plan, i, q_rot, o, causal=True, scale=c.attn_scale,
-                                       window_left=lm._window(i), stream=stream)
+                                       window_left=lm._window(i), stream=stream, **lm._attn_kwargs(i))
 
         lm._embed(self.ids, buf, stream)
         lm._layers(buf, attend, self.pos, self.plan.seq_ids, "consecutive", stream)
@@ -234,17 +234,7 @@ class Transformer(Layers):
             t = model[name]
             return QWeight(raw[name].reshape(-1), int(t.qtype), t.shape[0], t.shape[1])
 
-        self.layers = []
-        for i in range(c.n_layers):
-            b = f"blk.{i}."
-            self.layers.append(_Layer(
-                attn_norm=dev[b + "attn_norm.weight"], wq=qw(b + "attn_q.weight"), wk=qw(b + "attn_k.weight"),
-                wv=qw(b + "attn_v.weight"), wo=qw(b + "attn_output.weight"), ffn_norm=dev[b + "ffn_norm.weight"],
-                wg=qw(b + "ffn_gate.weight"), wu=qw(b + "ffn_up.weight"), wd=qw(b + "ffn_down.weight"),
-                q_norm=dev.get(b + "attn_q_norm.weight"), k_norm=dev.get(b + "attn_k_norm.weight"),
-                bq=dev.get(b + "attn_q.bias"), bk=dev.get(b + "attn_k.bias"), bv=dev.get(b + "attn_v.bias"),
-                post_attn_norm=dev.get(b + "post_attention_norm.weight"),
-                post_ffn_norm=dev.get(b + "post_ffw_norm.weight")))
+        self.layers = [self._load_layer(i, qw) for i in range(c.n_layers)]
         for L in self.layers:
             self._pad(L)
             if pack_prefill:
@@ -263,6 +253,24 @@ class Transformer(Layers):
         self._dec = None  # decode state of the current batch (see _setup_decode)
         self._chunks: dict[int, _Chunk] = {}  # prompt-chunk length -> its buffers, uploads and graphs
         self._stream = None  # prefill's own stream where the caller's is the legacy default one
+
+    def __new__(cls, model: GGUFModel | None = None, *args, **kwargs):
+        """A model with experts (``cfg.n_experts``) builds a :class:`cukern.models.moe_transformer.MoeTransformer`."""
+        if cls is Transformer and getattr(getattr(model, "config", None), "n_experts", 0):
+            from cukern.models.moe_transformer import MoeTransformer
+            cls = MoeTransformer
+        return super().__new__(cls)
+
+    def _load_layer(self, i: int, qw) -> _Layer:
+        """Layer i's weights: ``qw(name)`` makes a QWeight of a GGUF matrix, ``self.model.device`` holds the vectors."""
+        dev, b = self.model.device, f"blk.{i}."
+        return _Layer(
+            attn_norm=dev[b + "attn_norm.weight"], wq=qw(b + "attn_q.weight"), wk=qw(b + "attn_k.weight"),
+            wv=qw(b + "attn_v.weight"), wo=qw(b + "attn_output.weight"), ffn_norm=dev[b + "ffn_norm.weight"],
+            wg=qw(b + "ffn_gate.weight"), wu=qw(b + "ffn_up.weight"), wd=qw(b + "ffn_down.weight"),
+            q_norm=dev.get(b + "attn_q_norm.weight"), k_norm=dev.get(b + "attn_k_norm.weight"),
+            bq=dev.get(b + "attn_q.bias"), bk=dev.get(b + "attn_k.bias"), bv=dev.get(b + "attn_v.bias"),
+            post_attn_norm=dev.get(b + "post_attention_norm.weight"), post_ffn_norm=dev.get(b + "post_ffw_norm.weight"))
 
     @classmethod
     def load(cls, path, *, progress: bool | None = None, **kwargs) -> "Transformer":
@@ -356,7 +364,7 @@ class Transformer(Layers):
 
         def attend(i, q_rot, o):
             self.attn.flash_attn_decode(plan, i, q_rot, o, scale=c.attn_scale, window_left=self._window(i),
-                                        stream=stream)
+                                        stream=stream, **self._attn_kwargs(i))
 
         self._embed(sp.next_ids, buf, stream)
         self._layers(buf, attend, d["positions"], plan.seq_ids, "per_token", stream)

@@ -71,7 +71,14 @@ class ReferenceModel:
     """Forward pass of a :class:`cukern.models.GGUFModel` (or any ``config`` + ``weights`` mapping).
 
     ``weights[name]`` is a float array in PyTorch order (``[out, in]`` for matrices); with a
-    GGUFModel the tensors are dequantized on first use and kept."""
+    GGUFModel the tensors are dequantized on first use and kept. A config with experts builds a
+    :class:`cukern.reference.models_moe.MoeReferenceModel`."""
+
+    def __new__(cls, config, *args, **kwargs):
+        if cls is ReferenceModel and getattr(config, "n_experts", 0):
+            from cukern.reference.models_moe import MoeReferenceModel
+            cls = MoeReferenceModel
+        return super().__new__(cls)
 
     def __init__(self, config, weights, *, dtype=np.float64):
         self.cfg = config
@@ -142,11 +149,15 @@ class ReferenceModel:
             x = self._layer(i, x, pos)
         return rms_norm(x, self.w("output_norm.weight"), c.rms_eps)
 
-    def forward(self, tokens, *, last_only: bool = False) -> np.ndarray:
-        """Logits [T, vocab] (or [vocab] with ``last_only``) for ``tokens``, appended to the cache."""
+    def forward(self, tokens, *, last_only: bool = False, last: int | None = None) -> np.ndarray:
+        """Logits [T, vocab] for ``tokens``, appended to the cache; only the last ``last`` positions'
+        [last, vocab] with ``last`` (the LM head is most of a long prompt's work), [vocab] with
+        ``last_only``."""
         h = self.hidden(tokens)
         head = self.w("token_embd.weight" if self.cfg.tied_output else "output.weight")
-        return h[-1] @ head.T if last_only else h @ head.T
+        if last_only:
+            return h[-1] @ head.T
+        return (h if last is None else h[h.shape[0] - last:]) @ head.T
 
     def generate(self, prompt, n_tokens: int) -> list[int]:
         """Greedy continuation of ``prompt`` (resets the cache first)."""
