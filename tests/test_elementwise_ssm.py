@@ -158,3 +158,18 @@ def test_deltanet_bad_norm_eps_raises_before_launch(d, host_if_no_gpu):
         d.deltanet(x3, x3, x3, g, g, cupy.ones((4, 64, 64), cupy.float32), o, qk_l2norm=True, norm_eps=-1.0)
     cupy.cuda.get_current_stream().synchronize()
     assert np.isnan(o.get()).all()
+
+
+@gpu
+@pytest.mark.parametrize("n_tok,n_k,group", [(1, 1, 1), (5, 2, 4), (33, 3, 2), (1, 1, 32)])
+def test_deltanet_gates_per_key_head_layout(d, rng, n_tok, n_k, group):
+    n_v = n_k * group
+    ba = _randn(rng, n_tok, 2 * n_v, scale=6)  # alphas past softplus's threshold of 20 too, with the bias
+    ba[0, -1] = 30.0
+    a = -np.exp(_randn(rng, n_v))
+    dt = _randn(rng, n_v)
+    g, beta = _empty(n_tok, n_v), _empty(n_tok, n_v)
+    d.deltanet_gates(_dev(ba), _dev(a), _dev(dt), g, beta, group=group)
+    want_g, want_beta = ref.deltanet_gates(ba, a, dt, group=group)
+    assert_close(g, want_g, name="g")
+    assert_close(beta, want_beta, name="beta")

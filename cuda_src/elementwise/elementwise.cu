@@ -5,7 +5,7 @@
 //   quantize.cuh     f32 -> Q8_1 rows
 //   activations.cuh  gated activations and binary ops over (strided) rows
 //   moe.cuh          router matvec (+ fused norm), softmax + top-k, expert weighted sum, shared expert
-//   ssm.cuh          causal conv1d + SiLU, gated DeltaNet state update (baseline and tiled)
+//   ssm.cuh          causal conv1d + SiLU, gated DeltaNet state update (baseline and tiled), its gates
 // RoPE and the KV writes (rope.cuh, kv.cuh) are the second unit, rope_kv.cu.
 // The host side (cukern/elementwise/) validates arguments and picks the template instance.
 #include "elementwise/norms.cuh"

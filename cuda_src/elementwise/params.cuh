@@ -157,3 +157,10 @@ struct DeltaNetParams {
     uint32_t qk_l2norm;   // 1: q and k of each head L2-normalised first: x * rsqrt(sum(x^2) + norm_eps)
     float norm_eps;       // qk_l2norm's epsilon
 };
+
+// deltanet_gates (ssm.cuh): DeltaNet's log decay and write strength per token and value head
+struct DeltaNetGateParams {
+    uint32_t n_tokens;   // tokens
+    uint32_t n_v_heads;  // value heads (gates per token)
+    uint32_t group;      // value heads per key head: ba holds [b(group) | alpha(group)] per key head
+};

@@ -275,3 +275,28 @@ __global__ void __launch_bounds__(DELTA_THREADS) deltanet_tiled(
     __syncthreads();
     cukern::ew::delta_tile_io<DK, false>(tile, Sh, p.dv, col0, vec);
 }
+
+// DeltaNet's per-head gates from the beta/alpha logits of the in-projection (Qwen3-Next's ssm_ba), n_tokens tokens:
+//   beta[t, h] = sigmoid(b[t, h]),   g[t, h] = a[h] * softplus(alpha[t, h] + dt_bias[h])
+// Value head h = kh * group + r (key head kh, 0 <= r < group) reads ba row t at kh * 2 * group + r (b) and
+// kh * 2 * group + group + r (alpha): the GGUF's per-key-head [b(group) | alpha(group)] layout (group = n_v_heads:
+// one [b | alpha] row). a = -exp(A_log), as the GGUF stores it. softplus(x) = x above 20, log1p(exp(x)) else.
+// grid: (ceil(n_tokens * n_v_heads / 256)), block: 256. Bytes per token: 2 n_v floats read, 2 n_v written
+// (a and dt_bias from L1/L2).
+__global__ void __launch_bounds__(256) deltanet_gates(
+    float* __restrict__ g,              // [n_tokens, n_v_heads] log of the decay (<= 0 where a <= 0)
+    float* __restrict__ beta,           // [n_tokens, n_v_heads] write strength in (0, 1)
+    const float* __restrict__ ba,       // [n_tokens, 2 * n_v_heads] per key head: group b logits, group alphas
+    const float* __restrict__ a,        // [n_v_heads] -exp(A_log)
+    const float* __restrict__ dt_bias,  // [n_v_heads] added to alpha before the softplus
+    const DeltaNetGateParams p) {
+    cukern::pdl_enter();
+    const uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;  // 0 ... n_tokens * n_v_heads - 1
+    if (i >= (uint64_t)p.n_tokens * p.n_v_heads) return;
+    const uint32_t t = (uint32_t)(i / p.n_v_heads), h = (uint32_t)(i % p.n_v_heads);
+    const uint32_t kh = h / p.group, r = h % p.group;
+    const float* row = ba + (uint64_t)t * 2 * p.n_v_heads + (uint64_t)kh * 2 * p.group;
+    const float b = row[r], x = row[p.group + r] + dt_bias[h];
+    beta[i] = 1.0f / (1.0f + expf(-b));
+    g[i] = a[h] * (x > 20.0f ? x : log1pf(expf(x)));
+}

@@ -35,6 +35,7 @@ def _kernels() -> list[KernelSpec]:
     ks += [KernelSpec(f"conv1d_silu<{k}, {t}>", "ConvParams") for k in _CONV_K for t in _TAP_C]
     ks.append(KernelSpec("deltanet", "DeltaNetParams"))
     ks += [KernelSpec(f"deltanet_tiled<{dk}>", "DeltaNetParams") for dk in _DELTANET_TILED_DK]
+    ks.append(KernelSpec("deltanet_gates", "DeltaNetGateParams"))
     return ks
 
 

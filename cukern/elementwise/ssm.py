@@ -1,4 +1,4 @@
-"""SSM / DeltaNet: causal conv1d + SiLU and the gated delta rule: the kernels of
+"""SSM / DeltaNet: causal conv1d + SiLU, the gated delta rule and its gates: the kernels of
 ``cuda_src/elementwise/ssm.cuh``.
 """
 
@@ -8,7 +8,7 @@ import cupy
 import numpy as np
 
 from cukern.dispatch import check_array
-from cukern.elementwise.common import _F32, _MAX_GRID_Y, _check_disjoint, _check_eps
+from cukern.elementwise.common import _F32, _MAX_GRID_Y, _check_disjoint, _check_distinct, _check_eps
 from cukern.interop import like, tensors
 
 _CONV_CHUNK = 16
@@ -101,3 +101,29 @@ class Ssm:
         else:
             self._launch("deltanet", (-(-dv // 64), n_v), 64, ptrs, params, stream=stream)
         return o
+
+    @tensors
+    def deltanet_gates(self, ba: cupy.ndarray, a: cupy.ndarray, dt_bias: cupy.ndarray, g: cupy.ndarray,
+                       beta: cupy.ndarray, *, group: int, stream=None):
+        """DeltaNet's gates from the in-projection's beta/alpha logits: ``beta = sigmoid(b)``,
+        ``g = a * softplus(alpha + dt_bias)`` per token and value head (g is the log decay :meth:`deltanet`
+        takes). ba: [n_tokens, 2 * n_v_heads] f32, per key head ``group`` b logits then ``group`` alphas
+        (value head h = kh * group + r; group = n_v_heads: one [b | alpha] row); a (= -exp(A_log)), dt_bias:
+        [n_v_heads] f32; g, beta: [n_tokens, n_v_heads] f32. Returns (g, beta)."""
+        n_tokens, two_v = self._rows(ba, "ba")
+        n_v = two_v // 2
+        if two_v % 2 or not isinstance(group, (int, np.integer)) or group < 1 or n_v % group:
+            raise ValueError(f"deltanet_gates: ba must be [n_tokens, 2 * n_v_heads] and group a divisor of n_v_heads, "
+                             f"got ba {ba.shape}, group {group!r}")
+        check_array("a", a, dtype=_F32, shape=(n_v,))
+        check_array("dt_bias", dt_bias, dtype=_F32, shape=(n_v,))
+        check_array("g", g, dtype=_F32, shape=(n_tokens, n_v))
+        check_array("beta", beta, dtype=_F32, shape=(n_tokens, n_v))
+        _check_disjoint("deltanet_gates", dict(g=g, beta=beta), dict(ba=ba, a=a, dt_bias=dt_bias))
+        _check_distinct("deltanet_gates", g=g, beta=beta)
+        units = n_tokens * n_v
+        if units > 2**31 - 1:
+            raise ValueError("deltanet_gates: too many gates")
+        params = self.struct("DeltaNetGateParams").pack(n_tokens=n_tokens, n_v_heads=n_v, group=int(group))
+        self._launch("deltanet_gates", -(-units // 256), 256, (g, beta, ba, a, dt_bias), params, stream=stream)
+        return g, beta

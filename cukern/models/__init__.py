@@ -6,6 +6,8 @@
   Qwen3), chunked prefill and graph-captured decode with device-side sampling;
 * :mod:`cukern.models.moe_transformer` - the mixture-of-experts models (Qwen3-MoE, Qwen2-MoE,
   gpt-oss) on the same machinery, which ``Transformer`` builds for a file with experts;
+* :mod:`cukern.models.hybrid` - :class:`HybridModel`: the DeltaNet hybrid (``qwen3next``) on the Transformer's
+  step machinery, its recurrent state per sequence beside the paged KV cache;
 * :mod:`cukern.models.tiny` - tiny random-weight GGUF files for tests;
 * :func:`default_model_path` - Gemma 3 270M Q4_K_M from the ``model`` extra.
 
@@ -16,10 +18,11 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["load_gguf", "GGUFError", "Tokenizer", "Transformer", "default_model_path"]
+__all__ = ["load_gguf", "GGUFError", "Tokenizer", "Transformer", "HybridModel", "default_model_path"]
 
 _LAZY = {"load_gguf": "cukern.models.gguf_loader", "GGUFError": "cukern.models.gguf_loader",
-         "Tokenizer": "cukern.models.tokenizer", "Transformer": "cukern.models.transformer"}
+         "Tokenizer": "cukern.models.tokenizer", "Transformer": "cukern.models.transformer",
+         "HybridModel": "cukern.models.hybrid"}
 
 
 def default_model_path() -> str:

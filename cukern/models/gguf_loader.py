@@ -35,7 +35,7 @@ __all__ = ["GGUFError", "ModelConfig", "Tensor", "GGUFModel", "load_gguf", "SUPP
 # arch -> the module whose ``config(reader, path, tensors)`` reads it (its config class says which tensors
 # the forward needs and of which types: ``required_tensors()``, ``allowed_types(name)``)
 ARCH_MODULES = {"qwen3moe": "cukern.models.moe_config", "qwen2moe": "cukern.models.moe_config",
-                "gpt-oss": "cukern.models.moe_config"}
+                "gpt-oss": "cukern.models.moe_config", "qwen3next": "cukern.models.hybrid_config"}
 SUPPORTED_ARCHS = ("gemma3", "llama", "qwen2", "qwen3", *ARCH_MODULES)
 # raw block formats the forward pass accepts for weights (norm vectors and biases must be F32)
 SUPPORTED_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K)

@@ -127,6 +127,19 @@ def _bpe_vocab():
     return tokens, types, merges_ok
 
 
+def _add_bpe_tokenizer(w: gguf.GGUFWriter) -> list[str]:
+    """The byte-level BPE vocabulary (Qwen's tokenizer kind) written into ``w``; returns its tokens."""
+    tokens, types, merges = _bpe_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_eos_token_id(len(tokens) - 1)
+    w.add_add_bos_token(False)
+    return tokens
+
+
 def write_tiny_gguf(path, spec: TinySpec, *, seed: int = 0) -> str:
     """Write a random-weight ``spec.arch`` model with its tokenizer to ``path``; returns the path. A spec
     with a ``write`` method of its own (:class:`cukern.models.tiny_moe.MoeTinySpec`) writes itself."""
@@ -148,14 +161,7 @@ def write_tiny_gguf(path, spec: TinySpec, *, seed: int = 0) -> str:
         w.add_add_bos_token(True)
         w.add_add_space_prefix(arch == "llama")
     else:
-        tokens, types, merges = _bpe_vocab()
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("qwen2")
-        w.add_token_list(tokens)
-        w.add_token_types(types)
-        w.add_token_merges(merges)
-        w.add_eos_token_id(len(tokens) - 1)
-        w.add_add_bos_token(False)
+        tokens = _add_bpe_tokenizer(w)
     vocab = len(tokens)
     d, hd, ff = spec.d_model, spec.head_dim, spec.d_ff
     q, kv = spec.n_heads * hd, spec.n_kv_heads * hd

@@ -15,7 +15,7 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as QT
 
-from cukern.models.tiny import TinySpec, _bpe_vocab, random_blocks
+from cukern.models.tiny import TinySpec, _add_bpe_tokenizer, random_blocks
 
 __all__ = ["MoeTinySpec", "MOE_PRESETS"]
 
@@ -55,14 +55,7 @@ MOE_PRESETS = {
 def _write(path, spec: MoeTinySpec, seed: int) -> str:
     arch, rng = spec.arch, np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
-    tokens, types, merges = _bpe_vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_eos_token_id(len(tokens) - 1)
-    w.add_add_bos_token(False)
+    tokens = _add_bpe_tokenizer(w)
     vocab, d, hd, ff, e = len(tokens), spec.d_model, spec.head_dim, spec.d_ff, spec.n_experts
     q, kv = spec.n_heads * hd, spec.n_kv_heads * hd
     gpt_oss = arch == "gpt-oss"

@@ -317,3 +317,14 @@ def deltanet(q, k, v, g, beta, state, *, q_scale=None, qk_l2norm=False, norm_eps
             S[h] += np.outer(k[t, hq], delta)
             o[t, h] = S[h].T @ (q_scale * q[t, hq])
     return o, S
+
+
+def deltanet_gates(ba, a, dt_bias, *, group: int):
+    """Returns (g, beta) [n_tokens, n_v]: ba [n_tokens, 2 n_v] per key head [b(group) | alpha(group)]."""
+    ba, a, dt = _f64(ba), _f64(a), _f64(dt_bias)
+    n, n_v = ba.shape[0], ba.shape[1] // 2
+    per = ba.reshape(n, n_v // group, 2, group)
+    b, alpha = per[:, :, 0].reshape(n, n_v), per[:, :, 1].reshape(n, n_v)
+    x = alpha + dt
+    soft = np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0))))
+    return a * soft, 1.0 / (1.0 + np.exp(-b))
