@@ -231,8 +231,8 @@ class Decode:
             raise TypeError(f"overrides must be a DecodeOverrides, got {type(overrides).__name__}")
         pages = cupy.asarray((np.arange(batch, dtype=np.int64) * hk).astype(np.int32).reshape(batch, 1))
         view = PagedKVView(kind, hk, int(head_dim), capacity, pages, pages[:, 0], head_major=True)
-        return decode_plan(view, cupy.arange(batch, dtype=cupy.int32), n_heads, max_kv_len, n_splits, window_left, ov,
-                           self.sm_count())
+        ids = cupy.asarray(np.arange(batch, dtype=np.int32))
+        return decode_plan(view, ids, n_heads, max_kv_len, n_splits, window_left, ov, self.sm_count())
 
     @tensors(out=like("q"))
     def flash_attn_decode_contiguous(self, plan: DecodePlan, q: cupy.ndarray, k: cupy.ndarray, v: cupy.ndarray,

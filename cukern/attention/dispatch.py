@@ -86,9 +86,9 @@ class AttentionDispatch(Decode):
 
     Dtypes: :meth:`flash_attn_decode` takes q and out in float32 or in the cache's dtype (a float16 or
     bfloat16 cache; bf16 as uint16 bits), out in q's dtype; :meth:`flash_attn_batched` takes Q in the
-    cache's 16-bit dtype (tensor cores) or float32 (SIMT); :meth:`flash_attn_varlen` float16 / bfloat16
-    (f32 varlen is not built: docs/notes/attention.md says why). Arithmetic is f32 throughout; LSE, sinks
-    and the merge's inputs are f32.
+    cache's 16-bit dtype (tensor cores) or float32 (SIMT); :meth:`flash_attn_varlen` float16 / bfloat16 (tensor
+    cores; head_dim 512 SIMT) or float32 (SIMT). Arithmetic is f32 throughout; LSE, sinks and the merge's inputs
+    are f32.
 
     ``pdl`` (default False; sm_90+) launches :meth:`flash_attn_decode` (and :meth:`merge_states`, which
     touches memory only after the wait) with programmatic dependent launch: its blocks start while
