@@ -88,7 +88,7 @@ CUKERN_DEVICE QueryRange decode_range(const int32_t* __restrict__ lengths, const
     const int32_t kv_len = p.kv_rows ? lengths[s] - page_table[s] : lengths[r.slot];
     // bottom right: the last query of a sequence is its last cached token; top left (causal 2): query r at r
     const int32_t qpos = (p.batched && p.causal == 2 ? q_indptr[s + 1] - q_indptr[s] : kv_len) - 1 - back;
-    r.hi = p.batched && !p.causal ? kv_len : qpos + 1;
+    r.hi = p.batched && !p.causal ? kv_len : min(qpos + 1, kv_len);  // top left: a row past the keys sees them all
     r.lo = p.window_left >= 0 ? max(0, qpos - p.window_left) : 0;
     return r;
 }
