@@ -253,8 +253,8 @@ __global__ void __launch_bounds__(cukern::attn::DECODE_WARPS * 32, 2) decode(
     int32_t* __restrict__ counters,          // n_splits > 1: [n_queries * gridDim.y] zeros (left zero on exit)
     const QO* __restrict__ q,                // [n_queries, n_heads, D]
     const T* __restrict__ k_pool,            // [n_pages, page_size, n_kv_heads, D], or head-major [batch, n_kv_heads,
-                                             //    capacity, D] (pages of capacity rows, sequence b's page b * n_kv_heads;
-                                             //    strides in p); kv_rows: [n_k_total, n_kv_heads, D]
+                                             //    capacity, D] (pages of capacity rows, sequence b's page
+                                             //    b * n_kv_heads; strides in p); kv_rows: [n_k_total, n_kv_heads, D]
     const T* __restrict__ v_pool,            // the same layout as k_pool
     const int32_t* __restrict__ page_table,  // [n_slots, max_pages]; kv_rows: [n_seqs + 1] first row of each sequence
     const int32_t* __restrict__ lengths,     // [n_slots] cached tokens per slot; kv_rows: [n_seqs] end row of each
@@ -327,7 +327,8 @@ __global__ void __launch_bounds__(cukern::attn::DECODE_WARPS * 32, 2) decode(
                 const int32_t j = c0 + t * TK + key;
                 const uint32_t jj = (uint32_t)min(j, c1 - 1);
                 const uint32_t in_page = p.page_shift >= 0 ? jj & (p.page_size - 1) : jj % p.page_size;
-                const uint64_t row = p.kv_rows ? (uint64_t)(row0 + (int32_t)jj) : (uint64_t)page[i] * p.page_size + in_page;
+                const uint64_t row =
+                    p.kv_rows ? (uint64_t)(row0 + (int32_t)jj) : (uint64_t)page[i] * p.page_size + in_page;
                 const uint64_t off = row * row_stride + kv_off + ch * VEC;
                 const uint32_t bytes = j < c1 ? 16u : 0u;
                 cp_async16(ks + key * D + ch * VEC, k_pool + off, bytes);

@@ -78,8 +78,8 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
     int32_t* __restrict__ counters,          // n_splits > 1: [n_queries * gridDim.y] zeros (left zero on exit)
     const QO* __restrict__ q,                // [n_queries, n_heads, D]
     const T* __restrict__ k_pool,            // [n_pages, page_size, n_kv_heads, D], or head-major [batch, n_kv_heads,
-                                             //    capacity, D] (pages of capacity rows, sequence b's page b * n_kv_heads;
-                                             //    row_stride, head_stride in p)
+                                             //    capacity, D] (pages of capacity rows, sequence b's page
+                                             //    b * n_kv_heads; row_stride, head_stride in p)
     const T* __restrict__ v_pool,            // the same layout as k_pool
     const int32_t* __restrict__ page_table,  // [n_slots, max_pages]
     const int32_t* __restrict__ lengths,     // [n_slots] cached tokens per slot

@@ -92,7 +92,8 @@ struct PrefillParams {
     uint32_t n_q_tiles;      // query tiles per sequence in the grid (from the caller's max q length)
     uint32_t page_size;      // paged: tokens per page
     uint32_t max_pages;      // paged: page-table row length
-    uint32_t causal;         // 0: none; 1: query r sees keys j <= kv_len - q_len + r (bottom right); 2: j <= r (top left)
+    uint32_t causal;         // 0: none; 1: query r sees keys j <= kv_len - q_len + r (bottom right); 2: j <= r
+                             //    (top left)
     int32_t window_left;     // sliding window, < 0: none
     float scale_log2;        // scale * log2(e)
     float softcap;           // logit cap, 0: off

@@ -73,8 +73,8 @@ class Decode:
         q: [batch, n_heads, head_dim], float32 or the cache's dtype (float16 / bfloat16 as uint16 bits;
         16-byte aligned); out: the same shape and dtype as q (written: f32 arithmetic, rounded once); lse:
         optional [batch, n_heads] f32, natural log (sinks included); sinks: optional 1-D f32, head h's sink at
-        ``sinks[sink_offset + h]`` (one buffer for every layer; NaN: no sink for that head). Mixed q / cache dtypes other than an
-        f32 q are not taken (an f32 cache takes f32 q). K/V of a tile are read once for all the
+        ``sinks[sink_offset + h]`` (one buffer for every layer; NaN: no sink for that head). Mixed q / cache
+        dtypes other than an f32 q are not taken (an f32 cache takes f32 q). K/V of a tile are read once for all the
         query heads of their group. With ``plan.n_splits > 1`` the chunks write normalised partial
         (O, LSE) into the plan's buffers and, in the same launch, one block of each (query, head block)
         merges them (as :meth:`merge_states` would), adding the sinks once: the last block to finish (an
