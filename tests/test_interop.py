@@ -28,7 +28,8 @@ from cukern.matmul import MatmulDispatch  # noqa: E402
 from cukern.tokens import TokensDispatch  # noqa: E402
 
 # public methods that take host values or cukern objects only (plans, sizes, settings)
-HOST_ONLY = {"plan_decode", "plan_batched", "plan_moe_route", "plan_path", "packable", "check_errors", "struct_of"}
+HOST_ONLY = {"plan_decode", "plan_decode_contiguous", "plan_batched", "plan_moe_route", "plan_path", "packable",
+             "check_errors", "struct_of"}
 
 
 class _Stream(host_dispatch._Stream):

@@ -96,6 +96,14 @@ CUKERN_DEVICE void to_logits2(float* x, float scale_log2, float softcap, float i
     }
 }
 
+// The sink logit (natural log) of sinks[idx], -inf where there is none: has_sinks off, or a NaN entry (a head
+// without a sink in a buffer shared by every head of every layer). A -inf sink weighs nothing anywhere.
+CUKERN_DEVICE float sink_logit(const float* __restrict__ sinks, uint32_t has_sinks, uint32_t idx) {
+    if (!has_sinks) return -INFINITY;
+    const float s = sinks[idx];
+    return (__float_as_uint(s) & 0x7fffffffu) > 0x7f800000u ? -INFINITY : s;  // NaN test on the bits (fast math)
+}
+
 // exp2 of x - m where m may be -inf (no key seen yet): then every weight is 0, never NaN.
 CUKERN_DEVICE float safe_max(float m) { return m == -INFINITY ? 0.0f : m; }
 

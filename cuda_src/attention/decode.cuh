@@ -62,15 +62,16 @@ struct DecodeShape {
     static_assert(D % VEC == 0, "head_dim must be a multiple of the 16-byte vector");
 };
 
-// Position of query `qi` and its slot; the visible keys are [lo, hi).
+// Position of query `qi` and its slot; the visible keys are [lo, hi) (empty when the query's position is below 0).
 struct QueryRange {
     int32_t slot;
     int32_t lo;
     int32_t hi;
 };
 
-CUKERN_DEVICE QueryRange decode_range(const int32_t* __restrict__ lengths, const int32_t* __restrict__ seq_ids,
-                                      const int32_t* __restrict__ q_indptr, uint32_t qi, const DecodeParams& p) {
+CUKERN_DEVICE QueryRange decode_range(const int32_t* __restrict__ lengths, const int32_t* __restrict__ page_table,
+                                      const int32_t* __restrict__ seq_ids, const int32_t* __restrict__ q_indptr,
+                                      uint32_t qi, const DecodeParams& p) {
     uint32_t s = qi;
     int32_t back = 0;  // queries after this one in its sequence
     if (p.batched) {   // largest s with q_indptr[s] <= qi
@@ -83,10 +84,11 @@ CUKERN_DEVICE QueryRange decode_range(const int32_t* __restrict__ lengths, const
         back = q_indptr[s + 1] - 1 - (int32_t)qi;
     }
     QueryRange r;
-    r.slot = seq_ids[s];
-    const int32_t kv_len = lengths[r.slot];
-    const int32_t qpos = kv_len - 1 - back;  // the last query of a sequence is its last cached token
-    r.hi = p.batched && !p.causal ? kv_len : qpos + 1;
+    r.slot = p.kv_rows ? (int32_t)s : seq_ids[s];
+    const int32_t kv_len = p.kv_rows ? lengths[s] - page_table[s] : lengths[r.slot];
+    // bottom right: the last query of a sequence is its last cached token; top left (causal 2): query r at r
+    const int32_t qpos = (p.batched && p.causal == 2 ? q_indptr[s + 1] - q_indptr[s] : kv_len) - 1 - back;
+    r.hi = p.batched && !p.causal ? kv_len : min(qpos + 1, kv_len);  // top left: a row past the keys sees them all
     r.lo = p.window_left >= 0 ? max(0, qpos - p.window_left) : 0;
     return r;
 }
@@ -175,8 +177,9 @@ CUKERN_DEVICE void decode_finish(
             L += sm_l[w][g] * f;
             a += red[(w * G + g) * D + d] * f;
         }
-        if (!split_mode && p.has_sinks) {  // the sink joins the denominator once, here or in the merge
-            const float s2 = sinks[h0 + g] * LOG2E;
+        const float sk = split_mode ? -INFINITY : sink_logit(sinks, p.has_sinks, p.sink_offset + h0 + g);
+        if (sk > -INFINITY) {  // the sink joins the denominator once, here or in the merge
+            const float s2 = sk * LOG2E;
             const float m2 = fmaxf(mx, s2);
             const float f = exp2f(mx - m2);
             L = L * f + exp2f(s2 - m2);
@@ -219,8 +222,8 @@ CUKERN_DEVICE void decode_finish(
         const float4* src = reinterpret_cast<const float4*>(o_part + ((uint64_t)qi * ns * nh + h0 + g) * D) + c;
         const float* ls = lse_part + (uint64_t)qi * ns * nh + h0 + g;  // state s at ls[s * nh]
         MergeAcc m;  // the sink's exp(sink - mu) joins the denominator once
-        m.mu = p.has_sinks && part == 0 && active ? sinks[h0 + g] : -INFINITY;
-        m.den = p.has_sinks && part == 0 && active ? 1.0f : 0.0f;
+        m.mu = part == 0 && active ? sink_logit(sinks, p.has_sinks, p.sink_offset + h0 + g) : -INFINITY;
+        m.den = m.mu > -INFINITY ? 1.0f : 0.0f;
         if (active) {
             if (parts == 2) merge_column<8>(m, src, (uint64_t)nh * D4, ls, nh, part, 2, ns);
             else merge_column<16>(m, src, (uint64_t)nh * D4, ls, nh, 0, 1, ns);
@@ -249,13 +252,15 @@ __global__ void __launch_bounds__(cukern::attn::DECODE_WARPS * 32, 2) decode(
     float* __restrict__ lse_part,            // n_splits > 1: [n_queries, n_splits, n_heads] their natural-log LSE
     int32_t* __restrict__ counters,          // n_splits > 1: [n_queries * gridDim.y] zeros (left zero on exit)
     const QO* __restrict__ q,                // [n_queries, n_heads, D]
-    const T* __restrict__ k_pool,            // [n_pages, page_size, n_kv_heads, D]
-    const T* __restrict__ v_pool,            // [n_pages, page_size, n_kv_heads, D]
-    const int32_t* __restrict__ page_table,  // [n_slots, max_pages]
-    const int32_t* __restrict__ lengths,     // [n_slots] cached tokens per slot
-    const int32_t* __restrict__ seq_ids,     // [n_seqs] slot of each sequence
+    const T* __restrict__ k_pool,            // [n_pages, page_size, n_kv_heads, D], or head-major [batch, n_kv_heads,
+                                             //    capacity, D] (pages of capacity rows, sequence b's page
+                                             //    b * n_kv_heads; strides in p); kv_rows: [n_k_total, n_kv_heads, D]
+    const T* __restrict__ v_pool,            // the same layout as k_pool
+    const int32_t* __restrict__ page_table,  // [n_slots, max_pages]; kv_rows: [n_seqs + 1] first row of each sequence
+    const int32_t* __restrict__ lengths,     // [n_slots] cached tokens per slot; kv_rows: [n_seqs] end row of each
+    const int32_t* __restrict__ seq_ids,     // [n_seqs] slot of each sequence (unused with kv_rows)
     const int32_t* __restrict__ q_indptr,    // [n_seqs + 1] query rows of each sequence (batched mode only)
-    const float* __restrict__ sinks,         // [n_heads] sink logits (has_sinks only)
+    const float* __restrict__ sinks,         // [sink_offset + n_heads] sink logits, NaN: none (has_sinks only)
     const DecodeParams p) {
     using namespace cukern;
     using namespace cukern::attn;
@@ -287,26 +292,27 @@ __global__ void __launch_bounds__(cukern::attn::DECODE_WARPS * 32, 2) decode(
     const uint32_t h0 = kvh * p.group + hb * G;                 // first query head of this block
     const int n_h = min(G, (int)(p.group - hb * G));            // heads of this block that exist
 
-    const QueryRange r = decode_range(lengths, seq_ids, q_indptr, qi, p);
+    const QueryRange r = decode_range(lengths, page_table, seq_ids, q_indptr, qi, p);
     const int32_t c0 = r.lo + (int32_t)(split * p.chunk);
     const int32_t c1 = split + 1 == p.n_splits ? r.hi : min(r.hi, c0 + (int32_t)p.chunk);
     const int32_t n_tiles = c1 > c0 ? (c1 - c0 + TK - 1) / TK : 0;
 
     const int32_t* pt = page_table + (uint64_t)r.slot * p.max_pages;
-    const uint64_t row_elems = (uint64_t)p.n_kv_heads * D;
+    const uint64_t row_stride = p.row_stride;
+    const int32_t row0 = p.kv_rows ? page_table[r.slot] : 0;  // kv_rows: the sequence's first row
 
     // Tile t (keys c0 + t TK ...) into a stage, in two parts: lookup() reads the page of each of this
     // thread's CH chunks (one tile ahead, so the page-table loads are in flight while a tile is
     // used), issue() starts the copies; keys past the chunk are zero-filled.
     constexpr int CH = (TK * NV + NT - 1) / NT;  // 16-byte chunks of a K (and of a V) tile per thread
     constexpr bool FULL = TK * NV % NT == 0;
-    const uint32_t kv_off = kvh * D;
+    const uint64_t kv_off = (uint64_t)kvh * p.head_stride;
     auto key_of = [&](int i) { return (int)(threadIdx.x + i * NT) / NV; };
     auto lookup = [&](int32_t t, uint32_t (&page)[CH]) {
 #pragma unroll
         for (int i = 0; i < CH; ++i) {
             const uint32_t j = (uint32_t)min(c0 + t * TK + key_of(i), c1 - 1);
-            page[i] = (FULL || threadIdx.x + i * NT < TK * NV)
+            page[i] = (FULL || threadIdx.x + i * NT < TK * NV) && !p.kv_rows
                           ? (uint32_t)pt[p.page_shift >= 0 ? j >> p.page_shift : j / p.page_size] : 0u;
         }
     };
@@ -321,7 +327,9 @@ __global__ void __launch_bounds__(cukern::attn::DECODE_WARPS * 32, 2) decode(
                 const int32_t j = c0 + t * TK + key;
                 const uint32_t jj = (uint32_t)min(j, c1 - 1);
                 const uint32_t in_page = p.page_shift >= 0 ? jj & (p.page_size - 1) : jj % p.page_size;
-                const uint64_t off = ((uint64_t)page[i] * p.page_size + in_page) * row_elems + kv_off + ch * VEC;
+                const uint64_t row =
+                    p.kv_rows ? (uint64_t)(row0 + (int32_t)jj) : (uint64_t)page[i] * p.page_size + in_page;
+                const uint64_t off = row * row_stride + kv_off + ch * VEC;
                 const uint32_t bytes = j < c1 ? 16u : 0u;
                 cp_async16(ks + key * D + ch * VEC, k_pool + off, bytes);
                 cp_async16(vs + key * D + ch * VEC, v_pool + off, bytes);

@@ -77,13 +77,15 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
     float* __restrict__ lse_part,            // n_splits > 1: [n_queries, n_splits, n_heads] their natural-log LSE
     int32_t* __restrict__ counters,          // n_splits > 1: [n_queries * gridDim.y] zeros (left zero on exit)
     const QO* __restrict__ q,                // [n_queries, n_heads, D]
-    const T* __restrict__ k_pool,            // [n_pages, page_size, n_kv_heads, D]
-    const T* __restrict__ v_pool,            // [n_pages, page_size, n_kv_heads, D]
+    const T* __restrict__ k_pool,            // [n_pages, page_size, n_kv_heads, D], or head-major [batch, n_kv_heads,
+                                             //    capacity, D] (pages of capacity rows, sequence b's page
+                                             //    b * n_kv_heads; row_stride, head_stride in p)
+    const T* __restrict__ v_pool,            // the same layout as k_pool
     const int32_t* __restrict__ page_table,  // [n_slots, max_pages]
     const int32_t* __restrict__ lengths,     // [n_slots] cached tokens per slot
     const int32_t* __restrict__ seq_ids,     // [n_seqs] slot of each sequence
     const int32_t* __restrict__ q_indptr,    // [n_seqs + 1] query rows of each sequence (batched mode only)
-    const float* __restrict__ sinks,         // [n_heads] sink logits (has_sinks only)
+    const float* __restrict__ sinks,         // [sink_offset + n_heads] sink logits, NaN: none (has_sinks only)
     const DecodeParams p) {
     using namespace cukern;
     using namespace cukern::attn;
@@ -111,15 +113,15 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
     const uint32_t h0 = kvh * p.group + hb * G;       // first query head of this block
     const int n_h = min(G, (int)(p.group - hb * G));  // heads of this block that exist
 
-    const QueryRange r = decode_range(lengths, seq_ids, q_indptr, qi, p);
+    const QueryRange r = decode_range(lengths, page_table, seq_ids, q_indptr, qi, p);
     const int32_t c0 = r.lo + (int32_t)(split * p.chunk);
     const int32_t c1 = split + 1 == p.n_splits ? r.hi : min(r.hi, c0 + (int32_t)p.chunk);
     const int32_t n_wt = c1 > c0 ? (c1 - c0 + KW - 1) / KW : 0;              // warp tiles of the chunk
     const int32_t my_tiles = n_wt > warp ? (n_wt - 1 - warp) / WARPS + 1 : 0;  // ... of this warp
 
     const int32_t* pt = page_table + (uint64_t)r.slot * p.max_pages;
-    const uint64_t row_elems = (uint64_t)p.n_kv_heads * D;
-    const uint32_t kv_off = kvh * D;
+    const uint64_t row_stride = p.row_stride;
+    const uint64_t kv_off = (uint64_t)kvh * p.head_stride;
     T* const ring = reinterpret_cast<T*>(smem_raw) + warp * NS * STAGE;
 
     // first key of the warp's tile i
@@ -142,7 +144,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
             const int chunk = lane + 32 * c;
             const int key = chunk / CPR, ch = chunk % CPR;
             const uint32_t rk = __shfl_sync(0xffffffffu, row, key);
-            const uint64_t off = (uint64_t)rk * row_elems + kv_off + ch * 8;
+            const uint64_t off = (uint64_t)rk * row_stride + kv_off + ch * 8;
             const uint32_t bytes = key0(i) + key < c1 ? 16u : 0u;
             if (p.evict_first) {
                 cp_async16_policy(ks + key * LD + ch * 8, k_pool + off, bytes, policy);
@@ -176,7 +178,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 && D <= 128 ? 2 : 1) decode_t
     // asks for key k's K row slice, lane KW + k for its V slice
     auto ask_l2 = [&](int32_t i, uint32_t row, int32_t end) {
         if (key0(i) + lane % KW < end)
-            prefetch_l2_lines<D * sizeof(T)>((lane < KW ? k_pool : v_pool) + (uint64_t)row * row_elems + kv_off);
+            prefetch_l2_lines<D * sizeof(T)>((lane < KW ? k_pool : v_pool) + (uint64_t)row * row_stride + kv_off);
     };
     // the next p.l2_prefetch tiles of the warp (the same safe keys) into L2 while the previous kernel ends
     const int32_t pf_end = min(my_tiles, (int32_t)(NS - 1 + p.l2_prefetch));

@@ -2,7 +2,7 @@
 // LSE_i the natural-log sum of its exponentiated logits) of the same query become
 //   O = sum_i exp(LSE_i - M) O_i / (sum_i exp(LSE_i - M) + exp(sink - M)),
 //   LSE = M + log(sum_i exp(LSE_i - M) + exp(sink - M)),   M = max(max_i LSE_i, sink),
-// where the sink term is present only with has_sinks. States with LSE = -inf (no keys)
+// where the sink term is present only with has_sinks and a sink that is not NaN. States with LSE = -inf (no keys)
 // weigh nothing; a row whose states are all empty (and has no sink) gets O = 0, LSE = -inf.
 //
 // Grid: (n_heads, n_tokens, ceil(head_dim / 4 / cols4)); block: MERGE_THREADS threads, for cols4
@@ -36,7 +36,7 @@ __global__ void __launch_bounds__(cukern::attn::MERGE_THREADS) merge_states(
     float* __restrict__ lse,          // [n_tokens, n_heads] merged natural-log LSE (write_lse only)
     const float* __restrict__ o_in,   // [n_tokens, n_states, n_heads, head_dim] normalised partial outputs
     const float* __restrict__ lse_in, // [n_tokens, n_states, n_heads] their natural-log LSE
-    const float* __restrict__ sinks,  // [n_heads] natural-log sink logits (has_sinks only)
+    const float* __restrict__ sinks,  // [sink_offset + n_heads] natural-log sink logits, NaN: none (has_sinks only)
     const MergeParams p) {
     using namespace cukern;
     using namespace cukern::attn;
@@ -52,7 +52,8 @@ __global__ void __launch_bounds__(cukern::attn::MERGE_THREADS) merge_states(
     const uint32_t ns = p.n_states, nh = p.n_heads;
     const float* li = lse_in + t * ns * nh + h;  // state s at li[s * nh]
 
-    float mx = p.has_sinks ? sinks[h] : -INFINITY;
+    const float sk = sink_logit(sinks, p.has_sinks, p.sink_offset + h);  // -inf: none
+    float mx = sk;
     for (uint32_t s = threadIdx.x; s < ns; s += NT) mx = fmaxf(mx, li[(uint64_t)s * nh]);
     mx = block_max<NT>(mx, scratch);
     const float mu = safe_max(mx);
@@ -92,7 +93,7 @@ __global__ void __launch_bounds__(cukern::attn::MERGE_THREADS) merge_states(
         }
     }
     den = block_sum<NT>(den, scratch);
-    if (p.has_sinks) den += __expf(sinks[h] - mu);
+    if (sk > -INFINITY) den += __expf(sk - mu);
     part[threadIdx.x] = acc;
     __syncthreads();
     if (threadIdx.x < dv) {

@@ -6,7 +6,12 @@
 //   * positions and lengths are tokens; a query at position i sees key j when
 //     max(0, i - window_left) <= j <= i (window_left < 0: no window);
 //   * logits are scale * q.k, then softcap * tanh(logit / softcap) when softcap > 0;
-//   * a sink is one extra logit per query head that joins the softmax denominator only;
+//   * a sink is one extra logit per query head that joins the softmax denominator only; head h reads
+//     sinks[sink_offset + h] (one buffer for every layer), and a NaN there means no sink for that head;
+//   * causal 1 aligns the last query with the last key (FlashAttention, torch CausalVariant.LOWER_RIGHT:
+//     query r of q_len against kv_len keys sits at position kv_len - q_len + r), causal 2 the first query
+//     with the first key (torch is_causal, CausalVariant.UPPER_LEFT: position r); a query whose position
+//     is below 0 sees no key (O = 0, LSE -inf, or the sink's LSE);
 //   * log-sum-exp values (LSE) are natural logarithms.
 #pragma once
 
@@ -44,8 +49,8 @@ struct DecodeParams {
     float scale_log2;        // scale * log2(e)
     float softcap;           // logit cap, 0: off
     float inv_softcap;       // 1 / softcap (0 when off)
-    uint32_t has_sinks;      // 1: sinks[n_heads] joins the denominator (once: in the final write or the merge)
-    uint32_t causal;         // batched mode: 1 causal, 0 every query sees all kv_len keys
+    uint32_t has_sinks;      // 1: sinks[sink_offset + h] join the denominator (once: in the final write or the merge)
+    uint32_t causal;         // batched mode: 1 causal bottom-right, 2 causal top-left, 0 every query sees all keys
     uint32_t write_lse;      // 1: write the final lse (the partial LSEs of n_splits > 1 are always written)
     int32_t page_shift;      // log2(page_size) when it is a power of two, else -1
     uint32_t l2_prefetch;    // decode_tc: warp tiles after the prologue's that each warp asks L2 to prefetch
@@ -55,6 +60,13 @@ struct DecodeParams {
                              //    after this one (no counters touched); 0: the last block merges them
     uint32_t l2_ahead;       // decode_tc: each warp keeps L2 asked for its tiles up to this many after the one it
                              //    copies next (0: none), more of its stream in flight than its ring of stages holds
+    uint32_t row_stride;     // elements between the K/V rows of consecutive keys of one KV head (pages: n_kv_heads * D;
+                             //    head-major [.., n_kv_heads, capacity, D]: D)
+    uint32_t head_stride;    // elements between the rows of consecutive KV heads (pages: D; head-major: capacity * D)
+    uint32_t kv_rows;        // SIMT decode: 1 reads packed rows (varlen): sequence s's key j at row page_table[s] + j,
+                             //    lengths[s] - page_table[s] keys (page_table = cu_seqlens_k, lengths = its tail);
+                             //    slot s itself (seq_ids unused); 0: pages
+    uint32_t sink_offset;    // head h's sink is sinks[sink_offset + h]
     uint32_t pad0;           // keeps the struct a multiple of 8 bytes
 };
 
@@ -64,10 +76,10 @@ struct MergeParams {
     uint32_t n_states;       // partial states per row
     uint32_t n_heads;        // heads
     uint32_t head_dim;       // elements per head
-    uint32_t has_sinks;      // 1: sinks[n_heads] (natural-log logits) join the denominator once
+    uint32_t has_sinks;      // 1: sinks[sink_offset + h] (natural-log logits; NaN: none) join the denominator once
     uint32_t write_lse;      // 1: write the merged LSE
     uint32_t cols4;          // float4 columns per block (grid.z = ceil(head_dim / 4 / cols4))
-    uint32_t pad0;           // keeps the struct a multiple of 8 bytes
+    uint32_t sink_offset;    // head h's sink is sinks[sink_offset + h]
 };
 
 // prefill: tensor-core flash attention of many queries per sequence, over the paged cache
@@ -80,13 +92,14 @@ struct PrefillParams {
     uint32_t n_q_tiles;      // query tiles per sequence in the grid (from the caller's max q length)
     uint32_t page_size;      // paged: tokens per page
     uint32_t max_pages;      // paged: page-table row length
-    uint32_t causal;         // 1: query r of a sequence sees keys j <= kv_len - q_len + r
+    uint32_t causal;         // 0: none; 1: query r sees keys j <= kv_len - q_len + r (bottom right); 2: j <= r
+                             //    (top left)
     int32_t window_left;     // sliding window, < 0: none
     float scale_log2;        // scale * log2(e)
     float softcap;           // logit cap, 0: off
     float inv_softcap;       // 1 / softcap (0 when off)
-    uint32_t has_sinks;      // 1: sinks[n_heads] joins the denominator
+    uint32_t has_sinks;      // 1: sinks[sink_offset + h] joins the denominator
     uint32_t write_lse;      // 1: write lse[n_q_total, n_heads]
     int32_t page_shift;      // paged: log2(page_size) when it is a power of two, else -1
-    uint32_t pad0;           // keeps the struct a multiple of 8 bytes
+    uint32_t sink_offset;    // head h's sink is sinks[sink_offset + h]
 };

@@ -16,8 +16,8 @@
 //
 // Keys come from the paged cache (PAGED: page table of the sequence's slot, kv_len = its
 // cached length) or from packed contiguous K/V (varlen: rows cu_seqlens_k[s] ...). Query r
-// of a sequence (0 <= r < q_len) sits at position kv_len - q_len + r: it sees keys
-// j <= that position when causal, and j >= position - window_left when a window is set.
+// of a sequence (0 <= r < q_len) sits at position kv_len - q_len + r (causal 2, top left: at r): it sees
+// keys j <= that position when causal, and j >= position - window_left when a window is set.
 //
 // FLOPs: 4 * q_len * (visible keys) * D per head. Bytes: Q, O once; K/V once per query tile.
 // Shared addresses are kept as 32-bit integers (ldmatrix / cp.async take base + immediate offsets), and a
@@ -148,8 +148,9 @@ CUKERN_DEVICE void store_rows(const float (&oacc)[MT][D / 8][4], const float (&m
             L += __shfl_xor_sync(0xffffffffu, L, 1);
             L += __shfl_xor_sync(0xffffffffu, L, 2);
             float M = m[mt][i], f = 1.0f;
-            if (p.has_sinks) {
-                const float s2 = sinks[h] * LOG2E;
+            const float sk = sink_logit(sinks, p.has_sinks, p.sink_offset + h);
+            if (sk > -INFINITY) {
+                const float s2 = sk * LOG2E;
                 const float m2 = fmaxf(M, s2);
                 f = exp2f(M - m2);
                 L = L * f + exp2f(s2 - m2);
@@ -184,7 +185,7 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::NT, cukern::att
     const int32_t* __restrict__ kv_info,     // PAGED: lengths [n_slots]; else cu_seqlens_k [n_seqs + 1]
     const int32_t* __restrict__ page_table,  // PAGED: [n_slots, max_pages]; else unused
     const int32_t* __restrict__ seq_ids,     // PAGED: [n_seqs] slot of each sequence; else unused
-    const float* __restrict__ sinks,         // [n_heads] sink logits (has_sinks only)
+    const float* __restrict__ sinks,         // [sink_offset + n_heads] sink logits, NaN: none (has_sinks only)
     const PrefillParams p) {
     using namespace cukern;
     using namespace cukern::attn;
@@ -218,7 +219,7 @@ __global__ void __launch_bounds__(cukern::attn::PrefillShape<D>::NT, cukern::att
     }
     const uint64_t head_off = (uint64_t)(h / p.group) * D;
     const uint64_t row_elems = (uint64_t)p.n_kv_heads * D;
-    const int32_t offset = kv_len - q_len;  // position of query row r is offset + r
+    const int32_t offset = p.causal == 2 ? 0 : kv_len - q_len;  // position of query row r is offset + r
     const int32_t rows_here = min(BM, q_len - r0);
     const bool windowed = p.window_left >= 0;
 

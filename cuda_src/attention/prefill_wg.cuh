@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(cukern::attn::PrefillWgShape<D>::NT, 1) prefil
     const int32_t* __restrict__ kv_info,     // PAGED: lengths [n_slots]; else cu_seqlens_k [n_seqs + 1]
     const int32_t* __restrict__ page_table,  // PAGED: [n_slots, max_pages]; else unused
     const int32_t* __restrict__ seq_ids,     // PAGED: [n_seqs] slot of each sequence; else unused
-    const float* __restrict__ sinks,         // [n_heads] sink logits (has_sinks only)
+    const float* __restrict__ sinks,         // [sink_offset + n_heads] sink logits, NaN: none (has_sinks only)
     const PrefillParams p) {                 // dynamic shared memory: PrefillWgShape<D>::SMEM_BYTES
     using namespace cukern;
     using namespace cukern::attn;
@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(cukern::attn::PrefillWgShape<D>::NT, 1) prefil
         kv_len = kv_info[s + 1] - k_start;
     }
     const uint64_t row_elems = (uint64_t)p.n_kv_heads * D;
-    const int32_t offset = kv_len - q_len;  // position of query row r is offset + r
+    const int32_t offset = p.causal == 2 ? 0 : kv_len - q_len;  // position of query row r is offset + r
     const int32_t rows_here = min(BM, q_len - r0);
     const bool windowed = p.window_left >= 0;
 

@@ -11,11 +11,13 @@ Conventions (every method):
 
 * a query at position ``i`` sees key ``j`` when ``max(0, i - window_left) <= j <= i``
   (``window_left < 0``: no window); the last query of a sequence sits at its last cached
-  token, so queries are aligned to the end of the cache (``seq_start = kv_len - q_len``);
+  token, so queries are aligned to the end of the cache (``seq_start = kv_len - q_len``); prefill and
+  varlen also take ``causal_variant="upper_left"`` (query ``r`` at position ``r``, torch's ``is_causal``);
 * logits are ``scale * q.k`` (``scale = 0`` means ``1 / sqrt(head_dim)``), then
   ``softcap * tanh(logit / softcap)`` when ``softcap > 0``;
-* ``sinks`` ([n_heads] f32) are one logit per query head that joins the softmax denominator
-  exactly once (gpt-oss), never scaled or capped;
+* ``sinks`` (1-D f32, head ``h`` at ``sinks[sink_offset + h]``: one buffer for every layer; NaN: no
+  sink for that head) are one logit per query head that joins the softmax denominator exactly once
+  (gpt-oss), never scaled or capped;
 * every log-sum-exp (LSE) is a **natural** logarithm, laid out ``[tokens, heads]`` f32;
 * bfloat16 arrays are passed as ``uint16`` bit patterns (NumPy and CuPy have no bfloat16
   dtype; an ``ml_dtypes`` bfloat16 array is accepted too).

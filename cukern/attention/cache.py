@@ -284,6 +284,8 @@ class PagedKVView:
     lengths: cupy.ndarray  # [n_rows] int32 tokens of each row
     k_pool: cupy.ndarray | None = None  # [n_pages, page_size, n_kv_heads, head_dim]
     v_pool: cupy.ndarray | None = None  # the same layout as k_pool
+    head_major: bool = False  # pools [n_pages, n_kv_heads, page_size, head_dim], page_table holding page ids times
+    #                           n_kv_heads (a contiguous [batch, n_kv_heads, capacity, head_dim]: pages of capacity)
     n_layers = 1
 
     @property

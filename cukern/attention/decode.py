@@ -9,12 +9,12 @@ import dataclasses
 import cupy
 import numpy as np
 
-from cukern.attention.cache import PagedKVCache
-from cukern.attention.common import (_CTYPE, _DECODE_THREADS, _F32, _check_kind, _int_list, _page_shift,
-                                     _scale_fields)
+from cukern.attention.cache import HEAD_DIMS, PagedKVCache, PagedKVView, _norm_kv_dtype
+from cukern.attention.common import (_CTYPE, _DECODE_THREADS, _F32, _I32, _check_kind, _int_list, _kv_strides,
+                                     _page_shift, _scale_fields, _sink_fields)
 from cukern.attention.plan import (_MERGE_THREADS, _NO_OVERRIDES, _TC_KEYS, DecodeOverrides, DecodePlan,
                                    _decode_smem, _decode_tc_smem, _merge_cols4, decode_plan)
-from cukern.dispatch import Unit, check_array
+from cukern.dispatch import Unit, check_array, check_int
 from cukern.interop import like, tensors
 from cukern.repeat import repeatable
 
@@ -66,14 +66,15 @@ class Decode:
     @tensors(out=like("q"))
     def flash_attn_decode(self, plan: DecodePlan, layer: int, q: cupy.ndarray, out: cupy.ndarray | None = None, *,
                           scale: float = 0.0, window_left: int = -1, softcap: float = 0.0,
-                          sinks: cupy.ndarray | None = None, lse: cupy.ndarray | None = None,
+                          sinks: cupy.ndarray | None = None, sink_offset: int = 0, lse: cupy.ndarray | None = None,
                           stream=None) -> cupy.ndarray:
         """Single-query attention of a batch of sequences over the paged cache (split-KV + merge).
 
         q: [batch, n_heads, head_dim], float32 or the cache's dtype (float16 / bfloat16 as uint16 bits;
         16-byte aligned); out: the same shape and dtype as q (written: f32 arithmetic, rounded once); lse:
-        optional [batch, n_heads] f32, natural log (sinks included). Mixed q / cache dtypes other than an
-        f32 q are not taken (an f32 cache takes f32 q). K/V of a tile are read once for all the
+        optional [batch, n_heads] f32, natural log (sinks included); sinks: optional 1-D f32, head h's sink at
+        ``sinks[sink_offset + h]`` (one buffer for every layer; NaN: no sink for that head). Mixed q / cache
+        dtypes other than an f32 q are not taken (an f32 cache takes f32 q). K/V of a tile are read once for all the
         query heads of their group. With ``plan.n_splits > 1`` the chunks write normalised partial
         (O, LSE) into the plan's buffers and, in the same launch, one block of each (query, head block)
         merges them (as :meth:`merge_states` would), adding the sinks once: the last block to finish (an
@@ -88,17 +89,21 @@ class Decode:
         hi + lo parts of the cache dtype, so S and O keep f32 accuracy (the same tolerance as the SIMT
         kernel, which serves f32 caches and head_dim 512)."""
         layer, qk = self._check_decode(plan, layer, q)
+        return self._decode_merged(plan, layer, q, out, qk, scale, window_left, softcap, sinks, sink_offset, lse,
+                                   stream)
+
+    def _decode_merged(self, plan: DecodePlan, layer: int, q, out, qk: str, scale, window_left, softcap, sinks,
+                       sink_offset, lse, stream):
+        """flash_attn_decode's checks of the outputs and the scalars, its launch and the merge apart."""
         b, h, d = plan.batch, plan.n_heads, plan.cache.head_dim
         check_array("out", out, dtype=q.dtype, shape=(b, h, d), align=16)
         if lse is not None:
             check_array("lse", lse, dtype=_F32, shape=(b, h))
-        if sinks is not None:
-            check_array("sinks", sinks, dtype=_F32, shape=(h,))
-        fields = _scale_fields(scale, d, softcap, window_left)
+        fields = _scale_fields(scale, d, softcap, window_left) | _sink_fields(sinks, sink_offset, h)
         unit = self._decode_launch(plan, layer, q, out, lse, sinks, fields, stream, qk)
         if plan.merge_apart:
             self._merge(unit, plan.o_part, plan.lse_part, out, lse, sinks, b, plan.n_splits, h, d, stream,
-                        _CTYPE[qk])
+                        _CTYPE[qk], fields["sink_offset"])
         return out
 
     @repeatable
@@ -117,7 +122,7 @@ class Decode:
         if not plan.partials:
             raise ValueError("flash_attn_decode_partials needs a plan made with plan_decode(..., partials=True)")
         b, h, d = plan.batch, plan.n_heads, plan.cache.head_dim
-        fields = _scale_fields(scale, d, softcap, window_left)
+        fields = _scale_fields(scale, d, softcap, window_left) | _sink_fields(None, 0, h)
         if plan.n_splits > 1:
             self._decode_launch(plan, layer, q, plan.o_part, None, None, fields, stream)
         else:  # one split writes its state as the final output (no sinks: the merge adds them)
@@ -159,10 +164,9 @@ class Decode:
         params = unit.struct("DecodeParams").pack(
             n_queries=b, n_seqs=b, batched=0, n_heads=h, n_kv_heads=cache.n_kv_heads, group=group, n_head_blocks=nhb,
             page_size=cache.page_size, max_pages=cache.max_pages_per_seq, n_splits=plan.n_splits,
-            chunk=chunk, has_sinks=int(sinks is not None), causal=1,
-            write_lse=int(lse is not None), page_shift=_page_shift(cache.page_size),
+            chunk=chunk, causal=1, write_lse=int(lse is not None), page_shift=_page_shift(cache.page_size),
             l2_prefetch=pf, evict_first=int(pf > 0 or ahead > 0 if ef is None else ef),
-            merge_apart=int(plan.merge_apart), l2_ahead=ahead, pad0=0, **fields)
+            merge_apart=int(plan.merge_apart), l2_ahead=ahead, kv_rows=0, pad0=0, **_kv_strides(cache), **fields)
         if plan.warps:
             name, smem = f"decode_tc<{_CTYPE[cache.kind]}, {d}, {plan.warps}{qo}>", _decode_tc_smem(d, plan.warps)
         else:
@@ -202,16 +206,83 @@ class Decode:
             return 2 if tiles >= 48 else 0
         return 1 if tiles >= 16 and plan.cache.head_dim <= 128 else 0
 
+    # ------------------------------------------------------------------ decode over a contiguous K/V
+    def plan_decode_contiguous(self, batch: int, n_heads: int, n_kv_heads: int, head_dim: int, capacity: int,
+                               dtype="float16", *, max_kv_len: int | None = None, n_splits: int | None = None,
+                               window_left: int = -1, overrides: DecodeOverrides | None = None) -> DecodePlan:
+        """Schedule :meth:`flash_attn_decode_contiguous`: one query token for each of ``batch`` sequences whose K/V
+        are head-major contiguous arrays ``[batch, n_kv_heads, capacity, head_dim]`` of ``dtype`` (float16,
+        bfloat16, float32). The kernels read them as pages of ``capacity`` rows (sequence b's page
+        ``b * n_kv_heads``, rows ``head_dim`` apart, heads ``capacity * head_dim`` apart): the paged decode's
+        split schedule, buffers and kernels. ``max_kv_len`` (default: capacity) sizes the chunks as in
+        :meth:`plan_decode`; ``n_splits``, ``window_left`` and ``overrides`` as there."""
+        kind = _norm_kv_dtype(dtype)
+        batch = check_int("batch", batch, 1, 65535)
+        hk = check_int("n_kv_heads", n_kv_heads, 1)
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim!r}")
+        capacity = check_int("capacity", capacity, 1)
+        if batch * hk * capacity >= 2**32 or capacity * head_dim >= 2**32:
+            raise ValueError(f"batch * n_kv_heads * capacity ({batch * hk * capacity}) rows and capacity * head_dim "
+                             f"({capacity * head_dim}) elements must each fit in 32 bits")
+        max_kv_len = capacity if max_kv_len is None else check_int("max_kv_len", max_kv_len, 1, capacity)
+        ov = _NO_OVERRIDES if overrides is None else overrides
+        if not isinstance(ov, DecodeOverrides):
+            raise TypeError(f"overrides must be a DecodeOverrides, got {type(overrides).__name__}")
+        pages = cupy.asarray((np.arange(batch, dtype=np.int64) * hk).astype(np.int32).reshape(batch, 1))
+        view = PagedKVView(kind, hk, int(head_dim), capacity, pages, pages[:, 0], head_major=True)
+        ids = cupy.asarray(np.arange(batch, dtype=np.int32))
+        return decode_plan(view, ids, n_heads, max_kv_len, n_splits, window_left, ov, self.sm_count())
+
+    @tensors(out=like("q"))
+    def flash_attn_decode_contiguous(self, plan: DecodePlan, q: cupy.ndarray, k: cupy.ndarray, v: cupy.ndarray,
+                                     lengths: cupy.ndarray, out: cupy.ndarray | None = None, *, scale: float = 0.0,
+                                     window_left: int = -1, softcap: float = 0.0, sinks: cupy.ndarray | None = None,
+                                     sink_offset: int = 0, lse: cupy.ndarray | None = None,
+                                     stream=None) -> cupy.ndarray:
+        """:meth:`flash_attn_decode` over head-major contiguous K/V (a plan from :meth:`plan_decode_contiguous`).
+
+        k, v: ``[batch, n_kv_heads, capacity, head_dim]`` of the plan's dtype (bfloat16 as uint16 bits),
+        C-contiguous, or ``[n_kv_heads, capacity, head_dim]`` for a batch of one; lengths: [batch] int32 keys of
+        each sequence (device values, not read here: 1 ... capacity is the caller's to keep); q: ``[batch,
+        n_heads, head_dim]`` (``[n_heads, head_dim]`` for a batch of one), float32 or the K/V dtype; out: q's
+        shape and dtype; lse: optional f32 of q's shape without head_dim. The query is the last key's token:
+        GQA, ``scale``, ``window_left``, ``softcap``, ``sinks`` / ``sink_offset`` as in :meth:`flash_attn_decode`.
+        """
+        if not isinstance(plan, DecodePlan) or not getattr(plan.cache, "head_major", False):
+            raise TypeError(f"plan must be a DecodePlan from plan_decode_contiguous, got {type(plan).__name__}")
+        view = plan.cache
+        b, h, hk, d, cap = plan.batch, plan.n_heads, view.n_kv_heads, view.head_dim, view.page_size
+        qk = _check_kind("q", q, tuple(dict.fromkeys(("float32", view.kind))))
+        lead = (b,) if q.ndim == 3 or b > 1 else ()
+        check_array("q", q, shape=lead + (h, d), align=16)
+        kv_shape = (b, hk, cap, d) if k.ndim == 4 or b > 1 else (hk, cap, d)
+        for name, a in (("k", k), ("v", v)):
+            if _check_kind(name, a, (view.kind,)) != view.kind:
+                raise TypeError(f"{name} must have the plan's dtype")
+            check_array(name, a, shape=kv_shape, align=16)
+        check_array("out", out, shape=q.shape)
+        if lse is not None:
+            check_array("lse", lse, dtype=_F32, shape=q.shape[:-1])
+            lse = lse.reshape(b, h)
+        check_array("lengths", lengths, dtype=_I32, shape=(b,))
+        plan = dataclasses.replace(plan, cache=dataclasses.replace(view, lengths=lengths, k_pool=k, v_pool=v))
+        self._decode_merged(plan, 0, q.reshape(b, h, d), out.reshape(b, h, d), qk, scale, window_left, softcap, sinks,
+                            sink_offset, lse, stream)
+        return out
+
     # ------------------------------------------------------------------ merge
     @tensors(out=like("v", shape=lambda a: a("v").shape[:1] + a("v").shape[2:]))
     def merge_states(self, v: cupy.ndarray, s: cupy.ndarray, out: cupy.ndarray | None = None, *,
-                     lse: cupy.ndarray | None = None, sinks: cupy.ndarray | None = None, stream=None) -> cupy.ndarray:
+                     lse: cupy.ndarray | None = None, sinks: cupy.ndarray | None = None, sink_offset: int = 0,
+                     stream=None) -> cupy.ndarray:
         """Merge partial attention states of the same queries.
 
         v: [n_tokens, n_states, n_heads, head_dim] f32, each state's output normalised over its own keys;
         s: [n_tokens, n_states, n_heads] f32, each state's **natural-log** LSE (-inf: empty state);
         out: [n_tokens, n_heads, head_dim] f32; lse: optional [n_tokens, n_heads] f32 merged LSE;
-        sinks: optional [n_heads] f32 natural-log logits added to the denominator once.
+        sinks: optional 1-D f32 natural-log logits added to the denominator once, head h's at
+        ``sinks[sink_offset + h]`` (NaN: none for that head).
         A row whose states are all empty (and no sink) gets 0 and LSE -inf."""
         check_array("v", v, dtype=_F32, ndim=4, align=16)
         n, ns, h, d = v.shape
@@ -223,18 +294,17 @@ class Decode:
         check_array("out", out, dtype=_F32, shape=(n, h, d), align=16)
         if lse is not None:
             check_array("lse", lse, dtype=_F32, shape=(n, h))
-        if sinks is not None:
-            check_array("sinks", sinks, dtype=_F32, shape=(h,))
+        offset = _sink_fields(sinks, sink_offset, h)["sink_offset"]
         if n > 65535:
             raise ValueError(f"merge_states takes at most 65535 tokens per call, got {n}")
-        self._merge(self._units["attention"], v, s, out, lse, sinks, n, ns, h, d, stream)
+        self._merge(self._units["attention"], v, s, out, lse, sinks, n, ns, h, d, stream, sink_offset=offset)
         return out
 
-    def _merge(self, unit, v, s, out, lse, sinks, n, ns, h, d, stream, out_type="float"):
+    def _merge(self, unit, v, s, out, lse, sinks, n, ns, h, d, stream, out_type="float", sink_offset=0):
         cols4 = _merge_cols4(n * h, d, self.sm_count())
         params = unit.struct("MergeParams").pack(n_tokens=n, n_states=ns, n_heads=h, head_dim=d,
                                                  has_sinks=int(sinks is not None), write_lse=int(lse is not None),
-                                                 cols4=cols4, pad0=0)
+                                                 cols4=cols4, sink_offset=sink_offset)
         unit._launch(f"merge_states<{out_type}>", (h, n, -(-(d // 4) // cols4)), _MERGE_THREADS,
                      (out, lse if lse is not None else out, v, s, sinks if sinks is not None else s), params,
                      stream=stream, pdl=self.pdl)

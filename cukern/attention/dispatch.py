@@ -11,8 +11,8 @@ import cupy
 import numpy as np
 
 from cukern.attention.cache import BF16, HEAD_DIMS, PagedKVCache, PagedKVView
-from cukern.attention.common import (_CTYPE, _DECODE_THREADS, _F32, _I32, _SHORT, _check_kind, _int_list,
-                                     _page_shift, _scale_fields)
+from cukern.attention.common import (_CTYPE, _DECODE_THREADS, _F32, _I32, _SHORT, _causal_field, _check_kind,
+                                     _int_list, _kv_strides, _page_shift, _scale_fields, _sink_fields)
 from cukern.attention.decode import Decode
 from cukern.attention.plan import (_TC_DECODE_MAX_D, BatchedPlan, _decode_smem, _groups, _head_block, _prefill_shape,
                                    _prefill_wg_shape, _tc_warps)
@@ -22,7 +22,7 @@ from cukern.runtime import FamilySpec, KernelSpec
 
 __all__ = ["AttentionDispatch", "FAMILY", "FAMILIES", "PREFILL_HEAD_DIMS", "PREFILL_WG_HEAD_DIMS"]
 
-PREFILL_HEAD_DIMS = HEAD_DIMS[:-1]  # tensor-core prefill / varlen (512: use f32 queries, SIMT path)
+PREFILL_HEAD_DIMS = HEAD_DIMS[:-1]  # tensor-core prefill / varlen (512 and f32: the SIMT decode kernel)
 PREFILL_WG_HEAD_DIMS = (128, 256)  # prefill_wg (Hopper wgmma) head dims; the others run prefill (mma.sync)
 _KV_WRITE_THREADS = 128
 
@@ -86,9 +86,9 @@ class AttentionDispatch(Decode):
 
     Dtypes: :meth:`flash_attn_decode` takes q and out in float32 or in the cache's dtype (a float16 or
     bfloat16 cache; bf16 as uint16 bits), out in q's dtype; :meth:`flash_attn_batched` takes Q in the
-    cache's 16-bit dtype (tensor cores) or float32 (SIMT); :meth:`flash_attn_varlen` float16 / bfloat16
-    (f32 varlen is not built: docs/notes/attention.md says why). Arithmetic is f32 throughout; LSE, sinks
-    and the merge's inputs are f32.
+    cache's 16-bit dtype (tensor cores) or float32 (SIMT); :meth:`flash_attn_varlen` float16 / bfloat16 (tensor
+    cores; head_dim 512 SIMT) or float32 (SIMT). Arithmetic is f32 throughout; LSE, sinks and the merge's inputs
+    are f32.
 
     ``pdl`` (default False; sm_90+) launches :meth:`flash_attn_decode` (and :meth:`merge_states`, which
     touches memory only after the wait) with programmatic dependent launch: its blocks start while
@@ -209,9 +209,10 @@ class AttentionDispatch(Decode):
 
     @tensors(out=like("q"))
     def flash_attn_batched(self, plan: BatchedPlan, layer: int, q: cupy.ndarray, out: cupy.ndarray | None = None, *,
-                           causal: bool = True, scale: float = 0.0, window_left: int = -1, softcap: float = 0.0,
-                           sinks: cupy.ndarray | None = None, lse: cupy.ndarray | None = None,
-                           wgmma: bool | None = None, stream=None) -> cupy.ndarray:
+                           causal: bool = True, causal_variant: str = "lower_right", scale: float = 0.0,
+                           window_left: int = -1, softcap: float = 0.0, sinks: cupy.ndarray | None = None,
+                           sink_offset: int = 0, lse: cupy.ndarray | None = None, wgmma: bool | None = None,
+                           stream=None) -> cupy.ndarray:
         """Many queries per sequence against the paged cache (prefill, or a chunk that extends one).
 
         q, out: [n_q, n_heads, head_dim] with the rows of sequence i at ``q_indptr[i] ...``. Q in the cache
@@ -219,7 +220,9 @@ class AttentionDispatch(Decode):
         head_dim 128 and 256 the wgmma kernel prefill_wg, else mma.sync m16n8k16 (prefill); ``wgmma`` None picks,
         True forces prefill_wg (ValueError where it cannot run), False prefill. float32 Q runs the SIMT
         decode kernel over every query row (any cache dtype, head_dim up to 512). lse: optional [n_q,
-        n_heads] f32, natural log."""
+        n_heads] f32, natural log. ``causal_variant``: ``"lower_right"`` (the last query at the last key,
+        FlashAttention's alignment) or ``"upper_left"`` (query r at position r, torch's ``is_causal``; a torch
+        ``CausalVariant`` is taken by name); sinks / sink_offset as in :meth:`flash_attn_decode`."""
         if not isinstance(plan, BatchedPlan):
             raise TypeError(f"plan must be a BatchedPlan (AttentionDispatch.plan_batched), got {type(plan).__name__}")
         cache = plan.cache
@@ -237,11 +240,16 @@ class AttentionDispatch(Decode):
         check_array("out", out, shape=q.shape)
         if lse is not None:
             check_array("lse", lse, dtype=_F32, shape=(n_q, h))
-        if sinks is not None:
-            check_array("sinks", sinks, dtype=_F32, shape=(h,))
-        fields = _scale_fields(scale, d, softcap, window_left)
+        fields = (_scale_fields(scale, d, softcap, window_left) | _sink_fields(sinks, sink_offset, h)
+                  | dict(causal=_causal_field(causal, causal_variant)))
         if qk == "float32":
-            return self._batched_simt(plan, layer, q, out, bool(causal), fields, sinks, lse, stream)
+            if n_q > 65535:
+                raise ValueError(f"the float32 (SIMT) path takes at most 65535 query rows per call, got {n_q}")
+            check_array("q", q, align=16)
+            self._simt_batched(cache, layer, "float32", q, out, lse, sinks, plan.seq_ids, cache.page_table,
+                               cache.lengths, plan.q_indptr, len(plan.seq_ids), cache.page_size,
+                               cache.max_pages_per_seq, cache.capacity_tokens(), False, fields, stream)
+            return out
         if qk != cache.kind:
             raise TypeError(f"q is {qk} but the cache holds {cache.kind}: tensor-core prefill needs Q in the "
                             f"cache dtype (or float32 Q for the SIMT path)")
@@ -251,32 +259,31 @@ class AttentionDispatch(Decode):
         check_array("out", out, align=4)
         self._prefill(qk, d, True, out, lse, q, cache.k_pools[layer], cache.v_pools[layer], plan.q_indptr,
                       cache.lengths, cache.page_table, plan.seq_ids, sinks, len(plan.seq_ids), h, cache.n_kv_heads,
-                      plan.max_q_len, cache.page_size, cache.max_pages_per_seq, bool(causal), fields, wgmma, stream)
+                      plan.max_q_len, cache.page_size, cache.max_pages_per_seq, fields, wgmma, stream)
         return out
 
-    def _batched_simt(self, plan, layer, q, out, causal, fields, sinks, lse, stream):
-        cache = plan.cache
+    def _simt_batched(self, cache, layer, qk, q, out, lse, sinks, seq_ids, page_table, lengths, q_indptr, n_seqs,
+                      page_size, max_pages, chunk, kv_rows, fields, stream):
+        """The SIMT decode kernel in its batched mode (one unsplit block row per query row) on checked arguments:
+        over the paged ``cache`` (layer ``layer``), or with ``kv_rows`` over packed rows (``cache`` then a
+        PagedKVView of the K/V arrays as its pools: page_table = cu_seqlens_k, lengths = its tail). qk: q and
+        out's kind (float32, or the K/V's 16-bit kind through the q16 unit: head_dim 512)."""
         n_q, h, d = q.shape
-        check_array("q", q, align=16)
-        if n_q > 65535:
-            raise ValueError(f"the float32 (SIMT) path takes at most 65535 query rows per call, got {n_q}")
         group = h // cache.n_kv_heads
-        hb = _head_block(group, cache.head_dim)
+        hb = _head_block(group, d)
         nhb = -(-group // hb)
-        unit = self._unit(cache.kind)
+        unit = self._unit(cache.kind, q16=qk != "float32")
+        qo = "" if qk == "float32" else f", {_CTYPE[qk]}"
         params = unit.struct("DecodeParams").pack(
-            n_queries=n_q, n_seqs=len(plan.seq_ids), batched=1, n_heads=h, n_kv_heads=cache.n_kv_heads, group=group,
-            n_head_blocks=nhb, page_size=cache.page_size, max_pages=cache.max_pages_per_seq, n_splits=1,
-            chunk=cache.capacity_tokens(), has_sinks=int(sinks is not None), causal=int(causal),
-            write_lse=int(lse is not None), page_shift=_page_shift(cache.page_size), l2_prefetch=0,
-            evict_first=0, merge_apart=0, l2_ahead=0, pad0=0, **fields)
+            n_queries=n_q, n_seqs=n_seqs, batched=1, n_heads=h, n_kv_heads=cache.n_kv_heads, group=group,
+            n_head_blocks=nhb, page_size=page_size, max_pages=max_pages, n_splits=1, chunk=chunk,
+            write_lse=int(lse is not None), page_shift=_page_shift(page_size), l2_prefetch=0, evict_first=0,
+            merge_apart=0, l2_ahead=0, kv_rows=int(kv_rows), pad0=0, **_kv_strides(cache), **fields)
         lse_arg = lse if lse is not None else out
-        unit._launch(f"decode<{_CTYPE[cache.kind]}, {d}, {hb}>", (1, cache.n_kv_heads * nhb, n_q), _DECODE_THREADS,
-                     (out, lse_arg, out, lse_arg, plan.seq_ids, q, cache.k_pools[layer], cache.v_pools[layer],
-                      cache.page_table, cache.lengths, plan.seq_ids, plan.q_indptr,
-                      sinks if sinks is not None else out), params, stream=stream,
-                     shared_mem=_decode_smem(cache.kind, d, hb))
-        return out
+        unit._launch(f"decode<{_CTYPE[cache.kind]}, {d}, {hb}{qo}>", (1, cache.n_kv_heads * nhb, n_q), _DECODE_THREADS,
+                     (out, lse_arg, out, lse_arg, seq_ids, q, cache.k_pools[layer], cache.v_pools[layer],
+                      page_table, lengths, seq_ids, q_indptr, sinks if sinks is not None else out), params,
+                     stream=stream, shared_mem=_decode_smem(cache.kind, d, hb))
 
     def _use_wg(self, kind: str, d: int, h: int, wgmma) -> bool:
         """Whether a tensor-core prefill runs prefill_wg (see flash_attn_batched's ``wgmma``)."""
@@ -291,15 +298,15 @@ class AttentionDispatch(Decode):
         return ok
 
     def _prefill(self, kind, d, paged, out, lse, q, k, v, q_indptr, kv_info, page_table, seq_ids, sinks, n_seqs, h,
-                 n_kv_heads, max_q_len, page_size, max_pages, causal, fields, wgmma, stream):
+                 n_kv_heads, max_q_len, page_size, max_pages, fields, wgmma, stream):
         wg = self._use_wg(kind, d, h, wgmma)
         threads, bm, smem = _prefill_wg_shape(d) if wg else _prefill_shape(d)
         n_tiles = -(-max_q_len // bm)
         unit = self._units[f"attention_prefill_wg_{_SHORT[kind]}"] if wg else self._unit(kind, prefill=True)
         params = unit.struct("PrefillParams").pack(
             n_seqs=n_seqs, n_heads=h, n_kv_heads=n_kv_heads, group=h // n_kv_heads, n_q_tiles=n_tiles,
-            page_size=page_size, max_pages=max_pages, causal=int(causal), has_sinks=int(sinks is not None),
-            write_lse=int(lse is not None), page_shift=_page_shift(page_size), pad0=0, **fields)
+            page_size=page_size, max_pages=max_pages, write_lse=int(lse is not None), page_shift=_page_shift(page_size),
+            **fields)
         name = f"prefill{'_wg' if wg else ''}<{_CTYPE[kind]}, {d}, {'true' if paged else 'false'}>"
         if not wg and n_tiles > 65535:
             raise ValueError(f"at most {65535 * bm} query rows per sequence, got {max_q_len}")
@@ -313,18 +320,24 @@ class AttentionDispatch(Decode):
     @tensors(out=like("q"))
     def flash_attn_varlen(self, q: cupy.ndarray, k: cupy.ndarray, v: cupy.ndarray, cu_seqlens_q: cupy.ndarray,
                           cu_seqlens_k: cupy.ndarray, out: cupy.ndarray | None = None, *, max_seqlen_q: int,
-                          causal: bool = False, scale: float = 0.0, window_left: int = -1, softcap: float = 0.0,
-                          sinks: cupy.ndarray | None = None, lse: cupy.ndarray | None = None, wgmma: bool | None = None,
+                          causal: bool = False, causal_variant: str = "lower_right", scale: float = 0.0,
+                          window_left: int = -1, softcap: float = 0.0, sinks: cupy.ndarray | None = None,
+                          sink_offset: int = 0, lse: cupy.ndarray | None = None, wgmma: bool | None = None,
                           stream=None) -> tuple[cupy.ndarray, cupy.ndarray | None]:
-        """Packed variable-length attention (FlashAttention's varlen forward) on tensor cores.
+        """Packed variable-length attention (FlashAttention's varlen forward).
 
-        q, out: [total_q, n_heads, head_dim]; k, v: [total_k, n_kv_heads, head_dim], float16 or bfloat16
-        (uint16 bits), head_dim a multiple of 32 up to 256; cu_seqlens_q / cu_seqlens_k: [batch + 1] int32
-        prefix sums (device values, not read here); max_seqlen_q: host bound on any sequence's q length
-        (sizes the grid; rows past it are not computed). Causal masking aligns the last query with the last
-        key (query r of a sequence sees keys j <= k_len - q_len + r). lse: optional [total_q, n_heads] f32,
-        natural log. ``wgmma``: as in :meth:`flash_attn_batched`. Returns (out, lse)."""
-        kind = _check_kind("q", q, ("float16", BF16))
+        q, out: [total_q, n_heads, head_dim]; k, v: [total_k, n_kv_heads, head_dim], all float16, bfloat16
+        (uint16 bits) or float32; cu_seqlens_q / cu_seqlens_k: [batch + 1] int32 prefix sums (device values,
+        not read here); max_seqlen_q: host bound on any sequence's q length (sizes the tensor-core grid; rows
+        past it are not computed). float16 / bfloat16 at head_dim 32 ... 256 (multiples of 32) run on tensor
+        cores (P rounded to the dtype); float32 (head_dim in ``HEAD_DIMS``) and head_dim 512 run the SIMT decode
+        kernel over each query row (f32 arithmetic on the stored values, K/V read once per query row; at most
+        65535 query rows a call). Causal masking: ``causal_variant`` ``"lower_right"`` aligns the last query
+        with the last key (FlashAttention: query r sees keys j <= k_len - q_len + r), ``"upper_left"`` the
+        first with the first (torch's ``is_causal``: j <= r); a query that sees no key gets 0 and LSE -inf.
+        lse: optional [total_q, n_heads] f32, natural log; sinks / sink_offset as in :meth:`flash_attn_decode`.
+        ``wgmma``: as in :meth:`flash_attn_batched`. Returns (out, lse)."""
+        kind = _check_kind("q", q, ("float16", BF16, "float32"))
         for name, a in (("k", k), ("v", v), ("out", out)):
             if _check_kind(name, a, (kind,)) != kind:
                 raise TypeError(f"{name} must have q's dtype")
@@ -336,8 +349,9 @@ class AttentionDispatch(Decode):
         total_k, hk = k.shape[0], k.shape[1]
         if k.shape[2] != d:
             raise ValueError(f"k has head_dim {k.shape[2]}, q has {d}")
-        if d not in PREFILL_HEAD_DIMS:
-            raise ValueError(f"head_dim must be one of {PREFILL_HEAD_DIMS}, got {d}")
+        simt = kind == "float32" or d not in PREFILL_HEAD_DIMS
+        if d not in (HEAD_DIMS if kind == "float32" else PREFILL_HEAD_DIMS + (512,)):
+            raise ValueError(f"head_dim must be one of {PREFILL_HEAD_DIMS} or 512 ({HEAD_DIMS} in float32), got {d}")
         if hk < 1 or h % hk:
             raise ValueError(f"n_heads ({h}) must be a multiple of n_kv_heads ({hk})")
         check_array("cu_seqlens_q", cu_seqlens_q, dtype=_I32, ndim=1)
@@ -351,9 +365,18 @@ class AttentionDispatch(Decode):
             raise ValueError("q and k must hold at least one token")
         if lse is not None:
             check_array("lse", lse, dtype=_F32, shape=(total_q, h))
-        if sinks is not None:
-            check_array("sinks", sinks, dtype=_F32, shape=(h,))
-        fields = _scale_fields(scale, d, softcap, window_left)
-        self._prefill(kind, d, False, out, lse, q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k, cu_seqlens_k, sinks,
-                      b, h, hk, int(max_seqlen_q), 1, 1, bool(causal), fields, wgmma, stream)
+        fields = (_scale_fields(scale, d, softcap, window_left) | _sink_fields(sinks, sink_offset, h)
+                  | dict(causal=_causal_field(causal, causal_variant)))
+        if simt:
+            if total_q > 65535:
+                raise ValueError(f"float32 / head_dim 512 varlen (the SIMT kernel) takes at most 65535 query rows "
+                                 f"per call, got {total_q}")
+            if wgmma:
+                raise ValueError("wgmma=True: float32 / head_dim 512 varlen runs the SIMT kernel")
+            rows = PagedKVView(kind, hk, d, 1, cu_seqlens_k, cu_seqlens_k[1:], k, v)
+            self._simt_batched(rows, 0, kind, q, out, lse, sinks, cu_seqlens_k, cu_seqlens_k, cu_seqlens_k[1:],
+                               cu_seqlens_q, b, 1, 1, 1 << 30, True, fields, stream)
+        else:
+            self._prefill(kind, d, False, out, lse, q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k, cu_seqlens_k,
+                          sinks, b, h, hk, int(max_seqlen_q), 1, 1, fields, wgmma, stream)
         return out, lse

@@ -84,12 +84,15 @@ def _outputs(out, lse_rows: int | None, shape: tuple, dtype, heads: int, device:
 @tensor_function(out=like("q"))
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                            softmax_scale: float | None = None, causal: bool = False, window_size=(-1, -1),
-                           softcap: float = 0.0, return_lse: bool = False, out=None, stream=None):
+                           softcap: float = 0.0, return_lse: bool = False, causal_variant: str = "lower_right",
+                           out=None, stream=None):
     """Packed variable-length attention, as FlashAttention's ``flash_attn_varlen_func`` (forward).
 
     Parameters
     ----------
-    q : [total_q, n_heads, head_dim] float16 or bfloat16 (uint16 bits); head_dim a multiple of 32 up to 256.
+    q : [total_q, n_heads, head_dim] float16 or bfloat16 (uint16 bits), head_dim a multiple of 32 up to 256 or
+        512; or float32, head_dim in ``HEAD_DIMS`` (float32 and head_dim 512 run the SIMT kernel: at most 65535
+        query rows).
     k, v : [total_k, n_kv_heads, head_dim], q's dtype; n_heads a multiple of n_kv_heads (GQA).
     cu_seqlens_q, cu_seqlens_k : [batch + 1] int32 prefix sums of the sequences' query / key counts (device
         values, not read on the host).
@@ -98,6 +101,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     softmax_scale, causal, window_size, softcap : FlashAttention's (module docstring); causal and windows
         align the last query with the last key.
     return_lse : also return the natural-log LSE, ``[n_heads, total_q]`` float32 (a transposed view).
+    causal_variant : cukern's, not FlashAttention's: ``"lower_right"`` (FlashAttention's alignment, the default)
+        or ``"upper_left"`` (torch's ``is_causal``: query r sees keys 0 ... r, and a window counts back from r).
     out : [total_q, n_heads, head_dim] of q's dtype, or None (allocated).
     stream : CuPy / torch stream, raw handle or None (torch's current stream for torch tensors, else CuPy's).
 
@@ -111,8 +116,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     st = resolve_stream(stream)
     out, lse = _outputs(out, q.shape[0] if return_lse else None, q.shape, q.dtype, q.shape[1], dev, st)
     dispatch_for(dev).flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, out, max_seqlen_q=max_seqlen_q,
-                                        causal=causal, scale=scale, window_left=window_left, softcap=cap, lse=lse,
-                                        stream=st)
+                                        causal=causal, causal_variant=causal_variant, scale=scale,
+                                        window_left=window_left, softcap=cap, lse=lse, stream=st)
     return (out, lse.T) if return_lse else out
 
 

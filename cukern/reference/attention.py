@@ -4,8 +4,8 @@ Everything is computed on a gathered, contiguous K/V (FlashInfer's way of testin
 kernel): :func:`gather` turns a slot's pages back into ``[length, n_kv_heads, head_dim]``.
 Conventions are the dispatch's: query at position ``i`` sees key ``j`` when
 ``i - window_left <= j <= i`` (causal) and ``j >= i - window_left`` (window), logits are
-``scale * q.k`` then ``softcap * tanh(logit / softcap)``, sinks join the denominator only,
-LSE is a natural logarithm.
+``scale * q.k`` then ``softcap * tanh(logit / softcap)``, sinks join the denominator only (a NaN
+sink is no sink), LSE is a natural logarithm.
 """
 
 from __future__ import annotations
@@ -46,11 +46,20 @@ def gather(pool, page_table_row, length: int, page_size: int) -> np.ndarray:
     return np.asarray(pool)[pages, pos % page_size]
 
 
+def _sinks(sinks):
+    """Sink logits as float64 with NaN (no sink for that head) as -inf, which weighs nothing; None stays None."""
+    if sinks is None:
+        return None
+    s = np.asarray(sinks, np.float64)
+    return np.where(np.isnan(s), -np.inf, s)
+
+
 def attention(q, k, v, q_pos, *, causal: bool = True, scale: float = 0.0, window_left: int = -1,
               softcap: float = 0.0, sinks=None) -> tuple[np.ndarray, np.ndarray]:
     """One sequence. q: [n_q, n_heads, D]; k, v: [n_k, n_kv_heads, D]; q_pos: [n_q] positions of the
-    queries. Returns (out [n_q, n_heads, D], lse [n_q, n_heads]); a query with no visible key (and no
-    sink) gets 0 and -inf."""
+    queries (negative: sees no key). Returns (out [n_q, n_heads, D], lse [n_q, n_heads]); a query with no
+    visible key (and no sink) gets 0 and -inf."""
+    sinks = _sinks(sinks)
     q = np.asarray(q, np.float64)
     k = np.asarray(k, np.float64)
     v = np.asarray(v, np.float64)
@@ -71,7 +80,7 @@ def attention(q, k, v, q_pos, *, causal: bool = True, scale: float = 0.0, window
     if window_left >= 0:
         visible &= j >= pos - window_left
     logits = np.where(visible[None], logits, -np.inf)
-    m = logits.max(axis=-1, keepdims=True)  # [h, n_q, 1]
+    m = logits.max(axis=-1, keepdims=True, initial=-np.inf)  # [h, n_q, 1]
     if sinks is not None:
         m = np.maximum(m, np.asarray(sinks, np.float64)[:, None, None])
     m_safe = np.where(np.isfinite(m), m, 0.0)
@@ -101,14 +110,29 @@ def paged_attention(q_rows, k_pool, v_pool, page_table, lengths, seq_ids, q_lens
     return np.concatenate(outs), np.concatenate(lses)
 
 
-def varlen(q, k, v, cu_q, cu_k, *, causal: bool = False, **kw) -> tuple[np.ndarray, np.ndarray]:
+def varlen(q, k, v, cu_q, cu_k, *, causal: bool = False, causal_variant: str = "lower_right",
+           **kw) -> tuple[np.ndarray, np.ndarray]:
     """Packed sequences: rows cu_q[i] .. cu_q[i+1] of q against rows cu_k[i] .. cu_k[i+1] of k/v,
-    query r at position k_len - q_len + r."""
+    query r at position k_len - q_len + r ("lower_right", FlashAttention's alignment) or r ("upper_left",
+    torch's is_causal)."""
     outs, lses = [], []
     for i in range(len(cu_q) - 1):
         qs, ks = q[cu_q[i]:cu_q[i + 1]], k[cu_k[i]:cu_k[i + 1]]
         n_q, n_k = len(qs), len(ks)
-        o, lse = attention(qs, ks, v[cu_k[i]:cu_k[i + 1]], np.arange(n_k - n_q, n_k), causal=causal, **kw)
+        pos = np.arange(n_q) if causal_variant == "upper_left" else np.arange(n_k - n_q, n_k)
+        o, lse = attention(qs, ks, v[cu_k[i]:cu_k[i + 1]], pos, causal=causal, **kw)
+        outs.append(o)
+        lses.append(lse)
+    return np.concatenate(outs), np.concatenate(lses)
+
+
+def decode_contiguous(q, k, v, lengths, **kw) -> tuple[np.ndarray, np.ndarray]:
+    """One query per sequence over head-major K/V: q [batch, n_heads, D]; k, v [batch, n_kv_heads, capacity, D];
+    sequence b's query at position lengths[b] - 1 against its first lengths[b] keys."""
+    outs, lses = [], []
+    for b, n in enumerate(np.asarray(lengths)):
+        n = int(n)
+        o, lse = attention(q[b:b + 1], np.swapaxes(k[b, :, :n], 0, 1), np.swapaxes(v[b, :, :n], 0, 1), [n - 1], **kw)
         outs.append(o)
         lses.append(lse)
     return np.concatenate(outs), np.concatenate(lses)
@@ -117,6 +141,7 @@ def varlen(q, k, v, cu_q, cu_k, *, causal: bool = False, **kw) -> tuple[np.ndarr
 def merge_states(v, s, sinks=None) -> tuple[np.ndarray, np.ndarray]:
     """v: [n, n_states, h, d] normalised partial outputs; s: [n, n_states, h] natural-log LSE.
     Returns (out [n, h, d], lse [n, h])."""
+    sinks = _sinks(sinks)
     v = np.asarray(v, np.float64)
     s = np.asarray(s, np.float64)
     m = s.max(axis=1)  # [n, h]
