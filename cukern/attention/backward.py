@@ -92,6 +92,8 @@ class Backward:
             raise ValueError(f"head_dim must be one of {BWD_HEAD_DIMS} for the backward, got {d}")
         if hk < 1 or h % hk:
             raise ValueError(f"n_heads ({h}) must be a multiple of n_kv_heads ({hk})")
+        if h > 65535:
+            raise ValueError(f"at most 65535 heads, got {h}")
         check_array("v", v, shape=k.shape, align=16)
         for name, a in (("dout", dout), ("out", out)):
             check_array(name, a, shape=q.shape, align=16)
