@@ -89,6 +89,49 @@ CUKERN_DEVICE float p_of(float x, float lse2, bool visible, const BwdParams& p, 
     return pr * f;
 }
 
+// acc[N / 8][4] (+)= A B^T over D: A the warp's 16 rows of a shared tile (a: this lane's ldmatrix address of its
+// A pattern, row stride LD), B N rows of a shared tile (b: this lane's address of its B pattern), both [row][d].
+template <typename T, int N, int D, int LD>
+CUKERN_DEVICE void mma_rows_bt(float (&acc)[N / 8][4], uint32_t a, uint32_t b) {
+    constexpr uint32_t E = sizeof(T);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t af[4];
+        ldmatrix_x4(af, a + kk * 16 * E);
+#pragma unroll
+        for (int n2 = 0; n2 < N / 16; ++n2) {
+            uint32_t bf[4];
+            ldmatrix_x4(bf, b + (n2 * 16 * LD + kk * 16) * E);
+            mma16816<T>(acc[2 * n2], af, bf[0], bf[1]);
+            mma16816<T>(acc[2 * n2 + 1], af, bf[2], bf[3]);
+        }
+    }
+}
+
+// acc[D / 8][4] += A B: A in registers (the A fragments of K / 16 k-steps), B K rows x D of a shared [row][d]
+// tile read transposed (bt: this lane's address of its B^T pattern, row stride LD).
+template <typename T, int K, int D, int LD>
+CUKERN_DEVICE void mma_frags_b(float (&acc)[D / 8][4], const uint32_t (&a)[K / 16][4], uint32_t bt) {
+    constexpr uint32_t E = sizeof(T);
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk)
+#pragma unroll
+        for (int d2 = 0; d2 < D / 16; ++d2) {
+            uint32_t bf[4];
+            ldmatrix_x4_trans(bf, bt + (kk * 16 * LD + d2 * 16) * E);
+            mma16816<T>(acc[2 * d2], a[kk], bf[0], bf[1]);
+            mma16816<T>(acc[2 * d2 + 1], a[kk], bf[2], bf[3]);
+        }
+}
+
+// n-tile nt of a C tile (4 values) rounded to T into the A fragments of the next product (n-tiles 2 kk and
+// 2 kk + 1 are k-step kk).
+template <typename T, int N>
+CUKERN_DEVICE void to_a_frag(uint32_t (&a)[N / 16][4], int nt, const float (&c)[4]) {
+    a[nt / 2][(nt % 2) * 2 + 0] = pack2<T>(c[0], c[1]);
+    a[nt / 2][(nt % 2) * 2 + 1] = pack2<T>(c[2], c[3]);
+}
+
 // A row's base-2 LSE as the backward uses it: -inf (no key seen) becomes +inf, so that exp2(z - lse2) = 0.
 CUKERN_DEVICE float lse2_of(float lse) { return lse == -INFINITY ? INFINITY : lse * LOG2E; }
 
@@ -245,19 +288,7 @@ __global__ void __launch_bounds__(cukern::attn::BwdShape<D>::NT, 1) bwd_dkdv(
             float sc[BM / 8][4];
 #pragma unroll
             for (int nt = 0; nt < BM / 8; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
-            // S^T = K_w Q^T
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                uint32_t a[4];
-                ldmatrix_x4(a, kA + kk * 16 * E);
-#pragma unroll
-                for (int n2 = 0; n2 < BM / 16; ++n2) {
-                    uint32_t b[4];
-                    ldmatrix_x4(b, qB + so + (n2 * 16 * LD + kk * 16) * E);
-                    mma16816<T>(sc[2 * n2], a, b[0], b[1]);
-                    mma16816<T>(sc[2 * n2 + 1], a, b[2], b[3]);
-                }
-            }
+            mma_rows_bt<T, BM, D, LD>(sc, kA, qB + so);  // S^T = K_w Q^T
             // P^T (rounded to T: the A fragments of dV += P^T dO) and P^T dz/dx kept in sc
             const bool need_mask = kw0 + 16 > kv_len || (p.causal && kw0 + 15 > offset + r0) ||
                                    (windowed && kw0 < offset + r0 + BM - 1 - p.window_left);
@@ -273,53 +304,21 @@ __global__ void __launch_bounds__(cukern::attn::BwdShape<D>::NT, 1) bwd_dkdv(
                                                     (!windowed || j >= pos - p.window_left));
                     sc[nt][e] = p_of(sc[nt][e], lse_s[st][c], vis, p, pr[e]);
                 }
-                pa[nt / 2][(nt % 2) * 2 + 0] = pack2<T>(pr[0], pr[1]);
-                pa[nt / 2][(nt % 2) * 2 + 1] = pack2<T>(pr[2], pr[3]);
+                to_a_frag<T, BM>(pa, nt, pr);
             }
-            // dV += P^T dO
-#pragma unroll
-            for (int kk = 0; kk < BM / 16; ++kk)
-#pragma unroll
-                for (int d2 = 0; d2 < D / 16; ++d2) {
-                    uint32_t b[4];
-                    ldmatrix_x4_trans(b, doT + so + (kk * 16 * LD + d2 * 16) * E);
-                    mma16816<T>(dva[2 * d2], pa[kk], b[0], b[1]);
-                    mma16816<T>(dva[2 * d2 + 1], pa[kk], b[2], b[3]);
-                }
-            // dP^T = V_w dO^T
+            mma_frags_b<T, BM, D, LD>(dva, pa, doT + so);  // dV += P^T dO
 #pragma unroll
             for (int nt = 0; nt < BM / 8; ++nt) ds[nt][0] = ds[nt][1] = ds[nt][2] = ds[nt][3] = 0.0f;
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                uint32_t a[4];
-                ldmatrix_x4(a, vA + kk * 16 * E);
-#pragma unroll
-                for (int n2 = 0; n2 < BM / 16; ++n2) {
-                    uint32_t b[4];
-                    ldmatrix_x4(b, doB + so + (n2 * 16 * LD + kk * 16) * E);
-                    mma16816<T>(ds[2 * n2], a, b[0], b[1]);
-                    mma16816<T>(ds[2 * n2 + 1], a, b[2], b[3]);
-                }
-            }
+            mma_rows_bt<T, BM, D, LD>(ds, vA, doB + so);  // dP^T = V_w dO^T
             // dS^T = P^T dz/dx (dP^T - D)
             uint32_t da[BM / 16][4];
 #pragma unroll
             for (int nt = 0; nt < BM / 8; ++nt) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) ds[nt][e] = sc[nt][e] * (ds[nt][e] - del_s[st][nt * 8 + 2 * tq + (e & 1)]);
-                da[nt / 2][(nt % 2) * 2 + 0] = pack2<T>(ds[nt][0], ds[nt][1]);
-                da[nt / 2][(nt % 2) * 2 + 1] = pack2<T>(ds[nt][2], ds[nt][3]);
+                to_a_frag<T, BM>(da, nt, ds[nt]);
             }
-            // dK += dS^T Q
-#pragma unroll
-            for (int kk = 0; kk < BM / 16; ++kk)
-#pragma unroll
-                for (int d2 = 0; d2 < D / 16; ++d2) {
-                    uint32_t b[4];
-                    ldmatrix_x4_trans(b, qT + so + (kk * 16 * LD + d2 * 16) * E);
-                    mma16816<T>(dka[2 * d2], da[kk], b[0], b[1]);
-                    mma16816<T>(dka[2 * d2 + 1], da[kk], b[2], b[3]);
-                }
+            mma_frags_b<T, BM, D, LD>(dka, da, qT + so);  // dK += dS^T Q
         } else {
 #pragma unroll
             for (int nt = 0; nt < BM / 8; ++nt) ds[nt][0] = ds[nt][1] = ds[nt][2] = ds[nt][3] = 0.0f;
@@ -480,23 +479,8 @@ __global__ void __launch_bounds__(cukern::attn::BwdShape<D>::NT, 1) bwd_dq(
         for (int nt = 0; nt < QN / 8; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) sc[nt][e] = dp[nt][e] = 0.0f;
-        // S = Q K^T, dP = dO V^T
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            uint32_t aq[4], ad[4];
-            ldmatrix_x4(aq, qA + kk * 16 * E);
-            ldmatrix_x4(ad, doA + kk * 16 * E);
-#pragma unroll
-            for (int n2 = 0; n2 < QN / 16; ++n2) {
-                uint32_t b[4];
-                ldmatrix_x4(b, kB + so + (n2 * 16 * LD + kk * 16) * E);
-                mma16816<T>(sc[2 * n2], aq, b[0], b[1]);
-                mma16816<T>(sc[2 * n2 + 1], aq, b[2], b[3]);
-                ldmatrix_x4(b, vB + so + (n2 * 16 * LD + kk * 16) * E);
-                mma16816<T>(dp[2 * n2], ad, b[0], b[1]);
-                mma16816<T>(dp[2 * n2 + 1], ad, b[2], b[3]);
-            }
-        }
+        mma_rows_bt<T, QN, D, LD>(sc, qA, kB + so);   // S = Q K^T
+        mma_rows_bt<T, QN, D, LD>(dp, doA, vB + so);  // dP = dO V^T
         // dS = P dz/dx (dP - D), rounded to T as the A fragments of dQ += dS K
         const bool need_mask = j0 + QN > kv_len || (p.causal && j0 + QN - 1 > offset + wr0) ||
                                (windowed && j0 < offset + w_last - p.window_left);
@@ -512,18 +496,9 @@ __global__ void __launch_bounds__(cukern::attn::BwdShape<D>::NT, 1) bwd_dq(
                 float pr;
                 d[e] = p_of(sc[nt][e], lse2[e / 2], vis, p, pr) * (dp[nt][e] - dl[e / 2]);
             }
-            da[nt / 2][(nt % 2) * 2 + 0] = pack2<T>(d[0], d[1]);
-            da[nt / 2][(nt % 2) * 2 + 1] = pack2<T>(d[2], d[3]);
+            to_a_frag<T, QN>(da, nt, d);
         }
-#pragma unroll
-        for (int kk = 0; kk < QN / 16; ++kk)
-#pragma unroll
-            for (int d2 = 0; d2 < D / 16; ++d2) {
-                uint32_t b[4];
-                ldmatrix_x4_trans(b, kT + so + (kk * 16 * LD + d2 * 16) * E);
-                mma16816<T>(dqa[2 * d2], da[kk], b[0], b[1]);
-                mma16816<T>(dqa[2 * d2 + 1], da[kk], b[2], b[3]);
-            }
+        mma_frags_b<T, QN, D, LD>(dqa, da, kT + so);  // dQ += dS K
     }
     cp_async_wait<0>();
 

@@ -46,6 +46,29 @@ def gather(pool, page_table_row, length: int, page_size: int) -> np.ndarray:
     return np.asarray(pool)[pages, pos % page_size]
 
 
+def _masked_exp(logits, q_pos, causal: bool, window_left: int, sinks):
+    """The softmax's parts of logits [h, n_q, n_k] under the masks: (exp(logit - m) with masked keys 0, the
+    denominator [h, n_q, 1] with the sink in it, m [h, n_q, 1], 0 for a row with nothing visible)."""
+    n_q, n_k = logits.shape[1:]
+    pos = np.asarray(q_pos)[:, None]
+    j = np.arange(n_k)[None, :]
+    visible = np.ones((n_q, n_k), bool)
+    if causal:
+        visible &= j <= pos
+    if window_left >= 0:
+        visible &= j >= pos - window_left
+    logits = np.where(visible[None], logits, -np.inf)
+    m = logits.max(axis=-1, keepdims=True)  # [h, n_q, 1]
+    if sinks is not None:
+        m = np.maximum(m, np.asarray(sinks, np.float64)[:, None, None])
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(logits - m_safe)
+    den = p.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        den = den + np.exp(np.asarray(sinks, np.float64)[:, None, None] - m_safe)
+    return p, den, m_safe
+
+
 def attention(q, k, v, q_pos, *, causal: bool = True, scale: float = 0.0, window_left: int = -1,
               softcap: float = 0.0, sinks=None) -> tuple[np.ndarray, np.ndarray]:
     """One sequence. q: [n_q, n_heads, D]; k, v: [n_k, n_kv_heads, D]; q_pos: [n_q] positions of the
@@ -63,22 +86,7 @@ def attention(q, k, v, q_pos, *, causal: bool = True, scale: float = 0.0, window
     logits = np.einsum("qhd,khd->hqk", q, kh) * scale
     if softcap > 0:
         logits = softcap * np.tanh(logits / softcap)
-    pos = np.asarray(q_pos)[:, None]
-    j = np.arange(n_k)[None, :]
-    visible = np.ones((n_q, n_k), bool)
-    if causal:
-        visible &= j <= pos
-    if window_left >= 0:
-        visible &= j >= pos - window_left
-    logits = np.where(visible[None], logits, -np.inf)
-    m = logits.max(axis=-1, keepdims=True)  # [h, n_q, 1]
-    if sinks is not None:
-        m = np.maximum(m, np.asarray(sinks, np.float64)[:, None, None])
-    m_safe = np.where(np.isfinite(m), m, 0.0)
-    p = np.exp(logits - m_safe)
-    den = p.sum(axis=-1, keepdims=True)
-    if sinks is not None:
-        den = den + np.exp(np.asarray(sinks, np.float64)[:, None, None] - m_safe)
+    p, den, m_safe = _masked_exp(logits, q_pos, causal, window_left, sinks)
     with np.errstate(invalid="ignore", divide="ignore"):
         out = np.einsum("hqk,khd->qhd", np.where(den > 0, p / den, 0.0), vh)
         lse = np.where(den[..., 0] > 0, (m_safe + np.log(den))[..., 0], -np.inf).T
@@ -154,22 +162,7 @@ def attention_backward(dout, q, k, v, q_pos, *, causal: bool = True, scale: floa
         z, dzdx = softcap * t, s * (1.0 - t * t)
     else:
         z, dzdx = s * x, s
-    pos = np.asarray(q_pos)[:, None]
-    j = np.arange(n_k)[None, :]
-    visible = np.ones((n_q, n_k), bool)
-    if causal:
-        visible &= j <= pos
-    if window_left >= 0:
-        visible &= j >= pos - window_left
-    z = np.where(visible[None], z, -np.inf)
-    m = z.max(axis=-1, keepdims=True)
-    if sinks is not None:
-        m = np.maximum(m, np.asarray(sinks, np.float64)[:, None, None])
-    m_safe = np.where(np.isfinite(m), m, 0.0)
-    e = np.exp(z - m_safe)
-    den = e.sum(axis=-1, keepdims=True)
-    if sinks is not None:
-        den = den + np.exp(np.asarray(sinks, np.float64)[:, None, None] - m_safe)
+    e, den, _ = _masked_exp(z, q_pos, causal, window_left, sinks)
     with np.errstate(invalid="ignore", divide="ignore"):
         p = np.where(den > 0, e / den, 0.0)  # [h, n_q, n_k]
     out = np.einsum("hqk,khd->qhd", p, vh)
