@@ -50,7 +50,7 @@ struct BwdShape {
     static constexpr int BN = 16 * WARPS;  // bwd_dkdv: keys of a block, 16 per warp
     static constexpr int BM = 32;          // bwd_dkdv: query rows per step
     static constexpr int QM = 16 * WARPS;  // bwd_dq: query rows of a block, 16 per warp
-    static constexpr int QN = D <= 64 ? 64 : 32;  // bwd_dq: keys per K/V tile (68 KB of tiles at D = 128)
+    static constexpr int QN = D <= 64 ? 64 : 32;  // bwd_dq: keys per K/V tile (D = 128: 68 KB, within sm_86's 99)
     static constexpr int LD = D + 8;       // shared row stride of Q, K, V, dO tiles (elements)
     static constexpr int LDS = BM + 8;     // shared row stride of the dS^T tile (elements)
     static constexpr int CPR = D / 8;      // 16-byte chunks of a row
@@ -74,7 +74,7 @@ CUKERN_DEVICE void load_rows(T* dst, const T* __restrict__ src, uint64_t stride,
 
 // P (or P dz/dx / scale with a softcap) of one score from its raw dot product x: z2 the base-2 logit, lse2 the
 // row's base-2 LSE (+inf for a row that saw no key, so that P = 0), `visible` the masks. With a softcap the
-// returned value is P (1 - t^2), t = tanh (in [-1, 1]: masked entries give 0, never NaN); pf = P alone.
+// returned value is P (1 - t^2), t = tanh(scale x / softcap) (masked entries give 0, never NaN); p_only = P.
 CUKERN_DEVICE float p_of(float x, float lse2, bool visible, const BwdParams& p, float& p_only) {
     float z2, f = 1.0f;
     if (p.softcap > 0.0f) {
@@ -509,7 +509,8 @@ __global__ void __launch_bounds__(cukern::attn::BwdShape<D>::NT, 1) bwd_dq(
         T* const row = dq + ((uint64_t)(q_start + r) * p.n_heads + h) * D + 2 * tq;
 #pragma unroll
         for (int dt = 0; dt < D / 8; ++dt)
-            *reinterpret_cast<uint32_t*>(row + dt * 8) = pack2<T>(dqa[dt][2 * i] * p.scale, dqa[dt][2 * i + 1] * p.scale);
+            *reinterpret_cast<uint32_t*>(row + dt * 8) =
+                pack2<T>(dqa[dt][2 * i] * p.scale, dqa[dt][2 * i + 1] * p.scale);
     }
 }
 
