@@ -181,6 +181,12 @@ def attention_prefill_flops(b: int, h: int, L: int, d: int, causal: bool) -> flo
     return (2.0 if causal else 4.0) * b * h * L * L * d
 
 
+def attention_backward_flops(b: int, h: int, L: int, d: int, causal: bool) -> float:
+    """The backward's S, dP, dV, dK and dQ products: 2.5 x the forward's (10 b h L^2 d, half of it causal);
+    the deterministic dQ pass's recomputed S and dP are not counted."""
+    return 2.5 * attention_prefill_flops(b, h, L, d, causal)
+
+
 # ------------------------------------------------------------------ matmul
 def gemm_flops(m: int, n: int, k: int, *, glu: bool = False) -> float:
     """D = W B for n columns (``glu``: the gate and up matrices, twice the products)."""

@@ -1,5 +1,5 @@
-"""Attention family benchmark: decode GB/s against the copy ceiling, prefill / varlen TFLOP/s against
-torch SDPA's flash and cuDNN backends, all measured in the same run.
+"""Attention family benchmark: decode GB/s against the copy ceiling, prefill / varlen (forward and backward)
+TFLOP/s against torch SDPA's flash and cuDNN backends, all measured in the same run.
 
 Counted work:
 * decode: bytes of K and V read (every cached token of every KV head once) + Q read + O written;
@@ -13,7 +13,10 @@ Counted work:
   4 * B * H * L^2 * D non-causal; % is of the fastest torch SDPA backend in this run (flash =
   FlashAttention-2, cuDNN), "x peer" is the ratio to the flash backend. Ours and the peers are
   timed in alternating rounds (the minimum of each over the rounds), so a clock drift during the
-  run reaches every side alike.
+  run reaches every side alike;
+* varlen backward (dQ by f32 atomics, and the deterministic mode): 2.5x the forward's FLOPs
+  (traffic.attention_backward_flops), against the backward of SDPA's flash and cuDNN backends
+  (``torch.autograd.grad`` of an output their forward made once).
 
 The rows are the table of ``specs(quick, only)`` (bytes and FLOPs from cukern.traffic); ``s`` is one
 input set (a decode set per cache layer, the rotation).
@@ -54,6 +57,7 @@ PREFILL = [(16, 512, 32, 32, 128), (8, 1024, 32, 32, 128), (4, 2048, 32, 32, 128
            (2, 8192, 32, 32, 128), (1, 16384, 32, 32, 128), (8, 1024, 16, 16, 256), (4, 4096, 16, 16, 256),
            (1, 16384, 16, 16, 256)]  # (B, L, H, HK, D)
 VARLEN = [(4, 4096, 32, 32, 128, True), (4, 4096, 32, 8, 128, False)]  # the first alone with --quick
+VARLEN_BWD = [(4, 4096, 32, 32, 128, True), (4, 4096, 32, 32, 128, False)]  # the first alone with --quick
 SPLITS = (16, 48, 64)  # the split-count sweep at the headline decode shape (the default is its row above)
 
 
@@ -67,6 +71,7 @@ def specs(quick: bool, only: str | None = None) -> list[RowSpec]:
         out += [_tc("prefill paged f16", _prefill_sets, b, L, h, hk, d, True)
                 for b, L, h, hk, d in (QUICK_PREFILL if quick else PREFILL)]
         out += [_tc("varlen f16 (+lse)", _varlen_sets, *shape) for shape in VARLEN[:1 if quick else None]]
+        out += [r for shape in VARLEN_BWD[:1 if quick else None] for r in _bwd(*shape)]
     return out
 
 
@@ -96,6 +101,27 @@ def _tc(kernel, inputs, b, L, h, hk, d, causal):
                    peers=(Peer("SDPA flash", lambda s: _sdpa(s, SDPBackend.FLASH_ATTENTION), torch=True),
                           Peer("SDPA cuDNN", lambda s: _sdpa(s, SDPBackend.CUDNN_ATTENTION), torch=True)),
                    timing=Timing("eager", n_warmup=3, n_repeat=10), rounds=_ROUNDS, pick=min, ceiling="peers")
+
+
+def _bwd(b, L, h, hk, d, causal):
+    """The varlen backward (dQ with atomics, and deterministic) against the backward of torch SDPA's flash and
+    cuDNN backends (their forward run once under the backend, the backward timed through autograd.grad);
+    FLOPs 2.5x the forward's."""
+    shape = f"B{b} L{L} {h}/{hk} D{d}{' causal' if causal else ''}"
+    peers = (Peer("SDPA flash bwd", lambda s: _sdpa_bwd(s, "flash"), torch=True),
+             Peer("SDPA cuDNN bwd", lambda s: _sdpa_bwd(s, "cudnn"), torch=True))
+    kw = dict(flops=(traffic.attention_backward_flops, b, h, L, d, causal), peers=peers,
+              timing=Timing("eager", n_warmup=3, n_repeat=10), rounds=_ROUNDS, pick=min, ceiling="peers")
+    g = (_varlen_bwd_sets, b, L, h, hk, d, causal)
+    return [RowSpec("varlen bwd f16", shape, g, lambda s: s.run(False), **kw),
+            RowSpec("varlen bwd deterministic f16", shape, g, lambda s: s.run(True), **kw)]
+
+
+def _sdpa_bwd(s, backend: str):
+    out = s.tout[backend]
+    if out is None:
+        raise RuntimeError(f"torch SDPA's {backend} backend did not run this shape's forward")
+    torch.autograd.grad(out, (s.tq, s.tk, s.tv), s.tdo, retain_graph=True)
 
 
 def _decode_call(s):
@@ -165,6 +191,39 @@ def _varlen_sets(ctx, b, L, h, hk, d, causal):
     out, lse = cupy.empty_like(q), cupy.empty((b * L, h), cupy.float32)
     return [SimpleNamespace(run=lambda: ctx.attn.flash_attn_varlen(q, k, v, cu, cu, out, max_seqlen_q=L, causal=causal,
                                                                    lse=lse), **_sdpa_inputs(b, L, h, hk, d, causal))]
+
+
+def _varlen_bwd_sets(ctx, b, L, h, hk, d, causal):
+    """A varlen backward of b packed sequences of L tokens from our forward's output and LSE (outputs and
+    workspaces allocated once); torch's q, k, v with gradients and each backend's forward output for the peers."""
+    q, k, v, do = (ctx.rng.standard_normal((b * L, n, d), dtype=cupy.float32).astype(cupy.float16)
+                   for n in (h, hk, hk, h))
+    cu = cupy.asarray(np.arange(b + 1, dtype=np.int32) * L)
+    out, lse = cupy.empty_like(q), cupy.empty((b * L, h), cupy.float32)
+    ctx.attn.flash_attn_varlen(q, k, v, cu, cu, out, max_seqlen_q=L, causal=causal, lse=lse)
+    grads = dict(dq=cupy.empty_like(q), dk=cupy.empty_like(k), dv=cupy.empty_like(v), delta=cupy.empty_like(lse),
+                 dq_accum=cupy.empty(q.shape, cupy.float32))
+
+    def run(deterministic: bool):
+        ctx.attn.flash_attn_varlen_backward(do, q, k, v, out, lse, cu, cu, L, L, causal=causal,
+                                            deterministic=deterministic, **grads)
+
+    peer = {}
+    if torch is not None:
+        peer = _sdpa_inputs(b, L, h, hk, d, causal)
+        for name in ("tq", "tk", "tv"):
+            peer[name].requires_grad_()
+        peer["tdo"] = torch.randn(b, h, L, d, device="cuda", dtype=torch.float16)
+        peer["tout"] = {}
+        for backend, which in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+            try:
+                with sdpa_kernel(which):
+                    peer["tout"][backend] = F.scaled_dot_product_attention(
+                        peer["tq"], peer["tk"], peer["tv"], is_causal=causal, enable_gqa=hk != h)
+            except RuntimeError as e:
+                print(f"note: torch SDPA {backend} forward failed ({e}); its backward peer is left out")
+                peer["tout"][backend] = None
+    return [SimpleNamespace(run=run, **peer)]
 
 
 def _print_row(r) -> None:

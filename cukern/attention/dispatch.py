@@ -10,6 +10,7 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
+from cukern.attention.backward import Backward, bwd_unit
 from cukern.attention.cache import BF16, HEAD_DIMS, PagedKVCache, PagedKVView
 from cukern.attention.common import (_CTYPE, _DECODE_THREADS, _F32, _I32, _SHORT, _causal_field, _check_kind,
                                      _int_list, _kv_strides, _page_shift, _scale_fields, _sink_fields)
@@ -72,13 +73,14 @@ _SM90A_UNITS = {f"attention_prefill_wg_{_SHORT[kv]}" for kv in ("float16", BF16)
 FAMILIES = {spec.name: spec for spec in (
     [_decode_unit(kv) for kv in ("float16", BF16, "float32")] + [_decode_q16_unit(kv) for kv in ("float16", BF16)]
     + [_prefill_unit(kv) for kv in ("float16", BF16)]
-    + [_prefill_unit(kv, "prefill_wg") for kv in ("float16", BF16)])}
+    + [_prefill_unit(kv, "prefill_wg") for kv in ("float16", BF16)]
+    + [bwd_unit(kv) for kv in ("float16", BF16)])}
 FAMILY = FAMILIES["attention"]
 
 
 
 
-class AttentionDispatch(Decode):
+class AttentionDispatch(Decode, Backward):
     """Records attention kernels into a stream. Every method takes ``stream=`` (None: CuPy's
     current stream, torch's for torch tensors) and validates its arguments before launching; none
     synchronises, allocates or reads device memory (``plan_*`` and the cache do the host work; an

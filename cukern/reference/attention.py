@@ -54,6 +54,30 @@ def _sinks(sinks):
     return np.where(np.isnan(s), -np.inf, s)
 
 
+def _masked_exp(logits, q_pos, causal: bool, window_left: int, sinks):
+    """The softmax's parts of logits [h, n_q, n_k] under the masks: (exp(logit - m) with masked keys 0, the
+    denominator [h, n_q, 1] with the sink in it, m [h, n_q, 1], 0 for a row with nothing visible)."""
+    n_q, n_k = logits.shape[1:]
+    sinks = _sinks(sinks)
+    pos = np.asarray(q_pos)[:, None]
+    j = np.arange(n_k)[None, :]
+    visible = np.ones((n_q, n_k), bool)
+    if causal:
+        visible &= j <= pos
+    if window_left >= 0:
+        visible &= j >= pos - window_left
+    logits = np.where(visible[None], logits, -np.inf)
+    m = logits.max(axis=-1, keepdims=True, initial=-np.inf)  # [h, n_q, 1]
+    if sinks is not None:
+        m = np.maximum(m, np.asarray(sinks, np.float64)[:, None, None])
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(logits - m_safe)
+    den = p.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        den = den + np.exp(np.asarray(sinks, np.float64)[:, None, None] - m_safe)
+    return p, den, m_safe
+
+
 def attention(q, k, v, q_pos, *, causal: bool = True, scale: float = 0.0, window_left: int = -1,
               softcap: float = 0.0, sinks=None) -> tuple[np.ndarray, np.ndarray]:
     """One sequence. q: [n_q, n_heads, D]; k, v: [n_k, n_kv_heads, D]; q_pos: [n_q] positions of the
@@ -72,22 +96,7 @@ def attention(q, k, v, q_pos, *, causal: bool = True, scale: float = 0.0, window
     logits = np.einsum("qhd,khd->hqk", q, kh) * scale
     if softcap > 0:
         logits = softcap * np.tanh(logits / softcap)
-    pos = np.asarray(q_pos)[:, None]
-    j = np.arange(n_k)[None, :]
-    visible = np.ones((n_q, n_k), bool)
-    if causal:
-        visible &= j <= pos
-    if window_left >= 0:
-        visible &= j >= pos - window_left
-    logits = np.where(visible[None], logits, -np.inf)
-    m = logits.max(axis=-1, keepdims=True, initial=-np.inf)  # [h, n_q, 1]
-    if sinks is not None:
-        m = np.maximum(m, np.asarray(sinks, np.float64)[:, None, None])
-    m_safe = np.where(np.isfinite(m), m, 0.0)
-    p = np.exp(logits - m_safe)
-    den = p.sum(axis=-1, keepdims=True)
-    if sinks is not None:
-        den = den + np.exp(np.asarray(sinks, np.float64)[:, None, None] - m_safe)
+    p, den, m_safe = _masked_exp(logits, q_pos, causal, window_left, sinks)
     with np.errstate(invalid="ignore", divide="ignore"):
         out = np.einsum("hqk,khd->qhd", np.where(den > 0, p / den, 0.0), vh)
         lse = np.where(den[..., 0] > 0, (m_safe + np.log(den))[..., 0], -np.inf).T
@@ -157,3 +166,51 @@ def merge_states(v, s, sinks=None) -> tuple[np.ndarray, np.ndarray]:
         out = np.where(den[..., None] > 0, num / den[..., None], 0.0)
         lse = np.where(den > 0, m_safe + np.log(den), -np.inf)
     return out, lse
+
+
+def attention_backward(dout, q, k, v, q_pos, *, causal: bool = True, scale: float = 0.0, window_left: int = -1,
+                       softcap: float = 0.0, sinks=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Gradients (dq, dk, dv) of :func:`attention`'s ``out`` against ``dout`` [n_q, n_heads, D], by the explicit
+    formulas: with x = q.k, z = scale x (or softcap tanh(scale x / softcap)), P = softmax(z) over the visible
+    keys (a sink joins the denominator only), D = rowsum(dout * out): dv = P^T dout, dP = dout v^T,
+    dz = P (dP - D), dx = dz dz/dx (scale, times 1 - tanh^2 with a cap), dq = dx k, dk = dx^T q; dk and dv of
+    a KV head summed over its group's query heads. A query that sees no key contributes nothing."""
+    q, k, v, do = (np.asarray(a, np.float64) for a in (q, k, v, dout))
+    n_q, h, d = q.shape
+    n_k, hk, _ = k.shape
+    group = h // hk
+    s = scale if scale > 0 else 1.0 / np.sqrt(d)
+    kh = np.repeat(k, group, axis=1)
+    vh = np.repeat(v, group, axis=1)
+    x = np.einsum("qhd,khd->hqk", q, kh)
+    if softcap > 0:
+        t = np.tanh(s * x / softcap)
+        z, dzdx = softcap * t, s * (1.0 - t * t)
+    else:
+        z, dzdx = s * x, s
+    e, den, _ = _masked_exp(z, q_pos, causal, window_left, sinks)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        p = np.where(den > 0, e / den, 0.0)  # [h, n_q, n_k]
+    out = np.einsum("hqk,khd->qhd", p, vh)
+    dv = np.einsum("hqk,qhd->khd", p, do)
+    dp = np.einsum("qhd,khd->hqk", do, vh)
+    delta = np.einsum("qhd,qhd->hq", do, out)[..., None]
+    dx = p * (dp - delta) * dzdx
+    dq = np.einsum("hqk,khd->qhd", dx, kh)
+    dk = np.einsum("hqk,qhd->khd", dx, q)
+    return dq, dk.reshape(n_k, hk, group, d).sum(2), dv.reshape(n_k, hk, group, d).sum(2)
+
+
+def varlen_backward(dout, q, k, v, cu_q, cu_k, *, causal: bool = False,
+                    **kw) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`attention_backward` of :func:`varlen`'s packed sequences: (dq [total_q, ...], dk, dv [total_k,
+    ...])."""
+    dqs, dks, dvs = [], [], []
+    for i in range(len(cu_q) - 1):
+        rq, rk = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        n_q, n_k = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
+        g = attention_backward(dout[rq], q[rq], k[rk], v[rk], np.arange(n_k - n_q, n_k), causal=causal, **kw)
+        dqs.append(g[0])
+        dks.append(g[1])
+        dvs.append(g[2])
+    return np.concatenate(dqs), np.concatenate(dks), np.concatenate(dvs)

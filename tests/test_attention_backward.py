@@ -1,0 +1,249 @@
+"""The varlen backward (AttentionDispatch.flash_attn_varlen_backward, cuda_src/attention/varlen_bwd.cuh).
+
+CPU: the float64 reference of the backward (cukern/reference/attention.py, explicit formulas) against
+central finite differences of the float64 forward reference; argument checks and the launch sequence over the
+host dispatch. GPU: ragged batches (length 1, lengths off the 32/64-row tiles, q_len > k_len) through our
+forward and backward against the reference on the stored inputs, both dQ modes, outputs poisoned; the
+deterministic mode's repeatability; torch SDPA's backward where torch is importable.
+
+Tolerances, |got - want| <= rel (max |want| + |want|) per gradient: P, dS and the mma inputs are rounded to the
+element type, so f16 rel 1e-2, bf16 rel 2e-2.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+
+from cukern.reference import attention as ref  # noqa: E402
+from cukern.testing import assert_close, poison  # noqa: E402
+from attention_helpers import _store  # noqa: E402
+
+REL = {"float16": 1e-2, "bfloat16": 2e-2}
+
+# masks and logit settings of the forward (and so of the backward)
+MODES = {
+    "plain": dict(causal=False),
+    "causal": dict(causal=True),
+    "window": dict(causal=True, window_left=37),
+    "window_only": dict(causal=False, window_left=20),
+    "softcap": dict(causal=True, softcap=3.0, scale=0.2),
+}
+
+
+def _cu(lens) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
+def _grad_close(got, want, kind, name):
+    rel = REL[kind]
+    assert_close(ref.as_float64(got, kind), want, atol=rel * max(np.abs(want).max(), 1e-3), rtol=rel, name=name)
+
+
+# ----------------------------------------------------------------------------- CPU: the reference
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(causal=False, softcap=1.5, window_left=2),
+                                dict(causal=True, window_left=1, softcap=0.7, scale=0.5),
+                                dict(causal=False, sinks=np.array([0.3, -1.0, 2.0, 0.0]))],
+                         ids=["causal", "softcap-window", "causal-window-softcap-scale", "sinks"])
+def test_reference_backward_matches_finite_differences(rng, kw):
+    """GQA (4 query heads over 2 KV heads), a sequence with more queries than keys (causal: rows that see no
+    key), a length-1 sequence."""
+    cu_q, cu_k = _cu([3, 1, 5, 4]), _cu([5, 1, 6, 2])
+    h, hk, d = 4, 2, 8
+    q = rng.standard_normal((cu_q[-1], h, d))
+    k = rng.standard_normal((cu_k[-1], hk, d))
+    v = rng.standard_normal((cu_k[-1], hk, d))
+    do = rng.standard_normal((cu_q[-1], h, d))
+    want = ref.varlen_backward(do, q, k, v, cu_q, cu_k, **kw)
+
+    def loss(*args):
+        return float((ref.varlen(*args, cu_q, cu_k, **kw)[0] * do).sum())
+
+    eps = 1e-6
+    for which, (name, a) in enumerate((("dq", q), ("dk", k), ("dv", v))):
+        num = np.zeros_like(a)
+        for i in np.ndindex(a.shape):
+            args = [q, k, v]
+            args[which] = a.copy()
+            args[which][i] += eps
+            up = loss(*args)
+            args[which][i] -= 2 * eps
+            num[i] = (up - loss(*args)) / (2 * eps)
+        np.testing.assert_allclose(want[which], num, atol=1e-7, rtol=1e-6, err_msg=name)
+
+
+# ----------------------------------------------------------------------------- CPU: checks and launches
+
+def test_host_mirror_of_backward_shapes():
+    """_bwd_shape (cukern/attention/backward.py) agrees with BwdShape (varlen_bwd.cuh): NVRTC static_asserts."""
+    from cukern import runtime
+    from cukern.attention.backward import BWD_HEAD_DIMS, _bwd_shape
+    asserts = []
+    for d in BWD_HEAD_DIMS:
+        s = _bwd_shape(d)
+        asserts.append(f"BwdShape<{d}>::BN == {s['bn']} && BwdShape<{d}>::BM == {s['bm']} && "
+                       f"BwdShape<{d}>::QM == {s['qm']} && BwdShape<{d}>::QN == {s['qn']} && "
+                       f"BwdShape<{d}>::DKDV_SMEM == {s['dkdv_smem']} && BwdShape<{d}>::DQ_SMEM == {s['dq_smem']}")
+    source = "\n".join(['#include "attention/varlen_bwd.cuh"', "namespace cukern { namespace attn {"]
+                       + [f'static_assert({a}, "host mirror: {a}");' for a in asserts] + ["} }"])
+    runtime.compile_ptx("probe:attention_bwd_shapes", source, (), 80)
+
+
+def _args(kind="float16", h=4, hk=2, d=64, lens=(5, 17)):
+    dt = np.float16 if kind == "float16" else np.uint16
+    cu = cupy.asarray(_cu(lens))
+    n = int(sum(lens))
+    q, do, o = (cupy.zeros((n, h, d), dt) for _ in range(3))
+    k, v = (cupy.zeros((n, hk, d), dt) for _ in range(2))
+    lse = cupy.zeros((n, h), cupy.float32)
+    return dict(dout=do, q=q, k=k, v=v, out=o, lse=lse, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                max_seqlen_q=max(lens), max_seqlen_k=max(lens))
+
+
+def test_backward_launches(attn, host_if_no_gpu):
+    """Default mode: preprocess, dK/dV with atomic dQ, convert; deterministic: preprocess, dK/dV, dQ (and no
+    f32 dQ workspace allocated)."""
+    launches = host_if_no_gpu
+    a = _args()
+    dq, dk, dv = attn.flash_attn_varlen_backward(**a)
+    assert dq.shape == a["q"].shape and dk.shape == dv.shape == a["k"].shape and dq.dtype == np.float16
+    if launches is not None:
+        assert dict(launches) == {"bwd_preprocess<__half, 64>": 1, "bwd_dkdv<__half, 64>": 1,
+                                  "bwd_dq_convert<__half>": 1}
+        launches.clear()
+    attn.flash_attn_varlen_backward(**_args("bfloat16", d=128), deterministic=True, causal=True, window_left=3,
+                                    softcap=2.0, scale=None)
+    if launches is not None:
+        assert dict(launches) == {"bwd_preprocess<__nv_bfloat16, 128>": 1, "bwd_dkdv<__nv_bfloat16, 128>": 1,
+                                  "bwd_dq<__nv_bfloat16, 128>": 1}
+
+
+def test_backward_rejects_bad_input_before_launch(attn, host_if_no_gpu):
+    launches = host_if_no_gpu
+    a = _args()
+    q, k = a["q"], a["k"]
+    cases = [
+        (TypeError, "k must be float16", dict(k=k.astype(cupy.float32))),
+        (TypeError, "dout must be float16", dict(dout=q.view(cupy.uint16))),
+        (TypeError, "q must be float16 or bfloat16", dict(q=q.astype(cupy.float32))),
+        (ValueError, "head_dim must be one of", dict(q=q[..., :32].copy(), dout=q[..., :32].copy(),
+                                                      out=q[..., :32].copy(), k=k[..., :32].copy(),
+                                                      v=k[..., :32].copy())),
+        (ValueError, "k has head_dim", dict(k=cupy.zeros((22, 2, 128), cupy.float16))),
+        (ValueError, "multiple of n_kv_heads", dict(k=cupy.zeros((22, 3, 64), cupy.float16),
+                                                    v=cupy.zeros((22, 3, 64), cupy.float16))),
+        (ValueError, "v must have shape", dict(v=k[:5].copy())),
+        (ValueError, "out must have shape", dict(out=q[:5].copy())),
+        (ValueError, "lse must have shape", dict(lse=a["lse"][:, :2].copy())),
+        (TypeError, "lse must have dtype", dict(lse=a["lse"].astype(cupy.float64))),
+        (ValueError, "dq must have shape", dict(dq=q[:5].copy())),
+        (ValueError, "dk must have shape", dict(dk=q.copy())),
+        (ValueError, "delta must have shape", dict(delta=cupy.zeros((3, 4), cupy.float32))),
+        (ValueError, "dq_accum must have shape", dict(dq_accum=cupy.zeros((3, 4, 64), cupy.float32))),
+        (ValueError, "cu_seqlens_k must have shape", dict(cu_seqlens_k=a["cu_seqlens_k"][:2].copy())),
+        (TypeError, "cu_seqlens_q must have dtype", dict(cu_seqlens_q=a["cu_seqlens_q"].astype(cupy.int64))),
+        (ValueError, "max_seqlen_q", dict(max_seqlen_q=0)),
+        (ValueError, "max_seqlen_k", dict(max_seqlen_k=-1)),
+        (ValueError, "scale", dict(scale=-1.0)),
+        (ValueError, "softcap", dict(softcap=float("nan"))),
+        (TypeError, "window_left", dict(window_left=2.5)),
+        (TypeError, "deterministic", dict(deterministic=1)),
+        (TypeError, "causal", dict(causal="yes")),
+        (ValueError, "C-contiguous", dict(out=cupy.zeros((4, 22, 64), cupy.float16).transpose(1, 0, 2))),
+    ]
+    for err, match, kw in cases:
+        with pytest.raises(err, match=match):
+            attn.flash_attn_varlen_backward(**dict(a, **kw))
+    if launches is not None:
+        assert not launches
+
+
+# ----------------------------------------------------------------------------- GPU
+
+def _case(rng, kind, h, hk, d, q_lens, k_lens):
+    cu_q, cu_k = _cu(q_lens), _cu(k_lens)
+    q, k, v = (_store(rng.standard_normal((n, hh, d)).astype(np.float32), kind)
+               for n, hh in ((cu_q[-1], h), (cu_k[-1], hk), (cu_k[-1], hk)))
+    do = _store(rng.standard_normal((cu_q[-1], h, d)).astype(np.float32), kind)
+    return cu_q, cu_k, q, k, v, do
+
+
+def _forward(attn, q, k, v, cu_q, cu_k, q_lens, **kw):
+    out = poison(cupy.empty(q.shape, q.dtype))
+    lse = poison(cupy.empty(q.shape[:2], cupy.float32))
+    attn.flash_attn_varlen(q, k, v, cupy.asarray(cu_q), cupy.asarray(cu_k), out, max_seqlen_q=max(q_lens),
+                           lse=lse, **kw)
+    return out, lse
+
+
+def _backward(attn, do, q, k, v, out, lse, cu_q, cu_k, q_lens, k_lens, deterministic, **kw):
+    dq, dk, dv = (poison(cupy.empty(a.shape, a.dtype)) for a in (q, k, v))
+    delta = poison(cupy.empty(lse.shape, cupy.float32))
+    acc = None if deterministic else poison(cupy.empty(q.shape, cupy.float32))
+    return attn.flash_attn_varlen_backward(do, q, k, v, out, lse, cupy.asarray(cu_q), cupy.asarray(cu_k),
+                                           max(q_lens), max(k_lens), dq=dq, dk=dk, dv=dv, delta=delta,
+                                           dq_accum=acc, deterministic=deterministic, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("d,h,hk", [(128, 4, 2), (64, 3, 3), (64, 4, 1)])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_varlen_backward(attn, rng, kind, mode, d, h, hk, deterministic):
+    """Ragged sequences: length 1, lengths off the tiles, more queries than keys, many K tiles."""
+    q_lens, k_lens = [1, 130, 64, 7, 45], [1, 130, 200, 3, 301]
+    kw = MODES[mode]
+    cu_q, cu_k, q, k, v, do = _case(rng, kind, h, hk, d, q_lens, k_lens)
+    out, lse = _forward(attn, q, k, v, cu_q, cu_k, q_lens, **kw)
+    dq, dk, dv = _backward(attn, do, q, k, v, out, lse, cu_q, cu_k, q_lens, k_lens, deterministic, **kw)
+    f = [ref.as_float64(a, kind) for a in (do, q, k, v)]
+    want = ref.varlen_backward(*f, cu_q, cu_k, **kw)
+    for name, got, w in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
+        _grad_close(got, w, kind, f"{name} ({mode}, {'deterministic' if deterministic else 'atomic'})")
+
+
+@pytest.mark.gpu
+def test_varlen_backward_delta_and_modes_agree(attn, rng):
+    """delta holds rowsum(dO * O); the two dQ modes agree; the deterministic mode repeats bit for bit."""
+    kind, q_lens, k_lens = "float16", [33, 100], [80, 100]
+    cu_q, cu_k, q, k, v, do = _case(rng, kind, 4, 2, 128, q_lens, k_lens)
+    out, lse = _forward(attn, q, k, v, cu_q, cu_k, q_lens, causal=True)
+    delta = poison(cupy.empty(lse.shape, cupy.float32))
+    g_atomic = attn.flash_attn_varlen_backward(do, q, k, v, out, lse, cupy.asarray(cu_q), cupy.asarray(cu_k),
+                                               max(q_lens), max(k_lens), causal=True, delta=delta)
+    want_delta = (ref.as_float64(do, kind) * ref.as_float64(out, kind)).sum(-1)
+    assert_close(delta, want_delta, atol=1e-4, rtol=1e-4, name="delta")
+    runs = [_backward(attn, do, q, k, v, out, lse, cu_q, cu_k, q_lens, k_lens, True, causal=True) for _ in range(2)]
+    for a, b in zip(*runs):
+        assert cupy.array_equal(a, b)
+    for name, a, b in zip(("dq", "dk", "dv"), g_atomic, runs[0]):
+        _grad_close(a, ref.as_float64(b, kind), kind, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_backward_against_torch_sdpa(attn, rng, causal):
+    """torch SDPA's backward (float32 on the same stored inputs), per sequence of equal q and k lengths (where
+    torch's top-left causal mask is ours), GQA through repeated K/V heads."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    kind, lens, h, hk, d = "bfloat16", [1, 77, 130], 4, 2, 128
+    cu, _, q, k, v, do = _case(rng, kind, h, hk, d, lens, lens)
+    out, lse = _forward(attn, q, k, v, cu, cu, lens, causal=causal)
+    dq, dk, dv = _backward(attn, do, q, k, v, out, lse, cu, cu, lens, lens, False, causal=causal)
+    f = [torch.tensor(ref.as_float64(a, kind), dtype=torch.float32, device="cuda") for a in (do, q, k, v)]
+    for i in range(len(lens)):
+        r = slice(int(cu[i]), int(cu[i + 1]))
+        tq, tk, tv = (x[r].transpose(0, 1).clone().requires_grad_() for x in f[1:])
+        # GQA by repeated K/V heads (autograd sums their gradients back)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            tq[None], tk.repeat_interleave(h // hk, 0)[None], tv.repeat_interleave(h // hk, 0)[None],
+            is_causal=causal)[0]
+        o.backward(f[0][r].transpose(0, 1))
+        for name, got, t in (("dq", dq, tq), ("dk", dk, tk), ("dv", dv, tv)):
+            _grad_close(got[r], t.grad.transpose(0, 1).double().cpu().numpy(), kind, f"{name} seq {i}")
