@@ -295,14 +295,18 @@ class Tokens:
             lengths[s] = positions[r] + 1
 
 
-def fake_transformer(model, monkeypatch, *, max_seqs, max_tokens, page_size, prefill_chunk):
-    """A Transformer over ``model`` (a GGUFModel) whose dispatches, cache and CuPy are the fakes above."""
+def fake_base(cls, model, monkeypatch, *, max_seqs, max_tokens, page_size, prefill_chunk):
+    """A ``cls`` (Transformer or a subclass) over ``model`` with CuPy, streams, graphs and the cache faked, no
+    dispatches or layers yet; returns it with the ``dense``, ``weight`` and ``vector`` tensor readers."""
     monkeypatch.setattr(T, "cupy", fake_cupy)
     monkeypatch.setattr(T, "resolve_stream", lambda s=None: s if s is not None else FakeStream())
     monkeypatch.setattr(T, "capture_graph", lambda fn, stream=None: FakeGraph(fn, stream))
     monkeypatch.setattr(T, "SamplePlan", Plan)
+    monkeypatch.setattr(T, "check_array", lambda name, a, **kw: a)
+    monkeypatch.setattr(L, "NormedX", NormedX)
+    monkeypatch.setattr(T, "_address", lambda a: a.ctypes.data)
     c = model.config
-    t = T.Transformer.__new__(T.Transformer)
+    t = cls.__new__(cls)
     t.model, t.cfg = model, c
     t.max_seqs, t.max_tokens, t.prefill_chunk = max_seqs, max_tokens, prefill_chunk
     pages = -(-max_tokens // page_size)
@@ -317,6 +321,15 @@ def fake_transformer(model, monkeypatch, *, max_seqs, max_tokens, page_size, pre
 
     def vector(name):
         return wrap(dense(name)) if name in model.tensors else None
+
+    return t, dense, weight, vector
+
+
+def fake_transformer(model, monkeypatch, *, max_seqs, max_tokens, page_size, prefill_chunk):
+    """A Transformer over ``model`` (a GGUFModel) whose dispatches, cache and CuPy are the fakes above."""
+    t, dense, weight, vector = fake_base(T.Transformer, model, monkeypatch, max_seqs=max_seqs, max_tokens=max_tokens,
+                                         page_size=page_size, prefill_chunk=prefill_chunk)
+    c = model.config
 
     t.ew, t.attn, t.mm, t.gemm, t.tok = Elementwise(), Attention(), Dmmv(), Matmul(), Tokens(dense("token_embd.weight"))
     t.layers = []
@@ -337,7 +350,4 @@ def fake_transformer(model, monkeypatch, *, max_seqs, max_tokens, page_size, pre
     t.head = t.head_mv = weight("token_embd.weight" if c.tied_output else "output.weight")
     t._dec = None
     t._chunks, t._stream = {}, None
-    monkeypatch.setattr(T, "check_array", lambda name, a, **kw: a)
-    monkeypatch.setattr(L, "NormedX", NormedX)
-    monkeypatch.setattr(T, "_address", lambda a: a.ctypes.data)
     return t

@@ -11,14 +11,12 @@ import types
 
 import numpy as np
 
-import cukern.models.layers as L
 import cukern.models.moe as M
 import cukern.models.moe_transformer as MT
-import cukern.models.transformer as T
 from cukern.reference import models as R
 from cukern.reference import models_moe as RM
-from model_fakes import (Attention, Dmmv, Elementwise, FakeGraph, FakeStream, Matmul, NormedX, PagedCache, Plan,
-                         Tokens, Weight, _gather, _window, fake_cupy, wrap)
+from model_fakes import (Attention, Dmmv, Elementwise, Matmul, Tokens, Weight, _gather, _window, fake_base, fake_cupy,
+                         wrap)
 
 
 class ExpertWeight(Weight):
@@ -140,36 +138,16 @@ class MoeMatmul(Matmul, MoeDmmv):
 
 def fake_moe_transformer(model, monkeypatch, *, max_seqs, max_tokens, page_size, prefill_chunk):
     """A MoeTransformer over ``model`` (a GGUFModel with experts) on the fakes."""
-    for mod in (T, M):
-        monkeypatch.setattr(mod, "cupy", fake_cupy)
-    monkeypatch.setattr(T, "resolve_stream", lambda s=None: s if s is not None else FakeStream())
-    monkeypatch.setattr(T, "capture_graph", lambda fn, stream=None: FakeGraph(fn, stream))
-    monkeypatch.setattr(T, "SamplePlan", Plan)
-    monkeypatch.setattr(T, "check_array", lambda name, a, **kw: a)
-    monkeypatch.setattr(L, "NormedX", NormedX)
-    monkeypatch.setattr(T, "_address", lambda a: a.ctypes.data)
+    t, dense, weight, vector = fake_base(MT.MoeTransformer, model, monkeypatch, max_seqs=max_seqs,
+                                         max_tokens=max_tokens, page_size=page_size, prefill_chunk=prefill_chunk)
+    monkeypatch.setattr(M, "cupy", fake_cupy)
     c = model.config
-    t = MT.MoeTransformer.__new__(MT.MoeTransformer)
-    t.model, t.cfg = model, c
-    t.max_seqs, t.max_tokens, t.prefill_chunk = max_seqs, max_tokens, prefill_chunk
-    pages = -(-max_tokens // page_size)
-    t.cache = PagedCache(c.n_layers, max_seqs * pages, page_size, c.n_kv_heads, c.head_dim, max_seqs=max_seqs,
-                         max_pages_per_seq=pages)
-
-    def dense(name):
-        return model[name].dequantize(np.float64)
-
-    def weight(name):
-        return Weight(dense(name), int(model[name].qtype))
 
     def experts(name):
         return ExpertWeight(dense(name), int(model[name].qtype))
 
     def bias(name):
         return ExpertWeight(M.bias_matrix(dense(name)).astype(np.float64), 0)
-
-    def vector(name):
-        return wrap(dense(name)) if name in model.tensors else None
 
     t.ew, t.attn, t.tok = MoeElementwise(), MoeAttention(), Tokens(dense("token_embd.weight"))
     t.mm = t.gemm = MoeMatmul()

@@ -127,6 +127,21 @@ def _bpe_vocab():
     return tokens, types, merges_ok
 
 
+def add_shape(w, spec, *, eps: float, rope_base: float) -> None:
+    """The header keys every tiny decoder writes: sizes from ``spec`` (n_layers, d_model, d_ff, n_heads,
+    n_kv_heads, head_dim), a 4096-token context, the RMS eps and the RoPE base."""
+    w.add_context_length(4096)
+    w.add_embedding_length(spec.d_model)
+    w.add_block_count(spec.n_layers)
+    w.add_feed_forward_length(spec.d_ff)
+    w.add_head_count(spec.n_heads)
+    w.add_head_count_kv(spec.n_kv_heads)
+    w.add_key_length(spec.head_dim)
+    w.add_value_length(spec.head_dim)
+    w.add_layer_norm_rms_eps(eps)
+    w.add_rope_freq_base(rope_base)
+
+
 def _add_bpe_tokenizer(w: gguf.GGUFWriter) -> list[str]:
     """The byte-level BPE vocabulary (Qwen's tokenizer kind) written into ``w``; returns its tokens."""
     tokens, types, merges = _bpe_vocab()
@@ -165,16 +180,7 @@ def write_tiny_gguf(path, spec: TinySpec, *, seed: int = 0) -> str:
     vocab = len(tokens)
     d, hd, ff = spec.d_model, spec.head_dim, spec.d_ff
     q, kv = spec.n_heads * hd, spec.n_kv_heads * hd
-    w.add_context_length(4096)
-    w.add_embedding_length(d)
-    w.add_block_count(spec.n_layers)
-    w.add_feed_forward_length(ff)
-    w.add_head_count(spec.n_heads)
-    w.add_head_count_kv(spec.n_kv_heads)
-    w.add_key_length(hd)
-    w.add_value_length(hd)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(10000.0 if arch == "llama" else 1e6)
+    add_shape(w, spec, eps=1e-6, rope_base=10000.0 if arch == "llama" else 1e6)
     if spec.rope_scale != 1.0:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(spec.rope_scale)

@@ -15,7 +15,7 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as QT
 
-from cukern.models.tiny import TinySpec, _add_bpe_tokenizer, random_blocks
+from cukern.models.tiny import TinySpec, _add_bpe_tokenizer, add_shape, random_blocks
 
 __all__ = ["MoeTinySpec", "MOE_PRESETS"]
 
@@ -59,16 +59,7 @@ def _write(path, spec: MoeTinySpec, seed: int) -> str:
     vocab, d, hd, ff, e = len(tokens), spec.d_model, spec.head_dim, spec.d_ff, spec.n_experts
     q, kv = spec.n_heads * hd, spec.n_kv_heads * hd
     gpt_oss = arch == "gpt-oss"
-    w.add_context_length(4096)
-    w.add_embedding_length(d)
-    w.add_block_count(spec.n_layers)
-    w.add_feed_forward_length(ff)
-    w.add_head_count(spec.n_heads)
-    w.add_head_count_kv(spec.n_kv_heads)
-    w.add_key_length(hd)
-    w.add_value_length(hd)
-    w.add_layer_norm_rms_eps(1e-5 if gpt_oss else 1e-6)
-    w.add_rope_freq_base(150000.0 if gpt_oss else 1e6)
+    add_shape(w, spec, eps=1e-5 if gpt_oss else 1e-6, rope_base=150000.0 if gpt_oss else 1e6)
     w.add_expert_count(e)
     w.add_expert_used_count(spec.top_k)
     w.add_expert_feed_forward_length(ff)
