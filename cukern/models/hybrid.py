@@ -30,16 +30,13 @@ from dataclasses import dataclass, field
 import cupy
 import numpy as np
 
-from cukern.attention import AttentionDispatch, PagedKVCache
+from cukern.attention import PagedKVCache
 from cukern.dispatch import bounded_put
-from cukern.dmmv import DmmvDispatch, QWeight
-from cukern.elementwise import ElementwiseDispatch
-from cukern.matmul import MatmulDispatch
+from cukern.dmmv import QWeight
 from cukern.models.gguf_loader import GGUFModel
 from cukern.models.hybrid_config import ARCH, HybridConfig, legacy_rows
 from cukern.models.transformer import Transformer, _Chunk
 from cukern.profiler import nvtx_range
-from cukern.tokens import TokensDispatch
 
 __all__ = ["HybridModel", "HybridCache", "FFN_BLOCKS", "DenseFFN"]
 
@@ -190,19 +187,7 @@ class HybridModel(Transformer):
         if build_ffn is None:
             raise NotImplementedError(f"{model.path}: the {c.ffn!r} FFN has no GPU block yet: register its builder "
                                       f"in cukern.models.hybrid.FFN_BLOCKS[{c.ffn!r}]")
-        for name, v in (("max_seqs", max_seqs), ("max_tokens", max_tokens), ("prefill_chunk", prefill_chunk)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if kv_dtype not in ("float16", "float32"):
-            raise ValueError(f"kv_dtype must be 'float16' or 'float32' (the fused RoPE + KV write), got {kv_dtype!r}")
-        self.model, self.cfg = model, c
-        if not model.device:
-            model.upload()
-        self.max_seqs, self.max_tokens, self.prefill_chunk = max_seqs, max_tokens, prefill_chunk
-        self.ew, self.attn, self.tok = (ElementwiseDispatch(device, pdl=True), AttentionDispatch(device, pdl=True),
-                                        TokensDispatch(device, pdl=True))
-        self.mm = DmmvDispatch(device, int8=False, pdl=True)
-        self.gemm = MatmulDispatch(device)
+        self._setup(model, max_seqs, max_tokens, kv_dtype, prefill_chunk, False, device)
         pages = -(-max_tokens // page_size)
         self.cache = HybridCache(c, max_seqs * pages, page_size, max_seqs=max_seqs, max_pages_per_seq=pages,
                                  dtype=kv_dtype, device=device)

@@ -204,16 +204,15 @@ class Transformer(Layers):
     bytes give 0.74-1.37x). The copies cost 1.1x (Q4_K) to 2.2x (Q4_0) the GGUF bytes of the packed
     weights, beside them (decode keeps reading the GGUF bytes)."""
 
-    def __init__(self, model: GGUFModel, *, max_seqs: int = 1, max_tokens: int = 4096, page_size: int = 16,
-                 kv_dtype: str = "float16", prefill_chunk: int = 1024, dmmv_int8: bool = False,
-                 pack_prefill: bool = False, device: int | None = None):
+    def _setup(self, model: GGUFModel, max_seqs: int, max_tokens: int, kv_dtype: str, prefill_chunk: int,
+               dmmv_int8: bool, device: int | None) -> None:
+        """Check the sizes, upload the weights and make the dispatches (every model class's first step)."""
         for name, v in (("max_seqs", max_seqs), ("max_tokens", max_tokens), ("prefill_chunk", prefill_chunk)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if kv_dtype not in ("float16", "float32"):
             raise ValueError(f"kv_dtype must be 'float16' or 'float32' (the fused RoPE + KV write), got {kv_dtype!r}")
         self.model, self.cfg = model, model.config
-        c = self.cfg
         if not model.device:
             model.upload()
         self.max_seqs, self.max_tokens, self.prefill_chunk = max_seqs, max_tokens, prefill_chunk
@@ -223,6 +222,12 @@ class Transformer(Layers):
                                         TokensDispatch(device, pdl=True))
         self.mm = DmmvDispatch(device, int8=dmmv_int8, pdl=True)
         self.gemm = MatmulDispatch(device)
+
+    def __init__(self, model: GGUFModel, *, max_seqs: int = 1, max_tokens: int = 4096, page_size: int = 16,
+                 kv_dtype: str = "float16", prefill_chunk: int = 1024, dmmv_int8: bool = False,
+                 pack_prefill: bool = False, device: int | None = None):
+        self._setup(model, max_seqs, max_tokens, kv_dtype, prefill_chunk, dmmv_int8, device)
+        c = self.cfg
         if pack_prefill and not self.gemm._units[next(iter(GEMM_QTYPES))].is_sm90():
             raise ValueError("pack_prefill needs an sm_90 (Hopper) device: packed weights run on gemm_wgr only")
         pages_per_seq = -(-max_tokens // page_size)

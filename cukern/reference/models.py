@@ -103,7 +103,9 @@ class ReferenceModel:
             self._w[name] = np.ascontiguousarray(a, dtype=self.dtype)
         return self._w[name]
 
-    def _layer(self, i: int, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    def _qkv(self, i: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Layer i's q [T, n_heads, hd], k and v [T, n_kv_heads, hd] of x: the attention norm, the
+        projections (+ biases), the Q/K norms; no RoPE."""
         c, b = self.cfg, f"blk.{i}."
         T = x.shape[0]
         h = rms_norm(x, self.w(b + "attn_norm.weight"), c.rms_eps)
@@ -116,6 +118,11 @@ class ReferenceModel:
         if c.qk_norm:
             q = rms_norm(q, self.w(b + "attn_q_norm.weight"), c.rms_eps)
             k = rms_norm(k, self.w(b + "attn_k_norm.weight"), c.rms_eps)
+        return q, k, v
+
+    def _layer(self, i: int, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        c, b = self.cfg, f"blk.{i}."
+        q, k, v = self._qkv(i, x)
         local = c.local_layers[i]
         inv = c.rope_inv_freq(local, self.w("rope_freqs.weight") if c.rope_freq_factors else None)
         q, k = rope(q, pos, 0.0, c.rope_neox, inv), rope(k, pos, 0.0, c.rope_neox, inv)
@@ -123,7 +130,7 @@ class ReferenceModel:
         self.v[i] = np.concatenate([self.v[i], v])
         k_pos = np.arange(self.k[i].shape[0])
         o = attention(q, self.k[i], self.v[i], pos, k_pos, c.attn_scale, c.sliding_window if local else 0)
-        o = o.reshape(T, c.q_dim) @ self.w(b + "attn_output.weight").T
+        o = o.reshape(x.shape[0], c.q_dim) @ self.w(b + "attn_output.weight").T
         if c.post_norms:
             o = rms_norm(o, self.w(b + "post_attention_norm.weight"), c.rms_eps)
         x = x + o

@@ -64,15 +64,7 @@ class MoeReferenceModel(ReferenceModel):
     def _attention(self, i: int, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
         c, b = self.cfg, f"blk.{i}."
         T = x.shape[0]
-        h = rms_norm(x, self.w(b + "attn_norm.weight"), c.rms_eps)
-        q, k, v = (h @ self.w(b + f"attn_{n}.weight").T for n in "qkv")
-        if c.qkv_bias:
-            q, k, v = (t + self.w(b + f"attn_{n}.bias") for t, n in zip((q, k, v), "qkv"))
-        q, k = q.reshape(T, c.n_heads, c.head_dim), k.reshape(T, c.n_kv_heads, c.head_dim)
-        v = v.reshape(T, c.n_kv_heads, c.head_dim)
-        if c.qk_norm:
-            q = rms_norm(q, self.w(b + "attn_q_norm.weight"), c.rms_eps)
-            k = rms_norm(k, self.w(b + "attn_k_norm.weight"), c.rms_eps)
+        q, k, v = self._qkv(i, x)
         local = c.local_layers[i]
         inv, mscale = c.rope_inv_freq(local), c.rope_mscale
         q, k = rope(q, pos, 0.0, c.rope_neox, inv) * mscale, rope(k, pos, 0.0, c.rope_neox, inv) * mscale
