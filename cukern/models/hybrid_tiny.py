@@ -16,7 +16,7 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as QT
 
-from cukern.models.tiny import TinySpec, _add_bpe_tokenizer, random_blocks
+from cukern.models.tiny import TinySpec, _add_bpe_tokenizer, add_shape, random_blocks
 
 __all__ = ["HybridSpec", "write_tiny"]
 
@@ -56,16 +56,7 @@ def write_tiny(path, spec: HybridSpec, *, seed: int = 0, skip: tuple[str, ...] =
     q, kv = spec.n_heads * hd, spec.n_kv_heads * hd
     n_k, n_v, dk, dv = spec.ssm_k_heads, spec.ssm_v_heads, spec.ssm_dk, spec.ssm_dv
     qk, v, rep = n_k * dk, n_v * dv, n_v // n_k
-    w.add_context_length(4096)
-    w.add_embedding_length(d)
-    w.add_block_count(spec.n_layers)
-    w.add_feed_forward_length(spec.d_ff)
-    w.add_head_count(spec.n_heads)
-    w.add_head_count_kv(spec.n_kv_heads)
-    w.add_key_length(hd)
-    w.add_value_length(hd)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(1e6)
+    add_shape(w, spec, eps=1e-6, rope_base=1e6)
     w.add_rope_dimension_count(spec.rope_dim)
     w.add_ssm_conv_kernel(spec.conv_kernel)
     w.add_ssm_state_size(dk)

@@ -142,6 +142,15 @@ def add_shape(w, spec, *, eps: float, rope_base: float) -> None:
     w.add_rope_freq_base(rope_base)
 
 
+def add_attention(mat, b: str, d: int, q: int, kv: int) -> None:
+    """Layer ``b``'s q, k, v and output projections through ``mat(name, rows, cols, scale)``, each scaled by
+    1 / sqrt(its input width)."""
+    mat(b + "attn_q.weight", q, d, 1.0 / np.sqrt(d))
+    mat(b + "attn_k.weight", kv, d, 1.0 / np.sqrt(d))
+    mat(b + "attn_v.weight", kv, d, 1.0 / np.sqrt(d))
+    mat(b + "attn_output.weight", d, q, 1.0 / np.sqrt(q))
+
+
 def _add_bpe_tokenizer(w: gguf.GGUFWriter) -> list[str]:
     """The byte-level BPE vocabulary (Qwen's tokenizer kind) written into ``w``; returns its tokens."""
     tokens, types, merges = _bpe_vocab()
@@ -205,10 +214,7 @@ def write_tiny_gguf(path, spec: TinySpec, *, seed: int = 0) -> str:
     for i in range(spec.n_layers):
         b = f"blk.{i}."
         vec(b + "attn_norm.weight", d, 1.0, 0.1)
-        mat(b + "attn_q.weight", q, d, 1.0 / np.sqrt(d))
-        mat(b + "attn_k.weight", kv, d, 1.0 / np.sqrt(d))
-        mat(b + "attn_v.weight", kv, d, 1.0 / np.sqrt(d))
-        mat(b + "attn_output.weight", d, q, 1.0 / np.sqrt(q))
+        add_attention(mat, b, d, q, kv)
         vec(b + "ffn_norm.weight", d, 1.0, 0.1)
         mat(b + "ffn_gate.weight", ff, d, 1.0 / np.sqrt(d))
         mat(b + "ffn_up.weight", ff, d, 1.0 / np.sqrt(d))

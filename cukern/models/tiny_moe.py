@@ -15,7 +15,7 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as QT
 
-from cukern.models.tiny import TinySpec, _add_bpe_tokenizer, add_shape, random_blocks
+from cukern.models.tiny import TinySpec, _add_bpe_tokenizer, add_attention, add_shape, random_blocks
 
 __all__ = ["MoeTinySpec", "MOE_PRESETS"]
 
@@ -91,10 +91,7 @@ def _write(path, spec: MoeTinySpec, seed: int) -> str:
     for i in range(spec.n_layers):
         b = f"blk.{i}."
         f32(b + "attn_norm.weight", d, 1.0, 0.1)
-        mat(b + "attn_q.weight", q, d, 1.0 / np.sqrt(d))
-        mat(b + "attn_k.weight", kv, d, 1.0 / np.sqrt(d))
-        mat(b + "attn_v.weight", kv, d, 1.0 / np.sqrt(d))
-        mat(b + "attn_output.weight", d, q, 1.0 / np.sqrt(q))
+        add_attention(mat, b, d, q, kv)
         f32(b + ("post_attention_norm.weight" if gpt_oss else "ffn_norm.weight"), d, 1.0, 0.1)
         f32(b + "ffn_gate_inp.weight", (e, d), 0.0, spec.router_scale / np.sqrt(d))
         mat(b + "ffn_gate_exps.weight", ff, d, 1.0 / np.sqrt(d), e)
