@@ -178,7 +178,7 @@ class MoeGemm:
         return h
 
     @staticmethod
-    def moe_gemm_supports(w) -> bool:
+    def _moe_gemm_ok(w) -> bool:
         """Whether :meth:`moe_gemm` takes expert tensor ``w`` (type and alignment; the other operands aside)."""
         try:
             MoeGemm._experts("w", w)

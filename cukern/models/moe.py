@@ -164,7 +164,7 @@ class MoeBlock:
         rule, route = self.gemm_min_slots_per_expert, mb.route
         n, k, ff = mb.gate.shape
         if rule is not None and route.n_slots >= rule * route.n_experts and W.gate.qtype == W.up.qtype \
-                and all(gm.moe_gemm_supports(w) for w in (W.gate, W.up, W.down)) and ff % 8 == 0:
+                and all(gm._moe_gemm_ok(w) for w in (W.gate, W.up, W.down)) and ff % 8 == 0:
             hid = getattr(mb, "hidden16", None)
             if hid is None:  # made by the row count's first (eager) run, as the buffers are
                 hid = mb.hidden16 = cupy.empty((n * k, ff), cupy.float16)
