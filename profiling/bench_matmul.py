@@ -55,7 +55,8 @@ def specs(quick: bool) -> list[RowSpec]:
     shapes = [(14336, 4096)] if quick else SHAPES
     out = [r for m, k in shapes for name in (["Q4_K", "Q8_0"] if quick else TYPES)
            for n in ([16, 512, 2048] if quick else NS) for r in _gemm(name, m, k, n)]
-    return out + [r for name in (["Q4_K"] if quick else ["Q4_K", "Q8_0"]) for n in (64, 512) for r in _glu(name, n)]
+    out += [r for name in (["Q4_K"] if quick else ["Q4_K", "Q8_0"]) for n in (64, 512) for r in _glu(name, n)]
+    return out + [r for args in MOE_SHAPES for r in _moe(*args)]
 
 
 def _gemm(name, m, k, n):
@@ -129,6 +130,8 @@ def random_weight_device(name: str, m: int, k: int, rng: cupy.random.Generator) 
         raw[..., 2:4] = f16(0.0, 0.001)
     elif name == "Q6_K":
         raw[..., 208:210] = f16(0.00001, 0.0001)
+    elif name == "MXFP4":
+        raw[..., 0] = rng.integers(118, 127, size=(m, nb), dtype=cupy.uint8)  # E8M0: 2^-9 ... 2^-1
     return QWeight(raw.reshape(-1), q, m, k)
 
 
@@ -160,6 +163,45 @@ def _glu_sets(ctx, name, m, k):
     pg = ctx.mm.pack_glu(wg, wu) if ctx.mm.packable(wg) else None
     dense = cupy.empty((m, k), cupy.float16) if pg is not None else None
     return [SimpleNamespace(mm=ctx.mm, wg=wg, wu=wu, pg=pg, dense=dense, **_activations(ctx, m, k, (64, 512)))]
+
+
+# ------------------------------------------------------------------ grouped expert GEMMs (MoE prefill)
+# (model, type, n_experts, top_k, gate/up m, k): gpt-oss-20b's experts (2880x2880 MXFP4, 32 experts, top 4) and
+# Qwen3-30B-A3B's (768x2048 Q4_K gate and up, 2048x768 down, 128 experts, top 8), at 1024 tokens
+MOE_SHAPES = [("gpt-oss-20b", "MXFP4", 32, 4, 2880, 2880), ("Qwen3-30B-A3B", "Q4_K", 128, 8, 768, 2048)]
+MOE_TOKENS = 1024
+
+
+def _moe(model, name, n_e, top_k, m, k, n=MOE_TOKENS):
+    """moe_gemm_glu (gate + up fused) and moe_gemm (down) against moe_dmmv_packed on the same route (built
+    once, untimed), both from the tokens' activations (f16 for the GEMMs, f32 for the matvecs)."""
+    g, slots = (_moe_sets, name, n_e, top_k, m, k, n), n * top_k
+    shape_up, shape_down = f"{model} {n_e}x2x{m}x{k} top{top_k} N={n}", f"{model} {n_e}x{k}x{m} top{top_k} N={n}"
+    t_up, t_down = (_timing(traffic.gemm_flops(m, slots, k, glu=glu) / 150e12 * 1e6) for glu in (True, False))
+    up = Peer("moe_dmmv_packed glu", lambda s: s.dm.moe_dmmv_packed(s.wg, s.x32, s.ids, s.route, s.y_up, w_up=s.wu))
+    down = Peer("moe_dmmv_packed", lambda s: s.dm.moe_dmmv_packed(s.wd, s.h32, s.ids, s.route, s.y_down))
+    return [RowSpec(f"moe_gemm_glu {name}", shape_up, g, lambda s: s.mm.moe_gemm_glu(s.wg, s.wu, s.x16, s.route, s.h16),
+                    flops=(traffic.gemm_flops, m, slots, k, {"glu": True}), peers=(up,), timing=t_up, rounds=_ROUNDS),
+            RowSpec(f"moe_gemm {name}", shape_down, g, lambda s: s.mm.moe_gemm(s.wd, s.h16, s.route, s.d),
+                    flops=(traffic.gemm_flops, k, slots, m), peers=(down,), timing=t_down, rounds=_ROUNDS)]
+
+
+def _moe_sets(ctx, name, n_e, top_k, m, k, n):
+    """Expert tensors gate, up [n_e, m, k] and down [n_e, k, m]; a route of n tokens, top_k distinct experts
+    each (uniform), packed once; activations per token (x) and per slot (h)."""
+    def experts(rows, cols):
+        w = random_weight_device(name, n_e * rows, cols, ctx.rng)
+        return QWeight(w.buf, w.qtype, rows, cols, n_experts=n_e)
+    ids = cupy.argsort(ctx.rng.random((n, n_e), dtype=cupy.float32), axis=1)[:, :top_k].astype(cupy.int32)
+    route = ctx.dm.plan_moe_route(n, top_k, n_e)
+    ctx.dm.moe_route_pack(ids, route)
+    x16 = ctx.rng.standard_normal((n, k), dtype=cupy.float32).astype(cupy.float16)
+    h16 = (0.1 * ctx.rng.standard_normal((n * top_k, m), dtype=cupy.float32)).astype(cupy.float16)
+    return [SimpleNamespace(mm=ctx.mm, dm=ctx.dm, wg=experts(m, k), wu=experts(m, k), wd=experts(k, m), ids=ids,
+                            route=route, x16=x16, x32=x16.astype(cupy.float32), h16=h16,
+                            h32=h16.astype(cupy.float32).reshape(n, top_k, m),
+                            y_up=cupy.empty((n, top_k, m), cupy.float32), y_down=cupy.empty((n, top_k, k), cupy.float32),
+                            d=cupy.empty((n * top_k, k), cupy.float32))]
 
 
 def bench(quick: bool = False) -> tuple[list, Ceilings]:

@@ -51,3 +51,26 @@ struct PackParams {
     uint32_t k;          // elements per row, a multiple of 256
     uint32_t glu;        // 1: tiles of 64 gate and 64 up rows, interleaved as gemm_wgr's GLU reads them
 };
+
+// moe_gemm_f16 (moe_gemm.cuh): grouped expert GEMMs over a MoeRoute (slots grouped per expert)
+struct MoeGemmParams {
+    uint64_t w_offset;     // bytes: where expert 0 of W (glu: the gate tensor) starts in w
+    uint64_t w2_offset;    // bytes: where expert 0 of the up tensor starts in w2 (glu); unused otherwise
+    uint64_t row_bytes;    // bytes per weight row
+    uint64_t expert_bytes; // bytes from one expert's matrix to the next
+    uint64_t x_stride;     // elements between consecutive rows of x
+    uint64_t d_stride;     // elements between consecutive slot rows of d
+    uint64_t bias_expert;  // elements between experts' rows of the biases (glu, has_bias)
+    uint64_t bias_row;     // elements between consecutive outputs of one expert's bias (glu, has_bias)
+    uint32_t m;            // weight rows: outputs per slot (glu: rows of each matrix)
+    uint32_t k;            // elements per weight row, a multiple of 32
+    uint32_t n_slots;      // slots of the route (n_tokens * top_k): the packed list's length
+    uint32_t n_experts;    // experts; offsets has n_experts + 1 entries (the last: first invalid slot)
+    uint32_t top_k;        // slots per token: x row of slot s = s / top_k unless x_per_slot
+    uint32_t x_per_slot;   // 1: x has one row per slot (x row = slot); 0: one per token
+    uint32_t mode;         // 0: d = W x; 1: d += W x; glu: 2 silu, 3 gelu_tanh, 4 swiglu_oai of (gate, up)
+    uint32_t raw16;        // 1: every weight row starts 16-byte aligned (cp.async path); 0: 2-byte copies
+    uint32_t has_bias;     // glu: 1: gate and up biases added before the activation
+    float alpha;           // swiglu_oai: sigmoid slope
+    float limit;           // swiglu_oai: clamp of the gate (above) and of the linear input (both sides)
+};

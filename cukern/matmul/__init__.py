@@ -37,9 +37,9 @@ repeated call's checked launch (the last 256 distinct calls), so an eager prefil
 checks once per call site.
 """
 
-from cukern.matmul.common import (FAMILIES, FAMILY, GEMM_QTYPES, PACKED_LAYOUTS, PackedWeight, q8_0_row_bytes,
+from cukern.matmul.common import (FAMILIES, FAMILY, GEMM_QTYPES, MOE_QTYPES, PACKED_LAYOUTS, PackedWeight, q8_0_row_bytes,
                                   q8_1_row_bytes)
 from cukern.matmul.dispatch import MatmulDispatch
 
-__all__ = ["MatmulDispatch", "PackedWeight", "FAMILY", "FAMILIES", "GEMM_QTYPES", "PACKED_LAYOUTS", "q8_1_row_bytes",
+__all__ = ["MatmulDispatch", "PackedWeight", "FAMILY", "FAMILIES", "GEMM_QTYPES", "MOE_QTYPES", "PACKED_LAYOUTS", "q8_1_row_bytes",
            "q8_0_row_bytes"]

@@ -28,7 +28,7 @@ _ROW_TILE_GLU = 64
 _BK = 64  # K elements per stage
 _D_BOX = 32  # gemm_wgr tensor stores of d: boxes of 32 rows (128 bytes of f32, the swizzle span) x the token tile
 _SUPER = 256  # K elements per raw super-stage; K splits are multiples of it
-_W_ALIGN = {T.Q4_0: 2, T.Q5_0: 2, T.Q8_0: 2, T.Q4_K: 16, T.Q5_K: 16, T.Q6_K: 2}  # bytes: K4/K5 quants are read as uint4
+_W_ALIGN = {T.Q4_0: 2, T.Q5_0: 2, T.Q8_0: 2, T.Q4_K: 16, T.Q5_K: 16, T.Q6_K: 2, T.MXFP4: 2}  # bytes: K4/K5 quants are read as uint4
 # gemm_wgr's packed layouts (packed_wgr.cuh, MatmulDispatch.pack): GGUF type -> (bytes per row and 256
 # elements, shared row stride = the tile-major row stride); kernel type code 100 + GGUF type
 PACKED_LAYOUTS = {T.Q4_0: (272, 320), T.Q5_0: (272, 320), T.Q8_0: (272, 320), T.Q4_K: (160, 160), T.Q5_K: (288, 320),
@@ -193,7 +193,20 @@ FAMILY = FamilySpec(
                   + [KernelSpec(f"dequantize_f16<{q}>", "DequantParams") for q in GEMM_QTYPES]),
 )
 # One RawModule per unit: the quantizers; the f16 GEMM and the int8 GEMM per weight type (5-7 s of NVRTC each).
-FAMILIES = {f.name: f for f in [FAMILY] + [_gemm_unit(q) for q in GEMM_QTYPES] + [_i8_unit(q) for q in GEMM_QTYPES]}
+# grouped expert GEMMs (moe_gemm.cuh): the tiled types and MXFP4 (gpt-oss's experts); token tiles
+MOE_QTYPES = {**GEMM_QTYPES, T.MXFP4: "mxfp4"}
+_MOE_TILES = (32, 64, 128)
+
+
+def _moe_unit(qt: int) -> FamilySpec:
+    kernels = [KernelSpec(f"moe_gemm_f16<{qt}, {bt}, {glu}, {tb}>", "MoeGemmParams")
+               for bt in _MOE_TILES for glu in ("false", "true") for tb in _B_TYPES.values()]
+    return FamilySpec(f"matmul_moe_{MOE_QTYPES[qt]}", tuple(kernels), source="matmul/moe_gemm.cu",
+                      params_header="matmul/params.cuh")
+
+
+FAMILIES = {f.name: f for f in [FAMILY] + [_gemm_unit(q) for q in GEMM_QTYPES] + [_i8_unit(q) for q in GEMM_QTYPES]
+            + [_moe_unit(q) for q in MOE_QTYPES]}
 
 
 def _cols(name: str, a, dtypes, k: int) -> int:

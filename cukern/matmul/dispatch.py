@@ -15,11 +15,12 @@ from cukern.matmul.common import (FAMILIES, FAMILY, GEMM_QTYPES, _ACTS, _B_TYPES
                                   _d_shape, _k_slice, _overlap, _raw16, _smem,
                                   _split_arg)
 from cukern.matmul.int8 import Int8
+from cukern.matmul.moe import MoeGemm
 from cukern.matmul.wgr import Wgr
 from cukern.streams import resolve_stream
 
 
-class MatmulDispatch(Wgr, Int8, Dispatch):
+class MatmulDispatch(Wgr, Int8, MoeGemm, Dispatch):
     """Records quantized GEMMs and quantizers into a stream. Every method takes ``stream=`` (None:
     CuPy's current stream), validates before launching, and returns its output."""
 

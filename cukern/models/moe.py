@@ -147,13 +147,37 @@ class MoeBlock:
         if W.down_bias is not None:
             mm.moe_down(W.down_bias, mb.unit_slot, mb.ids, mb.weights, out, accumulate=True, stream=stream)
 
+    # The grouped expert GEMMs (MatmulDispatch.moe_gemm_glu / moe_gemm) replace the packed matvecs from this many
+    # slots per expert on average (n_rows * top_k >= it * n_experts; None: never). A GEMM CTA multiplies
+    # 32-128 slots of one expert, each expert's last tile padded: at 16 slots per expert a 32-slot tile is
+    # half used, where the matvecs read each expert's weights once per 4 slots. A starting point, not yet
+    # measured against them (bench_matmul's moe rows time both at 1024 tokens).
+    gemm_min_slots_per_expert: int | None = 16
+
     def _experts_grouped(self, W: MoeWeights, h, mb: MoeBuffers, out, stream) -> None:
-        """A chunk's rows: the slots grouped by expert on the device (moe_route_pack), each expert's
-        weights read once per 4 of its slots (moe_dmmv_packed), then the weighted sum per token."""
-        mm = self.lm.mm
+        """A chunk's rows: the slots grouped by expert on the device (moe_route_pack); from
+        ``gemm_min_slots_per_expert`` slots per expert the grouped GEMMs (gate and up fused into the f16
+        hidden, then down), else each expert's weights read once per 4 of its slots (moe_dmmv_packed);
+        then the weighted sum per token."""
+        mm, gm, c = self.lm.mm, self.lm.gemm, self.cfg
         mm.moe_route_pack(mb.ids, mb.route, stream=stream)
-        self._gate_up(W, h, mb, stream)
-        mm.moe_dmmv_packed(W.down, mb.gate, mb.ids, mb.route, mb.down, stream=stream)
+        rule, route = self.gemm_min_slots_per_expert, mb.route
+        n, k, ff = mb.gate.shape
+        if rule is not None and route.n_slots >= rule * route.n_experts and W.gate.qtype == W.up.qtype \
+                and all(gm._moe_gemm_ok(w) for w in (W.gate, W.up, W.down)) and ff % 8 == 0:
+            hid = getattr(mb, "hidden16", None)
+            if hid is None:  # made by the row count's first (eager) run, as the buffers are
+                hid = mb.hidden16 = cupy.empty((n * k, ff), cupy.float16)
+            if c.gpt_oss:
+                bias = lambda b: b.buf.view(cupy.float32).reshape(b.n_experts, b.m, _UNIT)[..., 0]  # noqa: E731
+                gm.moe_gemm_glu(W.gate, W.up, h, route, hid, act="swiglu_oai", gate_bias=bias(W.gate_bias),
+                                up_bias=bias(W.up_bias), alpha=c.swiglu_alpha, limit=c.swiglu_limit, stream=stream)
+            else:
+                gm.moe_gemm_glu(W.gate, W.up, h, route, hid, act="silu", stream=stream)
+            gm.moe_gemm(W.down, hid, route, mb.down.reshape(n * k, -1), stream=stream)
+        else:
+            self._gate_up(W, h, mb, stream)
+            mm.moe_dmmv_packed(W.down, mb.gate, mb.ids, route, mb.down, stream=stream)
         self.lm.ew.moe_weighted_sum(mb.down, mb.weights, out, stream=stream)
         if W.down_bias is not None:
             mm.moe_down(W.down_bias, mb.unit_slot, mb.ids, mb.weights, out, accumulate=True, stream=stream)

@@ -297,3 +297,38 @@ def _tile_major(rows: np.ndarray, mt: int) -> np.ndarray:
     """Tile rows [mt * 128, super-blocks, stride] -> the bytes chunk (tile, super-block) after chunk."""
     nb, stride = rows.shape[1:]
     return rows.reshape(mt, 128, nb, stride).transpose(0, 2, 1, 3).reshape(-1)
+
+def moe_gemm(w: np.ndarray, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """The grouped expert GEMM in float64: w [n_experts, m, k] (dequantized), ids [n_tokens, top_k], x
+    [n_tokens, k] (one row per token) or [n_tokens * top_k, k] (one per slot). Returns y [n_slots, m],
+    y[s] = w[ids.flat[s]] x[row(s)] gathered and multiplied expert by expert; zeros for ids out of range."""
+    n_experts, m, _ = w.shape
+    flat = np.asarray(ids).reshape(-1)
+    rows = np.arange(flat.size) if x.shape[0] == flat.size else np.arange(flat.size) // ids.shape[1]
+    xs = np.asarray(x, np.float64)
+    y = np.zeros((flat.size, m))
+    for e in range(n_experts):
+        sel = np.nonzero(flat == e)[0]
+        if sel.size:
+            y[sel] = xs[rows[sel]] @ np.asarray(w[e], np.float64).T
+    return y
+
+
+def moe_glu(w_gate: np.ndarray, w_up: np.ndarray, x: np.ndarray, ids: np.ndarray, act: str = "silu", *,
+            gate_bias: np.ndarray | None = None, up_bias: np.ndarray | None = None, alpha: float = 1.702,
+            limit: float = 7.0) -> np.ndarray:
+    """act(gate, up) of :func:`moe_gemm`'s products (+ the slot's expert biases [n_experts, m]), float64 [n_slots, m]."""
+    g, u = moe_gemm(w_gate, x, ids), moe_gemm(w_up, x, ids)
+    if gate_bias is not None:
+        e = np.clip(np.asarray(ids).reshape(-1), 0, w_gate.shape[0] - 1)
+        g, u = g + np.asarray(gate_bias, np.float64)[e], u + np.asarray(up_bias, np.float64)[e]
+    if act in ("silu", "swiglu"):
+        h = silu(g) * u
+    elif act in ("gelu", "geglu"):
+        h = gelu_tanh(g) * u
+    else:
+        gc, uc = np.minimum(g, limit), np.clip(u, -limit, limit)
+        h = gc / (1.0 + np.exp(-alpha * gc)) * (uc + 1.0)
+    flat = np.asarray(ids).reshape(-1)
+    h[(flat < 0) | (flat >= w_gate.shape[0])] = 0.0  # slots of an out-of-range id: zeros
+    return h
