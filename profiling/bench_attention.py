@@ -15,7 +15,7 @@ Counted work:
 * prefill / varlen: causal FLOPs 2 * B * H * L^2 * D (QK^T and PV over the lower triangle), or
   4 * B * H * L^2 * D non-causal; % is of the fastest torch SDPA backend in this run (flash =
   FlashAttention-2, cuDNN), "x peer" is the ratio to the flash backend; "varlen f32" (the SIMT kernel) against
-  SDPA's f32 backends (efficient, math; K/V repeated to the query heads for them), "upper_left" (torch's
+  SDPA's f32 backends (efficient, math; given K/V of as many heads as the queries), "upper_left" (torch's
   ``is_causal`` alignment) against SDPA's ``is_causal``. Ours and the peers are
   timed in alternating rounds (the minimum of each over the rounds), so a clock drift during the
   run reaches every side alike;

@@ -9,7 +9,10 @@ programmatic dependent launch (each call overlaps the previous one's tail, as in
 "pdl q8x" rows read x already quantized (QuantizedX, bytes counted as read), and the quantize_x
 rows give what that quantization costs once per input the matvecs share. "ffn down" rows time the
 two kernels between the FFN's gate/up and its output: the elementwise SwiGLU and the matvec on f32 x,
-against quantize_glu (SwiGLU written as the QuantizedX) and the matvec on that. A row whose peer is
+against quantize_glu (SwiGLU written as the QuantizedX) and the matvec on that. At Qwen3-Next's and
+gpt-oss's shapes: dmmv_pair on a NormedX (the SSM alpha/beta projections) against rms_norm and two dmmv,
+the packed down projection summed with ``weights=`` against the per-slot outputs then moe_weighted_sum,
+and expert counts of one layer of a strided routing capture against the same ids contiguous. A row whose peer is
 another row of the table ("f32 path", "two launches") takes that row's time.
 
 The rows are the table of ``specs(quick)`` (bytes from cukern.traffic); ``s`` is one input set.

@@ -8,6 +8,10 @@ peer likewise): an eager event pair around one call also counts the host's Pytho
 a large share of a 50-200 us kernel), so it understates the kernel's bandwidth. The graph's calls
 rotate through the input sets as the eager calls would.
 
+The fusions' groups (``_kv_fusions``, ``_moe_ssm_fusions``) time each fused launch against its chain of
+unfused launches (or a variant against its base: the bf16 cache against f16, YaRN's table against the plain
+rope) at the heads of Llama-8B, Gemma 3 and gpt-oss and Qwen3-Next's SSM sizes.
+
 Bytes counted (cukern.traffic): every input read once, every output written once (weights and tables
 included). The rows are the table of ``specs(quick)``; each ``s`` is one input set (``s.t``: its torch
 views), built by the ``_*_sets`` functions below.
