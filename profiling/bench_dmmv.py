@@ -206,8 +206,12 @@ def _moe_sum(name, m, k, n_e, top_k):
     nbytes = (traffic.moe_packed_sum, _w_bytes(name, m, k), m, k, top_k, T, _n_active(_moe_sum_routings(n_e, top_k)))
     return RowSpec(f"moe_dmmv_packed weights= {name} T={T}", f"{m}x{k} top{top_k}/{n_e}", g,
                    lambda s: s.d.moe_dmmv_packed(s.w, s.h, s.ids, s.route, s.y, accumulate=True, weights=s.wts), nbytes,
-                   peers=(Peer("packed + moe_weighted_sum", lambda s: (s.d.moe_dmmv_packed(s.w, s.h, s.ids, s.route, s.ys),
-                                                                      s.ew.moe_weighted_sum(s.ys, s.wts, s.y, accumulate=True))),))
+                   peers=(Peer("packed + moe_weighted_sum", _moe_sum_chain),))
+
+
+def _moe_sum_chain(s):
+    s.d.moe_dmmv_packed(s.w, s.h, s.ids, s.route, s.ys)
+    s.ew.moe_weighted_sum(s.ys, s.wts, s.y, accumulate=True)
 
 
 def _count_experts(n=4096):

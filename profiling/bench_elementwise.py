@@ -238,7 +238,8 @@ def _moe_ssm_fusions(row, n, decode, quick):
     topk_shape, conv, conv_shape = f"{n_topk}x{E} k={TOP_K}", f"conv1d_silu (K={K_CONV})", f"{n}x{C}"
     ring = (traffic.conv1d_silu, n, C, K_CONV, {"ring": True})
     rows = [
-        row("softmax_topk slot", topk_shape, (_topk_sets, n_topk), lambda s: s.d.softmax_topk(s.logits, k=TOP_K, slot=s.slot),
+        row("softmax_topk slot", topk_shape, (_topk_sets, n_topk),
+            lambda s: s.d.softmax_topk(s.logits, k=TOP_K, slot=s.slot),
             (traffic.softmax_topk, n_topk, E, TOP_K), Peer("ids, weights apart", row=row.named("softmax_topk"))),
         row(f"conv1d_silu ring (K={K_CONV})", conv_shape, (_conv_sets, n),
             lambda s: s.d.conv1d_silu(s.x, s.state, s.w, s.y, state_offset=1), ring,
@@ -252,7 +253,8 @@ def _moe_ssm_fusions(row, n, decode, quick):
     ]
     for tiled, name in ((True, "deltanet_tiled"), (False, "deltanet (baseline)")):
         rows.append(row(f"{name} qk_l2norm", f"{n_tok} tok {N_V}x{DK}x{DV}", (_deltanet_sets, n_tok),
-                        lambda s, tiled=tiled: s.d.deltanet(s.q, s.k, s.v, s.g, s.beta, s.S, s.o, qk_l2norm=True, tiled=tiled),
+                        lambda s, tiled=tiled: s.d.deltanet(s.q, s.k, s.v, s.g, s.beta, s.S, s.o, qk_l2norm=True,
+                                                            tiled=tiled),
                         (traffic.deltanet, n_tok, N_QK, N_V, DK, DV),
                         Peer(f"chain 2 group_norm(l2)+{name}", lambda s, tiled=tiled: _l2_deltanet_chain(s, tiled))))
     return rows
