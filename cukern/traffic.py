@@ -78,6 +78,24 @@ def moe_packed(e_bytes: int, m: int, k: int, top_k: int, n_tokens: int, n_active
     return n_active * e_bytes + F32 * n_tokens * (k + top_k * m)
 
 
+def dmmv_pair(w_bytes: int, m: int, k: int, *, normed: bool = False) -> int:
+    """y1 = W1 x, y2 = W2 x on one input (two m x k matrices of ``w_bytes``): both once, x read, y1 and y2
+    written; ``normed``: x made from a NormedX (the residual and the norm's weight read)."""
+    return 2 * w_bytes + F32 * ((2 if normed else 1) * k + 2 * m)
+
+
+def moe_packed_sum(e_bytes: int, m: int, k: int, top_k: int, n_tokens: int, n_active: float) -> float:
+    """The packed down projection summed into y (``moe_dmmv_packed(accumulate=True, weights=)``, or its
+    outputs then ``moe_weighted_sum``): each of the ``n_active`` experts once, every slot's x and weight
+    read, y [n_tokens, m] read and written (the per-slot outputs of the unfused chain not counted)."""
+    return n_active * e_bytes + F32 * (n_tokens * top_k * (k + 1) + 2 * n_tokens * m)
+
+
+def count_experts(n_tokens: int, top_k: int, n_experts: int) -> int:
+    """moe_count_experts: the ids of every slot read (int32), the [n_experts] counts written."""
+    return F32 * (n_tokens * top_k + n_experts)
+
+
 # ------------------------------------------------------------------ elementwise
 # Ops over n rows of ``width`` f32 values (a token's row, or all its heads: width = n_heads * head_dim):
 # (arrays of the activations' size read, written; f32 vectors of ``width`` read once; 4-byte values
@@ -133,6 +151,16 @@ def kv_write(n: int, n_kv_heads: int, head_dim: int, kv_itemsize: int = 2) -> in
     return n * n_kv_heads * head_dim * (F32 + kv_itemsize)
 
 
+def kv_pair_write(n: int, n_kv_heads: int, head_dim: int, kv_itemsize: int = 2) -> int:
+    """K and V rows of n tokens read as f32 and written into their caches (k_norm_rope_kv_write with v=)."""
+    return 2 * kv_write(n, n_kv_heads, head_dim, kv_itemsize)
+
+
+def deltanet_gates(n_tokens: int, n_v_heads: int) -> int:
+    """The [n_tokens, 2 n_v_heads] logits read, g and beta written, a and dt_bias read once."""
+    return F32 * (4 * n_tokens * n_v_heads + 2 * n_v_heads)
+
+
 def softmax_topk(n_tokens: int, n_experts: int, k: int) -> int:
     """Router logits read, k ids and k weights written per token."""
     return F32 * n_tokens * (n_experts + 2 * k)
@@ -152,10 +180,12 @@ def router_flops(n_tokens: int, n_embd: int, n_experts: int) -> int:
     return 2 * n_tokens * n_experts * n_embd
 
 
-def conv1d_silu(n_tokens: int, n_channels: int, k: int) -> int:
-    """x read and y written; the state (the last k - 1 tokens of every channel) read and written; the
+def conv1d_silu(n_tokens: int, n_channels: int, k: int, *, ring: bool = False) -> int:
+    """x read and y written; the state (the last k - 1 tokens of every channel) read and written (``ring``: a
+    ring state of which only the rows of the added inputs, min(n_tokens, k - 1), are written); the
     [n_channels, k] filter once."""
-    return F32 * (2 * n_tokens * n_channels + 2 * (k - 1) * n_channels + n_channels * k)
+    written = min(n_tokens, k - 1) if ring else k - 1
+    return F32 * (2 * n_tokens * n_channels + (k - 1 + written) * n_channels + n_channels * k)
 
 
 def deltanet(n_tokens: int, n_qk_heads: int, n_v_heads: int, dk: int, dv: int) -> int:

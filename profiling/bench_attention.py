@@ -8,10 +8,15 @@ Counted work:
   f16 K/V, ``enable_gqa``), both timed through CUDA graphs of back-to-back calls, as a decode loop
   runs them; K/V rotate over enough layers to exceed the 50 MB L2 several times. "pdl" rows:
   the same plan launched by ``AttentionDispatch(pdl=True)`` (each call overlaps the previous one's
-  tail);
+  tail); "contiguous" rows: ``flash_attn_decode_contiguous`` over head-major K/V (the SDPA peer's own
+  tensors, read in place) against the paged decode of the same shape and SDPA; "sinks" rows: the paged
+  decode with a sinks buffer of every layer (NaN heads) at the layer's ``sink_offset`` against the same
+  decode without;
 * prefill / varlen: causal FLOPs 2 * B * H * L^2 * D (QK^T and PV over the lower triangle), or
   4 * B * H * L^2 * D non-causal; % is of the fastest torch SDPA backend in this run (flash =
-  FlashAttention-2, cuDNN), "x peer" is the ratio to the flash backend. Ours and the peers are
+  FlashAttention-2, cuDNN), "x peer" is the ratio to the flash backend; "varlen f32" (the SIMT kernel) against
+  SDPA's f32 backends (efficient, math; given K/V of as many heads as the queries), "upper_left" (torch's
+  ``is_causal`` alignment) against SDPA's ``is_causal``. Ours and the peers are
   timed in alternating rounds (the minimum of each over the rounds), so a clock drift during the
   run reaches every side alike;
 * varlen backward (dQ by f32 atomics, and the deterministic mode): 2.5x the forward's FLOPs
@@ -59,6 +64,12 @@ PREFILL = [(16, 512, 32, 32, 128), (8, 1024, 32, 32, 128), (4, 2048, 32, 32, 128
 VARLEN = [(4, 4096, 32, 32, 128, True), (4, 4096, 32, 8, 128, False)]  # the first alone with --quick
 VARLEN_BWD = [(4, 4096, 32, 32, 128, True), (4, 4096, 32, 32, 128, False)]  # the first alone with --quick
 SPLITS = (16, 48, 64)  # the split-count sweep at the headline decode shape (the default is its row above)
+# the contiguous decode (Llama-8B, Gemma 3 1B, gpt-oss, a batch; the first alone with --quick); the sink rows at
+# gpt-oss's heads
+CONTIGUOUS = [(1, 8192, 32, 8, 128), (1, 8192, 4, 1, 256), (1, 8192, 64, 8, 64), (8, 4096, 32, 8, 128)]
+SINKS = [(1, 8192, 64, 8, 64), (8, 4096, 64, 8, 64)]
+VARLEN_F32 = [(4, 1024, 32, 8, 128, True)]  # f32 q/k/v (the SIMT kernel) against SDPA's f32 backends
+UPPER_LEFT = [(4, 4096, 32, 8, 128, True)]  # causal_variant="upper_left" against SDPA's is_causal
 
 
 def specs(quick: bool, only: str | None = None) -> list[RowSpec]:
@@ -67,11 +78,18 @@ def specs(quick: bool, only: str | None = None) -> list[RowSpec]:
     if only != "prefill":
         out += [r for shape in (QUICK_DECODE if quick else DECODE) for r in _decode(*shape)]
         out += [r for n in SPLITS for r in _decode(1, 8192, 32, 8, 128, n_splits=n)]
+        variants = CONTIGUOUS[:1] if quick else CONTIGUOUS + [s for s in SINKS if s not in CONTIGUOUS]
+        out += [r for shape in variants for r in _decode_variants(*shape, contiguous=shape in CONTIGUOUS,
+                                                                  sinks=not quick and shape in SINKS)]
     if only != "decode":
         out += [_tc("prefill paged f16", _prefill_sets, b, L, h, hk, d, True)
                 for b, L, h, hk, d in (QUICK_PREFILL if quick else PREFILL)]
         out += [_tc("varlen f16 (+lse)", _varlen_sets, *shape) for shape in VARLEN[:1 if quick else None]]
         out += [r for shape in VARLEN_BWD[:1 if quick else None] for r in _bwd(*shape)]
+        out += [_tc("varlen f32 (+lse)", _varlen_sets, *shape, "float32", backends=("efficient", "math"))
+                for shape in ([] if quick else VARLEN_F32)]
+        out += [_tc("varlen f16 upper_left (+lse)", _varlen_sets, *shape, "float16", "upper_left")
+                for shape in ([] if quick else UPPER_LEFT)]
     return out
 
 
@@ -93,14 +111,41 @@ def _decode(b, kv_len, h, hk, d, n_splits=None):
                     nbytes, peers=sdpa, timing=timing, rounds=_ROUNDS, pick=min)]
 
 
-def _tc(kernel, inputs, b, L, h, hk, d, causal):
-    """Our kernel and torch SDPA's flash and cuDNN backends at one shape, timed in alternating rounds;
-    % ceil is of the fastest backend (its time / ours), "x peer" the ratio to flash."""
-    return RowSpec(kernel, f"B{b} L{L} {h}/{hk} D{d}{' causal' if causal else ''}", (inputs, b, L, h, hk, d, causal),
-                   lambda s: s.run(), flops=(traffic.attention_prefill_flops, b, h, L, d, causal),
-                   peers=(Peer("SDPA flash", lambda s: _sdpa(s, SDPBackend.FLASH_ATTENTION), torch=True),
-                          Peer("SDPA cuDNN", lambda s: _sdpa(s, SDPBackend.CUDNN_ATTENTION), torch=True)),
+_BACKENDS = {"flash": ("SDPA flash", "FLASH_ATTENTION"), "cudnn": ("SDPA cuDNN", "CUDNN_ATTENTION"),
+             "efficient": ("SDPA efficient", "EFFICIENT_ATTENTION"), "math": ("SDPA math", "MATH")}
+
+
+def _tc(kernel, inputs, b, L, h, hk, d, causal, *extra, backends=("flash", "cudnn")):
+    """Our kernel and torch SDPA's ``backends`` at one shape, timed in alternating rounds; % ceil is of the
+    fastest backend (its time / ours), "x peer" the ratio to the first. ``extra``: more arguments of
+    ``inputs`` (the varlen's dtype and causal variant)."""
+    return RowSpec(kernel, f"B{b} L{L} {h}/{hk} D{d}{' causal' if causal else ''}",
+                   (inputs, b, L, h, hk, d, causal, *extra), lambda s: s.run(),
+                   flops=(traffic.attention_prefill_flops, b, h, L, d, causal),
+                   peers=tuple(Peer(_BACKENDS[n][0], lambda s, n=n: _sdpa(s, getattr(SDPBackend, _BACKENDS[n][1])),
+                                    torch=True) for n in backends),
                    timing=Timing("eager", n_warmup=3, n_repeat=10), rounds=_ROUNDS, pick=min, ceiling="peers")
+
+
+def _decode_variants(b, kv_len, h, hk, d, *, contiguous, sinks):
+    """The decode over head-major contiguous K/V (flash_attn_decode_contiguous) against the paged decode of the
+    same shape and torch SDPA on the same contiguous K/V; with ``sinks`` the paged decode with a sinks buffer
+    of every layer (every fourth head NaN: none) at the layer's ``sink_offset`` against the decode without."""
+    g, timing = (_variant_sets, b, kv_len, h, hk, d), Timing(n_inner=max(8, 2 * _layers(b, kv_len, hk, d)))
+    nbytes, kw = (traffic.attention_decode, b, kv_len, h, hk, d), dict(timing=timing, rounds=_ROUNDS, pick=min)
+    rows = []
+    if contiguous:
+        sdpa = Peer("torch SDPA (default)", lambda s: F.scaled_dot_product_attention(s.tq, s.tk, s.tv, enable_gqa=s.gqa),
+                    how="torch_graph_or_eager")
+        rows.append(RowSpec("decode contiguous (graph)", f"B{b} KV{kv_len} {h}/{hk} D{d} s{{c_splits}} w{{c_warps}}", g,
+                            lambda s: s.attn.flash_attn_decode_contiguous(s.cplan, s.q, s.k, s.v, s.lengths, s.out), nbytes,
+                            peers=(Peer("paged flash_attn_decode", _decode_call), sdpa), **kw))
+    if sinks:
+        rows.append(RowSpec("decode sinks (graph)", f"B{b} KV{kv_len} {h}/{hk} D{d} s{{n_splits}} w{{warps}}", g,
+                            lambda s: s.attn.flash_attn_decode(s.plan, s.layer, s.q, s.out, sinks=s.sinks,
+                                                               sink_offset=s.layer * h), nbytes,
+                            peers=(Peer("decode without sinks", _decode_call),), **kw))
+    return rows
 
 
 def _bwd(b, L, h, hk, d, causal):
@@ -162,13 +207,31 @@ def _decode_sets(ctx, b, kv_len, h, hk, d, n_splits):
     return [SimpleNamespace(layer=i, tk=tkv[i][0], tv=tkv[i][1], **shared) for i in range(n_layers)]
 
 
-def _sdpa_inputs(b, L, h, hk, d, causal) -> dict:
-    """torch's q, k, v ([B, H, L, D] f16) for the SDPA peers."""
+def _variant_sets(ctx, b, kv_len, h, hk, d):
+    """The decode sets (one per cache layer) with, per layer, contiguous K/V [b, hk, kv_len, d] f16 (the SDPA
+    peer's tensors, read in place) and the contiguous plan; a sinks buffer of every layer's heads."""
+    sets = _decode_sets(ctx, b, kv_len, h, hk, d, None)
+    cplan = ctx.attn.plan_decode_contiguous(b, h, hk, d, kv_len)
+    sinks = ctx.rng.standard_normal(len(sets) * h, dtype=cupy.float32)
+    sinks[::4] = cupy.nan
+    for s in sets:
+        if s.tk is not None:
+            k, v = cupy.from_dlpack(s.tk), cupy.from_dlpack(s.tv)
+        else:
+            k, v = (ctx.rng.standard_normal((b, hk, kv_len, d), dtype=cupy.float32).astype(cupy.float16) for _ in "kv")
+        s.__dict__.update(k=k, v=v, cplan=cplan, lengths=cupy.full(b, kv_len, cupy.int32), c_splits=cplan.n_splits,
+                          c_warps=cplan.warps, sinks=sinks)
+    return sets
+
+
+def _sdpa_inputs(b, L, h, hk, d, causal, dtype="float16") -> dict:
+    """torch's q, k, v ([B, H, L, D] of ``dtype``) for the SDPA peers; f32: K/V of H heads (no enable_gqa,
+    which the efficient backend does not take)."""
     if torch is None:
         return {}
-    return dict(tq=torch.randn(b, h, L, d, device="cuda", dtype=torch.float16),
-                tk=torch.randn(b, hk, L, d, device="cuda", dtype=torch.float16),
-                tv=torch.randn(b, hk, L, d, device="cuda", dtype=torch.float16), causal=causal, gqa=hk != h)
+    dt, hk = getattr(torch, dtype), hk if dtype == "float16" else h
+    return dict(tq=torch.randn(b, h, L, d, device="cuda", dtype=dt), tk=torch.randn(b, hk, L, d, device="cuda", dtype=dt),
+                tv=torch.randn(b, hk, L, d, device="cuda", dtype=dt), causal=causal, gqa=hk != h)
 
 
 def _prefill_sets(ctx, b, L, h, hk, d, causal):
@@ -184,13 +247,14 @@ def _prefill_sets(ctx, b, L, h, hk, d, causal):
                             **_sdpa_inputs(b, L, h, hk, d, causal))]
 
 
-def _varlen_sets(ctx, b, L, h, hk, d, causal):
-    """A varlen forward (with LSE) of b packed sequences of L tokens."""
-    q, k, v = (ctx.rng.standard_normal((b * L, n, d), dtype=cupy.float32).astype(cupy.float16) for n in (h, hk, hk))
+def _varlen_sets(ctx, b, L, h, hk, d, causal, dtype="float16", variant="lower_right"):
+    """A varlen forward (with LSE) of b packed sequences of L tokens of ``dtype``, causal by ``variant``."""
+    q, k, v = (ctx.rng.standard_normal((b * L, n, d), dtype=cupy.float32).astype(dtype) for n in (h, hk, hk))
     cu = cupy.asarray(np.arange(b + 1, dtype=np.int32) * L)
     out, lse = cupy.empty_like(q), cupy.empty((b * L, h), cupy.float32)
     return [SimpleNamespace(run=lambda: ctx.attn.flash_attn_varlen(q, k, v, cu, cu, out, max_seqlen_q=L, causal=causal,
-                                                                   lse=lse), **_sdpa_inputs(b, L, h, hk, d, causal))]
+                                                                   causal_variant=variant, lse=lse),
+                            **_sdpa_inputs(b, L, h, hk, d, causal, dtype))]
 
 
 def _varlen_bwd_sets(ctx, b, L, h, hk, d, causal):

@@ -9,7 +9,10 @@ programmatic dependent launch (each call overlaps the previous one's tail, as in
 "pdl q8x" rows read x already quantized (QuantizedX, bytes counted as read), and the quantize_x
 rows give what that quantization costs once per input the matvecs share. "ffn down" rows time the
 two kernels between the FFN's gate/up and its output: the elementwise SwiGLU and the matvec on f32 x,
-against quantize_glu (SwiGLU written as the QuantizedX) and the matvec on that. A row whose peer is
+against quantize_glu (SwiGLU written as the QuantizedX) and the matvec on that. At Qwen3-Next's and
+gpt-oss's shapes: dmmv_pair on a NormedX (the SSM alpha/beta projections) against rms_norm and two dmmv,
+the packed down projection summed with ``weights=`` against the per-slot outputs then moe_weighted_sum,
+and expert counts of one layer of a strided routing capture against the same ids contiguous. A row whose peer is
 another row of the table ("f32 path", "two launches") takes that row's time.
 
 The rows are the table of ``specs(quick)`` (bytes from cukern.traffic); ``s`` is one input set.
@@ -39,6 +42,8 @@ SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (262144, 640), (151936, 20
 TYPES = ["Q4_0", "Q5_0", "Q8_0", "MXFP4", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32"]
 QUICK_TYPES = ["Q4_0", "Q5_0", "Q8_0", "MXFP4", "Q4_K", "Q5_K", "Q6_K"]
 N_E, TOP_K, T = 128, 8, 16  # MoE: experts, experts per token, tokens of the packed rows
+QWEN3_NEXT = dict(d_model=2048, n_v_heads=32, n_experts=512, top_k=10, ffn=512, n_layers=48)
+GPT_OSS_20B = dict(d_model=2880, n_experts=32, top_k=4, ffn=2880)
 
 
 def specs(quick: bool) -> list[RowSpec]:
@@ -52,6 +57,11 @@ def specs(quick: bool) -> list[RowSpec]:
     out += [r for name in (["Q4_K"] if quick else ["Q4_K", "Q8_0", "Q6_K"]) for r in _batch(name)]
     out += [r for name in (["Q4_K", "MXFP4"] if quick else ["Q4_K", "Q8_0", "Q6_K", "MXFP4"]) for r in _glu(name)]
     out += [r for name in (["Q4_K", "MXFP4"] if quick else ["Q4_K", "Q8_0", "MXFP4", "Q6_K"]) for r in _moe(name)]
+    out += [_ssm_alpha_beta()]
+    if not quick:
+        q, g = QWEN3_NEXT, GPT_OSS_20B
+        out += [_moe_sum("Q4_K", q["d_model"], q["ffn"], q["n_experts"], q["top_k"]),
+                _moe_sum("MXFP4", g["d_model"], g["ffn"], g["n_experts"], g["top_k"]), _count_experts()]
     return out
 
 
@@ -170,6 +180,50 @@ def _moe(name, m=2048, k=7168):
     ]
 
 
+def _ssm_alpha_beta(name="Q4_K"):
+    """Qwen3-Next's SSM alpha and beta projections (2 x 32 x 2048) on one RMS norm of the hidden state:
+    dmmv_pair on a NormedX (every block norms h; the f32 path) against rms_norm then two dmmv, on the
+    int8 path (the default) and on the f32 path."""
+    m, k = QWEN3_NEXT["n_v_heads"], QWEN3_NEXT["d_model"]
+    nbytes = (traffic.dmmv_pair, _w_bytes(name, m, k), m, k, {"normed": True})
+    return RowSpec(f"dmmv_pair NormedX {name} pdl", f"2x{m}x{k}", (_alpha_beta_sets, name, m, k),
+                   lambda s: s.d_pdl.dmmv_pair(s.wa, s.wb, s.nx, s.ya, s.yb), nbytes,
+                   peers=(Peer("rms_norm + 2 dmmv", lambda s: _alpha_beta_chain(s, s.d_pdl)),
+                          Peer("rms_norm + 2 dmmv f32 path", lambda s: _alpha_beta_chain(s, s.d_f32_pdl))))
+
+
+def _alpha_beta_chain(s, d):
+    s.ew_pdl.rms_norm(s.h, s.wn, s.x)
+    d.dmmv(s.wa, s.x, s.ya)
+    d.dmmv(s.wb, s.x, s.yb)
+
+
+def _moe_sum(name, m, k, n_e, top_k):
+    """The packed down projection summed into y (T tokens; ``accumulate=True, weights=``: the weighted slots
+    added with atomics) against the packed per-slot outputs then moe_weighted_sum; each set's route packed
+    when built."""
+    g = (_moe_sum_sets, name, m, k, n_e, top_k)
+    nbytes = (traffic.moe_packed_sum, _w_bytes(name, m, k), m, k, top_k, T, _n_active(_moe_sum_routings(n_e, top_k)))
+    return RowSpec(f"moe_dmmv_packed weights= {name} T={T}", f"{m}x{k} top{top_k}/{n_e}", g,
+                   lambda s: s.d.moe_dmmv_packed(s.w, s.h, s.ids, s.route, s.y, accumulate=True, weights=s.wts), nbytes,
+                   peers=(Peer("packed + moe_weighted_sum", _moe_sum_chain),))
+
+
+def _moe_sum_chain(s):
+    s.d.moe_dmmv_packed(s.w, s.h, s.ids, s.route, s.ys)
+    s.ew.moe_weighted_sum(s.ys, s.wts, s.y, accumulate=True)
+
+
+def _count_experts(n=4096):
+    """Expert counts of one layer of a prefill's [tokens, layers, top_k] routing capture (Qwen3-Next: 48 layers,
+    top-10 of 512), the layer rotating, against the same ids contiguous."""
+    q = QWEN3_NEXT
+    return RowSpec("moe_count_experts layer=", f"{n}x{q['n_layers']}x{q['top_k']} /{q['n_experts']}",
+                   (_capture_sets, n), lambda s: s.d.moe_count_experts(s.capture, s.counts, layer=s.layer),
+                   (traffic.count_experts, n, q["top_k"], q["n_experts"]),
+                   peers=(Peer("contiguous ids", lambda s: s.d.moe_count_experts(s.ids, s.counts)),))
+
+
 def _w_bytes(name, m, k) -> int:
     """The GGUF bytes of an m x k matrix of type ``name`` (QWeight.nbytes)."""
     return row_bytes(qtype_id(name), k) * m
@@ -257,18 +311,28 @@ def _glu_sets(ctx, name, m, k):
     return [_set(ctx, wg=ws[2 * j % n], wu=ws[(2 * j + 1) % n], x=x, y=y) for j in range(n if n % 2 else n // 2)]
 
 
+def _routings(n_e: int, top_k: int, n_tokens: int, count: int, seed: int) -> list:
+    """``count`` routings of n_tokens tokens ([n_tokens, top_k] int32, distinct expert ids per token)."""
+    rs = np.random.default_rng(seed)
+    return [np.stack([rs.permutation(n_e)[:top_k] for _ in range(n_tokens)]).astype(np.int32) for _ in range(count)]
+
+
 def _moe_routings() -> tuple[list, list]:
-    """16 routings of one token ([1, TOP_K] distinct expert ids) and 4 of T tokens ([T, TOP_K]), so that
-    timed calls read different experts."""
-    rs = np.random.default_rng(2)
-    one = [rs.permutation(N_E)[:TOP_K].astype(np.int32).reshape(1, TOP_K) for _ in range(16)]
-    tokens = [np.stack([rs.permutation(N_E)[:TOP_K] for _ in range(T)]).astype(np.int32) for _ in range(4)]
-    return one, tokens
+    """16 routings of one token and 4 of T tokens, so that timed calls read different experts."""
+    return _routings(N_E, TOP_K, 1, 16, seed=2), _routings(N_E, TOP_K, T, 4, seed=3)
+
+
+def _moe_sum_routings(n_e, top_k) -> list:
+    return _routings(n_e, top_k, T, 4, seed=4)
+
+
+def _n_active(routings) -> float:
+    """Experts a packed call reads, on average over the routings."""
+    return sum(len(set(t.ravel().tolist())) for t in routings) / len(routings)
 
 
 def _moe_n_active() -> float:
-    """Experts a packed call reads, on average over the routings of T tokens."""
-    return sum(len(set(t.ravel().tolist())) for t in _moe_routings()[1]) / 4
+    return _n_active(_moe_routings()[1])
 
 
 def _moe_sets(ctx, name, m, k):
@@ -283,6 +347,37 @@ def _moe_sets(ctx, name, m, k):
                   route=ctx.d.plan_moe_route(T, TOP_K, N_E))
     return [_set(ctx, ids=cupy.asarray(one[i]), tids=cupy.asarray(tokens[i % len(tokens)]), **shared)
             for i in range(len(one))]
+
+
+def _alpha_beta_sets(ctx, name, m, k):
+    qt = qtype_id(name)
+    h, wn = cupy.random.standard_normal((1, k), dtype=cupy.float32), cupy.random.standard_normal(k, dtype=cupy.float32)
+    shared = dict(h=h, wn=wn, nx=NormedX(h, wn), x=cupy.empty((1, k), cupy.float32), ya=cupy.empty((1, m), cupy.float32),
+                  yb=cupy.empty((1, m), cupy.float32))
+    ws = _weights(qt, m, k, max_sets=16)
+    return [_set(ctx, wa=ws[2 * j % len(ws)], wb=ws[(2 * j + 1) % len(ws)], **shared) for j in range(len(ws) // 2)]
+
+
+def _moe_sum_sets(ctx, name, m, k, n_e, top_k):
+    """One set per routing of T tokens, its route packed here; h [T, top_k, k] per slot, y [T, m] summed into."""
+    w = _weights(qtype_id(name), m, k, n_experts=n_e, max_sets=1, seed=1)[0]
+    shared = dict(w=w, h=cupy.random.standard_normal((T, top_k, k), dtype=cupy.float32),
+                  wts=cupy.full((T, top_k), 1.0 / top_k, cupy.float32), y=cupy.zeros((T, m), cupy.float32),
+                  ys=cupy.empty((T, top_k, m), cupy.float32))
+    sets = []
+    for ids in _moe_sum_routings(n_e, top_k):
+        ids = cupy.asarray(ids)
+        sets.append(_set(ctx, ids=ids, route=ctx.d.moe_route_pack(ids, ctx.d.plan_moe_route(T, top_k, n_e)), **shared))
+    return sets
+
+
+def _capture_sets(ctx, n):
+    """A [n, n_layers, top_k] capture; set i counts layer i (16 layers), ``ids`` that layer's ids contiguous."""
+    q = QWEN3_NEXT
+    capture = cupy.asarray(np.stack(_routings(q["n_experts"], q["top_k"], n, q["n_layers"], seed=5), axis=1))
+    counts = cupy.empty(q["n_experts"], cupy.int32)
+    return [_set(ctx, capture=capture, layer=i, ids=cupy.ascontiguousarray(capture[:, i]), counts=counts)
+            for i in range(16)]
 
 
 def bench(quick: bool = False) -> tuple[list, object]:

@@ -8,6 +8,10 @@ peer likewise): an eager event pair around one call also counts the host's Pytho
 a large share of a 50-200 us kernel), so it understates the kernel's bandwidth. The graph's calls
 rotate through the input sets as the eager calls would.
 
+The fusions' groups (``_kv_fusions``, ``_moe_ssm_fusions``) time each fused launch against its chain of
+unfused launches (or a variant against its base: the bf16 cache against f16, YaRN's table against the plain
+rope) at the heads of Llama-8B, Gemma 3 and gpt-oss and Qwen3-Next's SSM sizes.
+
 Bytes counted (cukern.traffic): every input read once, every output written once (weights and tables
 included). The rows are the table of ``specs(quick)``; each ``s`` is one input set (``s.t``: its torch
 views), built by the ``_*_sets`` functions below.
@@ -24,7 +28,7 @@ import cupy
 
 from cukern import traffic
 from cukern.benchmark import Peer, RowSpec, Timing, measure_ceilings, run_specs, script_main
-from cukern.elementwise import ElementwiseDispatch
+from cukern.elementwise import ElementwiseDispatch, RouteSlot, yarn_freqs
 
 try:
     import torch
@@ -41,13 +45,17 @@ E, TOP_K, HE = 128, 8, 2048  # experts, experts per token, MoE width
 C, K_CONV = 8192, 4  # SSM channels, conv width
 N_QK, N_V, DK, DV = 16, 32, 128, 128  # DeltaNet heads and head dims
 ROPE = dict(freq_base=1e6)
+GEMMA3 = (16, 8, 256)  # Gemma 3 12B: query heads, KV heads, head_dim (the V-norm rows)
+GPT_OSS = (64, 8, 64)  # gpt-oss: query heads, KV heads, head_dim (the YaRN rows)
+YARN = dict(base=150000.0, factor=32.0, original_context=4096)  # gpt-oss's rope.scaling
 
 
 def specs(quick: bool) -> list[RowSpec]:
     """Every row, in the order it runs: each group at one decode token, then at a large prefill batch
-    (``n``; a group moves >= 64 MB there with the token count it derives from n)."""
+    (``n``; a group moves >= 64 MB there with the token count it derives from n). The fusions' groups
+    (one launch against its chain of unfused launches) keep one decode row with ``quick``."""
     out = []
-    for group in (_norms, _heads, _activations, _moe, _shared_expert, _ssm):
+    for group in (_norms, _heads, _activations, _moe, _shared_expert, _ssm, _kv_fusions, _moe_ssm_fusions):
         for n, decode in ((1, True), (2048 if quick else 8192, False)):
             out += group(_row_maker(decode), n, decode, quick)
     return out + [RowSpec("scale: host us per call", "1024", (_host_sets,), lambda s: s.d.scale(s.a, s.out, alpha=0.5),
@@ -93,11 +101,9 @@ def _heads(row, n, decode, quick):
             Peer("chain head_rms_norm+rope", lambda s: (s.d.head_rms_norm(s.x, s.wq, s.out),
                                                        s.d.rope(s.out, s.pos, s.out, **ROPE)))),
         row("qk_norm_rope_kv_write", f"{n}x({NQ}+2x{NKV})x{HD}", g,
-            lambda s: s.d.qk_norm_rope_kv_write(s.x, s.k, s.v, s.wq, s.wk, s.out, s.kc, s.vc, s.pages, s.kvpos,
-                                                s.seq, **ROPE),
+            lambda s: _qkv_write(s, s.v, s.kc, s.vc),
             (traffic.qk_norm_rope_kv_write, n, NQ, NKV, HD), Peer("chain 2x(norm+rope)+2 kv_write", _qkv_chain)),
-        row("k_norm_rope_kv_write", kv_shape, g,
-            lambda s: s.d.k_norm_rope_kv_write(s.k, s.wk, s.kc, s.pages, s.kvpos, s.seq, **ROPE),
+        row("k_norm_rope_kv_write", kv_shape, g, _k_write,
             (traffic.kv_write, n, NKV, HD),
             Peer("chain norm+rope+kv_write", lambda s: (s.d.head_rms_norm(s.k, s.wk, s.kout),
                                                        s.d.rope(s.kout, s.kvpos, s.kout, **ROPE),
@@ -191,13 +197,76 @@ def _ssm(row, n, decode, quick):
     ]
 
 
+def _kv_fusions(row, n, decode, quick):
+    """K and V written in one launch (V copied, or RMS-normed: v_norm at Gemma 3's heads) against the K write
+    then the V's norm and kv_write; the bf16 cache beside the f16 rows above; YaRN's table and scale
+    against the plain rope at gpt-oss's heads (~1.0x: what the table costs). Tokens as in _heads."""
+    n = n if decode else 2 * n
+    g, vn, chain_v = (_head_sets, n), (_head_sets, n, GEMMA3), Peer("chain k_norm_rope_kv_write+kv_write", _kv_chain)
+    rows = [row("k_norm_rope_kv_write +V", f"{n}x(2x{NKV})x{HD}", g, lambda s: _k_write(s, v=s.v, v_cache=s.vc),
+                (traffic.kv_pair_write, n, NKV, HD), chain_v)]
+    if quick:
+        return rows if decode else []
+    nq, nkv, hd = GEMMA3
+    qkv_shape, w = f"{n}x({NQ}+2x{NKV})x{HD}", GPT_OSS[0] * GPT_OSS[2]
+    return rows + [
+        row("k_norm_rope_kv_write +V v_norm", f"{n}x(2x{nkv})x{hd}", vn,
+            lambda s: _k_write(s, v=s.v, v_cache=s.vc, v_norm=True, wv=s.wk), (traffic.kv_pair_write, n, nkv, hd),
+            Peer("chain k_write+norm+kv_write", lambda s: (_k_write(s), s.d.head_rms_norm(s.v, s.wk, s.vout),
+                                                          s.d.kv_write(s.vout, s.vc, s.pages, s.kvpos, s.seq)))),
+        row("qk_norm_rope_kv_write v_norm", f"{n}x({nq}+2x{nkv})x{hd}", vn,
+            lambda s: _qkv_write(s, s.v, s.kc, s.vc, v_norm=True, wv=s.wk), (traffic.qk_norm_rope_kv_write, n, nq, nkv, hd),
+            Peer("chain v norm+qk_norm_rope_kv_write", lambda s: (s.d.head_rms_norm(s.v, s.wk, s.vout),
+                                                                 _qkv_write(s, s.vout, s.kc, s.vc)))),
+        row("kv_write (bf16 cache)", f"{n}x{NKV}x{HD}", g, lambda s: s.d.kv_write(s.v, s.kb, s.pages, s.kvpos, s.seq),
+            (traffic.kv_write, n, NKV, HD), Peer("f16 cache", row=row.named("kv_write (f16 cache)"))),
+        row("qk_norm_rope_kv_write (bf16 cache)", qkv_shape, g, lambda s: _qkv_write(s, s.v, s.kb, s.vb),
+            (traffic.qk_norm_rope_kv_write, n, NQ, NKV, HD), Peer("f16 cache", row=row.named("qk_norm_rope_kv_write"))),
+        row("rope neox yarn", f"{n}x{GPT_OSS[0]}x{GPT_OSS[2]}", (_head_sets, n, GPT_OSS),
+            lambda s: s.d.rope(s.x, s.pos, s.out, freqs=s.freqs, attn_scale=s.attn_scale), (traffic.rows, "rope", n, w),
+            Peer("rope (freq_base)", lambda s: s.d.rope(s.x, s.pos, s.out, freq_base=YARN["base"]))),
+    ]
+
+
+def _moe_ssm_fusions(row, n, decode, quick):
+    """The router's top-k into a RouteSlot against separate ids and weights; the ring conv state (and in
+    place) against the shifting one; DeltaNet with the q/k L2 norms in the kernel against the norms as two
+    launches; DeltaNet's gates. Tokens as in _moe and _ssm (the gates: as softmax_topk)."""
+    if quick:
+        return []
+    n_topk, n_tok = (n, n) if decode else (32 * n, 1024)
+    topk_shape, conv, conv_shape = f"{n_topk}x{E} k={TOP_K}", f"conv1d_silu (K={K_CONV})", f"{n}x{C}"
+    ring = (traffic.conv1d_silu, n, C, K_CONV, {"ring": True})
+    rows = [
+        row("softmax_topk slot", topk_shape, (_topk_sets, n_topk),
+            lambda s: s.d.softmax_topk(s.logits, k=TOP_K, slot=s.slot),
+            (traffic.softmax_topk, n_topk, E, TOP_K), Peer("ids, weights apart", row=row.named("softmax_topk"))),
+        row(f"conv1d_silu ring (K={K_CONV})", conv_shape, (_conv_sets, n),
+            lambda s: s.d.conv1d_silu(s.x, s.state, s.w, s.y, state_offset=1), ring,
+            Peer("shifting state", row=row.named(conv))),
+        row(f"conv1d_silu ring in place (K={K_CONV})", conv_shape, (_conv_sets, n),
+            lambda s: s.d.conv1d_silu(s.x, s.state, s.w_small, s.x, state_offset=1), ring,
+            Peer("shifting state", row=row.named(conv))),
+        row("deltanet_gates", f"{n_topk}x{N_V} group={N_V // N_QK}", (_gate_sets, n_topk),
+            lambda s: s.d.deltanet_gates(s.ba, s.a, s.dt_bias, s.g, s.beta, group=N_V // N_QK),
+            (traffic.deltanet_gates, n_topk, N_V), _torch("torch sigmoid, softplus", _torch_gates)),
+    ]
+    for tiled, name in ((True, "deltanet_tiled"), (False, "deltanet (baseline)")):
+        rows.append(row(f"{name} qk_l2norm", f"{n_tok} tok {N_V}x{DK}x{DV}", (_deltanet_sets, n_tok),
+                        lambda s, tiled=tiled: s.d.deltanet(s.q, s.k, s.v, s.g, s.beta, s.S, s.o, qk_l2norm=True,
+                                                            tiled=tiled),
+                        (traffic.deltanet, n_tok, N_QK, N_V, DK, DV),
+                        Peer(f"chain 2 group_norm(l2)+{name}", lambda s, tiled=tiled: _l2_deltanet_chain(s, tiled))))
+    return rows
+
+
 def _row_maker(decode: bool):
     """RowSpec for one size: decode rows are named "(graph)"; large rows replay _LARGE_INNER calls per graph."""
     timing = Timing() if decode else Timing(n_inner=_LARGE_INNER, n_repeat=10)
 
     def row(kernel, shape, inputs, call, nbytes=(), peer=None, flops=()):
-        return RowSpec(kernel + (" (graph)" if decode else ""), shape, inputs, call, nbytes, flops,
-                       (peer,) if peer else (), timing)
+        return RowSpec(row.named(kernel), shape, inputs, call, nbytes, flops, (peer,) if peer else (), timing)
+    row.named = lambda kernel: kernel + (" (graph)" if decode else "")  # a row's name, for Peer(row=)
     return row
 
 
@@ -232,19 +301,45 @@ def _qkv_chain(s):
     d.kv_write(s.v, s.vc, s.pages, s.kvpos, s.seq)
 
 
+def _k_write(s, **kw):
+    s.d.k_norm_rope_kv_write(s.k, s.wk, s.kc, s.pages, s.kvpos, s.seq, **kw, **ROPE)
+
+
+def _kv_chain(s):
+    _k_write(s)
+    s.d.kv_write(s.v, s.vc, s.pages, s.kvpos, s.seq)
+
+
+def _qkv_write(s, v, kc, vc, **kw):
+    s.d.qk_norm_rope_kv_write(s.x, s.k, v, s.wq, s.wk, s.out, kc, vc, s.pages, s.kvpos, s.seq, **kw, **ROPE)
+
+
+def _l2_deltanet_chain(s, tiled):
+    s.d.group_norm(s.q, s.qn, group_size=DK, l2=True)
+    s.d.group_norm(s.k, s.kn, group_size=DK, l2=True)
+    s.d.deltanet(s.qn, s.kn, s.v, s.g, s.beta, s.S, s.o, tiled=tiled)
+
+
+def _torch_gates(t):
+    """beta = sigmoid(b), g = a * softplus(alpha + dt_bias) from ba's per-key-head [b | alpha] groups."""
+    ba = t.ba.view(len(t.ba), N_QK, 2, N_V // N_QK)
+    torch.sigmoid(ba[:, :, 0].reshape(-1, N_V), out=t.beta)
+    torch.mul(t.a, F.softplus(ba[:, :, 1].reshape(-1, N_V) + t.dt_bias), out=t.g)
+
+
 # ------------------------------------------------------------------ input sets
 def _sets(ctx, nbytes, make, shared=None, extra=({},)) -> list:
     """Input sets to rotate through: enough arrays ``make(i)`` to span _L2_ROTATE_BYTES (at most 16), each
     set with ``shared`` and the dispatch; with ``extra`` (a second rotation: fields of their own) set i
     takes the arrays i % n and the fields i % len(extra), over every pair the two rotations make. ``s.t``:
-    torch views of a set's arrays, where torch is installed."""
+    torch views of a set's arrays (but the uint16 bits of bf16 caches), where torch is installed."""
     n_sets = max(1, min(16, _L2_ROTATE_BYTES // max(nbytes, 1)))
     arrays = [make(i) for i in range(n_sets)]
     sets = [SimpleNamespace(d=ctx.d, **arrays[i % n_sets], **(shared or {}), **extra[i % len(extra)])
             for i in range(math.lcm(n_sets, len(extra)))]
     for s in sets:
-        s.t = SimpleNamespace(**{k: torch.from_dlpack(v) if isinstance(v, cupy.ndarray) else v
-                                 for k, v in vars(s).items()}) if torch is not None else None
+        s.t = SimpleNamespace(**{k: torch.from_dlpack(v) if isinstance(v, cupy.ndarray) and v.dtype != cupy.uint16 else v
+                                 for k, v in vars(s).items()}) if torch is not None else None  # uint16: bf16 bits
     return sets
 
 
@@ -254,26 +349,36 @@ def _norm_sets(ctx, n):
         out=cupy.empty((n, H), cupy.float32), q8=cupy.empty((n, H * 36 // 32), cupy.uint8)))
 
 
-def _head_sets(ctx, n):
+def _head_sets(ctx, n, heads=(NQ, NKV, HD)):
     """The KV writes rotate over _KV_REGIONS regions of the caches (4 x 32 MB at the large size), so that
     repeated writes of the same lines cannot merge in the 50 MB L2 and flatter the written bytes: a set's
-    ``kvpos`` is its region's first position, ``kv_rows`` its rows (for torch)."""
+    ``kvpos`` is its region's first position, ``kv_rows`` its rows (for torch). ``heads``: (query heads,
+    KV heads, head_dim); f16 caches ``kc``/``vc``, bf16 ``kb``/``vb`` (uint16 bits); ``freqs``/``attn_scale``:
+    gpt-oss's YaRN table at this head_dim."""
+    nq, nkv, hd = heads
     page_size = 16
     max_pages = -(-(_KV_REGIONS * n + 1) // page_size)
-    kc = cupy.zeros((max_pages, page_size, NKV, HD), cupy.float16)
+    kc = cupy.zeros((max_pages, page_size, nkv, hd), cupy.float16)
+    freqs, attn_scale = yarn_freqs(hd, **YARN)
     shared = dict(pos=cupy.zeros(1, cupy.int32), pos_tok=cupy.arange(n, dtype=cupy.int32), seq=cupy.zeros(1, cupy.int32),
-                  pages=cupy.arange(max_pages, dtype=cupy.int32).reshape(1, max_pages), kc=kc, vc=cupy.zeros_like(kc))
+                  pages=cupy.arange(max_pages, dtype=cupy.int32).reshape(1, max_pages), kc=kc, vc=cupy.zeros_like(kc),
+                  kb=cupy.zeros(kc.shape, cupy.uint16), vb=cupy.zeros(kc.shape, cupy.uint16),
+                  freqs=cupy.asarray(freqs), attn_scale=attn_scale)
     if torch is not None:
-        inv = 1e6 ** (-torch.arange(0, HD, 2, dtype=torch.float64, device="cuda") / HD)
+        inv = 1e6 ** (-torch.arange(0, hd, 2, dtype=torch.float64, device="cuda") / hd)
         ang = torch.arange(n, dtype=torch.float64, device="cuda")[:, None] * inv[None, :]
         shared.update(cos=torch.cat([ang.cos(), ang.cos()], -1).float()[:, None, :],
                       sin=torch.cat([ang.sin(), ang.sin()], -1).float()[:, None, :])
     regions = [dict(kvpos=cupy.full(1, r * n, cupy.int32), kv_rows=slice(r * n, (r + 1) * n)) for r in range(_KV_REGIONS)]
     f32 = cupy.float32
-    return _sets(ctx, 2 * n * NQ * HD * 4, lambda i: dict(
-        x=ctx.randn(n, NQ, HD), out=cupy.empty((n, NQ, HD), f32), k=ctx.randn(n, NKV, HD), v=ctx.randn(n, NKV, HD),
-        kout=cupy.empty((n, NKV, HD), f32), wq=ctx.randn(HD), wk=ctx.randn(HD), xi=ctx.randn(n, NQ, 2 * HD),
-        z=ctx.randn(n, NQ, HD)), shared, regions)
+
+    def make(i):
+        kv = dict(k=ctx.randn(n, nkv, hd), v=ctx.randn(n, nkv, hd), kout=cupy.empty((n, nkv, hd), f32),
+                  vout=cupy.empty((n, nkv, hd), f32))
+        extra = dict(xi=ctx.randn(n, nq, 2 * hd), z=ctx.randn(n, nq, hd)) if heads == (NQ, NKV, HD) else {}
+        return dict(x=ctx.randn(n, nq, hd), out=cupy.empty((n, nq, hd), f32), wq=ctx.randn(hd), wk=ctx.randn(hd), **kv,
+                    **extra)
+    return _sets(ctx, 2 * n * nq * hd * 4, make, shared, regions)
 
 
 def _activation_sets(ctx, n):
@@ -283,7 +388,8 @@ def _activation_sets(ctx, n):
 
 def _topk_sets(ctx, n):
     return _sets(ctx, n * E * 4, lambda i: dict(logits=ctx.randn(n, E), ids=cupy.empty((n, TOP_K), cupy.int32),
-                                                w=cupy.empty((n, TOP_K), cupy.float32)))
+                                                w=cupy.empty((n, TOP_K), cupy.float32),
+                                                slot=RouteSlot(cupy.empty((n, 2 * TOP_K), cupy.uint32), TOP_K)))
 
 
 def _weighted_sum_sets(ctx, n):
@@ -309,7 +415,8 @@ def _shared_expert_sets(ctx, n):
 
 
 def _conv_sets(ctx, n):
-    shared = dict(state=ctx.randn(K_CONV - 1, C), w=ctx.randn(C, K_CONV))
+    """``w_small``: taps that keep x bounded under the in-place calls."""
+    shared = dict(state=ctx.randn(K_CONV - 1, C), w=ctx.randn(C, K_CONV), w_small=ctx.randn(C, K_CONV, scale=0.25))
     return _sets(ctx, 2 * n * C * 4, lambda i: dict(x=ctx.randn(n, C), y=cupy.empty((n, C), cupy.float32)), shared)
 
 
@@ -317,7 +424,15 @@ def _deltanet_sets(ctx, n):
     return [SimpleNamespace(d=ctx.d, q=ctx.randn(n, N_QK, DK) * (DK ** -0.5), k=ctx.randn(n, N_QK, DK) * (DK ** -0.5),
                             v=ctx.randn(n, N_V, DV), g=-cupy.abs(ctx.randn(n, N_V)) * 0.1,
                             beta=cupy.abs(ctx.randn(n, N_V)) * 0.3, S=ctx.randn(N_V, DK, DV) * 0.1,
-                            o=cupy.empty((n, N_V, DV), cupy.float32))]
+                            o=cupy.empty((n, N_V, DV), cupy.float32), qn=cupy.empty((n, N_QK, DK), cupy.float32),
+                            kn=cupy.empty((n, N_QK, DK), cupy.float32))]
+
+
+def _gate_sets(ctx, n):
+    """ba [n, 2 N_V] logits rotating; a (-exp(A_log)) and dt_bias shared."""
+    shared = dict(a=-cupy.exp(ctx.randn(N_V)), dt_bias=ctx.randn(N_V))
+    return _sets(ctx, 4 * n * N_V * 4, lambda i: dict(ba=ctx.randn(n, 2 * N_V), g=cupy.empty((n, N_V), cupy.float32),
+                                                     beta=cupy.empty((n, N_V), cupy.float32)), shared)
 
 
 def _host_sets(ctx):

@@ -5,6 +5,7 @@ fake calls with a fake timer (rotation, groups, peers, turns, failures, the row'
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import math
 from types import SimpleNamespace
 
@@ -52,6 +53,7 @@ def test_names_are_unique(table):
 def test_work_comes_from_traffic(table):
     """Each row's bytes and FLOPs: a cukern.traffic function, positive on the row's arguments (bytes a
     whole number but for packed MoE's average of experts read)."""
+    averaged = (traffic.moe_packed, traffic.moe_packed_sum)
     family, specs = table
     for s in specs:
         assert s.bytes or s.flops or s.timing.how == "host", f"{family} {s.kernel}: neither bytes nor FLOPs"
@@ -60,7 +62,7 @@ def test_work_comes_from_traffic(table):
                 assert _traffic_function(count[0]), f"{family} {s.kernel}: {count[0]} is not a cukern.traffic function"
                 value = work(count)
                 assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0, (family, s.kernel, value)
-        if s.bytes and s.bytes[0] is not traffic.moe_packed:
+        if s.bytes and s.bytes[0] not in averaged:
             assert isinstance(work(s.bytes), int), (family, s.kernel, work(s.bytes))
 
 
@@ -93,6 +95,118 @@ def test_ssm_and_model_formulas():
     state, q, v = 32 * 128 * 128 * 4, 5 * 16 * 128 * 4, 5 * 32 * 128 * 4
     assert traffic.deltanet(5, 16, 32, 128, 128) == 2 * state + 2 * q + 2 * v
     assert traffic.decode_step([10, 20, 30]) == 60
+
+
+def test_fusion_and_variant_formulas():
+    kv = 7 * 8 * 128
+    assert traffic.kv_pair_write(7, 8, 128) == 2 * kv * (4 + 2) == 2 * traffic.kv_write(7, 8, 128)
+    assert traffic.deltanet_gates(5, 32) == 4 * (4 * 5 * 32 + 2 * 32)
+    assert traffic.conv1d_silu(1, 8192, 4, ring=True) == 4 * (2 * 8192 + (3 + 1) * 8192 + 4 * 8192)
+    assert traffic.conv1d_silu(9, 8192, 4, ring=True) == traffic.conv1d_silu(9, 8192, 4)  # every ring row rewritten
+    assert traffic.dmmv_pair(100, 32, 2048) == 200 + 4 * (2048 + 64)
+    assert traffic.dmmv_pair(100, 32, 2048, normed=True) == 200 + 4 * (2 * 2048 + 64)
+    assert traffic.moe_packed_sum(10, 2048, 512, 10, 16, 2.5) == 25 + 4 * (16 * 10 * 513 + 2 * 16 * 2048)
+    assert traffic.count_experts(4096, 10, 512) == 4 * (40960 + 512)
+
+
+# ----------------------------------------------------------------------------- the fusions' rows
+# Rows of the fused kernels and variants, each against its unfused chain (or the variant's base) measured in the
+# same run: kernel names as written (decode elementwise rows add " (graph)"), the one row of each family --quick keeps.
+FUSION_ROWS = {
+    "elementwise": ["k_norm_rope_kv_write +V", "k_norm_rope_kv_write +V v_norm", "qk_norm_rope_kv_write v_norm",
+                    "kv_write (bf16 cache)", "qk_norm_rope_kv_write (bf16 cache)", "rope neox yarn", "softmax_topk slot",
+                    "conv1d_silu ring (K=4)", "conv1d_silu ring in place (K=4)", "deltanet_gates",
+                    "deltanet_tiled qk_l2norm", "deltanet (baseline) qk_l2norm"],
+    "dmmv": ["dmmv_pair NormedX Q4_K pdl", "moe_dmmv_packed weights= Q4_K T=16", "moe_dmmv_packed weights= MXFP4 T=16",
+             "moe_count_experts layer="],
+    "attention": ["decode contiguous (graph)", "decode sinks (graph)", "varlen f32 (+lse)", "varlen f16 upper_left (+lse)"],
+}
+QUICK_FUSION_ROWS = {"elementwise": "k_norm_rope_kv_write +V (graph)", "dmmv": "dmmv_pair NormedX Q4_K pdl",
+                     "attention": "decode contiguous (graph)"}
+
+
+def _fusion_specs(family, quick):
+    names = set(FUSION_ROWS[family])
+    return [s for s in _module(family).specs(quick) if {s.kernel, s.kernel.removesuffix(" (graph)")} & names]
+
+
+@pytest.mark.parametrize("family", sorted(FUSION_ROWS))
+def test_fusion_rows_are_there_with_peers(family):
+    """Every fusion row in the full table, each with a peer; --quick keeps one of them, at one shape."""
+    specs = _fusion_specs(family, False)
+    assert {s.kernel if s.kernel in FUSION_ROWS[family] else s.kernel.removesuffix(" (graph)")
+            for s in specs} == set(FUSION_ROWS[family])
+    assert all(s.peers for s in specs), [s.kernel for s in specs if not s.peers]
+    assert [s.kernel for s in _fusion_specs(family, True)] == [QUICK_FUSION_ROWS[family]]
+
+
+class _Value:
+    """Any input of a set: arithmetic and attributes give another one."""
+
+    def __getattr__(self, name):
+        return _Value()
+
+    def __call__(self, *args, **kwargs):
+        return _Value()
+
+    __mul__ = __rmul__ = __add__ = __radd__ = __call__
+
+
+class _Set(SimpleNamespace):
+    """An input set: the dispatches given, a stand-in for every other field."""
+
+    def __getattr__(self, name):
+        return _Value()
+
+
+class _Recorder:
+    """A dispatch whose methods bind their arguments to the real method's signature and record the call."""
+
+    def __init__(self, cls, calls):
+        self._cls, self._calls = cls, calls
+
+    def __getattr__(self, name):
+        method = getattr(self._cls, name)
+
+        def call(*args, **kwargs):
+            inspect.signature(method).bind(None, *args, **kwargs)
+            self._calls.append(name)
+        return call
+
+
+def _dispatches(family) -> dict:
+    from cukern.attention import AttentionDispatch
+    from cukern.dmmv import DmmvDispatch
+    from cukern.elementwise import ElementwiseDispatch
+    if family == "attention":
+        return dict.fromkeys(("attn", "attn_pdl"), AttentionDispatch)
+    out = dict.fromkeys(("ew", "ew_pdl"), ElementwiseDispatch)
+    if family == "dmmv":
+        out.update(dict.fromkeys(("d", "d_pdl", "d_f32", "d_f32_pdl"), DmmvDispatch))
+    else:
+        out["d"] = ElementwiseDispatch
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(FUSION_ROWS))
+def test_fusion_calls_match_the_dispatch_signatures(family):
+    """The fusion rows' calls and their cukern peers, run on a set of stand-ins: every method exists and takes
+    the arguments given (keywords included); a chain peer ("+" in its name) makes two launches or more. The
+    rows whose kernel runs inside the builder (the varlen's ``s.run``) make none here."""
+    dispatches = _dispatches(family)
+    for spec in _fusion_specs(family, False):
+        calls: list = []
+        s = _Set(**{k: _Recorder(cls, calls) for k, cls in dispatches.items()})
+        spec.call(s)
+        if "varlen" in spec.kernel:
+            continue
+        assert calls, spec.kernel
+        for p in spec.peers:
+            if p.row or p.needs_torch:
+                continue
+            calls.clear()
+            p.call(s)
+            assert len(calls) >= (2 if "+" in p.name else 1), (spec.kernel, p.name, calls)
 
 
 # ----------------------------------------------------------------------------- the runner
