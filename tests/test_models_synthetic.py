@@ -144,3 +144,47 @@ def test_gpu_scaled_file_runs_the_moe_forward(files, name, rng):
     out, stats = lm.generate([prompt, prompt[:7]], 4)
     assert [len(o) for o in out] == [4, 4] and all(0 <= t < m.config.vocab_size for o in out for t in o)
     assert bool(cupy.isfinite(lm._dec["logits"]).all())
+
+
+# ----------------------------------------------------------------------------- profiling/bench_models.py
+
+def _bench_models():
+    import importlib.util
+
+    from cukern import workbench
+    path = workbench.bench_scripts(["models"])["models"]
+    spec = importlib.util.spec_from_file_location("cukern_profiling_bench_models", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_counts_the_active_experts_bytes():
+    """A step reads the dense matrices once and, of each expert tensor, the share of the experts its batch
+    routes to: k/E at batch 1, E (1 - (1 - k/E)^B) / E at batch B."""
+    from types import SimpleNamespace as NS
+    bm = _bench_models()
+    assert bm.expected_experts(32, 4, 1) == pytest.approx(4) and bm.expected_experts(32, 4, 8) == pytest.approx(
+        32 * (1 - 0.875 ** 8))
+    assert bm.expected_experts(128, 8, 10_000) == pytest.approx(128)
+
+    def w(n):
+        return NS(nbytes=n)
+
+    moe = NS(router=w(7), gate=w(3200), up=w(3200), down=w(1600), gate_bias=None, up_bias=None, down_bias=w(320))
+    layer = NS(wq=w(10), wk=w(20), wv=w(30), wo=w(40), moe=moe)
+    lm = NS(cfg=NS(n_experts=32, n_experts_used=4), head=w(1000), layers=[layer, layer])
+    dense = 1000 + 2 * (100 + 7)
+    assert bm.active_weight_bytes(lm, 1) == dense + round(2 * 8320 * 4 / 32)
+    assert bm.active_weight_bytes(lm, 8) == dense + round(2 * 8320 * bm.expected_experts(32, 4, 8) / 32)
+
+
+def test_bench_synthetic_option(tmp_path):
+    """--synthetic names are checked before anything runs; a file already written is reused."""
+    bm = _bench_models()
+    assert bm._names("gpt-oss-20b,qwen3-30b-a3b") == ("gpt-oss-20b", "qwen3-30b-a3b") and bm._names(None) == ()
+    with pytest.raises(ValueError, match="unknown synthetic preset"):
+        bm._names("gpt-oss-20b,qwen3-235b")
+    (tmp_path / "gpt-oss-20b.gguf").write_bytes(b"kept")
+    assert bm.synthetic_file("gpt-oss-20b", str(tmp_path)) == str(tmp_path / "gpt-oss-20b.gguf")
+    assert (tmp_path / "gpt-oss-20b.gguf").read_bytes() == b"kept"
