@@ -259,16 +259,15 @@ def active_weight_bytes(lm, batch: int) -> int:
 
 
 def synthetic_file(name: str, folder: str = SYNTHETIC_DIR) -> str:
-    """``folder/name.gguf``, written by :mod:`cukern.models.synthetic` unless it is there already (written
-    to a ``.part`` file first, so an interrupted write is not reused)."""
+    """``folder/name.gguf``, written by :mod:`cukern.models.synthetic` unless it is there already (the
+    writer renames a complete file into place, so an interrupted write is not reused)."""
     from cukern.models.synthetic import file_bytes, preset, write_synthetic_gguf
     path = os.path.join(folder, f"{name}.gguf")
     if not os.path.exists(path):
         os.makedirs(folder, exist_ok=True)
         print(f"bench_models: writing {path} ({file_bytes(preset(name)) / 1e9:.1f} GB)", file=sys.stderr)
         t0 = time.perf_counter()
-        write_synthetic_gguf(path + ".part", name, progress=True)
-        os.replace(path + ".part", path)
+        write_synthetic_gguf(path, name, progress=True)
         print(f"bench_models: wrote {path} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     return path
 

@@ -298,11 +298,13 @@ def _add_keys(w: gguf.GGUFWriter, p: Preset) -> None:
 
 def write_synthetic_gguf(path, p: Preset | str, *, seed: int = 0, progress: bool = False) -> str:
     """Write ``p`` (a :class:`Preset` or a preset name) with random weights to ``path``; returns the path.
-    Tensors are generated and written ``_CHUNK_BYTES`` of rows at a time."""
+    Tensors are generated and written ``_CHUNK_BYTES`` of rows at a time, into ``path + ".part"``, renamed
+    to ``path`` when complete (an interrupted write never leaves a file at ``path``)."""
     p = preset(p) if isinstance(p, str) else p
     rng = np.random.default_rng(seed)
     plan = tensor_plan(p)
-    w = gguf.GGUFWriter(str(path), p.arch)
+    part = f"{path}.part"
+    w = gguf.GGUFWriter(part, p.arch)
     _add_keys(w, p)
     for name, shape, t, _ in plan:
         if t == QT.F32:
@@ -329,11 +331,12 @@ def write_synthetic_gguf(path, p: Preset | str, *, seed: int = 0, progress: bool
         w.write_padding(fout, nbytes)
         done += nbytes
         if progress and name.endswith("ffn_down_exps.weight"):
-            print(f"\r{path}: {done / 1e9:.1f} / {total / 1e9:.1f} GB, {time.perf_counter() - t0:.0f} s",
+            print(f"\r{part}: {done / 1e9:.1f} / {total / 1e9:.1f} GB, {time.perf_counter() - t0:.0f} s",
                   end="", file=sys.stderr, flush=True)
     if progress:
         print(file=sys.stderr)
     w.close()
+    os.replace(part, path)
     return str(path)
 
 
