@@ -121,6 +121,28 @@ def test_cli_writes_a_scaled_file(tmp_path):
     assert m["blk.0.ffn_down_exps.weight"].qtype == QT.Q6_K   # layer 0 of 1 gets more bits
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_scaled_file_passes_every_dispatch_check_without_gpu(files, name, monkeypatch):
+    """The real MoeTransformer on host-backed arrays with launches recorded (tests/host_dispatch.py): the
+    full-size matrices (d_model 2880 / 2048, MXFP4 / Q4_K / Q6_K experts, head dims 64 / 128) pass every
+    family's checks for 16-row prompt chunks (grouped experts, GEMM projections), a 5-row prompt and
+    batch-2 graph decode."""
+    from host_dispatch import patch
+    from test_models_moe import _host_yarn
+
+    from cukern.dmmv import DmmvDispatch
+    from cukern.models.transformer import Transformer
+    launches = patch(monkeypatch)
+    monkeypatch.setattr(DmmvDispatch, "check_errors", lambda self, reset=True: None)
+    m = load_gguf(files[name])
+    if m.config.yarn:
+        _host_yarn(monkeypatch)
+    lm = Transformer(m, max_seqs=2, max_tokens=64, prefill_chunk=16)
+    lm.generate([list(range(3, 40)), list(range(3, 8))], 2)
+    names = {k.split("<")[0] for k in launches}
+    assert {"router_matvec", "moe_dmmv", "moe_down", "moe_route_pack", "moe_dmmv_packed"} <= names
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", NAMES)
 def test_gpu_scaled_file_runs_the_moe_forward(files, name, rng):
