@@ -16,6 +16,12 @@
 #             llama-bench when /tmp/llama/build/bin/llama-bench exists: start its ~8-minute build early
 #             with `bash .peer/build_llama_bench.sh` carrying .peer, and time nothing meanwhile)
 #   bench-tokens  profiling/bench_tokens.py (embedding gather and sampling against torch)
+#   synthetic-files  write the full-size random-weight MoE files (cukern/models/synthetic.py) into
+#             /tmp/cukern-synthetic: gpt-oss-20b 12.1 GB and qwen3-30b-a3b 18.6 GB, a few minutes
+#             (disk-bound); kept while the machine stays warm, skipped where already written
+#   synthetic the GPU test of the synthetic files, then profiling/bench_models.py --quick --no-peer
+#             --synthetic gpt-oss-20b,qwen3-30b-a3b (writes the files first where synthetic-files has
+#             not), with llama-bench on the same files where it is built (as for bench)
 #   hf        the real-model forward against transformers on the GPU, and the tokenizer against
 #             Hugging Face tokenizers' BPE engine on 300 strings
 # e.g. call 1: `bash profiling/models_device.sh tiny` carrying .model2 and .whl; calls 2, 3: .model3,
@@ -60,6 +66,18 @@ for step in "$@"; do
             llama=/tmp/llama/build/bin/llama-bench
             [ -x "$llama" ] && [ -z "${CUKERN_LLAMA_BENCH:-}" ] && export CUKERN_LLAMA_BENCH=$llama
             timeout 300 $PY profiling/bench_models.py --quick --json "$LOG/bench_models.json" ;;
+        synthetic-files)
+            for name in gpt-oss-20b qwen3-30b-a3b; do
+                f=/tmp/cukern-synthetic/$name.gguf
+                [ -f "$f" ] && { echo "$f: kept"; continue; }
+                mkdir -p /tmp/cukern-synthetic && timeout 290 $PY -m cukern.models.synthetic $name "$f"
+            done ;;
+        synthetic)
+            llama=/tmp/llama/build/bin/llama-bench
+            [ -x "$llama" ] && [ -z "${CUKERN_LLAMA_BENCH:-}" ] && export CUKERN_LLAMA_BENCH=$llama
+            timeout 120 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_models_synthetic.py
+            timeout 450 $PY profiling/bench_models.py --quick --no-peer --synthetic gpt-oss-20b,qwen3-30b-a3b \
+                --json "$LOG/bench_models_synthetic.json" ;;
         bench-tokens) timeout 120 $PY profiling/bench_tokens.py --json "$LOG/bench_tokens.json" ;;
         hf) timeout 200 $PY -m pytest -q -s -p no:cacheprovider tests/test_models.py tests/test_models_tokenizer.py \
                 -k "gpu_real_model_matches_transformers or tokenizer_matches_hf_tokenizers_on_real_model" ;;
