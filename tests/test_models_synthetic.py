@@ -140,7 +140,8 @@ def test_scaled_file_passes_every_dispatch_check_without_gpu(files, name, monkey
     lm = Transformer(m, max_seqs=2, max_tokens=64, prefill_chunk=16)
     lm.generate([list(range(3, 40)), list(range(3, 8))], 2)
     names = {k.split("<")[0] for k in launches}
-    assert {"router_matvec", "moe_dmmv", "moe_down", "moe_route_pack", "moe_dmmv_packed"} <= names
+    assert {"router_matvec", "moe_dmmv", "moe_down", "moe_route_pack"} <= names
+    assert "moe_dmmv_packed" in names or "moe_gemm_f16" in names   # a chunk's experts: matvecs or grouped GEMMs
 
 
 @pytest.mark.gpu
