@@ -95,6 +95,41 @@ CUKERN_DEVICE void ldmatrix_x2(uint32_t& r0, uint32_t& r1, const void* row) {
                  : "r"(smem_addr(row)));
 }
 
+// One BK-deep stage of a warp's tile from shared memory: the warp's weight fragments first (n8 tile j:
+// bw[mat][j / 2][2 (j % 2)], [.. + 1]), then one activation fragment at a time (fewer live registers than
+// the other order), acc[mat][mt][nr] += B tile (m16 mt) x W tile (n8 nr) of matrix mat.
+template <int NMAT, int MT, int NR, int BR, int WRR, int WTT, int ROWS, int BT>
+CUKERN_DEVICE void warp_mma_stage(float (&acc)[NMAT][MT][NR][4], const __half (&sw)[ROWS][LDS],
+                                  const __half (&sb)[BT][LDS], int wr, int wt, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+        uint32_t bw[NMAT][(NR + 1) / 2][4];
+#pragma unroll
+        for (int mat = 0; mat < NMAT; ++mat) {
+            const int rbase = mat * BR + wr * WRR;
+            if (NR == 1) {
+                ldmatrix_x2(bw[mat][0][0], bw[mat][0][1], &sw[rbase + (lane & 7)][kk * 16 + ((lane >> 3) & 1) * 8]);
+            } else {
+#pragma unroll
+                for (int np = 0; np < NR / 2; ++np)
+                    ldmatrix_x4(bw[mat][np], &sw[rbase + np * 16 + (lane & 7) + ((lane >> 4) << 3)]
+                                                [kk * 16 + ((lane >> 3) & 1) * 8]);
+            }
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            uint32_t af[4];
+            ldmatrix_x4(af, &sb[wt * WTT + mt * 16 + (lane & 15)][kk * 16 + (lane >> 4) * 8]);
+#pragma unroll
+            for (int mat = 0; mat < NMAT; ++mat)
+#pragma unroll
+                for (int nr = 0; nr < NR; ++nr)
+                    mma16816<__half>(acc[mat][mt][nr], af, bw[mat][nr / 2][2 * (nr % 2)], bw[mat][nr / 2][2 * (nr % 2) + 1]);
+        }
+    }
+}
+
+
 CUKERN_DEVICE uint32_t dynamic_smem_size() {
     uint32_t r;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
@@ -242,34 +277,7 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::Cfg<BT>::kMi
             if (new_super) load_raw((t + 1) / SPS);  // the raw tile's last reader was stage t's dequant
             issue_b(t + 1, buf ^ 1);                 // that buffer was last read in stage t-1
         }
-#pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) {
-            // the warp's weight fragments first (n8 tile j: bw[mat][j / 2][2 (j % 2)], [.. + 1]),
-            // then one activation fragment at a time: fewer live registers than the other order
-            uint32_t bw[NMAT][(NR + 1) / 2][4];
-#pragma unroll
-            for (int mat = 0; mat < NMAT; ++mat) {
-                const int rbase = mat * BR + wr * WRR;
-                if (NR == 1) {
-                    ldmatrix_x2(bw[mat][0][0], bw[mat][0][1], &sw[buf][rbase + (lane & 7)][kk * 16 + ((lane >> 3) & 1) * 8]);
-                } else {
-#pragma unroll
-                    for (int np = 0; np < NR / 2; ++np)
-                        ldmatrix_x4(bw[mat][np], &sw[buf][rbase + np * 16 + (lane & 7) + ((lane >> 4) << 3)]
-                                                    [kk * 16 + ((lane >> 3) & 1) * 8]);
-                }
-            }
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                uint32_t af[4];
-                ldmatrix_x4(af, &sb[buf][wt * WTT + mt * 16 + (lane & 15)][kk * 16 + (lane >> 4) * 8]);
-#pragma unroll
-                for (int mat = 0; mat < NMAT; ++mat)
-#pragma unroll
-                    for (int nr = 0; nr < NR; ++nr)
-                        mma16816<__half>(acc[mat][mt][nr], af, bw[mat][nr / 2][2 * (nr % 2)], bw[mat][nr / 2][2 * (nr % 2) + 1]);
-            }
-        }
+        warp_mma_stage<NMAT, MT, NR, BR, WRR, WTT>(acc, sw[buf], sb[buf], wr, wt, lane);
         if (more) {
             cp_async_wait<0>();
             if (new_super) __syncthreads();  // the new raw tile, copied by every thread

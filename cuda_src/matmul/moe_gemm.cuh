@@ -194,32 +194,7 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::Cfg<BT>::kMi
             if (new_super) load_raw((t + 1) / SPS);
             issue_b(t + 1, buf ^ 1);
         }
-#pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) {
-            uint32_t bw[NMAT][(NR + 1) / 2][4];
-#pragma unroll
-            for (int mat = 0; mat < NMAT; ++mat) {
-                const int rbase = mat * BR + wr * WRR;
-                if (NR == 1) {
-                    ldmatrix_x2(bw[mat][0][0], bw[mat][0][1], &sw[buf][rbase + (lane & 7)][kk * 16 + ((lane >> 3) & 1) * 8]);
-                } else {
-#pragma unroll
-                    for (int np = 0; np < NR / 2; ++np)
-                        ldmatrix_x4(bw[mat][np], &sw[buf][rbase + np * 16 + (lane & 7) + ((lane >> 4) << 3)]
-                                                    [kk * 16 + ((lane >> 3) & 1) * 8]);
-                }
-            }
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                uint32_t af[4];
-                ldmatrix_x4(af, &sb[buf][wt * WTT + mt * 16 + (lane & 15)][kk * 16 + (lane >> 4) * 8]);
-#pragma unroll
-                for (int mat = 0; mat < NMAT; ++mat)
-#pragma unroll
-                    for (int nr = 0; nr < NR; ++nr)
-                        mma16816<__half>(acc[mat][mt][nr], af, bw[mat][nr / 2][2 * (nr % 2)], bw[mat][nr / 2][2 * (nr % 2) + 1]);
-            }
-        }
+        warp_mma_stage<NMAT, MT, NR, BR, WRR, WTT>(acc, sw[buf], sb[buf], wr, wt, lane);
         if (more) {
             cp_async_wait<0>();
             if (new_super) __syncthreads();
