@@ -168,6 +168,74 @@ CUKERN_DEVICE void put2(float* col, uint32_t row, float v0, float v1, const Gemm
     }
 }
 
+// Stage t's two K segments of one weight row (this thread's part of it) dequantized into its shared row
+// (f16), from the raw super-stage at myraw; segments past n_segs (the K tail) zeroed by the two parts.
+template <int QT>
+CUKERN_DEVICE void dequant_stage(__half (&row)[LDS], const uint8_t* myraw, int t, uint32_t n_segs, int wpart) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        __half* seg = &row[i * SEG];
+        if (2 * t + i < (int)n_segs) {
+            typename Deq<QT>::Raw r;
+            Deq<QT>::load(r, myraw, (2 * t + i) % (SUPER / SEG), wpart);
+            Deq<QT>::store(r, seg, wpart);
+        } else {
+            st16(seg + 16 * wpart, make_uint4(0, 0, 0, 0));
+            st16(seg + 16 * wpart + 8, make_uint4(0, 0, 0, 0));
+        }
+    }
+}
+
+// After cp_async_wait, f32 B staging -> the f16 B tile: this thread's 16-byte chunks of the stage (chunk c:
+// tile row c / PER_TOK, element (c % PER_TOK) * VEC).
+template <int CH, int PER_TOK, int VEC, int BT>
+CUKERN_DEVICE void finish_b_stage(__half (&sb)[BT][LDS], const float* stage32, int tid) {
+    constexpr int CPT = (CH + kThreads - 1) / kThreads;
+#pragma unroll
+    for (int i = 0; i < CPT; ++i) {
+        const int c = tid + i * kThreads;
+        if (CH % kThreads == 0 || c < CH) {
+            const int tk = c / PER_TOK, e = (c % PER_TOK) * VEC;
+            cvt4(&sb[tk][e], stage32 + tk * BK + e);
+        }
+    }
+}
+
+// The double-buffered main loop over a tile's n_stages BK-deep stages: while stage t multiplies from
+// buffer t % 2, stage t + 1's B chunks (and, every SPS stages, the next raw super-stage) are copied in,
+// then dequantized into the other buffer.
+template <int SPS, int MT, int BR, int WRR, int WTT, int NMAT, int NR, int ROWS, int BT, class LoadRaw, class IssueB,
+          class Dequant, class FinishB>
+CUKERN_DEVICE void gemm_mainloop(float (&acc)[NMAT][MT][NR][4], __half (*sw)[ROWS][LDS], __half (*sb)[BT][LDS],
+                                 int n_stages, int wr, int wt, int lane, LoadRaw& load_raw, IssueB& issue_b,
+                                 Dequant& dequant, FinishB& finish_b) {
+    if (n_stages > 0) {
+        load_raw(0);
+        issue_b(0, 0);
+        cp_async_wait<0>();
+        __syncthreads();  // raw bytes of other threads' copies
+        dequant(0, 0);
+        finish_b(0);
+    }
+    __syncthreads();
+    for (int t = 0; t < n_stages; ++t) {
+        const int buf = t & 1;
+        const bool more = t + 1 < n_stages, new_super = more && (t + 1) % SPS == 0;
+        if (more) {
+            if (new_super) load_raw((t + 1) / SPS);  // the raw tile's last reader was stage t's dequant
+            issue_b(t + 1, buf ^ 1);                 // that buffer was last read in stage t-1
+        }
+        warp_mma_stage<NMAT, MT, NR, BR, WRR, WTT>(acc, sw[buf], sb[buf], wr, wt, lane);
+        if (more) {
+            cp_async_wait<0>();
+            if (new_super) __syncthreads();  // the new raw tile, copied by every thread
+            dequant(t + 1, buf ^ 1);
+            finish_b(buf ^ 1);
+        }
+        __syncthreads();
+    }
+}
+
 }  // namespace mm
 }  // namespace cukern
 
@@ -218,18 +286,7 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::Cfg<BT>::kMi
                                                                nel / QTraits<QT>::kElems * QTraits<QT>::kBytes, p.raw16 != 0);
     };
     auto dequant = [&](int t, int buf) {  // stage t: segments 2t, 2t+1 of the split
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            __half* seg = &sw[buf][wrow_tile][i * SEG];
-            if (2 * t + i < (int)n_segs) {
-                typename Deq<QT>::Raw r;
-                Deq<QT>::load(r, myraw, (2 * t + i) % (SUPER / SEG), wpart);
-                Deq<QT>::store(r, seg, wpart);
-            } else {  // K tail: the two parts zero the whole segment
-                st16(seg + 16 * wpart, make_uint4(0, 0, 0, 0));
-                st16(seg + 16 * wpart + 8, make_uint4(0, 0, 0, 0));
-            }
-        }
+        dequant_stage<QT>(sw[buf][wrow_tile], myraw, t, n_segs, wpart);
     };
     // B chunk c of a stage: token c / PER_TOK, element (c % PER_TOK) * VEC; zero-filled past n / K
     auto issue_b = [&](int t, int buf) {
@@ -248,44 +305,11 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::Cfg<BT>::kMi
         cp_async_commit();
     };
     auto finish_b = [&](int buf) {  // after cp_async_wait: f32 staging -> f16 (own chunks only)
-        if (F32) {
-#pragma unroll
-            for (int i = 0; i < CPT; ++i) {
-                const int c = tid + i * kThreads;
-                if (CH % kThreads == 0 || c < CH) {
-                    const int tk = c / PER_TOK, e = (c % PER_TOK) * VEC;
-                    cvt4(&sb[buf][tk][e], stage32 + tk * BK + e);
-                }
-            }
-        }
+        if (F32) finish_b_stage<CH, PER_TOK, VEC>(sb[buf], stage32, tid);
     };
 
     float acc[NMAT][MT][NR][4] = {};
-    if (n_stages > 0) {
-        load_raw(0);
-        issue_b(0, 0);
-        cp_async_wait<0>();
-        __syncthreads();  // raw bytes of other threads' copies
-        dequant(0, 0);
-        finish_b(0);
-    }
-    __syncthreads();
-    for (int t = 0; t < n_stages; ++t) {
-        const int buf = t & 1;
-        const bool more = t + 1 < n_stages, new_super = more && (t + 1) % SPS == 0;
-        if (more) {
-            if (new_super) load_raw((t + 1) / SPS);  // the raw tile's last reader was stage t's dequant
-            issue_b(t + 1, buf ^ 1);                 // that buffer was last read in stage t-1
-        }
-        warp_mma_stage<NMAT, MT, NR, BR, WRR, WTT>(acc, sw[buf], sb[buf], wr, wt, lane);
-        if (more) {
-            cp_async_wait<0>();
-            if (new_super) __syncthreads();  // the new raw tile, copied by every thread
-            dequant(t + 1, buf ^ 1);
-            finish_b(buf ^ 1);
-        }
-        __syncthreads();
-    }
+    gemm_mainloop<SPS, MT, BR, WRR, WTT>(acc, sw, sb, n_stages, wr, wt, lane, load_raw, issue_b, dequant, finish_b);
 
     // epilogue: c0, c1 = (token g, rows 2t, 2t+1); c2, c3 = (token g+8, same rows)
     const int g = lane >> 2, tq = lane & 3;

@@ -133,20 +133,7 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::Cfg<BT>::kMi
         myraw = sraw + wrow_tile * RSTRIDE + copy_raw<RSTRIDE>(sraw, rowptr, e0 / QTraits<QT>::kElems * QTraits<QT>::kBytes,
                                                                nel / QTraits<QT>::kElems * QTraits<QT>::kBytes, p.raw16 != 0);
     };
-    auto dequant = [&](int t, int buf) {
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            __half* seg = &sw[buf][wrow_tile][i * SEG];
-            if (2 * t + i < (int)n_segs) {
-                typename Deq<QT>::Raw r;
-                Deq<QT>::load(r, myraw, (2 * t + i) % (SUPER / SEG), wpart);
-                Deq<QT>::store(r, seg, wpart);
-            } else {
-                st16(seg + 16 * wpart, make_uint4(0, 0, 0, 0));
-                st16(seg + 16 * wpart + 8, make_uint4(0, 0, 0, 0));
-            }
-        }
-    };
+    auto dequant = [&](int t, int buf) { dequant_stage<QT>(sw[buf][wrow_tile], myraw, t, n_segs, wpart); };
     // B chunk c of a stage: tile row c / PER_TOK (gathered: x row s_xrow), element (c % PER_TOK) * VEC
     auto issue_b = [&](int t, int buf) {
 #pragma unroll
@@ -164,45 +151,12 @@ __global__ void __launch_bounds__(cukern::mm::kThreads, cukern::mm::Cfg<BT>::kMi
         cp_async_commit();
     };
     auto finish_b = [&](int buf) {
-        if (F32) {
-#pragma unroll
-            for (int i = 0; i < CPT; ++i) {
-                const int c = tid + i * kThreads;
-                if (CH % kThreads == 0 || c < CH) {
-                    const int tk = c / PER_TOK, e = (c % PER_TOK) * VEC;
-                    cvt4(&sb[buf][tk][e], stage32 + tk * BK + e);
-                }
-            }
-        }
+        if (F32) finish_b_stage<CH, PER_TOK, VEC>(sb[buf], stage32, tid);
     };
 
     const int wt = warp / C::kWR, wr = warp % C::kWR;
     float acc[NMAT][MT][NR][4] = {};
-    if (n_stages > 0) {
-        load_raw(0);
-        issue_b(0, 0);
-        cp_async_wait<0>();
-        __syncthreads();
-        dequant(0, 0);
-        finish_b(0);
-    }
-    __syncthreads();
-    for (int t = 0; t < n_stages; ++t) {
-        const int buf = t & 1;
-        const bool more = t + 1 < n_stages, new_super = more && (t + 1) % SPS == 0;
-        if (more) {
-            if (new_super) load_raw((t + 1) / SPS);
-            issue_b(t + 1, buf ^ 1);
-        }
-        warp_mma_stage<NMAT, MT, NR, BR, WRR, WTT>(acc, sw[buf], sb[buf], wr, wt, lane);
-        if (more) {
-            cp_async_wait<0>();
-            if (new_super) __syncthreads();
-            dequant(t + 1, buf ^ 1);
-            finish_b(buf ^ 1);
-        }
-        __syncthreads();
-    }
+    gemm_mainloop<SPS, MT, BR, WRR, WTT>(acc, sw, sb, n_stages, wr, wt, lane, load_raw, issue_b, dequant, finish_b);
 
     // epilogue: c0, c1 = (tile row g, rows 2tq, 2tq+1); c2, c3 = (tile row g+8, same rows)
     const int g = lane >> 2, tq = lane & 3;
