@@ -184,14 +184,14 @@ def test_bad_ssm_metadata_is_named(tmp_path, key, value, match):
         load_gguf(p)
 
 
-def test_moe_ffn_needs_its_block(hybrid, monkeypatch):
-    """A dense file whose config says MoE: the GPU model names the hook where the MoE block plugs in."""
+def test_unknown_ffn_kind_names_its_hooks(hybrid):
+    """A config whose FFN kind has no block: the GPU model and the reference name where one plugs in."""
     import dataclasses
     pytest.importorskip("cupy")
     from cukern.models.hybrid import HybridModel
     m = load_gguf(hybrid["h4"])
-    m.config = dataclasses.replace(m.config, ffn="moe")
-    with pytest.raises(NotImplementedError, match=r"FFN_BLOCKS\['moe'\]"):
+    m.config = dataclasses.replace(m.config, ffn="other")
+    with pytest.raises(NotImplementedError, match=r"FFN_BLOCKS\['other'\]"):
         HybridModel(m)
     with pytest.raises(NotImplementedError, match="FFN_REFERENCES"):
         HybridReference(m.config, m).forward([1, 2])
