@@ -278,19 +278,22 @@ def test_unknown_ffn_kind_names_its_hooks(hybrid):
 
 @pytest.mark.parametrize("which", ["h4", "h6", "legacy", "moe4", "moe6"])
 def test_forward_passes_every_dispatch_check_without_gpu(hybrid, which, monkeypatch):
-    """The real HybridModel on host-backed arrays with launches recorded (tests/host_dispatch.py): every
-    dispatch passes its family's validation for prompts through the matvec (chunks of 5) and the GEMM (16),
-    a batch of three ragged prompts, graph and eager decode; the DeltaNet kernels are among the launches, and
-    a MoE file's routing, per-slot and grouped expert and shared-expert kernels."""
+    """The real HybridModel (what Transformer(model) builds for qwen3next) on host-backed arrays with launches
+    recorded (tests/host_dispatch.py): every dispatch passes its family's validation for prompts through the
+    matvec (chunks of 5) and the GEMM (16), a batch of three ragged prompts, graph and eager decode; the DeltaNet
+    kernels are among the launches, and a MoE file's routing, per-slot and grouped expert and shared-expert
+    kernels."""
     pytest.importorskip("cupy")
     from host_dispatch import patch
     from cukern.dmmv import DmmvDispatch
     from cukern.models.hybrid import HybridModel
+    from cukern.models.transformer import Transformer
     launches = patch(monkeypatch, array_methods=True)
     monkeypatch.setattr(DmmvDispatch, "check_errors", lambda self, reset=True: None)
     m = load_gguf(hybrid[which])
     for kv, chunk in (("float16", 5), ("float32", 16)):
-        lm = HybridModel(m, max_seqs=3, max_tokens=64, page_size=4, kv_dtype=kv, prefill_chunk=chunk)
+        lm = Transformer(m, max_seqs=3, max_tokens=64, page_size=4, kv_dtype=kv, prefill_chunk=chunk)
+        assert type(lm) is HybridModel
         prompts = [list(range(5, 5 + n)) for n in (29, 3, 11)]
         lm.generate(prompts, 5)
         lm.generate(prompts[1:], 3, use_graph=False)
