@@ -63,7 +63,8 @@ def test_tiny_file_loads_and_metadata_parses(hybrid):
 def test_moe_file_loads_and_metadata_parses(hybrid):
     m = load_gguf(hybrid["moe4"])
     c = m.config
-    assert (c.ffn, c.n_experts, c.n_experts_used, c.d_ff_exp, c.d_ff_shexp, c.norm_topk) == ("moe", 16, 5, 96, 160, True)
+    assert (c.ffn, c.n_experts, c.n_experts_used, c.d_ff_exp, c.d_ff_shexp, c.norm_topk) == \
+        ("moe", 16, 5, 96, 160, True)
     e = c.moe   # what the MoE block and its reference read
     assert (e.d_ff, e.n_experts, e.n_experts_used, e.d_ff_shexp, e.shared_expert, e.gpt_oss, e.d_model) == \
         (96, 16, 5, 160, True, False, c.d_model)
@@ -224,7 +225,8 @@ def test_state_shapes_that_do_not_match_name_the_tensor(tmp_path, kw, match):
     ("qwen3next.ssm.time_step_rank", 3, r"time_step_rank \(3 value heads\) is not a multiple of .*group_count \(2"),
     ("qwen3next.ssm.inner_size", 250, r"inner_size \(250\) is not a multiple of .*time_step_rank \(4\)"),
     # a MoE file's expert keys: out of the kernels' bounds, or disagreeing with the tensors (the first one named)
-    ("qwen3next.expert_count", 12, r"tensor 'blk\.0\.ffn_gate_inp\.weight' has shape \(16, 256\), expected \(12, 256\)"),
+    ("qwen3next.expert_count", 12,
+     r"tensor 'blk\.0\.ffn_gate_inp\.weight' has shape \(16, 256\), expected \(12, 256\)"),
     ("qwen3next.expert_count", 5000, r"metadata key 'qwen3next\.expert_count'.*5000.*at most 1023"),
     ("qwen3next.expert_count", 0, r"metadata key 'qwen3next\.expert_count'"),
     ("qwen3next.expert_used_count", 17, r"metadata key 'qwen3next\.expert_used_count'.*expert_count = 16"),
