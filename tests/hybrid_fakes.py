@@ -1,7 +1,8 @@
 """NumPy stand-ins for what cukern.models.hybrid adds to the Transformer's dispatches (tests/model_fakes.py):
 the DeltaNet kernels, the Q/gate deinterleave, the gated output, partial RoPE, and a HybridCache, so that
 HybridModel's orchestration (per-slot recurrent state, prompt chunks keyed by slot, batched decode through a
-replayed "graph") runs on a machine without a GPU, in float64, against the model reference.
+replayed "graph") runs on a machine without a GPU, in float64, against the model reference. A MoE file's FFN
+runs the real MoeBlock on tests/model_fakes_moe.py's routing and expert fakes.
 """
 
 from __future__ import annotations
@@ -9,12 +10,14 @@ from __future__ import annotations
 import numpy as np
 
 import cukern.models.hybrid as H
+import cukern.models.moe as M
 from cukern.reference import elementwise as E
 from cukern.reference import models as R
 import cukern.models.layers as L
 import cukern.models.transformer as T
 from model_fakes import (Attention, Dmmv, Elementwise, FakeGraph, FakeStream, Matmul, NormedX, PagedCache, Plan,
                          Tokens, Weight, fake_cupy, wrap)
+from model_fakes_moe import MoeElementwise, MoeMatmul, fake_moe_weights
 
 
 class HybridElementwise(Elementwise):
@@ -56,6 +59,10 @@ class HybridElementwise(Elementwise):
         out[...] = E.group_norm(y, group_size=group_size, w=w, z=z, eps=eps)
 
 
+class HybridMoeElementwise(HybridElementwise, MoeElementwise):
+    """The hybrid's fakes plus the MoE block's (routing, the shared expert's gate); partial RoPE the hybrid's."""
+
+
 class FakeHybridCache(PagedCache):
     """The fakes' paged cache of the attention layers plus HybridCache's per-slot states."""
 
@@ -83,7 +90,8 @@ class _NoStream:
 
 def fake_hybrid(model, monkeypatch, *, max_seqs, max_tokens, page_size, prefill_chunk):
     """A HybridModel over ``model`` (a qwen3next GGUFModel) whose dispatches, cache and CuPy are fakes."""
-    for mod, name, value in ((T, "cupy", fake_cupy), (H, "cupy", fake_cupy), (T, "SamplePlan", Plan),
+    for mod, name, value in ((T, "cupy", fake_cupy), (H, "cupy", fake_cupy), (M, "cupy", fake_cupy),
+                             (T, "SamplePlan", Plan),
                              (T, "resolve_stream", lambda s=None: s if s is not None else FakeStream()),
                              (T, "capture_graph", lambda fn, stream=None: FakeGraph(fn, stream)),
                              (T, "check_array", lambda name, a, **kw: a), (L, "NormedX", NormedX),
@@ -106,13 +114,18 @@ def fake_hybrid(model, monkeypatch, *, max_seqs, max_tokens, page_size, prefill_
     def vec(name):
         return wrap(dense(name))
 
-    t.ew, t.attn, t.mm, t.gemm, t.tok = (HybridElementwise(), Attention(), Dmmv(), Matmul(),
-                                         Tokens(dense("token_embd.weight")))
+    moe = c.ffn == "moe"
+    t.ew, t.attn, t.mm, t.gemm, t.tok = (HybridMoeElementwise() if moe else HybridElementwise(), Attention(), Dmmv(),
+                                         Matmul(), Tokens(dense("token_embd.weight")))
+    if moe:
+        t.mm = t.gemm = MoeMatmul()
+    t.moe = M.MoeBlock(t, c.moe) if moe else None
     qk, v = c.qk_channels, c.v_channels
     t.layers = []
     for i in range(c.n_layers):
         b = f"blk.{i}."
-        ffn = H.DenseFFN(weight(b + "ffn_gate.weight"), weight(b + "ffn_up.weight"), weight(b + "ffn_down.weight"))
+        ffn = H.MoeFFN(fake_moe_weights(model, c.moe, i, dense, weight), t.moe) if moe else \
+            H.DenseFFN(weight(b + "ffn_gate.weight"), weight(b + "ffn_up.weight"), weight(b + "ffn_down.weight"))
         if c.recurrent[i]:
             taps = vec(b + "ssm_conv1d.weight")
             t.layers.append(H._DeltaNetLayer(

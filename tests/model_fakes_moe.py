@@ -136,12 +136,10 @@ class MoeMatmul(Matmul, MoeDmmv):
         MoeDmmv.__init__(self)
 
 
-def fake_moe_transformer(model, monkeypatch, *, max_seqs, max_tokens, page_size, prefill_chunk):
-    """A MoeTransformer over ``model`` (a GGUFModel with experts) on the fakes."""
-    t, dense, weight, vector = fake_base(MT.MoeTransformer, model, monkeypatch, max_seqs=max_seqs,
-                                         max_tokens=max_tokens, page_size=page_size, prefill_chunk=prefill_chunk)
-    monkeypatch.setattr(M, "cupy", fake_cupy)
-    c = model.config
+def fake_moe_weights(model, cfg, i, dense, weight):
+    """Layer i's MoeWeights on the fakes: ``dense(name)`` a float64 tensor, ``weight(name)`` a matrix's
+    Weight; ``cfg`` the MoeConfig (gpt-oss's biases as bias matrices, the shared expert where it has one)."""
+    b = f"blk.{i}."
 
     def experts(name):
         return ExpertWeight(dense(name), int(model[name].qtype))
@@ -149,20 +147,31 @@ def fake_moe_transformer(model, monkeypatch, *, max_seqs, max_tokens, page_size,
     def bias(name):
         return ExpertWeight(M.bias_matrix(dense(name)).astype(np.float64), 0)
 
+    W = M.MoeWeights(router=wrap(dense(b + "ffn_gate_inp.weight")), gate=experts(b + "ffn_gate_exps.weight"),
+                     up=experts(b + "ffn_up_exps.weight"), down=experts(b + "ffn_down_exps.weight"))
+    if cfg.gpt_oss:
+        W.router_bias = wrap(dense(b + "ffn_gate_inp.bias"))
+        W.gate_bias, W.up_bias = bias(b + "ffn_gate_exps.bias"), bias(b + "ffn_up_exps.bias")
+        W.down_bias = bias(b + "ffn_down_exps.bias")
+    if cfg.shared_expert:
+        W.sh_gate, W.sh_up = weight(b + "ffn_gate_shexp.weight"), weight(b + "ffn_up_shexp.weight")
+        W.sh_down, W.sh_router = weight(b + "ffn_down_shexp.weight"), wrap(dense(b + "ffn_gate_inp_shexp.weight")[None])
+    return W
+
+
+def fake_moe_transformer(model, monkeypatch, *, max_seqs, max_tokens, page_size, prefill_chunk):
+    """A MoeTransformer over ``model`` (a GGUFModel with experts) on the fakes."""
+    t, dense, weight, vector = fake_base(MT.MoeTransformer, model, monkeypatch, max_seqs=max_seqs,
+                                         max_tokens=max_tokens, page_size=page_size, prefill_chunk=prefill_chunk)
+    monkeypatch.setattr(M, "cupy", fake_cupy)
+    c = model.config
+
     t.ew, t.attn, t.tok = MoeElementwise(), MoeAttention(), Tokens(dense("token_embd.weight"))
     t.mm = t.gemm = MoeMatmul()
     t.layers = []
     for i in range(c.n_layers):
         b = f"blk.{i}."
-        W = M.MoeWeights(router=wrap(dense(b + "ffn_gate_inp.weight")), gate=experts(b + "ffn_gate_exps.weight"),
-                         up=experts(b + "ffn_up_exps.weight"), down=experts(b + "ffn_down_exps.weight"))
-        if c.gpt_oss:
-            W.router_bias = vector(b + "ffn_gate_inp.bias")
-            W.gate_bias, W.up_bias = bias(b + "ffn_gate_exps.bias"), bias(b + "ffn_up_exps.bias")
-            W.down_bias = bias(b + "ffn_down_exps.bias")
-        if c.shared_expert:
-            W.sh_gate, W.sh_up = weight(b + "ffn_gate_shexp.weight"), weight(b + "ffn_up_shexp.weight")
-            W.sh_down, W.sh_router = weight(b + "ffn_down_shexp.weight"), wrap(dense(b + "ffn_gate_inp_shexp.weight")[None])
+        W = fake_moe_weights(model, c, i, dense, weight)
         t.layers.append(MT._MoeLayer(
             attn_norm=vector(b + "attn_norm.weight"), wq=weight(b + "attn_q.weight"), wk=weight(b + "attn_k.weight"),
             wv=weight(b + "attn_v.weight"), wo=weight(b + "attn_output.weight"), ffn_norm=vector(b + c.ffn_norm_name),

@@ -26,3 +26,21 @@ def real_model_path() -> str:
 # Gemma 3 with linear RoPE scaling (global layers only, as in Gemma 3 4B+), and Llama with per-pair
 # frequency factors (rope_freqs.weight, as in Llama 3.1+): the paths where the angles are not base**(-2i/d)
 ROPE_VARIANTS = {"gemma3-linear8": TinySpec("gemma3", rope_scale=8.0), "llama-freqs": TinySpec("llama", rope_freqs=True)}
+
+
+def check_routing_error(lm, n_experts: int, path_match: str) -> None:
+    """A MoE model (GPU or fakes): expert ids out of range, written over the router's on its stream, reach the
+    MoE kernels; generate raises MoeRoutingError naming the file (``path_match``), and the next generate,
+    with the router's ids, runs clean (the flag was cleared)."""
+    from cukern.models.moe_transformer import MoeRoutingError
+    real = lm.ew.softmax_topk
+
+    def bad(logits, ids, weights, **kw):
+        real(logits, ids, weights, **kw)
+        with kw["stream"]:
+            ids.fill(n_experts + 3)
+    lm.ew.softmax_topk = bad
+    with pytest.raises(MoeRoutingError, match=path_match + r": a MoE kernel met an expert id outside"):
+        lm.generate([[5, 6, 7]], 3, use_graph=False)
+    lm.ew.softmax_topk = real
+    assert len(lm.generate([[5, 6, 7]], 3)[0][0]) == 3

@@ -213,22 +213,13 @@ def test_moe_orchestration_on_numpy_fakes(tiny_moe, name, chunk, rng, monkeypatc
 
 
 def test_moe_routing_error_is_raised_after_generate(tiny_moe, monkeypatch):
-    """An expert id out of range (here: the router's ids overwritten) sets the flag; generate raises
-    MoeRoutingError naming the file."""
+    """An expert id out of range (the router's ids overwritten) sets the flag; generate raises MoeRoutingError
+    naming the file (models_helpers.check_routing_error)."""
     from model_fakes_moe import fake_moe_transformer
-    from cukern.models.moe_transformer import MoeRoutingError
+    from models_helpers import check_routing_error
     m = load_gguf(tiny_moe["qwen3moe"])
     t = fake_moe_transformer(m, monkeypatch, max_seqs=1, max_tokens=32, page_size=4, prefill_chunk=8)
-    real = t.ew.softmax_topk
-
-    def bad(logits, ids, weights, **kw):
-        real(logits, ids, weights, **kw)
-        ids[0, 0] = m.config.n_experts + 3
-    t.ew.softmax_topk = bad
-    with pytest.raises(MoeRoutingError, match=r"qwen3moe\.gguf: a MoE kernel met an expert id outside"):
-        t.generate([[5, 6, 7]], 3)
-    t.ew.softmax_topk = real
-    assert len(t.generate([[5, 6, 7]], 3)[0][0]) == 3   # the flag was cleared
+    check_routing_error(t, m.config.n_experts, r"qwen3moe\.gguf")
 
 
 def _host_yarn(monkeypatch):
@@ -366,16 +357,6 @@ def test_gpu_moe_grouped_and_slot_paths_agree(tiny_moe, rng):
 def test_gpu_moe_routing_error_flag(tiny_moe):
     """Expert ids out of range (written over the router's) reach the kernels: generate raises
     MoeRoutingError naming the file, and the next generate runs clean."""
-    from cukern.models.moe_transformer import MoeRoutingError
+    from models_helpers import check_routing_error
     m, model = _model(tiny_moe["qwen3moe"], max_seqs=1)
-    real = model.ew.softmax_topk
-
-    def bad(logits, ids, weights, **kw):
-        real(logits, ids, weights, **kw)
-        with kw["stream"]:
-            ids.fill(m.config.n_experts + 3)
-    model.ew.softmax_topk = bad
-    with pytest.raises(MoeRoutingError, match=r"qwen3moe\.gguf: a MoE kernel met an expert id outside"):
-        model.generate([[5, 6, 7]], 3, use_graph=False)
-    model.ew.softmax_topk = real
-    assert len(model.generate([[5, 6, 7]], 3)[0][0]) == 3
+    check_routing_error(model, m.config.n_experts, r"qwen3moe\.gguf")

@@ -18,8 +18,9 @@ A DeltaNet layer over n rows (a prompt chunk of one sequence, or one token of ea
 
 A full-attention layer: ``[q | gate] = W_q h`` (deinterleave), ``k, v``, Q/K norm + partial RoPE + K/V write in
 one launch, the paged attention of the Transformer, ``o * sigmoid(gate)``, ``W_o``. Then every layer:
-``x += proj; h = post_attention_norm(x)``, the FFN block (dense SwiGLU here; the MoE block plugs in at
-:data:`FFN_BLOCKS`), ``x += proj; h = next norm(x)``.
+``x += proj; h = post_attention_norm(x)``, the FFN block of :data:`FFN_BLOCKS` (the dense SwiGLU, or Qwen3-Next's
+MoE: :class:`MoeFFN`), ``x += proj; h = next norm(x)``. A MoE model's kernels flag expert ids out of range on
+the device; :meth:`HybridModel.check_errors` raises it as the MoE models do, after :meth:`generate`.
 """
 
 from __future__ import annotations
@@ -35,10 +36,12 @@ from cukern.dispatch import bounded_put
 from cukern.dmmv import QWeight
 from cukern.models.gguf_loader import GGUFModel
 from cukern.models.hybrid_config import ARCH, HybridConfig, legacy_rows
+from cukern.models.moe import MoeBlock, MoeWeights
+from cukern.models.moe_transformer import MoeTransformer, moe_weights
 from cukern.models.transformer import Transformer, _Chunk
 from cukern.profiler import nvtx_range
 
-__all__ = ["HybridModel", "HybridCache", "FFN_BLOCKS", "DenseFFN"]
+__all__ = ["HybridModel", "HybridCache", "FFN_BLOCKS", "DenseFFN", "MoeFFN"]
 
 
 class HybridCache(PagedKVCache):
@@ -108,10 +111,29 @@ class DenseFFN:
         lm._mlp(self, buf, stream)
 
 
+@dataclass
+class MoeFFN:
+    """Qwen3-Next's FFN: layer's :class:`MoeWeights` run by the model's one :class:`MoeBlock` (router, softmax
+    top-k renormalised; experts per (token, slot) for a decode batch, grouped by expert for a prompt chunk;
+    the shared expert times sigmoid(ffn_gate_inp_shexp . h))."""
+
+    W: MoeWeights
+    block: MoeBlock
+
+    @classmethod
+    def build(cls, lm: "HybridModel", i: int) -> "MoeFFN":
+        if getattr(lm, "moe", None) is None:
+            lm.moe = MoeBlock(lm, lm.cfg.moe)   # its buffers per row count, shared by the layers
+        return cls(moe_weights(lm.model, i, lm._qw, lm.cfg.moe), lm.moe)
+
+    def run(self, lm: "HybridModel", buf, stream) -> None:
+        """buf.proj = MoE(buf.h) over buf's rows."""
+        self.block.run(self.W, buf.h, buf.proj, stream)
+
+
 # FFN kind (HybridConfig.ffn) -> builder(model, layer) of an object whose run(model, buf, stream) writes buf.proj
-# [n, d_model] from buf.h. Qwen3-Next's files hold "moe" (routed experts + a sigmoid-gated shared expert): the
-# MoE block (cukern/models/moe.py) registers its builder here.
-FFN_BLOCKS = {"dense": DenseFFN.build}
+# [n, d_model] from buf.h
+FFN_BLOCKS = {"dense": DenseFFN.build, "moe": MoeFFN.build}
 
 
 @dataclass
@@ -192,6 +214,7 @@ class HybridModel(Transformer):
         self.cache = HybridCache(c, max_seqs * pages, page_size, max_seqs=max_seqs, max_pages_per_seq=pages,
                                  dtype=kv_dtype, device=device)
         self._owned = []   # device copies made at load (a legacy ssm_in's rows regrouped)
+        self.moe = None    # the MoE FFN's block (MoeFFN.build)
         self.layers = [self._deltanet_layer(i, build_ffn) if r else self._attn_layer(i, build_ffn)
                        for i, r in enumerate(c.recurrent)]
         dev, raw = model.device, model.raw
@@ -259,6 +282,16 @@ class HybridModel(Transformer):
         d = super()._setup_decode(slots, positions, max_kv_len, sampling, history_len)
         d["buf"].slots = tuple(slots)   # row j of a step is sequence slots[j]
         return d
+
+    # ------------------------------------------------------------------ errors
+    check_errors = MoeTransformer.check_errors
+
+    def generate(self, prompts, max_new_tokens: int, **kwargs):
+        """:meth:`Transformer.generate`, then (the MoE FFN) :meth:`check_errors`: the routing of every step."""
+        out = super().generate(prompts, max_new_tokens, **kwargs)
+        if self.moe is not None:
+            self.check_errors()
+        return out
 
     # ------------------------------------------------------------------ layers
     def _layers(self, buf, attend, positions, seq_ids, pos_mode: str, stream):

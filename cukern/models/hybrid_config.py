@@ -17,19 +17,22 @@ load); ``ssm_ba.weight`` [2 n_v, d] (per key head its value heads' b logits, the
 ``ssm_norm.weight`` [dv], ``ssm_out.weight`` [d, n_v dv]. A full-attention layer: ``attn_q.weight``
 [2 n_heads head_dim, d] (per head the query, then its output gate), ``attn_k`` / ``attn_v``, ``attn_output``,
 ``attn_q_norm`` / ``attn_k_norm``. Every layer: ``attn_norm`` and ``post_attention_norm`` (the FFN's input
-norm), then its FFN: dense ``ffn_gate`` / ``ffn_up`` / ``ffn_down``, or the MoE block with a shared expert
-(``ffn_gate_inp`` ...: the files Qwen3-Next ships), whose tensors are checked here and whose forward plugs
-in at :data:`cukern.models.hybrid.FFN_BLOCKS`.
+norm), then its FFN: dense ``ffn_gate`` / ``ffn_up`` / ``ffn_down``, or (a file with ``expert_count``: the
+files Qwen3-Next ships) the MoE block of :mod:`cukern.models.moe_config`'s layouts with a shared expert and
+its sigmoid gate; routing is a softmax over every expert, the top ``expert_used_count``, their weights
+renormalised to sum to 1 (llama.cpp's qwen3next). :attr:`HybridConfig.moe` is the block's MoeConfig.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from functools import cached_property
 
 import numpy as np
 
 from cukern.models.gguf_loader import ModelConfig
 from cukern.models.gguf_parse import _INT32_MAX, GGUFError, read_key
+from cukern.models.moe_config import MoeConfig, read_experts
 
 __all__ = ["HybridConfig", "config", "required_tensors", "legacy_rows", "CONV_KERNELS", "ARCH"]
 
@@ -51,10 +54,20 @@ class HybridConfig(ModelConfig):
     rope_dim: int                 # rotated leading dims of an attention head (partial RoPE)
     ffn: str                      # "dense" (SwiGLU) or "moe" (routed experts + a gated shared expert)
     ssm_in_legacy: bool           # the in-projection is one ssm_in tensor (per key head q, k, v, z)
-    n_experts: int = 0
+    n_experts: int = 0            # the MoE FFN's (ffn "moe"); d_ff stays the file's feed_forward_length
     n_experts_used: int = 0
     d_ff_exp: int = 0
     d_ff_shexp: int = 0
+    norm_topk: bool = True        # the k routing weights renormalised (llama.cpp's qwen3next: always)
+
+    allowed_types = MoeConfig.allowed_types   # F32 routers, the expert types for the 3-D expert tensors
+
+    @cached_property
+    def moe(self) -> MoeConfig:
+        """The :class:`MoeConfig` the MoE block and its reference read (``d_ff`` the experts' length)."""
+        base = {f.name: getattr(self, f.name) for f in fields(ModelConfig)}
+        return MoeConfig(**{**base, "d_ff": self.d_ff_exp}, n_experts=self.n_experts,
+                         n_experts_used=self.n_experts_used, d_ff_shexp=self.d_ff_shexp, norm_topk=self.norm_topk)
 
     @property
     def qk_channels(self) -> int:
@@ -134,13 +147,13 @@ def config(reader, path: str, tensors: dict) -> HybridConfig:
     first = next((i for i, r in enumerate(recurrent) if r), None)
     legacy = first is not None and f"blk.{first}.ssm_in.weight" in tensors \
         and f"blk.{first}.attn_qkv.weight" not in tensors
-    moe = "blk.0.ffn_gate_inp.weight" in tensors
+    moe = f"{a}.expert_count" in reader.fields or any(n.endswith(("ffn_gate_inp.weight", "_exps.weight"))
+                                                      for n in tensors)
     experts = {}
-    if moe:
-        n_exp = dim("expert_count")
-        experts = dict(n_experts=n_exp, n_experts_used=dim("expert_used_count", hi=n_exp),
-                       d_ff_exp=dim("expert_feed_forward_length"),
-                       d_ff_shexp=dim("expert_shared_feed_forward_length", 0, lo=0) or d_ff)
+    if moe:   # the shared expert is part of every Qwen3-Next layer (llama.cpp requires its tensors)
+        e = read_experts(reader, path, a, shared=True, d_ff=d_ff)
+        experts = dict(n_experts=e["n_experts"], n_experts_used=e["n_experts_used"], d_ff_exp=e["d_ff"],
+                       d_ff_shexp=e["d_ff_shexp"])
     elif d_ff < 1:
         raise GGUFError(f"{path}: {a}.feed_forward_length must be >= 1 for the dense FFN, got {d_ff}")
     eps = read_key(reader, f"{a}.attention.layer_norm_rms_epsilon", "float", path, above=0.0, hi=1.0)

@@ -6,7 +6,9 @@ layouts llama.cpp reads (module docstring of :mod:`cukern.models.hybrid_config`)
 to the spec's block types (Q8_0 unless told) and keeps the conv taps, ``ssm_a``, ``ssm_dt.bias`` and norms
 F32. The gates are drawn so that the DeltaNet state decays slowly enough to carry several tokens.
 ``legacy=True`` writes the in-projection as one ``ssm_in`` tensor (per key head q, k, v, z) with the very
-rows the split layout would hold, so both files run the same model.
+rows the split layout would hold, so both files run the same model. ``n_experts > 0`` writes Qwen3-Next's
+MoE FFN instead of the dense one (:mod:`cukern.models.tiny_moe`'s keys and tensors: an F32 router, 3-D
+experts, Q4_K gate and up and Q8_0 down unless told, a shared expert and its F32 gate).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import gguf
 from gguf import GGMLQuantizationType as QT
 
 from cukern.models.tiny import TinySpec, _add_bpe_tokenizer, add_shape, random_blocks
+from cukern.models.tiny_moe import EXPERT_TYPES, add_expert_keys, add_experts, add_shared_expert
 
 __all__ = ["HybridSpec", "write_tiny"]
 
@@ -24,19 +27,25 @@ __all__ = ["HybridSpec", "write_tiny"]
 class HybridSpec(TinySpec):
     """A tiny DeltaNet hybrid: ``n_layers`` layers, every ``interval``-th full attention (partial RoPE over
     ``rope_dim`` dims); DeltaNet layers with ``ssm_k_heads`` key heads of ``ssm_dk`` and ``ssm_v_heads`` value
-    heads of ``ssm_dv``, a conv1d of ``conv_kernel`` taps; a dense SwiGLU FFN of ``d_ff``."""
+    heads of ``ssm_dv``, a conv1d of ``conv_kernel`` taps; a dense SwiGLU FFN of ``d_ff``, or (``n_experts``
+    > 0) ``n_experts`` experts of ``d_ff_exp`` rows, ``top_k`` per token, a shared expert of ``d_ff_shexp``."""
 
     def __init__(self, *, n_layers: int = 4, interval: int = 2, d_model: int = 256, n_heads: int = 4,
                  n_kv_heads: int = 2, head_dim: int = 64, rope_dim: int = 16, d_ff: int = 512, ssm_k_heads: int = 2,
                  ssm_v_heads: int = 4, ssm_dk: int = 64, ssm_dv: int = 64, conv_kernel: int = 4,
                  weight_type: QT = QT.Q8_0, types: dict | None = None, legacy: bool = False, tied: bool = False,
-                 interval_key: int | None = None):
+                 interval_key: int | None = None, n_experts: int = 0, top_k: int = 0, d_ff_exp: int = 0,
+                 d_ff_shexp: int = 0, router_scale: float = 1.0):
         super().__init__("qwen3next", n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads,
                          head_dim=head_dim, d_ff=d_ff, weight_type=weight_type, types=types)
         self.interval, self.rope_dim = interval, rope_dim
         self.interval_key = interval if interval_key is None else interval_key  # what the file says
         self.ssm_k_heads, self.ssm_v_heads, self.ssm_dk, self.ssm_dv = ssm_k_heads, ssm_v_heads, ssm_dk, ssm_dv
         self.conv_kernel, self.legacy, self.tied = conv_kernel, legacy, tied
+        self.n_experts, self.top_k, self.d_ff_exp, self.d_ff_shexp = n_experts, top_k, d_ff_exp, d_ff_shexp
+        self.router_scale = router_scale
+        if n_experts:
+            self.types = {**EXPERT_TYPES, **self.types}
 
     def recurrent(self, i: int) -> bool:
         return (i + 1) % self.interval != 0
@@ -64,18 +73,21 @@ def write_tiny(path, spec: HybridSpec, *, seed: int = 0, skip: tuple[str, ...] =
     w.add_ssm_time_step_rank(n_v)
     w.add_ssm_inner_size(v)
     w.add_full_attention_interval(spec.interval_key)
+    if spec.n_experts:
+        add_expert_keys(w, spec.n_experts, spec.top_k, spec.d_ff_exp, spec.d_ff_shexp)
 
     def put(name, data, raw_type=None):
         if name.split("blk.")[-1].split(".", 1)[-1] in skip or name in skip:
             return
         w.add_tensor(name, data, raw_dtype=raw_type)
 
-    def blocks(name, rows, cols, scale, t=None):
+    def blocks(name, rows, cols, scale, t=None, experts=0):
         t = t if t is not None else spec.qtype(name)
-        return random_blocks(rng, rows, cols, t, scale), (None if t in (QT.F32, QT.F16) else t)
+        data = random_blocks(rng, rows * max(experts, 1), cols, t, scale)
+        return data.reshape(experts, rows, -1) if experts else data, (None if t in (QT.F32, QT.F16) else t)
 
-    def mat(name, rows, cols, scale):
-        put(name, *blocks(name, rows, cols, scale))
+    def mat(name, rows, cols, scale, experts=0):
+        put(name, *blocks(name, rows, cols, scale, experts=experts))
 
     def vec(name, n, centre, spread):
         put(name, (centre + spread * rng.standard_normal(n)).astype(np.float32))
@@ -113,9 +125,13 @@ def write_tiny(path, spec: HybridSpec, *, seed: int = 0, skip: tuple[str, ...] =
             mat(b + "attn_output.weight", d, q, 1.0 / np.sqrt(q))
             vec(b + "attn_q_norm.weight", hd, 1.0, 0.1)
             vec(b + "attn_k_norm.weight", hd, 1.0, 0.1)
-        mat(b + "ffn_gate.weight", spec.d_ff, d, 1.0 / np.sqrt(d))
-        mat(b + "ffn_up.weight", spec.d_ff, d, 1.0 / np.sqrt(d))
-        mat(b + "ffn_down.weight", d, spec.d_ff, 1.0 / np.sqrt(spec.d_ff))
+        if spec.n_experts:
+            add_experts(mat, vec, b, d, spec.d_ff_exp, spec.n_experts, spec.router_scale)
+            add_shared_expert(mat, vec, b, d, spec.d_ff_shexp)
+        else:
+            mat(b + "ffn_gate.weight", spec.d_ff, d, 1.0 / np.sqrt(d))
+            mat(b + "ffn_up.weight", spec.d_ff, d, 1.0 / np.sqrt(d))
+            mat(b + "ffn_down.weight", d, spec.d_ff, 1.0 / np.sqrt(spec.d_ff))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -92,11 +92,12 @@ class MoeBuffers:
 
 class MoeBlock:
     """The MoE feed-forward of one model: ``run(W, h, out)`` writes ``out [n, d_model]`` for the normed
-    rows h. ``lm`` is the :class:`~cukern.models.moe_transformer.MoeTransformer` (its ``ew``, ``mm``
-    and ``_matmul`` / ``_gemm_ok`` for the shared expert)."""
+    rows h. ``lm`` is the :class:`~cukern.models.moe_transformer.MoeTransformer` or the hybrid model (its
+    ``ew``, ``mm`` and ``_matmul`` / ``_gemm_ok`` for the shared expert); ``cfg`` the
+    :class:`~cukern.models.moe_config.MoeConfig` the block reads (default ``lm.cfg``)."""
 
-    def __init__(self, lm):
-        self.lm, self.cfg = lm, lm.cfg
+    def __init__(self, lm, cfg=None):
+        self.lm, self.cfg = lm, (cfg if cfg is not None else lm.cfg)
         self._bufs: dict[int, MoeBuffers] = {}
 
     def buffers(self, n: int) -> MoeBuffers:

@@ -34,7 +34,7 @@ from gguf import GGUFValueType as VT
 from cukern.models.gguf_loader import SUPPORTED_TYPES, ModelConfig
 from cukern.models.gguf_parse import _INT32_MAX, GGUFError, read_key
 
-__all__ = ["MoeConfig", "config", "MOE_ARCHS", "EXPERT_TYPES", "yarn_inv_freq"]
+__all__ = ["MoeConfig", "config", "read_experts", "MOE_ARCHS", "EXPERT_TYPES", "yarn_inv_freq"]
 
 MOE_ARCHS = ("qwen3moe", "qwen2moe", "gpt-oss")
 # expert tensors: the dense types and MXFP4 (gpt-oss); routers, gates, sinks and biases F32
@@ -162,6 +162,23 @@ def _window_layers(reader, path: str, arch: str, n_layers: int, window: int) -> 
     return tuple(p > 0 and i % p < p - 1 for i in range(n_layers)) if window else (False,) * n_layers
 
 
+def read_experts(reader, path: str, arch: str, *, shared: bool, d_ff: int = 0) -> dict:
+    """``{arch}.expert_count``, ``.expert_used_count``, ``.expert_feed_forward_length`` and (``shared``)
+    ``.expert_shared_feed_forward_length`` as :class:`MoeConfig`'s ``n_experts``, ``n_experts_used``,
+    ``d_ff`` and ``d_ff_shexp`` (0 without a shared expert), in the bounds the MoE kernels take. ``d_ff``:
+    a dense ``feed_forward_length`` the two lengths default to (llama.cpp's qwen3next: ``d_ff / top_k``
+    and ``d_ff``); 0: both keys are required."""
+    def dim(key, default, hi=_INT32_MAX, note=""):
+        args = () if not default else (default,)
+        return read_key(reader, f"{arch}.{key}", "int", path, *args, lo=1, hi=hi, note=note)
+
+    n_experts = dim("expert_count", 0, _MAX_EXPERTS, f" (cukern routes over at most {_MAX_EXPERTS} experts)")
+    top_k = dim("expert_used_count", 0, min(n_experts, _MAX_TOP_K),
+                f" (at most {arch}.expert_count = {n_experts} and {_MAX_TOP_K})")
+    return dict(n_experts=n_experts, n_experts_used=top_k, d_ff=dim("expert_feed_forward_length", d_ff // top_k),
+                d_ff_shexp=dim("expert_shared_feed_forward_length", d_ff) if shared else 0)
+
+
 def config(reader, path: str, tensors: dict) -> MoeConfig:
     """The :class:`MoeConfig` of a ``qwen3moe`` / ``qwen2moe`` / ``gpt-oss`` file (load_gguf's hook)."""
     arch = read_key(reader, "general.architecture", "str", path)
@@ -180,13 +197,10 @@ def config(reader, path: str, tensors: dict) -> MoeConfig:
     if n_heads % n_kv_heads or head_dim % 2:
         raise GGUFError(f"{path}: {arch}.attention.head_count ({n_heads}) must be a multiple of head_count_kv "
                         f"({n_kv_heads}) and key_length ({head_dim}) even")
-    n_experts = dim("expert_count", hi=_MAX_EXPERTS, note=f" (cukern routes over at most {_MAX_EXPERTS} experts)")
-    top_k = dim("expert_used_count", hi=min(n_experts, _MAX_TOP_K),
-                note=f" (at most {arch}.expert_count = {n_experts} and {_MAX_TOP_K})")
-    d_ff = dim("expert_feed_forward_length")
     gpt_oss = arch == "gpt-oss"
     shexp = arch == "qwen2moe" or "blk.0.ffn_gate_inp_shexp.weight" in tensors
-    d_ff_shexp = dim("expert_shared_feed_forward_length") if shexp else 0
+    experts = read_experts(reader, path, arch, shared=shexp)
+    n_experts, top_k, d_ff, d_ff_shexp = (experts[k] for k in ("n_experts", "n_experts_used", "d_ff", "d_ff_shexp"))
     emb = tensors.get("token_embd.weight")
     if emb is None:
         raise GGUFError(f"{path}: missing tensor 'token_embd.weight'")

@@ -35,7 +35,7 @@ from cukern.models.moe import MoeBlock, MoeWeights, bias_matrix
 from cukern.models.transformer import Transformer, _Layer
 from cukern.profiler import nvtx_range
 
-__all__ = ["MoeTransformer", "MoeRoutingError"]
+__all__ = ["MoeTransformer", "MoeRoutingError", "moe_weights"]
 
 
 class MoeRoutingError(DeviceError):
@@ -47,6 +47,34 @@ class _MoeLayer(_Layer):
     moe: MoeWeights | None = None
     bo: cupy.ndarray | None = None       # gpt-oss: the attention output's bias [d_model]
     sinks: cupy.ndarray | None = None    # gpt-oss: one logit per query head [n_heads]
+
+
+def moe_weights(model, i: int, qw, cfg) -> MoeWeights:
+    """Layer i's :class:`MoeWeights` from an uploaded GGUFModel: the 3-D expert tensors as QWeights over their
+    GGUF bytes, the F32 router, gpt-oss's bias matrices, the shared expert (``qw(name)``: a matrix's
+    QWeight) and its gate [1, d_model]; ``cfg`` the :class:`~cukern.models.moe_config.MoeConfig`."""
+    m, dev, b = model, model.device, f"blk.{i}."
+
+    def experts(name) -> QWeight:
+        t = m[name]
+        return QWeight(m.raw[name].reshape(-1), int(t.qtype), t.shape[1], t.shape[2], n_experts=t.shape[0])
+
+    def bias(name) -> QWeight:
+        mat = cupy.asarray(bias_matrix(m[name].dequantize(np.float32)))
+        return QWeight(mat.view(cupy.uint8).reshape(-1), int(QT.F32), mat.shape[1], mat.shape[2],
+                       n_experts=mat.shape[0])
+
+    W = MoeWeights(router=dev[b + "ffn_gate_inp.weight"], gate=experts(b + "ffn_gate_exps.weight"),
+                   up=experts(b + "ffn_up_exps.weight"), down=experts(b + "ffn_down_exps.weight"))
+    if cfg.gpt_oss:
+        W.router_bias = dev[b + "ffn_gate_inp.bias"]
+        W.gate_bias, W.up_bias = bias(b + "ffn_gate_exps.bias"), bias(b + "ffn_up_exps.bias")
+        W.down_bias = bias(b + "ffn_down_exps.bias")
+    if cfg.shared_expert:
+        W.sh_gate, W.sh_up = qw(b + "ffn_gate_shexp.weight"), qw(b + "ffn_up_shexp.weight")
+        W.sh_down = qw(b + "ffn_down_shexp.weight")
+        W.sh_router = dev[b + "ffn_gate_inp_shexp.weight"].reshape(1, -1)
+    return W
 
 
 class MoeTransformer(Transformer):
@@ -69,27 +97,8 @@ class MoeTransformer(Transformer):
 
     # ------------------------------------------------------------------ weights
     def _load_layer(self, i: int, qw) -> _MoeLayer:
-        c, m, dev, b = self.cfg, self.model, self.model.device, f"blk.{i}."
-
-        def experts(name) -> QWeight:
-            t = m[name]
-            return QWeight(m.raw[name].reshape(-1), int(t.qtype), t.shape[1], t.shape[2], n_experts=t.shape[0])
-
-        def bias(name) -> QWeight:
-            mat = cupy.asarray(bias_matrix(m[name].dequantize(np.float32)))
-            return QWeight(mat.view(cupy.uint8).reshape(-1), int(QT.F32), mat.shape[1], mat.shape[2],
-                           n_experts=mat.shape[0])
-
-        W = MoeWeights(router=dev[b + "ffn_gate_inp.weight"], gate=experts(b + "ffn_gate_exps.weight"),
-                       up=experts(b + "ffn_up_exps.weight"), down=experts(b + "ffn_down_exps.weight"))
-        if c.gpt_oss:
-            W.router_bias = dev[b + "ffn_gate_inp.bias"]
-            W.gate_bias, W.up_bias = bias(b + "ffn_gate_exps.bias"), bias(b + "ffn_up_exps.bias")
-            W.down_bias = bias(b + "ffn_down_exps.bias")
-        if c.shared_expert:
-            W.sh_gate, W.sh_up = qw(b + "ffn_gate_shexp.weight"), qw(b + "ffn_up_shexp.weight")
-            W.sh_down = qw(b + "ffn_down_shexp.weight")
-            W.sh_router = dev[b + "ffn_gate_inp_shexp.weight"].reshape(1, -1)
+        c, dev, b = self.cfg, self.model.device, f"blk.{i}."
+        W = moe_weights(self.model, i, qw, c)
         return _MoeLayer(
             attn_norm=dev[b + "attn_norm.weight"], wq=qw(b + "attn_q.weight"), wk=qw(b + "attn_k.weight"),
             wv=qw(b + "attn_v.weight"), wo=qw(b + "attn_output.weight"), ffn_norm=dev[b + c.ffn_norm_name],

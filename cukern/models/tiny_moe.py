@@ -17,7 +17,10 @@ from gguf import GGMLQuantizationType as QT
 
 from cukern.models.tiny import TinySpec, _add_bpe_tokenizer, add_attention, add_shape, random_blocks
 
-__all__ = ["MoeTinySpec", "MOE_PRESETS"]
+__all__ = ["MoeTinySpec", "MOE_PRESETS", "add_expert_keys", "add_experts", "add_shared_expert", "EXPERT_TYPES"]
+
+# the expert tensors' default block types (gpt-oss: MXFP4)
+EXPERT_TYPES = {"ffn_gate_exps.weight": QT.Q4_K, "ffn_up_exps.weight": QT.Q4_K, "ffn_down_exps.weight": QT.Q8_0}
 
 
 class MoeTinySpec(TinySpec):
@@ -35,9 +38,7 @@ class MoeTinySpec(TinySpec):
         self.n_experts, self.top_k, self.d_ff_shexp = n_experts, top_k, d_ff_shexp
         self.yarn_factor, self.yarn_context, self.window_pattern = yarn_factor, yarn_context, window_pattern
         self.router_scale = router_scale
-        default = {"ffn_gate_exps.weight": QT.MXFP4, "ffn_up_exps.weight": QT.MXFP4,
-                   "ffn_down_exps.weight": QT.MXFP4} if arch == "gpt-oss" else \
-            {"ffn_gate_exps.weight": QT.Q4_K, "ffn_up_exps.weight": QT.Q4_K, "ffn_down_exps.weight": QT.Q8_0}
+        default = {n: QT.MXFP4 for n in EXPERT_TYPES} if arch == "gpt-oss" else EXPERT_TYPES
         self.types = {**default, **self.types}
 
     def write(self, path, *, seed: int = 0) -> str:
@@ -52,6 +53,32 @@ MOE_PRESETS = {
 }
 
 
+def add_expert_keys(w, n_experts: int, top_k: int, d_ff: int, d_ff_shexp: int = 0) -> None:
+    """The expert keys of ``w``'s architecture (the shared expert's length where > 0)."""
+    w.add_expert_count(n_experts)
+    w.add_expert_used_count(top_k)
+    w.add_expert_feed_forward_length(d_ff)
+    if d_ff_shexp:
+        w.add_expert_shared_feed_forward_length(d_ff_shexp)
+
+
+def add_experts(mat, f32, b: str, d: int, ff: int, e: int, router_scale: float = 1.0) -> None:
+    """Layer prefix ``b``'s router (F32 [e, d]) and 3-D expert tensors through the writer's
+    ``mat(name, rows, cols, scale, experts)`` and ``f32(name, shape, centre, spread)``."""
+    f32(b + "ffn_gate_inp.weight", (e, d), 0.0, router_scale / np.sqrt(d))
+    mat(b + "ffn_gate_exps.weight", ff, d, 1.0 / np.sqrt(d), e)
+    mat(b + "ffn_up_exps.weight", ff, d, 1.0 / np.sqrt(d), e)
+    mat(b + "ffn_down_exps.weight", d, ff, 1.0 / np.sqrt(ff), e)
+
+
+def add_shared_expert(mat, f32, b: str, d: int, fs: int) -> None:
+    """Layer prefix ``b``'s shared expert of ``fs`` rows and its gate (F32 [d]), as :func:`add_experts`."""
+    f32(b + "ffn_gate_inp_shexp.weight", d, 0.0, 1.0 / np.sqrt(d))
+    mat(b + "ffn_gate_shexp.weight", fs, d, 1.0 / np.sqrt(d))
+    mat(b + "ffn_up_shexp.weight", fs, d, 1.0 / np.sqrt(d))
+    mat(b + "ffn_down_shexp.weight", d, fs, 1.0 / np.sqrt(fs))
+
+
 def _write(path, spec: MoeTinySpec, seed: int) -> str:
     arch, rng = spec.arch, np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
@@ -60,11 +87,7 @@ def _write(path, spec: MoeTinySpec, seed: int) -> str:
     q, kv = spec.n_heads * hd, spec.n_kv_heads * hd
     gpt_oss = arch == "gpt-oss"
     add_shape(w, spec, eps=1e-5 if gpt_oss else 1e-6, rope_base=150000.0 if gpt_oss else 1e6)
-    w.add_expert_count(e)
-    w.add_expert_used_count(spec.top_k)
-    w.add_expert_feed_forward_length(ff)
-    if spec.d_ff_shexp:
-        w.add_expert_shared_feed_forward_length(spec.d_ff_shexp)
+    add_expert_keys(w, e, spec.top_k, ff, spec.d_ff_shexp)
     if gpt_oss:
         w.add_sliding_window(spec.sliding_window)
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
@@ -93,10 +116,7 @@ def _write(path, spec: MoeTinySpec, seed: int) -> str:
         f32(b + "attn_norm.weight", d, 1.0, 0.1)
         add_attention(mat, b, d, q, kv)
         f32(b + ("post_attention_norm.weight" if gpt_oss else "ffn_norm.weight"), d, 1.0, 0.1)
-        f32(b + "ffn_gate_inp.weight", (e, d), 0.0, spec.router_scale / np.sqrt(d))
-        mat(b + "ffn_gate_exps.weight", ff, d, 1.0 / np.sqrt(d), e)
-        mat(b + "ffn_up_exps.weight", ff, d, 1.0 / np.sqrt(d), e)
-        mat(b + "ffn_down_exps.weight", d, ff, 1.0 / np.sqrt(ff), e)
+        add_experts(mat, f32, b, d, ff, e, spec.router_scale)
         if arch == "qwen3moe":
             f32(b + "attn_q_norm.weight", hd, 1.0, 0.1)
             f32(b + "attn_k_norm.weight", hd, 1.0, 0.1)
@@ -112,11 +132,7 @@ def _write(path, spec: MoeTinySpec, seed: int) -> str:
             f32(b + "ffn_up_exps.bias", (e, ff), 0.0, 0.1)
             f32(b + "ffn_down_exps.bias", (e, d), 0.0, 0.1)
         if spec.d_ff_shexp:
-            fs = spec.d_ff_shexp
-            f32(b + "ffn_gate_inp_shexp.weight", d, 0.0, 1.0 / np.sqrt(d))
-            mat(b + "ffn_gate_shexp.weight", fs, d, 1.0 / np.sqrt(d))
-            mat(b + "ffn_up_shexp.weight", fs, d, 1.0 / np.sqrt(d))
-            mat(b + "ffn_down_shexp.weight", d, fs, 1.0 / np.sqrt(fs))
+            add_shared_expert(mat, f32, b, d, spec.d_ff_shexp)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

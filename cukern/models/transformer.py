@@ -260,8 +260,13 @@ class Transformer(Layers):
         self._stream = None  # prefill's own stream where the caller's is the legacy default one
 
     def __new__(cls, model: GGUFModel | None = None, *args, **kwargs):
-        """A model with experts (``cfg.n_experts``) builds a :class:`cukern.models.moe_transformer.MoeTransformer`."""
-        if cls is Transformer and getattr(getattr(model, "config", None), "n_experts", 0):
+        """A model with experts (``cfg.n_experts``) builds a :class:`cukern.models.moe_transformer.MoeTransformer`,
+        a ``qwen3next`` one a :class:`cukern.models.hybrid.HybridModel`."""
+        cfg = getattr(model, "config", None)
+        if cls is Transformer and getattr(cfg, "arch", None) == "qwen3next":
+            from cukern.models.hybrid import HybridModel
+            cls = HybridModel
+        elif cls is Transformer and getattr(cfg, "n_experts", 0):
             from cukern.models.moe_transformer import MoeTransformer
             cls = MoeTransformer
         return super().__new__(cls)

@@ -14,8 +14,10 @@ DeltaNet, per token t (state carried across calls, like the K/V cache)::
     out = W_out (rms_norm(o) * ssm_norm * silu(z))      (per value head)
 
 Full attention: ``[q | gate] = W_q h`` per head, Q/K RMS norm, NeoX RoPE over the first ``rope_dim`` dims
-of a head, causal GQA attention, ``out = W_o (o * sigmoid(gate))``. The FFN is the dense SwiGLU, or the
-block registered in :data:`FFN_REFERENCES` under the config's ``ffn`` kind (the MoE block plugs in there).
+of a head, causal GQA attention, ``out = W_o (o * sigmoid(gate))``. The FFN is the one registered in
+:data:`FFN_REFERENCES` under the config's ``ffn`` kind: the dense SwiGLU, or Qwen3-Next's MoE block (the MoE
+reference's :func:`cukern.reference.models_moe.moe_ffn` over ``cfg.moe``: routed experts plus the
+sigmoid-gated shared expert).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from cukern.reference.models import ReferenceModel, attention, rms_norm, rope, silu
+from cukern.reference.models_moe import moe_ffn
 
 __all__ = ["HybridReference", "FFN_REFERENCES", "dense_ffn"]
 
@@ -33,9 +36,8 @@ def dense_ffn(model: "HybridReference", i: int, h: np.ndarray) -> np.ndarray:
     return (silu(g) * u) @ model.w(b + "ffn_down.weight").T
 
 
-# FFN kind (HybridConfig.ffn) -> fn(model, layer, h [T, d]) -> [T, d]. "moe" (routed experts + a sigmoid-gated
-# shared expert, the Qwen3-Next files) is registered by the MoE block's reference.
-FFN_REFERENCES = {"dense": dense_ffn}
+# FFN kind (HybridConfig.ffn) -> fn(model, layer, h [T, d]) -> [T, d]
+FFN_REFERENCES = {"dense": dense_ffn, "moe": lambda model, i, h: moe_ffn(model.cfg.moe, model.w, i, h)}
 
 
 def _l2(x, eps):

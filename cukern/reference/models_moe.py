@@ -20,7 +20,7 @@ import numpy as np
 
 from cukern.reference.models import ReferenceModel, rms_norm, rope, silu
 
-__all__ = ["MoeReferenceModel", "route", "swiglu_oai", "attention_sinks"]
+__all__ = ["MoeReferenceModel", "moe_ffn", "route", "swiglu_oai", "attention_sinks"]
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:
@@ -58,6 +58,36 @@ def attention_sinks(q, k, v, q_pos, k_pos, scale: float, window: int, sinks) -> 
     return np.einsum("hts,shd->thd", p / denom, v)
 
 
+def moe_ffn(cfg, w, i: int, h: np.ndarray) -> np.ndarray:
+    """The MoE feed-forward block of layer i on normed inputs h [T, d_model]: ``cfg`` a
+    :class:`~cukern.models.moe_config.MoeConfig`, ``w(name)`` a tensor as a float array."""
+    c, b = cfg, f"blk.{i}."
+    logits = h @ w(b + "ffn_gate_inp.weight").T
+    if c.gpt_oss:
+        logits = logits + w(b + "ffn_gate_inp.bias")
+    ids, weights = route(logits, c.n_experts_used, renorm=c.norm_topk)
+    wg, wu, wd = (w(b + f"ffn_{n}_exps.weight") for n in ("gate", "up", "down"))
+    out = np.zeros_like(h)
+    for e in np.unique(ids):
+        t, j = np.nonzero(ids == e)
+        g, u = h[t] @ wg[e].T, h[t] @ wu[e].T
+        if c.gpt_oss:
+            g, u = g + w(b + "ffn_gate_exps.bias")[e], u + w(b + "ffn_up_exps.bias")[e]
+            a = swiglu_oai(g, u, c.swiglu_alpha, c.swiglu_limit)
+        else:
+            a = silu(g) * u
+        y = a @ wd[e].T
+        if c.gpt_oss:
+            y = y + w(b + "ffn_down_exps.bias")[e]
+        np.add.at(out, t, weights[t, j][:, None] * y)
+    if c.shared_expert:
+        s = (silu(h @ w(b + "ffn_gate_shexp.weight").T) * (h @ w(b + "ffn_up_shexp.weight").T)) \
+            @ w(b + "ffn_down_shexp.weight").T
+        gate = h @ w(b + "ffn_gate_inp_shexp.weight")
+        out = out + s / (1.0 + np.exp(-gate))[:, None]
+    return out
+
+
 class MoeReferenceModel(ReferenceModel):
     """The float64 forward of a MoE GGUF model (see the module docstring)."""
 
@@ -77,32 +107,8 @@ class MoeReferenceModel(ReferenceModel):
         return o + self.w(b + "attn_output.bias") if c.gpt_oss else o
 
     def moe(self, i: int, h: np.ndarray) -> np.ndarray:
-        """The MoE feed-forward block of layer i on normed inputs h [T, d_model]."""
-        c, b = self.cfg, f"blk.{i}."
-        logits = h @ self.w(b + "ffn_gate_inp.weight").T
-        if c.gpt_oss:
-            logits = logits + self.w(b + "ffn_gate_inp.bias")
-        ids, weights = route(logits, c.n_experts_used, renorm=c.norm_topk)
-        wg, wu, wd = (self.w(b + f"ffn_{n}_exps.weight") for n in ("gate", "up", "down"))
-        out = np.zeros_like(h)
-        for e in np.unique(ids):
-            t, j = np.nonzero(ids == e)
-            g, u = h[t] @ wg[e].T, h[t] @ wu[e].T
-            if c.gpt_oss:
-                g, u = g + self.w(b + "ffn_gate_exps.bias")[e], u + self.w(b + "ffn_up_exps.bias")[e]
-                a = swiglu_oai(g, u, c.swiglu_alpha, c.swiglu_limit)
-            else:
-                a = silu(g) * u
-            y = a @ wd[e].T
-            if c.gpt_oss:
-                y = y + self.w(b + "ffn_down_exps.bias")[e]
-            np.add.at(out, t, weights[t, j][:, None] * y)
-        if c.shared_expert:
-            s = (silu(h @ self.w(b + "ffn_gate_shexp.weight").T) * (h @ self.w(b + "ffn_up_shexp.weight").T)) \
-                @ self.w(b + "ffn_down_shexp.weight").T
-            gate = h @ self.w(b + "ffn_gate_inp_shexp.weight")
-            out = out + s / (1.0 + np.exp(-gate))[:, None]
-        return out
+        """The MoE feed-forward block of layer i on normed inputs h [T, d_model]: :func:`moe_ffn`."""
+        return moe_ffn(self.cfg, self.w, i, h)
 
     def _layer(self, i: int, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
         x = x + self._attention(i, x, pos)
