@@ -57,7 +57,7 @@ def _empty(shape, dtype=np.float32):
 
 
 fake_cupy = types.SimpleNamespace(
-    float32=np.float32, int32=np.int32, empty=_empty, asarray=lambda a: wrap(np.array(a)),
+    float16=np.float16, float32=np.float32, int32=np.int32, empty=_empty, asarray=lambda a: wrap(np.array(a)),
     full=lambda shape, v, dtype=np.float32: wrap(np.full(shape, v, dtype)),
     cuda=types.SimpleNamespace(Stream=FakeStream))
 

@@ -77,6 +77,8 @@ class MoeBuffers:
         self.up = cupy.empty((n, k, ff), f) if cfg.gpt_oss else None
         self.route = mm.plan_moe_route(n, k, e) if n > SLOT_MAX_ROWS else None
         self.down = cupy.empty((n, k, d), f) if self.route is not None else None
+        # the grouped GEMMs' activated gate x up, one f16 row per slot (the down GEMM's input)
+        self.hidden16 = cupy.empty((n * k, ff), cupy.float16) if self.route is not None else None
         if cfg.gpt_oss:
             unit = np.zeros((n, k, _UNIT), np.float32)
             unit[..., 0] = 1.0
@@ -166,9 +168,7 @@ class MoeBlock:
         n, k, ff = mb.gate.shape
         if rule is not None and route.n_slots >= rule * route.n_experts and W.gate.qtype == W.up.qtype \
                 and all(gm._moe_gemm_ok(w) for w in (W.gate, W.up, W.down)) and ff % 8 == 0:
-            hid = getattr(mb, "hidden16", None)
-            if hid is None:  # made by the row count's first (eager) run, as the buffers are
-                hid = mb.hidden16 = cupy.empty((n * k, ff), cupy.float16)
+            hid = mb.hidden16
             if c.gpt_oss:
                 bias = lambda b: b.buf.view(cupy.float32).reshape(b.n_experts, b.m, _UNIT)[..., 0]  # noqa: E731
                 gm.moe_gemm_glu(W.gate, W.up, h, route, hid, act="swiglu_oai", gate_bias=bias(W.gate_bias),
