@@ -11,6 +11,7 @@
 #   CUKERN_BENCH_ARGS=--quick ...                  # arguments of every benchmark
 #   CUKERN_STEP_TIMEOUT=240 ...                    # seconds each step may take (default: no limit)
 #   CUKERN_SANITIZE="tests/test_dmmv_q8.py tests/test_dmmv_moe.py" ...          # narrow the sanitizer pass
+#   CUKERN_SANITIZE_JOBS=8 ...                     # compute-sanitizer processes side by side (default 6)
 #   CUKERN_RACECHECK_K="test_decode_tc_warps" ...  # the racecheck pass's -k (default: the shared-memory-heavy
 #                                                  # kernels below, ~3 min on an H100); "skip": none
 #
