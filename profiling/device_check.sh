@@ -97,17 +97,19 @@ export SANITIZE PY LOG
 export -f sanitize
 step sanitizer bash -c sanitize
 # shared-memory races (racecheck) in the kernels that stage through shared memory: decode_tc and its split
-# merge, merge_states, the mma.sync and wgmma prefills, the int8 matvec rings, the wgmma and int8 GEMMs
+# merge, merge_states, the mma.sync and wgmma prefills, the int8 matvec rings, the wgmma and int8 GEMMs,
+# the varlen backward's dK/dV kernel (dS through shared memory)
 RACE_K=${CUKERN_RACECHECK_K:-"(test_decode and softcap and (d128 or d256)) or test_decode_tc_warps or test_merge_states \
 or (test_prefill_wgmma_matches_mma_sync and (causal-float16-d128-h4 or causal-float16-d256-h4 or window)) \
 or test_varlen_wgmma_matches_mma_sync \
-or row_tail or (test_gemm_wg and Q4_K) or (test_gemm_q8 and Q6_K)"}
+or row_tail or (test_gemm_wg and Q4_K) or (test_gemm_q8 and Q6_K) \
+or (test_varlen_backward and float16 and (causal or softcap) and 128-4-2)"}
 if [ "$RACE_K" != skip ]; then
     CUKERN_NO_POOL=1 step racecheck compute-sanitizer --tool racecheck --error-exitcode 99 --print-limit 20 \
         $PY -m pytest -q -m gpu -p no:xdist -k "$RACE_K" \
         tests/test_attention.py tests/test_attention_decode.py tests/test_attention_prefill.py tests/test_dmmv.py \
         tests/test_dmmv_fused.py tests/test_dmmv_q8.py tests/test_dmmv_moe.py tests/test_matmul.py tests/test_matmul_wgr.py \
-        tests/test_matmul_int8.py
+        tests/test_matmul_int8.py tests/test_attention_backward.py
 fi
 
 
