@@ -209,7 +209,7 @@ class HybridModel(Transformer):
         if build_ffn is None:
             raise NotImplementedError(f"{model.path}: the {c.ffn!r} FFN has no GPU block yet: register its builder "
                                       f"in cukern.models.hybrid.FFN_BLOCKS[{c.ffn!r}]")
-        self._setup(model, max_seqs, max_tokens, kv_dtype, prefill_chunk, False, device)
+        self._setup(model, max_seqs, max_tokens, kv_dtype, prefill_chunk, dmmv_int8=False, device=device)
         pages = -(-max_tokens // page_size)
         self.cache = HybridCache(c, max_seqs * pages, page_size, max_seqs=max_seqs, max_pages_per_seq=pages,
                                  dtype=kv_dtype, device=device)

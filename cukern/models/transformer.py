@@ -204,7 +204,7 @@ class Transformer(Layers):
     bytes give 0.74-1.37x). The copies cost 1.1x (Q4_K) to 2.2x (Q4_0) the GGUF bytes of the packed
     weights, beside them (decode keeps reading the GGUF bytes)."""
 
-    def _setup(self, model: GGUFModel, max_seqs: int, max_tokens: int, kv_dtype: str, prefill_chunk: int,
+    def _setup(self, model: GGUFModel, max_seqs: int, max_tokens: int, kv_dtype: str, prefill_chunk: int, *,
                dmmv_int8: bool, device: int | None) -> None:
         """Check the sizes, upload the weights and make the dispatches (every model class's first step)."""
         for name, v in (("max_seqs", max_seqs), ("max_tokens", max_tokens), ("prefill_chunk", prefill_chunk)):
@@ -226,7 +226,7 @@ class Transformer(Layers):
     def __init__(self, model: GGUFModel, *, max_seqs: int = 1, max_tokens: int = 4096, page_size: int = 16,
                  kv_dtype: str = "float16", prefill_chunk: int = 1024, dmmv_int8: bool = False,
                  pack_prefill: bool = False, device: int | None = None):
-        self._setup(model, max_seqs, max_tokens, kv_dtype, prefill_chunk, dmmv_int8, device)
+        self._setup(model, max_seqs, max_tokens, kv_dtype, prefill_chunk, dmmv_int8=dmmv_int8, device=device)
         c = self.cfg
         if pack_prefill and not self.gemm._units[next(iter(GEMM_QTYPES))].is_sm90():
             raise ValueError("pack_prefill needs an sm_90 (Hopper) device: packed weights run on gemm_wgr only")
