@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -345,6 +346,8 @@ def run_specs(family: str, specs: list[RowSpec], ceilings: Ceilings, ctx: Any = 
     not hide the others."""
     timer = timer or (lambda timing, fn: timing.us(fn))
     release = release or free_device_memory
+    if _KERNEL_PATTERN is not None:
+        specs = [s for s in specs if _KERNEL_PATTERN.search(s.kernel)]
     torch_ok = _torch_available()
     rows: list[Row] = []
     peer_memo: dict = {}  # (name, inputs) -> us of peers with inputs of their own
@@ -510,19 +513,31 @@ def rows_to_json(rows: list[Row], ceilings: Ceilings) -> str:
     return json.dumps({"ceilings": asdict(ceilings), "rows": [asdict(r) for r in rows]}, indent=1)
 
 
+# set by script_main's --kernel: run_specs keeps only the specs whose kernel name it matches
+_KERNEL_PATTERN: re.Pattern | None = None
+
+
 def script_main(bench, doc: str, *, title: str, quick_help: str, argv=None, add_args=None,
                 bench_kwargs=None) -> int:
-    """The command line every ``profiling/bench_<family>.py`` shares: ``--quick``, ``--json``.
+    """The command line every ``profiling/bench_<family>.py`` shares: ``--quick``, ``--json``,
+    ``--kernel REGEX`` (only the rows whose kernel name it matches, as pytest's ``-k`` selects tests).
 
     ``bench(quick, **bench_kwargs(args))`` returns ``(rows, ceilings)``; ``add_args(parser)``
     adds a script's own flags."""
     ap = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
     ap.add_argument("--json", metavar="FILE", help="write the rows and ceilings here")
     ap.add_argument("--quick", action="store_true", help=quick_help)
+    ap.add_argument("--kernel", metavar="REGEX", type=re.compile,
+                    help="only the rows whose kernel name matches (re.search), e.g. 'bwd|chain'")
     if add_args is not None:
         add_args(ap)
     args = ap.parse_args(argv)
-    rows, ceilings = bench(args.quick, **(bench_kwargs(args) if bench_kwargs else {}))
+    global _KERNEL_PATTERN
+    _KERNEL_PATTERN = args.kernel
+    try:
+        rows, ceilings = bench(args.quick, **(bench_kwargs(args) if bench_kwargs else {}))
+    finally:
+        _KERNEL_PATTERN = None
     print_table(rows, ceilings, title)
     if args.json:
         with open(args.json, "w") as f:

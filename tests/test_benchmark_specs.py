@@ -391,3 +391,23 @@ def test_bad_timing_and_peers_are_refused_when_written():
         RowSpec("k", "s", (_sets([], 1), "a"), _call, ceiling="roof")
     with pytest.raises(ValueError, match="inputs"):
         RowSpec("k", "s", (), _call)
+
+
+def test_kernel_option_selects_rows_by_name(capsys):
+    """``--kernel REGEX`` (every bench script's command line) keeps the rows whose kernel name it matches,
+    and only for that call."""
+    from cukern.benchmark import script_main
+    log = []
+    build = _sets(log, 1)
+    specs = [RowSpec(name, "s", (build, "a"), _call, bytes=(traffic.sample, 1, 10))
+             for name in ("varlen bwd f16", "decode", "varlen f16")]
+    seen = []
+
+    def bench(quick):
+        rows, _ = _run(specs)
+        seen.append([r.kernel for r in rows])
+        return rows, CEIL
+    assert script_main(bench, "fake bench", title="t", quick_help="q", argv=["--kernel", "bwd|^dec"]) == 0
+    assert script_main(bench, "fake bench", title="t", quick_help="q", argv=[]) == 0
+    assert seen == [["varlen bwd f16", "decode"], ["varlen bwd f16", "decode", "varlen f16"]]
+    assert "varlen bwd f16" in capsys.readouterr().out

@@ -44,7 +44,9 @@ def random_weight(qtype: int, m: int, k: int, rng: np.random.Generator, scale: f
     elif name == "Q8_0":
         raw[..., 0:2] = d(s, scale / 127)
     elif name == "MXFP4":
-        raw[..., 0] = rng.integers(122, 130, size=s)  # 2^-5 ... 2^2
+        # e8m0 exponents around 2^-4 * scale: the E2M1 codes (up to 6, doubled in GGUF's table) times
+        # 2^-9 ... 2^-2 keep the entries of order scale, as the other types' are
+        raw[..., 0] = rng.integers(119, 127, size=s) + int(round(np.log2(scale)))
     elif name in ("Q4_K", "Q5_K"):
         raw[..., 0:2] = _f16_bytes(rng.uniform(0.5, 1.5, size=s) * scale / 63 / 16)
         raw[..., 2:4] = _f16_bytes(rng.uniform(0.0, 1.0, size=s) * scale / 63)
