@@ -83,10 +83,10 @@ def test_host_mirror_of_backward_shapes():
     from cukern.attention.backward import BWD_HEAD_DIMS, _bwd_shape
     asserts = []
     for d in BWD_HEAD_DIMS:
-        s = _bwd_shape(d)
-        asserts.append(f"BwdShape<{d}>::BN == {s['bn']} && BwdShape<{d}>::BM == {s['bm']} && "
+        s, kv = _bwd_shape(d), f"BwdShape<{d}, {_bwd_shape(d)['kw']}>"
+        asserts.append(f"{kv}::BN == {s['bn']} && {kv}::BM == {s['bm']} && {kv}::DKDV_SMEM == {s['dkdv_smem']} && "
                        f"BwdShape<{d}>::QM == {s['qm']} && BwdShape<{d}>::QN == {s['qn']} && "
-                       f"BwdShape<{d}>::DKDV_SMEM == {s['dkdv_smem']} && BwdShape<{d}>::DQ_SMEM == {s['dq_smem']}")
+                       f"BwdShape<{d}>::DQ_SMEM == {s['dq_smem']}")
     source = "\n".join(['#include "attention/varlen_bwd.cuh"', "namespace cukern { namespace attn {"]
                        + [f'static_assert({a}, "host mirror: {a}");' for a in asserts] + ["} }"])
     runtime.compile_ptx("probe:attention_bwd_shapes", source, (), 80)
@@ -111,13 +111,13 @@ def test_backward_launches(attn, host_if_no_gpu):
     dq, dk, dv = attn.flash_attn_varlen_backward(**a)
     assert dq.shape == a["q"].shape and dk.shape == dv.shape == a["k"].shape and dq.dtype == np.float16
     if launches is not None:
-        assert dict(launches) == {"bwd_preprocess<__half, 64>": 1, "bwd_dkdv<__half, 64>": 1,
+        assert dict(launches) == {"bwd_preprocess<__half, 64>": 1, "bwd_dkdv<__half, 64, 8>": 1,
                                   "bwd_dq_convert<__half>": 1}
         launches.clear()
     attn.flash_attn_varlen_backward(**_args("bfloat16", d=128), deterministic=True, causal=True, window_left=3,
                                     softcap=2.0, scale=None)
     if launches is not None:
-        assert dict(launches) == {"bwd_preprocess<__nv_bfloat16, 128>": 1, "bwd_dkdv<__nv_bfloat16, 128>": 1,
+        assert dict(launches) == {"bwd_preprocess<__nv_bfloat16, 128>": 1, "bwd_dkdv<__nv_bfloat16, 128, 8>": 1,
                                   "bwd_dq<__nv_bfloat16, 128>": 1}
 
 

@@ -43,9 +43,10 @@ namespace cukern {
 namespace attn {
 
 // Shapes of the backward kernels (mirrored by _bwd_shape in cukern/attention/backward.py).
-template <int D>
+// KW: the warps of a bwd_dkdv block (16 keys each); bwd_dq runs BwdShape<D>'s 4.
+template <int D, int KW = 4>
 struct BwdShape {
-    static constexpr int WARPS = 4;
+    static constexpr int WARPS = KW;
     static constexpr int NT = 32 * WARPS;
     static constexpr int BN = 16 * WARPS;  // bwd_dkdv: keys of a block, 16 per warp
     static constexpr int BM = 32;          // bwd_dkdv: query rows per step
@@ -170,8 +171,8 @@ __global__ void __launch_bounds__(128) bwd_preprocess(
     }
 }
 
-template <typename T, int D>
-__global__ void __launch_bounds__(cukern::attn::BwdShape<D>::NT, 1) bwd_dkdv(
+template <typename T, int D, int KW>
+__global__ void __launch_bounds__(cukern::attn::BwdShape<D, KW>::NT, 1) bwd_dkdv(
     T* __restrict__ dk,                        // [total_k, n_kv_heads, D]
     T* __restrict__ dv,                        // [total_k, n_kv_heads, D]
     float* __restrict__ dq_accum,              // [total_q, n_heads, D] f32, += dS K / scale (dq_atomic only)
@@ -186,7 +187,7 @@ __global__ void __launch_bounds__(cukern::attn::BwdShape<D>::NT, 1) bwd_dkdv(
     const BwdParams p) {
     using namespace cukern;
     using namespace cukern::attn;
-    using Sh = BwdShape<D>;
+    using Sh = BwdShape<D, KW>;
     constexpr int BN = Sh::BN, BM = Sh::BM, LD = Sh::LD, LDS = Sh::LDS, NT = Sh::NT;
     constexpr uint32_t E = sizeof(T);
     constexpr int MQ = BM / 16;                 // dQ: 16-row m-tiles of a step
@@ -333,30 +334,33 @@ __global__ void __launch_bounds__(cukern::attn::BwdShape<D>::NT, 1) bwd_dkdv(
                         pack2<T>(ds[nt][2 * i2], ds[nt][2 * i2 + 1]);
             __syncthreads();
             // dQ (BM x D) += dS (BM x BN) K (BN x D): warp -> m-tile mq, columns [dc0, dc0 + DW)
+            // (k-steps outer: one A fragment live at a time, the DW columns' accumulators beside it)
             const int mq = warp % MQ, dc0 = (warp / MQ) * DW;
-            uint32_t aq[BN / 16][4];
+            float acc[DW / 16][2][4] = {};
 #pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk) ldmatrix_x4_trans(aq[kk], dsA + (kk * 16 * LDS + mq * 16) * E);
+            for (int kk = 0; kk < BN / 16; ++kk) {
+                uint32_t aq[4];
+                ldmatrix_x4_trans(aq, dsA + (kk * 16 * LDS + mq * 16) * E);
+#pragma unroll
+                for (int d2 = 0; d2 < DW / 16; ++d2) {
+                    uint32_t b[4];
+                    ldmatrix_x4_trans(b, kT + (kk * 16 * LD + dc0 + d2 * 16) * E);
+                    mma16816<T>(acc[d2][0], aq, b[0], b[1]);
+                    mma16816<T>(acc[d2][1], aq, b[2], b[3]);
+                }
+            }
             const int32_t ra = r0 + mq * 16 + g;  // rows ra, ra + 8
             float* const qa = dq_accum + ((uint64_t)(q_start + ra) * p.n_heads + h) * D + dc0 + 2 * tq;
 #pragma unroll
             for (int d2 = 0; d2 < DW / 16; ++d2) {
-                float acc[2][4] = {};
-#pragma unroll
-                for (int kk = 0; kk < BN / 16; ++kk) {
-                    uint32_t b[4];
-                    ldmatrix_x4_trans(b, kT + (kk * 16 * LD + dc0 + d2 * 16) * E);
-                    mma16816<T>(acc[0], aq[kk], b[0], b[1]);
-                    mma16816<T>(acc[1], aq[kk], b[2], b[3]);
-                }
 #pragma unroll
                 for (int i2 = 0; i2 < 2; ++i2) {
                     if (ra + 8 * i2 >= q_len) continue;
                     float* row = qa + (uint64_t)(8 * i2) * q_row + d2 * 16;
 #pragma unroll
                     for (int n = 0; n < 2; ++n) {
-                        atomicAdd(row + n * 8, acc[n][2 * i2]);
-                        atomicAdd(row + n * 8 + 1, acc[n][2 * i2 + 1]);
+                        atomicAdd(row + n * 8, acc[d2][n][2 * i2]);
+                        atomicAdd(row + n * 8 + 1, acc[d2][n][2 * i2 + 1]);
                     }
                 }
             }

@@ -30,17 +30,23 @@ def bwd_unit(kind: str) -> FamilySpec:
     """The backward's unit for one element type (float16 or bfloat16)."""
     t = _CTYPE[kind]
     kernels = [KernelSpec(f"bwd_preprocess<{t}, {d}>", "BwdPreParams") for d in BWD_HEAD_DIMS]
-    kernels += [KernelSpec(f"{name}<{t}, {d}>", "BwdParams") for name in ("bwd_dkdv", "bwd_dq") for d in BWD_HEAD_DIMS]
+    kernels += [KernelSpec(f"bwd_dkdv<{t}, {d}, {kw}>", "BwdParams") for d in BWD_HEAD_DIMS for kw in (4, 8)]
+    kernels += [KernelSpec(f"bwd_dq<{t}, {d}>", "BwdParams") for d in BWD_HEAD_DIMS]
     kernels.append(KernelSpec(f"bwd_dq_convert<{t}>", "BwdConvertParams"))
     return FamilySpec(f"attention_bwd_{_SHORT[kind]}", tuple(kernels), source="attention/varlen_bwd.cu",
                       params_header="attention/bwd_params.cuh")
 
 
-def _bwd_shape(d: int) -> dict:
-    """Tiles and dynamic shared bytes of the backward kernels at head_dim d (BwdShape in varlen_bwd.cuh)."""
-    ld, bn, bm, qm = d + 8, 64, 32, 64
+_DKDV_WARPS = 8  # warps of a bwd_dkdv block (16 keys each)
+
+
+def _bwd_shape(d: int, kw: int | None = None) -> dict:
+    """Tiles and dynamic shared bytes of the backward kernels at head_dim d (BwdShape<d, kw> in varlen_bwd.cuh;
+    bwd_dq's: BwdShape<d>)."""
+    kw = _DKDV_WARPS if kw is None else kw
+    ld, bn, bm, qm = d + 8, 16 * kw, 32, 64
     qn = 64 if d <= 64 else 32
-    return dict(bn=bn, bm=bm, qm=qm, qn=qn, dkdv_smem=((2 * bn + 4 * bm) * ld + bn * (bm + 8)) * 2,
+    return dict(kw=kw, bn=bn, bm=bm, qm=qm, qn=qn, dkdv_smem=((2 * bn + 4 * bm) * ld + bn * (bm + 8)) * 2,
                 dq_smem=(2 * qm + 4 * qn) * ld * 2)
 
 
@@ -148,7 +154,7 @@ class Backward:
                      pre, stream=stream)
         common = dict(n_seqs=b, n_heads=h, n_kv_heads=hk, group=h // hk, causal=int(causal), **fields)
         p = unit.struct("BwdParams").pack(n_tiles=n_k_tiles, dq_atomic=int(not deterministic), **common)
-        unit._launch(f"bwd_dkdv<{t}, {d}>", (n_k_tiles, hk, b), _BWD_THREADS,
+        unit._launch(f"bwd_dkdv<{t}, {d}, {sh['kw']}>", (n_k_tiles, hk, b), 32 * sh["kw"],
                      (dk, dv, acc, q, k, v, dout, lse, delta, cu_q, cu_k), p, stream=stream,
                      shared_mem=sh["dkdv_smem"])
         if deterministic:
