@@ -12,6 +12,8 @@ element type, so f16 rel 1e-2, bf16 rel 2e-2.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -20,6 +22,7 @@ cupy = pytest.importorskip("cupy")
 from cukern.reference import attention as ref  # noqa: E402
 from cukern.testing import assert_close, poison  # noqa: E402
 from attention_helpers import _store  # noqa: E402
+from cukern.attention.backward import BWD_HEAD_DIMS  # noqa: E402
 
 REL = {"float16": 1e-2, "bfloat16": 2e-2}
 
@@ -82,8 +85,8 @@ def test_host_mirror_of_backward_shapes():
     from cukern import runtime
     from cukern.attention.backward import BWD_HEAD_DIMS, _bwd_shape
     asserts = []
-    for d in BWD_HEAD_DIMS:
-        s, kv = _bwd_shape(d), f"BwdShape<{d}, {_bwd_shape(d)['kw']}>"
+    for d, kw in itertools.product(BWD_HEAD_DIMS, (4, 8)):
+        s, kv = _bwd_shape(d, kw), f"BwdShape<{d}, {kw}>"
         asserts.append(f"{kv}::BN == {s['bn']} && {kv}::BM == {s['bm']} && {kv}::DKDV_SMEM == {s['dkdv_smem']} && "
                        f"BwdShape<{d}>::QM == {s['qm']} && BwdShape<{d}>::QN == {s['qn']} && "
                        f"BwdShape<{d}>::DQ_SMEM == {s['dq_smem']}")
@@ -119,6 +122,14 @@ def test_backward_launches(attn, host_if_no_gpu):
     if launches is not None:
         assert dict(launches) == {"bwd_preprocess<__nv_bfloat16, 128>": 1, "bwd_dkdv<__nv_bfloat16, 128, 8>": 1,
                                   "bwd_dq<__nv_bfloat16, 128>": 1}
+
+
+def test_dkdv_warps_follow_the_shared_memory_limit(attn, monkeypatch):
+    """8 warps (128-key tiles) where their shared memory fits a block (H100: 227 KB; sm_86 / sm_89's 99 KB at
+    head_dim 64), else 4 (head_dim 128 on sm_86 / sm_89)."""
+    for limit, want in ((227 * 1024, {64: 8, 128: 8}), (99 * 1024, {64: 8, 128: 4})):
+        monkeypatch.setattr(type(attn), "max_shared_optin", lambda self, limit=limit: limit)
+        assert {d: attn._dkdv_warps(d) for d in BWD_HEAD_DIMS} == want
 
 
 def test_backward_rejects_bad_input_before_launch(attn, host_if_no_gpu):
@@ -204,6 +215,22 @@ def test_varlen_backward(attn, rng, kind, mode, d, h, hk, deterministic):
     want = ref.varlen_backward(*f, cu_q, cu_k, **kw)
     for name, got, w in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
         _grad_close(got, w, kind, f"{name} ({mode}, {'deterministic' if deterministic else 'atomic'})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("d,h,hk", [(128, 4, 2), (64, 4, 1)])
+def test_varlen_backward_four_warp_tiles(attn, rng, monkeypatch, mode, d, h, hk):
+    """bwd_dkdv's 4-warp, 64-key tiles (what a device with 99 KB a block runs at head_dim 128)."""
+    monkeypatch.setattr(attn, "_dkdv_warps", lambda d: 4)
+    q_lens, k_lens = [1, 130, 64, 7], [1, 130, 200, 301]
+    kw = MODES[mode]
+    cu_q, cu_k, q, k, v, do = _case(rng, "float16", h, hk, d, q_lens, k_lens)
+    out, lse = _forward(attn, q, k, v, cu_q, cu_k, q_lens, **kw)
+    dq, dk, dv = _backward(attn, do, q, k, v, out, lse, cu_q, cu_k, q_lens, k_lens, False, **kw)
+    want = ref.varlen_backward(*[ref.as_float64(a, "float16") for a in (do, q, k, v)], cu_q, cu_k, **kw)
+    for name, got, w in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
+        _grad_close(got, w, "float16", f"{name} ({mode}, 4 warps)")
 
 
 @pytest.mark.gpu

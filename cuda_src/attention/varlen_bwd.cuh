@@ -13,7 +13,8 @@
 //   bwd_preprocess  grid (rows / (4 * rows per warp)), 128 threads: D per (token, head), one group of D / 8
 //                   lanes a row; zeroes dq_accum's rows in the atomic mode. Reads 2 total_q h D T, writes
 //                   4 total_q h bytes (+ 4 total_q h D zeros).
-//   bwd_dkdv        grid (K tiles of BN = 64 keys, n_kv_heads, n_seqs), 4 warps of 16 keys: the K/V tile in
+//   bwd_dkdv        grid (K tiles of BN = 16 KW keys, n_kv_heads, n_seqs), KW warps of 16 keys (8, or 4 where
+//                   the 8-warp tile's shared memory exceeds a block's, as at D 128 on sm_86/89): the K/V tile in
 //                   shared memory once; loops over the query heads of the KV head's group and their query
 //                   tiles of BM = 32 rows that see a key of the tile (Q, dO, LSE, D double-buffered with
 //                   cp.async), recomputes S^T = K Q^T and P^T, accumulates dV += P^T dO and dK += dS^T Q in
@@ -43,7 +44,8 @@ namespace cukern {
 namespace attn {
 
 // Shapes of the backward kernels (mirrored by _bwd_shape in cukern/attention/backward.py).
-// KW: the warps of a bwd_dkdv block (16 keys each); bwd_dq runs BwdShape<D>'s 4.
+// KW: the warps of a bwd_dkdv block, 16 keys each (8 where the 128-key tile's shared memory fits a block,
+// else 4: Backward._dkdv_warps); bwd_dq runs BwdShape<D>'s 4.
 template <int D, int KW = 4>
 struct BwdShape {
     static constexpr int WARPS = KW;

@@ -127,6 +127,10 @@ class AttentionDispatch(Decode, Backward):
     def sm_count(self) -> int:
         return self._units["attention"].sm_count()
 
+    def max_shared_optin(self) -> int:
+        """The most dynamic shared memory one block may opt in to on this device (bytes)."""
+        return self._units["attention"].max_shared_optin()
+
     # ------------------------------------------------------------------ cache writes
     def _kv_src(self, cache: PagedKVCache, k, v, n: int | None):
         kinds = (cache.kind,) if cache.kind == "float32" else (cache.kind, "float32")
