@@ -296,12 +296,14 @@ def _teacher_forced(m, prompt, got, last_logits, tol=1e-3):
 
 @gpu
 @pytest.mark.parametrize("name", MOE)
-@pytest.mark.parametrize("kv_dtype,chunk,bound", [("float32", 5, 1e-9), ("float16", 5, 1e-5), ("float32", 16, 1e-4)])
+@pytest.mark.parametrize("kv_dtype,chunk,bound", [("float32", 5, 1e-9), ("float16", 5, 1e-5), ("float32", 16, 1e-3)])
 def test_gpu_moe_forward_matches_reference(tiny_moe, name, kv_dtype, chunk, bound, rng):
     """Prefill of 29 tokens (past gpt-oss's window of 8) in chunks, then 10 greedy decode steps (steps
     2... graph replays), against the float64 reference: last-prompt-token logits NMSE and the teacher-
-    forced continuation. Chunks of 5 rows: per-slot expert matvecs (f32 activations); of 16: the
-    expert-grouped matvecs and the attention GEMMs (activations rounded to f16: a looser bound)."""
+    forced continuation. Chunks of 5 rows: per-slot expert matvecs (f32 activations); of 16: the grouped
+    expert GEMMs and the attention GEMMs (activations rounded to f16). Rounding there can flip a near-tied
+    top-k expert of a token, which moves the logits by ~1e-4 NMSE (gpt-oss's tiny model: 1.4e-4 on one
+    prompt of many, 1e-7 typical); a wrong kernel moves them by > 1e-2."""
     import cupy
     from cukern.testing import nmse
     _needs_yarn(name)
