@@ -131,15 +131,19 @@ def test_dmmv_normed_input_without_residual_out(d, rng):
 
 def _merged(rng, s, h, d, *, sinks=False, empty=()):
     """(MergedX on the device, float64 x): s states of h heads of d; the states in ``empty`` have no keys
-    (LSE -inf, O poisoned: never read)."""
+    (LSE -inf, O poisoned: never read). With ``sinks``: a buffer of three layers' sinks (the third
+    layer's used, at sink_offset 2h; its head 1 NaN: no sink)."""
     o = rng.standard_normal((s, h, d)).astype(np.float32)
     lse = (rng.standard_normal((s, h)) * 4).astype(np.float32)
     for i in empty:
         lse[i] = -np.inf
         o[i] = np.nan
-    sk = (rng.standard_normal(h) * 2).astype(np.float32) if sinks else None
-    mx = D.MergedX(cupy.asarray(o), cupy.asarray(lse), None if sk is None else cupy.asarray(sk))
-    return mx, ref.merged_x(o, lse, sk)
+    if not sinks:
+        return D.MergedX(cupy.asarray(o), cupy.asarray(lse)), ref.merged_x(o, lse)
+    sk = (rng.standard_normal(3 * h) * 2).astype(np.float32)
+    sk[2 * h + 1] = np.nan
+    mx = D.MergedX(cupy.asarray(o), cupy.asarray(lse), cupy.asarray(sk), sink_offset=2 * h)
+    return mx, ref.merged_x(o, lse, sk, sink_offset=2 * h)
 
 
 @pytest.mark.gpu
@@ -147,7 +151,8 @@ def _merged(rng, s, h, d, *, sinks=False, empty=()):
 def test_dmmv_merged_input(d, rng, q):
     """dmmv on a MergedX (the split attention states merged by every block) against the merge in
     float64 followed by the matvec: one state, many (more than a warp), empty states, a head with no
-    keys at all, sinks, Gemma 3's 4 x 256 and ragged head counts; store and accumulate."""
+    keys at all, sinks at a layer's offset (one NaN: none), Gemma 3's 4 x 256 and ragged head counts; store
+    and accumulate."""
     wide = ref.TYPES[q][1] == 256  # k a multiple of the 256-element super-block
     for s, h, dh, kw in ((1, 4, 256, {}), (7, 5, 256 if wide else 64, dict(sinks=True, empty=(2, 5))),
                          (37, 3 if not wide else 2, 128, {}), (4, 2, 640 if wide else 160, dict(empty=(0, 1, 2, 3))),
@@ -167,7 +172,8 @@ def test_dmmv_merged_input(d, rng, q):
 def test_dmmv_merged_input_from_split_decode(rng):
     """The attention output projection after a split decode: flash_attn_decode_partials' states as a
     MergedX into dmmv equal flash_attn_decode's merged output followed by the matvec (Gemma 3's decode
-    shape: 4 query heads on 1 KV head of 256, an f16 cache), with and without sinks, under pdl."""
+    shape: 4 query heads on 1 KV head of 256, an f16 cache), with and without sinks (a buffer of two layers'
+    at layer 1's offset, one NaN), under pdl."""
     from cukern.attention import AttentionDispatch, PagedKVCache
     attn, dp = AttentionDispatch(pdl=True), DmmvDispatch(int8=False, pdl=True)
     cache = PagedKVCache(1, 64, 16, 1, 256, max_seqs=2, dtype="float16")
@@ -178,14 +184,16 @@ def test_dmmv_merged_input_from_split_decode(rng):
         attn.write_kv_run(cache, 0, kv, kv * 0.5, s, 0)
     w, dense = _weight(12, 640, 1024, rng)  # Q4_K o_proj
     for slot in slots:
-        for sinks in (None, cupy.asarray(rng.standard_normal(4).astype(np.float32))):
+        buf = rng.standard_normal(8).astype(np.float32)
+        buf[6] = np.nan
+        for sinks in (None, cupy.asarray(buf)):
             plan = attn.plan_decode(cache, [slot], 4, n_splits=5, partials=True)
             q = cupy.asarray(rng.standard_normal((1, 4, 256)).astype(np.float32))
             out = poison(cupy.empty((1, 4, 256), cupy.float32))
-            attn.flash_attn_decode(plan, 0, q, out, sinks=sinks)
+            attn.flash_attn_decode(plan, 0, q, out, sinks=sinks, sink_offset=4)
             o_part, lse_part = attn.flash_attn_decode_partials(plan, 0, q)
             y = poison(cupy.empty(640, cupy.float32))
-            dp.dmmv(w, D.MergedX(o_part, lse_part, sinks), y)
+            dp.dmmv(w, D.MergedX(o_part, lse_part, sinks, sink_offset=4), y)
             _check(y, ref.matvec(dense, out.get().reshape(-1).astype(np.float64)), f"slot {slot} sinks={sinks is not None}")
 
 
@@ -197,8 +205,14 @@ def test_merged_input_rejects(host_if_no_gpu):
         D.MergedX(z(2, 3, 62), z(2, 3))
     with pytest.raises(ValueError, match=r"lse_part must have shape \(2, 3\)"):
         D.MergedX(z(2, 3, 64), z(3, 2))
-    with pytest.raises(ValueError, match=r"sinks must have shape \(3\)"):
-        D.MergedX(z(2, 3, 64), z(2, 3), z(4))
+    with pytest.raises(ValueError, match=r"sinks must be 1-D with at least sink_offset \+ n_heads = 3"):
+        D.MergedX(z(2, 3, 64), z(2, 3), z(2))
+    with pytest.raises(ValueError, match=r"sink_offset \+ n_heads = 5"):
+        D.MergedX(z(2, 3, 64), z(2, 3), z(4), sink_offset=2)
+    with pytest.raises(ValueError, match="sinks must be 1-D"):
+        D.MergedX(z(2, 3, 64), z(2, 3), z(1, 3))
+    with pytest.raises(ValueError, match="sink_offset must be an int"):
+        D.MergedX(z(2, 3, 64), z(2, 3), z(4), sink_offset=-1)
     with pytest.raises(TypeError, match="dtype float32"):
         D.MergedX(cupy.zeros((2, 3, 64), cupy.float16), z(2, 3))
     d = DmmvDispatch()

@@ -434,14 +434,16 @@ CUKERN_DEVICE void merged_x(float* __restrict__ xs, float* __restrict__ st, cons
     const uint32_t ns = p.n_states, nh = p.n_heads, d4 = p.head_dim / 4;
     for (uint32_t h = warp; h < nh; h += nw) {
         const float* l = lse_part + h;  // state s at l[s * nh]
-        float mx = p.has_sinks ? sinks[h] : -INFINITY;
+        float sk = p.has_sinks ? sinks[p.sink_offset + h] : -INFINITY;
+        if ((__float_as_uint(sk) & 0x7fffffffu) > 0x7f800000u) sk = -INFINITY;  // NaN: no sink (bit test: fast math)
+        float mx = sk;
         for (uint32_t s = lane; s < ns; s += 32) mx = fmaxf(mx, l[(size_t)s * nh]);
         mx = warp_max(mx);
         const float mu = mx == -INFINITY ? 0.0f : mx;
         float den = 0.0f;
         for (uint32_t s = lane; s < ns; s += 32) den += __expf(l[(size_t)s * nh] - mu);
         den = warp_sum(den);
-        if (p.has_sinks) den += __expf(sinks[h] - mu);
+        den += __expf(sk - mu);  // 0 without a sink
         if (lane == 0) {
             st[2 * h] = mu;
             st[2 * h + 1] = den > 0.0f ? 1.0f / den : 0.0f;
@@ -489,7 +491,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dmmv_mx(
     const uint8_t* __restrict__ w,     // raw GGUF bytes; the matrix = m rows from w + w_offset
     const float* o_part,               // [n_states, n_heads, head_dim] f32 normalised partial outputs, 16-byte aligned
     const float* lse_part,             // [n_states, n_heads] f32 their natural-log LSE (-inf: no keys)
-    const float* __restrict__ sinks,   // [n_heads] f32 natural-log sink logits (has_sinks); unused otherwise
+    const float* __restrict__ sinks,   // [sink_offset + n_heads] f32 natural-log sink logits, NaN: none (has_sinks)
     const DmmvMergeParams p) {
     extern __shared__ __align__(16) float xsm[];  // [k] x, then [n_heads][2] each head's (M, 1 / den)
     __shared__ float red[kMaxWarps * R];

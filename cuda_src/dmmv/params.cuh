@@ -73,7 +73,8 @@ struct DmmvMergeParams {
     uint32_t n_states;    // states merged per head: 1 ... 65535
     uint32_t n_heads;     // heads of x
     uint32_t head_dim;    // elements per head: a multiple of 4
-    uint32_t has_sinks;   // 1: a sink logit per head adds exp(sink - M) to the denominator
+    uint32_t has_sinks;   // 1: a sink logit per head adds exp(sink - M) to the denominator (NaN: no sink)
+    uint32_t sink_offset; // head h's sink at sinks[sink_offset + h] (a buffer of every layer's sinks)
 };
 
 // moe_dmmv, moe_dmmv_packed, moe_down: experts picked per slot from a device routing buffer

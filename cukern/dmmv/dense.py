@@ -194,7 +194,8 @@ class Dense:
         params = self.struct("DmmvMergeParams").pack(
             w_offset=w.offset, w2_offset=0, row_bytes=w.row_bytes, m=w.m, m2=0, k=w.k, n_full=w.k // _STEP,
             tail=w.k % _STEP, blocks1=blocks, y_stride=0, y2_stride=0, mode=int(accumulate), alpha=float(alpha),
-            n_states=x.n_states, n_heads=x.n_heads, head_dim=x.head_dim, has_sinks=int(x.sinks is not None))
+            n_states=x.n_states, n_heads=x.n_heads, head_dim=x.head_dim, has_sinks=int(x.sinks is not None),
+            sink_offset=x.sink_offset)
         self._mx._launch(_mx_kernel(w.qtype), blocks, _normed_warps(w.k) * 32,
                          (y, w.buf, x.o_part, x.lse_part, x.sinks if x.sinks is not None else x.lse_part), params,
                          stream=stream, shared_mem=smem, pdl=self.pdl)

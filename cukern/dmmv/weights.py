@@ -273,20 +273,22 @@ class MergedX:
     into the output projection after it (``AttentionDispatch.flash_attn_decode_partials`` leaves the
     states)::
 
-        x[h * D + j] = sum_s e[s, h] * o_part[s, h, j] / (sum_s e[s, h] + exp(sinks[h] - M_h))
-        e[s, h] = exp(lse_part[s, h] - M_h),   M_h = max(max_s lse_part[s, h], sinks[h])
+        x[h * D + j] = sum_s e[s, h] * o_part[s, h, j] / (sum_s e[s, h] + exp(sink_h - M_h))
+        e[s, h] = exp(lse_part[s, h] - M_h),   M_h = max(max_s lse_part[s, h], sink_h)
 
-    the sink term only with ``sinks``; a state with LSE -inf weighs nothing, and a head with no
+    the sink term only with ``sinks``, sink_h = sinks[sink_offset + h] (one buffer of every layer's
+    sinks, as flash_attn_decode takes them), a NaN sink meaning none; a state with LSE -inf weighs nothing, and a head with no
     keys and no sink gives x = 0 (AttentionDispatch.merge_states' rule). One column (a decode step
     of one sequence).
 
     o_part: [S, H, D] or [1, S, H, D] f32, C-contiguous, 16-byte aligned, D a multiple of 4;
-    lse_part: [S, H] or [1, S, H] f32 (natural log); sinks: [H] f32 natural-log logits. Every
+    lse_part: [S, H] or [1, S, H] f32 (natural log); sinks: [>= sink_offset + H] f32 natural-log logits. Every
     block keeps x in shared memory ((H * D + 2 * H) * 4 bytes)."""
 
     o_part: cupy.ndarray
     lse_part: cupy.ndarray
     sinks: cupy.ndarray | None = None
+    sink_offset: int = 0
 
     def __post_init__(self):
         for f in ("o_part", "lse_part", "sinks"):  # torch tensors (or other frameworks'): CuPy views
@@ -304,8 +306,15 @@ class MergedX:
         lse = check_array("MergedX.lse_part", self.lse_part, dtype=_F32)
         if lse.shape not in ((s, h), (1, s, h)):
             raise ValueError(f"MergedX.lse_part must have shape ({s}, {h}) (or (1, {s}, {h})), got {lse.shape}")
+        off = self.sink_offset
+        if isinstance(off, bool) or not isinstance(off, (int, np.integer)) or not 0 <= off < 2**32 - h:
+            raise ValueError(f"MergedX.sink_offset must be an int in [0, 2^32 - {h}), got {off!r}")
+        object.__setattr__(self, "sink_offset", int(off))
         if self.sinks is not None:
-            check_array("MergedX.sinks", self.sinks, dtype=_F32, shape=(h,))
+            sk = check_array("MergedX.sinks", self.sinks, dtype=_F32)
+            if sk.ndim != 1 or sk.shape[0] < off + h:
+                raise ValueError(f"MergedX.sinks must be 1-D with at least sink_offset + n_heads = {off + h} "
+                                 f"entries, got shape {sk.shape}")
 
     @property
     def shape(self) -> tuple:

@@ -90,14 +90,16 @@ def normed_x(residual, w, proj=None, w_post=None, *, eps: float = 1e-6, weight_o
     return rms_norm(r, w), r
 
 
-def merged_x(o_part, lse_part, sinks=None) -> np.ndarray:
+def merged_x(o_part, lse_part, sinks=None, sink_offset: int = 0) -> np.ndarray:
     """x of a cukern.dmmv.MergedX in float64: per head h, the states s weighed by exp(lse[s, h] - M_h)
-    (M_h the largest LSE or sink), normalised by their sum plus exp(sink_h - M_h); a head with no keys
-    and no sink (every LSE -inf) is 0. o_part [S, H, D], lse_part [S, H] -> x [H * D]."""
+    (M_h the largest LSE or sink), normalised by their sum plus exp(sink_h - M_h), sink_h =
+    sinks[sink_offset + h] (NaN: none); a head with no keys and no sink (every LSE -inf) is 0.
+    o_part [S, H, D], lse_part [S, H] -> x [H * D]."""
     o = np.asarray(o_part, np.float64)
     lse = np.asarray(lse_part, np.float64)
     s_, h, d = o.shape
-    sink = np.full(h, -np.inf) if sinks is None else np.asarray(sinks, np.float64)
+    sink = np.full(h, -np.inf) if sinks is None else np.asarray(sinks, np.float64)[sink_offset:sink_offset + h]
+    sink = np.where(np.isnan(sink), -np.inf, sink)
     mx = np.maximum(lse.max(axis=0), sink)
     mu = np.where(np.isneginf(mx), 0.0, mx)
     e = np.exp(lse - mu)                                        # [S, H]; -inf states weigh 0
