@@ -33,6 +33,7 @@ MODES = {
     "window": dict(causal=True, window_left=37),
     "window_only": dict(causal=False, window_left=20),
     "softcap": dict(causal=True, softcap=3.0, scale=0.2),
+    "upper_left": dict(causal=True, causal_variant="upper_left"),  # more queries than keys: rows past k_len see all
 }
 
 
@@ -163,6 +164,7 @@ def test_backward_rejects_bad_input_before_launch(attn, host_if_no_gpu):
         (TypeError, "window_left", dict(window_left=2.5)),
         (TypeError, "deterministic", dict(deterministic=1)),
         (TypeError, "causal", dict(causal="yes")),
+        (ValueError, "causal_variant must be one of", dict(causal=True, causal_variant="top_left")),
         (ValueError, "C-contiguous", dict(out=cupy.zeros((4, 22, 64), cupy.float16).transpose(1, 0, 2))),
     ]
     for err, match, kw in cases:

@@ -19,7 +19,7 @@ struct BwdParams {
     uint32_t n_kv_heads;     // KV heads; n_heads % n_kv_heads == 0
     uint32_t group;          // n_heads / n_kv_heads (bwd_dkdv sums dK, dV over a group's heads)
     uint32_t n_tiles;        // tiles per sequence in the grid: K tiles (bwd_dkdv), Q tiles (bwd_dq)
-    uint32_t causal;         // 1: query r of a sequence sees keys j <= kv_len - q_len + r
+    uint32_t causal;         // 1: query r of a sequence sees keys j <= kv_len - q_len + r; 2: keys j <= r
     int32_t window_left;     // sliding window (keys before the query's position), < 0: none
     float scale_log2;        // scale * log2(e)
     float softcap;           // logit cap, 0: off

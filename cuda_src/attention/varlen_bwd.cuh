@@ -1,6 +1,7 @@
 // Backward of the varlen forward (FlashAttention-2 style): dQ, dK, dV of packed sequences from the
 // forward's O and natural-log LSE ([total_q, n_heads] f32, what prefill / prefill_wg write), with the
-// forward's masks (causal aligned to the last key, sliding window), softcap and GQA.
+// forward's masks (causal: the last query at the last key, or with causal == 2 the first at the first; sliding
+// window), softcap and GQA.
 //
 // Per (query r, key j) of a head, in the forward's terms (x = q.k, z the natural logit):
 //   z = scale x, or softcap tanh(scale x / softcap);  P = exp(z - LSE);  D_r = rowsum(dO * O)_r;
@@ -210,7 +211,7 @@ __global__ void __launch_bounds__(cukern::attn::BwdShape<D, KW>::NT, 1) bwd_dkdv
     const int32_t q_start = cu_seqlens_q[s], q_len = cu_seqlens_q[s + 1] - q_start;
     const int32_t j0 = (int32_t)blockIdx.x * BN;
     if (j0 >= kv_len) return;
-    const int32_t offset = kv_len - q_len;  // query row r sits at position offset + r
+    const int32_t offset = p.causal == 2 ? 0 : kv_len - q_len;  // query row r sits at position offset + r
     const bool windowed = p.window_left >= 0;
     const uint64_t kv_row = (uint64_t)p.n_kv_heads * D, q_row = (uint64_t)p.n_heads * D;
 
@@ -421,7 +422,7 @@ __global__ void __launch_bounds__(cukern::attn::BwdShape<D>::NT, 1) bwd_dq(
     const int32_t r0 = (int32_t)(p.n_tiles - 1 - blockIdx.z) * QM;  // heaviest (last) tiles first
     if (r0 >= q_len) return;
     const int32_t k_start = cu_seqlens_k[s], kv_len = cu_seqlens_k[s + 1] - k_start;
-    const int32_t offset = kv_len - q_len;
+    const int32_t offset = p.causal == 2 ? 0 : kv_len - q_len;  // query row r sits at position offset + r
     const bool windowed = p.window_left >= 0;
     const uint64_t kv_row = (uint64_t)p.n_kv_heads * D, q_row = (uint64_t)p.n_heads * D;
     const uint64_t kv_col = (uint64_t)(h / p.group) * D;

@@ -14,7 +14,7 @@ import cupy
 import numpy as np
 
 from cukern.attention.cache import BF16
-from cukern.attention.common import _CTYPE, _F32, _I32, _SHORT, _check_kind, _scale_fields
+from cukern.attention.common import _CTYPE, _F32, _I32, _SHORT, _causal_field, _check_kind, _scale_fields
 from cukern.dispatch import check_array, check_int
 from cukern.interop import like, tensors
 from cukern.runtime import FamilySpec, KernelSpec
@@ -62,7 +62,8 @@ class Backward:
     def flash_attn_varlen_backward(self, dout: cupy.ndarray, q: cupy.ndarray, k: cupy.ndarray, v: cupy.ndarray,
                                    out: cupy.ndarray, lse: cupy.ndarray, cu_seqlens_q: cupy.ndarray,
                                    cu_seqlens_k: cupy.ndarray, max_seqlen_q: int, max_seqlen_k: int, *,
-                                   scale: float | None = 0.0, causal: bool = False, window_left: int = -1,
+                                   scale: float | None = 0.0, causal: bool = False,
+                                   causal_variant: str = "lower_right", window_left: int = -1,
                                    softcap: float = 0.0, dq: cupy.ndarray | None = None,
                                    dk: cupy.ndarray | None = None, dv: cupy.ndarray | None = None,
                                    delta: cupy.ndarray | None = None, dq_accum: cupy.ndarray | None = None,
@@ -75,7 +76,8 @@ class Backward:
         gradients are 0). cu_seqlens_q / cu_seqlens_k: [batch + 1] int32 prefix sums (device values, not read
         here). max_seqlen_q / max_seqlen_k: host bounds on any sequence's query / key count (they size the
         grids: rows or keys past them get no gradient). scale (0 or None: 1 / sqrt(head_dim)), causal,
-        window_left and softcap must be the forward's. GQA: dK and dV of a KV head are summed over its group's
+        causal_variant ("lower_right" or "upper_left", as :meth:`flash_attn_varlen` takes it), window_left and
+        softcap must be the forward's. GQA: dK and dV of a KV head are summed over its group's
         query heads. A forward run with ``sinks`` gets the right dQ, dK and dV (the sink is in its LSE); the
         sinks' own gradient is not computed.
 
@@ -120,8 +122,7 @@ class Backward:
             raise ValueError(f"at most 2^31 - 1 values of q per call, got {total_q * h * d}")
         if not isinstance(deterministic, (bool, np.bool_)):
             raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
-        if not isinstance(causal, (bool, np.bool_)):
-            raise TypeError(f"causal must be a bool, got {causal!r}")
+        causal = _causal_field(causal, causal_variant)
         if not deterministic:
             check_array("dq_accum", dq_accum, dtype=_F32, shape=q.shape, align=16)
         scale = 0.0 if scale is None else float(scale)
@@ -136,7 +137,7 @@ class Backward:
         if n_k_tiles >= 2**31:
             raise ValueError(f"max_seqlen_k {max_seqlen_k} is too large")
         self._bwd_launch(kind, d, dq, dk, dv, delta, dq_accum, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                         b, h, hk, n_k_tiles, n_q_tiles, bool(causal), fields, bool(deterministic), stream)
+                         b, h, hk, n_k_tiles, n_q_tiles, causal, fields, bool(deterministic), stream)
         return dq, dk, dv
 
     def _dkdv_warps(self, d: int) -> int:

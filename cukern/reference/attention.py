@@ -201,15 +201,16 @@ def attention_backward(dout, q, k, v, q_pos, *, causal: bool = True, scale: floa
     return dq, dk.reshape(n_k, hk, group, d).sum(2), dv.reshape(n_k, hk, group, d).sum(2)
 
 
-def varlen_backward(dout, q, k, v, cu_q, cu_k, *, causal: bool = False,
+def varlen_backward(dout, q, k, v, cu_q, cu_k, *, causal: bool = False, causal_variant: str = "lower_right",
                     **kw) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`attention_backward` of :func:`varlen`'s packed sequences: (dq [total_q, ...], dk, dv [total_k,
-    ...])."""
+    """:func:`attention_backward` of :func:`varlen`'s packed sequences (query positions as there): (dq
+    [total_q, ...], dk, dv [total_k, ...])."""
     dqs, dks, dvs = [], [], []
     for i in range(len(cu_q) - 1):
         rq, rk = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
         n_q, n_k = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
-        g = attention_backward(dout[rq], q[rq], k[rk], v[rk], np.arange(n_k - n_q, n_k), causal=causal, **kw)
+        pos = np.arange(n_q) if causal_variant == "upper_left" else np.arange(n_k - n_q, n_k)
+        g = attention_backward(dout[rq], q[rq], k[rk], v[rk], pos, causal=causal, **kw)
         dqs.append(g[0])
         dks.append(g[1])
         dvs.append(g[2])
