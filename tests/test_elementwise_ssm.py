@@ -11,6 +11,7 @@ import pytest
 cupy = pytest.importorskip("cupy")
 
 from cukern.elementwise import ElementwiseDispatch  # noqa: E402
+from cukern.elementwise.ssm import _conv_in_place_spans  # noqa: E402
 from cukern.reference import elementwise as ref  # noqa: E402
 from cukern.testing import assert_close, poison  # noqa: E402
 from elementwise_helpers import _deltanet_inputs, _dev, _empty, _randn, gpu  # noqa: E402
@@ -65,19 +66,21 @@ def test_deltanet_baseline_and_tiled_agree_with_reference(d, rng, n_qk, n_v, dk,
 
 @gpu
 @pytest.mark.parametrize("K", [2, 3, 4])
-@pytest.mark.parametrize("C", [1, 37, 2048])
+@pytest.mark.parametrize("C", [1, 37, 200, 2048])
 @pytest.mark.parametrize("taps", ["f32", "f16"])
 @pytest.mark.parametrize("in_place", [False, True])
 def test_conv1d_silu_ring_state(d, rng, K, C, taps, in_place):
     """The ring state (state_offset rotating by n_tokens), f16 taps (the reference reads the same rounded
-    taps, so f32 tolerances hold) and y aliasing x, over decode steps and prefill chunks."""
+    taps, so f32 tolerances hold) and y aliasing x, over decode steps and prefill chunks. In place, 17, 40,
+    600 and 1037 tokens run 2, 3, 32 (19 tokens, the last 11) and 32 (33, the last 14) spans per block; 1 and
+    2 tokens are fewer than K - 1 (the new state keeps old entries)."""
     w = _randn(rng, C, K, scale=0.7)
     if taps == "f16":
         w = w.astype(np.float16)
     ring0 = _randn(rng, K - 1, C)
     offset = int(rng.integers(K - 1))
     ring, want_ring, wd = _dev(ring0), ring0, _dev(w)
-    for step, n_tok in enumerate([1, 1, 2, 1, 40, 17, 3]):
+    for step, n_tok in enumerate([1, 1, 2, 1, 40, 17, 3, 1037, 2, 600]):
         x = _randn(rng, n_tok, C, scale=2)
         xd = _dev(x)
         y = xd if in_place else _empty(n_tok, C)
@@ -89,11 +92,16 @@ def test_conv1d_silu_ring_state(d, rng, K, C, taps, in_place):
 
 
 @gpu
-@pytest.mark.parametrize("n_tok", [1, 2, 16, 17, 70])
-def test_conv1d_silu_shifting_in_place_and_allocating(d, rng, n_tok):
-    """The shifting state with y aliasing x, and out=None allocating, against the reference."""
-    C, K = 129, 4
+@pytest.mark.parametrize("K", [2, 3, 4])
+@pytest.mark.parametrize("taps", ["f32", "f16"])
+@pytest.mark.parametrize("n_tok", [1, 2, 16, 17, 70, 513, 1037])
+def test_conv1d_silu_shifting_in_place_and_allocating(d, rng, K, taps, n_tok):
+    """The shifting state with y aliasing x (1 to 32 spans per block, 129 channels: a last block of one
+    channel), and out=None allocating, against the reference."""
+    C = 129
     w, state0, x = _randn(rng, C, K), _randn(rng, K - 1, C), _randn(rng, n_tok, C)
+    if taps == "f16":
+        w = w.astype(np.float16)
     want_y, want_state = ref.conv1d_silu(x, state0, w)
     for in_place in (True, False):
         state, xd = _dev(state0), _dev(x)
@@ -101,6 +109,16 @@ def test_conv1d_silu_shifting_in_place_and_allocating(d, rng, n_tok):
         assert (y is xd) == in_place
         assert_close(y, want_y, name=f"y in_place={in_place}")
         assert_close(state, want_state, name=f"state in_place={in_place}")
+
+
+def test_conv1d_silu_in_place_spans_cover_the_tokens_evenly():
+    """conv1d_silu_in_place's spans: at most 32 (a 1024-thread block), none empty, all but the last of one
+    length; one per 16 tokens up to 512 tokens, then longer ones."""
+    for n in [*range(1, 2100), 8192, 100_003, 2**31 - 1]:
+        spans, span = _conv_in_place_spans(n)
+        assert 1 <= spans <= 32 and (spans - 1) * span < n <= spans * span, (n, spans, span)
+        assert spans == min(32, -(-n // 16)) or n > 512, (n, spans, span)
+        assert span <= 16 if n <= 512 else spans >= 31, (n, spans, span)
 
 
 def test_conv1d_silu_bad_arguments_raise_before_launch(d, host_if_no_gpu):

@@ -136,12 +136,12 @@ struct RouterParams {
     float scale;          // multiplies every logit
 };
 
-// conv1d_silu (ssm.cuh): depthwise causal conv over time, then SiLU, for n_tokens tokens
+// conv1d_silu, conv1d_silu_in_place (ssm.cuh): depthwise causal conv over time, then SiLU, for n_tokens tokens
 struct ConvParams {
     uint32_t n_tokens;     // tokens in this call (1: decode)
     uint32_t n_channels;   // channels
     uint32_t kernel_size;  // taps (2..8); the state holds kernel_size - 1 past inputs per channel
-    uint32_t tokens_per_thread;  // tokens of a thread's span (a multiple of CONV_CHUNK; >= n_tokens in place)
+    uint32_t tokens_per_thread;  // tokens of a thread's span (CONV_CHUNK; in place: ceil(n_tokens / spans))
     uint32_t ring;         // 1: the state rows are a ring starting at state_offset; 0: oldest first
     uint32_t state_offset; // ring: row of the oldest entry (< kernel_size - 1)
 };

@@ -8,49 +8,17 @@
 
 namespace cukern {
 namespace ew {
-constexpr int CONV_CHUNK = 16;  // tokens per thread in conv1d_silu (>= kernel_size - 1)
-}  // namespace ew
-}  // namespace cukern
+constexpr int CONV_CHUNK = 16;  // tokens per chunk of a thread's span in conv1d_silu (>= kernel_size - 1)
+constexpr int CONV_IP_CHANNELS = 32;  // conv1d_silu_in_place: channels per block (one warp's row)
+constexpr int CONV_IP_SPANS = 32;     // conv1d_silu_in_place: spans per block at most (1024 threads)
 
-// Depthwise causal conv1d + SiLU over n_tokens tokens, with a state of the K - 1 previous inputs:
-//   in_tau = x[tau] for tau >= 0, the state's entry K - 1 + tau (oldest first) for -(K - 1) <= tau < 0
-//   y[t, c] = silu(sum_{j < K} w[c, j] * in_{t - K + 1 + j}[c])
-// and afterwards the state holds the last K - 1 inputs. Two state layouts:
-//   ring = 0: row j is entry j (oldest first); the rows shift by n_tokens at each call
-//   ring = 1: a ring: entry j lives in row (state_offset + j) % (K - 1), state_offset being the oldest
-//             entry's row; a call writes only the rows of the inputs it adds, and the next call's
-//             state_offset is (state_offset + n_tokens) % (K - 1)
-// Thread (span, c) computes tokens [span * tokens_per_thread, +tokens_per_thread) of channel c, in chunks
-// of CONV_CHUNK (all loads of a chunk in flight before its first use). Span 0 is the only reader of the old
-// state and the only writer of the new one, so the update is race-free. y may alias x (in place) only when
-// one span covers every token (tokens_per_thread >= n_tokens): each thread then reads every input of its
-// channel before writing the output at the same position, and takes the new state from its registers.
-// grid: (ceil(n_channels / 128), ceil(n_tokens / tokens_per_thread)), block: 128.
-template <int K, typename TW>
-__global__ void __launch_bounds__(128) conv1d_silu(
-    float* y,                     // [n_tokens, n_channels]; may be x (in place, one span)
-    float* __restrict__ state,    // [K - 1, n_channels] in/out (rows: ring = 0 oldest first, else a ring)
-    const float* x,               // [n_tokens, n_channels]
-    const TW* __restrict__ w,     // [n_channels, K] taps, oldest first (f32 or f16)
-    const ConvParams p) {
-    cukern::pdl_enter();
-    static_assert(K >= 2 && K <= 8, "kernel_size 2..8");
-    constexpr int CH = cukern::ew::CONV_CHUNK;
-    const uint32_t c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= p.n_channels) return;
-    const int t0 = blockIdx.y * p.tokens_per_thread;
-    const int t1 = min(t0 + (int)p.tokens_per_thread, (int)p.n_tokens);
-    const uint64_t C = p.n_channels;
-    // row of state entry j (0 oldest .. K - 2), both layouts
-    auto row = [&](int j) -> uint64_t { return p.ring ? (p.state_offset + j) % (K - 1) : j; };
-    float taps[K], win[K - 1];
-#pragma unroll
-    for (int j = 0; j < K; ++j) taps[j] = cukern::to_float(w[c * K + j]);
-#pragma unroll
-    for (int j = 0; j < K - 1; ++j) {
-        const int tau = t0 - (K - 1) + j;
-        win[j] = tau < 0 ? state[row(K - 1 + tau) * C + c] : x[(uint64_t)tau * C + c];
-    }
+// Walk tokens [t0, t1) of channel c: win holds the inputs t0 - (K - 1) .. t0 - 1 on entry (oldest first) and
+// t1 - (K - 1) .. t1 - 1 on exit. In chunks of CONV_CHUNK tokens: all loads of a chunk are issued before its
+// first store, and every x[t] is read before y[t] is written, so y may be x for this thread's own tokens.
+template <int K>
+CUKERN_DEVICE void conv_walk(float* y, const float* x, const float (&taps)[K], float (&win)[K - 1], int t0, int t1,
+                             uint64_t C, uint32_t c) {
+    constexpr int CH = CONV_CHUNK;
     for (int tc = t0; tc < t1; tc += CH) {
         float xin[CH];  // the chunk's inputs
 #pragma unroll
@@ -67,6 +35,67 @@ __global__ void __launch_bounds__(128) conv1d_silu(
             y[(uint64_t)(tc + i) * C + c] = acc / (1.0f + expf(-acc));
         }
     }
+}
+
+// Write the new state entries next[j] = input n_tokens - (K - 1) + j (j = 0 oldest) of channel c. Shifting:
+// every row j. Ring: only the rows of the inputs this call adds (an entry that is an old one keeps its row);
+// the new oldest entry's row is state_offset + n_tokens mod (K - 1).
+template <int K>
+CUKERN_DEVICE void conv_state_store(float* state, const float (&next)[K - 1], const ConvParams& p, uint64_t C,
+                                    uint32_t c) {
+    const uint32_t shift = p.ring ? p.n_tokens % (K - 1) : 0;  // the new oldest entry's row, relative
+#pragma unroll
+    for (int j = 0; j < K - 1; ++j) {
+        const int tau = (int)p.n_tokens - (K - 1) + j;
+        if (p.ring && tau < 0) continue;  // a ring keeps an old entry in its row
+        state[(uint64_t)(p.ring ? (p.state_offset + shift + j) % (K - 1) : j) * C + c] = next[j];
+    }
+}
+}  // namespace ew
+}  // namespace cukern
+
+// Depthwise causal conv1d + SiLU over n_tokens tokens, with a state of the K - 1 previous inputs:
+//   in_tau = x[tau] for tau >= 0, the state's entry K - 1 + tau (oldest first) for -(K - 1) <= tau < 0
+//   y[t, c] = silu(sum_{j < K} w[c, j] * in_{t - K + 1 + j}[c])
+// and afterwards the state holds the last K - 1 inputs. Two state layouts:
+//   ring = 0: row j is entry j (oldest first); the rows shift by n_tokens at each call
+//   ring = 1: a ring: entry j lives in row (state_offset + j) % (K - 1), state_offset being the oldest
+//             entry's row; a call writes only the rows of the inputs it adds, and the next call's
+//             state_offset is (state_offset + n_tokens) % (K - 1)
+// Two kernels: conv1d_silu (y distinct from x) and conv1d_silu_in_place (y is x). Both read x, w and the
+// state's K - 1 rows once and write y and the new state (ring: only the rows of the added inputs); the K - 1
+// halo inputs of each span are read twice (L2 hits).
+//
+// conv1d_silu: thread (span, c) computes tokens [span * tokens_per_thread, +tokens_per_thread) of channel c
+// (tokens_per_thread = CONV_CHUNK). Span 0 is the only reader of the old state and the only writer of the
+// new one, so the update is race-free; it gathers the new entries from x (or the old state) when it does not
+// hold them.
+// grid: (ceil(n_channels / 128), ceil(n_tokens / tokens_per_thread)), block: 128.
+template <int K, typename TW>
+__global__ void __launch_bounds__(128) conv1d_silu(
+    float* y,                     // [n_tokens, n_channels]; not overlapping x
+    float* __restrict__ state,    // [K - 1, n_channels] in/out (rows: ring = 0 oldest first, else a ring)
+    const float* x,               // [n_tokens, n_channels]
+    const TW* __restrict__ w,     // [n_channels, K] taps, oldest first (f32 or f16)
+    const ConvParams p) {
+    cukern::pdl_enter();
+    static_assert(K >= 2 && K <= 8, "kernel_size 2..8");
+    const uint32_t c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= p.n_channels) return;
+    const int t0 = blockIdx.y * p.tokens_per_thread;
+    const int t1 = min(t0 + (int)p.tokens_per_thread, (int)p.n_tokens);
+    const uint64_t C = p.n_channels;
+    // row of state entry j (0 oldest .. K - 2), both layouts
+    auto row = [&](int j) -> uint64_t { return p.ring ? (p.state_offset + j) % (K - 1) : j; };
+    float taps[K], win[K - 1];
+#pragma unroll
+    for (int j = 0; j < K; ++j) taps[j] = cukern::to_float(w[c * K + j]);
+#pragma unroll
+    for (int j = 0; j < K - 1; ++j) {
+        const int tau = t0 - (K - 1) + j;
+        win[j] = tau < 0 ? state[row(K - 1 + tau) * C + c] : x[(uint64_t)tau * C + c];
+    }
+    cukern::ew::conv_walk<K>(y, x, taps, win, t0, t1, C, c);
     if (t0 != 0) return;
     // new entry j = input tau = n_tokens - (K - 1) + j (an old state entry when tau < 0). One span: win
     // holds them; else gather (this thread alone reads the old state, so gather first, then write).
@@ -77,13 +106,49 @@ __global__ void __launch_bounds__(128) conv1d_silu(
         next[j] = t1 == (int)p.n_tokens ? win[j]
                   : tau < 0 ? state[row(K - 1 + tau) * C + c] : x[(uint64_t)tau * C + c];
     }
-    const uint32_t shift = p.ring ? p.n_tokens % (K - 1) : 0;  // the new oldest entry's row, relative
+    cukern::ew::conv_state_store<K>(state, next, p, C, c);
+}
+
+// conv1d_silu_in_place (y is x): one block holds every token of CONV_IP_CHANNELS channels, split into
+// blockDim.y spans of tokens_per_thread tokens (the last one shorter or empty); thread (c, span) computes
+// tokens [span * tokens_per_thread, +tokens_per_thread) of channel c. Each thread reads its K - 1 halo inputs
+// (x of the K - 1 tokens before its span, in another span's range, or the old state for tau < 0) into
+// registers, then the block synchronises, then each thread walks its span reading x[t] before writing y[t]:
+// every input read across a span boundary was read before any thread wrote. The thread whose span holds
+// token n_tokens - 1 ends with the last K - 1 inputs in its window and writes the new state; the old state is
+// only read before the barrier, so the update is race-free. Threads of channels >= n_channels only skip
+// their loads and stores: all of them reach the barrier.
+// grid: (ceil(n_channels / CONV_IP_CHANNELS)), block: (CONV_IP_CHANNELS, spans <= CONV_IP_SPANS).
+template <int K, typename TW>
+__global__ void __launch_bounds__(cukern::ew::CONV_IP_CHANNELS * cukern::ew::CONV_IP_SPANS) conv1d_silu_in_place(
+    float* xy,                    // [n_tokens, n_channels] in: x, out: y
+    float* __restrict__ state,    // [K - 1, n_channels] in/out (rows: ring = 0 oldest first, else a ring)
+    const TW* __restrict__ w,     // [n_channels, K] taps, oldest first (f32 or f16)
+    const ConvParams p) {
+    cukern::pdl_enter();
+    static_assert(K >= 2 && K <= 8, "kernel_size 2..8");
+    const uint32_t c = blockIdx.x * cukern::ew::CONV_IP_CHANNELS + threadIdx.x;
+    const bool active = c < p.n_channels;
+    const int n = (int)p.n_tokens;
+    const int t0 = min((int)(threadIdx.y * p.tokens_per_thread), n);  // 0 ... n_tokens
+    const int t1 = min(t0 + (int)p.tokens_per_thread, n);
+    const uint64_t C = p.n_channels;
+    float taps[K], win[K - 1];
+    if (active) {
 #pragma unroll
-    for (int j = 0; j < K - 1; ++j) {
-        const int tau = (int)p.n_tokens - (K - 1) + j;
-        if (p.ring && tau < 0) continue;  // a ring keeps an old entry in its row
-        state[(uint64_t)(p.ring ? (p.state_offset + shift + j) % (K - 1) : j) * C + c] = next[j];
+        for (int j = 0; j < K; ++j) taps[j] = cukern::to_float(w[c * K + j]);
+#pragma unroll
+        for (int j = 0; j < K - 1; ++j) {
+            const int tau = t0 - (K - 1) + j;  // -(K - 1) ... n_tokens - 1
+            win[j] = tau >= 0 ? xy[(uint64_t)tau * C + c]
+                     : state[(p.ring ? (p.state_offset + K - 1 + tau) % (K - 1) : K - 1 + tau) * C + c];
+        }
     }
+    __syncthreads();  // every halo input is in registers before any thread writes y
+    if (!active) return;
+    cukern::ew::conv_walk<K>(xy, xy, taps, win, t0, t1, C, c);
+    if (t0 >= t1 || t1 != n) return;  // the span holding token n_tokens - 1 writes the state
+    cukern::ew::conv_state_store<K>(state, win, p, C, c);
 }
 
 // Gated delta rule, one sequence, tokens in order. Per value head h (q/k head hq = h / (n_v / n_qk)),

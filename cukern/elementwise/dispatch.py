@@ -32,7 +32,8 @@ def _kernels() -> list[KernelSpec]:
     ks += [KernelSpec(f"router_matvec<{e}, {t}, {b}>", "RouterParams") for e, t, b in (_ROUTER_SMALL, _ROUTER_LARGE)]
     ks += [KernelSpec(f"router_gemm<{n}, {bk}, {st}>", "RouterParams") for n in ("false", "true")
            for bk, st in _ROUTER_GEMM_CONFIGS]
-    ks += [KernelSpec(f"conv1d_silu<{k}, {t}>", "ConvParams") for k in _CONV_K for t in _TAP_C]
+    ks += [KernelSpec(f"conv1d_silu{v}<{k}, {t}>", "ConvParams") for v in ("", "_in_place") for k in _CONV_K
+           for t in _TAP_C]
     ks.append(KernelSpec("deltanet", "DeltaNetParams"))
     ks += [KernelSpec(f"deltanet_tiled<{dk}>", "DeltaNetParams") for dk in _DELTANET_TILED_DK]
     ks.append(KernelSpec("deltanet_gates", "DeltaNetGateParams"))

@@ -11,11 +11,28 @@ from cukern.dispatch import check_array
 from cukern.elementwise.common import _F32, _MAX_GRID_Y, _check_disjoint, _check_distinct, _check_eps
 from cukern.interop import like, tensors
 
-_CONV_CHUNK = 16
+_CONV_CHUNK = 16  # ssm.cuh CONV_CHUNK: tokens of an out-of-place thread; in place, tokens per span up to 512
+_CONV_IP_CHANNELS = 32  # ssm.cuh CONV_IP_CHANNELS: channels of a conv1d_silu_in_place block
+_CONV_IP_SPANS = 32  # ssm.cuh CONV_IP_SPANS: spans of a conv1d_silu_in_place block at most
 _CONV_K = (2, 3, 4)
 _TAP_TYPES = (_F32, np.dtype(np.float16))  # conv1d_silu's taps
 _TAP_C = ("float", "__half")
 _DELTANET_TILED_DK = (64, 128)
+
+
+def _conv_in_place_spans(n_tokens: int) -> tuple[int, int]:
+    """(spans, tokens per span) of conv1d_silu_in_place, whose block holds every token of 32 channels.
+
+    One span per _CONV_CHUNK tokens, 32 at most: up to 32 * 16 = 512 tokens the launch has as many threads,
+    each walking at most 16 tokens, as the out-of-place one (short prompts keep their parallelism); beyond,
+    the 32 spans lengthen instead, since a block holds 1024 threads at most and in place forbids splitting
+    a channel's tokens over blocks. Example: 8192 tokens x 8192 channels: 256 blocks of 1024 threads (one
+    resident per SM above 32 registers a thread: two waves, 132 + 124 blocks, on a 132-SM H200), 256
+    tokens per thread, the 16 loads of a chunk in flight; the K - 1 halo reads per span add 3 / 256 of the
+    input (K = 4). The spans split the tokens evenly and none is empty (spans = ceil(n / span))."""
+    spans = min(_CONV_IP_SPANS, -(-n_tokens // _CONV_CHUNK))
+    span = -(-n_tokens // spans)
+    return -(-n_tokens // span), span
 
 
 class Ssm:
@@ -27,7 +44,8 @@ class Ssm:
         """Depthwise causal conv1d + SiLU over n_tokens tokens (1: decode; more: prefill) with a state of
         the previous kernel_size - 1 inputs, updated in place: x, y [n_tokens, n_channels] f32 (y may be
         x: in place); state [kernel_size - 1, n_channels] f32; w [n_channels, kernel_size] f32 or f16
-        (taps oldest first), kernel_size in (2, 3, 4).
+        (taps oldest first), kernel_size in (2, 3, 4). In place runs ``conv1d_silu_in_place``: a block
+        holds every token of 32 channels, in spans that read the inputs before them before any span writes.
 
         state_offset None: the state's rows are oldest first and shift by n_tokens at each call.
         An int in [0, kernel_size - 1): the rows are a ring whose oldest entry is row state_offset; the
@@ -46,14 +64,21 @@ class Ssm:
             raise ValueError(f"conv1d_silu: state_offset must be None or an int in [0, {K - 1}), got {state_offset!r}")
         in_place = y.data.ptr == x.data.ptr
         _check_disjoint("conv1d_silu", dict(y=None if in_place else y, state=state), dict(x=x, w=w))
-        span = -(-n_tokens // _CONV_CHUNK) * _CONV_CHUNK if in_place else _CONV_CHUNK
-        grid = (-(-n_ch // 128), -(-n_tokens // span))
+        tap = "float" if w.dtype == _F32 else "__half"
+        if in_place:
+            spans, span = _conv_in_place_spans(n_tokens)
+            params = self.struct("ConvParams").pack(n_tokens=n_tokens, n_channels=n_ch, kernel_size=K,
+                                                    tokens_per_thread=span, ring=int(ring),
+                                                    state_offset=int(state_offset or 0))
+            self._launch(f"conv1d_silu_in_place<{K}, {tap}>", (-(-n_ch // _CONV_IP_CHANNELS),),
+                         (_CONV_IP_CHANNELS, spans), (y, state, w), params, stream=stream)
+            return y
+        grid = (-(-n_ch // 128), -(-n_tokens // _CONV_CHUNK))
         if grid[1] > _MAX_GRID_Y:
             raise ValueError(f"conv1d_silu: at most {_MAX_GRID_Y * _CONV_CHUNK} tokens per call")
         params = self.struct("ConvParams").pack(n_tokens=n_tokens, n_channels=n_ch, kernel_size=K,
-                                                tokens_per_thread=span, ring=int(ring),
+                                                tokens_per_thread=_CONV_CHUNK, ring=int(ring),
                                                 state_offset=int(state_offset or 0))
-        tap = "float" if w.dtype == _F32 else "__half"
         self._launch(f"conv1d_silu<{K}, {tap}>", grid, 128, (y, state, x, w), params, stream=stream)
         return y
 
