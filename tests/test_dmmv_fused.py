@@ -190,10 +190,11 @@ def test_dmmv_merged_input_from_split_decode(rng):
             plan = attn.plan_decode(cache, [slot], 4, n_splits=5, partials=True)
             q = cupy.asarray(rng.standard_normal((1, 4, 256)).astype(np.float32))
             out = poison(cupy.empty((1, 4, 256), cupy.float32))
-            attn.flash_attn_decode(plan, 0, q, out, sinks=sinks, sink_offset=4)
+            off = 0 if sinks is None else 4
+            attn.flash_attn_decode(plan, 0, q, out, sinks=sinks, sink_offset=off)
             o_part, lse_part = attn.flash_attn_decode_partials(plan, 0, q)
             y = poison(cupy.empty(640, cupy.float32))
-            dp.dmmv(w, D.MergedX(o_part, lse_part, sinks, sink_offset=4), y)
+            dp.dmmv(w, D.MergedX(o_part, lse_part, sinks, sink_offset=off), y)
             _check(y, ref.matvec(dense, out.get().reshape(-1).astype(np.float64)), f"slot {slot} sinks={sinks is not None}")
 
 

@@ -302,8 +302,9 @@ def test_gpu_moe_forward_matches_reference(tiny_moe, name, kv_dtype, chunk, boun
     2... graph replays), against the float64 reference: last-prompt-token logits NMSE and the teacher-
     forced continuation. Chunks of 5 rows: per-slot expert matvecs (f32 activations); of 16: the grouped
     expert GEMMs and the attention GEMMs (activations rounded to f16). Rounding there can flip a near-tied
-    top-k expert of a token, which moves the logits by ~1e-4 NMSE (gpt-oss's tiny model: 1.4e-4 on one
-    prompt of many, 1e-7 typical); a wrong kernel moves them by > 1e-2."""
+    top-k expert of a token, which moves the logits by ~1e-4 NMSE (gpt-oss's tiny model: 1.4e-4 on the one
+    prompt of 17 whose closest k-th / (k+1)-th router logits differ by 2.5e-4; 1.3e-7 to 3e-7 on the
+    others); a wrong kernel moves them by > 1e-2."""
     import cupy
     from cukern.testing import nmse
     _needs_yarn(name)
