@@ -245,7 +245,7 @@ def _moe_ssm_fusions(row, n, decode, quick):
             lambda s: s.d.conv1d_silu(s.x, s.state, s.w, s.y, state_offset=1), ring,
             Peer("shifting state", row=row.named(conv))),
         row(f"conv1d_silu ring in place (K={K_CONV})", conv_shape, (_conv_sets, n),
-            lambda s: s.d.conv1d_silu(s.x, s.state, s.w_small, s.x, state_offset=1), ring,
+            lambda s: s.d.conv1d_silu(s.xh, s.state, s.w_hold, s.xh, state_offset=1), ring,
             Peer("shifting state", row=row.named(conv))),
         row("deltanet_gates", f"{n_topk}x{N_V} group={N_V // N_QK}", (_gate_sets, n_topk),
             lambda s: s.d.deltanet_gates(s.ba, s.a, s.dt_bias, s.g, s.beta, group=N_V // N_QK),
@@ -415,9 +415,15 @@ def _shared_expert_sets(ctx, n):
 
 
 def _conv_sets(ctx, n):
-    """``w_small``: taps that keep x bounded under the in-place calls."""
-    shared = dict(state=ctx.randn(K_CONV - 1, C), w=ctx.randn(C, K_CONV), w_small=ctx.randn(C, K_CONV, scale=0.25))
-    return _sets(ctx, 2 * n * C * 4, lambda i: dict(x=ctx.randn(n, C), y=cupy.empty((n, C), cupy.float32)), shared)
+    """``xh`` and ``w_hold`` for the in-place calls, which rewrite their input at every call: inputs >= 30 and
+    taps (0.004, -0.004, 0, 1), so that silu(acc) = acc and acc ~ x, the values neither decay nor grow over
+    the repeated calls (decaying values reach denormals, which send the division in silu down its slow path:
+    307 us against ~185 us on fresh data for 8192 x 8192 on an H200)."""
+    w_hold = cupy.zeros((C, K_CONV), cupy.float32)
+    w_hold[:, 0], w_hold[:, 1], w_hold[:, -1] = 0.004, -0.004, 1.0
+    shared = dict(state=ctx.randn(K_CONV - 1, C), w=ctx.randn(C, K_CONV), w_hold=w_hold)
+    return _sets(ctx, 3 * n * C * 4, lambda i: dict(x=ctx.randn(n, C), y=cupy.empty((n, C), cupy.float32),
+                                                    xh=30.0 + 10.0 * cupy.abs(ctx.randn(n, C))), shared)
 
 
 def _deltanet_sets(ctx, n):
