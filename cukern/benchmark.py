@@ -20,6 +20,7 @@ ceilings also carry a cuBLAS GEMM rate (:func:`measure_gemm_tflops`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import re
@@ -513,8 +514,21 @@ def rows_to_json(rows: list[Row], ceilings: Ceilings) -> str:
     return json.dumps({"ceilings": asdict(ceilings), "rows": [asdict(r) for r in rows]}, indent=1)
 
 
-# set by script_main's --kernel: run_specs keeps only the specs whose kernel name it matches
+# set by `selecting` (script_main's and `cukern bench`'s --kernel): run_specs keeps only the specs whose
+# kernel name it matches
 _KERNEL_PATTERN: re.Pattern | None = None
+
+
+@contextlib.contextmanager
+def selecting(pattern: re.Pattern | str | None):
+    """Within the block, :func:`run_specs` times only the specs whose kernel name ``pattern`` matches
+    (``re.search``; None: every spec)."""
+    global _KERNEL_PATTERN
+    old, _KERNEL_PATTERN = _KERNEL_PATTERN, None if pattern is None else re.compile(pattern)
+    try:
+        yield
+    finally:
+        _KERNEL_PATTERN = old
 
 
 def script_main(bench, doc: str, *, title: str, quick_help: str, argv=None, add_args=None,
@@ -524,20 +538,17 @@ def script_main(bench, doc: str, *, title: str, quick_help: str, argv=None, add_
 
     ``bench(quick, **bench_kwargs(args))`` returns ``(rows, ceilings)``; ``add_args(parser)``
     adds a script's own flags."""
+    from cukern.cli import regex_arg
     ap = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
     ap.add_argument("--json", metavar="FILE", help="write the rows and ceilings here")
     ap.add_argument("--quick", action="store_true", help=quick_help)
-    ap.add_argument("--kernel", metavar="REGEX", type=re.compile,
+    ap.add_argument("--kernel", metavar="REGEX", type=regex_arg,
                     help="only the rows whose kernel name matches (re.search), e.g. 'bwd|chain'")
     if add_args is not None:
         add_args(ap)
     args = ap.parse_args(argv)
-    global _KERNEL_PATTERN
-    _KERNEL_PATTERN = args.kernel
-    try:
+    with selecting(args.kernel):
         rows, ceilings = bench(args.quick, **(bench_kwargs(args) if bench_kwargs else {}))
-    finally:
-        _KERNEL_PATTERN = None
     print_table(rows, ceilings, title)
     if args.json:
         with open(args.json, "w") as f:

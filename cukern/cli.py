@@ -63,6 +63,15 @@ def number_arg(kind: str, lo=None):
     return parse
 
 
+def regex_arg(text: str):
+    """An argparse ``type=`` for ``--kernel``: the compiled regular expression, a usage error otherwise."""
+    import re
+    try:
+        return re.compile(text)
+    except re.error as e:
+        raise argparse.ArgumentTypeError(f"not a regular expression ({e}): {text!r}") from None
+
+
 def arch_arg(text: str) -> tuple[int, bool]:
     """An argparse ``type=`` for ``--arch``: :func:`cukern.runtime.parse_target`, a usage error otherwise."""
     from cukern import runtime
@@ -246,7 +255,8 @@ def cmd_bench(args) -> int:
     except ValueError as e:
         return _usage_error(f"--plot {e}")
     try:
-        result = workbench.run_bench(args.family or None, quick=args.quick, gemm=not args.no_gemm)
+        result = workbench.run_bench(args.family or None, quick=args.quick, gemm=not args.no_gemm,
+                                     kernel=args.kernel)
     except runtime.CukernError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -368,6 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="OUT.json", help="write every figure, with device, versions and date")
     p.add_argument("--plot", metavar="OUT.png", help="save a roofline chart of the run (needs matplotlib)")
     p.add_argument("--no-gemm", action="store_true", help="skip the cuBLAS GEMM ceiling (about a second)")
+    p.add_argument("--kernel", metavar="REGEX", type=regex_arg,
+                   help="only the rows whose kernel name matches (re.search), e.g. 'bwd|chain'")
     p.set_defaults(fn=cmd_bench)
 
     p = sub.add_parser("compare", help="the change per row between two `bench --json` files",

@@ -168,11 +168,13 @@ def environment() -> dict:
     return meta
 
 
-def run_bench(families=None, *, quick: bool = False, show_progress: bool = True, gemm: bool = True) -> dict:
+def run_bench(families=None, *, quick: bool = False, show_progress: bool = True, gemm: bool = True,
+              kernel=None) -> dict:
     """Measure the ceilings, run each family's ``bench(quick)`` and return the result dict
     (module docstring). A family whose script raises is recorded under ``errors``; the
-    others still run."""
-    from cukern.benchmark import measure_ceilings, measure_gemm_tflops
+    others still run. ``kernel``: a regular expression (or compiled pattern); only the rows whose
+    kernel name it matches are timed."""
+    from cukern.benchmark import measure_ceilings, measure_gemm_tflops, selecting
 
     scripts = bench_scripts(families)
     reason = no_gpu_reason()
@@ -191,7 +193,7 @@ def run_bench(families=None, *, quick: bool = False, show_progress: bool = True,
     for name in progress(names, desc="bench", unit="family") if show_progress else names:
         try:
             # a script's own prints (progress, notes) go to stderr: stdout keeps the one table
-            with interruptible(), contextlib.redirect_stdout(sys.stderr):
+            with interruptible(), contextlib.redirect_stdout(sys.stderr), selecting(kernel):
                 rows, fam_ceil = _import_script(name, scripts[name]).bench(quick)
         except KeyboardInterrupt:  # Ctrl-C or a time limit's SIGTERM: keep what was measured
             result["errors"][name] = "interrupted"

@@ -411,3 +411,10 @@ def test_kernel_option_selects_rows_by_name(capsys):
     assert script_main(bench, "fake bench", title="t", quick_help="q", argv=[]) == 0
     assert seen == [["varlen bwd f16", "decode"], ["varlen bwd f16", "decode", "varlen f16"]]
     assert "varlen bwd f16" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        script_main(bench, "fake bench", title="t", quick_help="q", argv=["--kernel", "bwd("])
+    assert "not a regular expression" in capsys.readouterr().err
+    from cukern.benchmark import selecting
+    with selecting("^dec"):
+        assert [r.kernel for r in _run(specs)[0]] == ["decode"]
+    assert len(_run(specs)[0]) == 3

@@ -17,7 +17,7 @@ from workbench_helpers import A, B, REPO, _cli, _one_line_error, _result, _run
 # ----------------------------------------------------------------------------- --help
 
 @pytest.mark.parametrize("command,words", [
-    ("bench", ["--quick", "--json", "--plot", "family"]),
+    ("bench", ["--quick", "--json", "--plot", "--kernel", "family"]),
     ("compare", ["A.json", "B.json", "--threshold", "--fail-above", "--json"]),
     ("check", ["--gpu", "--arch", "-k", "--family", "--unit", "--jobs", "--cache-dir", "--no-cache", "--json"]),
     ("info", ["--json"]),
@@ -236,6 +236,7 @@ def test_roofline_reports_the_path_it_wrote(tmp_path, capsys):
     ["roofline", "{good}", "-o", "{tmp}/r.xyz"],
     ["bench", "--json", "{tmp}/no/such/folder/r.json"],
     ["bench", "--plot", "{tmp}/no/such/folder/r.png"],
+    ["bench", "--kernel", "bwd("],
     ["notebooks", "--run", "--figures", "{good}"],
     ["notebooks", "--run", "--write-to", "{good}"],
     ["notebooks", "--write"],
