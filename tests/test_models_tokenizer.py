@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from cukern.models.gguf_loader import load_gguf
+from cukern.models.tiny import write_tiny_gguf
 from cukern.models.tokenizer import Tokenizer, StreamDecoder
 from models_helpers import real_model_path
 
@@ -51,6 +52,33 @@ def test_tokenizer_bpe_merges(tiny):
     ids = tok.encode("hello world kernel")
     assert [tok.tokens[i] for i in ids] == ["hello", "\u0120world", "\u0120kernel"]
     assert tok.encode("<|im_start|>x", special=True)[0] == tok.vocab["<|im_start|>"]
+
+
+@pytest.mark.parametrize("text,pieces", [
+    ("HelloWorld don't 12345", ["Hello", "World", " don't", " ", "123", "45"]),
+    ("ÉCOLE normale\n\n  x", ["ÉCOLE", " normale", "\n\n", " ", " x"]),
+    ("a/b!!\n/\nc", ["a", "/b", "!!\n/\n", "c"]),
+    ("I'M here", ["I'M", " here"]),
+])
+def test_gpt4o_pre_tokenizer_splits(text, pieces):
+    """gpt-oss's pre-tokenizer (tokenizer.ggml.pre "gpt-4o", o200k's): a word split where lower case turns
+    upper, a contraction kept on its word in either case, digits in threes, newlines and "/" after
+    punctuation kept with it; gpt2's splits the same strings otherwise."""
+    regex = pytest.importorskip("regex", reason="the pre-tokenizer's Unicode classes need the regex package")
+    from cukern.models.tokenizer import _PRE
+    assert regex.findall(_PRE["gpt-4o"], text) == pieces
+    assert regex.findall(_PRE["gpt2"], text) != pieces
+
+
+def test_tiny_gpt_oss_tokenizer_round_trips(tmp_path):
+    """The tiny gpt-oss file declares the "gpt-4o" pre-tokenizer, as the real ones do: ids back to the text."""
+    pytest.importorskip("regex", reason="byte-level BPE needs the regex package (the 'model' extra)")
+    from cukern.models.tiny_moe import MOE_PRESETS
+    path = write_tiny_gguf(tmp_path / "gpt-oss.gguf", MOE_PRESETS["gpt-oss"]())
+    m = load_gguf(path)
+    tok = Tokenizer.from_gguf(m)
+    for s in ("HelloWorld don't 12345", "kernel/launch!!\n/\nx", "héllo wörld ✓"):
+        assert tok.decode(tok.encode(s)) == s
 
 
 def test_bpe_tokenizer_errors_are_clear(monkeypatch):
@@ -126,16 +154,17 @@ def test_tokenizer_matches_hf_tokenizers_on_real_model():
 
 # ----------------------------------------------------------------------------- orchestration on the CPU
 
-def test_bpe_tokenizer_matches_hf_tokenizers(tmp_path):
+@pytest.mark.parametrize("pre_name", ["qwen2", "gpt-4o"])
+def test_bpe_tokenizer_matches_hf_tokenizers(tmp_path, pre_name):
     """Byte-level BPE against Hugging Face `tokenizers` (an independent implementation): train a
     2000-token byte-level BPE on the test corpus with it, store its vocabulary and merges in a GGUF
-    (Qwen2 pre-tokenizer), and compare the ids of every corpus string."""
+    (Qwen2's or gpt-oss's pre-tokenizer), and compare the ids of every corpus string."""
     tk = pytest.importorskip("tokenizers", reason="the comparison needs Hugging Face tokenizers")
     pytest.importorskip("regex", reason="the Qwen2 pre-tokenizer's Unicode classes need the regex package")
     import gguf
     from cukern.models.tokenizer import _PRE
     corpus = tokenizer_corpus()
-    pre = tk.pre_tokenizers.Sequence([tk.pre_tokenizers.Split(tk.Regex(_PRE["qwen2"]), behavior="isolated"),
+    pre = tk.pre_tokenizers.Sequence([tk.pre_tokenizers.Split(tk.Regex(_PRE[pre_name]), behavior="isolated"),
                                       tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     hf = tk.Tokenizer(tk.models.BPE())
     hf.pre_tokenizer, hf.decoder = pre, tk.decoders.ByteLevel()
@@ -146,7 +175,7 @@ def test_bpe_tokenizer_matches_hf_tokenizers(tmp_path):
     merges = [m if isinstance(m, str) else " ".join(m) for m in state["merges"]]
     w = gguf.GGUFWriter(str(tmp_path / "bpe.gguf"), "qwen2")
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
+    w.add_tokenizer_pre(pre_name)
     w.add_token_list([t for t, _ in vocab])
     w.add_token_types([1] * len(vocab))
     w.add_token_merges(merges)

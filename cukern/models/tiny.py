@@ -151,11 +151,12 @@ def add_attention(mat, b: str, d: int, q: int, kv: int) -> None:
     mat(b + "attn_output.weight", d, q, 1.0 / np.sqrt(q))
 
 
-def _add_bpe_tokenizer(w: gguf.GGUFWriter) -> list[str]:
-    """The byte-level BPE vocabulary (Qwen's tokenizer kind) written into ``w``; returns its tokens."""
+def _add_bpe_tokenizer(w: gguf.GGUFWriter, pre: str = "qwen2") -> list[str]:
+    """The byte-level BPE vocabulary (Qwen's tokenizer kind; ``pre``: its tokenizer.ggml.pre) written into
+    ``w``; returns its tokens."""
     tokens, types, merges = _bpe_vocab()
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)

@@ -82,10 +82,10 @@ def add_shared_expert(mat, f32, b: str, d: int, fs: int) -> None:
 def _write(path, spec: MoeTinySpec, seed: int) -> str:
     arch, rng = spec.arch, np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
-    tokens = _add_bpe_tokenizer(w)
+    gpt_oss = arch == "gpt-oss"
+    tokens = _add_bpe_tokenizer(w, "gpt-4o" if gpt_oss else "qwen2")  # gpt-oss's files: o200k's pre-tokenizer
     vocab, d, hd, ff, e = len(tokens), spec.d_model, spec.head_dim, spec.d_ff, spec.n_experts
     q, kv = spec.n_heads * hd, spec.n_kv_heads * hd
-    gpt_oss = arch == "gpt-oss"
     add_shape(w, spec, eps=1e-5 if gpt_oss else 1e-6, rope_base=150000.0 if gpt_oss else 1e6)
     add_expert_keys(w, e, spec.top_k, ff, spec.d_ff_shexp)
     if gpt_oss:
