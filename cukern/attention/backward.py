@@ -142,7 +142,7 @@ class Backward:
 
     def _dkdv_warps(self, d: int) -> int:
         """bwd_dkdv's warps: 8 (128-key tiles: every staged Q / dO tile and dQ atomic serves twice the keys of
-        4 warps'; 7-16% faster at L 4096, D 128 on an H200) where their shared memory fits a block, else 4
+        4 warps'; measured in docs/notes/attention.md) where their shared memory fits a block, else 4
         (head_dim 128 on sm_86 / sm_89, 99 KB a block)."""
         return 8 if _bwd_shape(d, 8)["dkdv_smem"] + _DKDV_STATIC_SMEM <= self.max_shared_optin() else 4
 
