@@ -37,9 +37,6 @@ def bwd_unit(kind: str) -> FamilySpec:
                       params_header="attention/bwd_params.cuh")
 
 
-_DKDV_STATIC_SMEM = 4 * 32 * 4  # bwd_dkdv's lse_s and del_s (2 stages x BM rows x f32 each)
-
-
 def _bwd_shape(d: int, kw: int) -> dict:
     """Tiles and dynamic shared bytes of the backward kernels at head_dim d, bwd_dkdv with kw warps
     (BwdShape<d, kw> in varlen_bwd.cuh; bwd_dq's tiles: BwdShape<d>)."""
@@ -144,7 +141,9 @@ class Backward:
         """bwd_dkdv's warps: 8 (128-key tiles: every staged Q / dO tile and dQ atomic serves twice the keys of
         4 warps'; measured in docs/notes/attention.md) where their shared memory fits a block, else 4
         (head_dim 128 on sm_86 / sm_89, 99 KB a block)."""
-        return 8 if _bwd_shape(d, 8)["dkdv_smem"] + _DKDV_STATIC_SMEM <= self.max_shared_optin() else 4
+        sh = _bwd_shape(d, 8)
+        static = 2 * 2 * sh["bm"] * 4  # lse_s and del_s: 2 stages of BM f32 each
+        return 8 if sh["dkdv_smem"] + static <= self.max_shared_optin() else 4
 
     def _bwd_launch(self, kind, d, dq, dk, dv, delta, dq_accum, dout, q, k, v, out, lse, cu_q, cu_k, b, h, hk,
                     n_k_tiles, n_q_tiles, causal, fields, deterministic, stream):
