@@ -120,6 +120,107 @@ def test_dmmv_three_rejects(host_if_no_gpu):
         d.dmmv_three(q5, q5, q5, nx, z(4), z(4), z(5))
 
 
+# (q/k type, v type, n_q_heads, n_kv_heads, head_dim, rope_dim, neox, Q/K norm, v_norm, cache dtype, q_out dtype,
+#  freqs): Gemma 3 270M's layer; Qwen3's head_dim 128 with a bf16 cache and partial interleaved rotation; no
+# norm on an f32 cache; a head of 18 rows that blocks of 4 rows straddle (one block counts into two heads)
+_ROPE_CASES = [
+    (6, 8, 4, 1, 256, 256, True, True, "none", "float16", "float32", False),
+    (12, 14, 8, 2, 128, 64, False, True, "weight", "bfloat16", "bfloat16", True),
+    (1, 1, 6, 3, 64, 64, True, False, "unit", "float32", "float32", False),
+    (2, 8, 6, 2, 18, 10, True, True, "none", "float16", "float16", False),
+]
+
+
+def _cache_dtype(name):
+    return cupy.uint16 if name == "bfloat16" else getattr(cupy, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _ROPE_CASES, ids=lambda c: f"{NAMES.get(c[0])}-{NAMES.get(c[1])}-hd{c[4]}-{c[9]}")
+def test_dmmv_three_rope_kv(rng, case):
+    """dmmv_three with its RopeKV epilogue: y1..y3 against the float64 matvecs; q_out and the token's K and V
+    cache rows against the float64 qk_norm_rope_kv_write of the kernel's own y (the epilogue's error alone, at
+    the output dtype's tolerance) and, for an f32 q_out, of the float64 matvecs (the matvec's tolerance);
+    every other cache row keeps its NaN poison. Two launches at two positions on one RopeKV (the counters
+    left zero by the first), with pdl."""
+    from cukern.reference.attention import as_float64
+    from cukern.testing import assert_close
+    from elementwise_helpers import _check_cache, _paged_setup
+    qt, qt3, nq, nkv, hd, rd, neox, norm, v_norm, kind, q_kind, use_freqs = case
+    k = 1280
+    dt = _cache_dtype(kind)
+    page_table, k_cache = _paged_setup(rng, 3, 40, 16, nkv, hd, dt)
+    v_cache = poison(cupy.empty(k_cache.shape, dt))
+    q_out = poison(cupy.empty((1, nq, hd), _cache_dtype(q_kind)))
+    w = lambda: rng.uniform(-1, 2, hd).astype(np.float32)  # noqa: E731
+    wq, wk, wv = (w(), w()) if norm else (None, None), w() if v_norm == "weight" else None
+    freqs = (0.5 ** np.arange(rd // 2) / 3).astype(np.float32) if use_freqs else None
+    dev = lambda a: None if a is None else cupy.asarray(a)  # noqa: E731
+    positions, seq_ids = cupy.asarray(np.array([7, 0], np.int32)), cupy.asarray(np.array([2, 1], np.int32))
+    rk = dict(eps=1e-5, weight_offset=0.5 if norm else 0.0, rope_dim=rd, neox=neox, freq_base=5000.0,
+              attn_scale=1.25 if use_freqs else 1.0, v_norm=v_norm != "none")
+    rope = D.RopeKV(q_out, k_cache, v_cache, cupy.asarray(page_table), positions, seq_ids, wq=dev(wq), wk=dev(wk),
+                    freqs=dev(freqs), wv=dev(wv), **rk)
+    ws = [_weight(t, m, k, rng) for t, m in ((qt, nq * hd), (qt, nkv * hd), (qt3, nkv * hd))]
+    want_k, want_v = np.full(k_cache.shape, np.nan), np.full(v_cache.shape, np.nan)
+    dd = DmmvDispatch(int8=False, pdl=True)
+    for pos in (7, 29):
+        positions[:1] = pos
+        nx, x, _ = _normed(rng, (1, k), "norm")
+        ys = [poison(cupy.empty((1, w.m), cupy.float32)) for w, _ in ws]
+        dd.dmmv_three(*(w for w, _ in ws), nx, *ys, rope=rope)
+        exact = [ref.matvec(dense, x) for _, dense in ws]
+        for i, (y, want) in enumerate(zip(ys, exact)):
+            _check(y, want, f"y{i + 1} pos={pos}")
+        kw = dict(rk, wq=wq, wk=wk, wv=wv, freqs=freqs)
+        pt, pa, sa = page_table, np.array([pos], np.int32), np.array([2], np.int32)
+        want_q, want_k, want_v = ref.three_rope_kv(*(y.get() for y in ys), nq, nkv, want_k, want_v, pt, pa, sa, **kw)
+        assert_close(as_float64(q_out, q_kind).reshape(nq, hd), want_q, dtype=q_kind, name=f"q_out pos={pos}")
+        _check_cache(k_cache, want_k, dt, f"k_cache pos={pos}")
+        _check_cache(v_cache, want_v, dt, f"v_cache pos={pos}")
+        if q_kind == "float32":
+            chain_q, _, _ = ref.three_rope_kv(*exact, nq, nkv, np.full(k_cache.shape, np.nan),
+                                              np.full(v_cache.shape, np.nan), pt, pa, sa, **kw)
+            _check(q_out.reshape(nq, hd), chain_q, f"q_out from the float64 matvecs pos={pos}")
+    assert int(abs(rope.counters).sum()) == 0, "the counters are left zero"
+
+
+def test_dmmv_three_rope_kv_rejects(host_if_no_gpu):
+    """RopeKV's own checks and dmmv_three's of a RopeKV against the matrices, before any launch."""
+    d = DmmvDispatch()
+    z = lambda *s, dt=cupy.float32: cupy.zeros(s, dt)  # noqa: E731
+    i32 = lambda *s: cupy.zeros(s, cupy.int32)  # noqa: E731
+    kc, vc, pt = z(4, 16, 1, 64, dt=cupy.float16), z(4, 16, 1, 64, dt=cupy.float16), i32(2, 2)
+    base = dict(q_out=z(2, 64), k_cache=kc, v_cache=vc, page_table=pt, positions=i32(1), seq_ids=i32(1),
+                counters=i32(4))
+    bad = [
+        (dict(q_out=z(2, 64, dt=cupy.uint16)), TypeError, "q_out must be float32 or the caches'"),
+        (dict(v_cache=z(4, 16, 1, 64)), TypeError, "v_cache must have dtype float16"),
+        (dict(q_out=z(2, 32)), ValueError, r"q_out must be \[n_q_heads, 64\]"),
+        (dict(k_cache=z(4, 16, 1, 63, dt=cupy.float16), v_cache=z(4, 16, 1, 63, dt=cupy.float16)), ValueError,
+         "must be even"),
+        (dict(wq=z(64)), ValueError, "both wq and wk"),
+        (dict(wv=z(64)), ValueError, "pass v_norm=True"),
+        (dict(rope_dim=66), ValueError, "rope_dim must be an even int"),
+        (dict(freqs=z(31)), ValueError, r"freqs must have shape \(32\)"),
+        (dict(positions=i32(0)), ValueError, "at least one entry"),
+        (dict(counters=i32(3)), ValueError, r"n_q_heads \+ 2 n_kv_heads = 4"),
+        (dict(attn_scale=0.0), ValueError, "attn_scale must be > 0"),
+    ]
+    for change, exc, msg in bad:
+        with pytest.raises(exc, match=msg):
+            D.RopeKV(**{**base, **change})
+    rope = D.RopeKV(**base)
+    q5 = lambda m: QWeight(cupy.zeros(22 * 2 * m, cupy.uint8), "Q5_0", m, 64)  # noqa: E731
+    nx = D.NormedX(z(64), z(64))
+    with pytest.raises(ValueError, match=r"n_q_heads \* head_dim = 128 rows"):
+        d.dmmv_three(q5(64), q5(64), q5(64), nx, z(64), z(64), z(64), rope=rope)
+    with pytest.raises(TypeError, match="rope must be a RopeKV"):
+        d.dmmv_three(q5(128), q5(64), q5(64), nx, z(128), z(64), z(64), rope=object())
+    with pytest.raises(ValueError, match="y1 overlaps rope.q_out"):
+        d.dmmv_three(q5(128), q5(64), q5(64), nx, rope.q_out.reshape(128), z(64), z(64), rope=rope)
+
+
 @pytest.mark.gpu
 def test_dmmv_normed_input_without_residual_out(d, rng):
     nx, x, _ = _normed(rng, (640,), "norm", out=False)

@@ -338,6 +338,154 @@ class MergedX:
         return self.n_heads * self.head_dim
 
 
+_KV_KINDS = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(np.uint16): 2}  # RopeKV's element kinds
+_I32 = np.dtype(np.int32)
+# DmmvNormParams' rope fields of a launch without the epilogue
+_NO_ROPE = dict(rope=0, n_q_heads=0, n_kv_heads=0, head_dim=0, rope_dim=0, neox=0, use_freqs=0, qk_norm=0, v_norm=0,
+                q_kind=0, kv_kind=0, page_size=0, max_pages=0, qk_eps=0.0, qk_weight_offset=0.0, attn_scale=0.0,
+                inv_ratio=0.0)
+
+
+@dataclass(frozen=True, eq=False)
+class RopeKV:
+    """The attention prologue of one decode token, for :meth:`DmmvDispatch.dmmv_three` to run as the
+    epilogue of the q, k and v matvecs (``rope=``) instead of a launch of its own::
+
+        q_out[h]   = rope(rms_norm(q[h]) * (wq + weight_offset))       every q head h
+        K row[h]   = rope(rms_norm(k[h]) * (wk + weight_offset))       every kv head h
+        V row[h]   = v[h]   (v_norm: rms_norm(v[h]), times (wv + weight_offset) with wv)
+
+    the values of ``ElementwiseDispatch.qk_norm_rope_kv_write`` for one token (wq and wk both None: no
+    norm, rotation only), written to the token's row of the paged caches: position ``positions[0]`` of
+    sequence ``seq_ids[0]`` (``PagedKVCache`` layout). The rotation (``rope_dim``, ``neox``,
+    ``freq_base`` or ``freqs``, ``attn_scale``) is :meth:`ElementwiseDispatch.rope`'s.
+
+    q_out: [n_q_heads, head_dim] (or [1, n_q_heads, head_dim]) f32 or the caches' dtype, C-contiguous;
+    k_cache, v_cache: [n_pages, page_size, n_kv_heads, head_dim], one dtype (float32, float16, or bfloat16
+    as uint16 bits) and shape; page_table: [n_seqs, max_pages] int32; positions, seq_ids: 1-D int32, the
+    first entry used (the decode batch arrays of a one-sequence batch); wq, wk, wv: [head_dim] f32;
+    freqs: [rope_dim // 2] f32. ``counters``: [n_q_heads + 2 n_kv_heads] int32 zeros, which the epilogue
+    leaves zero (each head's blocks count themselves there; the last applies the head's epilogue): made
+    here when None. Launches that share counters must not run at the same time (one stream, or a
+    RopeKV each)."""
+
+    q_out: cupy.ndarray
+    k_cache: cupy.ndarray
+    v_cache: cupy.ndarray
+    page_table: cupy.ndarray
+    positions: cupy.ndarray
+    seq_ids: cupy.ndarray
+    wq: cupy.ndarray | None = None
+    wk: cupy.ndarray | None = None
+    eps: float = 1e-6
+    weight_offset: float = 0.0
+    rope_dim: int | None = None
+    neox: bool = True
+    freq_base: float = 10000.0
+    freqs: cupy.ndarray | None = None
+    attn_scale: float = 1.0
+    v_norm: bool = False
+    wv: cupy.ndarray | None = None
+    counters: cupy.ndarray | None = None
+
+    def __post_init__(self):
+        for f in ("q_out", "k_cache", "v_cache", "page_table", "positions", "seq_ids", "wq", "wk", "freqs", "wv",
+                  "counters"):
+            object.__setattr__(self, f, as_cupy(getattr(self, f), f"RopeKV.{f}"))
+        kc = check_array("RopeKV.k_cache", self.k_cache, ndim=4)
+        if kc.dtype not in _KV_KINDS:
+            raise TypeError(f"RopeKV.k_cache must be float32, float16 or bfloat16 (uint16 bits), got {kc.dtype}")
+        check_array("RopeKV.v_cache", self.v_cache, dtype=kc.dtype, shape=kc.shape)
+        n_pages, page_size, n_kv, hd = kc.shape
+        if 0 in kc.shape:
+            raise ValueError(f"RopeKV.k_cache must not be empty, got shape {kc.shape}")
+        if hd % 2:
+            raise ValueError(f"RopeKV: head_dim={hd} must be even (the rotation takes pairs)")
+        q = check_array("RopeKV.q_out", self.q_out)
+        if q.dtype not in (_F32, kc.dtype):
+            raise TypeError(f"RopeKV.q_out must be float32 or the caches' {kc.dtype}, got {q.dtype}")
+        if q.ndim not in (2, 3) or q.shape[-1] != hd or (q.ndim == 3 and q.shape[0] != 1) or q.shape[-2] < 1:
+            raise ValueError(f"RopeKV.q_out must be [n_q_heads, {hd}] (or [1, n_q_heads, {hd}]), got {q.shape}")
+        if q.shape[-2] % n_kv:
+            raise ValueError(f"RopeKV: n_q_heads ({q.shape[-2]}) must be a multiple of n_kv_heads ({n_kv})")
+        pt = check_array("RopeKV.page_table", self.page_table, dtype=_I32, ndim=2)
+        if 0 in pt.shape:
+            raise ValueError(f"RopeKV.page_table must not be empty, got shape {pt.shape}")
+        for f in ("positions", "seq_ids"):
+            a = check_array(f"RopeKV.{f}", getattr(self, f), dtype=_I32, ndim=1)
+            if a.shape[0] < 1:
+                raise ValueError(f"RopeKV.{f} must hold at least one entry (the token's)")
+        if (self.wq is None) != (self.wk is None):
+            raise ValueError("RopeKV: give both wq and wk (the Q/K norm) or neither (rotation only)")
+        for f in ("wq", "wk"):
+            if getattr(self, f) is not None:
+                check_array(f"RopeKV.{f}", getattr(self, f), dtype=_F32, shape=(hd,))
+        if self.wv is not None:
+            if not self.v_norm:
+                raise ValueError("RopeKV: wv is the V norm's weight: pass v_norm=True with it")
+            check_array("RopeKV.wv", self.wv, dtype=_F32, shape=(hd,))
+        rd = hd if self.rope_dim is None else self.rope_dim
+        if isinstance(rd, bool) or not isinstance(rd, (int, np.integer)) or rd < 2 or rd % 2 or rd > hd:
+            raise ValueError(f"RopeKV.rope_dim must be an even int in [2, head_dim={hd}], got {self.rope_dim!r}")
+        object.__setattr__(self, "rope_dim", int(rd))
+        if self.freqs is not None:
+            check_array("RopeKV.freqs", self.freqs, dtype=_F32, shape=(rd // 2,))
+        elif not check_real("RopeKV.freq_base", self.freq_base) > 0:
+            raise ValueError(f"RopeKV.freq_base must be > 0, got {self.freq_base}")
+        if not check_real("RopeKV.attn_scale", self.attn_scale) > 0:
+            raise ValueError(f"RopeKV.attn_scale must be > 0, got {self.attn_scale}")
+        eps = check_real("RopeKV.eps", self.eps)
+        if not 0 <= eps < float("inf"):
+            raise ValueError(f"RopeKV.eps must be finite and >= 0, got {eps}")
+        object.__setattr__(self, "eps", eps)
+        object.__setattr__(self, "weight_offset", check_real("RopeKV.weight_offset", self.weight_offset))
+        object.__setattr__(self, "neox", bool(self.neox))
+        object.__setattr__(self, "v_norm", bool(self.v_norm))
+        n = q.shape[-2] + 2 * n_kv
+        if self.counters is None:
+            object.__setattr__(self, "counters", cupy.zeros(n, np.int32))
+        else:
+            c = check_array("RopeKV.counters", self.counters, dtype=_I32, ndim=1)
+            if c.shape[0] < n:
+                raise ValueError(f"RopeKV.counters must hold n_q_heads + 2 n_kv_heads = {n} int32, got {c.shape}")
+        for f in ("q_out", "positions", "seq_ids", "page_table", "counters"):
+            for g in ("k_cache", "v_cache"):
+                if _overlap(getattr(self, f), getattr(self, g)):
+                    raise ValueError(f"RopeKV.{f} overlaps RopeKV.{g}, which the epilogue writes")
+        if _overlap(self.k_cache, self.v_cache):
+            raise ValueError("RopeKV.k_cache and RopeKV.v_cache overlap")
+
+    @property
+    def n_q_heads(self) -> int:
+        return self.q_out.shape[-2]
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.k_cache.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k_cache.shape[3]
+
+    def fields(self) -> dict:
+        """DmmvNormParams' rope fields."""
+        kc = self.k_cache
+        return dict(rope=1, n_q_heads=self.n_q_heads, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim,
+                    rope_dim=self.rope_dim, neox=int(self.neox), use_freqs=int(self.freqs is not None),
+                    qk_norm=int(self.wq is not None), v_norm=0 if not self.v_norm else 2 if self.wv is not None else 1,
+                    q_kind=_KV_KINDS[self.q_out.dtype], kv_kind=_KV_KINDS[kc.dtype], page_size=kc.shape[1],
+                    max_pages=self.page_table.shape[1], qk_eps=self.eps, qk_weight_offset=self.weight_offset,
+                    attn_scale=float(self.attn_scale),
+                    inv_ratio=1.0 if self.freqs is not None else float(self.freq_base) ** (-2.0 / self.rope_dim))
+
+    def pointers(self) -> tuple:
+        """dmmv_nx3's epilogue arguments (an unread one: the counters)."""
+        c = self.counters
+        return (self.q_out, self.k_cache, self.v_cache, c if self.wq is None else self.wq,
+                c if self.wk is None else self.wk, c if self.wv is None else self.wv,
+                c if self.freqs is None else self.freqs, self.positions, self.seq_ids, self.page_table, c)
+
+
 def _overlap(a: cupy.ndarray, b: cupy.ndarray) -> bool:
     return a.data.ptr < b.data.ptr + b.nbytes and b.data.ptr < a.data.ptr + a.nbytes
 
