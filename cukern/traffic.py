@@ -84,16 +84,6 @@ def dmmv_pair(w_bytes: int, m: int, k: int, *, normed: bool = False) -> int:
     return 2 * w_bytes + F32 * ((2 if normed else 1) * k + 2 * m)
 
 
-def dmmv_three_rope(w_bytes: int, k: int, n_heads: int, n_kv_heads: int, head_dim: int, kv_itemsize: int = 2) -> int:
-    """q, k, v = W_q x, W_k x, W_v x on a NormedX (``w_bytes``: the three matrices together) with the attention
-    prologue of one token (dmmv_three with a RopeKV, or dmmv_three then qk_norm_rope_kv_write): the weights
-    once, the residual and proj read, the new residual written, q, k and v written as f32, and the prologue's
-    own traffic (qk_norm_rope_kv_write of one token: its reads of q, k, v counted, as the epilogue reads them
-    back)."""
-    return w_bytes + F32 * 3 * k + F32 * (n_heads + 2 * n_kv_heads) * head_dim \
-        + qk_norm_rope_kv_write(1, n_heads, n_kv_heads, head_dim, kv_itemsize)
-
-
 def moe_packed_sum(e_bytes: int, m: int, k: int, top_k: int, n_tokens: int, n_active: float) -> float:
     """The packed down projection summed into y (``moe_dmmv_packed(accumulate=True, weights=)``, or its
     outputs then ``moe_weighted_sum``): each of the ``n_active`` experts once, every slot's x and weight

@@ -29,8 +29,7 @@ import numpy as np
 
 from cukern import traffic
 from cukern.benchmark import Peer, RowSpec, measure_ceilings, run_specs, script_main
-from cukern.dmmv import (Q8_TYPES, QTYPES, DmmvDispatch, MergedX, NormedX, QuantizedX, QWeight, RopeKV, qtype_id,
-                         row_bytes)
+from cukern.dmmv import Q8_TYPES, QTYPES, DmmvDispatch, MergedX, NormedX, QuantizedX, QWeight, qtype_id, row_bytes
 from cukern.elementwise import ElementwiseDispatch
 
 try:
@@ -53,7 +52,6 @@ def specs(quick: bool) -> list[RowSpec]:
     out = [r for m, k in shapes for name in (QUICK_TYPES if quick else TYPES)
            if k % QTYPES[qtype_id(name)][1] == 0 for r in _matvec(name, m, k)]  # k = 640: no whole K-quant super-block
     out += _lm_head(1) + _lm_head(8) + _norm_glu() + _merged_oproj()
-    out += _three_rope()
     out += [_quantize_x(k) for k in sorted({k for _, k in shapes})]
     out += [r for name in (["MXFP4", "Q4_K"] if quick else ["MXFP4", "Q4_K", "Q6_K", "Q8_0"]) for r in _ffn_down(name)]
     out += [r for name in (["Q4_K"] if quick else ["Q4_K", "Q8_0", "Q6_K"]) for r in _batch(name)]
@@ -118,29 +116,6 @@ def _merged_oproj(m=640, heads=4, d=256, states=8):
                     nbytes),
             RowSpec("merge + o_proj Q4_K MergedX pdl", shape, g, lambda s: s.d_f32_pdl.dmmv(s.w, s.mx, s.y), nbytes,
                     peers=(Peer("merge_states + dmmv", row="merge + o_proj Q4_K two launches pdl"),))]
-
-
-def _three_rope(k=640, heads=4, kv_heads=1, d=256):
-    """A decode step's attention prologue (Gemma 3 270M: Q5_0 q and k, Q8_0 v on a NormedX of 640, 4 heads on
-    one KV head of 256, an f16 paged cache): dmmv_three with its RopeKV epilogue (Q/K norm, RoPE, K/V cache
-    write in the same launch), against dmmv_three then qk_norm_rope_kv_write."""
-    shape = f"{heads * d}+2x{kv_heads * d}x{k} hd{d}"
-    w_bytes = _w_bytes("Q5_0", (heads + kv_heads) * d, k) + _w_bytes("Q8_0", kv_heads * d, k)
-    g = (_three_rope_sets, k, heads, kv_heads, d)
-    chain = "dmmv_three + qk_norm_rope_kv_write pdl"
-    nbytes = (traffic.dmmv_three_rope, w_bytes, k, heads, kv_heads, d)
-    return [RowSpec(chain, shape, g, _three_rope_chain, nbytes),
-            RowSpec("dmmv_three RopeKV pdl", shape, g,
-                    lambda s: s.d_f32_pdl.dmmv_three(s.wq, s.wk, s.wv, s.nx, s.q, s.k, s.v, rope=s.rope), nbytes,
-                    peers=(Peer("dmmv_three + qk_norm_rope_kv_write", row=chain),))]
-
-
-def _three_rope_chain(s):
-    s.d_f32_pdl.dmmv_three(s.wq, s.wk, s.wv, s.nx, s.q, s.k, s.v)
-    s.ew_pdl.qk_norm_rope_kv_write(s.q.reshape(1, -1, s.hd), s.k.reshape(1, -1, s.hd), s.v.reshape(1, -1, s.hd),
-                                   s.rope.wq, s.rope.wk, s.rope.q_out, s.rope.k_cache, s.rope.v_cache,
-                                   s.rope.page_table, s.rope.positions, s.rope.seq_ids, eps=1e-6,
-                                   freq_base=10000.0, pos_mode="per_token")
 
 
 def _quantize_x(k):
@@ -308,23 +283,6 @@ def _merged_sets(ctx, m, heads, d, states):
     attn = AttentionDispatch(pdl=True)
     return [_set(ctx, w=w, o_part=o_part, lse=lse, o=o, y=y, mx=MergedX(o_part, lse), attn=attn)
             for w in _weights(qtype_id("Q4_K"), m, heads * d)]
-
-
-def _three_rope_sets(ctx, k, heads, kv_heads, d):
-    q5, q8 = qtype_id("Q5_0"), qtype_id("Q8_0")
-    proj, res = (cupy.random.standard_normal((1, k), dtype=cupy.float32) for _ in range(2))
-    wp, wn = (cupy.random.standard_normal(k, dtype=cupy.float32) for _ in range(2))
-    nx = NormedX(res, wn, proj, wp, cupy.empty((1, k), cupy.float32))
-    q, kk, v = (cupy.empty((1, n * d), cupy.float32) for n in (heads, kv_heads, kv_heads))
-    pages, page_size = 64, 16
-    kc, vc = (cupy.random.standard_normal((pages, page_size, kv_heads, d), dtype=cupy.float32).astype(cupy.float16)
-              for _ in range(2))
-    wq, wk = (cupy.random.standard_normal(d, dtype=cupy.float32) for _ in range(2))
-    rope = RopeKV(cupy.empty((1, heads, d), cupy.float32), kc, vc, cupy.arange(pages, dtype=cupy.int32).reshape(1, pages),
-                  cupy.asarray(np.array([300], np.int32)), cupy.zeros(1, cupy.int32), wq=wq, wk=wk)
-    return [_set(ctx, wq=wq_, wk=wk_, wv=wv_, nx=nx, q=q, k=kk, v=v, rope=rope, hd=d)
-            for wq_, wk_, wv_ in zip(_weights(q5, heads * d, k), _weights(q5, kv_heads * d, k, seed=1),
-                                     _weights(q8, kv_heads * d, k))]
 
 
 def _quantize_x_sets(ctx, k):

@@ -214,12 +214,6 @@ NormedX = dataclasses.make_dataclass(
                 for f in dataclasses.fields(cukern.dmmv.NormedX)], frozen=True)
 
 
-# cukern.dmmv.RopeKV's fields, unchecked
-RopeKV = dataclasses.make_dataclass(
-    "RopeKV", [(f.name, f.type) if f.default is dataclasses.MISSING else (f.name, f.type, f.default)
-               for f in dataclasses.fields(cukern.dmmv.RopeKV)], frozen=True)
-
-
 def _input(x):
     """The matvec input: x itself, or a NormedX's x (its r written to residual_out, as the first block does)."""
     if not isinstance(x, NormedX):
@@ -241,18 +235,10 @@ class Dmmv:
         self.dmmv(w1, x, y1)
         self.dmmv(w2, x, y2)
 
-    def dmmv_three(self, w1, w2, w3, x, y1, y2, y3, rope=None, stream=None):
+    def dmmv_three(self, w1, w2, w3, x, y1, y2, y3, stream=None):
         x = _input(x)
         for w, y in ((w1, y1), (w2, y2), (w3, y3)):
             self.dmmv(w, x, y)
-        if rope is not None:  # the epilogue: one token's qk_norm_rope_kv_write
-            hd, nkv = rope.k_cache.shape[3], rope.k_cache.shape[2]
-            q, k, v = (np.asarray(y).reshape(1, -1, hd) for y in (y1, y2, y3))
-            assert k.shape[1] == nkv and rope.rope_dim is None and rope.attn_scale == 1.0 and not rope.v_norm
-            Elementwise.qk_norm_rope_kv_write(
-                None, q, k, v, rope.wq, rope.wk, rope.q_out, rope.k_cache, rope.v_cache, rope.page_table,
-                rope.positions[:1], rope.seq_ids[:1], eps=rope.eps, neox=rope.neox, freq_base=rope.freq_base,
-                freqs=rope.freqs, pos_mode="per_token")
 
     def dmmv_glu(self, w_gate, w_up, x, y, *, act, stream=None):
         x = _input(x)
@@ -318,7 +304,6 @@ def fake_base(cls, model, monkeypatch, *, max_seqs, max_tokens, page_size, prefi
     monkeypatch.setattr(T, "SamplePlan", Plan)
     monkeypatch.setattr(T, "check_array", lambda name, a, **kw: a)
     monkeypatch.setattr(L, "NormedX", NormedX)
-    monkeypatch.setattr(L, "RopeKV", RopeKV)
     monkeypatch.setattr(T, "_address", lambda a: a.ctypes.data)
     c = model.config
     t = cls.__new__(cls)

@@ -5,8 +5,7 @@
 //   dmmv_glu  y[c] = epilogue(act(Wg x[c]) * (Wu x[c])): fused gate + up + SwiGLU / GEGLU
 //   dmmv_nx, dmmv_glu_nx  dmmv (and pair) and dmmv_glu on x = rms_norm(residual + post(proj)),
 //             computed by every block (the residual add and norm between a layer's matvecs folded in)
-//   dmmv_nx3  dmmv_nx over three matrices, the third of its own type (q, k, v), one column; with
-//             p.rope also the attention prologue (Q/K norm, RoPE, K/V cache write) as its epilogue
+//   dmmv_nx3  dmmv_nx over three matrices, the third of its own type (q, k, v), one column
 //   dmmv_mx   dmmv on x merged by every block from split attention states (o_proj after split-KV
 //             decode: the merge folded in), one column
 //   dmmv_q8   as dmmv (no pair), on the int8 path of the quantized types (q8.cuh); PQ: on x
@@ -18,9 +17,7 @@
 //
 // Grid: one block per R rows (plus the blocks of W2); block: NW warps (host-chosen) that split
 // the 256-element steps of those rows. Traffic: every weight byte once; x from L1/L2.
-#include "common/kv_cache.cuh"
 #include "common/pdl.cuh"
-#include "common/rope_math.cuh"
 #include "dmmv/core.cuh"
 #include "dmmv/params.cuh"
 #include "dmmv/q8.cuh"
@@ -390,136 +387,9 @@ __global__ void __launch_bounds__(kSplitWarps * 32) dmmv_split(
     if (lane % kLanesPer == 0 && row0 + r < p.m) store(y + (size_t)c * p.y_stride + row0 + r, v, c, gate, p);
 }
 
-namespace {
-// The attention prologue of a decode token as dmmv_nx3's epilogue (p.rope): each q head becomes
-//   q_out[h] = rope(rms_norm(q[h]) * (wq + off))          (the norm where p.qk_norm)
-// and the token's K and V cache rows (positions[0] of sequence seq_ids[0], common/kv_cache.cuh's layout)
-//   k_cache[h] = rope(rms_norm(k[h]) * (wk + off)),  v_cache[h] = v[h]  (or its RMS norm, p.v_norm),
-// the values of ElementwiseDispatch.qk_norm_rope_kv_write after the three matvecs, without a launch of
-// its own. A head is ready once every block whose rows meet it has stored them: each such block
-// counts itself into the head's counter (q heads, then k heads, then v heads) after a fence, and the
-// block that completes the count applies the head's epilogue, reading the head's f32 row back from
-// L2, and sets the counter back to zero for the next launch. Each thread takes kRopePairs pairs of the
-// head (head_dim <= 2 * kRopePairs * threads, host-checked), all loaded before any is used.
-constexpr int kRopePairs = 4;
-
-struct RopeOut {
-    void* q_out;                         // [n_q_heads, head_dim] of q_kind
-    void* k_cache;                       // [n_pages, page_size, n_kv_heads, head_dim] of kv_kind
-    void* v_cache;                       // like k_cache
-    const float* wq;                     // qk_norm: [head_dim]
-    const float* wk;                     // qk_norm: [head_dim]
-    const float* wv;                     // v_norm 2: [head_dim]
-    const float* freqs;                  // use_freqs: [rope_dim / 2]
-    const int32_t* positions;            // [>= 1]: the token's position, positions[0]
-    const int32_t* seq_ids;              // [>= 1]: its page_table row, seq_ids[0]
-    const int32_t* page_table;           // [n_seqs, max_pages]
-    uint32_t* counters;                  // [n_q_heads + 2 n_kv_heads], zero between launches
-};
-
-CUKERN_DEVICE void store_kind(void* base, uint64_t i, float v, uint32_t kind) {
-    if (kind == 0) static_cast<float*>(base)[i] = v;
-    else if (kind == 1) static_cast<__half*>(base)[i] = __float2half_rn(v);
-    else static_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16_rn(v);
-}
-
-// Head h of matrix `which` (0 q, 1 k, 2 v), its f32 row at src, into its destination.
-CUKERN_DEVICE void rope_head(int which, uint32_t h, const float* src, const RopeOut& o, const DmmvNormParams& p,
-                             float* red) {
-    const int nw = blockDim.x / 32, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const uint32_t hd = p.head_dim, half = p.rope_dim / 2;
-    const bool rotate = which != 2;
-    uint32_t i0[kRopePairs], i1[kRopePairs];
-    float a[kRopePairs], b[kRopePairs];
-    float ss = 0.0f;
-#pragma unroll
-    for (int j = 0; j < kRopePairs; ++j) {
-        const uint32_t pr = threadIdx.x + j * blockDim.x;  // pair index
-        if (rotate && pr < half) {
-            i0[j] = p.neox ? pr : 2 * pr;
-            i1[j] = p.neox ? pr + half : 2 * pr + 1;
-        } else {  // V, and the copied tail of q and k: elements 2 pr, 2 pr + 1 (past rope_dim for q and k)
-            i0[j] = rotate ? p.rope_dim + 2 * (pr - half) : 2 * pr;
-            i1[j] = i0[j] + 1;
-        }
-        const bool in = pr < hd / 2;
-        a[j] = in ? __ldcg(src + i0[j]) : 0.0f;  // L2: other blocks stored these
-        b[j] = in ? __ldcg(src + i1[j]) : 0.0f;
-        ss += a[j] * a[j] + b[j] * b[j];
-    }
-    const bool norm = rotate ? p.qk_norm != 0 : p.v_norm != 0;
-    if (norm) {  // uniform over the block
-        const float s = rsqrtf(block_total(ss, red, nw, lane, warp) / hd + p.qk_eps);
-        const float* wn = which == 0 ? o.wq : which == 1 ? o.wk : (p.v_norm == 2 ? o.wv : nullptr);
-#pragma unroll
-        for (int j = 0; j < kRopePairs; ++j) {
-            if (threadIdx.x + j * blockDim.x >= hd / 2) break;
-            a[j] *= wn != nullptr ? s * (__ldg(wn + i0[j]) + p.qk_weight_offset) : s;
-            b[j] *= wn != nullptr ? s * (__ldg(wn + i1[j]) + p.qk_weight_offset) : s;
-        }
-    }
-    const int32_t pos = o.positions[0];
-    uint64_t dst;  // element offset of the head's row in its destination
-    void* base;
-    uint32_t kind;
-    if (which == 0) {
-        dst = (uint64_t)h * hd;
-        base = o.q_out;
-        kind = p.q_kind;
-    } else {
-        dst = kv_row_offset(o.page_table + (uint64_t)o.seq_ids[0] * p.max_pages, (uint32_t)pos, p.page_size,
-                            p.n_kv_heads * hd) + (uint64_t)h * hd;
-        base = which == 1 ? o.k_cache : o.v_cache;
-        kind = p.kv_kind;
-    }
-#pragma unroll
-    for (int j = 0; j < kRopePairs; ++j) {
-        const uint32_t pr = threadIdx.x + j * blockDim.x;
-        if (pr >= hd / 2) break;
-        float x0 = a[j], x1 = b[j];
-        if (rotate && pr < half) {
-            float sn, cs;
-            rope_sincos(pos, rope_inv_freq(pr, p.use_freqs, p.inv_ratio, o.freqs), p.attn_scale, sn, cs);
-            x0 = a[j] * cs - b[j] * sn;
-            x1 = a[j] * sn + b[j] * cs;
-        }
-        store_kind(base, dst + i0[j], x0, kind);
-        store_kind(base, dst + i1[j], x1, kind);
-    }
-}
-
-// After a block of dmmv_nx3 stored rows [row0, row0 + R) of matrix `which` (m rows, y): count it into
-// every head those rows meet; a head completed by this block gets rope_head.
-template <int R>
-CUKERN_DEVICE void rope_epilogue(int which, uint32_t row0, uint32_t m, const float* y, const RopeOut& o,
-                                 const DmmvNormParams& p, float* red) {
-    __shared__ uint32_t last;
-    const uint32_t hd = p.head_dim;
-    __threadfence();  // this block's rows of y, visible before its count
-    __syncthreads();
-    const uint32_t h_end = (min(row0 + R, m) - 1) / hd;
-    for (uint32_t h = row0 / hd; h <= h_end; ++h) {
-        const uint32_t blocks = (min((h + 1) * hd, m) - 1) / R - h * hd / R + 1;  // blocks meeting head h
-        const uint32_t c = (which == 0 ? 0 : p.n_q_heads + (which - 1) * p.n_kv_heads) + h;
-        if (threadIdx.x == 0) {
-            last = atomicAdd(o.counters + c, 1u) == blocks - 1;
-            if (last) o.counters[c] = 0;  // every other block of the head has counted: none reads it again
-        }
-        __syncthreads();
-        if (last) {
-            __threadfence();
-            rope_head(which, h, y + (uint64_t)h * hd, o, p, red);
-        }
-        __syncthreads();  // `last` is read before the next head's count
-    }
-}
-}  // namespace
-
 // dmmv_nx with a third matrix of its own type (a decoder layer's q, k and v in one launch; one
 // column): blocks [0, blocks1) take R rows of matrix 1, [blocks1, blocks2) R rows of matrix 2 (both
-// type QT, loop variant V), [blocks2, grid) R3 rows of matrix 3 (type QT3, variant V3). With p.rope,
-// the q, k and v heads then go through rope_epilogue (the arguments after residual_out are read only
-// then).
+// type QT, loop variant V), [blocks2, grid) R3 rows of matrix 3 (type QT3, variant V3).
 template <int QT, int R, int V, int QT3, int R3, int V3>
 __global__ void __launch_bounds__(kMaxWarps * 32) dmmv_nx3(
     float* __restrict__ y,             // [m] out of matrix 1
@@ -533,33 +403,19 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dmmv_nx3(
     const float* __restrict__ w_post,  // [k] f32 post-norm weight of proj (post 2); unused otherwise
     const float* __restrict__ w_norm,  // [k] f32 weight of the norm that makes x
     float* residual_out,               // [x_stride] f32: r, written by block 0 (write_out)
-    void* q_out,                       // rope: [n_q_heads, head_dim] of q_kind
-    void* k_cache,                     // rope: [n_pages, page_size, n_kv_heads, head_dim] of kv_kind
-    void* v_cache,                     // rope: like k_cache
-    const float* __restrict__ wq,      // rope, qk_norm: [head_dim] f32
-    const float* __restrict__ wk,      // rope, qk_norm: [head_dim] f32
-    const float* __restrict__ wv,      // rope, v_norm 2: [head_dim] f32
-    const float* __restrict__ freqs,   // rope, use_freqs: [rope_dim / 2] f32
-    const int32_t* __restrict__ positions,   // rope: [>= 1] int32, the token's position first
-    const int32_t* __restrict__ seq_ids,     // rope: [>= 1] int32, its page_table row first
-    const int32_t* __restrict__ page_table,  // rope: [n_seqs, max_pages] int32
-    uint32_t* counters,                // rope: [n_q_heads + 2 n_kv_heads] zeros, left zero
     const DmmvNormParams p) {
     extern __shared__ __align__(16) float xsm[];  // [k]
     __shared__ float red[kMaxWarps * (R > R3 ? R : R3)];
-    const RopeOut o{q_out, k_cache, v_cache, wq, wk, wv, freqs, positions, seq_ids, page_table, counters};
     if (blockIdx.x >= p.blocks2) {
         const BlockRows<R3> b(w3 + p.w3_offset, p.m3, (blockIdx.x - p.blocks2) * R3, p.row_bytes3);
         enter_rows<R3>(b.rows, p.row_bytes3);
         normed_x<1>(xsm, residual, proj, w_post, w_norm, residual_out, p, red);
         dmmv_rows<QT3, 1, R3, V3, true>(b, y3, y3, xsm, p.k, static_cast<const float*>(nullptr), p, red);
-        if (p.rope) rope_epilogue<R3>(2, b.row0, b.m, y3, o, p, red);
     } else {
         const BlockRows<R> b(w, w2, p);
         enter_rows<R>(b.rows, p.row_bytes);
         normed_x<1>(xsm, residual, proj, w_post, w_norm, residual_out, p, red);
         dmmv_rows<QT, 1, R, V, true>(b, y, y2, xsm, p.k, static_cast<const float*>(nullptr), p, red);
-        if (p.rope) rope_epilogue<R>(b.second ? 1 : 0, b.row0, b.m, b.second ? y2 : y, o, p, red);
     }
 }
 

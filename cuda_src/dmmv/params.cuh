@@ -27,8 +27,7 @@ struct DmmvParams {
 };
 
 // dmmv_nx, dmmv_glu_nx: dmmv (pair) and dmmv_glu on x = rms_norm(r) * (w_norm + weight_offset), r the
-// residual plus the sub-layer output (post), computed by every block (DmmvDispatch's NormedX); dmmv_nx3
-// (q, k, v) also takes the fields marked dmmv_nx3 and rope
+// residual plus the sub-layer output (post), computed by every block (DmmvDispatch's NormedX)
 struct DmmvNormParams {
     uint64_t w_offset;    // bytes: where matrix 1 (or the gate matrix) starts in w
     uint64_t w2_offset;   // bytes: where matrix 2 (pair) or the up matrix (glu) starts in w2
@@ -53,23 +52,6 @@ struct DmmvNormParams {
     uint64_t row_bytes3;  // dmmv_nx3: bytes per row of matrix 3 (its own type)
     uint32_t m3;          // dmmv_nx3: rows of matrix 3; 0 otherwise
     uint32_t blocks2;     // dmmv_nx3: thread blocks working on matrices 1 and 2; later blocks work on matrix 3
-    uint32_t rope;        // dmmv_nx3: 1: the attention prologue as epilogue (q, k, v heads: rope_epilogue); 0: none
-    uint32_t n_q_heads;   // rope: heads of matrix 1 (q): m = n_q_heads * head_dim
-    uint32_t n_kv_heads;  // rope: heads of matrices 2 and 3 (k, v): m2 = m3 = n_kv_heads * head_dim
-    uint32_t head_dim;    // rope: elements per head (even)
-    uint32_t rope_dim;    // rope: rotated leading elements of a q or k head (even, <= head_dim); the rest copied
-    uint32_t neox;        // rope: 1: NeoX pairs (j, j + rope_dim / 2); 0: interleaved pairs (2j, 2j + 1)
-    uint32_t use_freqs;   // rope: 1: inverse frequencies from freqs; 0: inv_ratio^j
-    uint32_t qk_norm;     // rope: 1: q and k heads RMS-normed (times wq / wk + qk_weight_offset) before the rotation
-    uint32_t v_norm;      // rope: 0: V rows copied; 1: RMS-normed, unit weight; 2: RMS-normed, times (wv + qk_weight_offset)
-    uint32_t q_kind;      // rope: q_out's element type: 0 f32, 1 f16, 2 bf16
-    uint32_t kv_kind;     // rope: the caches' element type: 0 f32, 1 f16, 2 bf16
-    uint32_t page_size;   // rope: tokens per cache page
-    uint32_t max_pages;   // rope: page_table row length
-    float qk_eps;         // rope: the head norms' epsilon
-    float qk_weight_offset;  // rope: the head norms multiply by (weight + qk_weight_offset)
-    float attn_scale;     // rope: multiplies cos and sin (YaRN's mscale; 1 for plain RoPE)
-    double inv_ratio;     // rope: freq_base^(-2 / rope_dim) in f64 (use_freqs 0)
 };
 
 // dmmv_mx: dmmv on x merged from split attention states, computed by every block (DmmvDispatch's

@@ -25,10 +25,10 @@ from cukern.dmmv.dispatch import (FAMILIES, FAMILY, GLU_FAMILY, MOE_FAMILY, MX_F
                                   Q8X_FAMILY, THREE_FAMILY, TWO_FAMILY, DmmvDispatch)
 from cukern.dmmv.moe import DeviceError
 from cukern.routing import RouteSlot
-from cukern.dmmv.weights import (Q8_TYPES, QTYPES, MergedX, MoeRoute, NormedX, QuantizedX, QWeight, RopeKV, SplitQ8,
-                                 qtype_id, row_bytes)
+from cukern.dmmv.weights import (Q8_TYPES, QTYPES, MergedX, MoeRoute, NormedX, QuantizedX, QWeight, SplitQ8, qtype_id,
+                                 row_bytes)
 
-__all__ = ["DmmvDispatch", "QWeight", "SplitQ8", "NormedX", "MergedX", "RopeKV", "QuantizedX", "MoeRoute", "RouteSlot",
+__all__ = ["DmmvDispatch", "QWeight", "SplitQ8", "NormedX", "MergedX", "QuantizedX", "MoeRoute", "RouteSlot",
            "QTYPES", "Q8_TYPES",
            "FAMILY", "GLU_FAMILY", "MOE_FAMILY", "PACKED_FAMILY", "Q8X_FAMILY", "TWO_FAMILY", "NX_FAMILY", "THREE_FAMILY",
            "MX_FAMILY", "THREE_TYPES", "DeviceError", "FAMILIES", "qtype_id", "row_bytes"]

@@ -13,7 +13,7 @@ import numpy as np
 from cukern.dispatch import check_array
 from cukern.dmmv.common import _ACTS, _F32, _ROWS, _STEP, _warps, _y_shape
 from cukern.dmmv.q8 import _q8_blocks, _q8_kernel, _q8_pair_blocks, _q8_two_kernel
-from cukern.dmmv.weights import QTYPES, MergedX, NormedX, QuantizedX, QWeight, RopeKV, SplitQ8, _NO_ROPE, _overlap
+from cukern.dmmv.weights import QTYPES, MergedX, NormedX, QuantizedX, QWeight, SplitQ8
 from cukern.interop import like, tensors
 from cukern.qtypes import GGMLType as T
 from cukern.streams import resolve_stream
@@ -40,7 +40,6 @@ def _kernel(qt: int, n: int) -> str:
 _SPLIT_WARPS = 8  # warps per block of dmmv_split (kSplitWarps)
 _SPLIT_ROWS, _SPLIT_UNROLL = 2, 2  # rows per warp R, chunks per lane loaded at once U of dmmv_split<NC, R, U>
 _NORM_ITEMS = 4  # float4s of each input a thread of a NormedX prologue holds (kNormItems)
-_ROPE_PAIRS = 4  # pairs of a head a thread of dmmv_three's rope epilogue takes (kRopePairs)
 
 
 def _nx_kernel(qt: int, n: int) -> str:
@@ -235,11 +234,9 @@ class Dense:
                              params, stream=stream, shared_mem=smem, pdl=self.pdl)
 
     def _nx_params(self, w: QWeight, w2: QWeight, x: NormedX, *, m2: int, blocks1: int, blocks2: int,
-                   y2_stride: int, mode: int = 0, act: int = 0, alpha: float = 1.0, w3: QWeight | None = None,
-                   rope: RopeKV | None = None):
-        """DmmvNormParams of a launch on NormedX x: matrix 1 (and 2, and dmmv_nx3's 3, and its epilogue's
-        fields from ``rope``) and the norm fields."""
-        return self.struct("DmmvNormParams").pack(**(rope.fields() if rope is not None else _NO_ROPE),
+                   y2_stride: int, mode: int = 0, act: int = 0, alpha: float = 1.0, w3: QWeight | None = None):
+        """DmmvNormParams of a launch on NormedX x: matrix 1 (and 2, and dmmv_nx3's 3) and the norm fields."""
+        return self.struct("DmmvNormParams").pack(
             w_offset=w.offset, w2_offset=w2.offset, row_bytes=w.row_bytes, m=w.m, m2=m2, k=w.k, n_full=w.k // _STEP,
             tail=w.k % _STEP, blocks1=blocks1, x_stride=w.k, y_stride=w.m, y2_stride=y2_stride, mode=mode, act=act,
             alpha=float(alpha), eps=x.eps, weight_offset=x.weight_offset, post=x.post,
@@ -249,18 +246,11 @@ class Dense:
     @tensors(y1=like("x", shape=_y_shape("w1"), dtype=np.float32), y2=like("x", shape=_y_shape("w2"), dtype=np.float32),
              y3=like("x", shape=_y_shape("w3"), dtype=np.float32))
     def dmmv_three(self, w1: QWeight, w2: QWeight, w3: QWeight, x: NormedX, y1=None, y2=None, y3=None, *,
-                   rope: RopeKV | None = None, stream=None) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray]:
+                   stream=None) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray]:
         """``y1, y2, y3 = W1 x, W2 x, W3 x`` in one launch on a :class:`NormedX` of one column: a decoder
         layer's q, k and v projections with the norm before them. w1, w2: one type; w3 of any type
         (Gemma 3's Q8_0 v beside Q5_0 q and k). Blocks of dmmv_nx3 take the rows of W1, then W2, then
         W3, each at its type's rows per block.
-
-        ``rope`` (a :class:`RopeKV`): the same launch then also runs the attention prologue of the token
-        on y1 (q heads), y2 (k heads) and y3 (v heads): Q/K norm and RoPE into ``rope.q_out``, K and V
-        into the token's cache rows, as ``ElementwiseDispatch.qk_norm_rope_kv_write`` would after it.
-        Each head's last block to finish its rows applies it (atomic counters, ``rope.counters``); y1, y2,
-        y3 keep the plain projections. w1 must have n_q_heads * head_dim rows, w2 and w3 n_kv_heads *
-        head_dim.
 
         w1: [m1, k], w2: [m2, k], w3: [m3, k]; x: NormedX of shape [k] or [1, k]; y_i: [m_i] or [1, m_i] f32."""
         w1, w2, w3 = (self._check_weight(n, w) for n, w in (("w1", w1), ("w2", w2), ("w3", w3)))
@@ -280,35 +270,14 @@ class Dense:
         if smem > self.max_shared_optin():
             raise ValueError(f"a NormedX of k={w1.k} needs {smem} bytes of shared memory per block, the device "
                              f"allows {self.max_shared_optin()}")
-        threads = _normed_warps(w1.k) * 32
-        if rope is not None:
-            self._check_rope(rope, w1, w2, w3, (y1, y2, y3), threads)
         r, r3 = _ONE_COL[w1.qtype][0], _ONE_COL[w3.qtype][0]  # rows per block of each matrix
         b1, b2, b3 = -(-w1.m // r), -(-w2.m // r), -(-w3.m // r3)
-        params = self._nx_params(w1, w2, x, m2=w2.m, blocks1=b1, blocks2=b1 + b2, y2_stride=w2.m, w3=w3, rope=rope)
+        params = self._nx_params(w1, w2, x, m2=w2.m, blocks1=b1, blocks2=b1 + b2, y2_stride=w2.m, w3=w3)
         res, proj, w_post, w_norm, out = x.columns(0)
-        epilogue = rope.pointers() if rope is not None else (y1,) * 11  # read only with rope
-        self._three._launch(_three_kernel(w1.qtype, w3.qtype), b1 + b2 + b3, threads,
-                            (y1, y2, y3, w1.buf, w2.buf, w3.buf, res, proj, w_post, w_norm, out) + epilogue, params,
+        self._three._launch(_three_kernel(w1.qtype, w3.qtype), b1 + b2 + b3, _normed_warps(w1.k) * 32,
+                            (y1, y2, y3, w1.buf, w2.buf, w3.buf, res, proj, w_post, w_norm, out), params,
                             stream=stream, shared_mem=smem, pdl=self.pdl)
         return y1, y2, y3
-
-    @staticmethod
-    def _check_rope(rope, w1: QWeight, w2: QWeight, w3: QWeight, ys: tuple, threads: int) -> None:
-        """dmmv_three's checks of a RopeKV against the matrices, the outputs and the block."""
-        if not isinstance(rope, RopeKV):
-            raise TypeError(f"dmmv_three: rope must be a RopeKV, got {type(rope).__name__}")
-        hd, nq, nkv = rope.head_dim, rope.n_q_heads, rope.n_kv_heads
-        if w1.m != nq * hd or w2.m != nkv * hd or w3.m != nkv * hd:
-            raise ValueError(f"dmmv_three: with rope, w1 must have n_q_heads * head_dim = {nq * hd} rows and w2, w3 "
-                             f"n_kv_heads * head_dim = {nkv * hd}, got {w1.m}, {w2.m}, {w3.m}")
-        if hd > 2 * _ROPE_PAIRS * threads:
-            raise ValueError(f"dmmv_three: head_dim {hd} exceeds the epilogue's {2 * _ROPE_PAIRS * threads} "
-                             f"elements a head (a block of {threads} threads, k={w1.k})")
-        for name, y in zip(("y1", "y2", "y3"), ys):
-            for f in ("q_out", "k_cache", "v_cache", "counters"):
-                if _overlap(y, getattr(rope, f)):
-                    raise ValueError(f"dmmv_three: {name} overlaps rope.{f}: the epilogue reads {name} back")
 
     @tensors
     def dmmv_scale_acc(self, w: QWeight, x, y, scale: float, *, stream=None) -> cupy.ndarray:

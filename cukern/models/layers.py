@@ -5,8 +5,7 @@ batch). A mixin: the methods read the Transformer's config, weights, dispatches 
 Rows above ``MatmulDispatch.MATVEC_MAX_N`` run the projections as tiled GEMMs (on packed or padded
 copies where kept) and the norms as elementwise kernels; fewer rows run the matvecs; one row runs
 them on normed inputs (``NormedX``: every residual add and norm folded into the matvecs after it, q,
-k and v in one launch where ``dmmv_three`` has the types, a decode token's Q/K norm, RoPE and KV write
-as that launch's epilogue: ``RopeKV``).
+k and v in one launch where ``dmmv_three`` has the types).
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import cupy
 
-from cukern.dmmv import THREE_TYPES, NormedX, QWeight, RopeKV
+from cukern.dmmv import THREE_TYPES, NormedX, QWeight
 from cukern.matmul import GEMM_QTYPES, MatmulDispatch, PackedWeight
 from cukern.profiler import nvtx_range
 
@@ -127,33 +126,11 @@ class Layers:
         72 against 159 us), the GGUF blocks for more (eight columns: 270 against 508 us)."""
         return self.head_mv if n == 1 else self.head
 
-    def _three(self, L: _Layer) -> bool:
-        """Whether L's q, k and v run as one launch (dmmv_three) on the normed path."""
-        return L.wq.qtype == L.wk.qtype and (L.wq.qtype, L.wv.qtype) in THREE_TYPES
-
-    def _rope_kv(self, buf: _Buffers, positions, seq_ids) -> list[RopeKV | None]:
-        """Per layer, the RopeKV that runs its Q/K norm, RoPE and KV write as the epilogue of its dmmv_three
-        (one sequence's decode token: positions[0] of seq_ids[0]), or None where that launch does not
-        run (other types) or biases come between; made once per buffer set and pair of position arrays."""
-        if buf.rope_kv is None or buf.rope_kv[0] is not positions or buf.rope_kv[1] is not seq_ids:
-            c = self.cfg
-            out = []
-            for i, L in enumerate(self.layers):
-                local = c.local_layers[i]
-                ok = self._three(L) and L.bq is None
-                out.append(RopeKV(buf.q_rot, self.cache.k_pools[i], self.cache.v_pools[i], self.cache.page_table,
-                                  positions, seq_ids, wq=L.q_norm, wk=L.k_norm, eps=c.rms_eps, neox=c.rope_neox,
-                                  freq_base=c.rope_base_local if local else c.rope_base,
-                                  freqs=self.rope_freqs[local]) if ok else None)
-            buf.rope_kv = (positions, seq_ids, out)
-        return buf.rope_kv[2]
-
-    def _project_normed(self, L: _Layer, buf: _Buffers, x_in: NormedX, stream, rope: RopeKV | None = None):
-        """q, k, v from a NormedX: the first launch writes its residual_out, the others only read. With
-        ``rope`` (dmmv_three's epilogue) the launch also writes the rotated q and the token's K/V rows."""
+    def _project_normed(self, L: _Layer, buf: _Buffers, x_in: NormedX, stream):
+        """q, k, v from a NormedX: the first launch writes its residual_out, the others only read."""
         q, k, v = buf.q, buf.k, buf.v
-        if self._three(L):
-            self.mm.dmmv_three(L.wq, L.wk, L.wv, x_in, q, k, v, rope=rope, stream=stream)
+        if L.wq.qtype == L.wk.qtype and (L.wq.qtype, L.wv.qtype) in THREE_TYPES:
+            self.mm.dmmv_three(L.wq, L.wk, L.wv, x_in, q, k, v, stream=stream)
             return self._biases(L, q, k, v, stream)
         rest = dataclasses.replace(x_in, residual_out=None) if x_in.residual_out is not None else x_in
         if L.wq.qtype == L.wk.qtype:
@@ -208,26 +185,22 @@ class Layers:
         (:meth:`_normed_inputs`)."""
         c = self.cfg
         normed = self._normed_path(buf.n)
-        ropes = [None] * c.n_layers
         if normed:
             attn_in, mlp_in, last = self._normed_inputs(buf)
-            if pos_mode == "per_token":  # a decode token: the attention prologue in dmmv_three's epilogue
-                ropes = self._rope_kv(buf, positions, seq_ids)
         else:
             self.ew.rms_norm(buf.x, self.layers[0].attn_norm, buf.h, eps=c.rms_eps, stream=stream)
         for i, L in enumerate(self.layers):
             with nvtx_range(f"layer {i}"):  # per-layer ranges under nsys (CUKERN_NVTX=1); free otherwise
                 if normed:
-                    self._project_normed(L, buf, attn_in[i], stream, ropes[i])
+                    self._project_normed(L, buf, attn_in[i], stream)
                 else:
                     self._project(L, buf, stream)
                 local = c.local_layers[i]
-                if ropes[i] is None:
-                    self.ew.qk_norm_rope_kv_write(
-                        buf.q3, buf.k3, buf.v3, L.q_norm, L.k_norm, buf.q_rot, self.cache.k_pools[i],
-                        self.cache.v_pools[i], self.cache.page_table, positions, seq_ids, eps=c.rms_eps,
-                        neox=c.rope_neox, freq_base=c.rope_base_local if local else c.rope_base,
-                        freqs=self.rope_freqs[local], pos_mode=pos_mode, stream=stream)
+                self.ew.qk_norm_rope_kv_write(
+                    buf.q3, buf.k3, buf.v3, L.q_norm, L.k_norm, buf.q_rot, self.cache.k_pools[i],
+                    self.cache.v_pools[i], self.cache.page_table, positions, seq_ids, eps=c.rms_eps, neox=c.rope_neox,
+                    freq_base=c.rope_base_local if local else c.rope_base, freqs=self.rope_freqs[local],
+                    pos_mode=pos_mode, stream=stream)
                 attend(i, buf.q_rot, buf.o)
                 self._matmul(L.wo, buf.o2, buf.proj, stream, self._gemm_copy(L, "wo", buf.n))
                 nxt = self.layers[i + 1].attn_norm if i + 1 < c.n_layers else self.output_norm

@@ -25,9 +25,8 @@ One layer, in launch order (Gemma 3; Llama-family differences in brackets)::
 
 A decode step of one sequence folds each ``x, h`` line into the matvecs after it (``NormedX``: every
 block makes h from x and the sub-layer output, the first writes the new x into the other residual
-buffer), runs q, k and v as one launch (``dmmv_three``) whose epilogue also writes the rotated q and
-the token's K/V rows (``RopeKV``: the ``q', cache`` line without a launch), and reads the LM head from
-its split Q8_0 copy: six launches a layer (seven where the attention merges its splits apart).
+buffer), runs q, k and v as one launch (``dmmv_three``) and reads the LM head from its split Q8_0
+copy: seven launches a layer.
 
 A decode step (embed, every layer, LM head, sample, advance) reads its token ids, positions and
 sequence lengths from device buffers and writes the next ids back, so it is captured once as a
@@ -139,7 +138,6 @@ class _Buffers:
         self.v3 = self.v.reshape(n, cfg.n_kv_heads, cfg.head_dim)
         self.o2 = self.o.reshape(n, cfg.q_dim)
         self.normed = None  # Layers._normed_inputs: the NormedX inputs of every layer on these buffers
-        self.rope_kv = None  # Layers._rope_kv: (positions, seq_ids, each layer's RopeKV or None)
 
 
 class _Chunk:

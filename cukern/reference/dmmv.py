@@ -90,20 +90,6 @@ def normed_x(residual, w, proj=None, w_post=None, *, eps: float = 1e-6, weight_o
     return rms_norm(r, w), r
 
 
-def three_rope_kv(y1, y2, y3, n_q_heads: int, n_kv_heads: int, k_cache, v_cache, page_table, positions, seq_ids,
-                  **kw):
-    """The epilogue of DmmvDispatch.dmmv_three with a RopeKV on its three outputs (one token): y1 as the q
-    heads, y2 as the k heads, y3 as the v heads through the elementwise reference of
-    qk_norm_rope_kv_write (kw: its wq, wk, v_norm, wv, eps, weight_offset and rope arguments), the token at
-    positions[0] of sequence seq_ids[0]. Returns (q_out [n_q_heads, head_dim], K cache, V cache), float64."""
-    from cukern.reference.elementwise import qkv_rope_kv_write
-    hd = k_cache.shape[-1]
-    q, k, v = (np.asarray(y, np.float64).reshape(1, n, hd) for y, n in ((y1, n_q_heads), (y2, n_kv_heads),
-                                                                      (y3, n_kv_heads)))
-    q_out, kc, vc = qkv_rope_kv_write(k, k_cache, v_cache, page_table, positions[:1], seq_ids[:1], q=q, v=v, **kw)
-    return q_out[0], kc, vc
-
-
 def merged_x(o_part, lse_part, sinks=None, sink_offset: int = 0) -> np.ndarray:
     """x of a cukern.dmmv.MergedX in float64: per head h, the states s weighed by exp(lse[s, h] - M_h)
     (M_h the largest LSE or sink), normalised by their sum plus exp(sink_h - M_h), sink_h =
