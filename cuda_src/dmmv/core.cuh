@@ -35,6 +35,63 @@ CUKERN_DEVICE void load_x(const float* const (&xs)[NC], size_t e0, size_t e1, bo
 CUKERN_DEVICE float dot4(const float (&q)[4], float4 x) { return q[0] * x.x + q[1] * x.y + q[2] * x.z + q[3] * x.w; }
 CUKERN_DEVICE float sum4(float4 x) { return (x.x + x.y) + (x.z + x.w); }
 
+// A kernel's work before its first read of x, run inside the matvec loop (row_dots' lead): under
+// programmatic dependent launch, pdl_wait() and the making of x (a NormedX's norms, a MergedX's merge).
+struct NoLead {
+    CUKERN_DEVICE void operator()() const {}
+};
+template <class L> struct IsNoLead { static constexpr bool value = false; };
+template <> struct IsNoLead<NoLead> { static constexpr bool value = true; };
+
+// One column where every warp's share of the full steps is at most one batch of U steps (a decode step's
+// matvecs, k up to nw * U * 256 + the partial step): the warp's weights, the partial last step's included,
+// are loaded before lead() runs. Weights are never written by a kernel in flight, so a kernel may load
+// them before its pdl_wait, which lead() runs: their DRAM latency overlaps the wait for the previous
+// kernel instead of following it.
+template <int QT, int NR, int U, bool SX, class Lead>
+CUKERN_DEVICE void warp_dots_short(const uint8_t* const (&rows)[NR], const float* x, int n_full, int tail, int warp,
+                                   int nw, int lane, float (&acc)[NR][1], Lead& lead) {
+    using S = Step<QT>;
+    using Raw = typename S::Raw;
+    const int o0 = S::x0(lane), o1 = S::x1(lane);
+    const bool has_tail = tail > 0 && warp == n_full % nw;
+    Raw raw[U + 1][NR];  // the warp's full steps warp + u nw, then the partial step
+    bool live[U + 1];
+#pragma unroll
+    for (int u = 0; u <= U; ++u) {
+        const int s = u < U ? warp + u * nw : n_full;
+        live[u] = u < U ? s < n_full : has_tail;
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+            const uint8_t* p = rows[r] + (size_t)s * S::kStepBytes;
+            raw[u][r] = !live[u] ? Raw{} : u < U ? S::template load<false>(p, lane, kStep)
+                                                 : S::template load<true>(p, lane, tail);
+        }
+    }
+    lead();
+#pragma unroll
+    for (int u = 0; u <= U; ++u) {
+        if (!live[u]) continue;
+        const size_t e = (size_t)(u < U ? warp + u * nw : n_full) * kStep;
+        const int lim = u < U ? kStep : tail;
+        float4 xa, xb;
+        {
+            const float* const xs[1] = {x};
+            float4 a[1], b[1];
+            load_x<1, SX>(xs, e + o0, e + o1, o0 < lim, o1 < lim, a, b);
+            xa = a[0];
+            xb = b[0];
+        }
+        const float sa = sum4(xa), sb = sum4(xb);
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+            Group g0, g1;
+            S::decode(raw[u][r], lane, g0, g1);
+            acc[r][0] += g0.a * dot4(g0.q, xa) + g0.b * sa + g1.a * dot4(g1.q, xb) + g1.b * sb;
+        }
+    }
+}
+
 // acc[r][c] += this lane's share of rows[r] . xs[c], over the steps of warp `warp` of `nw`.
 // rows[r]: first byte of weight row r; xs[c]: column c of x (k floats, 16-byte aligned).
 template <int QT, int NR, int NC, int U, bool SX = false>
@@ -140,9 +197,19 @@ CUKERN_DEVICE void warp_dots_pipe(const uint8_t* const (&rows)[NR], const float*
 
 // Pick the loop: V = 0 batches U steps then decodes them; V = 1 pipelines one step ahead.
 // SX: the columns of x are in shared memory.
-template <int QT, int NR, int NC, int V, bool SX = false>
+// lead(): called once by every thread before x is read; with one column and a short row
+// (warp_dots_short), after the warp's weight loads are issued.
+template <int QT, int NR, int NC, int V, bool SX = false, class Lead = NoLead>
 CUKERN_DEVICE void row_dots(const uint8_t* const (&rows)[NR], const float* const (&xs)[NC], int n_full, int tail,
-                            int warp, int nw, int lane, float (&acc)[NR][NC]) {
+                            int warp, int nw, int lane, float (&acc)[NR][NC], Lead lead = Lead{}) {
+    if constexpr (NC == 1 && !IsNoLead<Lead>::value) {
+        constexpr int U = V == 1 ? 1 : (NR <= 4 ? 2 : 1);  // the steps a warp loads at once in its loop
+        if (nw * U >= n_full) {  // block-uniform
+            warp_dots_short<QT, NR, U, SX>(rows, xs[0], n_full, tail, warp, nw, lane, acc, lead);
+            return;
+        }
+    }
+    lead();
     if (V == 1) warp_dots_pipe<QT, NR, NC, SX>(rows, xs, n_full, tail, warp, nw, lane, acc);
     else warp_dots<QT, NR, NC, (NR * NC <= 4 ? 2 : 1), SX>(rows, xs, n_full, tail, warp, nw, lane, acc);
 }

@@ -42,14 +42,10 @@ CUKERN_DEVICE void prefetch_rows_l2(const uint8_t* const (&rows)[NR], uint64_t r
     }
 }
 
-// The f32 kernels' entry under programmatic dependent launch: the rows asked of L2, then the wait
-// for the previous kernel (x and y are touched only after it), then the next kernel let in.
-template <int NR>
-CUKERN_DEVICE void enter_rows(const uint8_t* const (&rows)[NR], uint64_t row_bytes) {
-    prefetch_rows_l2<NR>(rows, row_bytes);
-    pdl_wait();
-    pdl_launch_dependents();
-}
+// The f32 kernels under programmatic dependent launch: the block's rows asked of L2, then row_dots loads
+// each warp's first weights into registers and runs the kernel's lead (pdl_enter: the wait for the previous
+// kernel, then the next one let in; x and y are touched only after it; then the making of x where the
+// kernel makes it) while those loads are in flight.
 
 template <class P>  // DmmvParams or DmmvNormParams
 CUKERN_DEVICE void store(float* y, float v, int c, const float* gate, const P& p) {
@@ -215,15 +211,17 @@ struct BlockRows {
 };
 
 // dmmv's body after the entry: the block's dot products against x (SX: in shared memory) and the stores.
-template <int QT, int NC, int R, int V, bool SX, class P>
+template <int QT, int NC, int R, int V, bool SX, class P, class Lead>
 CUKERN_DEVICE void dmmv_rows(const BlockRows<R>& b, float* y, float* y2, const float* x, size_t x_stride,
-                             const float* gate, const P& p, float* red) {
+                             const float* gate, const P& p, float* red, Lead lead) {
+    if constexpr (NC != 1) lead();  // batches: lead first (row_dots loads one column's weights before it)
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
     const float* xs[NC];
 #pragma unroll
     for (int c = 0; c < NC; ++c) xs[c] = x + (size_t)c * x_stride;
     float acc[R][NC] = {};
-    row_dots<QT, R, NC, V, SX>(b.rows, xs, p.n_full, p.tail, warp, nw, lane, acc);
+    if constexpr (NC == 1) row_dots<QT, R, NC, V, SX>(b.rows, xs, p.n_full, p.tail, warp, nw, lane, acc, lead);
+    else row_dots<QT, R, NC, V, SX>(b.rows, xs, p.n_full, p.tail, warp, nw, lane, acc);
     block_reduce<R, NC>(acc, red, warp, nw, lane);
     if (threadIdx.x < R * NC) {
         const int r = threadIdx.x / NC, c = threadIdx.x % NC;
@@ -235,15 +233,17 @@ CUKERN_DEVICE void dmmv_rows(const BlockRows<R>& b, float* y, float* y2, const f
 }
 
 // dmmv_glu's body after the entry: kRows gate rows then kRows up rows, act(gate . x) * (up . x) stored.
-template <int QT, int NC, bool SX, class P>
+template <int QT, int NC, bool SX, class P, class Lead>
 CUKERN_DEVICE void glu_rows(const uint8_t* const (&rows)[2 * kRows], uint32_t row0, float* y, const float* x,
-                            size_t x_stride, const float* gate, const P& p, float* red) {
+                            size_t x_stride, const float* gate, const P& p, float* red, Lead lead) {
+    if constexpr (NC != 1) lead();  // as dmmv_rows
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
     const float* xs[NC];
 #pragma unroll
     for (int c = 0; c < NC; ++c) xs[c] = x + (size_t)c * x_stride;
     float acc[2 * kRows][NC] = {};
-    row_dots<QT, 2 * kRows, NC, 0, SX>(rows, xs, p.n_full, p.tail, warp, nw, lane, acc);
+    if constexpr (NC == 1) row_dots<QT, 2 * kRows, NC, 0, SX>(rows, xs, p.n_full, p.tail, warp, nw, lane, acc, lead);
+    else row_dots<QT, 2 * kRows, NC, 0, SX>(rows, xs, p.n_full, p.tail, warp, nw, lane, acc);
     block_reduce<2 * kRows, NC>(acc, red, warp, nw, lane);
     if (threadIdx.x < kRows * NC) {
         const int r = threadIdx.x / NC, c = threadIdx.x % NC;
@@ -279,8 +279,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dmmv(
     const DmmvParams p) {
     __shared__ float red[kMaxWarps * R * NC];
     const BlockRows<R> b(w, w2, p);
-    enter_rows<R>(b.rows, p.row_bytes);
-    dmmv_rows<QT, NC, R, V, false>(b, y, y2, x, p.x_stride, gate, p, red);
+    prefetch_rows_l2<R>(b.rows, p.row_bytes);
+    dmmv_rows<QT, NC, R, V, false>(b, y, y2, x, p.x_stride, gate, p, red, [] { pdl_enter(); });
 }
 
 // dmmv (and its pair form) on a normed input (DmmvDispatch's NormedX, normed_x above): every block
@@ -301,9 +301,11 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dmmv_nx(
     extern __shared__ __align__(16) float xsm[];  // [NC][k]
     __shared__ float red[kMaxWarps * R * NC];
     const BlockRows<R> b(w, w2, p);
-    enter_rows<R>(b.rows, p.row_bytes);
-    normed_x<NC>(xsm, residual, proj, w_post, w_norm, residual_out, p, red);
-    dmmv_rows<QT, NC, R, V, true>(b, y, y2, xsm, p.k, static_cast<const float*>(nullptr), p, red);
+    prefetch_rows_l2<R>(b.rows, p.row_bytes);
+    dmmv_rows<QT, NC, R, V, true>(b, y, y2, xsm, p.k, static_cast<const float*>(nullptr), p, red, [&] {
+        pdl_enter();
+        normed_x<NC>(xsm, residual, proj, w_post, w_norm, residual_out, p, red);
+    });
 }
 
 // Q8_0 weights split for streaming (DmmvDispatch.split_q8_0 -> SplitQ8): the quants as an int8
@@ -408,14 +410,18 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dmmv_nx3(
     __shared__ float red[kMaxWarps * (R > R3 ? R : R3)];
     if (blockIdx.x >= p.blocks2) {
         const BlockRows<R3> b(w3 + p.w3_offset, p.m3, (blockIdx.x - p.blocks2) * R3, p.row_bytes3);
-        enter_rows<R3>(b.rows, p.row_bytes3);
-        normed_x<1>(xsm, residual, proj, w_post, w_norm, residual_out, p, red);
-        dmmv_rows<QT3, 1, R3, V3, true>(b, y3, y3, xsm, p.k, static_cast<const float*>(nullptr), p, red);
+        prefetch_rows_l2<R3>(b.rows, p.row_bytes3);
+        dmmv_rows<QT3, 1, R3, V3, true>(b, y3, y3, xsm, p.k, static_cast<const float*>(nullptr), p, red, [&] {
+            pdl_enter();
+            normed_x<1>(xsm, residual, proj, w_post, w_norm, residual_out, p, red);
+        });
     } else {
         const BlockRows<R> b(w, w2, p);
-        enter_rows<R>(b.rows, p.row_bytes);
-        normed_x<1>(xsm, residual, proj, w_post, w_norm, residual_out, p, red);
-        dmmv_rows<QT, 1, R, V, true>(b, y, y2, xsm, p.k, static_cast<const float*>(nullptr), p, red);
+        prefetch_rows_l2<R>(b.rows, p.row_bytes);
+        dmmv_rows<QT, 1, R, V, true>(b, y, y2, xsm, p.k, static_cast<const float*>(nullptr), p, red, [&] {
+            pdl_enter();
+            normed_x<1>(xsm, residual, proj, w_post, w_norm, residual_out, p, red);
+        });
     }
 }
 
@@ -496,9 +502,10 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dmmv_mx(
     extern __shared__ __align__(16) float xsm[];  // [k] x, then [n_heads][2] each head's (M, 1 / den)
     __shared__ float red[kMaxWarps * R];
     const BlockRows<R> b(w, w, p);
-    enter_rows<R>(b.rows, p.row_bytes);
-    merged_x(xsm, xsm + p.k, o_part, lse_part, sinks, p);
-    dmmv_rows<QT, 1, R, V, true>(b, y, y, xsm, p.k, static_cast<const float*>(nullptr), p, red);
+    prefetch_rows_l2<R>(b.rows, p.row_bytes);
+    pdl_enter();
+    merged_x(xsm, xsm + p.k, o_part, lse_part, sinks, p);  // before any weight load: its registers are many
+    dmmv_rows<QT, 1, R, V, true>(b, y, y, xsm, p.k, static_cast<const float*>(nullptr), p, red, NoLead{});
 }
 
 template <int QT, int NC>
@@ -513,8 +520,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dmmv_glu(
     const uint32_t row0 = blockIdx.x * kRows;
     const uint8_t* rows[2 * kRows];  // gate rows, then up rows
     glu_block_rows(w, w2, p, row0, rows);
-    enter_rows<2 * kRows>(rows, p.row_bytes);
-    glu_rows<QT, NC, false>(rows, row0, y, x, p.x_stride, gate, p, red);
+    prefetch_rows_l2<2 * kRows>(rows, p.row_bytes);
+    glu_rows<QT, NC, false>(rows, row0, y, x, p.x_stride, gate, p, red, [] { pdl_enter(); });
 }
 
 // dmmv_glu on a normed input (NormedX), as dmmv_nx: the FFN's gate + up + activation with the norm
@@ -535,9 +542,11 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dmmv_glu_nx(
     const uint32_t row0 = blockIdx.x * kRows;
     const uint8_t* rows[2 * kRows];
     glu_block_rows(w, w2, p, row0, rows);
-    enter_rows<2 * kRows>(rows, p.row_bytes);
-    normed_x<NC>(xsm, residual, proj, w_post, w_norm, residual_out, p, red);
-    glu_rows<QT, NC, true>(rows, row0, y, xsm, p.k, static_cast<const float*>(nullptr), p, red);
+    prefetch_rows_l2<2 * kRows>(rows, p.row_bytes);
+    glu_rows<QT, NC, true>(rows, row0, y, xsm, p.k, static_cast<const float*>(nullptr), p, red, [&] {
+        pdl_enter();
+        normed_x<NC>(xsm, residual, proj, w_post, w_norm, residual_out, p, red);
+    });
 }
 
 // The int8 path (q8.cuh): a persistent grid (the host sizes it to the resident blocks), block b
