@@ -449,14 +449,19 @@ CUKERN_DEVICE void tc_load(TcChunk<RT>& ch, const uint8_t* const (&qr)[RT][2],
                            int t) {
     const bool in = c < chunks, two = in && 64 * c + 32 < k;  // two: the chunk's second block exists
     const bool mine = t < 2 ? in : two;
+    const bool pair = (k & 63) == 0;  // k / 32 even: each row's scales 2c, 2c + 1 are one aligned word
 #pragma unroll
     for (int i = 0; i < RT; ++i) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             ch.w[i][r] = mine ? ld_stream_u128(qr[i][r] + 64 * c) : make_uint4(0, 0, 0, 0);
-            const uint32_t d0 = in ? (uint32_t)__ldg(sr[i][r] + 2 * c) : 0u;
-            const uint32_t d1 = two ? (uint32_t)__ldg(sr[i][r] + 2 * c + 1) : 0u;
-            ch.d[i][r] = d0 | (d1 << 16);
+            if (pair) {
+                ch.d[i][r] = in ? __ldg(reinterpret_cast<const unsigned int*>(sr[i][r] + 2 * c)) : 0u;
+            } else {
+                const uint32_t d0 = in ? (uint32_t)__ldg(sr[i][r] + 2 * c) : 0u;
+                const uint32_t d1 = two ? (uint32_t)__ldg(sr[i][r] + 2 * c + 1) : 0u;
+                ch.d[i][r] = d0 | (d1 << 16);
+            }
         }
     }
 }
