@@ -260,6 +260,16 @@ def test_split_q8_0_epilogues(d, rng):
     _check(y, y0 + ref.sigmoid(g.astype(np.float64))[:, None] * want, "sigmoid-gated")
 
 
+def test_split_tc_dispatch_rule():
+    """dmmv_split_tc takes the chunks of 2, 4 and 8 columns on sm_80+ where x's two f16 parts fit the
+    block's shared memory; one column, older devices and long rows stay on dmmv_split."""
+    fits, smem = DENSE._split_tc_fits, DENSE._split_tc_smem
+    assert smem(8, 640) == 2 * 8 * 672 * 2 and smem(2, 96) == 2 * 2 * 96 * 2  # rows k | 32 halves apart
+    assert all(fits(n, 640, 90, 232448) and fits(n, 32, 80, 232448) for n in (2, 4, 8))
+    assert not fits(1, 640, 90, 232448) and not fits(8, 640, 75, 232448)
+    assert fits(4, 8192, 90, 232448) and not fits(8, 8192, 90, 232448)
+
+
 def _split(d, rng, m, k):
     """(SplitQ8 of random Q8_0 blocks, float64 dense [m, k])."""
     raw = ref.random_weight(8, m, k, rng)

@@ -32,4 +32,5 @@ from cukern.dmmv.weights import (Q8_TYPES, QTYPES, MergedX, MoeRoute, NormedX, Q
 __all__ = ["DmmvDispatch", "QWeight", "SplitQ8", "NormedX", "MergedX", "QuantizedX", "MoeRoute", "RouteSlot",
            "QTYPES", "Q8_TYPES",
            "FAMILY", "GLU_FAMILY", "MOE_FAMILY", "PACKED_FAMILY", "Q8X_FAMILY", "TWO_FAMILY", "NX_FAMILY", "THREE_FAMILY",
-           "MX_FAMILY", "SPLIT_TC_FAMILY", "THREE_TYPES", "DeviceError", "FAMILIES", "qtype_id", "row_bytes"]
+           "MX_FAMILY", "SPLIT_TC_FAMILY", "THREE_TYPES", "DeviceError", "FAMILIES", "qtype_id",
+           "row_bytes"]

@@ -80,6 +80,13 @@ def _split_tc_smem(n: int, k: int) -> int:
     return 2 * n * (k | 32) * 2
 
 
+def _split_tc_fits(width: int, k: int, arch: int, max_shared: int) -> bool:
+    """Whether a chunk of ``width`` columns of a SplitQ8 matvec takes dmmv_split_tc: a width it is built
+    for, a device with mma.sync m16n8k16 (``arch`` >= 80), and x's f16 parts within the ``max_shared``
+    bytes one block may have (else dmmv_split)."""
+    return width in _SPLIT_TC_COLS and arch >= 80 and _split_tc_smem(width, k) <= max_shared
+
+
 def _normed_warps(k: int) -> int:
     """Warps per block of a NormedX kernel: the matvec's, or enough that every thread of the prologue
     holds at most _NORM_ITEMS float4s of an input (one load each, all in flight together; past
@@ -203,14 +210,13 @@ class Dense:
         return y
 
     def _split_tc_fits(self, width: int, k: int) -> bool:
-        """Whether a chunk of ``width`` columns of a SplitQ8 matvec takes dmmv_split_tc: a width it is built
-        for, a device with mma.sync m16n8k16 (sm_80+), and x's f16 parts within the block's shared memory."""
+        """:func:`_split_tc_fits` on this dispatch's device (its compute capability read once)."""
         if width not in _SPLIT_TC_COLS:
             return False
         if self._split_tc_arch is None:
             with cupy.cuda.Device(self.device_id):
                 self._split_tc_arch = device_arch()
-        return self._split_tc_arch >= 80 and _split_tc_smem(width, k) <= self.max_shared_optin()
+        return _split_tc_fits(width, k, self._split_tc_arch, self.max_shared_optin())
 
     def _merged(self, w: QWeight, x: MergedX, y, *, accumulate: bool, alpha: float, gate, stream) -> cupy.ndarray:
         """dmmv_mx: dmmv on a MergedX (one column), at dmmv's one-column rows per block and loop."""

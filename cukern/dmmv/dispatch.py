@@ -67,7 +67,7 @@ MX_FAMILY = FamilySpec(  # dmmv on a MergedX: compiled only by a process that us
     name="dmmv_mx", source="dmmv/dmmv.cu", params_header="dmmv/params.cuh",
     kernels=tuple(KernelSpec(_mx_kernel(q), "DmmvMergeParams") for q in QTYPES),
 )
-SPLIT_TC_FAMILY = FamilySpec(  # dmmv on a SplitQ8 at 2, 4, 8 columns (tensor cores): compiled only by a process that uses it
+SPLIT_TC_FAMILY = FamilySpec(  # dmmv on a SplitQ8 at 2-8 columns (tensor cores): compiled only by a process using it
     name="dmmv_split_tc", source="dmmv/dmmv.cu", params_header="dmmv/params.cuh",
     kernels=tuple(KernelSpec(_split_tc_kernel(n), "DmmvParams") for n in _SPLIT_TC_COLS),
 )
