@@ -395,13 +395,13 @@ __global__ void __launch_bounds__(kSplitWarps * 32) dmmv_split(
 //
 // Operands. A = 16 weight rows x 16 k of int8 quants as f16 (|q| <= 128: exact). B = 16 k x 8 columns n
 // of x split into two f16 parts per element: hi = f16(x * 2^-e), lo = f16(x * 2^-e - hi), 2^-e a power
-// of two per column, from the column's max |x| = M, so that max |x * 2^-e| lies in [2^14, 2^15) (hi
-// never overflows, lo stays normal down to 2^-25 of M). B column n < NC is hi of x column n, NC <= n <
-// 2 NC lo of column n - NC (one B operand per k-step for NC <= 4), n >= 2 NC zero; NC = 8 takes a hi
-// and a lo B operand per k-step (kSets = 2), both into the same accumulators. Each (row, 32-block) is two
-// k-steps; their products are summed in a zeroed f32 tile and added into the row's accumulator times
-// the block's f16 scale (W = scale * q exactly); at the end the hi and lo sums of a column are added
-// and scaled back by 2^e.
+// of two per column, from the column's max |x| = M, so that max |x * 2^-e| lies in [2^14, 2^15): hi
+// never overflows, and lo is normal (11 more bits) for |x| >= ~2^-17 M. B column n < NC is hi of x
+// column n, NC <= n < 2 NC lo of column n - NC (one B operand per k-step for NC <= 4), n >= 2 NC zero;
+// NC = 8 takes a hi and a lo B operand per k-step (kSets = 2), both into the same accumulators. Each
+// (row, 32-block) is two k-steps; their products are summed in a zeroed f32 tile and added into the
+// row's accumulator times the block's f16 scale (W = scale * q exactly); at the end the hi and lo sums
+// of a column are added and scaled back by 2^e.
 // Error: the f16 products are exact; x is represented as hi + lo with |x 2^-e - hi - lo| <=
 // max(2^-22 |x 2^-e|, 2^-25) (hi's rounding error <= 2^-11 |x 2^-e| is rounded again into lo; 2^-25
 // is half of f16's least subnormal), so each element of x contributes an error of at most
