@@ -44,6 +44,7 @@ QUICK_TYPES = ["Q4_0", "Q5_0", "Q8_0", "MXFP4", "Q4_K", "Q5_K", "Q6_K"]
 N_E, TOP_K, T = 128, 8, 16  # MoE: experts, experts per token, tokens of the packed rows
 QWEN3_NEXT = dict(d_model=2048, n_v_heads=32, n_experts=512, top_k=10, ffn=512, n_layers=48)
 GPT_OSS_20B = dict(d_model=2880, n_experts=32, top_k=4, ffn=2880)
+LM_HEAD_COLS = (1, 2, 4, 8)  # columns of the LM head rows (a decode batch): 2, 4, 8 are dmmv_split_tc's widths
 
 
 def specs(quick: bool) -> list[RowSpec]:
@@ -51,7 +52,7 @@ def specs(quick: bool) -> list[RowSpec]:
     shapes = [(14336, 4096), (4096, 14336)] if quick else SHAPES
     out = [r for m, k in shapes for name in (QUICK_TYPES if quick else TYPES)
            if k % QTYPES[qtype_id(name)][1] == 0 for r in _matvec(name, m, k)]  # k = 640: no whole K-quant super-block
-    out += _lm_head(1) + _lm_head(8) + _norm_glu() + _merged_oproj()
+    out += [r for n in LM_HEAD_COLS for r in _lm_head(n)] + _norm_glu() + _merged_oproj()
     out += [_quantize_x(k) for k in sorted({k for _, k in shapes})]
     out += [r for name in (["MXFP4", "Q4_K"] if quick else ["MXFP4", "Q4_K", "Q6_K", "Q8_0"]) for r in _ffn_down(name)]
     out += [r for name in (["Q4_K"] if quick else ["Q4_K", "Q8_0", "Q6_K"]) for r in _batch(name)]
@@ -83,8 +84,9 @@ def _matvec(name, m, k):
 
 
 def _lm_head(n, m=262144, k=640):
-    """An LM head (Gemma 3's 262144 x 640 Q8_0): the GGUF blocks on the f32 path against the SplitQ8 copy
-    (quants and scales apart, 16-byte loads), one column and eight; pdl as in a decode step."""
+    """An LM head (Gemma 3's 262144 x 640 Q8_0): the GGUF blocks on the f32 path (what the model runs for
+    n > 1) against the SplitQ8 copy (quants and scales apart, 16-byte loads: dmmv_split at one column,
+    dmmv_split_tc on tensor cores at 2, 4 and 8), n columns; pdl as in a decode step."""
     g, shape, nbytes, f32 = (_lm_head_sets, m, k), f"{m}x{k}", (traffic.dmmv, _w_bytes("Q8_0", m, k), m, k, n), \
         f"lm head Q8_0 f32 path pdl n={n}"
     return [RowSpec(f32, shape, g, lambda s: s.d_f32_pdl.dmmv(s.w, s.x[n], s.y[n]), nbytes,
@@ -260,8 +262,8 @@ def _matvec_sets(ctx, name, m, k):
 
 def _lm_head_sets(ctx, m, k):
     ws = _weights(qtype_id("Q8_0"), m, k)
-    x = {n: cupy.random.standard_normal((n, k), dtype=cupy.float32) for n in (1, 8)}
-    y = {n: cupy.empty((n, m), cupy.float32) for n in (1, 8)}
+    x = {n: cupy.random.standard_normal((n, k), dtype=cupy.float32) for n in LM_HEAD_COLS}
+    y = {n: cupy.empty((n, m), cupy.float32) for n in LM_HEAD_COLS}
     return [_set(ctx, w=w, split=ctx.d.split_q8_0(w), x=x, y=y) for w in ws]
 
 

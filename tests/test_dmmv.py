@@ -34,7 +34,7 @@ def d():
 
 def test_families_declared():
     assert set(D.FAMILIES) == {"dmmv", "dmmv_glu", "dmmv_moe", "dmmv_moe_packed", "dmmv_q8x", "dmmv_two", "dmmv_nx",
-                               "dmmv_three", "dmmv_mx"}
+                               "dmmv_three", "dmmv_mx", "dmmv_split_tc"}
     names = {k.name for f in D.FAMILIES.values() for k in f.kernels}
     for q in TYPES:
         for n in (1, 2, 4, 8):
@@ -47,6 +47,8 @@ def test_families_declared():
         assert all(Q8._q8_kernel(q, n, pq=True) in names for n in (1, 2, 4, 8))
         assert all(Q8._q8_two_kernel(q, n, g) in names for n in (1, 2, 4, 8) for g in (False, True))
     assert {"quantize_x<false>", "quantize_x<true>"} <= names
+    assert all(DENSE._split_kernel(n) in names for n in (1, 2, 4, 8))
+    assert {DENSE._split_tc_kernel(n) for n in (2, 4, 8)} == {k.name for k in D.FAMILIES["dmmv_split_tc"].kernels}
     assert {f"quantize_glu<{il}, {a}>" for il in ("false", "true") for a in (0, 1)} <= names
 
 
@@ -256,6 +258,110 @@ def test_split_q8_0_epilogues(d, rng):
     y = cupy.asarray(y0)
     d.dmmv_gated_acc(s, cupy.asarray(x), y, cupy.asarray(g))
     _check(y, y0 + ref.sigmoid(g.astype(np.float64))[:, None] * want, "sigmoid-gated")
+
+
+def test_split_tc_dispatch_rule():
+    """dmmv_split_tc takes the chunks of 2, 4 and 8 columns on sm_80+ where x's two f16 parts fit the
+    block's shared memory; one column, older devices and long rows stay on dmmv_split."""
+    fits, smem = DENSE._split_tc_fits, DENSE._split_tc_smem
+    assert smem(8, 640) == 2 * 8 * 672 * 2 and smem(2, 96) == 2 * 2 * 96 * 2  # rows k | 32 halves apart
+    assert all(fits(n, 640, 90, 232448) and fits(n, 32, 80, 232448) for n in (2, 4, 8))
+    assert not fits(1, 640, 90, 232448) and not fits(8, 640, 75, 232448)
+    assert fits(4, 8192, 90, 232448) and not fits(8, 8192, 90, 232448)
+
+
+def _split(d, rng, m, k):
+    """(SplitQ8 of random Q8_0 blocks, float64 dense [m, k])."""
+    raw = ref.random_weight(8, m, k, rng)
+    s = d.split_q8_0(QWeight(cupy.asarray(raw.ravel()), "Q8_0", m, k))
+    return s, ref.split_dense(*ref.split_q8_0(raw, m, k))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [32, 96, 640, 2080])
+def test_split_tc_matches_float64(d, rng, k):
+    """dmmv on a SplitQ8 at 2 to 8 columns (dmmv_split_tc for the chunks of 2, 4 and 8, dmmv_split for a
+    chunk of 1: n = 3, 5 mix them) against float64, at the split kernel's tolerance: ragged m (below one
+    16-row tile, one tile and a bit, a block's 256 rows and a bit, many blocks with a partial last one),
+    k of one block, an odd block count (the last 64-element chunk half full), the LM head's 640 and 65
+    blocks; outputs poisoned before the store."""
+    if int(cupy.cuda.Device().compute_capability) < 80:
+        pytest.skip("dmmv_split_tc needs sm_80 (mma.sync m16n8k16)")
+    for m in (5, 17, 263, 1029):
+        s, dense = _split(d, rng, m, k)
+        assert all(d._split_tc_fits(w, k) for w in (2, 4, 8)), "the tensor-core kernel was not picked"
+        for n in (2, 3, 5, 8):
+            x = _x(rng, n, k)
+            y = poison(cupy.empty((n, m), cupy.float32))
+            d.dmmv(s, cupy.asarray(x), y)
+            _check(y, ref.matvec(dense, x), f"split tc {m}x{k} n={n}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_split_tc_large_and_small_x(d, rng, n):
+    """x's hi + lo f16 parts under a per-column power of two keep f32 accuracy at any magnitude: columns
+    scaled by 1e6, 1e-6, 1e30, 1e-20, one whose elements span 1e-6 ... 1e6, and one of zeros (per
+    column, so a large column does not swamp a small one in the same launch)."""
+    if int(cupy.cuda.Device().compute_capability) < 80:
+        pytest.skip("dmmv_split_tc needs sm_80 (mma.sync m16n8k16)")
+    m, k = 301, 640
+    s, dense = _split(d, rng, m, k)
+    scales = [1e6, 1e-6, 0.0, 1e30, 1e-20, 1.0, 3e-3, 7e4][:n]
+    x = _x(rng, n, k) * np.array(scales, np.float32)[:, None]
+    x[n - 1] *= (10.0 ** rng.uniform(-6, 6, k)).astype(np.float32)  # mixed magnitudes within a column
+    y = poison(cupy.empty((n, m), cupy.float32))
+    d.dmmv(s, cupy.asarray(x), y)
+    want = ref.matvec(dense, x.astype(np.float64))
+    for c in range(n):  # per column: each has its own scale
+        _check(y[c], want[c], f"split tc n={n} column {c} (x scaled {scales[c]:g})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_split_tc_epilogues(d, rng, n):
+    """Store with alpha, accumulate with alpha, and the sigmoid-gated accumulate on dmmv_split_tc."""
+    if int(cupy.cuda.Device().compute_capability) < 80:
+        pytest.skip("dmmv_split_tc needs sm_80 (mma.sync m16n8k16)")
+    m, k = 277, 160
+    s, dense = _split(d, rng, m, k)
+    x = _x(rng, n, k)
+    y0 = _x(rng, n, m)
+    want = ref.matvec(dense, x)
+    y = poison(cupy.empty((n, m), cupy.float32))
+    d.dmmv(s, cupy.asarray(x), y, alpha=2.5)
+    _check(y, 2.5 * want, "store alpha")
+    y = cupy.asarray(y0)
+    d.dmmv(s, cupy.asarray(x), y, accumulate=True, alpha=-0.375)
+    _check(y, y0 - 0.375 * want, "scale-accumulate")
+    g = rng.uniform(-4, 4, n).astype(np.float32)
+    y = cupy.asarray(y0)
+    d.dmmv_gated_acc(s, cupy.asarray(x), y, cupy.asarray(g), alpha=0.5)
+    _check(y, y0 + 0.5 * ref.sigmoid(g.astype(np.float64))[:, None] * want, "sigmoid-gated")
+
+
+@pytest.mark.gpu
+def test_split_tc_pdl_chain_matches_plain_launches(rng, monkeypatch):
+    """dmmv_split_tc under programmatic dependent launch: a chain of 8-column matvecs on SplitQ8s, each
+    reading the previous one's output as x, eager and from a CUDA graph, equals plain launches bit for bit."""
+    if int(cupy.cuda.Device().compute_capability) < 90:
+        pytest.skip("programmatic dependent launch needs sm_90")
+    pdl_launches = _count_pdl_launches(monkeypatch)
+    d0 = DmmvDispatch()
+    n = 1056  # m = k: a block's 256 rows do not divide it
+    mats = [_split(d0, rng, n, n) for _ in range(4)]
+    alphas = [float(np.sqrt(n) / np.linalg.norm(dense)) for _, dense in mats]
+    x0 = cupy.asarray(_x(rng, 8, n))
+
+    def chain(dd, ys):
+        x = x0
+        for (s, _), a, y in zip(mats, alphas, ys):
+            dd.dmmv(s, x, y, alpha=a)
+            x = y
+        dd.dmmv(mats[0][0], ys[-2], ys[-1], accumulate=True)  # y read and written after the wait
+
+    _assert_pdl_chain_matches_plain(chain, len(mats), (8, n))
+    assert sum(name.startswith("dmmv_split_tc") for name in pdl_launches) >= 2 * 5, "the pdl path was not taken"
 
 
 # ---------------------------------------------------------------------------- GPU: MoE

@@ -2,6 +2,7 @@
 //   dmmv      y[c] = epilogue(W x[c]) for NC = 1, 2, 4, 8 columns (weights read once for all);
 //             also the pair form (two matrices sharing x: blocks past blocks1 work on W2)
 //   dmmv_split  as dmmv, on Q8_0 weights split into an int8 matrix and f16 scales (the LM head)
+//   dmmv_split_tc  dmmv_split for 2, 4 or 8 columns on tensor cores (mma.sync, x as two f16 parts)
 //   dmmv_glu  y[c] = epilogue(act(Wg x[c]) * (Wu x[c])): fused gate + up + SwiGLU / GEGLU
 //   dmmv_nx, dmmv_glu_nx  dmmv (and pair) and dmmv_glu on x = rms_norm(residual + post(proj)),
 //             computed by every block (the residual add and norm between a layer's matvecs folded in)
@@ -387,6 +388,250 @@ __global__ void __launch_bounds__(kSplitWarps * 32) dmmv_split(
     constexpr int kLanesPer = 32 / (R * NC);
     const int i = lane / kLanesPer, r = i / NC, c = i % NC;
     if (lane % kLanesPer == 0 && row0 + r < p.m) store(y + (size_t)c * p.y_stride + row0 + r, v, c, gate, p);
+}
+
+// dmmv_split on tensor cores for NC = 2, 4, 8 columns (DmmvDispatch picks it for those chunk widths on
+// sm_80+; one column stays on dmmv_split): the same SplitQ8 weights and epilogues, the products by
+// mma.sync m16n8k16 (f16 inputs, f32 accumulators), so that the weights stream without the f32
+// kernel's per-column FMAs.
+//
+// Operands. A = 16 weight rows x 16 k of int8 quants as f16 (|q| <= 128: exact). B = 16 k x 8 columns n
+// of x split into two f16 parts per element: hi = f16(x * 2^-e), lo = f16(x * 2^-e - hi), 2^-e a power
+// of two per column, from the column's max |x| = M, so that max |x * 2^-e| lies in [2^14, 2^15): hi
+// never overflows, and lo is normal (11 more bits) for |x| >= ~2^-17 M. B column n < NC is hi of x
+// column n, NC <= n < 2 NC lo of column n - NC (one B operand per k-step for NC <= 4), n >= 2 NC zero;
+// NC = 8 takes a hi and a lo B operand per k-step (kSets = 2), both into the same accumulators. Each
+// (row, 32-block) is two k-steps; their products are summed in a zeroed f32 tile and added into the
+// row's accumulator times the block's f16 scale (W = scale * q exactly); at the end the hi and lo sums
+// of a column are added and scaled back by 2^e.
+// Error: the f16 products are exact; x is represented as hi + lo with |x 2^-e - hi - lo| <=
+// max(2^-22 |x 2^-e|, 2^-25) (hi's rounding error <= 2^-11 |x 2^-e| is rounded again into lo; 2^-25
+// is half of f16's least subnormal), so each element of x contributes an error of at most
+// 2^-22 |x_i| + 2^-39 M, and |result - W x| <= sum_i |W_ij| (2^-22 |x_i| + 2^-39 M) plus the f32
+// summation error (the tensor core's additions of 16 products, which may truncate, and the f32 adds
+// of the blocks): the f32 kernel's accuracy for any finite x.
+//
+// Layout. A warp owns RT tiles of 16 consecutive rows; it walks k in chunks of 64 (two 32-blocks).
+// Lane (g, t) = (lane / 4, lane % 4) loads rows g and g + 8 of each tile at elements 64 c + 16 t ...
+// + 15 (one 16-byte load per row), so lanes t < 2 hold block 2c and lanes t >= 2 block 2c + 1; one
+// exchange of 8 bytes with lane t ^ 2 leaves each lane 8 quants of either block, at offset off(t) =
+// 16 (t & 1) + 8 (t >> 1) within the block, 4 per k-step: the A fragment's (2t, 2t+1, 2t+8, 2t+9) are
+// those 4 consecutive k (the k order within a k-step is the same permutation for A and B). x is
+// converted once per block into shared memory as 2 NC rows of f16 (row n: B column n), read as one
+// 16-byte load per lane, block half and B operand (conflict-free: rows are k | 32 halves apart). The
+// next chunk's loads are issued before the current chunk is computed; the first chunk's (and an L2
+// prefetch of all the block's rows) before pdl_wait.
+// Grid: one block per kSplitTcWarps * RT * 16 rows (past m: row m - 1 again, never stored); dynamic
+// shared memory 2 NC (k | 32) halves. Traffic: k + k / 16 bytes of weights per row, read once; x once
+// per block from L2.
+constexpr int kSplitTcWarps = 8;
+
+// Four int8 quants (the bytes of w, elements e ... e + 3) as two f16 pairs, exactly: (e, e + 1) in lo,
+// (e + 2, e + 3) in hi. q + 128 is put into the low byte of 1024 (0x6400, ulp 1) and 1152 subtracted.
+CUKERN_DEVICE void i8x4_to_f16x4(uint32_t w, uint32_t& lo, uint32_t& hi) {
+    const uint32_t u = w ^ 0x80808080u;
+    const __half2 bias = __half2half2(__ushort_as_half((unsigned short)0x6480u));  // 1152
+    uint32_t a = __byte_perm(u, 0x6464u, 0x4140u), b = __byte_perm(u, 0x6464u, 0x4342u);
+    const __half2 ha = __hsub2(*reinterpret_cast<const __half2*>(&a), bias);
+    const __half2 hb = __hsub2(*reinterpret_cast<const __half2*>(&b), bias);
+    lo = *reinterpret_cast<const uint32_t*>(&ha);
+    hi = *reinterpret_cast<const uint32_t*>(&hb);
+}
+
+// One 64-element chunk of a warp's RT tiles as loaded: rows g and g + 8 of each tile.
+template <int RT>
+struct TcChunk {
+    uint4 w[RT][2];     // quants 64 c + 16 t ... + 15 (zero past k)
+    uint32_t d[RT][2];  // f16 scales of blocks 2c (low half) and 2c + 1 (high half; zero past k)
+};
+
+template <int RT>
+CUKERN_DEVICE void tc_load(TcChunk<RT>& ch, const uint8_t* const (&qr)[RT][2],
+                           const unsigned short* const (&sr)[RT][2], uint32_t c, uint32_t chunks, uint32_t k,
+                           int t) {
+    const bool in = c < chunks, two = in && 64 * c + 32 < k;  // two: the chunk's second block exists
+    const bool mine = t < 2 ? in : two;
+    const bool pair = (k & 63) == 0;  // k / 32 even: each row's scales 2c, 2c + 1 are one aligned word
+#pragma unroll
+    for (int i = 0; i < RT; ++i) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            ch.w[i][r] = mine ? ld_stream_u128(qr[i][r] + 64 * c) : make_uint4(0, 0, 0, 0);
+            if (pair) {
+                ch.d[i][r] = in ? __ldg(reinterpret_cast<const unsigned int*>(sr[i][r] + 2 * c)) : 0u;
+            } else {
+                const uint32_t d0 = in ? (uint32_t)__ldg(sr[i][r] + 2 * c) : 0u;
+                const uint32_t d1 = two ? (uint32_t)__ldg(sr[i][r] + 2 * c + 1) : 0u;
+                ch.d[i][r] = d0 | (d1 << 16);
+            }
+        }
+    }
+}
+
+// One tile's chunk: the 8-byte exchange, then per block h (the second only where it exists) its two
+// k-steps' MMAs against the B fragments b[set][h] into a zeroed tile, added to acc times the scales.
+template <int NSETS>
+CUKERN_DEVICE void tc_tile(float (&acc)[4], const uint4 (&w)[2], const uint32_t (&d)[2],
+                           const uint4 (&b)[NSETS][2], bool two, int t) {
+    uint2 blk[2][2];  // [h][row g, g + 8]: 8 quants of block 2c + h at off(t)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const bool low = t < 2;  // holds block 2c; sends its second half, receives lane t ^ 2's first
+        const uint32_t r0 = __shfl_xor_sync(0xFFFFFFFFu, low ? w[r].z : w[r].x, 2);
+        const uint32_t r1 = __shfl_xor_sync(0xFFFFFFFFu, low ? w[r].w : w[r].y, 2);
+        blk[0][r] = low ? make_uint2(w[r].x, w[r].y) : make_uint2(r0, r1);
+        blk[1][r] = low ? make_uint2(r0, r1) : make_uint2(w[r].z, w[r].w);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        if (h == 1 && !two) break;
+        float tile[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            uint32_t a[4];  // a0 (row g, k 2t..), a1 (g + 8, 2t..), a2 (g, 2t + 8..), a3 (g + 8, 2t + 8..)
+            i8x4_to_f16x4(j ? blk[h][0].y : blk[h][0].x, a[0], a[2]);
+            i8x4_to_f16x4(j ? blk[h][1].y : blk[h][1].x, a[1], a[3]);
+#pragma unroll
+            for (int s = 0; s < NSETS; ++s)
+                mma16816<__half>(tile, a, j ? b[s][h].z : b[s][h].x, j ? b[s][h].w : b[s][h].y);
+        }
+        const float2 d0 = __half22float2(*reinterpret_cast<const __half2*>(&d[0]));
+        const float2 d1 = __half22float2(*reinterpret_cast<const __half2*>(&d[1]));
+        const float s0 = h ? d0.y : d0.x, s1 = h ? d1.y : d1.x;  // rows g, g + 8
+        acc[0] = fmaf(s0, tile[0], acc[0]);
+        acc[1] = fmaf(s0, tile[1], acc[1]);
+        acc[2] = fmaf(s1, tile[2], acc[2]);
+        acc[3] = fmaf(s1, tile[3], acc[3]);
+    }
+}
+
+CUKERN_DEVICE float pow2f(int e) { return __int_as_float((e + 127) << 23); }  // e in [-126, 127]
+
+template <int NC, int RT>
+__global__ void __launch_bounds__(kSplitTcWarps * 32) dmmv_split_tc(
+    float* __restrict__ y,             // [NC, y_stride] out: y[c * y_stride + i], i < m
+    const uint8_t* __restrict__ q,     // [m, k] int8 quants, 16-byte aligned, k a multiple of 32
+    const __half* __restrict__ s,      // [m, k / 32] f16 scales
+    const float* __restrict__ x,       // [NC, x_stride] f32 columns, 16-byte aligned, k used
+    const float* __restrict__ gate,    // [NC] gate logits for mode 2; unused otherwise
+    const DmmvParams p) {
+    static_assert(NC == 2 || NC == 4 || NC == 8, "NC: 2, 4 or 8 (one column takes dmmv_split)");
+    constexpr int kSets = NC == 8 ? 2 : 1;     // B operands per k-step
+    constexpr int kRows = kSplitTcWarps * RT * 16;  // rows per block
+    extern __shared__ __align__(16) __half xh[];  // [2 NC][k | 32]: row n < NC hi of column n, NC + c lo of c
+    __shared__ float red[kSplitTcWarps][NC];
+    __shared__ float fwd[NC][2], back[NC][2];  // per column: 2^-e and 2^e, each as two powers of two
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
+    const uint32_t k = p.k, chunks = (k + 63) / 64, xs_stride = k | 32;
+    const uint32_t first = blockIdx.x * kRows, row0 = first + warp * RT * 16;
+    {  // the block's quants and scales are two contiguous ranges: ask L2 for them before the wait
+        const uint32_t rows = min((uint32_t)kRows, p.m - first);
+        const uint8_t* qa[1] = {q + (size_t)first * k};
+        const uint8_t* sa[1] = {reinterpret_cast<const uint8_t*>(s + (size_t)first * (k / 32))};
+        prefetch_rows_l2<1>(qa, (uint64_t)rows * k);
+        prefetch_rows_l2<1>(sa, (uint64_t)rows * (k / 16));
+    }
+    const uint8_t* qr[RT][2];
+    const unsigned short* sr[RT][2];
+#pragma unroll
+    for (int i = 0; i < RT; ++i) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const size_t row = min(row0 + 16 * i + 8 * r + g, p.m - 1);  // past m: row m-1 again, never stored
+            qr[i][r] = q + row * k + 16 * t;
+            sr[i][r] = reinterpret_cast<const unsigned short*>(s) + row * (k / 32);
+        }
+    }
+    TcChunk<RT> cur;
+    tc_load<RT>(cur, qr, sr, 0, chunks, k, t);  // weights only: before the wait
+    pdl_enter();
+
+    // x into shared memory: per column its max |x|, the scale, then hi and lo of every element
+    const uint32_t k4 = k / 4;
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    float mx[NC];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+        mx[c] = 0.0f;
+        for (uint32_t i = threadIdx.x; i < k4; i += kSplitTcWarps * 32) {
+            const float4 v = __ldg(x4 + (size_t)c * (p.x_stride / 4) + i);
+            mx[c] = fmaxf(mx[c], fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+        }
+        mx[c] = warp_max(mx[c]);
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int c = 0; c < NC; ++c) red[warp][c] = mx[c];
+    }
+    __syncthreads();
+    if (threadIdx.x < NC) {
+        float m = 0.0f;
+        for (int w = 0; w < kSplitTcWarps; ++w) m = fmaxf(m, red[w][threadIdx.x]);
+        int e2 = 0;  // m = f 2^e2, f in [0.5, 1): m 2^(15 - e2) in [2^14, 2^15)
+        if (m > 0.0f && m <= 3.402823466e38f) frexpf(m, &e2);
+        const int sh = 15 - e2, a = sh / 2, b = sh - a;  // sh in [-113, 163]: a, b in [-57, 82]
+        fwd[threadIdx.x][0] = pow2f(a);
+        fwd[threadIdx.x][1] = pow2f(b);
+        back[threadIdx.x][0] = pow2f(-a);
+        back[threadIdx.x][1] = pow2f(-b);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+        const float f0 = fwd[c][0], f1 = fwd[c][1];
+        uint2* hi = reinterpret_cast<uint2*>(xh + (size_t)c * xs_stride);
+        uint2* lo = reinterpret_cast<uint2*>(xh + (size_t)(NC + c) * xs_stride);
+        for (uint32_t i = threadIdx.x; i < k4; i += kSplitTcWarps * 32) {
+            const float4 v = __ldg(x4 + (size_t)c * (p.x_stride / 4) + i);
+            const float e[4] = {v.x * f0 * f1, v.y * f0 * f1, v.z * f0 * f1, v.w * f0 * f1};
+            __half h[4], l[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                h[j] = __float2half_rn(e[j]);
+                l[j] = __float2half_rn(e[j] - __half2float(h[j]));
+            }
+            const __half2 h01 = __halves2half2(h[0], h[1]), h23 = __halves2half2(h[2], h[3]);
+            const __half2 l01 = __halves2half2(l[0], l[1]), l23 = __halves2half2(l[2], l[3]);
+            hi[i] = make_uint2(*reinterpret_cast<const uint32_t*>(&h01), *reinterpret_cast<const uint32_t*>(&h23));
+            lo[i] = make_uint2(*reinterpret_cast<const uint32_t*>(&l01), *reinterpret_cast<const uint32_t*>(&l23));
+        }
+    }
+    __syncthreads();
+
+    float acc[RT][4] = {};
+    const int off = 16 * (t & 1) + 8 * (t >> 1);
+    for (uint32_t c = 0; c < chunks; ++c) {
+        TcChunk<RT> nxt;
+        tc_load<RT>(nxt, qr, sr, c + 1, chunks, k, t);  // in flight while this chunk is computed
+        const bool two = 64 * c + 32 < k;
+        uint4 b[kSets][2];
+#pragma unroll
+        for (int st = 0; st < kSets; ++st) {
+            const int n = 8 * st + g;  // B column n: shared row n
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                b[st][h] = n < 2 * NC && (h == 0 || two)
+                               ? *reinterpret_cast<const uint4*>(xh + (size_t)n * xs_stride + 64 * c + 32 * h + off)
+                               : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int i = 0; i < RT; ++i) tc_tile<kSets>(acc[i], cur.w[i], cur.d[i], b, two, t);
+        cur = nxt;
+    }
+
+    // C fragment: acc[i][e] is row 16 i + g + 8 (e / 2), B column n = 2t + e % 2
+#pragma unroll
+    for (int i = 0; i < RT; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            float v = acc[i][e];
+            if (kSets == 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, NC / 2);  // lane t < NC/2: hi + lo of column n
+            const int n = 2 * t + (e & 1);
+            const uint32_t row = row0 + 16 * i + g + 8 * (e >> 1);
+            if (n < NC && row < p.m)
+                store(y + (size_t)n * p.y_stride + row, v * back[n][0] * back[n][1], n, gate, p);
+        }
+    }
 }
 
 // dmmv_nx with a third matrix of its own type (a decoder layer's q, k and v in one launch; one

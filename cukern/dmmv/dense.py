@@ -16,6 +16,7 @@ from cukern.dmmv.q8 import _q8_blocks, _q8_kernel, _q8_pair_blocks, _q8_two_kern
 from cukern.dmmv.weights import QTYPES, MergedX, NormedX, QuantizedX, QWeight, SplitQ8
 from cukern.interop import like, tensors
 from cukern.qtypes import GGMLType as T
+from cukern.runtime import device_arch
 from cukern.streams import resolve_stream
 
 # (rows per block R, loop variant V) of dmmv<QT, NC, R, V> (cuda_src/dmmv/dmmv.cu, core.cuh row_dots), per
@@ -61,6 +62,29 @@ def _mx_kernel(qt: int) -> str:
 
 def _split_kernel(n: int) -> str:
     return f"dmmv_split<{n}, {_SPLIT_ROWS}, {_SPLIT_UNROLL}>"
+
+
+# dmmv_split_tc<NC, RT> (tensor cores, mma.sync: sm_80+) takes the chunks of these widths; one column stays on
+# dmmv_split (an MMA's 8 columns would be 7/8 idle and x's two f16 parts cost a second pass of the products)
+_SPLIT_TC_COLS = (2, 4, 8)
+_SPLIT_TC_WARPS = 8  # warps per block of dmmv_split_tc (kSplitTcWarps)
+_SPLIT_TC_TILES = 2  # 16-row tiles per warp RT
+
+
+def _split_tc_kernel(n: int) -> str:
+    return f"dmmv_split_tc<{n}, {_SPLIT_TC_TILES}>"
+
+
+def _split_tc_smem(n: int, k: int) -> int:
+    """Dynamic shared bytes of dmmv_split_tc: x's hi and lo f16 parts, 2n rows of k | 32 halves."""
+    return 2 * n * (k | 32) * 2
+
+
+def _split_tc_fits(width: int, k: int, arch: int, max_shared: int) -> bool:
+    """Whether a chunk of ``width`` columns of a SplitQ8 matvec takes dmmv_split_tc: a width it is built
+    for, a device with mma.sync m16n8k16 (``arch`` >= 80), and x's f16 parts within the ``max_shared``
+    bytes one block may have (else dmmv_split)."""
+    return width in _SPLIT_TC_COLS and arch >= 80 and _split_tc_smem(width, k) <= max_shared
 
 
 def _normed_warps(k: int) -> int:
@@ -158,7 +182,9 @@ class Dense:
     dmmv_batch = dmmv  # the engine's name for the multi-column form
 
     def _dmmv_split(self, w: SplitQ8, x, y, *, accumulate, alpha, gate, stream) -> cupy.ndarray:
-        """dmmv on a SplitQ8: dmmv_split<NC, R>, blocks of 8 warps taking R rows each."""
+        """dmmv on a SplitQ8: chunks of 2, 4 or 8 columns on tensor cores (dmmv_split_tc<NC, RT>, blocks of 8
+        warps taking RT 16-row tiles each; sm_80+, x's two f16 rows per column in shared memory), the rest
+        on dmmv_split<NC, R> (f32 FMAs, blocks of 8 warps taking R rows each)."""
         if isinstance(x, QuantizedX):
             raise TypeError("a SplitQ8 takes f32 x (its matvec multiplies the quants by x exactly)")
         x, n = self._cols("x", x, w.k)
@@ -168,13 +194,29 @@ class Dense:
         for c0, width in self._chunks(n):
             xs, ys = (x, y) if n == 1 else (x[c0:], y[c0:])
             g = ys if gate is None else gate[c0:]
-            blocks = -(-w.m // (_SPLIT_WARPS * _SPLIT_ROWS))
+            tc = self._split_tc_fits(width, w.k)
+            rows = _SPLIT_TC_WARPS * _SPLIT_TC_TILES * 16 if tc else _SPLIT_WARPS * _SPLIT_ROWS
+            blocks = -(-w.m // rows)
             params = self.struct("DmmvParams").pack(
                 w_offset=0, w2_offset=0, row_bytes=w.k, m=w.m, m2=0, k=w.k, n_full=0, tail=0, blocks1=blocks,
                 x_stride=w.k, y_stride=w.m, y2_stride=0, mode=mode, act=0, alpha=float(alpha), l2_items=0, pad0=0)
-            self._launch(_split_kernel(width), blocks, _SPLIT_WARPS * 32, (ys, w.quants, w.scales, xs, g), params,
-                         stream=stream, pdl=self.pdl)
+            args = (ys, w.quants, w.scales, xs, g)
+            if tc:
+                self._split_tc._launch(_split_tc_kernel(width), blocks, _SPLIT_TC_WARPS * 32, args, params,
+                                       stream=stream, shared_mem=_split_tc_smem(width, w.k), pdl=self.pdl)
+            else:
+                self._launch(_split_kernel(width), blocks, _SPLIT_WARPS * 32, args, params, stream=stream,
+                             pdl=self.pdl)
         return y
+
+    def _split_tc_fits(self, width: int, k: int) -> bool:
+        """:func:`_split_tc_fits` on this dispatch's device (its compute capability read once)."""
+        if width not in _SPLIT_TC_COLS:
+            return False
+        if self._split_tc_arch is None:
+            with cupy.cuda.Device(self.device_id):
+                self._split_tc_arch = device_arch()
+        return _split_tc_fits(width, k, self._split_tc_arch, self.max_shared_optin())
 
     def _merged(self, w: QWeight, x: MergedX, y, *, accumulate: bool, alpha: float, gate, stream) -> cupy.ndarray:
         """dmmv_mx: dmmv on a MergedX (one column), at dmmv's one-column rows per block and loop."""

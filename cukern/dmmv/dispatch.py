@@ -1,4 +1,4 @@
-"""DmmvDispatch: the family's nine compilation units and the dispatch class, assembled from one mixin
+"""DmmvDispatch: the family's ten compilation units and the dispatch class, assembled from one mixin
 per kernel source (:class:`~cukern.dmmv.dense.Dense`, :class:`~cukern.dmmv.q8.Int8Path`,
 :class:`~cukern.dmmv.moe.Moe`) over the checks and parameter packing they share.
 """
@@ -9,7 +9,8 @@ import cupy
 
 from cukern.dispatch import Dispatch, Unit, check_array, repeatable
 from cukern.dmmv.common import _ACTS, _COLS, _F32, _STEP
-from cukern.dmmv.dense import THREE_TYPES, Dense, _kernel, _mx_kernel, _nx_kernel, _split_kernel, _three_kernel
+from cukern.dmmv.dense import (_SPLIT_TC_COLS, THREE_TYPES, Dense, _kernel, _mx_kernel, _nx_kernel, _split_kernel,
+                               _split_tc_kernel, _three_kernel)
 from cukern.dmmv.moe import Moe
 from cukern.dmmv.q8 import Int8Path, _q8_down_kernel, _q8_kernel, _q8_moe_glu_kernel, _q8_two_kernel
 from cukern.dmmv.weights import Q8_TYPES, QTYPES, QWeight
@@ -66,8 +67,12 @@ MX_FAMILY = FamilySpec(  # dmmv on a MergedX: compiled only by a process that us
     name="dmmv_mx", source="dmmv/dmmv.cu", params_header="dmmv/params.cuh",
     kernels=tuple(KernelSpec(_mx_kernel(q), "DmmvMergeParams") for q in QTYPES),
 )
+SPLIT_TC_FAMILY = FamilySpec(  # dmmv on a SplitQ8 at 2-8 columns (tensor cores): compiled only by a process using it
+    name="dmmv_split_tc", source="dmmv/dmmv.cu", params_header="dmmv/params.cuh",
+    kernels=tuple(KernelSpec(_split_tc_kernel(n), "DmmvParams") for n in _SPLIT_TC_COLS),
+)
 FAMILIES = {f.name: f for f in (FAMILY, GLU_FAMILY, MOE_FAMILY, PACKED_FAMILY, Q8X_FAMILY, TWO_FAMILY, NX_FAMILY,
-                                 THREE_FAMILY, MX_FAMILY)}  # cukern.families() lists each unit
+                                 THREE_FAMILY, MX_FAMILY, SPLIT_TC_FAMILY)}  # cukern.families() lists each unit
 
 
 class DmmvDispatch(Dense, Int8Path, Moe, Dispatch):
@@ -108,6 +113,8 @@ class DmmvDispatch(Dense, Int8Path, Moe, Dispatch):
         self._nx = Unit(NX_FAMILY, device)
         self._three = Unit(THREE_FAMILY, device)
         self._mx = Unit(MX_FAMILY, device)
+        self._split_tc = Unit(SPLIT_TC_FAMILY, device)
+        self._split_tc_arch: int | None = None  # the device's compute capability, read on the first SplitQ8 call
         self._err = None
         self._resident: dict[tuple, tuple] = {}  # (unit, kernel, k[, m, slots]) -> _q8_plan / _q8_plan_dots
 
