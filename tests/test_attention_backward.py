@@ -280,7 +280,8 @@ VARIANTS = {"rows64": dict(dkdv_rows=64), "red4": dict(dq_vector_atomics=True),
 
 def _variant_or_skip(attn, kind, d, variant):
     kw = VARIANTS[variant]
-    if kw.get("dq_vector_atomics") and not attn._units[f"attention_bwd_{'f16' if kind == 'float16' else 'bf16'}"].is_sm90():
+    unit = attn._units[f"attention_bwd_{'f16' if kind == 'float16' else 'bf16'}"]
+    if kw.get("dq_vector_atomics") and not unit.is_sm90():
         pytest.skip("dq_vector_atomics needs an sm_90 device")
     if kw.get("dkdv_rows") == 64 and not attn._dkdv_fits(d, 8, 64):
         pytest.skip("64-row steps exceed this device's shared memory a block at this head_dim")

@@ -94,11 +94,11 @@ class Backward:
         in a separate pass parallel over query tiles instead (the same bits every run, more work) and needs no
         dq_accum. Workspaces and outputs left None are allocated (cukern.interop). Returns (dq, dk, dv).
 
-        Kernel variants (the same gradients; for measuring them side by side, dev/bwd_ab.py): ``dkdv_rows``,
+        Kernel variants (the same gradients up to rounding; side by side: dev/bwd_ab.py): ``dkdv_rows``,
         bwd_dkdv's query rows per step, 32 or 64 (None: 32; 64 needs an 8-warp block's 64-row stages to fit a
-        block's shared memory: sm_80 and sm_90 at either head_dim, sm_86 / sm_89 at 64; else ValueError). ``dq_vector_atomics`` (atomic
-        mode): True adds dQ with red.global.add.v4.f32, one instruction per 4 values (sm_90 only, else
-        ValueError); None or False: scalar f32 atomics."""
+        block's shared memory: sm_80 and sm_90 at either head_dim, sm_86 / sm_89 at 64; else ValueError).
+        ``dq_vector_atomics`` (atomic mode): True adds dQ with red.global.add.v4.f32, one instruction per 4
+        values (sm_90 only, else ValueError); None or False: scalar f32 atomics."""
         kind = _check_kind("q", q, ("float16", BF16))
         for name, a in (("dout", dout), ("k", k), ("v", v), ("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
             _check_kind(name, a, (kind,))  # q's dtype
