@@ -86,8 +86,8 @@ def test_host_mirror_of_backward_shapes():
     from cukern import runtime
     from cukern.attention.backward import BWD_HEAD_DIMS, _bwd_shape
     asserts = []
-    for d, kw in itertools.product(BWD_HEAD_DIMS, (4, 8)):
-        s, kv = _bwd_shape(d, kw), f"BwdShape<{d}, {kw}>"
+    for d, (kw, bm) in itertools.product(BWD_HEAD_DIMS, ((4, 32), (8, 32), (8, 64))):
+        s, kv = _bwd_shape(d, kw, bm), f"BwdShape<{d}, {kw}, {bm}>"
         asserts.append(f"{kv}::BN == {s['bn']} && {kv}::BM == {s['bm']} && {kv}::DKDV_SMEM == {s['dkdv_smem']} && "
                        f"BwdShape<{d}>::QM == {s['qm']} && BwdShape<{d}>::QN == {s['qn']} && "
                        f"BwdShape<{d}>::DQ_SMEM == {s['dq_smem']}")
@@ -115,14 +115,32 @@ def test_backward_launches(attn, host_if_no_gpu):
     dq, dk, dv = attn.flash_attn_varlen_backward(**a)
     assert dq.shape == a["q"].shape and dk.shape == dv.shape == a["k"].shape and dq.dtype == np.float16
     if launches is not None:
-        assert dict(launches) == {"bwd_preprocess<__half, 64>": 1, "bwd_dkdv<__half, 64, 8>": 1,
+        assert dict(launches) == {"bwd_preprocess<__half, 64>": 1, "bwd_dkdv<__half, 64, 8, 32, false>": 1,
                                   "bwd_dq_convert<__half>": 1}
         launches.clear()
     attn.flash_attn_varlen_backward(**_args("bfloat16", d=128), deterministic=True, causal=True, window_left=3,
                                     softcap=2.0, scale=None)
     if launches is not None:
-        assert dict(launches) == {"bwd_preprocess<__nv_bfloat16, 128>": 1, "bwd_dkdv<__nv_bfloat16, 128, 8>": 1,
-                                  "bwd_dq<__nv_bfloat16, 128>": 1}
+        assert dict(launches) == {"bwd_preprocess<__nv_bfloat16, 128>": 1,
+                                  "bwd_dkdv<__nv_bfloat16, 128, 8, 32, false>": 1, "bwd_dq<__nv_bfloat16, 128>": 1}
+
+
+def test_backward_variant_launches(attn, host_if_no_gpu, monkeypatch):
+    """dkdv_rows=64 runs bwd_dkdv's 64-row steps; dq_vector_atomics=True its red.global.add.v4.f32 dQ (on an sm_90
+    unit; the deterministic mode has no dQ atomics, so it runs the scalar instantiation)."""
+    launches = host_if_no_gpu
+    unit = attn._units["attention_bwd_f16"]
+    monkeypatch.setattr(type(unit), "is_sm90", lambda self: True)
+    attn.flash_attn_varlen_backward(**_args(d=128), dkdv_rows=64, dq_vector_atomics=True, causal=True)
+    attn.flash_attn_varlen_backward(**_args(), dkdv_rows=64)
+    attn.flash_attn_varlen_backward(**_args(), dq_vector_atomics=True, deterministic=True)
+    if launches is not None:
+        dkdv = {k: n for k, n in launches.items() if k.startswith("bwd_dkdv")}
+        assert dkdv == {"bwd_dkdv<__half, 128, 8, 64, true>": 1, "bwd_dkdv<__half, 64, 8, 64, false>": 1,
+                        "bwd_dkdv<__half, 64, 8, 32, false>": 1}
+    monkeypatch.setattr(type(unit), "is_sm90", lambda self: False)
+    with pytest.raises(ValueError, match="dq_vector_atomics=True needs an sm_90"):
+        attn.flash_attn_varlen_backward(**_args(), dq_vector_atomics=True)
 
 
 def test_dkdv_warps_follow_the_shared_memory_limit(attn, monkeypatch):
@@ -131,6 +149,22 @@ def test_dkdv_warps_follow_the_shared_memory_limit(attn, monkeypatch):
     for limit, want in ((227 * 1024, {64: 8, 128: 8}), (99 * 1024, {64: 8, 128: 4})):
         monkeypatch.setattr(type(attn), "max_shared_optin", lambda self, limit=limit: limit)
         assert {d: attn._dkdv_warps(d) for d in BWD_HEAD_DIMS} == want
+
+
+def test_dkdv_rows_follow_the_shared_memory_limit(attn, monkeypatch):
+    """dkdv_rows=64 (8 warps, 64-row stages: 158 KB at head_dim 128, 92 KB at 64) where it fits a block (H100's
+    227 KB, A100's 163 KB; sm_86 / sm_89's 99 KB at head_dim 64 only), else ValueError; None and 32 are the
+    default tile."""
+    for limit, fits in ((227 * 1024, {64: True, 128: True}), (163 * 1024, {64: True, 128: True}),
+                        (99 * 1024, {64: True, 128: False})):
+        monkeypatch.setattr(type(attn), "max_shared_optin", lambda self, limit=limit: limit)
+        for d in BWD_HEAD_DIMS:
+            assert attn._dkdv_tile(d, None) == attn._dkdv_tile(d, 32) == (attn._dkdv_warps(d), 32)
+            if fits[d]:
+                assert attn._dkdv_tile(d, 64) == (8, 64)
+            else:
+                with pytest.raises(ValueError, match="dkdv_rows=64 at head_dim 128 needs"):
+                    attn._dkdv_tile(d, 64)
 
 
 def test_backward_rejects_bad_input_before_launch(attn, host_if_no_gpu):
@@ -163,6 +197,9 @@ def test_backward_rejects_bad_input_before_launch(attn, host_if_no_gpu):
         (ValueError, "softcap", dict(softcap=float("nan"))),
         (TypeError, "window_left", dict(window_left=2.5)),
         (TypeError, "deterministic", dict(deterministic=1)),
+        (ValueError, "dkdv_rows must be None or one of", dict(dkdv_rows=48)),
+        (ValueError, "dkdv_rows must be None or one of", dict(dkdv_rows=True)),
+        (TypeError, "dq_vector_atomics must be None, True or False", dict(dq_vector_atomics=1)),
         (TypeError, "causal", dict(causal="yes")),
         (ValueError, "causal_variant must be one of", dict(causal=True, causal_variant="top_left")),
         (ValueError, "C-contiguous", dict(out=cupy.zeros((4, 22, 64), cupy.float16).transpose(1, 0, 2))),
@@ -233,6 +270,57 @@ def test_varlen_backward_four_warp_tiles(attn, rng, monkeypatch, mode, d, h, hk)
     want = ref.varlen_backward(*[ref.as_float64(a, "float16") for a in (do, q, k, v)], cu_q, cu_k, **kw)
     for name, got, w in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
         _grad_close(got, w, "float16", f"{name} ({mode}, 4 warps)")
+
+
+# bwd_dkdv's variants (flash_attn_varlen_backward's keywords); ids in the racecheck pass's selection
+# (profiling/device_check.sh: test_varlen_backward, float16, causal / softcap, 128-4-2)
+VARIANTS = {"rows64": dict(dkdv_rows=64), "red4": dict(dq_vector_atomics=True),
+            "rows64-red4": dict(dkdv_rows=64, dq_vector_atomics=True)}
+
+
+def _variant_or_skip(attn, kind, d, variant):
+    kw = VARIANTS[variant]
+    unit = attn._units[f"attention_bwd_{'f16' if kind == 'float16' else 'bf16'}"]
+    if kw.get("dq_vector_atomics") and not unit.is_sm90():
+        pytest.skip("dq_vector_atomics needs an sm_90 device")
+    if kw.get("dkdv_rows") == 64 and not attn._dkdv_fits(d, 8, 64):
+        pytest.skip("64-row steps exceed this device's shared memory a block at this head_dim")
+    return kw
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("d,h,hk", [(128, 4, 2), (64, 3, 3), (64, 4, 1)])
+def test_varlen_backward_variants(attn, rng, variant, kind, mode, d, h, hk):
+    """bwd_dkdv's 64-row steps and vector dQ atomics against the reference: ragged sequences (length 1, lengths
+    off the 32 / 64-row steps and the 128-key tiles, more queries than keys, a query tile that ends past q_len)."""
+    kw = dict(MODES[mode], **_variant_or_skip(attn, kind, d, variant))
+    q_lens, k_lens = [1, 130, 64, 7, 45, 97], [1, 130, 200, 3, 301, 65]
+    cu_q, cu_k, q, k, v, do = _case(rng, kind, h, hk, d, q_lens, k_lens)
+    fw = {key: val for key, val in kw.items() if key in MODES[mode]}
+    out, lse = _forward(attn, q, k, v, cu_q, cu_k, q_lens, **fw)
+    dq, dk, dv = _backward(attn, do, q, k, v, out, lse, cu_q, cu_k, q_lens, k_lens, False, **kw)
+    want = ref.varlen_backward(*[ref.as_float64(a, kind) for a in (do, q, k, v)], cu_q, cu_k, **fw)
+    for name, got, w in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
+        _grad_close(got, w, kind, f"{name} ({mode}, {variant})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_varlen_backward_variants_match_default(attn, rng, variant):
+    """A variant's gradients against the default kernel's on the same inputs (GQA 8 over 2, causal, several
+    128-key tiles and 64-row steps per sequence): dK and dV within f16 rounding, dQ within the atomics' order."""
+    kind, d, q_lens = "float16", 128, [300, 513, 64]
+    kw = _variant_or_skip(attn, kind, d, variant)
+    cu_q, cu_k, q, k, v, do = _case(rng, kind, 8, 2, d, q_lens, q_lens)
+    out, lse = _forward(attn, q, k, v, cu_q, cu_k, q_lens, causal=True)
+    base = _backward(attn, do, q, k, v, out, lse, cu_q, cu_k, q_lens, q_lens, False, causal=True)
+    got = _backward(attn, do, q, k, v, out, lse, cu_q, cu_k, q_lens, q_lens, False, causal=True, **kw)
+    for name, a, b in zip(("dq", "dk", "dv"), got, base):
+        w = ref.as_float64(b, kind)
+        assert_close(ref.as_float64(a, kind), w, atol=4e-3 * np.abs(w).max(), rtol=4e-3, name=f"{name} ({variant})")
 
 
 @pytest.mark.gpu

@@ -17,11 +17,12 @@
 //   bwd_dkdv        grid (K tiles of BN = 16 KW keys, n_kv_heads, n_seqs), KW warps of 16 keys (8, or 4 where
 //                   the 8-warp tile's shared memory exceeds a block's, as at D 128 on sm_86/89): the K/V tile in
 //                   shared memory once; loops over the query heads of the KV head's group and their query
-//                   tiles of BM = 32 rows that see a key of the tile (Q, dO, LSE, D double-buffered with
-//                   cp.async), recomputes S^T = K Q^T and P^T, accumulates dV += P^T dO and dK += dS^T Q in
+//                   tiles of BM = QR rows (32 or 64) that see a key of the tile (Q, dO, LSE, D double-buffered
+//                   with cp.async), recomputes S^T = K Q^T and P^T, accumulates dV += P^T dO and dK += dS^T Q in
 //                   registers (f32; one store per key, so the GQA sum needs no atomics). Atomic mode: dS^T
 //                   goes through shared memory and dQ += dS K is added with f32 atomics into dq_accum (the
-//                   sum order over K tiles varies from run to run).
+//                   sum order over K tiles varies from run to run); RED4 on sm_90: one red.global.add.v4.f32
+//                   per 4 values instead of 4 scalar atomics (the same sums, fewer atomic instructions).
 //   bwd_dq          deterministic mode: grid (n_heads, n_seqs, Q tiles of 64 rows, heaviest first), 4 warps
 //                   of 16 rows, the forward's loop over K/V tiles of QN keys recomputing P and dS; dQ in
 //                   registers, written once in T. The same result on every run.
@@ -46,13 +47,17 @@ namespace attn {
 
 // Shapes of the backward kernels (mirrored by _bwd_shape in cukern/attention/backward.py).
 // KW: the warps of a bwd_dkdv block, 16 keys each (8 where the 128-key tile's shared memory fits a block,
-// else 4: Backward._dkdv_warps); bwd_dq runs BwdShape<D>'s 4.
-template <int D, int KW = 4>
+// else 4: Backward._dkdv_warps); bwd_dq runs BwdShape<D>'s 4. QR: bwd_dkdv's query rows per step, 32 or 64
+// (64: each K A fragment of S^T serves twice the MMAs, and a step's two block barriers, its LSE / D staging
+// and its loop overhead serve twice the rows; S^T takes 32 registers instead of 16, so P^T dz/dx is held as
+// f16 pairs and dP^T, dS^T, dK go by 32-row halves; the stages of Q and dO take twice the shared memory:
+// Backward._dkdv_tile).
+template <int D, int KW = 4, int QR = 32>
 struct BwdShape {
     static constexpr int WARPS = KW;
     static constexpr int NT = 32 * WARPS;
     static constexpr int BN = 16 * WARPS;  // bwd_dkdv: keys of a block, 16 per warp
-    static constexpr int BM = 32;          // bwd_dkdv: query rows per step
+    static constexpr int BM = QR;          // bwd_dkdv: query rows per step
     static constexpr int QM = 16 * WARPS;  // bwd_dq: query rows of a block, 16 per warp
     static constexpr int QN = D <= 64 ? 64 : 32;  // bwd_dq: keys per K/V tile (D = 128: 68 KB, within sm_86's 99)
     static constexpr int LD = D + 8;       // shared row stride of Q, K, V, dO tiles (elements)
@@ -61,6 +66,7 @@ struct BwdShape {
     static constexpr int DKDV_SMEM = ((2 * BN + 4 * BM) * LD + BN * LDS) * 2;  // K, V, 2 x (Q, dO), dS^T
     static constexpr int DQ_SMEM = (2 * QM + 4 * QN) * LD * 2;                 // Q, dO, 2 x (K, V)
     static_assert(D % 32 == 0 && 32 % CPR == 0, "head_dim 32, 64, 128 or 256");
+    static_assert(BM == 32 || BM == 64, "bwd_dkdv steps of 32 or 64 query rows");
     static_assert(WARPS % (BM / 16) == 0 && (D / 16) % (WARPS / (BM / 16)) == 0, "dQ tile split over the warps");
 };
 
@@ -136,6 +142,35 @@ CUKERN_DEVICE void to_a_frag(uint32_t (&a)[N / 16][4], int nt, const float (&c)[
     a[nt / 2][(nt % 2) * 2 + 1] = pack2<T>(c[2], c[3]);
 }
 
+// dQ += acc, one m16n8 C tile of f32 (the lane's rows g, g + 8, `row_step` floats apart; columns 2 tq, 2 tq + 1)
+// at `at` (the lane's row g, column 2 tq), rows at or past `rows` (of the tile's 16) skipped: 4 f32 atomics.
+CUKERN_DEVICE void dq_add(float* at, uint64_t row_step, const float (&acc)[4], int rows, int g) {
+#pragma unroll
+    for (int i2 = 0; i2 < 2; ++i2) {
+        if (g + 8 * i2 >= rows) continue;
+        atomicAdd(at + (uint64_t)(8 * i2) * row_step, acc[2 * i2]);
+        atomicAdd(at + (uint64_t)(8 * i2) * row_step + 1, acc[2 * i2 + 1]);
+    }
+}
+
+// The same sum with one red.global.add.v4.f32 a lane (sm_90): the lane pair (tq, tq ^ 1) trades halves with two
+// shuffles so that the even lane holds 4 consecutive columns of row g and the odd lane 4 of row g + 8. at4: the
+// lane's 4 columns (row g + 8 (tq & 1), column 4 (tq / 2): 16-byte aligned in a 16-byte aligned row); ok: that
+// row is below the tile's rows. Every lane of the warp must call it. The shuffles are volatile asm so that they
+// stay in order with the reductions (each tile's 2 registers live, not every tile's at once).
+CUKERN_DEVICE void dq_add4(float* at4, const float (&acc)[4], bool odd, bool ok) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const float s0 = odd ? acc[0] : acc[2], s1 = odd ? acc[1] : acc[3];  // the partner's row
+    float r0, r1;
+    asm volatile("shfl.sync.bfly.b32 %0, %1, 1, 0x1f, 0xffffffff;" : "=f"(r0) : "f"(s0));
+    asm volatile("shfl.sync.bfly.b32 %0, %1, 1, 0x1f, 0xffffffff;" : "=f"(r1) : "f"(s1));
+    const float v0 = odd ? r0 : acc[0], v1 = odd ? r1 : acc[1], v2 = odd ? acc[2] : r0, v3 = odd ? acc[3] : r1;
+    if (ok)
+        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(at4), "f"(v0), "f"(v1), "f"(v2), "f"(v3)
+                     : "memory");
+#endif
+}
+
 // A row's base-2 LSE as the backward uses it: -inf (no key seen) becomes +inf, so that exp2(z - lse2) = 0.
 CUKERN_DEVICE float lse2_of(float lse) { return lse == -INFINITY ? INFINITY : lse * LOG2E; }
 
@@ -174,8 +209,8 @@ __global__ void __launch_bounds__(128) bwd_preprocess(
     }
 }
 
-template <typename T, int D, int KW>
-__global__ void __launch_bounds__(cukern::attn::BwdShape<D, KW>::NT, 1) bwd_dkdv(
+template <typename T, int D, int KW, int QR, bool RED4>
+__global__ void __launch_bounds__(cukern::attn::BwdShape<D, KW, QR>::NT, 1) bwd_dkdv(
     T* __restrict__ dk,                        // [total_k, n_kv_heads, D]
     T* __restrict__ dv,                        // [total_k, n_kv_heads, D]
     float* __restrict__ dq_accum,              // [total_q, n_heads, D] f32, += dS K / scale (dq_atomic only)
@@ -190,7 +225,7 @@ __global__ void __launch_bounds__(cukern::attn::BwdShape<D, KW>::NT, 1) bwd_dkdv
     const BwdParams p) {
     using namespace cukern;
     using namespace cukern::attn;
-    using Sh = BwdShape<D, KW>;
+    using Sh = BwdShape<D, KW, QR>;
     constexpr int BN = Sh::BN, BM = Sh::BM, LD = Sh::LD, LDS = Sh::LDS, NT = Sh::NT;
     constexpr uint32_t E = sizeof(T);
     constexpr int MQ = BM / 16;                 // dQ: 16-row m-tiles of a step
@@ -287,16 +322,30 @@ __global__ void __launch_bounds__(cukern::attn::BwdShape<D, KW>::NT, 1) bwd_dkdv
         // does the warp's key range meet a visible (row, key) pair of this step?
         const bool warp_on = kw0 < kv_len && (!p.causal || r0 + BM - 1 >= kw0 - offset) &&
                              (!windowed || r0 <= kw0 + 15 + p.window_left - offset);
-        float ds[BM / 8][4];  // dS^T of the warp: key kw0 + g + 8 (e >= 2), query r0 + 8 nt + 2 tq + (e & 1)
+        // dS^T of the warp's 16 keys x 32 queries into shared memory for dQ (columns [c0, c0 + 32), rows of its keys)
+        auto store_ds = [&](int c0, const float(&ds)[4][4]) {
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                for (int i2 = 0; i2 < 2; ++i2)
+                    *reinterpret_cast<uint32_t*>(dSs + (warp * 16 + g + 8 * i2) * LDS + c0 + nt * 8 + 2 * tq) =
+                        pack2<T>(ds[nt][2 * i2], ds[nt][2 * i2 + 1]);
+        };
         if (warp_on) {
+            // sc: S^T, then P^T dz/dx, of the warp: key kw0 + g + 8 (e >= 2), query r0 + 8 nt + 2 tq + (e & 1)
             float sc[BM / 8][4];
 #pragma unroll
             for (int nt = 0; nt < BM / 8; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
-            mma_rows_bt<T, BM, D, LD>(sc, kA, qB + so);  // S^T = K_w Q^T
+            mma_rows_bt<T, BM, D, LD>(sc, kA, qB + so);  // S^T = K_w Q^T (one K A fragment per BM / 8 MMAs)
             // P^T (rounded to T: the A fragments of dV += P^T dO) and P^T dz/dx kept in sc
             const bool need_mask = kw0 + 16 > kv_len || (p.causal && kw0 + 15 > offset + r0) ||
                                    (windowed && kw0 < offset + r0 + BM - 1 - p.window_left);
             uint32_t pa[BM / 16][4];
+            // BM 64: P^T dz/dx (in [0, 1]) held across dP^T as f16 pairs, 16 registers instead of 32 (with them
+            // in f32 the 64-row step at D 128 spills); f16 keeps 11 significant bits, as many as the f16 rounding
+            // of dS^T that follows and more than a bf16 one; values under 2^-14 keep an absolute error of 2^-25
+            constexpr bool PF16 = BM > 32;
+            uint32_t pf[BM / 8][2];
 #pragma unroll
             for (int nt = 0; nt < BM / 8; ++nt) {
                 float pr[4];
@@ -309,32 +358,47 @@ __global__ void __launch_bounds__(cukern::attn::BwdShape<D, KW>::NT, 1) bwd_dkdv
                     sc[nt][e] = p_of(sc[nt][e], lse_s[st][c], vis, p, pr[e]);
                 }
                 to_a_frag<T, BM>(pa, nt, pr);
+                if constexpr (PF16) {
+                    pf[nt][0] = pack2<__half>(sc[nt][0], sc[nt][1]);
+                    pf[nt][1] = pack2<__half>(sc[nt][2], sc[nt][3]);
+                }
             }
             mma_frags_b<T, BM, D, LD>(dva, pa, doT + so);  // dV += P^T dO
+            // dP^T, dS^T and dK by 32-query halves of the step: one half's dP^T (16 registers) live beside sc,
+            // not the whole step's (at D 128 and BM 64 that would exceed 255 registers)
 #pragma unroll
-            for (int nt = 0; nt < BM / 8; ++nt) ds[nt][0] = ds[nt][1] = ds[nt][2] = ds[nt][3] = 0.0f;
-            mma_rows_bt<T, BM, D, LD>(ds, vA, doB + so);  // dP^T = V_w dO^T
-            // dS^T = P^T dz/dx (dP^T - D)
-            uint32_t da[BM / 16][4];
+            for (int hf = 0; hf < BM / 32; ++hf) {
+                const uint32_t ho = so + hf * 32 * LD * E;  // the half's first query row (bytes)
+                float ds[4][4];  // dP^T, then dS^T, of queries r0 + 32 hf + 8 nt + 2 tq + (e & 1)
 #pragma unroll
-            for (int nt = 0; nt < BM / 8; ++nt) {
+                for (int nt = 0; nt < 4; ++nt) ds[nt][0] = ds[nt][1] = ds[nt][2] = ds[nt][3] = 0.0f;
+                mma_rows_bt<T, 32, D, LD>(ds, vA, doB + ho);  // dP^T = V_w dO^T
+                // dS^T = P^T dz/dx (dP^T - D)
+                uint32_t da[2][4];
 #pragma unroll
-                for (int e = 0; e < 4; ++e) ds[nt][e] = sc[nt][e] * (ds[nt][e] - del_s[st][nt * 8 + 2 * tq + (e & 1)]);
-                to_a_frag<T, BM>(da, nt, ds[nt]);
+                for (int nt = 0; nt < 4; ++nt) {
+                    const int c = hf * 32 + nt * 8 + 2 * tq;
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        float pfe = sc[hf * 4 + nt][e];
+                        if constexpr (PF16) {
+                            const uint32_t u = pf[hf * 4 + nt][e / 2];
+                            const float2 f2 = __half22float2(*reinterpret_cast<const __half2*>(&u));
+                            pfe = (e & 1) ? f2.y : f2.x;
+                        }
+                        ds[nt][e] = pfe * (ds[nt][e] - del_s[st][c + (e & 1)]);
+                    }
+                    to_a_frag<T, 32>(da, nt, ds[nt]);
+                }
+                mma_frags_b<T, 32, D, LD>(dka, da, qT + ho);  // dK += dS^T Q
+                if (p.dq_atomic) store_ds(hf * 32, ds);
             }
-            mma_frags_b<T, BM, D, LD>(dka, da, qT + so);  // dK += dS^T Q
-        } else {
+        } else if (p.dq_atomic) {
+            const float zero[4][4] = {};  // a warp that saw nothing adds nothing to dQ
 #pragma unroll
-            for (int nt = 0; nt < BM / 8; ++nt) ds[nt][0] = ds[nt][1] = ds[nt][2] = ds[nt][3] = 0.0f;
+            for (int hf = 0; hf < BM / 32; ++hf) store_ds(hf * 32, zero);
         }
         if (p.dq_atomic) {
-            // dS^T of the warp's 16 keys into shared memory (zeros from a warp that saw nothing)
-#pragma unroll
-            for (int nt = 0; nt < BM / 8; ++nt)
-#pragma unroll
-                for (int i2 = 0; i2 < 2; ++i2)
-                    *reinterpret_cast<uint32_t*>(dSs + (warp * 16 + g + 8 * i2) * LDS + nt * 8 + 2 * tq) =
-                        pack2<T>(ds[nt][2 * i2], ds[nt][2 * i2 + 1]);
             __syncthreads();
             // dQ (BM x D) += dS (BM x BN) K (BN x D): warp -> m-tile mq, columns [dc0, dc0 + DW)
             // (k-steps outer: one A fragment live at a time, the DW columns' accumulators beside it)
@@ -352,20 +416,24 @@ __global__ void __launch_bounds__(cukern::attn::BwdShape<D, KW>::NT, 1) bwd_dkdv
                     mma16816<T>(acc[d2][1], aq, b[2], b[3]);
                 }
             }
-            const int32_t ra = r0 + mq * 16 + g;  // rows ra, ra + 8
-            float* const qa = dq_accum + ((uint64_t)(q_start + ra) * p.n_heads + h) * D + dc0 + 2 * tq;
+            const int32_t ra = r0 + mq * 16;  // the m-tile's rows [ra, ra + 16), the lane's ra + g, ra + g + 8
+            float* const qa = dq_accum + ((uint64_t)(q_start + ra + g) * p.n_heads + h) * D + dc0 + 2 * tq;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+            if constexpr (RED4) {
+                const bool odd = tq & 1;
+                float* const qa4 = odd ? qa + 8 * q_row - 2 : qa;  // row g + 8 (tq & 1), column 4 (tq / 2)
+                const bool ok = g + (odd ? 8 : 0) < q_len - ra;
 #pragma unroll
-            for (int d2 = 0; d2 < DW / 16; ++d2) {
+                for (int d2 = 0; d2 < DW / 16; ++d2)
 #pragma unroll
-                for (int i2 = 0; i2 < 2; ++i2) {
-                    if (ra + 8 * i2 >= q_len) continue;
-                    float* row = qa + (uint64_t)(8 * i2) * q_row + d2 * 16;
+                    for (int n = 0; n < 2; ++n) dq_add4(qa4 + d2 * 16 + n * 8, acc[d2][n], odd, ok);
+            } else
+#endif
+            {
 #pragma unroll
-                    for (int n = 0; n < 2; ++n) {
-                        atomicAdd(row + n * 8, acc[d2][n][2 * i2]);
-                        atomicAdd(row + n * 8 + 1, acc[d2][n][2 * i2 + 1]);
-                    }
-                }
+                for (int d2 = 0; d2 < DW / 16; ++d2)
+#pragma unroll
+                    for (int n = 0; n < 2; ++n) dq_add(qa + d2 * 16 + n * 8, q_row, acc[d2][n], q_len - ra, g);
             }
         }
         // the stats of step i + 1 into the other stage (its last readers were before this step's barrier)

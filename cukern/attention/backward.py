@@ -19,28 +19,37 @@ from cukern.dispatch import check_array, check_int
 from cukern.interop import like, tensors
 from cukern.runtime import FamilySpec, KernelSpec
 
-__all__ = ["BWD_HEAD_DIMS", "Backward", "bwd_unit"]
+__all__ = ["BWD_HEAD_DIMS", "DKDV_ROWS", "Backward", "bwd_unit"]
 
 BWD_HEAD_DIMS = (64, 128)  # head_dim 256 would need 256 f32 accumulators of dK and dV per thread
 _BWD_THREADS = 128
 _CONVERT_THREADS = 256
+# bwd_dkdv's compiled variants (warps, query rows per step, dQ by red.global.add.v4.f32): 4 warps only with
+# 32-row steps (the 4-warp tile is for devices with 99 KB a block, where 64-row stages do not fit at D 128)
+_DKDV_VARIANTS = ((4, 32, False), (4, 32, True), (8, 32, False), (8, 32, True), (8, 64, False), (8, 64, True))
+DKDV_ROWS = (32, 64)  # bwd_dkdv's query rows per step (flash_attn_varlen_backward's dkdv_rows)
 
 
 def bwd_unit(kind: str) -> FamilySpec:
     """The backward's unit for one element type (float16 or bfloat16)."""
     t = _CTYPE[kind]
     kernels = [KernelSpec(f"bwd_preprocess<{t}, {d}>", "BwdPreParams") for d in BWD_HEAD_DIMS]
-    kernels += [KernelSpec(f"bwd_dkdv<{t}, {d}, {kw}>", "BwdParams") for d in BWD_HEAD_DIMS for kw in (4, 8)]
+    kernels += [KernelSpec(_dkdv_name(t, d, kw, qr, red4), "BwdParams") for d in BWD_HEAD_DIMS
+                for kw, qr, red4 in _DKDV_VARIANTS]
     kernels += [KernelSpec(f"bwd_dq<{t}, {d}>", "BwdParams") for d in BWD_HEAD_DIMS]
     kernels.append(KernelSpec(f"bwd_dq_convert<{t}>", "BwdConvertParams"))
     return FamilySpec(f"attention_bwd_{_SHORT[kind]}", tuple(kernels), source="attention/varlen_bwd.cu",
                       params_header="attention/bwd_params.cuh")
 
 
-def _bwd_shape(d: int, kw: int) -> dict:
-    """Tiles and dynamic shared bytes of the backward kernels at head_dim d, bwd_dkdv with kw warps
-    (BwdShape<d, kw> in varlen_bwd.cuh; bwd_dq's tiles: BwdShape<d>)."""
-    ld, bn, bm, qm = d + 8, 16 * kw, 32, 64
+def _dkdv_name(t: str, d: int, kw: int, qr: int, red4: bool) -> str:
+    return f"bwd_dkdv<{t}, {d}, {kw}, {qr}, {'true' if red4 else 'false'}>"
+
+
+def _bwd_shape(d: int, kw: int, bm: int = 32) -> dict:
+    """Tiles and dynamic shared bytes of the backward kernels at head_dim d, bwd_dkdv with kw warps and bm query
+    rows a step (BwdShape<d, kw, bm> in varlen_bwd.cuh; bwd_dq's tiles: BwdShape<d>)."""
+    ld, bn, qm = d + 8, 16 * kw, 64
     qn = 64 if d <= 64 else 32
     return dict(kw=kw, bn=bn, bm=bm, qm=qm, qn=qn, dkdv_smem=((2 * bn + 4 * bm) * ld + bn * (bm + 8)) * 2,
                 dq_smem=(2 * qm + 4 * qn) * ld * 2)
@@ -64,7 +73,8 @@ class Backward:
                                    softcap: float = 0.0, dq: cupy.ndarray | None = None,
                                    dk: cupy.ndarray | None = None, dv: cupy.ndarray | None = None,
                                    delta: cupy.ndarray | None = None, dq_accum: cupy.ndarray | None = None,
-                                   deterministic: bool = False, stream=None):
+                                   deterministic: bool = False, dkdv_rows: int | None = None,
+                                   dq_vector_atomics: bool | None = None, stream=None):
         """Gradients of :meth:`flash_attn_varlen` (FlashAttention-2's varlen backward) on tensor cores.
 
         dout, q, out, dq: [total_q, n_heads, head_dim]; k, v, dk, dv: [total_k, n_kv_heads, head_dim]; float16
@@ -82,7 +92,13 @@ class Backward:
         head_dim] f32 workspace of the default mode, where dQ is summed with f32 atomics (the order of the sum,
         so dQ's last bits, may vary from run to run; dK and dV never do). ``deterministic=True`` computes dQ
         in a separate pass parallel over query tiles instead (the same bits every run, more work) and needs no
-        dq_accum. Workspaces and outputs left None are allocated (cukern.interop). Returns (dq, dk, dv)."""
+        dq_accum. Workspaces and outputs left None are allocated (cukern.interop). Returns (dq, dk, dv).
+
+        Kernel variants (the same gradients up to rounding; side by side: dev/bwd_ab.py): ``dkdv_rows``,
+        bwd_dkdv's query rows per step, 32 or 64 (None: 32; 64 needs an 8-warp block's 64-row stages to fit a
+        block's shared memory: sm_80 and sm_90 at either head_dim, sm_86 / sm_89 at 64; else ValueError).
+        ``dq_vector_atomics`` (atomic mode): True adds dQ with red.global.add.v4.f32, one instruction per 4
+        values (sm_90 only, else ValueError); None or False: scalar f32 atomics."""
         kind = _check_kind("q", q, ("float16", BF16))
         for name, a in (("dout", dout), ("k", k), ("v", v), ("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
             _check_kind(name, a, (kind,))  # q's dtype
@@ -125,7 +141,8 @@ class Backward:
         scale = 0.0 if scale is None else float(scale)
         fields = _scale_fields(scale, d, float(softcap), window_left)
         fields["scale"] = scale if scale > 0 else 1.0 / np.sqrt(d)
-        sh = _bwd_shape(d, self._dkdv_warps(d))
+        sh = _bwd_shape(d, *self._dkdv_tile(d, dkdv_rows))
+        red4 = self._dq_red4(kind, dq_vector_atomics) and not deterministic
         n_k_tiles = -(-max_seqlen_k // sh["bn"])
         n_q_tiles = -(-max_seqlen_q // sh["qm"])
         if deterministic and n_q_tiles > 65535:
@@ -134,22 +151,48 @@ class Backward:
         if n_k_tiles >= 2**31:
             raise ValueError(f"max_seqlen_k {max_seqlen_k} is too large")
         self._bwd_launch(kind, d, dq, dk, dv, delta, dq_accum, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                         b, h, hk, n_k_tiles, n_q_tiles, causal, fields, bool(deterministic), stream)
+                         b, h, hk, n_k_tiles, n_q_tiles, causal, fields, bool(deterministic), sh, red4, stream)
         return dq, dk, dv
 
     def _dkdv_warps(self, d: int) -> int:
         """bwd_dkdv's warps: 8 (128-key tiles: every staged Q / dO tile and dQ atomic serves twice the keys of
         4 warps'; measured in docs/notes/attention.md) where their shared memory fits a block, else 4
         (head_dim 128 on sm_86 / sm_89, 99 KB a block)."""
-        sh = _bwd_shape(d, 8)
-        static = 2 * 2 * sh["bm"] * 4  # lse_s and del_s: 2 stages of BM f32 each
-        return 8 if sh["dkdv_smem"] + static <= self.max_shared_optin() else 4
+        return 8 if self._dkdv_fits(d, 8, 32) else 4
+
+    def _dkdv_fits(self, d: int, kw: int, bm: int) -> bool:
+        """Whether bwd_dkdv's kw-warp, bm-row tile (dynamic and static shared bytes) fits a block."""
+        sh = _bwd_shape(d, kw, bm)
+        static = 2 * 2 * bm * 4  # lse_s and del_s: 2 stages of BM f32 each
+        return sh["dkdv_smem"] + static <= self.max_shared_optin()
+
+    def _dkdv_tile(self, d: int, rows) -> tuple[int, int]:
+        """bwd_dkdv's (warps, query rows per step) for flash_attn_varlen_backward's ``dkdv_rows``."""
+        rows = 32 if rows is None else rows
+        if isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or rows not in DKDV_ROWS:
+            raise ValueError(f"dkdv_rows must be None or one of {DKDV_ROWS}, got {rows!r}")
+        if rows == 32:
+            return self._dkdv_warps(d), 32
+        if not self._dkdv_fits(d, 8, 64):
+            raise ValueError(f"dkdv_rows=64 at head_dim {d} needs {_bwd_shape(d, 8, 64)['dkdv_smem']} bytes of "
+                             f"shared memory a block, more than this device's {self.max_shared_optin()}")
+        return 8, 64
+
+    def _dq_red4(self, kind: str, vector_atomics) -> bool:
+        """Whether bwd_dkdv adds dQ with red.global.add.v4.f32 (flash_attn_varlen_backward's
+        ``dq_vector_atomics``)."""
+        if vector_atomics is not None and not isinstance(vector_atomics, (bool, np.bool_)):
+            raise TypeError(f"dq_vector_atomics must be None, True or False, got {vector_atomics!r}")
+        if not vector_atomics:
+            return False
+        if not self._units[f"attention_bwd_{_SHORT[kind]}"].is_sm90():
+            raise ValueError("dq_vector_atomics=True needs an sm_90 (Hopper) device")
+        return True
 
     def _bwd_launch(self, kind, d, dq, dk, dv, delta, dq_accum, dout, q, k, v, out, lse, cu_q, cu_k, b, h, hk,
-                    n_k_tiles, n_q_tiles, causal, fields, deterministic, stream):
+                    n_k_tiles, n_q_tiles, causal, fields, deterministic, sh, red4, stream):
         unit = self._units[f"attention_bwd_{_SHORT[kind]}"]
         t = _CTYPE[kind]
-        sh = _bwd_shape(d, self._dkdv_warps(d))
         total_q = q.shape[0]
         n_rows = total_q * h
         rows_per_block = (_BWD_THREADS // 32) * (32 // (d // 8))
@@ -159,7 +202,7 @@ class Backward:
                      pre, stream=stream)
         common = dict(n_seqs=b, n_heads=h, n_kv_heads=hk, group=h // hk, causal=int(causal), **fields)
         p = unit.struct("BwdParams").pack(n_tiles=n_k_tiles, dq_atomic=int(not deterministic), **common)
-        unit._launch(f"bwd_dkdv<{t}, {d}, {sh['kw']}>", (n_k_tiles, hk, b), 32 * sh["kw"],
+        unit._launch(_dkdv_name(t, d, sh["kw"], sh["bm"], red4), (n_k_tiles, hk, b), 32 * sh["kw"],
                      (dk, dv, acc, q, k, v, dout, lse, delta, cu_q, cu_k), p, stream=stream,
                      shared_mem=sh["dkdv_smem"])
         if deterministic:
