@@ -109,20 +109,23 @@ def _args(kind="float16", h=4, hk=2, d=64, lens=(5, 17)):
 
 def test_backward_launches(attn, host_if_no_gpu):
     """Default mode: preprocess, dK/dV with atomic dQ, convert; deterministic: preprocess, dK/dV, dQ (and no
-    f32 dQ workspace allocated)."""
+    f32 dQ workspace allocated). The default tile: 64-row steps where they fit, the vector dQ atomics on sm_90."""
     launches = host_if_no_gpu
     a = _args()
     dq, dk, dv = attn.flash_attn_varlen_backward(**a)
     assert dq.shape == a["q"].shape and dk.shape == dv.shape == a["k"].shape and dq.dtype == np.float16
+    rows = {d: 64 if attn._dkdv_fits(d, 8, 64) else 32 for d in (64, 128)}
+    red4 = str(attn._units["attention_bwd_f16"].is_sm90()).lower() if launches is not None else None
     if launches is not None:
-        assert dict(launches) == {"bwd_preprocess<__half, 64>": 1, "bwd_dkdv<__half, 64, 8, 32, false>": 1,
+        assert dict(launches) == {"bwd_preprocess<__half, 64>": 1, f"bwd_dkdv<__half, 64, 8, {rows[64]}, {red4}>": 1,
                                   "bwd_dq_convert<__half>": 1}
         launches.clear()
     attn.flash_attn_varlen_backward(**_args("bfloat16", d=128), deterministic=True, causal=True, window_left=3,
                                     softcap=2.0, scale=None)
     if launches is not None:
         assert dict(launches) == {"bwd_preprocess<__nv_bfloat16, 128>": 1,
-                                  "bwd_dkdv<__nv_bfloat16, 128, 8, 32, false>": 1, "bwd_dq<__nv_bfloat16, 128>": 1}
+                                  f"bwd_dkdv<__nv_bfloat16, 128, 8, {rows[128]}, false>": 1,
+                                  "bwd_dq<__nv_bfloat16, 128>": 1}
 
 
 def test_backward_variant_launches(attn, host_if_no_gpu, monkeypatch):
@@ -132,8 +135,8 @@ def test_backward_variant_launches(attn, host_if_no_gpu, monkeypatch):
     unit = attn._units["attention_bwd_f16"]
     monkeypatch.setattr(type(unit), "is_sm90", lambda self: True)
     attn.flash_attn_varlen_backward(**_args(d=128), dkdv_rows=64, dq_vector_atomics=True, causal=True)
-    attn.flash_attn_varlen_backward(**_args(), dkdv_rows=64)
-    attn.flash_attn_varlen_backward(**_args(), dq_vector_atomics=True, deterministic=True)
+    attn.flash_attn_varlen_backward(**_args(), dkdv_rows=64, dq_vector_atomics=False)
+    attn.flash_attn_varlen_backward(**_args(), dkdv_rows=32, dq_vector_atomics=True, deterministic=True)
     if launches is not None:
         dkdv = {k: n for k, n in launches.items() if k.startswith("bwd_dkdv")}
         assert dkdv == {"bwd_dkdv<__half, 128, 8, 64, true>": 1, "bwd_dkdv<__half, 64, 8, 64, false>": 1,
@@ -153,13 +156,14 @@ def test_dkdv_warps_follow_the_shared_memory_limit(attn, monkeypatch):
 
 def test_dkdv_rows_follow_the_shared_memory_limit(attn, monkeypatch):
     """dkdv_rows=64 (8 warps, 64-row stages: 158 KB at head_dim 128, 92 KB at 64) where it fits a block (H100's
-    227 KB, A100's 163 KB; sm_86 / sm_89's 99 KB at head_dim 64 only), else ValueError; None and 32 are the
-    default tile."""
+    227 KB, A100's 163 KB; sm_86 / sm_89's 99 KB at head_dim 64 only), else ValueError; 32 is the
+    32-row tile; None: 64 where it fits, else 32."""
     for limit, fits in ((227 * 1024, {64: True, 128: True}), (163 * 1024, {64: True, 128: True}),
                         (99 * 1024, {64: True, 128: False})):
         monkeypatch.setattr(type(attn), "max_shared_optin", lambda self, limit=limit: limit)
         for d in BWD_HEAD_DIMS:
-            assert attn._dkdv_tile(d, None) == attn._dkdv_tile(d, 32) == (attn._dkdv_warps(d), 32)
+            assert attn._dkdv_tile(d, 32) == (attn._dkdv_warps(d), 32)
+            assert attn._dkdv_tile(d, None) == ((8, 64) if fits[d] else (attn._dkdv_warps(d), 32))
             if fits[d]:
                 assert attn._dkdv_tile(d, 64) == (8, 64)
             else:
@@ -274,8 +278,9 @@ def test_varlen_backward_four_warp_tiles(attn, rng, monkeypatch, mode, d, h, hk)
 
 # bwd_dkdv's variants (flash_attn_varlen_backward's keywords); ids in the racecheck pass's selection
 # (profiling/device_check.sh: test_varlen_backward, float16, causal / softcap, 128-4-2)
-VARIANTS = {"rows64": dict(dkdv_rows=64), "red4": dict(dq_vector_atomics=True),
-            "rows64-red4": dict(dkdv_rows=64, dq_vector_atomics=True)}
+# (the default: rows64-red4 on sm_90, rows64 where it fits elsewhere; rows32 is the tile of the other devices)
+VARIANTS = {"rows32": dict(dkdv_rows=32, dq_vector_atomics=False), "rows64": dict(dkdv_rows=64, dq_vector_atomics=False),
+            "red4": dict(dkdv_rows=32, dq_vector_atomics=True), "rows64-red4": dict(dkdv_rows=64, dq_vector_atomics=True)}
 
 
 def _variant_or_skip(attn, kind, d, variant):
@@ -294,7 +299,7 @@ def _variant_or_skip(attn, kind, d, variant):
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("d,h,hk", [(128, 4, 2), (64, 3, 3), (64, 4, 1)])
 def test_varlen_backward_variants(attn, rng, variant, kind, mode, d, h, hk):
-    """bwd_dkdv's 64-row steps and vector dQ atomics against the reference: ragged sequences (length 1, lengths
+    """bwd_dkdv's 32- and 64-row steps, scalar and vector dQ atomics, against the reference: ragged sequences (length 1, lengths
     off the 32 / 64-row steps and the 128-key tiles, more queries than keys, a query tile that ends past q_len)."""
     kw = dict(MODES[mode], **_variant_or_skip(attn, kind, d, variant))
     q_lens, k_lens = [1, 130, 64, 7, 45, 97], [1, 130, 200, 3, 301, 65]

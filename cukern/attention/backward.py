@@ -94,11 +94,12 @@ class Backward:
         in a separate pass parallel over query tiles instead (the same bits every run, more work) and needs no
         dq_accum. Workspaces and outputs left None are allocated (cukern.interop). Returns (dq, dk, dv).
 
-        Kernel variants (the same gradients up to rounding; side by side: dev/bwd_ab.py): ``dkdv_rows``,
-        bwd_dkdv's query rows per step, 32 or 64 (None: 32; 64 needs an 8-warp block's 64-row stages to fit a
-        block's shared memory: sm_80 and sm_90 at either head_dim, sm_86 / sm_89 at 64; else ValueError).
+        Kernel variants (the same gradients up to rounding): ``dkdv_rows``, bwd_dkdv's query rows per step, 32
+        or 64 (None: 64 where an 8-warp block's 64-row stages fit a block's shared memory, sm_80 and sm_90 at
+        either head_dim, sm_86 / sm_89 at 64, else 32; 64 where it does not fit: ValueError).
         ``dq_vector_atomics`` (atomic mode): True adds dQ with red.global.add.v4.f32, one instruction per 4
-        values (sm_90 only, else ValueError); None or False: scalar f32 atomics."""
+        values (sm_90 only, else ValueError); False: scalar f32 atomics; None: the vector form on sm_90. The
+        defaults are the fastest measured (docs/notes/attention.md)."""
         kind = _check_kind("q", q, ("float16", BF16))
         for name, a in (("dout", dout), ("k", k), ("v", v), ("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
             _check_kind(name, a, (kind,))  # q's dtype
@@ -168,7 +169,8 @@ class Backward:
 
     def _dkdv_tile(self, d: int, rows) -> tuple[int, int]:
         """bwd_dkdv's (warps, query rows per step) for flash_attn_varlen_backward's ``dkdv_rows``."""
-        rows = 32 if rows is None else rows
+        if rows is None:
+            rows = 64 if self._dkdv_fits(d, 8, 64) else 32
         if isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or rows not in DKDV_ROWS:
             raise ValueError(f"dkdv_rows must be None or one of {DKDV_ROWS}, got {rows!r}")
         if rows == 32:
@@ -183,9 +185,12 @@ class Backward:
         ``dq_vector_atomics``)."""
         if vector_atomics is not None and not isinstance(vector_atomics, (bool, np.bool_)):
             raise TypeError(f"dq_vector_atomics must be None, True or False, got {vector_atomics!r}")
+        sm90 = self._units[f"attention_bwd_{_SHORT[kind]}"].is_sm90()
+        if vector_atomics is None:
+            return sm90
         if not vector_atomics:
             return False
-        if not self._units[f"attention_bwd_{_SHORT[kind]}"].is_sm90():
+        if not sm90:
             raise ValueError("dq_vector_atomics=True needs an sm_90 (Hopper) device")
         return True
 

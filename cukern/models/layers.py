@@ -122,9 +122,10 @@ class Layers:
         return n == 1 and not self.mm.int8
 
     def _head(self, n: int):
-        """The LM head's weights for n rows: the split Q8_0 copy for one (H200, Gemma 3's 262144 x 640:
-        72 against 159 us), the GGUF blocks for more (eight columns: 270 against 508 us)."""
-        return self.head_mv if n == 1 else self.head
+        """The LM head's weights for a decode step of n rows: the split Q8_0 copy (one column: the f32
+        dmmv_split, more: dmmv_split_tc on tensor cores; both faster than the GGUF blocks,
+        docs/notes/models.md)."""
+        return self.head_mv
 
     def _project_normed(self, L: _Layer, buf: _Buffers, x_in: NormedX, stream):
         """q, k, v from a NormedX: the first launch writes its residual_out, the others only read."""
