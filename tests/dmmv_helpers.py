@@ -107,6 +107,19 @@ def _count_pdl_launches(monkeypatch) -> list:
     return names
 
 
+def _matvec_chain(ws, alphas, x0):
+    """chain(dd, ys) for _assert_pdl_chain_matches_plain: the matvecs of ws ((weight, dense float64) pairs) one
+    after the other, each on the previous one's output times its alpha, then the first again accumulated into
+    the last output (y read and written after the wait)."""
+    def chain(dd, ys):
+        x = x0
+        for (w, _), a, y in zip(ws, alphas, ys):
+            dd.dmmv(w, x, y, alpha=a)
+            x = y
+        dd.dmmv(ws[0][0], ys[-2], ys[-1], accumulate=True)
+    return chain
+
+
 def _assert_pdl_chain_matches_plain(chain, steps: int, shape):
     """chain(dispatch, ys) with DmmvDispatch(pdl=True), eager and replayed from a CUDA graph, writes
     the bits that DmmvDispatch() writes into ``steps`` f32 outputs of ``shape``."""

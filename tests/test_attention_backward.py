@@ -278,9 +278,11 @@ def test_varlen_backward_four_warp_tiles(attn, rng, monkeypatch, mode, d, h, hk)
 
 # bwd_dkdv's variants (flash_attn_varlen_backward's keywords); ids in the racecheck pass's selection
 # (profiling/device_check.sh: test_varlen_backward, float16, causal / softcap, 128-4-2)
-# (the default: rows64-red4 on sm_90, rows64 where it fits elsewhere; rows32 is the tile of the other devices)
-VARIANTS = {"rows32": dict(dkdv_rows=32, dq_vector_atomics=False), "rows64": dict(dkdv_rows=64, dq_vector_atomics=False),
-            "red4": dict(dkdv_rows=32, dq_vector_atomics=True), "rows64-red4": dict(dkdv_rows=64, dq_vector_atomics=True)}
+# (the default: rows64-red4 on sm_90, rows64 where it fits elsewhere; rows32 is the other devices' tile)
+VARIANTS = {"rows32": dict(dkdv_rows=32, dq_vector_atomics=False),
+            "rows64": dict(dkdv_rows=64, dq_vector_atomics=False),
+            "red4": dict(dkdv_rows=32, dq_vector_atomics=True),
+            "rows64-red4": dict(dkdv_rows=64, dq_vector_atomics=True)}
 
 
 def _variant_or_skip(attn, kind, d, variant):
@@ -299,8 +301,9 @@ def _variant_or_skip(attn, kind, d, variant):
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("d,h,hk", [(128, 4, 2), (64, 3, 3), (64, 4, 1)])
 def test_varlen_backward_variants(attn, rng, variant, kind, mode, d, h, hk):
-    """bwd_dkdv's 32- and 64-row steps, scalar and vector dQ atomics, against the reference: ragged sequences (length 1, lengths
-    off the 32 / 64-row steps and the 128-key tiles, more queries than keys, a query tile that ends past q_len)."""
+    """bwd_dkdv's 32- and 64-row steps, scalar and vector dQ atomics, against the reference: ragged sequences
+    (length 1, lengths off the 32 / 64-row steps and the 128-key tiles, more queries than keys, a query tile
+    that ends past q_len)."""
     kw = dict(MODES[mode], **_variant_or_skip(attn, kind, d, variant))
     q_lens, k_lens = [1, 130, 64, 7, 45, 97], [1, 130, 200, 3, 301, 65]
     cu_q, cu_k, q, k, v, do = _case(rng, kind, h, hk, d, q_lens, k_lens)

@@ -21,7 +21,7 @@ from cukern.dispatch import Unit  # noqa: E402
 from cukern.dmmv import DmmvDispatch, QWeight  # noqa: E402
 from cukern.reference import dmmv as ref  # noqa: E402
 from cukern.testing import assert_close, poison  # noqa: E402
-from dmmv_helpers import NAMES, TYPES, _assert_pdl_chain_matches_plain, _check, _check_q  # noqa: E402
+from dmmv_helpers import NAMES, TYPES, _assert_pdl_chain_matches_plain, _check, _check_q, _matvec_chain  # noqa: E402
 from dmmv_helpers import _check_matvec, _count_pdl_launches, _ks, _weight, _x, _xhat  # noqa: E402
 
 
@@ -351,16 +351,7 @@ def test_split_tc_pdl_chain_matches_plain_launches(rng, monkeypatch):
     n = 1056  # m = k: a block's 256 rows do not divide it
     mats = [_split(d0, rng, n, n) for _ in range(4)]
     alphas = [float(np.sqrt(n) / np.linalg.norm(dense)) for _, dense in mats]
-    x0 = cupy.asarray(_x(rng, 8, n))
-
-    def chain(dd, ys):
-        x = x0
-        for (s, _), a, y in zip(mats, alphas, ys):
-            dd.dmmv(s, x, y, alpha=a)
-            x = y
-        dd.dmmv(mats[0][0], ys[-2], ys[-1], accumulate=True)  # y read and written after the wait
-
-    _assert_pdl_chain_matches_plain(chain, len(mats), (8, n))
+    _assert_pdl_chain_matches_plain(_matvec_chain(mats, alphas, cupy.asarray(_x(rng, 8, n))), len(mats), (8, n))
     assert sum(name.startswith("dmmv_split_tc") for name in pdl_launches) >= 2 * 5, "the pdl path was not taken"
 
 
@@ -378,16 +369,7 @@ def test_pdl_chain_matches_plain_launches(rng, q, monkeypatch):
     n = 1536
     ws = [_weight(q, n, n, rng) for _ in range(6)]
     alphas = [float(np.sqrt(n) / np.linalg.norm(dense)) for _, dense in ws]  # keeps |x| about steady
-    x0 = cupy.asarray(_x(rng, n))
-
-    def chain(dd, ys):
-        x = x0
-        for (w, _), a, y in zip(ws, alphas, ys):
-            dd.dmmv(w, x, y, alpha=a)
-            x = y
-        dd.dmmv(ws[0][0], ys[-2], ys[-1], accumulate=True)  # y read and written after the wait
-
-    _assert_pdl_chain_matches_plain(chain, len(ws), n)
+    _assert_pdl_chain_matches_plain(_matvec_chain(ws, alphas, cupy.asarray(_x(rng, n))), len(ws), n)
     assert len(pdl_launches) >= 2 * 7, "the pdl path was not taken"
 
 
