@@ -36,6 +36,7 @@ def _dispatch_module():
     return _dispatch
 
 recording = threading.local()  # .launches: the list the launches of the call being recorded go to
+_NDARRAY = cupy.ndarray
 _REPEAT_LIMIT = 512  # calls remembered per dispatch object
 
 
@@ -48,10 +49,10 @@ def _arg_key(v):
     launches come out the same for both (a frozen dataclass by its fields); _NotKeyable for a type it
     does not know."""
     t = type(v)
-    if t is cupy.ndarray or isinstance(v, cupy.ndarray):
+    if t is _NDARRAY or isinstance(v, _NDARRAY):
         return (t, v.data.ptr, v.shape, v.strides, v.dtype.char)
-    if t is float:
-        return (t, v.hex())
+    if t is float:  # equal nonzero floats have equal bits (a NaN equals only itself); zeros by sign too
+        return (t, v) if v else (t, v.hex())
     if v is None or t in (int, bool, str):
         return (t, v)
     if t in TORCH_TYPES:  # a torch tensor (cukern.interop): its own fields, no CuPy view made
@@ -159,7 +160,12 @@ def repeatable(method):
     def call(self, *args, **kwargs):
         stream = kwargs.pop("stream", None)
         try:  # keywords in the caller's order: another order is another key (a miss, never a wrong hit)
-            key = (name, self._repeat_state(), *map(_arg_key, args), *[(k, _arg_key(v)) for k, v in kwargs.items()])
+            key = [name, self._repeat_state()]  # a list appended to: the cheapest build of an eager call's key
+            for a in args:
+                key.append(_arg_key(a))
+            for k, v in kwargs.items():
+                key.append((k, _arg_key(v)))
+            key = tuple(key)
         except _NotKeyable:
             return method(self, *args, stream=stream, **kwargs)
         cache = self.__dict__.get("_repeats")
