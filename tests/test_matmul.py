@@ -8,6 +8,7 @@ Tolerances and the quantizers' rules: matmul_helpers.py.
 from __future__ import annotations
 
 import gc
+import types
 import weakref
 
 import numpy as np
@@ -65,6 +66,24 @@ def test_plan_path_rule():
     assert MatmulDispatch.plan_path(T.Q4_K, MatmulDispatch.MATVEC_MAX_N + 1) == "f16"
     assert MatmulDispatch.plan_path(T.Q4_K, 512) == "f16"
     assert MatmulDispatch.plan_path(T.Q4_K, 512, q8_1=True) == "int8"
+
+
+def test_small_grid_rule(monkeypatch):
+    """A gemm_f16 grid short of _FILL CTAs per SM takes smaller token tiles and K slices of 256 (Gemma 3
+    270M's prompt GEMMs at 128 tokens on 132 SMs: the fastest measured tile and split of each); grids that
+    already fill the GPU keep the token tile that holds n and the older split rule."""
+    monkeypatch.setattr(MatmulDispatch, "sm_count", lambda self: 132)
+    mm = MatmulDispatch.__new__(MatmulDispatch)
+    w = lambda m, k: types.SimpleNamespace(m=m, k=k)  # noqa: E731 (the rule reads the shape alone)
+    for (m, k, n), (bt, slices) in {(1024, 640, 128): (32, 3), (256, 640, 128): (16, 3), (640, 1024, 128): (32, 4),
+                                    (640, 2048, 128): (64, 8), (256, 640, 1024): (64, 3),
+                                    (4096, 4096, 512): (128, 3), (4096, 4096, 128): (128, 8)}.items():
+        got_bt, grid, _ = mm._grid(n, w(m, k), None, "gemm", fill=True)
+        assert (got_bt, grid[2]) == (bt, slices), (m, k, n)
+        assert grid[0] == -(-n // bt)
+    assert mm._grid(128, w(1024, 640), None, "gemm")[0] == 128  # without fill: the old rule
+    assert mm._fill(128, 32, 128, 640, 256, split_ok=False) == (32, 1)  # the GLU GEMM's 64-row tiles of d_ff 2048
+    assert mm._fill(16, 2, 16, 640, 256) == (16, 3)  # nothing smaller than the smallest tile
 
 
 def test_gemm_replays_repeated_calls(monkeypatch):

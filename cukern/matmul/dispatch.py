@@ -110,6 +110,24 @@ class MatmulDispatch(Wgr, Int8, MoeGemm, Dispatch):
             return 1
         return max(1, min(-(-target // ctas), k // 512, 16))  # slices of >= 512 elements
 
+    # A gemm_f16 grid below this many CTAs per SM (prompt chunks of ~128 tokens against k = 640 rows: a few
+    # CTAs, each a long serial K loop) takes smaller token tiles and K slices of one raw super-stage until it
+    # reaches it: Gemma 3 270M's prompt GEMMs at 128 tokens 19-27 us -> 7-14 us (docs/notes/matmul.md).
+    _FILL = 0.6
+
+    def _fill(self, n: int, grid_r: int, bt: int, k: int, unit: int, split_ok: bool = True) -> tuple[int, int]:
+        """(token tile, K slices) of a small gemm_f16 grid: the largest token tile up to ``bt`` whose CTAs, times
+        the K slices of ``unit`` elements k allows (at most 16; none where not ``split_ok``), reach
+        ``_FILL`` per SM, with only as many slices as that needs; the smallest tile where none does."""
+        target = -(-int(self._FILL * 100) * self.sm_count() // 100)
+        most = min(16, -(-k // unit)) if split_ok else 1
+        tiles = [t for t in reversed(_TOKEN_TILES) if t <= bt]
+        for t in tiles:
+            ctas = -(-n // t) * grid_r
+            if ctas * most >= target:
+                return t, max(1, min(most, -(-target // ctas)))
+        return tiles[-1], most
+
     # ------------------------------------------------------------------ GEMMs
     def _glu_pair(self, w_gate: QWeight, w_up: QWeight) -> tuple[QWeight, QWeight]:
         """Validate the gate/up pair of the fused GLU GEMMs (and of pack_glu): same type and shape."""
@@ -167,7 +185,7 @@ class MatmulDispatch(Wgr, Int8, MoeGemm, Dispatch):
         n, b_stride, d_stride = self._float_activations(b, d, w)
         if self._use_wg(w, w, n, wgmma):
             return self._remember(key, self._hopper(w, w, b, d, d_stride, n, accumulate, split_k, None, stream), d)
-        bt, grid, k_split = self._grid(n, w, split_k, "gemm")
+        bt, grid, k_split = self._grid(n, w, split_k, "gemm", fill=True)
         params = self.struct_of(w.qtype).pack(
             w_offset=w.offset, w2_offset=0, row_bytes=w.row_stride, b_stride=b_stride, d_stride=d_stride,
             m=w.m, n=n, k=w.k, k_split=k_split, mode=1 if accumulate else 0, atomic=int(grid[2] > 1),
@@ -221,8 +239,10 @@ class MatmulDispatch(Wgr, Int8, MoeGemm, Dispatch):
             bounded_put(self._calls, key, (zero, Dispatch.detach(launch), stage), self._REPLAYS)
         return d
 
-    def _grid(self, n: int, w: QWeight, split_k, what: str, max_tile: int = _TOKEN_TILES[-1], unit: int = _SUPER):
-        """(token tile, grid (token tiles, row tiles, K slices), K elements per slice)."""
+    def _grid(self, n: int, w: QWeight, split_k, what: str, max_tile: int = _TOKEN_TILES[-1], unit: int = _SUPER,
+              fill: bool = False):
+        """(token tile, grid (token tiles, row tiles, K slices), K elements per slice); ``fill``: a small grid
+        chosen by :meth:`_fill` where ``split_k`` is None."""
         bt = min(self._tile(n), max_tile)
         grid_t, grid_r = -(-n // bt), -(-w.m // _ROW_TILE)
         if grid_t > 2**31 - 1 or grid_r > 65535:
@@ -230,6 +250,9 @@ class MatmulDispatch(Wgr, Int8, MoeGemm, Dispatch):
         split = _split_arg(split_k)
         if split is None:
             split = self._split(grid_t * grid_r, w.k)
+            if fill and grid_t * grid_r * split < self._FILL * self.sm_count():
+                bt, split = self._fill(n, grid_r, bt, w.k, unit)
+                grid_t = -(-n // bt)
         k_split = _k_slice(w.k, split, unit)
         return bt, (grid_t, grid_r, -(-w.k // k_split)), k_split
 
@@ -273,8 +296,9 @@ class MatmulDispatch(Wgr, Int8, MoeGemm, Dispatch):
         n, b_stride, d_stride = self._float_activations(b, d, w_gate)
         if self._use_wg(w_gate, w_up, n, wgmma):
             return self._remember(key, self._hopper(w_gate, w_up, b, d, d_stride, n, False, None, act, stream), d)
-        bt = self._tile(n)
-        grid_t, grid_r = -(-n // bt), -(-w_gate.m // _ROW_TILE_GLU)
+        grid_r = -(-w_gate.m // _ROW_TILE_GLU)
+        bt, _ = self._fill(n, grid_r, self._tile(n), w_gate.k, _SUPER, split_ok=False)  # (its products never split)
+        grid_t = -(-n // bt)
         if grid_t > 2**31 - 1 or grid_r > 65535:
             raise ValueError(f"gemm_glu: {n} columns x {w_gate.m} rows exceed the grid limits")
         params = self.struct_of(w_gate.qtype).pack(
