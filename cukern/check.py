@@ -204,7 +204,7 @@ def _cached(cache: Path | None, task) -> bool:
 # ----------------------------------------------------------------------------- units and the run
 
 def family_units(name: str) -> list[str]:
-    """The units of family ``name``: every unit its module declares (``attention``: the seven
+    """The units of family ``name``: every unit its module declares (``attention``: the 13
     attention units; ``dmmv``: every ``dmmv*`` unit)."""
     units = [u for u, mod in cukern.FAMILY_MODULES.items() if mod.rsplit(".", 1)[1] == name]
     if not units:

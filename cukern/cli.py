@@ -349,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", action="append", metavar="sm_XX", type=arch_arg,
                    help="target arch, repeatable (default sm_90); sm_80 or newer")
     p.add_argument("--family", action="append", metavar="NAME",
-                   help="only the units of this family, all of them (attention: its 9 units; repeatable)")
+                   help="only the units of this family, all of them (attention: its 13 units; repeatable)")
     p.add_argument("--unit", action="append", metavar="NAME",
                    help="only this compilation unit (e.g. attention_bf16; repeatable)")
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

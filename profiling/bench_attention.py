@@ -19,7 +19,8 @@ Counted work:
   ``is_causal`` alignment) against SDPA's ``is_causal``. Ours and the peers are
   timed in alternating rounds (the minimum of each over the rounds), so a clock drift during the
   run reaches every side alike;
-* varlen backward (dQ by f32 atomics, and the deterministic mode): 2.5x the forward's FLOPs
+* varlen backward (dQ by f32 atomics; on sm_90 also with ``wgmma=True``, the wgmma bwd_dkdv_wg; and the
+  deterministic mode): 2.5x the forward's FLOPs
   (traffic.attention_backward_flops), against the backward of SDPA's flash and cuDNN backends
   (``torch.autograd.grad`` of an output their forward made once).
 
@@ -158,8 +159,10 @@ def _bwd(b, L, h, hk, d, causal):
     kw = dict(flops=(traffic.attention_backward_flops, b, h, L, d, causal), peers=peers,
               timing=Timing("eager", n_warmup=3, n_repeat=10), rounds=_ROUNDS, pick=min, ceiling="peers")
     g = (_varlen_bwd_sets, b, L, h, hk, d, causal)
-    return [RowSpec("varlen bwd f16", shape, g, lambda s: s.run(False), **kw),
-            RowSpec("varlen bwd deterministic f16", shape, g, lambda s: s.run(True), **kw)]
+    rows = [RowSpec("varlen bwd f16", shape, g, lambda s: s.run(False), **kw)]
+    if cupy.cuda.Device().compute_capability == "90":  # bwd_dkdv_wg (wgmma=True) runs on sm_90 only
+        rows.append(RowSpec("varlen bwd wgmma f16", shape, g, lambda s: s.run(False, wgmma=True), **kw))
+    return rows + [RowSpec("varlen bwd deterministic f16", shape, g, lambda s: s.run(True), **kw)]
 
 
 def _sdpa_bwd(s, backend: str):
@@ -268,9 +271,9 @@ def _varlen_bwd_sets(ctx, b, L, h, hk, d, causal):
     grads = dict(dq=cupy.empty_like(q), dk=cupy.empty_like(k), dv=cupy.empty_like(v), delta=cupy.empty_like(lse),
                  dq_accum=cupy.empty(q.shape, cupy.float32))
 
-    def run(deterministic: bool):
+    def run(deterministic: bool, wgmma: bool | None = None):
         ctx.attn.flash_attn_varlen_backward(do, q, k, v, out, lse, cu, cu, L, L, causal=causal,
-                                            deterministic=deterministic, **grads)
+                                            deterministic=deterministic, wgmma=wgmma, **grads)
 
     peer = {}
     if torch is not None:

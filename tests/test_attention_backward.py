@@ -82,16 +82,21 @@ def test_reference_backward_matches_finite_differences(rng, kw):
 # ----------------------------------------------------------------------------- CPU: checks and launches
 
 def test_host_mirror_of_backward_shapes():
-    """_bwd_shape (cukern/attention/backward.py) agrees with BwdShape (varlen_bwd.cuh): NVRTC static_asserts."""
+    """_bwd_shape and _bwd_wg_shape (cukern/attention/backward.py) agree with BwdShape (varlen_bwd.cuh) and
+    BwdWgShape (varlen_bwd_wg.cuh): NVRTC static_asserts."""
     from cukern import runtime
-    from cukern.attention.backward import BWD_HEAD_DIMS, _bwd_shape
+    from cukern.attention.backward import BWD_HEAD_DIMS, _bwd_shape, _bwd_wg_shape
     asserts = []
     for d, (kw, bm) in itertools.product(BWD_HEAD_DIMS, ((4, 32), (8, 32), (8, 64))):
         s, kv = _bwd_shape(d, kw, bm), f"BwdShape<{d}, {kw}, {bm}>"
         asserts.append(f"{kv}::BN == {s['bn']} && {kv}::BM == {s['bm']} && {kv}::DKDV_SMEM == {s['dkdv_smem']} && "
                        f"BwdShape<{d}>::QM == {s['qm']} && BwdShape<{d}>::QN == {s['qn']} && "
                        f"BwdShape<{d}>::DQ_SMEM == {s['dq_smem']}")
-    source = "\n".join(['#include "attention/varlen_bwd.cuh"', "namespace cukern { namespace attn {"]
+    for d in BWD_HEAD_DIMS:
+        s, wg = _bwd_wg_shape(d), f"BwdWgShape<{d}>"
+        asserts.append(f"{wg}::NT == {s['threads']} && {wg}::BN == {s['bn']} && {wg}::BM == {s['bm']} && "
+                       f"{wg}::SMEM_BYTES == {s['smem']}")
+    source = "\n".join(['#include "attention/varlen_bwd_wg.cuh"', "namespace cukern { namespace attn {"]
                        + [f'static_assert({a}, "host mirror: {a}");' for a in asserts] + ["} }"])
     runtime.compile_ptx("probe:attention_bwd_shapes", source, (), 80)
 
@@ -144,6 +149,40 @@ def test_backward_variant_launches(attn, host_if_no_gpu, monkeypatch):
     monkeypatch.setattr(type(unit), "is_sm90", lambda self: False)
     with pytest.raises(ValueError, match="dq_vector_atomics=True needs an sm_90"):
         attn.flash_attn_varlen_backward(**_args(), dq_vector_atomics=True)
+
+
+def test_backward_wgmma_launches(attn, host_if_no_gpu, monkeypatch):
+    """wgmma=True runs bwd_dkdv_wg (its own sm_90a unit) in place of bwd_dkdv: with dQ atomics (preprocess, dK/dV,
+    convert) and deterministic (preprocess, dK/dV, bwd_dq); None and False run bwd_dkdv; off sm_90 and with the
+    other tiles' keywords it is refused before any launch."""
+    launches = host_if_no_gpu
+    wg_unit = attn._units["attention_bwd_wg_f16"]
+    assert wg_unit.sm90a and attn._units["attention_bwd_wg_bf16"].sm90a
+    monkeypatch.setattr(type(wg_unit), "is_sm90", lambda self: True)
+    if launches is not None:
+        attn.flash_attn_varlen_backward(**_args(d=128), wgmma=True, causal=True)
+        assert dict(launches) == {"bwd_preprocess<__half, 128>": 1, "bwd_dkdv_wg<__half, 128>": 1,
+                                  "bwd_dq_convert<__half>": 1}
+        launches.clear()
+        attn.flash_attn_varlen_backward(**_args("bfloat16"), wgmma=True, deterministic=True, dkdv_rows=64,
+                                        dq_vector_atomics=True, window_left=5)
+        assert dict(launches) == {"bwd_preprocess<__nv_bfloat16, 64>": 1, "bwd_dkdv_wg<__nv_bfloat16, 64>": 1,
+                                  "bwd_dq<__nv_bfloat16, 64>": 1}
+        launches.clear()
+        for wgmma in (None, False):
+            attn.flash_attn_varlen_backward(**_args(), wgmma=wgmma)
+        assert not [k for k in launches if k.startswith("bwd_dkdv_wg")]
+        assert sum(n for k, n in launches.items() if k.startswith("bwd_dkdv<")) == 2
+        launches.clear()
+    for kw, match in ((dict(dkdv_rows=32), "dkdv_rows must be None or 64"),
+                      (dict(dq_vector_atomics=False), "dq_vector_atomics must be None or True")):
+        with pytest.raises(ValueError, match=match):
+            attn.flash_attn_varlen_backward(**_args(), wgmma=True, **kw)
+    monkeypatch.setattr(type(wg_unit), "is_sm90", lambda self: False)
+    with pytest.raises(ValueError, match="wgmma=True needs an sm_90"):
+        attn.flash_attn_varlen_backward(**_args(), wgmma=True)
+    if launches is not None:
+        assert not launches
 
 
 def test_dkdv_warps_follow_the_shared_memory_limit(attn, monkeypatch):
@@ -204,6 +243,8 @@ def test_backward_rejects_bad_input_before_launch(attn, host_if_no_gpu):
         (ValueError, "dkdv_rows must be None or one of", dict(dkdv_rows=48)),
         (ValueError, "dkdv_rows must be None or one of", dict(dkdv_rows=True)),
         (TypeError, "dq_vector_atomics must be None, True or False", dict(dq_vector_atomics=1)),
+        (TypeError, "wgmma must be None, True or False", dict(wgmma=1)),
+        (TypeError, "wgmma must be None, True or False", dict(wgmma="yes")),
         (TypeError, "causal", dict(causal="yes")),
         (ValueError, "causal_variant must be one of", dict(causal=True, causal_variant="top_left")),
         (ValueError, "C-contiguous", dict(out=cupy.zeros((4, 22, 64), cupy.float16).transpose(1, 0, 2))),
@@ -282,7 +323,8 @@ def test_varlen_backward_four_warp_tiles(attn, rng, monkeypatch, mode, d, h, hk)
 VARIANTS = {"rows32": dict(dkdv_rows=32, dq_vector_atomics=False),
             "rows64": dict(dkdv_rows=64, dq_vector_atomics=False),
             "red4": dict(dkdv_rows=32, dq_vector_atomics=True),
-            "rows64-red4": dict(dkdv_rows=64, dq_vector_atomics=True)}
+            "rows64-red4": dict(dkdv_rows=64, dq_vector_atomics=True),
+            "wgmma": dict(wgmma=True)}  # bwd_dkdv_wg (sm_90)
 
 
 def _variant_or_skip(attn, kind, d, variant):
@@ -290,6 +332,8 @@ def _variant_or_skip(attn, kind, d, variant):
     unit = attn._units[f"attention_bwd_{'f16' if kind == 'float16' else 'bf16'}"]
     if kw.get("dq_vector_atomics") and not unit.is_sm90():
         pytest.skip("dq_vector_atomics needs an sm_90 device")
+    if kw.get("wgmma") and not attn._units[unit.family.name.replace("_bwd_", "_bwd_wg_")].is_sm90():
+        pytest.skip("wgmma=True (bwd_dkdv_wg, wgmma) needs an sm_90 device")
     if kw.get("dkdv_rows") == 64 and not attn._dkdv_fits(d, 8, 64):
         pytest.skip("64-row steps exceed this device's shared memory a block at this head_dim")
     return kw
@@ -329,6 +373,25 @@ def test_varlen_backward_variants_match_default(attn, rng, variant):
     for name, a, b in zip(("dq", "dk", "dv"), got, base):
         w = ref.as_float64(b, kind)
         assert_close(ref.as_float64(a, kind), w, atol=4e-3 * np.abs(w).max(), rtol=4e-3, name=f"{name} ({variant})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("d,h,hk", [(128, 4, 2), (64, 4, 1)])
+def test_varlen_backward_wgmma_deterministic(attn, rng, kind, mode, d, h, hk):
+    """wgmma=True with deterministic=True: dK and dV from bwd_dkdv_wg without dQ atomics, dQ from bwd_dq; against
+    the reference, and the same bits on a second run."""
+    kw = _variant_or_skip(attn, kind, d, "wgmma")
+    q_lens, k_lens = [1, 130, 64, 7, 45, 97], [1, 130, 200, 3, 301, 65]
+    cu_q, cu_k, q, k, v, do = _case(rng, kind, h, hk, d, q_lens, k_lens)
+    out, lse = _forward(attn, q, k, v, cu_q, cu_k, q_lens, **MODES[mode])
+    runs = [_backward(attn, do, q, k, v, out, lse, cu_q, cu_k, q_lens, k_lens, True, **MODES[mode], **kw)
+            for _ in range(2)]
+    want = ref.varlen_backward(*[ref.as_float64(a, kind) for a in (do, q, k, v)], cu_q, cu_k, **MODES[mode])
+    for name, got, again, w in zip(("dq", "dk", "dv"), *runs, want):
+        _grad_close(got, w, kind, f"{name} ({mode}, wgmma deterministic)")
+        assert cupy.array_equal(got, again), name
 
 
 @pytest.mark.gpu

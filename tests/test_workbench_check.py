@@ -294,7 +294,7 @@ def test_check_family_means_every_unit_of_the_family():
     from cukern import check
     from cukern.runtime import UnknownKernelError
     attention = check.select_units(["attention"])
-    assert len(attention) == 11 and all(u.startswith("attention") for u in attention)
+    assert len(attention) == 13 and all(u.startswith("attention") for u in attention)
     dmmv = check.select_units(["dmmv"])
     assert "dmmv" in dmmv and "dmmv_moe" in dmmv and all(u.startswith("dmmv") for u in dmmv) and len(dmmv) > 2
     assert check.select_units(None, ["attention_bf16"]) == ["attention_bf16"]

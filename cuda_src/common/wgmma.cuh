@@ -1,15 +1,17 @@
 // Hopper warpgroup MMA (wgmma.mma_async, sm_90a) as inline PTX: shared-memory matrix descriptors,
 // fence / commit / wait, the f16 / bf16 shapes with f32 accumulators that flash attention uses (m64n64k16
-// and m64n128k16 with A and B from shared memory; m64n128k16 with A from registers and an MN-major B), the
-// m64n128k16 / m64n256k16 f16 shapes with A from registers and a K-major B that the quantized GEMM uses,
-// and setmaxnreg.
+// and m64n128k16 with A and B from shared memory; m64n64k16 / m64n128k16 with A from registers and an
+// MN-major B; m64n32k16 / m64n64k16 with both operands MN-major in shared memory, for the backward's
+// dQ = dS K from a stored dS^T), the m64n128k16 / m64n256k16 f16 shapes with A from registers and a
+// K-major B that the quantized GEMM uses, and setmaxnreg.
 //
 // Layouts (8x8 "core matrices" of 8 rows x 16 bytes, each stored as 128 contiguous bytes):
 //   * K-major operand (A = M x K or B = K x N with K contiguous per row): LBO = bytes between the two core
 //     matrices of a k16 step (along K), SBO = bytes between core matrices 8 rows apart (along M / N);
 //   * MN-major B (K x N with N contiguous per row: a core matrix is 8 K-rows of 8 N-elements): LBO = bytes
 //     between core matrices 8 K-rows apart, SBO = bytes between core matrices 8 N-elements apart
-//     (CuTe's canonical form ((8,n),(8,k)):((1,SBO),(8,LBO)) in elements).
+//     (CuTe's canonical form ((8,n),(8,k)):((1,SBO),(8,LBO)) in elements); an MN-major A (M x K with M
+//     contiguous) is described the same way, M in place of N.
 // Fragments (warp w of the warpgroup, g = lane / 4, t = lane % 4): accumulator quad j of an m64nN tile is
 // rows 16 w + g (elements 0, 1) and 16 w + g + 8 (elements 2, 3) x columns 8 j + 2 t + 0, 1, exactly
 // mma.sync m16n8k16's C layout; a register A fragment of a k16 step is mma.sync's A fragment of that
@@ -93,12 +95,61 @@ CUKERN_DEVICE void mma_rs_128_mn(float (&d)[16][4], const uint32_t (&a)[4], uint
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1)); \
     }
 
+// d (64 x N, f32; N = 64: d[8][4], N = 128: d[16][4]) += A B: A 64 x 16 in registers, B 16 x N MN-major
+// (desc_b). N = 128 is mma_rs_128_mn.
+template <typename T>
+CUKERN_DEVICE void mma_rs_mn(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc_b);
+template <typename T>
+CUKERN_DEVICE void mma_rs_mn(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc_b) {
+    mma_rs_128_mn<T>(d, a, desc_b);
+}
+// d (64 x N, f32; N = 32: d[4][4], N = 64: d[8][4]) = (accumulate ? d : 0) + A B with both operands MN-major
+// in shared memory (wgmma's transpose flags, 16-bit types only): A 64 x 16 stored as 16 K-rows of 64
+// M-elements (desc_a), B 16 x N stored as 16 K-rows of N-elements (desc_b).
+template <typename T>
+CUKERN_DEVICE void mma_ss_tt(float (&d)[4][4], uint64_t desc_a, uint64_t desc_b, bool accumulate);
+template <typename T>
+CUKERN_DEVICE void mma_ss_tt(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b, bool accumulate);
+
+// N, the accumulator list and its constraints, then the operand numbers of a0 (a0..a3 follow) and desc_b
+#define CUKERN_WG_RSMN(CT, TY, N, DLIST, ACC, A0, A1, A2, A3, B, P) \
+    template <> \
+    CUKERN_DEVICE void mma_rs_mn<CT>(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t desc_b) { \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " P ", 0;\n" \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " DLIST \
+                     ", {" A0 ", " A1 ", " A2 ", " A3 "}, " B ", p, 1, 1, 1;\n}\n" \
+                     : ACC \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1)); \
+    }
+// the same operand numbering as CUKERN_WG_SS, both transpose flags set
+#define CUKERN_WG_SSTT(CT, TY, N, DLIST, ACC, A, B, P) \
+    template <> \
+    CUKERN_DEVICE void mma_ss_tt<CT>(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b, bool accumulate) { \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " P ", 0;\n" \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " DLIST \
+                     ", " A ", " B ", p, 1, 1, 1, 1;\n}\n" \
+                     : ACC \
+                     : "l"(desc_a), "l"(desc_b), "r"((int)accumulate)); \
+    }
+#define CUKERN_WG_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define CUKERN_WG_ACC32 CUKERN_WG_QUAD(0), CUKERN_WG_QUAD(1), CUKERN_WG_QUAD(2), CUKERN_WG_QUAD(3)
+
 CUKERN_WG_SS(__half, "f16", 64, CUKERN_WG_D64, CUKERN_WG_ACC64, "%32", "%33", "%34")
 CUKERN_WG_SS(__nv_bfloat16, "bf16", 64, CUKERN_WG_D64, CUKERN_WG_ACC64, "%32", "%33", "%34")
 CUKERN_WG_SS(__half, "f16", 128, CUKERN_WG_D128, CUKERN_WG_ACC128, "%64", "%65", "%66")
 CUKERN_WG_SS(__nv_bfloat16, "bf16", 128, CUKERN_WG_D128, CUKERN_WG_ACC128, "%64", "%65", "%66")
 CUKERN_WG_RS128(__half, "f16")
 CUKERN_WG_RS128(__nv_bfloat16, "bf16")
+CUKERN_WG_RSMN(__half, "f16", 64, CUKERN_WG_D64, CUKERN_WG_ACC64, "%32", "%33", "%34", "%35", "%36", "%37")
+CUKERN_WG_RSMN(__nv_bfloat16, "bf16", 64, CUKERN_WG_D64, CUKERN_WG_ACC64, "%32", "%33", "%34", "%35", "%36", "%37")
+CUKERN_WG_SSTT(__half, "f16", 32, CUKERN_WG_D32, CUKERN_WG_ACC32, "%16", "%17", "%18")
+CUKERN_WG_SSTT(__nv_bfloat16, "bf16", 32, CUKERN_WG_D32, CUKERN_WG_ACC32, "%16", "%17", "%18")
+CUKERN_WG_SSTT(__half, "f16", 64, CUKERN_WG_D64, CUKERN_WG_ACC64, "%32", "%33", "%34")
+CUKERN_WG_SSTT(__nv_bfloat16, "bf16", 64, CUKERN_WG_D64, CUKERN_WG_ACC64, "%32", "%33", "%34")
+#undef CUKERN_WG_RSMN
+#undef CUKERN_WG_SSTT
+#undef CUKERN_WG_ACC32
+#undef CUKERN_WG_D32
 
 // d (64 x N, f32, the N / 2 accumulators of a thread, quad j at d[4j..4j+3]) += A B: A 64 x 16 f16 in
 // registers (a0..a3: this warp's mma.sync-style A fragment), B 16 x N K-major (desc_b); N = 128, 256

@@ -1,11 +1,13 @@
 """The varlen backward of AttentionDispatch (a mixin): dQ, dK, dV of :meth:`flash_attn_varlen` from its output
-and natural-log LSE (kernels: ``cuda_src/attention/varlen_bwd.cuh``, units ``attention_bwd_{f16,bf16}``).
+and natural-log LSE (kernels: ``cuda_src/attention/varlen_bwd.cuh``, units ``attention_bwd_{f16,bf16}``; the
+wgmma ``bwd_dkdv_wg`` of ``varlen_bwd_wg.cuh``, units ``attention_bwd_wg_{f16,bf16}``, sm_90a).
 
 Launches, all on one stream: ``bwd_preprocess`` (D = rowsum(dO * O), and the f32 dQ accumulator zeroed), then
 ``bwd_dkdv`` (parallel over K tiles, KV heads and sequences; dK and dV summed over a GQA group in registers),
 then dQ: by default ``bwd_dkdv`` adds it with f32 atomics and ``bwd_dq_convert`` rounds it to the inputs'
 type; ``deterministic=True`` computes it in ``bwd_dq`` instead (parallel over Q tiles, the same bits on every
-run, about 40% more tensor-core work). Design: docs/notes/attention.md.
+run, about 40% more tensor-core work). ``wgmma=True`` (sm_90) runs ``bwd_dkdv_wg`` in place of ``bwd_dkdv``, in
+either dQ mode. Design: docs/notes/attention.md.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from cukern.dispatch import check_array, check_int
 from cukern.interop import like, tensors
 from cukern.runtime import FamilySpec, KernelSpec
 
-__all__ = ["BWD_HEAD_DIMS", "DKDV_ROWS", "Backward", "bwd_unit"]
+__all__ = ["BWD_HEAD_DIMS", "DKDV_ROWS", "Backward", "bwd_unit", "bwd_wg_unit"]
 
 BWD_HEAD_DIMS = (64, 128)  # head_dim 256 would need 256 f32 accumulators of dK and dV per thread
 _BWD_THREADS = 128
@@ -42,6 +44,15 @@ def bwd_unit(kind: str) -> FamilySpec:
                       params_header="attention/bwd_params.cuh")
 
 
+def bwd_wg_unit(kind: str) -> FamilySpec:
+    """The unit of bwd_dkdv_wg (Hopper wgmma, varlen_bwd_wg.cuh) for one element type: built for sm_90a on sm_90
+    devices (dispatch's _SM90A_UNITS), a stub elsewhere."""
+    t = _CTYPE[kind]
+    kernels = tuple(KernelSpec(f"bwd_dkdv_wg<{t}, {d}>", "BwdParams") for d in BWD_HEAD_DIMS)
+    return FamilySpec(f"attention_bwd_wg_{_SHORT[kind]}", kernels, source="attention/varlen_bwd_wg.cu",
+                      params_header="attention/bwd_params.cuh")
+
+
 def _dkdv_name(t: str, d: int, kw: int, qr: int, red4: bool) -> str:
     return f"bwd_dkdv<{t}, {d}, {kw}, {qr}, {'true' if red4 else 'false'}>"
 
@@ -53,6 +64,13 @@ def _bwd_shape(d: int, kw: int, bm: int = 32) -> dict:
     qn = 64 if d <= 64 else 32
     return dict(kw=kw, bn=bn, bm=bm, qm=qm, qn=qn, dkdv_smem=((2 * bn + 4 * bm) * ld + bn * (bm + 8)) * 2,
                 dq_smem=(2 * qm + 4 * qn) * ld * 2)
+
+
+def _bwd_wg_shape(d: int) -> dict:
+    """bwd_dkdv_wg's threads, keys of a block, query rows a step and dynamic shared bytes at head_dim d
+    (BwdWgShape<d> in varlen_bwd_wg.cuh): 1 KB of alignment slack, K and V, two stages of Q and dO, dS^T."""
+    bn, bm = 128, 64
+    return dict(threads=256, bn=bn, bm=bm, smem=1024 + 2 * bn * d * 2 + 4 * bm * d * 2 + bn * bm * 2)
 
 
 def _dq_accum_shape(get):
@@ -74,7 +92,7 @@ class Backward:
                                    dk: cupy.ndarray | None = None, dv: cupy.ndarray | None = None,
                                    delta: cupy.ndarray | None = None, dq_accum: cupy.ndarray | None = None,
                                    deterministic: bool = False, dkdv_rows: int | None = None,
-                                   dq_vector_atomics: bool | None = None, stream=None):
+                                   dq_vector_atomics: bool | None = None, wgmma: bool | None = None, stream=None):
         """Gradients of :meth:`flash_attn_varlen` (FlashAttention-2's varlen backward) on tensor cores.
 
         dout, q, out, dq: [total_q, n_heads, head_dim]; k, v, dk, dv: [total_k, n_kv_heads, head_dim]; float16
@@ -98,8 +116,12 @@ class Backward:
         or 64 (None: 64 where an 8-warp block's 64-row stages fit a block's shared memory, sm_80 and sm_90 at
         either head_dim, sm_86 / sm_89 at 64, else 32; 64 where it does not fit: ValueError).
         ``dq_vector_atomics`` (atomic mode): True adds dQ with red.global.add.v4.f32, one instruction per 4
-        values (sm_90 only, else ValueError); False: scalar f32 atomics; None: the vector form on sm_90. The
-        defaults are the fastest measured (docs/notes/attention.md)."""
+        values (sm_90 only, else ValueError); False: scalar f32 atomics; None: the vector form on sm_90.
+        ``wgmma``: True runs ``bwd_dkdv_wg`` (Hopper warpgroup MMA, varlen_bwd_wg.cuh: 128-key tiles of two
+        warpgroups, 64-row steps, dQ by red.global.add.v4.f32, or by ``bwd_dq`` with ``deterministic=True``) in
+        place of ``bwd_dkdv`` (sm_90 only, else ValueError; ``dkdv_rows`` must then be None or 64 and
+        ``dq_vector_atomics`` None or True); False: ``bwd_dkdv``; None: ``bwd_dkdv`` for now (the choice is one
+        line of :meth:`_dkdv_wgmma`). The defaults are the fastest measured (docs/notes/attention.md)."""
         kind = _check_kind("q", q, ("float16", BF16))
         for name, a in (("dout", dout), ("k", k), ("v", v), ("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
             _check_kind(name, a, (kind,))  # q's dtype
@@ -142,9 +164,10 @@ class Backward:
         scale = 0.0 if scale is None else float(scale)
         fields = _scale_fields(scale, d, float(softcap), window_left)
         fields["scale"] = scale if scale > 0 else 1.0 / np.sqrt(d)
-        sh = _bwd_shape(d, *self._dkdv_tile(d, dkdv_rows))
+        wg = self._dkdv_wgmma(kind, wgmma, dkdv_rows, dq_vector_atomics)
+        sh = _bwd_shape(d, *((8, 64) if wg else self._dkdv_tile(d, dkdv_rows)))
         red4 = self._dq_red4(kind, dq_vector_atomics) and not deterministic
-        n_k_tiles = -(-max_seqlen_k // sh["bn"])
+        n_k_tiles = -(-max_seqlen_k // (_bwd_wg_shape(d)["bn"] if wg else sh["bn"]))
         n_q_tiles = -(-max_seqlen_q // sh["qm"])
         if deterministic and n_q_tiles > 65535:
             raise ValueError(f"deterministic=True takes at most {65535 * sh['qm']} query rows per sequence, "
@@ -152,7 +175,7 @@ class Backward:
         if n_k_tiles >= 2**31:
             raise ValueError(f"max_seqlen_k {max_seqlen_k} is too large")
         self._bwd_launch(kind, d, dq, dk, dv, delta, dq_accum, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                         b, h, hk, n_k_tiles, n_q_tiles, causal, fields, bool(deterministic), sh, red4, stream)
+                         b, h, hk, n_k_tiles, n_q_tiles, causal, fields, bool(deterministic), sh, red4, wg, stream)
         return dq, dk, dv
 
     def _dkdv_warps(self, d: int) -> int:
@@ -194,8 +217,24 @@ class Backward:
             raise ValueError("dq_vector_atomics=True needs an sm_90 (Hopper) device")
         return True
 
+    def _dkdv_wgmma(self, kind: str, wgmma, rows, vector_atomics) -> bool:
+        """Whether dK and dV come from bwd_dkdv_wg (flash_attn_varlen_backward's ``wgmma``)."""
+        if wgmma is not None and not isinstance(wgmma, (bool, np.bool_)):
+            raise TypeError(f"wgmma must be None, True or False, got {wgmma!r}")
+        if wgmma is None:
+            return False  # the default: bwd_dkdv until bwd_dkdv_wg is measured faster
+        if not wgmma:
+            return False
+        if not self._units[f"attention_bwd_wg_{_SHORT[kind]}"].is_sm90():
+            raise ValueError("wgmma=True needs an sm_90 (Hopper) device")
+        if rows is not None and rows != 64:
+            raise ValueError(f"wgmma=True runs 64-row steps: dkdv_rows must be None or 64, got {rows!r}")
+        if vector_atomics is not None and not vector_atomics:
+            raise ValueError("wgmma=True adds dQ with red.global.add.v4.f32: dq_vector_atomics must be None or True")
+        return True
+
     def _bwd_launch(self, kind, d, dq, dk, dv, delta, dq_accum, dout, q, k, v, out, lse, cu_q, cu_k, b, h, hk,
-                    n_k_tiles, n_q_tiles, causal, fields, deterministic, sh, red4, stream):
+                    n_k_tiles, n_q_tiles, causal, fields, deterministic, sh, red4, wg, stream):
         unit = self._units[f"attention_bwd_{_SHORT[kind]}"]
         t = _CTYPE[kind]
         total_q = q.shape[0]
@@ -207,9 +246,15 @@ class Backward:
                      pre, stream=stream)
         common = dict(n_seqs=b, n_heads=h, n_kv_heads=hk, group=h // hk, causal=int(causal), **fields)
         p = unit.struct("BwdParams").pack(n_tiles=n_k_tiles, dq_atomic=int(not deterministic), **common)
-        unit._launch(_dkdv_name(t, d, sh["kw"], sh["bm"], red4), (n_k_tiles, hk, b), 32 * sh["kw"],
-                     (dk, dv, acc, q, k, v, dout, lse, delta, cu_q, cu_k), p, stream=stream,
-                     shared_mem=sh["dkdv_smem"])
+        dkdv_args = (dk, dv, acc, q, k, v, dout, lse, delta, cu_q, cu_k)
+        if wg:
+            shw = _bwd_wg_shape(d)
+            self._units[f"attention_bwd_wg_{_SHORT[kind]}"]._launch(
+                f"bwd_dkdv_wg<{t}, {d}>", (n_k_tiles, hk, b), shw["threads"], dkdv_args, p, stream=stream,
+                shared_mem=shw["smem"])
+        else:
+            unit._launch(_dkdv_name(t, d, sh["kw"], sh["bm"], red4), (n_k_tiles, hk, b), 32 * sh["kw"], dkdv_args,
+                         p, stream=stream, shared_mem=sh["dkdv_smem"])
         if deterministic:
             p = unit.struct("BwdParams").pack(n_tiles=n_q_tiles, dq_atomic=0, **common)
             unit._launch(f"bwd_dq<{t}, {d}>", (h, b, n_q_tiles), _BWD_THREADS,

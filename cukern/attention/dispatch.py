@@ -10,7 +10,7 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from cukern.attention.backward import Backward, bwd_unit
+from cukern.attention.backward import Backward, bwd_unit, bwd_wg_unit
 from cukern.attention.cache import BF16, HEAD_DIMS, PagedKVCache, PagedKVView
 from cukern.attention.common import (_CTYPE, _DECODE_THREADS, _F32, _I32, _SHORT, _causal_field, _check_kind,
                                      _int_list, _kv_strides, _page_shift, _scale_fields, _sink_fields)
@@ -65,16 +65,17 @@ def _prefill_unit(kv: str, kernel: str = "prefill") -> FamilySpec:
                       params_header="attention/params.cuh")
 
 
-_SM90A_UNITS = {f"attention_prefill_wg_{_SHORT[kv]}" for kv in ("float16", BF16)}  # built for sm_90a on sm_90 (Unit)
+# built for sm_90a on sm_90 (Unit): the wgmma prefill and backward
+_SM90A_UNITS = {f"attention_{kernel}_{_SHORT[kv]}" for kv in ("float16", BF16) for kernel in ("prefill_wg", "bwd_wg")}
 
 
 # One RawModule per unit: decode + cache writes + merge per KV dtype, decode with 16-bit q / out per 16-bit KV
-# dtype, prefill and prefill_wg per dtype.
+# dtype, prefill and prefill_wg per dtype, the backward and its wgmma bwd_dkdv per dtype.
 FAMILIES = {spec.name: spec for spec in (
     [_decode_unit(kv) for kv in ("float16", BF16, "float32")] + [_decode_q16_unit(kv) for kv in ("float16", BF16)]
     + [_prefill_unit(kv) for kv in ("float16", BF16)]
     + [_prefill_unit(kv, "prefill_wg") for kv in ("float16", BF16)]
-    + [bwd_unit(kv) for kv in ("float16", BF16)])}
+    + [bwd_unit(kv) for kv in ("float16", BF16)] + [bwd_wg_unit(kv) for kv in ("float16", BF16)])}
 FAMILY = FAMILIES["attention"]
 
 
