@@ -19,8 +19,8 @@ Counted work:
   ``is_causal`` alignment) against SDPA's ``is_causal``. Ours and the peers are
   timed in alternating rounds (the minimum of each over the rounds), so a clock drift during the
   run reaches every side alike;
-* varlen backward (dQ by f32 atomics; on sm_90 also with ``wgmma=True``, the wgmma bwd_dkdv_wg; and the
-  deterministic mode): 2.5x the forward's FLOPs
+* varlen backward (dQ by f32 atomics: the default, on sm_90 the wgmma bwd_dkdv_wg, and there also
+  ``wgmma=False``, the mma.sync bwd_dkdv; and the deterministic mode): 2.5x the forward's FLOPs
   (traffic.attention_backward_flops), against the backward of SDPA's flash and cuDNN backends
   (``torch.autograd.grad`` of an output their forward made once).
 
@@ -160,8 +160,8 @@ def _bwd(b, L, h, hk, d, causal):
               timing=Timing("eager", n_warmup=3, n_repeat=10), rounds=_ROUNDS, pick=min, ceiling="peers")
     g = (_varlen_bwd_sets, b, L, h, hk, d, causal)
     rows = [RowSpec("varlen bwd f16", shape, g, lambda s: s.run(False), **kw)]
-    if cupy.cuda.Device().compute_capability == "90":  # bwd_dkdv_wg (wgmma=True) runs on sm_90 only
-        rows.append(RowSpec("varlen bwd wgmma f16", shape, g, lambda s: s.run(False, wgmma=True), **kw))
+    if cupy.cuda.Device().compute_capability == "90":  # the default there is bwd_dkdv_wg; beside it the mma.sync one
+        rows.append(RowSpec("varlen bwd mma.sync f16", shape, g, lambda s: s.run(False, wgmma=False), **kw))
     return rows + [RowSpec("varlen bwd deterministic f16", shape, g, lambda s: s.run(True), **kw)]
 
 

@@ -114,22 +114,25 @@ def _args(kind="float16", h=4, hk=2, d=64, lens=(5, 17)):
 
 def test_backward_launches(attn, host_if_no_gpu):
     """Default mode: preprocess, dK/dV with atomic dQ, convert; deterministic: preprocess, dK/dV, dQ (and no
-    f32 dQ workspace allocated). The default tile: 64-row steps where they fit, the vector dQ atomics on sm_90."""
+    f32 dQ workspace allocated). The default dK/dV kernel: bwd_dkdv_wg on sm_90, elsewhere bwd_dkdv with 64-row
+    steps where they fit."""
     launches = host_if_no_gpu
     a = _args()
     dq, dk, dv = attn.flash_attn_varlen_backward(**a)
     assert dq.shape == a["q"].shape and dk.shape == dv.shape == a["k"].shape and dq.dtype == np.float16
     rows = {d: 64 if attn._dkdv_fits(d, 8, 64) else 32 for d in (64, 128)}
-    red4 = str(attn._units["attention_bwd_f16"].is_sm90()).lower() if launches is not None else None
+    sm90 = attn._units["attention_bwd_f16"].is_sm90()
+
+    def dkdv(t, d, red4):
+        return f"bwd_dkdv_wg<{t}, {d}>" if sm90 else f"bwd_dkdv<{t}, {d}, 8, {rows[d]}, {str(red4).lower()}>"
     if launches is not None:
-        assert dict(launches) == {"bwd_preprocess<__half, 64>": 1, f"bwd_dkdv<__half, 64, 8, {rows[64]}, {red4}>": 1,
+        assert dict(launches) == {"bwd_preprocess<__half, 64>": 1, dkdv("__half", 64, sm90): 1,
                                   "bwd_dq_convert<__half>": 1}
         launches.clear()
     attn.flash_attn_varlen_backward(**_args("bfloat16", d=128), deterministic=True, causal=True, window_left=3,
                                     softcap=2.0, scale=None)
     if launches is not None:
-        assert dict(launches) == {"bwd_preprocess<__nv_bfloat16, 128>": 1,
-                                  f"bwd_dkdv<__nv_bfloat16, 128, 8, {rows[128]}, false>": 1,
+        assert dict(launches) == {"bwd_preprocess<__nv_bfloat16, 128>": 1, dkdv("__nv_bfloat16", 128, False): 1,
                                   "bwd_dq<__nv_bfloat16, 128>": 1}
 
 
@@ -139,7 +142,8 @@ def test_backward_variant_launches(attn, host_if_no_gpu, monkeypatch):
     launches = host_if_no_gpu
     unit = attn._units["attention_bwd_f16"]
     monkeypatch.setattr(type(unit), "is_sm90", lambda self: True)
-    attn.flash_attn_varlen_backward(**_args(d=128), dkdv_rows=64, dq_vector_atomics=True, causal=True)
+    attn.flash_attn_varlen_backward(**_args(d=128), dkdv_rows=64, dq_vector_atomics=True, causal=True,
+                                    wgmma=False)
     attn.flash_attn_varlen_backward(**_args(), dkdv_rows=64, dq_vector_atomics=False)
     attn.flash_attn_varlen_backward(**_args(), dkdv_rows=32, dq_vector_atomics=True, deterministic=True)
     if launches is not None:
@@ -153,8 +157,9 @@ def test_backward_variant_launches(attn, host_if_no_gpu, monkeypatch):
 
 def test_backward_wgmma_launches(attn, host_if_no_gpu, monkeypatch):
     """wgmma=True runs bwd_dkdv_wg (its own sm_90a unit) in place of bwd_dkdv: with dQ atomics (preprocess, dK/dV,
-    convert) and deterministic (preprocess, dK/dV, bwd_dq); None and False run bwd_dkdv; off sm_90 and with the
-    other tiles' keywords it is refused before any launch."""
+    convert) and deterministic (preprocess, dK/dV, bwd_dq); None does too on sm_90 (the default there), False and
+    None with another tile's keywords run bwd_dkdv; off sm_90 and with the other tiles' keywords wgmma=True is
+    refused before any launch."""
     launches = host_if_no_gpu
     wg_unit = attn._units["attention_bwd_wg_f16"]
     assert wg_unit.sm90a and attn._units["attention_bwd_wg_bf16"].sm90a
@@ -169,10 +174,13 @@ def test_backward_wgmma_launches(attn, host_if_no_gpu, monkeypatch):
         assert dict(launches) == {"bwd_preprocess<__nv_bfloat16, 64>": 1, "bwd_dkdv_wg<__nv_bfloat16, 64>": 1,
                                   "bwd_dq<__nv_bfloat16, 64>": 1}
         launches.clear()
-        for wgmma in (None, False):
-            attn.flash_attn_varlen_backward(**_args(), wgmma=wgmma)
+        attn.flash_attn_varlen_backward(**_args())
+        assert dict(launches)["bwd_dkdv_wg<__half, 64>"] == 1
+        launches.clear()
+        for kw in (dict(wgmma=False), dict(dkdv_rows=32), dict(dq_vector_atomics=False)):
+            attn.flash_attn_varlen_backward(**_args(), **kw)
         assert not [k for k in launches if k.startswith("bwd_dkdv_wg")]
-        assert sum(n for k, n in launches.items() if k.startswith("bwd_dkdv<")) == 2
+        assert sum(n for k, n in launches.items() if k.startswith("bwd_dkdv<")) == 3
         launches.clear()
     for kw, match in ((dict(dkdv_rows=32), "dkdv_rows must be None or 64"),
                       (dict(dq_vector_atomics=False), "dq_vector_atomics must be None or True")):
@@ -319,11 +327,11 @@ def test_varlen_backward_four_warp_tiles(attn, rng, monkeypatch, mode, d, h, hk)
 
 # bwd_dkdv's variants (flash_attn_varlen_backward's keywords); ids in the racecheck pass's selection
 # (profiling/device_check.sh: test_varlen_backward, float16, causal / softcap, 128-4-2)
-# (the default: rows64-red4 on sm_90, rows64 where it fits elsewhere; rows32 is the other devices' tile)
+# (the default: wgmma on sm_90, rows64 where it fits elsewhere; rows32 is the other devices' tile)
 VARIANTS = {"rows32": dict(dkdv_rows=32, dq_vector_atomics=False),
             "rows64": dict(dkdv_rows=64, dq_vector_atomics=False),
             "red4": dict(dkdv_rows=32, dq_vector_atomics=True),
-            "rows64-red4": dict(dkdv_rows=64, dq_vector_atomics=True),
+            "rows64-red4": dict(dkdv_rows=64, dq_vector_atomics=True, wgmma=False),
             "wgmma": dict(wgmma=True)}  # bwd_dkdv_wg (sm_90)
 
 

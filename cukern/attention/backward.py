@@ -221,8 +221,9 @@ class Backward:
         """Whether dK and dV come from bwd_dkdv_wg (flash_attn_varlen_backward's ``wgmma``)."""
         if wgmma is not None and not isinstance(wgmma, (bool, np.bool_)):
             raise TypeError(f"wgmma must be None, True or False, got {wgmma!r}")
-        if wgmma is None:
-            return False  # the default: bwd_dkdv until bwd_dkdv_wg is measured faster
+        if wgmma is None:  # the default: bwd_dkdv_wg on sm_90 where the other keywords allow it (the faster one)
+            return (self._units[f"attention_bwd_wg_{_SHORT[kind]}"].is_sm90() and rows in (None, 64)
+                    and vector_atomics is not False)
         if not wgmma:
             return False
         if not self._units[f"attention_bwd_wg_{_SHORT[kind]}"].is_sm90():

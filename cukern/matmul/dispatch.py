@@ -110,9 +110,9 @@ class MatmulDispatch(Wgr, Int8, MoeGemm, Dispatch):
             return 1
         return max(1, min(-(-target // ctas), k // 512, 16))  # slices of >= 512 elements
 
-    # A gemm_f16 grid below this many CTAs per SM (prompt chunks of ~128 tokens against k = 640 rows: a few
-    # CTAs, each a long serial K loop) takes smaller token tiles and K slices of one raw super-stage until it
-    # reaches it: Gemma 3 270M's prompt GEMMs at 128 tokens 19-27 us -> 7-14 us (docs/notes/matmul.md).
+    # A gemm_f16 grid below this many CTAs per SM (a prompt chunk of ~128 tokens against a few hundred rows: a
+    # handful of CTAs, each a long serial K loop while the other SMs idle) takes smaller token tiles and K slices
+    # of one raw super-stage until it reaches it (the fastest tile and split measured per shape: notes/matmul.md).
     _FILL = 0.6
 
     def _fill(self, n: int, grid_r: int, bt: int, k: int, unit: int, split_ok: bool = True) -> tuple[int, int]:
