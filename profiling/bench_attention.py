@@ -159,10 +159,10 @@ def _bwd(b, L, h, hk, d, causal):
     kw = dict(flops=(traffic.attention_backward_flops, b, h, L, d, causal), peers=peers,
               timing=Timing("eager", n_warmup=3, n_repeat=10), rounds=_ROUNDS, pick=min, ceiling="peers")
     g = (_varlen_bwd_sets, b, L, h, hk, d, causal)
-    rows = [RowSpec("varlen bwd f16", shape, g, lambda s: s.run(False), **kw)]
-    if cupy.cuda.Device().compute_capability == "90":  # the default there is bwd_dkdv_wg; beside it the mma.sync one
-        rows.append(RowSpec("varlen bwd mma.sync f16", shape, g, lambda s: s.run(False, wgmma=False), **kw))
-    return rows + [RowSpec("varlen bwd deterministic f16", shape, g, lambda s: s.run(True), **kw)]
+    # the default (bwd_dkdv_wg on sm_90) and the mma.sync bwd_dkdv (the default elsewhere: the same kernel twice there)
+    return [RowSpec("varlen bwd f16", shape, g, lambda s: s.run(False), **kw),
+            RowSpec("varlen bwd mma.sync f16", shape, g, lambda s: s.run(False, wgmma=False), **kw),
+            RowSpec("varlen bwd deterministic f16", shape, g, lambda s: s.run(True), **kw)]
 
 
 def _sdpa_bwd(s, backend: str):
