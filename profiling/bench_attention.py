@@ -19,8 +19,8 @@ Counted work:
   ``is_causal`` alignment) against SDPA's ``is_causal``. Ours and the peers are
   timed in alternating rounds (the minimum of each over the rounds), so a clock drift during the
   run reaches every side alike;
-* varlen backward (dQ by f32 atomics: the default, on sm_90 the wgmma bwd_dkdv_wg, and there also
-  ``wgmma=False``, the mma.sync bwd_dkdv; and the deterministic mode): 2.5x the forward's FLOPs
+* varlen backward (dQ by f32 atomics: the default, on sm_90 the wgmma bwd_dkdv_wg, and ``wgmma=False``,
+  the mma.sync bwd_dkdv, the default elsewhere; and the deterministic mode): 2.5x the forward's FLOPs
   (traffic.attention_backward_flops), against the backward of SDPA's flash and cuDNN backends
   (``torch.autograd.grad`` of an output their forward made once).
 
