@@ -6,8 +6,8 @@ Launches, all on one stream: ``bwd_preprocess`` (D = rowsum(dO * O), and the f32
 ``bwd_dkdv`` (parallel over K tiles, KV heads and sequences; dK and dV summed over a GQA group in registers),
 then dQ: by default ``bwd_dkdv`` adds it with f32 atomics and ``bwd_dq_convert`` rounds it to the inputs'
 type; ``deterministic=True`` computes it in ``bwd_dq`` instead (parallel over Q tiles, the same bits on every
-run, about 40% more tensor-core work). ``wgmma=True`` (sm_90) runs ``bwd_dkdv_wg`` in place of ``bwd_dkdv``, in
-either dQ mode. Design: docs/notes/attention.md.
+run, about 40% more tensor-core work). On sm_90 ``bwd_dkdv_wg`` (wgmma) runs in place of ``bwd_dkdv`` by default,
+in either dQ mode (``wgmma=False``: ``bwd_dkdv``). Design: docs/notes/attention.md.
 """
 
 from __future__ import annotations
@@ -120,8 +120,9 @@ class Backward:
         ``wgmma``: True runs ``bwd_dkdv_wg`` (Hopper warpgroup MMA, varlen_bwd_wg.cuh: 128-key tiles of two
         warpgroups, 64-row steps, dQ by red.global.add.v4.f32, or by ``bwd_dq`` with ``deterministic=True``) in
         place of ``bwd_dkdv`` (sm_90 only, else ValueError; ``dkdv_rows`` must then be None or 64 and
-        ``dq_vector_atomics`` None or True); False: ``bwd_dkdv``; None: ``bwd_dkdv`` for now (the choice is one
-        line of :meth:`_dkdv_wgmma`). The defaults are the fastest measured (docs/notes/attention.md)."""
+        ``dq_vector_atomics`` None or True); False: ``bwd_dkdv``; None: ``bwd_dkdv_wg`` on sm_90 unless
+        ``dkdv_rows=32`` or ``dq_vector_atomics=False`` ask for a ``bwd_dkdv`` tile, else ``bwd_dkdv``. The
+        defaults are the fastest measured (docs/notes/attention.md)."""
         kind = _check_kind("q", q, ("float16", BF16))
         for name, a in (("dout", dout), ("k", k), ("v", v), ("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
             _check_kind(name, a, (kind,))  # q's dtype

@@ -4,6 +4,8 @@ gemm_wgr and int8 methods come from the :mod:`cukern.matmul.wgr` and :mod:`cuker
 
 from __future__ import annotations
 
+import math
+
 import cupy
 import numpy as np
 
@@ -119,7 +121,7 @@ class MatmulDispatch(Wgr, Int8, MoeGemm, Dispatch):
         """(token tile, K slices) of a small gemm_f16 grid: the largest token tile up to ``bt`` whose CTAs, times
         the K slices of ``unit`` elements k allows (at most 16; none where not ``split_ok``), reach
         ``_FILL`` per SM, with only as many slices as that needs; the smallest tile where none does."""
-        target = -(-int(self._FILL * 100) * self.sm_count() // 100)
+        target = math.ceil(self._FILL * self.sm_count())
         most = min(16, -(-k // unit)) if split_ok else 1
         tiles = [t for t in reversed(_TOKEN_TILES) if t <= bt]
         for t in tiles:
