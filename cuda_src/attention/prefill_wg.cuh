@@ -56,11 +56,6 @@ struct PrefillWgShape {
     static constexpr uint32_t KV_BYTES = BN * D * 2;     // one K (or V) tile
     static constexpr int STAGES = 2;                     // K/V tiles in shared memory
     static constexpr uint32_t SMEM_BYTES = 1024 + Q_BYTES + 2 * STAGES * KV_BYTES;  // alignment slack, Q, K/V stages
-    // byte offset of (row r, 16-byte chunk c) in a swizzled tile of R rows
-    template <int R>
-    static __device__ __forceinline__ uint32_t off(int r, int c) {
-        return (c / 8) * (R * 128) + r * 128 + ((c % 8) ^ (r % 8)) * 16;
-    }
     static_assert(D == 128 || D == 256, "prefill_wg: head_dim 128 or 256 (O is D / 128 m64n128 accumulators)");
     static_assert(NT % CPR == 0 && KSTEP % 8 == 0 && BM % KSTEP == 0 && BN % KSTEP == 0,
                   "tiles split evenly over the threads, a thread's rows in the same swizzle phase");
@@ -131,7 +126,7 @@ __global__ void __launch_bounds__(cukern::attn::PrefillWgShape<D>::NT, 1) prefil
 
     // this thread's copies: column chunk `col` of rows my_row + i * KSTEP
     const int my_row = (tid % 8) + 8 * (tid / (8 * CPR)), col = (tid / 8) % CPR;
-    const uint32_t q_dst0 = Sh::template off<BM>(my_row, col), kv_dst0 = Sh::template off<BN>(my_row, col);
+    const uint32_t q_dst0 = wg::swizzled_offset<BM>(my_row, col), kv_dst0 = wg::swizzled_offset<BN>(my_row, col);
     constexpr uint32_t STEP = KSTEP * 128;  // bytes between rows my_row + i * KSTEP and the next
 
     // Q tile (rows past q_len are zeros)
@@ -192,7 +187,7 @@ __global__ void __launch_bounds__(cukern::attn::PrefillWgShape<D>::NT, 1) prefil
     for (int dt = 0; dt < D / 8; ++dt) oacc[0][dt][0] = oacc[0][dt][1] = oacc[0][dt][2] = oacc[0][dt][3] = 0.0f;
 
     const float sl = p.softcap > 0.0f ? 1.0f : p.scale_log2;  // raw score -> base-2 logit factor in the exponent
-    const uint32_t q_wg = q_s + Sh::template off<BM>(wgi * 64, 0);  // this warpgroup's 64 rows
+    const uint32_t q_wg = q_s + wg::swizzled_offset<BM>(wgi * 64, 0);  // this warpgroup's 64 rows
     // descriptors of k16 step kk (128-byte swizzle): Q (A) and K (B) K-major, V (B) MN-major
     auto q_desc = [&](int kk) { return wg::desc(q_wg + kk / 4 * (BM * 128) + kk % 4 * 32, 16, 1024, 1); };
     auto k_desc = [&](uint32_t kt, int kk) { return wg::desc(kt + kk / 4 * (BN * 128) + kk % 4 * 32, 16, 1024, 1); };
@@ -247,7 +242,7 @@ __global__ void __launch_bounds__(cukern::attn::PrefillWgShape<D>::NT, 1) prefil
         for (int kk = 0; kk < BN / 16; ++kk)
 #pragma unroll
             for (int c = 0; c < D / 128; ++c)
-                wg::mma_rs_128_mn<T>(*reinterpret_cast<float(*)[16][4]>(&oacc[0][16 * c][0]), pa[0][kk],
+                wg::mma_rs_mn<T>(*reinterpret_cast<float(*)[16][4]>(&oacc[0][16 * c][0]), pa[0][kk],
                                      v_desc(vt, kk, c));
         wg::commit();
         wg::wait<0>();

@@ -57,11 +57,6 @@ struct BwdWgShape {
     static constexpr uint32_t Q_BYTES = BM * D * 2;   // one stage of Q (or dO)
     static constexpr uint32_t DS_BYTES = BN * BM * 2; // dS^T
     static constexpr uint32_t SMEM_BYTES = 1024 + 2 * KV_BYTES + 4 * Q_BYTES + DS_BYTES;  // slack, K, V, stages, dS^T
-    // byte offset of (row r, 16-byte chunk c) in a swizzled tile of R rows
-    template <int R>
-    static __device__ __forceinline__ uint32_t off(int r, int c) {
-        return (c / 8) * (R * 128) + r * 128 + ((c % 8) ^ (r % 8)) * 16;
-    }
     static_assert(D == 64 || D == 128, "bwd_dkdv_wg: head_dim 64 or 128 (dK and dV: D / 2 accumulators each)");
     static_assert(NT % CPR == 0 && KSTEP % 8 == 0 && BM % KSTEP == 0 && BN % KSTEP == 0,
                   "tiles split evenly over the threads, a thread's rows in the same swizzle phase");
@@ -129,7 +124,7 @@ __global__ void __launch_bounds__(cukern::attn::BwdWgShape<D>::NT, 1) bwd_dkdv_w
 
     // this thread's copies: column chunk `col` of rows my_row + i * KSTEP
     const int my_row = (tid % 8) + 8 * (tid / (8 * CPR)), col = (tid / 8) % CPR;
-    const uint32_t kv_dst0 = Sh::template off<BN>(my_row, col), q_dst0 = Sh::template off<BM>(my_row, col);
+    const uint32_t kv_dst0 = wg::swizzled_offset<BN>(my_row, col), q_dst0 = wg::swizzled_offset<BM>(my_row, col);
     {  // K and V of the tile (keys past kv_len are zeros)
         const uint64_t off = (uint64_t)(k_start + j0 + my_row) * kv_row + hk * D + col * 8;
         const T* kp = k + off;

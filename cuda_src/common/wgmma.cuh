@@ -36,6 +36,13 @@ CUKERN_DEVICE uint64_t desc(uint32_t saddr, uint32_t lbo, uint32_t sbo, uint32_t
            (uint64_t)layout << 62;
 }
 
+// Byte offset of (row r, 16-byte chunk c) in a tile of R rows stored in the 128-byte swizzled layout above
+// (layout 1): blocks of 64 16-bit columns, each R rows of 128 bytes, one after the other.
+template <int R>
+CUKERN_DEVICE uint32_t swizzled_offset(int r, int c) {
+    return (c / 8) * (R * 128) + r * 128 + ((c % 8) ^ (r % 8)) * 16;
+}
+
 CUKERN_DEVICE void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 CUKERN_DEVICE void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -70,39 +77,6 @@ template <typename T>
 CUKERN_DEVICE void mma_ss(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b, bool accumulate);
 template <typename T>
 CUKERN_DEVICE void mma_ss(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, bool accumulate);
-// d (64 x 128, f32) += A B: A 64 x 16 in registers (a: this warp's mma.sync-style A fragment), B 16 x 128
-// MN-major (desc_b).
-template <typename T>
-CUKERN_DEVICE void mma_rs_128_mn(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc_b);
-
-// N, the accumulator list and its constraints, then the operand numbers of desc_a, desc_b and the flag
-#define CUKERN_WG_SS(CT, TY, N, DLIST, ACC, A, B, P) \
-    template <> \
-    CUKERN_DEVICE void mma_ss<CT>(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b, bool accumulate) { \
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " P ", 0;\n" \
-                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " DLIST \
-                     ", " A ", " B ", p, 1, 1, 0, 0;\n}\n" \
-                     : ACC \
-                     : "l"(desc_a), "l"(desc_b), "r"((int)accumulate)); \
-    }
-#define CUKERN_WG_RS128(CT, TY) \
-    template <> \
-    CUKERN_DEVICE void mma_rs_128_mn<CT>(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc_b) { \
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n" \
-                     "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " CUKERN_WG_D128 \
-                     ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n" \
-                     : CUKERN_WG_ACC128 \
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1)); \
-    }
-
-// d (64 x N, f32; N = 64: d[8][4], N = 128: d[16][4]) += A B: A 64 x 16 in registers, B 16 x N MN-major
-// (desc_b). N = 128 is mma_rs_128_mn.
-template <typename T>
-CUKERN_DEVICE void mma_rs_mn(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc_b);
-template <typename T>
-CUKERN_DEVICE void mma_rs_mn(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc_b) {
-    mma_rs_128_mn<T>(d, a, desc_b);
-}
 // d (64 x N, f32; N = 32: d[4][4], N = 64: d[8][4]) = (accumulate ? d : 0) + A B with both operands MN-major
 // in shared memory (wgmma's transpose flags, 16-bit types only): A 64 x 16 stored as 16 K-rows of 64
 // M-elements (desc_a), B 16 x N stored as 16 K-rows of N-elements (desc_b).
@@ -110,8 +84,26 @@ template <typename T>
 CUKERN_DEVICE void mma_ss_tt(float (&d)[4][4], uint64_t desc_a, uint64_t desc_b, bool accumulate);
 template <typename T>
 CUKERN_DEVICE void mma_ss_tt(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b, bool accumulate);
+// d (64 x N, f32; N = 64: d[8][4], N = 128: d[16][4]) += A B: A 64 x 16 in registers (a: this warp's
+// mma.sync-style A fragment), B 16 x N MN-major (desc_b).
+template <typename T>
+CUKERN_DEVICE void mma_rs_mn(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc_b);
+template <typename T>
+CUKERN_DEVICE void mma_rs_mn(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc_b);
 
-// N, the accumulator list and its constraints, then the operand numbers of a0 (a0..a3 follow) and desc_b
+// A and B in shared memory: the function, N, the accumulator list and its constraints, the operand numbers of
+// desc_a, desc_b and the flag, then the transpose flags of A and B ("0, 0": both K-major; "1, 1": both MN-major)
+#define CUKERN_WG_SS(FN, CT, TY, N, DLIST, ACC, A, B, P, TRANS) \
+    template <> \
+    CUKERN_DEVICE void FN<CT>(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b, bool accumulate) { \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " P ", 0;\n" \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " DLIST \
+                     ", " A ", " B ", p, 1, 1, " TRANS ";\n}\n" \
+                     : ACC \
+                     : "l"(desc_a), "l"(desc_b), "r"((int)accumulate)); \
+    }
+// A in registers, B MN-major: N, the accumulator list and its constraints, then the operand numbers of a0..a3,
+// desc_b and the flag
 #define CUKERN_WG_RSMN(CT, TY, N, DLIST, ACC, A0, A1, A2, A3, B, P) \
     template <> \
     CUKERN_DEVICE void mma_rs_mn<CT>(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t desc_b) { \
@@ -121,33 +113,24 @@ CUKERN_DEVICE void mma_ss_tt(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b,
                      : ACC \
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1)); \
     }
-// the same operand numbering as CUKERN_WG_SS, both transpose flags set
-#define CUKERN_WG_SSTT(CT, TY, N, DLIST, ACC, A, B, P) \
-    template <> \
-    CUKERN_DEVICE void mma_ss_tt<CT>(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b, bool accumulate) { \
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " P ", 0;\n" \
-                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " DLIST \
-                     ", " A ", " B ", p, 1, 1, 1, 1;\n}\n" \
-                     : ACC \
-                     : "l"(desc_a), "l"(desc_b), "r"((int)accumulate)); \
-    }
 #define CUKERN_WG_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define CUKERN_WG_ACC32 CUKERN_WG_QUAD(0), CUKERN_WG_QUAD(1), CUKERN_WG_QUAD(2), CUKERN_WG_QUAD(3)
 
-CUKERN_WG_SS(__half, "f16", 64, CUKERN_WG_D64, CUKERN_WG_ACC64, "%32", "%33", "%34")
-CUKERN_WG_SS(__nv_bfloat16, "bf16", 64, CUKERN_WG_D64, CUKERN_WG_ACC64, "%32", "%33", "%34")
-CUKERN_WG_SS(__half, "f16", 128, CUKERN_WG_D128, CUKERN_WG_ACC128, "%64", "%65", "%66")
-CUKERN_WG_SS(__nv_bfloat16, "bf16", 128, CUKERN_WG_D128, CUKERN_WG_ACC128, "%64", "%65", "%66")
-CUKERN_WG_RS128(__half, "f16")
-CUKERN_WG_RS128(__nv_bfloat16, "bf16")
+CUKERN_WG_SS(mma_ss, __half, "f16", 64, CUKERN_WG_D64, CUKERN_WG_ACC64, "%32", "%33", "%34", "0, 0")
+CUKERN_WG_SS(mma_ss, __nv_bfloat16, "bf16", 64, CUKERN_WG_D64, CUKERN_WG_ACC64, "%32", "%33", "%34", "0, 0")
+CUKERN_WG_SS(mma_ss, __half, "f16", 128, CUKERN_WG_D128, CUKERN_WG_ACC128, "%64", "%65", "%66", "0, 0")
+CUKERN_WG_SS(mma_ss, __nv_bfloat16, "bf16", 128, CUKERN_WG_D128, CUKERN_WG_ACC128, "%64", "%65", "%66", "0, 0")
+CUKERN_WG_SS(mma_ss_tt, __half, "f16", 32, CUKERN_WG_D32, CUKERN_WG_ACC32, "%16", "%17", "%18", "1, 1")
+CUKERN_WG_SS(mma_ss_tt, __nv_bfloat16, "bf16", 32, CUKERN_WG_D32, CUKERN_WG_ACC32, "%16", "%17", "%18", "1, 1")
+CUKERN_WG_SS(mma_ss_tt, __half, "f16", 64, CUKERN_WG_D64, CUKERN_WG_ACC64, "%32", "%33", "%34", "1, 1")
+CUKERN_WG_SS(mma_ss_tt, __nv_bfloat16, "bf16", 64, CUKERN_WG_D64, CUKERN_WG_ACC64, "%32", "%33", "%34", "1, 1")
 CUKERN_WG_RSMN(__half, "f16", 64, CUKERN_WG_D64, CUKERN_WG_ACC64, "%32", "%33", "%34", "%35", "%36", "%37")
 CUKERN_WG_RSMN(__nv_bfloat16, "bf16", 64, CUKERN_WG_D64, CUKERN_WG_ACC64, "%32", "%33", "%34", "%35", "%36", "%37")
-CUKERN_WG_SSTT(__half, "f16", 32, CUKERN_WG_D32, CUKERN_WG_ACC32, "%16", "%17", "%18")
-CUKERN_WG_SSTT(__nv_bfloat16, "bf16", 32, CUKERN_WG_D32, CUKERN_WG_ACC32, "%16", "%17", "%18")
-CUKERN_WG_SSTT(__half, "f16", 64, CUKERN_WG_D64, CUKERN_WG_ACC64, "%32", "%33", "%34")
-CUKERN_WG_SSTT(__nv_bfloat16, "bf16", 64, CUKERN_WG_D64, CUKERN_WG_ACC64, "%32", "%33", "%34")
+CUKERN_WG_RSMN(__half, "f16", 128, CUKERN_WG_D128, CUKERN_WG_ACC128, "%64", "%65", "%66", "%67", "%68", "%69")
+CUKERN_WG_RSMN(__nv_bfloat16, "bf16", 128, CUKERN_WG_D128, CUKERN_WG_ACC128, "%64", "%65", "%66", "%67", "%68",
+               "%69")
+#undef CUKERN_WG_SS
 #undef CUKERN_WG_RSMN
-#undef CUKERN_WG_SSTT
 #undef CUKERN_WG_ACC32
 #undef CUKERN_WG_D32
 
@@ -199,8 +182,6 @@ CUKERN_DEVICE void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.
 template <int N>
 CUKERN_DEVICE void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
 
-#undef CUKERN_WG_SS
-#undef CUKERN_WG_RS128
 #undef CUKERN_WG_D128
 #undef CUKERN_WG_D64
 #undef CUKERN_WG_ACC128
